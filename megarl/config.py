@@ -1,0 +1,313 @@
+"""Typed configuration: every option is a dataclass field with a default and a one-line help.
+
+A run's config is built from the defaults below, then a YAML recipe, then dotted `key=value`
+overrides from the command line. Unknown keys, ill-typed values and inconsistent layouts are errors
+that name the key (and, for a typo, the closest valid key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad option: the message names the key."""
+
+
+def opt(default, help: str):
+    """A config field with its help text (shown by `--help`)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls, help: str):
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("tiny", "HF model directory (config.json, safetensors, tokenizer), or 'tiny' to build the "
+                            "built-in tiny Qwen2 model offline under trainer.output_dir")
+    tiny_hidden_size: int = opt(64, "hidden size of the built-in tiny model")
+    tiny_num_layers: int = opt(2, "layers of the built-in tiny model")
+    tiny_num_heads: int = opt(4, "attention heads of the built-in tiny model")
+    tiny_num_kv_heads: int = opt(2, "key/value heads of the built-in tiny model (GQA)")
+    tiny_tie_embeddings: bool = opt(True, "tie input and output embeddings of the built-in tiny model")
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int = opt(1, "training ranks (one process each; one GPU each on GPU)")
+    tp: int = opt(1, "tensor-parallel size")
+    pp: int = opt(1, "pipeline-parallel size")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-5, "peak learning rate")
+    min_lr: float = opt(0.0, "learning rate at the end of the decay")
+    warmup_steps: int = opt(0, "linear warmup steps")
+    decay_style: str = opt("constant", "learning-rate decay after warmup: constant, linear or cosine")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "Adam beta1")
+    adam_beta2: float = opt(0.999, "Adam beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon")
+    clip_grad: float = opt(1.0, "gradient clipping by global norm (0 disables)")
+
+
+@dataclass
+class ActorConfig:
+    parallel: ParallelConfig = section(ParallelConfig, "training layout of the policy")
+    optim: OptimConfig = section(OptimConfig, "optimizer of the policy")
+    micro_batch_size: int = opt(8, "sequences per micro-batch in forward/backward")
+    mini_batch_size: int = opt(0, "sequences per optimizer step; 0 = the whole step's batch in one update")
+    ppo_epochs: int = opt(1, "passes over each step's batch")
+    precision: str = opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = opt("grpo", "advantage estimator (registry name in megarl.algorithms.advantages)")
+    policy_loss: str = opt("ppo_clip", "policy loss (registry name in megarl.algorithms.losses)")
+    loss_agg: str = opt("token-mean", "how per-token losses are reduced over the batch")
+    norm_adv_by_std: bool = opt(True, "GRPO: divide group-centred rewards by the group std")
+    clip_eps: float = opt(0.2, "PPO clip range (lower side, and upper unless clip_eps_high is set)")
+    clip_eps_high: float = opt(0.0, "PPO clip range, upper side; 0 = clip_eps")
+    kl_coef: float = opt(0.0, "coefficient of the KL-to-reference loss; 0 = no reference model")
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3")
+    entropy_coef: float = opt(0.0, "entropy bonus coefficient")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = opt("hf", "rollout engine: hf (transformers, CPU/debug) or sglang (GPU)")
+    n_samples: int = opt(8, "responses per prompt (the GRPO group size)")
+    max_new_tokens: int = opt(16, "response length limit")
+    temperature: float = opt(1.0, "sampling temperature for training rollouts")
+    top_p: float = opt(1.0, "nucleus sampling for training rollouts")
+    eval_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
+    num_cpus: float = opt(1.0, "CPUs reserved for the rollout actor")
+
+
+@dataclass
+class DataConfig:
+    task: str = opt("reverse", "built-in synthetic task (reverse, add) or a .jsonl/.parquet prompt file")
+    val_task: str = opt("", "held-out prompt file; empty = a held-out split of the built-in task")
+    prompts_per_step: int = opt(8, "prompts per RL step")
+    val_size: int = opt(64, "held-out prompts scored at each evaluation")
+    min_len: int = opt(3, "built-in tasks: shortest operand")
+    max_len: int = opt(5, "built-in tasks: longest operand")
+
+
+@dataclass
+class RewardConfig:
+    name: str = opt("", "reward function: registry name or module:function; empty = the task's own")
+
+
+@dataclass
+class SFTConfig:
+    steps: int = opt(0, "supervised warm-start steps before RL (0 = none)")
+    batch_size: int = opt(32, "sequences per SFT step")
+    lr: float = opt(1e-3, "SFT learning rate")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = opt(10, "RL steps")
+    eval_every: int = opt(5, "evaluate on the held-out set every N steps (and before RL)")
+    output_dir: str = opt("runs/default", "where TensorBoard events, metrics.jsonl and the tiny model go")
+    seed: int = opt(1, "random seed")
+    device: str = opt("auto", "auto, cpu or cuda")
+    threads_per_rank: int = opt(1, "torch threads per training rank (CPU)")
+    cpus_per_rank: float = opt(0.5, "Ray CPUs reserved per training rank")
+    loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go")
+    sync_bucket_mb: int = opt(64, "weight-sync bucket size in MiB")
+    verify_weight_sync: bool = opt(True, "after each sync, check the rollout engine's weights equal Megatron's")
+    ray_address: str = opt("", "Ray cluster to join; empty = start a local one")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = section(ModelConfig, "policy model")
+    actor: ActorConfig = section(ActorConfig, "policy training")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and losses")
+    rollout: RolloutConfig = section(RolloutConfig, "generation")
+    data: DataConfig = section(DataConfig, "prompts")
+    reward: RewardConfig = section(RewardConfig, "reward")
+    sft: SFTConfig = section(SFTConfig, "supervised warm start")
+    trainer: TrainerConfig = section(TrainerConfig, "the loop")
+
+    def validate(self) -> "Config":
+        p = self.actor.parallel
+        for key, value in (("actor.parallel.world_size", p.world_size), ("actor.parallel.tp", p.tp),
+                           ("actor.parallel.pp", p.pp)):
+            if value < 1:
+                raise ConfigError(f"{key}={value}: must be >= 1")
+        if p.world_size % (p.tp * p.pp):
+            raise ConfigError(f"actor.parallel.world_size={p.world_size} is not divisible by "
+                              f"actor.parallel.tp * actor.parallel.pp = {p.tp}*{p.pp}")
+        batch = self.data.prompts_per_step * self.rollout.n_samples
+        mini = self.actor.mini_batch_size or batch
+        if batch % mini:
+            raise ConfigError(f"actor.mini_batch_size={mini} does not divide the step's batch "
+                              f"(data.prompts_per_step * rollout.n_samples = {batch})")
+        if mini % p.dp:
+            raise ConfigError(f"actor.mini_batch_size={mini} is not divisible by the data-parallel size {p.dp}")
+        choices = {"actor.precision": (self.actor.precision, ("auto", "bf16", "fp32")),
+                   "trainer.device": (self.trainer.device, ("auto", "cpu", "cuda")),
+                   "algorithm.kl_estimator": (self.algorithm.kl_estimator, ("k1", "k2", "k3")),
+                   "actor.optim.decay_style": (self.actor.optim.decay_style, ("constant", "linear", "cosine")),
+                   "rollout.engine": (self.rollout.engine, ("hf", "sglang"))}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+        for key, value in (("rollout.n_samples", self.rollout.n_samples),
+                           ("rollout.max_new_tokens", self.rollout.max_new_tokens),
+                           ("data.prompts_per_step", self.data.prompts_per_step),
+                           ("actor.micro_batch_size", self.actor.micro_batch_size)):
+            if value < 1:
+                raise ConfigError(f"{key}={value}: must be >= 1")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a Config from YAML and overrides
+
+
+def _fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _unknown(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def all_keys(obj=None, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config."""
+    obj = obj if obj is not None else Config()
+    keys = []
+    for name, f in _fields(obj).items():
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            keys += all_keys(value, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _coerce(key: str, value: Any, annotation) -> Any:
+    """Check (and gently convert) a value against a field's annotation."""
+    hint = typing.get_type_hints(annotation[0])[annotation[1]] if isinstance(annotation, tuple) else annotation
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        if value is None:
+            return None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif hint is list or typing.get_origin(hint) is list:
+        if isinstance(value, list):
+            return value
+        if isinstance(value, str):
+            return [v for v in value.split(",") if v]
+    else:
+        return value
+    raise ConfigError(f"config key '{key}' expects {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _set(cfg, key: str, value: Any) -> None:
+    parts = key.split(".")
+    obj = cfg
+    for i, part in enumerate(parts):
+        names = _fields(obj)
+        if part not in names:
+            raise _unknown(key, all_keys())
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(obj, part)):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config key '{key}' is a section; set its keys, e.g. {key}.<name>=...")
+                for sub, v in value.items():
+                    _set(cfg, f"{key}.{sub}", v)
+            else:
+                setattr(obj, part, _coerce(key, value, (type(obj), part)))
+        else:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"config key '{'.'.join(parts[:i + 1])}' is not a section")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML recipe <- `key=value` overrides, then validation."""
+    cfg = Config()
+    if path:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
+        for key, value in _flatten(data).items():
+            _set(cfg, key, value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        key, raw = item.split("=", 1)
+        _set(cfg, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    return cfg.validate()
+
+
+def help_text() -> str:
+    """Every option with its default and help, for `--help`."""
+    lines = []
+
+    def walk(obj, prefix):
+        for name, f in _fields(obj).items():
+            value = getattr(obj, name)
+            if dataclasses.is_dataclass(value):
+                lines.append(f"\n[{prefix}{name}]  {f.metadata.get('help', '')}")
+                walk(value, f"{prefix}{name}.")
+            else:
+                lines.append(f"  {prefix}{name} = {value!r}\n      {f.metadata.get('help', '')}")
+
+    walk(Config(), "")
+    return "\n".join(lines)
