@@ -1,0 +1,67 @@
+"""Ray placement of the training ranks and the rollout actor, and Batch dispatch by data-parallel rank.
+
+The driver only sees Batches: `TrainGroup` splits one into equal chunks, one per data-parallel rank,
+hands every rank of a model-parallel group the same chunk, and returns the results of the first rank
+of each data-parallel group, concatenated in order.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megarl.config import Config
+from megarl.protocol import Batch
+from megarl.workers.rollout_worker import RolloutWorker
+from megarl.workers.train_worker import TrainWorker
+
+
+class TrainGroup:
+    def __init__(self, cfg: Config, model_path: str, device: str, total_steps: int):
+        n = cfg.actor.parallel.world_size
+        # On GPU each rank keeps a sliver of its GPU free for a colocated rollout actor (see start_rollout).
+        bundle = {"CPU": cfg.trainer.cpus_per_rank} | ({"GPU": 0.9} if device == "cuda" else {})
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ray.get(self.pg.ready(), timeout=300)
+        actor = ray.remote(TrainWorker)
+        self.workers = [
+            actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, cfg, model_path, device)
+            for i in range(n)]
+        addr, port = ray.get(self.workers[0].address.remote())
+        self.info = ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
+        self.dp = cfg.actor.parallel.dp
+        # the first global rank of each data-parallel rank returns results for its chunk
+        self.leaders = [min(i["rank"] for i in self.info if i["dp_rank"] == d) for d in range(self.dp)]
+
+    def _dispatch(self, method: str, batch: Batch, **kwargs) -> list:
+        chunks = batch.chunk(self.dp)
+        refs = [getattr(w, method).remote(chunks[info["dp_rank"]], **kwargs)
+                for w, info in zip(self.workers, self.info)]
+        results = ray.get(refs)
+        return [results[r] for r in self.leaders]
+
+    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
+        return Batch.concat(self._dispatch("compute_logprobs", batch, with_entropy=with_entropy, reference=reference))
+
+    def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
+        # metrics are already reduced over data-parallel ranks inside the engine
+        return self._dispatch("train", batch, loss=loss, lr=lr)[0]
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Run a method on every rank (collectives need all of them); results in rank order."""
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+
+    def shutdown(self) -> None:
+        self.call("shutdown")
+        for w in self.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(self.pg)
+
+
+def start_rollout(cfg: Config, model_path: str, device: str):
+    """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it."""
+    return ray.remote(RolloutWorker).options(
+        num_cpus=cfg.rollout.num_cpus, num_gpus=0.1 if device == "cuda" else 0,
+    ).remote(cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)))

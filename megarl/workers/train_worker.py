@@ -1,0 +1,72 @@
+"""One training rank: a Ray actor that owns a MegatronEngine in its own torch.distributed process."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+from megarl.config import Config
+from megarl.protocol import Batch
+from megarl.workers import weight_sync
+
+
+class TrainWorker:
+    def __init__(self, rank: int, cfg: Config, model_path: str, device: str):
+        self.rank, self.cfg, self.model_path, self.device = rank, cfg, model_path, device
+        torch.set_num_threads(cfg.trainer.threads_per_rank)
+        if device == "cpu":
+            from megarl.parallel.compat import install_cpu_compat
+            install_cpu_compat()
+        self.engine = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for torch.distributed's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int, total_steps: int) -> dict:
+        from megarl.engine import MegatronEngine
+        from megarl.parallel.state import init_parallel
+        from megatron.core import parallel_state as mpu
+
+        p = self.cfg.actor.parallel
+        init_parallel(self.rank, p.world_size, master_addr, master_port, p.tp, p.pp, self.device,
+                      self.cfg.trainer.seed)
+        self.engine = MegatronEngine(self.model_path, self.cfg.actor, self.cfg.algorithm, self.device,
+                                     self.cfg.trainer.seed, total_steps)
+        return {"rank": self.rank, "dp_rank": mpu.get_data_parallel_rank(), "pid": os.getpid(),
+                "node": ray.util.get_node_ip_address()}
+
+    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
+        return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference)
+
+    def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
+        return self.engine.train(batch, loss=loss, lr=lr)
+
+    def snapshot_reference(self) -> None:
+        """Freeze the current policy as the KL reference (done once, after the warm start)."""
+        self.engine.snapshot_reference()
+
+    def push_weights(self, rollout, bucket_bytes: int) -> dict | None:
+        """Every rank takes part in gathering; rank 0 streams the buckets into the rollout actor."""
+        buckets = self.engine.export_hf_weights(bucket_bytes)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        report = weight_sync.push_buckets(buckets, lambda b: ray.get(rollout.update_weights.remote(b)))
+        report["sent"] = {n: (dtype, digest) for n, (dtype, digest) in report["sent"].items()}
+        return report
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy by HF name (every rank gathers; for tests and checks)."""
+        return {n: t.clone() for bucket in self.engine.export_hf_weights(1 << 30) for n, t in bucket}
+
+    def shutdown(self) -> None:
+        from megarl.parallel.state import destroy_parallel
+        destroy_parallel()
