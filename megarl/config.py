@@ -230,6 +230,11 @@ def _coerce(key: str, value: Any, annotation) -> Any:
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif hint is str:
         if isinstance(value, str):
             return value

@@ -1,0 +1,61 @@
+import pytest
+
+from megarl.config import ConfigError, all_keys, help_text, load_config
+
+
+def test_defaults_yaml_and_overrides_compose(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("actor:\n  parallel: {world_size: 4, tp: 2}\n  optim: {lr: 0.001}\ntrainer: {steps: 7}\n")
+    cfg = load_config(recipe, ["trainer.steps=3", "actor.optim.lr=1e-4", "trainer.loggers=console,jsonl"])
+    assert cfg.actor.parallel.world_size == 4 and cfg.actor.parallel.tp == 2 and cfg.actor.parallel.dp == 2
+    assert cfg.trainer.steps == 3  # the command line wins over the recipe
+    assert cfg.actor.optim.lr == pytest.approx(1e-4) and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.trainer.loggers == ["console", "jsonl"]
+    assert cfg.rollout.n_samples == 8  # untouched default
+
+
+def test_unknown_key_names_the_closest_valid_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor.paralel.tp'; did you mean 'actor.parallel.tp'\?"):
+        load_config(None, ["actor.paralel.tp=2"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  n_sample: 4\n")
+    with pytest.raises(ConfigError, match=r"'rollout.n_sample'; did you mean 'rollout.n_samples'"):
+        load_config(recipe)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"'trainer.steps' expects int, got 'many'"):
+        load_config(None, ["trainer.steps=many"])
+    with pytest.raises(ConfigError, match=r"'actor.parallel.tp' expects int, got 1.5"):
+        load_config(None, ["actor.parallel.tp=1.5"])
+
+
+def test_inconsistent_layout_is_an_error():
+    with pytest.raises(ConfigError, match=r"world_size=3 is not divisible by actor.parallel.tp \* actor.parallel.pp = 2\*1"):
+        load_config(None, ["actor.parallel.world_size=3", "actor.parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"actor.mini_batch_size=6 does not divide the step's batch"):
+        load_config(None, ["data.prompts_per_step=2", "rollout.n_samples=4", "actor.mini_batch_size=6"])
+    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': must be one of hf, sglang"):
+        load_config(None, ["rollout.engine=vllm"])
+
+
+def test_missing_recipe_and_section_misuse():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/recipe.yaml")
+    with pytest.raises(ConfigError, match="'actor' is a section"):
+        load_config(None, ["actor=3"])
+
+
+def test_help_lists_every_key_with_its_default():
+    text = help_text()
+    for key in all_keys():
+        assert key in text
+    assert "actor.parallel.tp = 1" in text
+
+
+def test_recipes_in_configs_validate():
+    import pathlib
+    recipes = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+    assert recipes, "no recipes found"
+    for recipe in recipes:
+        load_config(recipe)
