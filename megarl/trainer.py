@@ -11,7 +11,7 @@ from pathlib import Path
 import ray
 import torch
 
-from megarl.algorithms.advantages import ADVANTAGES
+from megarl.algorithms.advantages import compute_advantages
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, sft_batch
 from megarl.data.tasks import load_examples
@@ -60,7 +60,6 @@ class RLTrainer:
         self.sft_data = PromptDataset(train, self.tokenizer, cfg.sft.batch_size, cfg.trainer.seed + 1)
         self.val = PromptDataset(val[:cfg.data.val_size], self.tokenizer, cfg.data.val_size, 0).next_batch()
         self.reward_fn = get_reward_fn(cfg.reward.name or cfg.data.task)
-        self.advantage_fn = ADVANTAGES.get(cfg.algorithm.advantage)
         self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())
         self.timers = Timers()
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
@@ -70,38 +69,48 @@ class RLTrainer:
     # ---- the loop -----------------------------------------------------------------------------------
 
     def fit(self) -> dict:
+        """Warm start, then RL steps with evaluation; returns the held-out reward by step."""
         cfg = self.cfg
-        if cfg.sft.steps:
-            self.warm_start()
-        if cfg.algorithm.kl_coef > 0:
-            self.actor.call("snapshot_reference")
-        self.sync_weights()
-        history = {"val/reward": {0: self.validate(step=0)["val/reward"]}}
+        self.prepare()
+        metrics = self.validate()
+        self.tracker.log(metrics, 0)
+        history = {"val/reward": {0: metrics["val/reward"]}}
         for step in range(1, cfg.trainer.steps + 1):
-            start = time.perf_counter()
-            with self.timers("generate"):
-                batch = self.generate(self.data.next_batch())
-            with self.timers("reward"):
-                batch = self.score(batch)
-            with self.timers("old_logprobs"):
-                policy = self.actor.compute_logprobs(batch, with_entropy=True)
-                batch["old_logprobs"], batch["entropy"] = policy["logprobs"], policy["entropy"]
-            if cfg.algorithm.kl_coef > 0:
-                with self.timers("ref_logprobs"):
-                    batch["ref_logprobs"] = self.actor.compute_logprobs(batch, reference=True)["logprobs"]
-            batch["advantages"] = self.advantage_fn(batch, cfg.algorithm)
-            with self.timers("train"):
-                metrics = {f"train/{k}": v for k, v in self.actor.train(batch).items()}
-            self.version += 1
-            with self.timers("sync"):
-                metrics |= self.sync_weights()
+            metrics = self.step()
             if step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps:
-                metrics |= self.validate(step)
+                metrics |= self.validate()
                 history["val/reward"][step] = metrics["val/reward"]
-            metrics |= self.batch_metrics(batch, time.perf_counter() - start) | self.timers.pop()
             self.tracker.log(metrics, step)
         self.tracker.close()
         return history
+
+    def prepare(self) -> None:
+        if self.cfg.sft.steps:
+            self.warm_start()
+        if self.cfg.algorithm.kl_coef > 0:
+            self.actor.call("snapshot_reference")
+        self.sync_weights()
+
+    def step(self) -> dict:
+        """One RL step: the whole algorithm, stage by stage."""
+        cfg, start = self.cfg, time.perf_counter()
+        with self.timers("generate"):
+            batch = self.generate(self.data.next_batch())
+        with self.timers("reward"):
+            batch = self.score(batch)
+        with self.timers("old_logprobs"):
+            policy = self.actor.compute_logprobs(batch, with_entropy=True)
+            batch["old_logprobs"], batch["entropy"] = policy["logprobs"], policy["entropy"]
+        if cfg.algorithm.kl_coef > 0:
+            with self.timers("ref_logprobs"):
+                batch["ref_logprobs"] = self.actor.compute_logprobs(batch, reference=True)["logprobs"]
+        batch = compute_advantages(batch, cfg.algorithm)
+        with self.timers("train"):
+            metrics = {f"train/{k}": v for k, v in self.actor.train(batch).items()}
+        self.version += 1
+        with self.timers("sync"):
+            metrics |= self.sync_weights()
+        return metrics | self.batch_metrics(batch, time.perf_counter() - start) | self.timers.pop()
 
     # ---- one helper per stage -----------------------------------------------------------------------
 
@@ -136,12 +145,10 @@ class RLTrainer:
             weight_sync.verify(sent["sent"], ray.get(self.rollout.weight_digests.remote(dtypes)))
         return {"sync/bytes": sent["bytes"], "sync/gb_per_s": sent["bytes"] / max(sent["seconds"], 1e-9) / 1e9}
 
-    def validate(self, step: int) -> dict:
-        batch = self.score(self.generate(self.val, greedy=True))
-        rewards = batch["rewards"]
-        metrics = {"val/reward": rewards.mean().item(), "val/accuracy": (rewards >= 1.0).float().mean().item()}
-        self.tracker.log(metrics, step)
-        return metrics
+    def validate(self) -> dict:
+        """Greedy responses to the held-out prompts: mean reward and exact-answer rate."""
+        rewards = self.score(self.generate(self.val, greedy=True))["rewards"]
+        return {"val/reward": rewards.mean().item(), "val/accuracy": (rewards >= 1.0).float().mean().item()}
 
     def batch_metrics(self, batch: Batch, seconds: float) -> dict:
         mask = batch["loss_mask"]

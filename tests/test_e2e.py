@@ -1,0 +1,69 @@
+"""The whole system on CPU: Ray actors, megatron-core at TP=2 over gloo, the transformers rollout engine."""
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from megarl.config import load_config
+from megarl.trainer import RLTrainer
+
+RECIPE = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
+    yield
+    ray.shutdown()
+
+
+def tiny_grpo(tmp_path, *overrides):
+    return load_config(RECIPE, [
+        f"trainer.output_dir={tmp_path}", "actor.parallel.world_size=2", "actor.parallel.tp=2",
+        "data.prompts_per_step=4", "rollout.n_samples=4", "data.val_size=16", "sft.steps=10",
+        "trainer.loggers=jsonl", *overrides])
+
+
+def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
+    trainer = RLTrainer(tiny_grpo(tmp_path))
+    try:
+        trainer.prepare()
+        before = trainer.actor.call("hf_state_dict")[0]
+        for _ in range(3):
+            metrics = trainer.step()
+            after = trainer.actor.call("hf_state_dict")[0]
+            # the policy moved ...
+            assert max((after[n] - before[n]).abs().max().item() for n in after) > 0
+            # ... on a batch whose rewards differ within groups (otherwise GRPO has nothing to learn from)
+            assert metrics["train/grad_norm"] > 0
+            # ... and the rollout engine now holds exactly the trained weights
+            held = ray.get(trainer.rollout.weight_digests.remote({n: t.dtype for n, t in after.items()}))
+            from megarl.workers.weight_sync import tensor_digest
+            assert held == {n: tensor_digest(t) for n, t in after.items()}
+            before = after
+        assert metrics["sync/bytes"] == sum(t.numel() * t.element_size() for t in after.values())
+    finally:
+        trainer.shutdown()
+
+
+def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
+    """A seeded short quickstart: the held-out gain comes from RL, not from the warm start."""
+    final = {}
+    for lr in (1e-3, 0.0):
+        out = tmp_path / f"lr{lr}"
+        cfg = load_config(RECIPE, [f"trainer.output_dir={out}", f"actor.optim.lr={lr}",
+                                                        "trainer.steps=12", "trainer.eval_every=12",
+                                                        "trainer.loggers=jsonl"])
+        trainer = RLTrainer(cfg)
+        try:
+            history = trainer.fit()
+        finally:
+            trainer.shutdown()
+        final[lr] = history["val/reward"][cfg.trainer.steps]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert any("train/kl" in r for r in rows)
+    assert final[1e-3] > final[0.0] + 0.02, final
