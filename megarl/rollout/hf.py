@@ -1,0 +1,122 @@
+"""A rollout engine on plain transformers: for CPU runs, tests and debugging only.
+
+It generates with its own sampling loop over the model's KV cache, all prompts x n samples in one
+left-padded batch, and reports the log-probability of each sampled token under the raw logits
+(temperature 1, no top-p), as megarl.rollout.base requires. It has none of a serving engine's
+throughput machinery (no continuous batching, paged attention or CUDA graphs); use SGLang on GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
+
+
+class HFRolloutEngine(RolloutEngine):
+    def __init__(self, model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.tied = bool(self.model.config.tie_word_embeddings)
+        self.eos_ids = _eos_ids(self.model)
+        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos_ids[0]
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if params.max_new_tokens < 1 or params.n < 1:
+            raise ValueError(f"max_new_tokens and n must be >= 1, got {params.max_new_tokens} and {params.n}")
+        rows = [p for p in prompts for _ in range(params.n)]  # grouped by prompt, in order
+        generator = self.generator
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        stop = torch.tensor(sorted(set(self.eos_ids) | set(params.stop_token_ids)), device=self.device)
+
+        tokens, mask = self._left_pad(rows)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
+        next_positions = positions[:, -1] + 1
+
+        sampled, logprobs = [], []
+        finished = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        for step in range(params.max_new_tokens):
+            logits = out.logits[:, -1].float()
+            token = _sample(logits, params.temperature, params.top_p, generator)
+            token = torch.where(finished, self.pad_id, token)  # finished rows idle on padding
+            sampled.append(token)
+            logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0])
+            finished |= torch.isin(token, stop)
+            if finished.all() or step == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_positions[:, None],
+                             past_key_values=out.past_key_values, use_cache=True)
+            next_positions = next_positions + 1
+        return self._collect(sampled, logprobs, stop, params.n)
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in rows)
+        tokens = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        return tokens.to(self.device), mask.to(self.device)
+
+    @staticmethod
+    def _collect(sampled, logprobs, stop, n) -> list[Generation]:
+        """Cut each row at its first stop token (kept) into a Generation."""
+        tokens = torch.stack(sampled, 1).tolist()
+        lps = torch.stack(logprobs, 1).tolist()
+        stop_ids = set(stop.tolist())
+        gens = []
+        for i, (row, lp) in enumerate(zip(tokens, lps)):
+            end = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), None)
+            gens.append(Generation(prompt_index=i // n, token_ids=row[:end], logprobs=lp[:end],
+                                   finish_reason="length" if end is None else "stop"))
+        return gens
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        state = self.model.state_dict()  # shares storage with the parameters; a tied lm_head is the embedding
+        for name, tensor in named_tensors:
+            if name not in state:
+                raise KeyError(f"update_weights: the model has no weight named '{name}'")
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(state[name].shape)}")
+            state[name].copy_(tensor)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in self.model.state_dict().items()
+                if not (self.tied and name == "lm_head.weight")}
+
+
+def _eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        raise ValueError("the model defines no eos_token_id (generation_config.json or config.json)")
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row: argmax at temperature 0, else sampled from the tempered, top-p-truncated logits."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # drop a token when the more likely tokens before it already cover top_p (the first always stays)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
