@@ -86,9 +86,27 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = opt(True, "GRPO: divide group-centred rewards by the group std")
     clip_eps: float = opt(0.2, "PPO clip range (lower side, and upper unless clip_eps_high is set)")
     clip_eps_high: float = opt(0.0, "PPO clip range, upper side; 0 = clip_eps")
-    kl_coef: float = opt(0.0, "coefficient of the KL-to-reference loss; 0 = no reference model")
+    clip_ratio_c: float = opt(3.0, "dual_clip loss: bound on a negative-advantage token's ratio term (> 1)")
+    gspo_clip_eps: float = opt(3e-4, "GSPO clip range of the sequence ratio, lower side")
+    gspo_clip_eps_high: float = opt(4e-4, "GSPO clip range of the sequence ratio, upper side")
+    loss_agg_norm_len: int = opt(0, "seq-mean-token-sum-norm: the constant each sequence's token sum is "
+                                    "divided by (Dr. GRPO: the max response length)")
+    tis: bool = opt(False, "truncated importance sampling: weight the policy loss by min(exp(old - rollout "
+                           "logprob), tis_cap) to correct the rollout/training log-prob mismatch")
+    tis_cap: float = opt(2.0, "truncated importance sampling: upper bound of the weight")
+    kl_coef: float = opt(0.0, "coefficient of the KL to the reference policy; 0 = no reference model")
+    kl_in_reward: bool = opt(False, "apply the KL as a per-token reward penalty (gae, reinforce_plus_plus, "
+                                    "remax) instead of a loss term")
     kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3")
+    kl_target: float = opt(0.0, "adaptive KL coefficient: the per-token KL to steer towards; 0 = fixed kl_coef")
+    kl_horizon: int = opt(10000, "adaptive KL coefficient: horizon of the update, in samples")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
+    gamma: float = opt(1.0, "discount of token-level returns (gae, reinforce_plus_plus)")
+    lam: float = opt(0.95, "GAE lambda")
+    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
+    overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalty ramp over the last N tokens of "
+                                      "rollout.max_new_tokens; 0 = off")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: penalty at the full length")
 
 
 @dataclass
@@ -174,6 +192,23 @@ class Config:
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+        a = self.algorithm
+        if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:
+            raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: must be > 1 for the dual_clip loss")
+        if a.loss_agg == "seq-mean-token-sum-norm" and a.loss_agg_norm_len < 1:
+            raise ConfigError("algorithm.loss_agg=seq-mean-token-sum-norm needs algorithm.loss_agg_norm_len >= 1 "
+                              "(e.g. rollout.max_new_tokens)")
+        if a.tis and a.tis_cap <= 0:
+            raise ConfigError(f"algorithm.tis_cap={a.tis_cap}: must be > 0")
+        for key, value in (("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)):
+            if not 0 <= value <= 1:
+                raise ConfigError(f"{key}={value}: must be in [0, 1]")
+        if a.kl_target < 0 or a.kl_horizon < 1 or (a.kl_target > 0 and a.kl_coef <= 0):
+            raise ConfigError(f"adaptive KL needs algorithm.kl_target >= 0, kl_horizon >= 1 and, when kl_target > 0, "
+                              f"an initial kl_coef > 0; got {a.kl_target}, {a.kl_horizon}, {a.kl_coef}")
+        if not 0 <= a.overlong_buffer_len <= self.rollout.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
+                              f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
         for key, value in (("rollout.n_samples", self.rollout.n_samples),
                            ("rollout.max_new_tokens", self.rollout.max_new_tokens),
                            ("data.prompts_per_step", self.data.prompts_per_step),

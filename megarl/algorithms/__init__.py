@@ -1,7 +1,10 @@
 """Advantage estimators and losses: registries users extend with plain functions."""
 
 from megarl.algorithms.advantages import ADVANTAGES, compute_advantages
-from megarl.algorithms.losses import AGGREGATIONS, POLICY_LOSSES, actor_loss, aggregate, kl_penalty, sft_loss
+from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping
+from megarl.algorithms.kl import AdaptiveKLController, FixedKLController, kl_controller, kl_in_reward, kl_penalty
+from megarl.algorithms.losses import AGGREGATIONS, POLICY_LOSSES, actor_loss, aggregate, sft_loss
 
-__all__ = ["ADVANTAGES", "AGGREGATIONS", "POLICY_LOSSES", "actor_loss", "aggregate", "compute_advantages",
-           "kl_penalty", "sft_loss"]
+__all__ = ["ADVANTAGES", "AGGREGATIONS", "POLICY_LOSSES", "AdaptiveKLController", "FixedKLController",
+           "actor_loss", "aggregate", "compute_advantages", "dynamic_sampling_filter", "kl_controller",
+           "kl_in_reward", "kl_penalty", "overlong_reward_shaping", "sft_loss"]

@@ -3,12 +3,20 @@
 An estimator reads the scored batch (`rewards` [B], `group` [B] prompt ids, `loss_mask` [B, T]) and
 returns per-token advantages, zero wherever `loss_mask` is 0. Users add their own with
 `@ADVANTAGES.register("name")` or name one as `algorithm.advantage=my_pkg.mod:fn`.
+
+Outcome estimators (grpo, rloo) give every response token its sequence's score. Token-level estimators
+(gae, reinforce_plus_plus, reinforce_plus_plus_baseline, remax) start from `token_level_rewards`: the
+sequence reward on the last response token, minus the KL penalty per token when algorithm.kl_in_reward.
+Positions outside `loss_mask` (the prompt, padding, tool outputs inside a multi-turn response) are
+skipped by the backward recursions: the next token of a response token is its next *trained* token.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
+from megarl.algorithms.kl import kl_in_reward
 from megarl.config import AlgorithmConfig
 from megarl.protocol import Batch
 from megarl.utils.registry import Registry
@@ -16,11 +24,20 @@ from megarl.utils.registry import Registry
 ADVANTAGES = Registry("advantage estimator")
 
 STD_EPS = 1e-6  # keeps (r - mean) / (std + eps) finite when every reward of a group is equal
+WHITEN_EPS = 1e-8  # (x - mean) / sqrt(var + eps): finite when every value is equal
 
 
 def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> Batch:
-    """Run the configured estimator and store its result as batch['advantages']."""
+    """Run the configured estimator and store its result as batch['advantages'].
+
+    The token-level estimators also leave batch.meta['reward_kl'] (mean KL per response token, for logs and
+    the adaptive KL controller) when the KL is in the reward; gae leaves batch['returns'] (value targets)."""
+    batch.meta.pop("reward_kl", None)
     advantages = ADVANTAGES.get(cfg.advantage)(batch, cfg)
+    if cfg.kl_in_reward and cfg.kl_coef > 0 and "reward_kl" not in batch.meta:
+        raise ValueError(f"algorithm.kl_in_reward is on but advantage estimator '{cfg.advantage}' does not "
+                         "use token-level rewards (use gae, reinforce_plus_plus(_baseline) or remax, or "
+                         "put the KL in the loss)")
     expected = tuple(batch["loss_mask"].shape)
     if tuple(advantages.shape) != expected:
         raise ValueError(f"advantage estimator '{cfg.advantage}' returned shape {tuple(advantages.shape)}, "
@@ -68,3 +85,125 @@ def rloo(batch: Batch, cfg: AlgorithmConfig) -> torch.Tensor:
     count, mean, _ = group_statistics(rewards, batch["group"])
     scores = (rewards.float() - mean) * count / (count - 1).clamp(min=1)
     return scores[:, None] * mask.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level building blocks
+
+
+def masked_whiten(values: Tensor, mask: Tensor) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the positions where mask > 0, 0 elsewhere.
+
+    Convention: the unbiased variance (Bessel's correction, as verl's masked_whiten); no mean added back."""
+    valid = mask > 0
+    count = valid.sum().clamp(min=1)
+    mean = torch.where(valid, values, torch.zeros_like(values)).sum() / count
+    centred = torch.where(valid, values - mean, torch.zeros_like(values))
+    var = (centred**2).sum() / (count - 1).clamp(min=1)
+    return centred * torch.rsqrt(var + WHITEN_EPS)
+
+
+def token_level_rewards(batch: Batch, cfg: AlgorithmConfig, sequence_rewards: Tensor | None = None) -> Tensor:
+    """[B, T] rewards: each sequence's reward (batch['rewards'] unless given) on its last response token,
+    minus cfg.kl_coef * KL(old_logprobs || ref_logprobs) on every response token when cfg.kl_in_reward
+    (then batch.meta['reward_kl'] is the KL's mean per response token). A row without response tokens
+    gets nothing: its reward has no token to go to."""
+    mask = batch["loss_mask"]
+    rewards = (batch["rewards"] if sequence_rewards is None else sequence_rewards).float()
+    valid = mask > 0
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, -1).max(-1).values  # -1 for an empty response
+    token_rewards = torch.where((positions == last[:, None]) & valid, rewards[:, None],
+                                torch.zeros(mask.shape, device=mask.device))
+    if cfg.kl_in_reward and cfg.kl_coef > 0:
+        if "ref_logprobs" not in batch:
+            raise KeyError("algorithm.kl_in_reward with kl_coef > 0 but the batch has no 'ref_logprobs'")
+        token_rewards, kl = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
+                                         cfg.kl_coef, cfg.kl_estimator)
+        batch.meta["reward_kl"] = (kl.sum() / valid.sum().clamp(min=1)).item()
+    return token_rewards
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_next over the response tokens (mask > 0), from the last one back; 0 elsewhere."""
+    valid = mask > 0
+    returns = torch.zeros(token_rewards.shape, device=token_rewards.device)
+    running = torch.zeros(token_rewards.shape[0], device=token_rewards.device)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = torch.where(valid[:, t], token_rewards[:, t].float() + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, 0.0)
+    return returns
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's response tokens:
+    delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, with V_next = A_next = 0
+    after the last response token. Returns (advantages, returns = advantages + values), 0 outside mask.
+
+    Convention: positions outside mask are skipped, so V_next is the value at the next *trained* token
+    (verl's multi-turn handling); OpenRLHF instead zeroes values and rewards there."""
+    valid = mask > 0
+    values = values.float()
+    advantages = torch.zeros(values.shape, device=values.device)
+    next_value = torch.zeros(values.shape[0], device=values.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t].float() + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
+        advantages[:, t] = torch.where(valid[:, t], advantage, 0.0)
+    returns = torch.where(valid, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level estimators
+
+
+@ADVANTAGES.register("gae")
+def gae_estimator(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """PPO with a critic: GAE (cfg.gamma, cfg.lam) over token_level_rewards and batch['values'], whitened over
+    the batch's response tokens. Also stores batch['returns'] (the critic's targets, not whitened).
+
+    Convention: advantages are whitened here, as verl does (OpenRLHF normalises them in its replay buffer)."""
+    if "values" not in batch:
+        raise KeyError("advantage estimator 'gae' needs batch['values'] (a critic's per-token values)")
+    mask = batch["loss_mask"]
+    advantages, returns = gae(token_level_rewards(batch, cfg), batch["values"], mask, cfg.gamma, cfg.lam)
+    batch["returns"] = returns
+    return masked_whiten(advantages, mask)
+
+
+@ADVANTAGES.register("reinforce_plus_plus")
+def reinforce_plus_plus(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """REINFORCE++ (Hu 2025): discounted returns (cfg.gamma) of token_level_rewards, whitened over the batch's
+    response tokens (the batch is the baseline; no critic, no groups)."""
+    mask = batch["loss_mask"]
+    return masked_whiten(discounted_returns(token_level_rewards(batch, cfg), mask, cfg.gamma), mask)
+
+
+@ADVANTAGES.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """REINFORCE++-baseline: each reward minus its group's mean, then as reinforce_plus_plus (token rewards
+    with the KL penalty when in the reward, discounted returns, batch whitening).
+
+    Convention: a sample alone in its group is centred on itself (score 0, as OpenRLHF); verl leaves its
+    reward uncentred. With gamma = 1 and no KL this is verl's rf-baseline estimator."""
+    _, mean, _ = group_statistics(batch["rewards"], batch["group"])
+    centred = batch["rewards"].float() - mean
+    mask = batch["loss_mask"]
+    return masked_whiten(discounted_returns(token_level_rewards(batch, cfg, centred), mask, cfg.gamma), mask)
+
+
+@ADVANTAGES.register("remax")
+def remax(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """ReMax (Li et al. 2023): the reward-to-go of token_level_rewards minus the reward of the greedy response
+    to the same prompt, batch['baseline_rewards'] [B] (the trainer generates and scores it). Undiscounted
+    and not whitened, as in the paper and verl; without KL in the reward every token gets r - r_greedy."""
+    if "baseline_rewards" not in batch:
+        raise KeyError("advantage estimator 'remax' needs batch['baseline_rewards'] (the greedy response's reward)")
+    mask = batch["loss_mask"]
+    reward_to_go = discounted_returns(token_level_rewards(batch, cfg), mask, 1.0)
+    baseline = batch["baseline_rewards"].float()[:, None]
+    return torch.where(mask > 0, reward_to_go - baseline, torch.zeros_like(reward_to_go))

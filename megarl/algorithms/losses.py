@@ -8,7 +8,7 @@ unevenly tokens fall between micro-batches.
 
 Registries users extend:
   POLICY_LOSSES  `fn(logprobs [b,T], mb, cfg) -> (per-token loss [b,T], per-token metrics {name: [b,T]})`
-  AGGREGATIONS   `fn(values [b,T], mask [b,T], total_tokens, total_seqs) -> scalar contribution`
+  AGGREGATIONS   `fn(values [b,T], mask [b,T], total_tokens, total_seqs, cfg) -> scalar contribution`
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megarl.algorithms.kl import MAX_LOG_RATIO, kl_penalty
 from megarl.config import AlgorithmConfig
 from megarl.utils.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
 AGGREGATIONS = Registry("loss aggregation")
-
-# exp() of a log-ratio above ~88 overflows float32; past 20 the ratio is already 5e8, far outside any
-# clip range, so clamping there changes nothing but keeps inf (and then NaN gradients) out.
-MAX_LOG_RATIO = 20.0
 
 
 def _masked(values: Tensor, mask: Tensor) -> Tensor:
@@ -37,69 +34,140 @@ def _masked(values: Tensor, mask: Tensor) -> Tensor:
 
 
 @AGGREGATIONS.register("token-mean")
-def token_mean(values: Tensor, mask: Tensor, total_tokens: float, total_seqs: float) -> Tensor:
+def token_mean(values: Tensor, mask: Tensor, total_tokens: float, total_seqs: float,
+               cfg: AlgorithmConfig | None = None) -> Tensor:
     """Every response token weighs the same: sum(v * mask) / total_tokens."""
     return _masked(values, mask).sum() / max(total_tokens, 1)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum")
-def seq_mean_token_sum(values: Tensor, mask: Tensor, total_tokens: float, total_seqs: float) -> Tensor:
+def seq_mean_token_sum(values: Tensor, mask: Tensor, total_tokens: float, total_seqs: float,
+                       cfg: AlgorithmConfig | None = None) -> Tensor:
     """Sum over each sequence's tokens, mean over sequences: sum(v * mask) / total_seqs."""
     return _masked(values, mask).sum() / max(total_seqs, 1)
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
-def seq_mean_token_mean(values: Tensor, mask: Tensor, total_tokens: float, total_seqs: float) -> Tensor:
+def seq_mean_token_mean(values: Tensor, mask: Tensor, total_tokens: float, total_seqs: float,
+                        cfg: AlgorithmConfig | None = None) -> Tensor:
     """Mean over each sequence's tokens, then mean over sequences (every sequence weighs the same).
     A sequence without response tokens contributes 0 but still counts in total_seqs."""
     per_seq = _masked(values, mask).sum(-1) / (mask > 0).sum(-1).clamp(min=1)
     return per_seq.sum() / max(total_seqs, 1)
 
 
-def aggregate(values: Tensor, mask: Tensor, mode: str, total_tokens: float, total_seqs: float) -> Tensor:
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(values: Tensor, mask: Tensor, total_tokens: float, total_seqs: float,
+                            cfg: AlgorithmConfig | None = None) -> Tensor:
+    """Dr. GRPO: each sequence's token sum divided by the constant cfg.loss_agg_norm_len, then the mean over
+    sequences: sum(v * mask) / (norm_len * total_seqs). No length bias, and unlike a per-batch token count
+    the scale does not move from step to step.
+
+    Convention: the constant comes from config (Dr. GRPO's max response length), not from the padded width
+    of the batch (early verl divided by loss_mask.shape[-1], which changes with padding)."""
+    norm_len = cfg.loss_agg_norm_len if cfg is not None else 0
+    if norm_len < 1:
+        raise ValueError("loss aggregation 'seq-mean-token-sum-norm' needs algorithm.loss_agg_norm_len >= 1, "
+                         f"got {norm_len}")
+    return _masked(values, mask).sum() / (norm_len * max(total_seqs, 1))
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str, total_tokens: float, total_seqs: float,
+              cfg: AlgorithmConfig | None = None) -> Tensor:
     """This micro-batch's contribution to the mini-batch reduction `mode` of `values` over `mask`."""
-    return AGGREGATIONS.get(mode)(values, mask, total_tokens, total_seqs)
+    return AGGREGATIONS.get(mode)(values, mask, total_tokens, total_seqs, cfg)
 
 
 # ---------------------------------------------------------------------------------------------
 # Policy losses
 
 
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
+                       dual_clip_c: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)); with dual_clip_c > 0, negative-advantage
+    terms are further capped at -A * dual_clip_c, so a huge ratio cannot blow up the loss."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {"clipfrac": (clipped > unclipped).float()}
+    if dual_clip_c:
+        bound = -advantages * dual_clip_c
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        metrics["dual_clipfrac"] = dual.float()
+    return loss, metrics
+
+
+def _token_log_ratio(logprobs: Tensor, mb: dict[str, Tensor]) -> Tensor:
+    return (logprobs.float() - mb["old_logprobs"].float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate, per token: max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)).
+    cfg.clip_eps_high > 0 makes the upper side wider (DAPO's clip-higher: eps 0.2 / 0.28).
 
     Metrics per token: `clipfrac` is 1 where the clipped term is the larger one (clipping is active and
     the token's gradient is cut), `approx_kl` is old - new log-prob (k1 estimate of KL(old || new)),
     `ratio` is new / old probability.
     """
-    advantages = mb["advantages"].float()
-    log_ratio = (logprobs.float() - mb["old_logprobs"].float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return _ppo(logprobs, mb, cfg, dual_clip_c=0.0)
+
+
+@POLICY_LOSSES.register("dual_clip")
+def dual_clip(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dual-clip PPO (Ye et al. 2020): ppo_clip, and for A < 0 the loss is at most -A * cfg.clip_ratio_c,
+    so a token whose ratio has run far above 1 + eps gets no gradient. Extra metric `dual_clipfrac`.
+
+    Convention: as verl, the cap applies to the already-clipped term, min(max(...), -A * c)."""
+    if cfg.clip_ratio_c <= 1:
+        raise ValueError(f"dual_clip needs algorithm.clip_ratio_c > 1, got {cfg.clip_ratio_c}")
+    return _ppo(logprobs, mb, cfg, dual_clip_c=cfg.clip_ratio_c)
+
+
+def _ppo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig,
+         dual_clip_c: float) -> tuple[Tensor, dict[str, Tensor]]:
+    log_ratio = _token_log_ratio(logprobs, mb)
     ratio = torch.exp(log_ratio)
-    eps_low, eps_high = cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    return loss, {"clipfrac": (clipped > unclipped).float(), "approx_kl": -log_ratio.detach(),
-                  "ratio": ratio.detach()}
+    loss, metrics = _clipped_surrogate(ratio, mb["advantages"].float(), cfg.clip_eps,
+                                       cfg.clip_eps_high or cfg.clip_eps, dual_clip_c)
+    return loss, metrics | {"approx_kl": -log_ratio.detach(), "ratio": ratio.detach()}
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, s = exp(mean over its response tokens of
+    new - old log-prob), clipped with its own narrow range (cfg.gspo_clip_eps / gspo_clip_eps_high).
+
+    Each response token carries its sequence's loss max(-A * s, -A * clip(s)), so with
+    loss_agg=seq-mean-token-mean the reduction is the paper's mean over sequences. The gradient through s
+    reaches every token of the sequence (d s / d logprob_t = s / |y|), as in the paper; verl's token-level
+    rewrite sg(s) * exp(lp - sg(lp)) gives the same values and gradients. Uses the advantage of each token
+    (constant per sequence for outcome-reward estimators)."""
+    valid = mb["loss_mask"] > 0
+    log_ratio = _token_log_ratio(logprobs, mb)
+    mean_log_ratio = torch.where(valid, log_ratio, torch.zeros_like(log_ratio)).sum(-1) / valid.sum(-1).clamp(min=1)
+    seq_ratio = torch.exp(mean_log_ratio)[:, None].expand_as(log_ratio)
+    loss, metrics = _clipped_surrogate(seq_ratio, mb["advantages"].float(), cfg.gspo_clip_eps,
+                                       cfg.gspo_clip_eps_high)
+    return loss, metrics | {"approx_kl": -log_ratio.detach(), "ratio": seq_ratio.detach()}
+
+
+def truncated_is_weight(mb: dict[str, Tensor], cap: float) -> Tensor:
+    """Truncated importance sampling (TIS, Yao et al. 2025): min(exp(old - rollout log-prob), cap), detached.
+    The rollout engine sampled from a slightly different distribution than the trainer computes (kernels,
+    precision); the weight corrects the policy gradient for that mismatch.
+
+    Convention: the ratio is trainer-old / rollout (as verl's tis_imp_ratio_cap and slime), capped from
+    above only (no lower bound)."""
+    if "rollout_logprobs" not in mb:
+        raise KeyError("algorithm.tis is on but the micro-batch has no 'rollout_logprobs'")
+    log_ratio = (mb["old_logprobs"].float() - mb["rollout_logprobs"].float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
 # ---------------------------------------------------------------------------------------------
-# KL to the reference policy, entropy, SFT
-
-
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's estimators):
-    k1 = lp - ref (unbiased, high variance, can be negative); k2 = (lp - ref)^2 / 2;
-    k3 = exp(ref - lp) - (ref - lp) - 1 (unbiased, always >= 0, low variance)."""
-    log_ratio = (logprobs.float() - ref_logprobs.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1
-    raise ValueError(f"unknown KL estimator '{estimator}': must be one of k1, k2, k3")
+# The actor loss (policy loss, KL, entropy), SFT
 
 
 def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, mb: dict[str, Tensor],
@@ -107,22 +175,29 @@ def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, m
     """One micro-batch's contribution to the mini-batch loss, and its metrics (same convention).
 
     loss = pg_loss + kl_coef * kl - entropy_coef * entropy, each reduced with cfg.loss_agg; the metrics
-    'pg_loss', 'kl' and 'entropy' are exactly those reduced terms. The policy loss's own diagnostics
+    'pg_loss', 'kl' and 'entropy' are exactly those reduced terms. With cfg.tis the per-token policy loss is
+    multiplied by the truncated importance weight first (metric 'tis_weight'). With cfg.kl_in_reward the
+    KL is already in the advantages and no KL term is added here. The policy loss's own diagnostics
     ('clipfrac', 'approx_kl', 'ratio' for ppo_clip) are token means whatever cfg.loss_agg is.
-    mb holds 'loss_mask', 'old_logprobs', 'advantages', and 'ref_logprobs' when cfg.kl_coef > 0.
+    mb holds 'loss_mask', 'old_logprobs', 'advantages', 'ref_logprobs' when the KL loss is on, and
+    'rollout_logprobs' when cfg.tis is on.
     """
     mask = mb["loss_mask"]
 
     def reduce(values: Tensor) -> Tensor:
-        return aggregate(values, mask, cfg.loss_agg, total_tokens, total_seqs)
+        return aggregate(values, mask, cfg.loss_agg, total_tokens, total_seqs, cfg)
 
     per_token_loss, per_token_metrics = POLICY_LOSSES.get(cfg.policy_loss)(logprobs, mb, cfg)
+    if cfg.tis:
+        weight = truncated_is_weight(mb, cfg.tis_cap)
+        per_token_loss = per_token_loss * weight
+        per_token_metrics = per_token_metrics | {"tis_weight": weight}
     loss = pg_loss = reduce(per_token_loss)
     metrics = {"pg_loss": pg_loss.detach()}
     for name, values in per_token_metrics.items():
         metrics[name] = token_mean(values.detach(), mask, total_tokens, total_seqs)
 
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         if "ref_logprobs" not in mb:
             raise KeyError("algorithm.kl_coef > 0 but the micro-batch has no 'ref_logprobs'")
         kl = reduce(kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator))

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms import actor_loss, aggregate, kl_penalty, sft_loss
+from megarl.algorithms import actor_loss, aggregate, sft_loss
 from megarl.algorithms.losses import POLICY_LOSSES
 from megarl.config import AlgorithmConfig
 
@@ -47,6 +47,99 @@ def test_ppo_clip_asymmetric_upper_range():
     assert metrics["clipfrac"][0].tolist() == [0, 1, 0]
 
 
+def test_clip_higher_leaves_the_lower_side_for_negative_advantages():
+    # A = -1, eps_low 0.2, eps_high 0.28: r = 0.7 -> max(0.7, 0.8) = 0.8 clipped at the unchanged lower side;
+    # r = 1.25 -> 1.25 and r = 1.5 -> max(1.5, 1.28) = 1.5: the pessimistic side, not clipped.
+    ratios = torch.tensor([[0.7, 1.25, 1.5]])
+    cfg = AlgorithmConfig(clip_eps=0.2, clip_eps_high=0.28)
+    loss, metrics = POLICY_LOSSES.get("ppo_clip")(ratios.log(), {"old_logprobs": torch.zeros(1, 3),
+                                                                 "advantages": -torch.ones(1, 3)}, cfg)
+    assert loss[0].tolist() == pytest.approx([0.8, 1.25, 1.5], abs=1e-6)
+    assert metrics["clipfrac"][0].tolist() == [1, 0, 0]
+
+
+def test_dual_clip_caps_negative_advantage_losses():
+    # clip_eps 0.2, clip_ratio_c 3:
+    #   A=-1, r=5:   max(5, 1.2) = 5, then min(5, -A * 3 = 3) = 3   dual-clipped: no gradient
+    #   A=-1, r=2:   max(2, 1.2) = 2 < 3                             kept: d/dlogprob = -A * r = 2
+    #   A=-1, r=0.5: max(0.5, 0.8) = 0.8                             ordinary clip: no gradient
+    #   A=+2, r=5:   max(-10, -2.4) = -2.4                           positive advantages are left alone
+    ratios = torch.tensor([[5.0, 2.0, 0.5, 5.0]])
+    logprobs = ratios.log().requires_grad_()
+    batch = {"old_logprobs": torch.zeros(1, 4), "advantages": torch.tensor([[-1.0, -1.0, -1.0, 2.0]])}
+    cfg = AlgorithmConfig(clip_eps=0.2, clip_ratio_c=3.0)
+    loss, metrics = POLICY_LOSSES.get("dual_clip")(logprobs, batch, cfg)
+    assert loss[0].tolist() == pytest.approx([3.0, 2.0, 0.8, -2.4], abs=1e-5)
+    assert metrics["dual_clipfrac"][0].tolist() == [1, 0, 0, 0]
+    assert metrics["clipfrac"][0].tolist() == [0, 0, 1, 1]
+    loss.sum().backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, 2.0, 0.0, 0.0], abs=1e-5)
+    # plain ppo_clip keeps the unbounded 5
+    assert POLICY_LOSSES.get("ppo_clip")(logprobs, batch, cfg)[0][0, 0].item() == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="clip_ratio_c > 1"):
+        POLICY_LOSSES.get("dual_clip")(logprobs, batch, AlgorithmConfig(clip_ratio_c=1.0))
+
+
+# GSPO, clip range 0.2 on both sides, loss_agg seq-mean-token-mean, 4 sequences (9.0 = junk padding):
+#   row 0: A=+1, token ratios 1.21, 1      -> s = exp((ln 1.21 + 0) / 2) = 1.1  -> max(-1.1, -1.1) = -1.1
+#   row 1: A=+1, token ratios 4, 1, 2      -> s = exp(ln 8 / 3) = 2              -> max(-2, -1.2) = -1.2 clipped
+#   row 2: empty response                  -> contributes 0
+#   row 3: A=-1, token ratio 0.5           -> s = 0.5                           -> max(0.5, 0.8) = 0.8 clipped
+GSPO_RATIOS = torch.tensor([[1.21, 1.0, 9.0], [4.0, 1.0, 2.0], [9.0, 9.0, 9.0], [0.5, 9.0, 9.0]])
+GSPO_MASK = torch.tensor([[1.0, 1, 0], [1, 1, 1], [0, 0, 0], [1, 0, 0]])
+GSPO_ADV = torch.tensor([[1.0] * 3, [1.0] * 3, [1.0] * 3, [-1.0] * 3])
+
+
+def test_gspo_sequence_ratio_loss_and_gradient():
+    logprobs = GSPO_RATIOS.log().requires_grad_()
+    batch = {"loss_mask": GSPO_MASK, "old_logprobs": torch.zeros(4, 3), "advantages": GSPO_ADV}
+    cfg = AlgorithmConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean", gspo_clip_eps=0.2,
+                          gspo_clip_eps_high=0.2)
+    loss, metrics = actor_loss(cfg, logprobs, None, batch, total_tokens=6, total_seqs=4)
+    assert loss.item() == pytest.approx((-1.1 - 1.2 + 0 + 0.8) / 4, abs=1e-5)
+    # token means over the 6 trained tokens: ratio (1.1 * 2 + 2 * 3 + 0.5) / 6, clipfrac (3 + 1) / 6
+    assert metrics["ratio"].item() == pytest.approx(8.7 / 6, abs=1e-5)
+    assert metrics["clipfrac"].item() == pytest.approx(4 / 6)
+    loss.backward()
+    # row 0 is the only unclipped sequence: d(-s)/d logprob_t = -s / |y| = -1.1 / 2, over 4 sequences
+    expected = torch.zeros(4, 3)
+    expected[0, :2] = -1.1 / 2 / 4
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+
+
+def test_gspo_uses_its_own_narrow_clip_range():
+    # defaults 3e-4 / 4e-4, not clip_eps: s = 1.1 with A = +1 is clipped to 1.0004; s = 0.9 with A = -1 to 0.9997
+    logprobs = torch.tensor([[1.1, 1.1], [0.9, 0.9]]).log()
+    batch = {"loss_mask": torch.ones(2, 2), "old_logprobs": torch.zeros(2, 2),
+             "advantages": torch.tensor([[1.0, 1.0], [-1.0, -1.0]])}
+    loss, _ = POLICY_LOSSES.get("gspo")(logprobs, batch, AlgorithmConfig(clip_eps=0.2))
+    assert loss.tolist() == [pytest.approx([-1.0004] * 2, abs=1e-6), pytest.approx([0.9997] * 2, abs=1e-6)]
+
+
+def test_truncated_importance_sampling_weights_the_policy_loss():
+    # raw weights exp(old - rollout): row 0: 0.5, 3, 1.5; row 1: 1, 2.5, 0.25; capped at 2 -> 0.5, 2, 1.5 | 1, 2, 0.25
+    # per-token PPO loss times weight: -2.2 * 0.5, -2.4 * 2, -1.0 * 1.5 | 1.1 * 1, 1.5 * 2, 0.8 * 0.25
+    #   = -1.1, -4.8, -1.5 | 1.1, 3.0, 0.2; token mean -3.1 / 6
+    raw = torch.tensor([[0.5, 3.0, 1.5, 1.0], [1.0, 2.5, 0.25, 1.0]])
+    logprobs = NEW.clone().requires_grad_()
+    cfg = AlgorithmConfig(clip_eps=0.2, tis=True, tis_cap=2.0)
+    loss, metrics = actor_loss(cfg, logprobs, None, mb(rollout_logprobs=OLD - raw.log()), 6, 2)
+    assert loss.item() == pytest.approx(-3.1 / 6, abs=1e-5)
+    assert metrics["tis_weight"].item() == pytest.approx(7.25 / 6)
+    loss.backward()
+    # the weight is a constant: the unclipped PPO gradients (-A * r) times the weight
+    expected = torch.tensor([[-2 * 1.1 * 0.5, 0.0, -2 * 0.5 * 1.5, 0.0], [1.1 * 1, 1.5 * 2, 0.0, 0.0]]) / 6
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+    with pytest.raises(KeyError, match="no 'rollout_logprobs'"):
+        actor_loss(cfg, NEW, None, mb(), 6, 2)
+
+
+def test_kl_in_reward_leaves_the_kl_out_of_the_loss():
+    cfg = AlgorithmConfig(clip_eps=0.2, kl_coef=0.5, kl_in_reward=True)
+    loss, metrics = actor_loss(cfg, NEW, None, mb(), 6, 2)  # no ref_logprobs needed
+    assert loss.item() == pytest.approx(-2.2 / 6, abs=1e-5) and "kl" not in metrics
+
+
 def test_actor_loss_token_mean_metrics_and_gradient():
     logprobs = NEW.clone().requires_grad_()
     loss, metrics = actor_loss(AlgorithmConfig(clip_eps=0.2), logprobs, None, mb(), total_tokens=6, total_seqs=2)
@@ -64,28 +157,6 @@ def test_actor_loss_token_mean_metrics_and_gradient():
     assert torch.allclose(logprobs.grad, expected, atol=1e-6)
 
 
-def test_kl_estimators_hand_values():
-    x = torch.tensor([0.0, 1.0, -1.0, 2.0])  # logprob - ref_logprob
-    ref = torch.tensor([-1.0, -2.0, -0.5, -3.0])
-    lp = ref + x
-    assert kl_penalty(lp, ref, "k1").tolist() == pytest.approx([0.0, 1.0, -1.0, 2.0])
-    assert kl_penalty(lp, ref, "k2").tolist() == pytest.approx([0.0, 0.5, 0.5, 2.0])
-    # k3 = exp(-x) + x - 1: 0; e^-1 = 0.367879; e - 2 = 0.718282; e^-2 + 1 = 1.135335
-    assert kl_penalty(lp, ref, "k3").tolist() == pytest.approx([0.0, 0.367879, 0.718282, 1.135335], abs=1e-6)
-    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
-        kl_penalty(lp, ref, "k4")
-
-
-def test_k1_and_k3_are_unbiased_estimates_of_kl():
-    # Expectation under the policy p, taken exactly over a 5-token vocabulary: E_p[k1] = E_p[k3] = KL(p || ref)
-    p = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05], dtype=torch.float64)
-    ref = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2], dtype=torch.float64)
-    kl = (p * (p / ref).log()).sum().item()
-    for estimator in ("k1", "k3"):
-        estimate = (p * kl_penalty(p.log(), ref.log(), estimator).double()).sum().item()
-        assert estimate == pytest.approx(kl, rel=1e-5)
-
-
 # Aggregation over 4 sequences split into two micro-batches (rows 0-1 and rows 2-3):
 #   row 0: values 1 2 3, mask 1 1 0 -> token sum 3,  2 tokens, token mean 1.5
 #   row 1: values 4 5 6, mask 1 1 1 -> token sum 15, 3 tokens, token mean 5
@@ -100,13 +171,20 @@ AGG_MASK = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])
     ("token-mean", 18 / 6, 7 / 6),                  # 25 / 6 = 4.1667 (not the mean of 3.6 and 7)
     ("seq-mean-token-sum", 18 / 4, 7 / 4),          # (3 + 15 + 7 + 0) / 4 = 6.25
     ("seq-mean-token-mean", 6.5 / 4, 7 / 4),        # (1.5 + 5 + 7 + 0) / 4 = 3.375
+    ("seq-mean-token-sum-norm", 18 / 20, 7 / 20),   # (3 + 15 + 7 + 0) / 5 / 4 = 1.25 (norm length 5)
 ])
 def test_aggregation_contributions_sum_to_the_global_mean(mode, first, second):
-    parts = [aggregate(VALUES[rows], AGG_MASK[rows], mode, total_tokens=6, total_seqs=4)
+    cfg = AlgorithmConfig(loss_agg_norm_len=5)
+    parts = [aggregate(VALUES[rows], AGG_MASK[rows], mode, total_tokens=6, total_seqs=4, cfg=cfg)
              for rows in (slice(0, 2), slice(2, 4))]
     assert [p.item() for p in parts] == pytest.approx([first, second])
-    whole = aggregate(VALUES, AGG_MASK, mode, total_tokens=6, total_seqs=4)
+    whole = aggregate(VALUES, AGG_MASK, mode, total_tokens=6, total_seqs=4, cfg=cfg)
     assert whole.item() == pytest.approx(first + second)
+
+
+def test_seq_mean_token_sum_norm_needs_its_length():
+    with pytest.raises(ValueError, match="needs algorithm.loss_agg_norm_len >= 1"):
+        aggregate(VALUES, AGG_MASK, "seq-mean-token-sum-norm", 6, 4, AlgorithmConfig())
 
 
 def test_aggregation_ignores_non_finite_padding_and_names_unknown_modes():
@@ -116,15 +194,23 @@ def test_aggregation_ignores_non_finite_padding_and_names_unknown_modes():
         aggregate(values, torch.ones(1, 3), "token_mean", 1, 1)
 
 
-def test_actor_loss_micro_batches_sum_to_full_batch_with_kl_and_entropy():
+@pytest.mark.parametrize("policy_loss, loss_agg, tis", [
+    ("ppo_clip", "token-mean", False),
+    ("dual_clip", "seq-mean-token-mean", True),
+    ("gspo", "seq-mean-token-sum-norm", True),
+])
+def test_actor_loss_micro_batches_sum_to_full_batch_with_kl_and_entropy(policy_loss, loss_agg, tis):
     torch.manual_seed(0)
     b, t = 6, 5
     old = -torch.rand(b, t) * 3
     new = old + 0.3 * torch.randn(b, t)
-    batch = {"loss_mask": (torch.rand(b, t) > 0.3).float(), "old_logprobs": old,
+    mask = (torch.rand(b, t) > 0.3).float()
+    mask[4] = 0  # an empty response
+    batch = {"loss_mask": mask, "old_logprobs": old, "rollout_logprobs": old + 0.5 * torch.randn(b, t),
              "advantages": torch.randn(b, 1).expand(b, t).contiguous(), "ref_logprobs": old + 0.2 * torch.randn(b, t)}
     entropy = torch.rand(b, t)
-    cfg = AlgorithmConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    cfg = AlgorithmConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, policy_loss=policy_loss,
+                          loss_agg=loss_agg, tis=tis, loss_agg_norm_len=t, gspo_clip_eps=0.2, gspo_clip_eps_high=0.2)
     tokens, seqs = batch["loss_mask"].sum().item(), float(b)
 
     full_lp = new.clone().requires_grad_()
@@ -133,11 +219,11 @@ def test_actor_loss_micro_batches_sum_to_full_batch_with_kl_and_entropy():
     # the loss is exactly its reported terms
     expected = full_metrics["pg_loss"] + 0.1 * full_metrics["kl"] - 0.01 * full_metrics["entropy"]
     assert full_loss.item() == pytest.approx(expected.item(), abs=1e-6)
-    # kl and entropy metrics are the masked token means
-    mask = batch["loss_mask"]
-    k3 = torch.exp(batch["ref_logprobs"] - new) - (batch["ref_logprobs"] - new) - 1
-    assert full_metrics["kl"].item() == pytest.approx(((k3 * mask).sum() / tokens).item(), abs=1e-6)
-    assert full_metrics["entropy"].item() == pytest.approx(((entropy * mask).sum() / tokens).item(), abs=1e-6)
+    if loss_agg == "token-mean":  # kl and entropy metrics are then the masked token means
+        k3 = torch.exp(batch["ref_logprobs"] - new) - (batch["ref_logprobs"] - new) - 1
+        assert full_metrics["kl"].item() == pytest.approx(((k3 * mask).sum() / tokens).item(), abs=1e-6)
+        assert full_metrics["entropy"].item() == pytest.approx(((entropy * mask).sum() / tokens).item(), abs=1e-6)
+    assert ("tis_weight" in full_metrics) == tis
 
     micro_lp = new.clone().requires_grad_()
     total, summed = 0.0, {}
@@ -151,6 +237,7 @@ def test_actor_loss_micro_batches_sum_to_full_batch_with_kl_and_entropy():
     assert total == pytest.approx(full_loss.item(), abs=1e-6)
     assert summed == pytest.approx({k: v.item() for k, v in full_metrics.items()}, abs=1e-6)
     assert torch.allclose(micro_lp.grad, full_lp.grad, atol=1e-7)
+    assert (full_lp.grad[4] == 0).all() and full_lp.grad.abs().sum() > 0
 
 
 def test_actor_loss_requires_what_its_coefficients_need():
