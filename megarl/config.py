@@ -117,6 +117,7 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature for training rollouts")
     top_p: float = opt(1.0, "nucleus sampling for training rollouts")
     eval_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
+    eval_n_samples: int = opt(1, "responses per held-out prompt; val/reward is their mean (mean@k)")
     num_cpus: float = opt(1.0, "CPUs reserved for the rollout actor")
 
 

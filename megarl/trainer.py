@@ -122,11 +122,13 @@ class RLTrainer:
             if step % max(1, self.cfg.sft.steps // 5) == 0 or step == self.cfg.sft.steps:
                 self.tracker.log({"sft/loss": m["loss"]}, step - self.cfg.sft.steps)
 
-    def generate(self, prompts: list[dict], greedy: bool = False) -> Batch:
+    def generate(self, prompts: list[dict], evaluation: bool = False) -> Batch:
         r = self.cfg.rollout
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, n=1 if greedy else r.n_samples,
-                                temperature=r.eval_temperature if greedy else r.temperature,
-                                top_p=1.0 if greedy else r.top_p)
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, n=r.eval_n_samples if evaluation else r.n_samples,
+                                temperature=r.eval_temperature if evaluation else r.temperature,
+                                top_p=1.0 if evaluation else r.top_p,
+                                # the same random draws at every evaluation: differences come from the policy
+                                seed=self.cfg.trainer.seed if evaluation else None)
         gens = ray.get(self.rollout.generate.remote([p["prompt_ids"] for p in prompts], params))
         return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
 
@@ -146,8 +148,8 @@ class RLTrainer:
         return {"sync/bytes": sent["bytes"], "sync/gb_per_s": sent["bytes"] / max(sent["seconds"], 1e-9) / 1e9}
 
     def validate(self) -> dict:
-        """Greedy responses to the held-out prompts: mean reward and exact-answer rate."""
-        rewards = self.score(self.generate(self.val, greedy=True))["rewards"]
+        """The held-out prompts at rollout.eval_temperature: mean reward and exact-answer rate."""
+        rewards = self.score(self.generate(self.val, evaluation=True))["rewards"]
         return {"val/reward": rewards.mean().item(), "val/accuracy": (rewards >= 1.0).float().mean().item()}
 
     def batch_metrics(self, batch: Batch, seconds: float) -> dict:
