@@ -1,0 +1,136 @@
+"""HF checkpoint <-> megatron GPTModel parameters, across TP and PP ranks.
+
+Loading: each rank reads from the safetensors files only the HF tensors its own parameters are made
+of, and cuts its TP shard (models/sharding.py). Exporting is collective: TP shards are all-gathered
+within the owning pipeline stage, converted back to HF tensors there, and broadcast to the other
+stages, so every rank yields the same buckets of full HF-named tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
+
+from megarl.models.sharding import WeightMap
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class SafetensorsCheckpoint:
+    """Lazy, by-name access to the tensors of a HF model directory (one or several .safetensors)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.files: dict[str, Path] = {}
+        paths = sorted(Path(model_dir).glob("*.safetensors"))
+        if not paths:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for path in paths:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    self.files[name] = path
+                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise KeyError(f"tensor '{name}' is not in the checkpoint ({len(self.files)} tensors)")
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    return json.loads(path.read_text())
+
+
+def global_parameters(gpt) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters of a GPTModel, named with GLOBAL layer indices (PP stages hold a slice
+    of the layers, numbered from 0 locally; layer_number is megatron's 1-based global index)."""
+    layers = gpt.decoder.layers if hasattr(gpt, "decoder") else []
+    params = {}
+    for name, param in gpt.named_parameters():
+        match = _LAYER.match(name)
+        if match:
+            global_index = layers[int(match.group(1))].layer_number - 1
+            name = f"decoder.layers.{global_index}." + name[match.end():]
+        params[name] = param
+    return params
+
+
+def load_hf_weights(gpt, maps: list[WeightMap], checkpoint: SafetensorsCheckpoint) -> None:
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    by_name = {m.megatron: m for m in maps}
+    params = global_parameters(gpt)
+    unmapped = sorted(set(params) - set(by_name))
+    if unmapped:
+        raise KeyError(f"no HF weight mapping for megatron parameters {unmapped}")
+    with torch.no_grad():
+        for name, param in params.items():
+            wm = by_name[name]
+            shard = wm.to_shard([checkpoint.read(n) for n in wm.hf], tp_rank, tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: shard from {wm.hf} has shape {tuple(shard.shape)}, "
+                                 f"the megatron parameter {tuple(param.shape)}")
+            param.copy_(shard)
+
+
+class PipelineLayout:
+    """Which pipeline stage owns each megatron parameter (collective to build: all_gather over PP)."""
+
+    def __init__(self, gpt):
+        group = parallel_state.get_pipeline_model_parallel_group()
+        layers = [layer.layer_number - 1 for layer in getattr(getattr(gpt, "decoder", None), "layers", [])]
+        per_stage: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(per_stage, layers, group=group)
+        self.layer_stage = {layer: stage for stage, stage_layers in enumerate(per_stage) for layer in stage_layers}
+        self.ranks = dist.get_process_group_ranks(group)  # global rank of each stage, in stage order
+        self.group = group
+
+    def stage_of(self, megatron_name: str) -> int:
+        match = _LAYER.match(megatron_name)
+        if match:
+            return self.layer_stage[int(match.group(1))]
+        return 0 if megatron_name.startswith("embedding.") else len(self.ranks) - 1
+
+
+def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_shapes: dict[str, tuple],
+                      dtype: torch.dtype, device: torch.device, bucket_bytes: int) -> Iterator[list]:
+    """Collective over the whole job: every rank must consume the iterator to the end."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = dist.get_world_size(tp_group)
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    params = global_parameters(gpt)
+    bucket, bucket_size = [], 0
+    for wm in maps:
+        if not wm.export:
+            continue
+        stage = layout.stage_of(wm.megatron)
+        if stage == my_stage:
+            shard = params[wm.megatron].detach().contiguous()
+            shards = [torch.empty_like(shard) for _ in range(tp_size)]
+            dist.all_gather(shards, shard, group=tp_group)
+            tensors = [t.contiguous() for t in wm.from_shards(shards)]
+        else:
+            tensors = [torch.empty(hf_shapes[n], dtype=dtype, device=device) for n in wm.hf]
+        if len(layout.ranks) > 1:
+            for t in tensors:
+                dist.broadcast(t, src=layout.ranks[stage], group=layout.group)
+        for name, t in zip(wm.hf, tensors):
+            size = t.numel() * t.element_size()
+            if bucket and bucket_size + size > bucket_bytes:
+                yield bucket
+                bucket, bucket_size = [], 0
+            bucket.append((name, t))
+            bucket_size += size
+    if bucket:
+        yield bucket

@@ -1,0 +1,107 @@
+"""CPU compatibility layer for megatron-core (used only when no GPU is present).
+
+megatron-core 0.16 calls CUDA in a handful of places even when every tensor lives on the CPU
+(see /work/shared/notes/megatron-cpu.md). With these patches the same megatron code paths (GPTModel,
+the pipeline schedules, DDP, the optimizer, grad clipping) run unchanged on gloo. Nothing else in
+megarl knows about CUDA-on-CPU; on a GPU this module is never installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def _is_cuda_device(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    return isinstance(value, str) and value.startswith("cuda")
+
+
+class _CudaOnCpuMode(TorchFunctionMode):
+    """Runs megatron's CUDA-flavoured tensor calls on the CPU.
+
+    - `torch.zeros(..., device="cuda")` / `device=torch.cuda.current_device()` (schedules.py,
+      transformer/utils.py, dot_product_attention.py) -> device="cpu".
+    - `Tensor.cuda()` (language_module.py moves tied embeddings with PP) -> a no-op.
+    - `Tensor.to("cuda")` -> stays on cpu.
+    - `Tensor.type()` with no argument reports `torch.cuda.*Tensor`, because megatron's DDP buffers,
+      optimizer and clip_grads compare `param.type()` against those strings.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        device = kwargs.get("device")
+        # An int device is a CUDA index (e.g. torch.cuda.current_device()); this build has no CUDA.
+        if _is_cuda_device(device) or (isinstance(device, int) and not isinstance(device, bool)):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) or (isinstance(a, int) and not isinstance(a, bool)
+                                                      and i == 1) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_tracker_class():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """megatron's RNG tracker (model-parallel seeds for init and dropout) over CPU generator states.
+
+        The stock tracker reads and writes `torch.cuda` RNG states, which a CPU build does not have.
+        """
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    return CpuRNGStatesTracker
+
+
+def install_cpu_compat() -> None:
+    """Install the CPU patches once per process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("install_cpu_compat() is for machines without a GPU; this one has CUDA")
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # GlobalMemoryBuffer, p2p_communication and attention ask for the current CUDA device index.
+    torch.cuda.current_device = lambda: 0
+    # p2p_communication synchronizes the CUDA stream around pipeline sends; gloo is synchronous.
+    torch.cuda.synchronize = lambda device=None: None
+    # model_parallel_cuda_manual_seed / get_cuda_rng_tracker() find this tracker already in place.
+    mp_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Entered for the life of the process: megatron's CUDA calls happen deep inside its modules.
+    _CudaOnCpuMode().__enter__()
+    _installed = True

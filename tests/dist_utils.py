@@ -1,0 +1,54 @@
+"""Run a function in N gloo processes (one per rank) and fail the test if any rank fails.
+
+`run_distributed(fn, world_size, *args, tp=1, pp=1)` spawns `world_size` processes; each sets one
+torch thread, calls megarl.parallel.state.init_parallel on the CPU, runs `fn(rank, *args)` and tears
+down. `fn` must be a module-level function (it is pickled by reference). An exception or failed
+assert in any rank is re-raised here with that rank's traceback. Rank 0's return value comes back
+(through a file: a pipe would block a large result while the parent waits in join).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, tp, pp, seed, fn, args, result_path):
+    torch.set_num_threads(1)
+    from megarl.parallel.state import destroy_parallel, init_parallel
+
+    init_parallel(rank, world_size, "127.0.0.1", port, tp=tp, pp=pp, device="cpu", seed=seed)
+    try:
+        out = fn(rank, *args)
+        if rank == 0:
+            torch.save(out, result_path)
+    finally:
+        destroy_parallel()
+
+
+def run_distributed(fn, world_size: int, *args, tp: int = 1, pp: int = 1, seed: int = 1,
+                    timeout: float = 300.0):
+    """fn(rank, *args) on every rank of a CPU/gloo job laid out as tp x pp x dp; rank 0's return value."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "rank0.pt")
+        context = mp.start_processes(_rank_main, nprocs=world_size, join=False, start_method="spawn",
+                                     args=(world_size, _free_port(), tp, pp, seed, fn, args, result_path))
+        deadline = time.monotonic() + timeout
+        # join() raises ProcessRaisedException (with the rank's traceback) if any rank fails.
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"distributed test did not finish within {timeout:.0f} s")
+        return torch.load(result_path, weights_only=False) if os.path.exists(result_path) else None
