@@ -1,0 +1,39 @@
+"""The same engine on one GPU: NCCL, bf16 through Float16Module (run on the device machine)."""
+
+import socket
+
+import pytest
+import torch
+
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
+from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_bf16_engine_on_one_gpu(tmp_path):
+    from megarl.engine import MegatronEngine
+    from megarl.parallel.state import destroy_parallel, init_parallel
+
+    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=False)
+    batch = padded_batch(rows=8)
+    ref_logprobs, ref_entropy = hf_logprobs_entropy(model_dir, batch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_parallel(0, 1, "127.0.0.1", port, device="cuda")
+    try:
+        actor = ActorConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2))
+        engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cuda", 1, 10)
+        assert engine.params_dtype == torch.bfloat16
+        out = engine.compute_logprobs(batch, with_entropy=True)
+        # bf16 weights and activations: agreement to bf16 precision, not bitwise.
+        assert (out["logprobs"] - ref_logprobs).abs().max() < 0.1
+        assert (out["entropy"] - ref_entropy).abs().max() < 0.1
+        losses = [engine.train(batch, loss="sft")["loss"] for _ in range(3)]
+        assert losses[2] < losses[0], losses
+        exported = {n: t for bucket in engine.export_hf_weights(1 << 20) for n, t in bucket}
+        assert all(t.dtype == torch.bfloat16 and t.is_cuda for t in exported.values())
+        assert "lm_head.weight" in exported and exported["model.embed_tokens.weight"].shape == (101, 32)
+    finally:
+        destroy_parallel()
