@@ -103,7 +103,7 @@ class RLTrainer:
             batch["old_logprobs"], batch["entropy"] = policy["logprobs"], policy["entropy"]
         if cfg.algorithm.kl_coef > 0:
             with self.timers("ref_logprobs"):
-                batch["ref_logprobs"] = self.actor.compute_logprobs(batch, reference=True)["logprobs"]
+                batch.update(self.actor.compute_logprobs(batch, reference=True))  # ref_logprobs
         batch = compute_advantages(batch, cfg.algorithm)
         with self.timers("train"):
             metrics = {f"train/{k}": v for k, v in self.actor.train(batch).items()}
@@ -120,7 +120,7 @@ class RLTrainer:
             examples = self.sft_data.next_batch()
             m = self.actor.train(sft_batch(self.tokenizer, examples), loss="sft", lr=self.cfg.sft.lr)
             if step % max(1, self.cfg.sft.steps // 5) == 0 or step == self.cfg.sft.steps:
-                self.tracker.log({"sft/loss": m["loss"]}, step - self.cfg.sft.steps)
+                self.tracker.log({"sft/loss": m["loss"]}, step)
 
     def generate(self, prompts: list[dict], evaluation: bool = False) -> Batch:
         r = self.cfg.rollout

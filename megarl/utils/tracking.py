@@ -24,7 +24,8 @@ class ConsoleLogger:
     `step 3 | reward 0.512 | val 0.6 | kl 0.0012 | entropy 1.23 | len 12.5 | 3.21s | 1520 tok/s`."""
 
     # (metric name, label, format); fields whose metric is absent are left out of the line
-    FIELDS = [("train/reward", "reward", "{:.4g}"), ("val/reward", "val", "{:.4g}"), ("train/kl", "kl", "{:.4g}"),
+    FIELDS = [("sft/loss", "sft loss", "{:.4g}"), ("train/reward", "reward", "{:.4g}"),
+              ("val/reward", "val", "{:.4g}"), ("val/accuracy", "val exact", "{:.3g}"), ("train/kl", "kl", "{:.4g}"),
               ("train/entropy", "entropy", "{:.4g}"), ("train/response_length", "len", "{:.4g}"),
               ("timing/step", "", "{:.3g}s"), ("perf/tokens_per_s", "", "{:.0f} tok/s")]
 
