@@ -25,6 +25,7 @@ def tiny_grpo(tmp_path, *overrides):
     return load_config(RECIPE, [
         f"trainer.output_dir={tmp_path}", "actor.parallel.world_size=2", "actor.parallel.tp=2",
         "data.prompts_per_step=4", "rollout.n_samples=4", "data.val_size=16", "sft.steps=10",
+        "reward.name=reverse",  # partial credit: rewards differ within groups even for a weak policy
         "trainer.loggers=jsonl", *overrides])
 
 
@@ -53,10 +54,10 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
 def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
     """A seeded short quickstart: the held-out gain comes from RL, not from the warm start."""
     final = {}
-    for lr in (1e-3, 0.0):
+    for lr in (5e-4, 0.0):
         out = tmp_path / f"lr{lr}"
         cfg = load_config(RECIPE, [f"trainer.output_dir={out}", f"actor.optim.lr={lr}",
-                                                        "trainer.steps=12", "trainer.eval_every=12",
+                                                        "trainer.steps=40", "trainer.eval_every=40",
                                                         "trainer.loggers=jsonl"])
         trainer = RLTrainer(cfg)
         try:
@@ -66,4 +67,5 @@ def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
         final[lr] = history["val/reward"][cfg.trainer.steps]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert any("train/kl" in r for r in rows)
-    assert final[1e-3] > final[0.0] + 0.02, final
+    # measured: 0.352 -> 0.418 with RL; the control keeps its weights, so its reward stays at 0.352 exactly
+    assert final[5e-4] > final[0.0] + 0.03, final
