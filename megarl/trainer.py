@@ -140,12 +140,15 @@ class RLTrainer:
 
     def sync_weights(self) -> dict:
         """Stream the trained policy into the rollout engine; verify it arrived bit for bit."""
-        reports = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20)
-        sent = reports[0]
+        report = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20)[0]
         if self.cfg.trainer.verify_weight_sync:
-            dtypes = {n: dtype for n, (dtype, _) in sent["sent"].items()}
-            weight_sync.verify(sent["sent"], ray.get(self.rollout.weight_digests.remote(dtypes)))
-        return {"sync/bytes": sent["bytes"], "sync/gb_per_s": sent["bytes"] / max(sent["seconds"], 1e-9) / 1e9}
+            self.verify_rollout_weights(report["sent"])
+        return {"sync/bytes": report["bytes"], "sync/gb_per_s": report["bytes"] / max(report["seconds"], 1e-9) / 1e9}
+
+    def verify_rollout_weights(self, sent: dict) -> None:
+        """The rollout engine digests the weights it holds; any difference from what was sent raises."""
+        dtypes = {n: dtype for n, (dtype, _) in sent.items()}
+        weight_sync.verify(sent, ray.get(self.rollout.weight_digests.remote(dtypes)))
 
     def validate(self) -> dict:
         """The held-out prompts at rollout.eval_temperature: mean reward and exact-answer rate."""

@@ -9,6 +9,7 @@ import torch
 
 from megarl.config import load_config
 from megarl.trainer import RLTrainer
+from megarl.workers import weight_sync
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
@@ -43,10 +44,18 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
             assert metrics["train/grad_norm"] > 0
             # ... and the rollout engine now holds exactly the trained weights
             held = ray.get(trainer.rollout.weight_digests.remote({n: t.dtype for n, t in after.items()}))
-            from megarl.workers.weight_sync import tensor_digest
-            assert held == {n: tensor_digest(t) for n, t in after.items()}
+            assert held == {n: weight_sync.tensor_digest(t) for n, t in after.items()}
             before = after
         assert metrics["sync/bytes"] == sum(t.numel() * t.element_size() for t in after.values())
+
+        # A transport that flips one element of one tensor on the way must not go unnoticed.
+        sent = weight_sync.push_buckets([list(after.items())], lambda bucket: None)["sent"]
+        name = sorted(after)[1]
+        corrupted = after[name].clone()
+        corrupted.view(-1)[3] += 1.0
+        ray.get(trainer.rollout.update_weights.remote([(name, corrupted)]))
+        with pytest.raises(weight_sync.WeightSyncError, match=rf"1 tensor\(s\) differ \['{name}'\]"):
+            trainer.verify_rollout_weights(sent)
     finally:
         trainer.shutdown()
 
