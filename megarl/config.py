@@ -103,7 +103,10 @@ class AlgorithmConfig:
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
     gamma: float = opt(1.0, "discount of token-level returns (gae, reinforce_plus_plus)")
     lam: float = opt(0.95, "GAE lambda")
-    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal")
+    dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and generate more prompts "
+                                        "to refill the step's batch")
+    max_sampling_rounds: int = opt(3, "DAPO dynamic sampling: most generation rounds per step; a batch still short "
+                                      "then is filled up with dropped groups (zero advantage under grpo)")
     overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalty ramp over the last N tokens of "
                                       "rollout.max_new_tokens; 0 = off")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: penalty at the full length")
@@ -129,11 +132,26 @@ class DataConfig:
     val_size: int = opt(64, "held-out prompts scored at each evaluation")
     min_len: int = opt(3, "built-in tasks: shortest operand")
     max_len: int = opt(5, "built-in tasks: longest operand")
+    chat_template: bool = opt(False, "render prompts with the tokenizer's chat template (a string prompt becomes "
+                                     "one user message; a prompt given as a list of messages always is rendered)")
+    system_prompt: str = opt("", "with chat_template: a system message put before each prompt; empty = none")
+    skip_malformed: bool = opt(False, "prompt files: skip (and count) malformed rows instead of stopping with an "
+                                      "error that names the file and row")
+
 
 
 @dataclass
 class RewardConfig:
-    name: str = opt("", "reward function: registry name or module:function; empty = the task's own")
+    name: str = opt("", "reward function: registry name (gsm8k, gsm8k_flexible, math, countdown, code, remote, "
+                        "...) or package.module:function; empty = the built-in task's own")
+    timeout_s: float = opt(30.0, "a reward call running longer scores 0 and is counted as failed; 0 = no limit")
+    num_workers: int = opt(1, "reward calls run at once (threads; for remote and code rewards); 1 = one by one")
+    remote_url: str = opt("", "remote reward: the URL that receives a JSON POST per sample")
+    remote_timeout_s: float = opt(10.0, "remote reward: timeout of one HTTP request")
+    remote_retries: int = opt(3, "remote reward: retries after a connection error, a timeout or a 5xx/429 answer")
+    code_timeout_s: float = opt(5.0, "code reward: wall-clock limit of one test run in the sandbox")
+    code_memory_mb: int = opt(1024, "code reward: address-space limit of one test run in the sandbox")
+
 
 
 @dataclass
@@ -207,6 +225,9 @@ class Config:
         if a.kl_target < 0 or a.kl_horizon < 1 or (a.kl_target > 0 and a.kl_coef <= 0):
             raise ConfigError(f"adaptive KL needs algorithm.kl_target >= 0, kl_horizon >= 1 and, when kl_target > 0, "
                               f"an initial kl_coef > 0; got {a.kl_target}, {a.kl_horizon}, {a.kl_coef}")
+        if a.max_sampling_rounds < 1:
+            raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
+        self._validate_data_and_reward()
         if not 0 <= a.overlong_buffer_len <= self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
                               f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
@@ -217,6 +238,20 @@ class Config:
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
         return self
+
+    def _validate_data_and_reward(self) -> None:
+        r = self.reward
+        if not r.name and self.data.task.endswith((".jsonl", ".parquet")):
+            raise ConfigError(f"data.task={self.data.task!r} is a prompt file: set reward.name (e.g. gsm8k, math)")
+        if r.name == "remote" and not r.remote_url:
+            raise ConfigError("reward.name=remote needs reward.remote_url")
+        for key, value in (("reward.timeout_s", r.timeout_s), ("reward.remote_retries", r.remote_retries)):
+            if value < 0:
+                raise ConfigError(f"{key}={value}: must be >= 0")
+        for key, value in (("reward.num_workers", r.num_workers), ("reward.remote_timeout_s", r.remote_timeout_s),
+                           ("reward.code_timeout_s", r.code_timeout_s), ("reward.code_memory_mb", r.code_memory_mb)):
+            if value <= 0:
+                raise ConfigError(f"{key}={value}: must be > 0")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -5,6 +5,7 @@ Read `RLTrainer.fit` top to bottom; everything else here is one small helper per
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -12,11 +13,14 @@ import ray
 import torch
 
 from megarl.algorithms.advantages import compute_advantages
+from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
+from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, sft_batch
+from megarl.data.evaluation import eval_metrics
 from megarl.data.tasks import load_examples
 from megarl.protocol import Batch
-from megarl.rewards import get_reward_fn, score
+from megarl.rewards import build_reward, score
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.batching import generations_to_batch
 from megarl.utils.timers import Timers
@@ -56,13 +60,21 @@ class RLTrainer:
         self.model_path = prepare_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         train, val = load_examples(cfg.data, cfg.trainer.seed)
-        self.data = PromptDataset(train, self.tokenizer, cfg.data.prompts_per_step, cfg.trainer.seed)
-        self.sft_data = PromptDataset(train, self.tokenizer, cfg.sft.batch_size, cfg.trainer.seed + 1)
-        self.val = PromptDataset(val[:cfg.data.val_size], self.tokenizer, cfg.data.val_size, 0).next_batch()
-        self.reward_fn = get_reward_fn(cfg.reward.name or cfg.data.task)
+        chat = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
+        self.data = PromptDataset(train, self.tokenizer, cfg.data.prompts_per_step, cfg.trainer.seed, **chat)
+        self.sft_data = PromptDataset(train, self.tokenizer, cfg.sft.batch_size, cfg.trainer.seed + 1, **chat)
+        val = val[:cfg.data.val_size]
+        self.val = PromptDataset(val, self.tokenizer, len(val), 0, **chat).next_batch()
+        self.reward_fn = build_reward(cfg.reward, cfg.data.task)
+        self.kl_ctl = kl_controller(cfg.algorithm)  # fixed, or adaptive towards algorithm.kl_target
         self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())
         self.timers = Timers()
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
+        # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
+        self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, cfg.trainer.steps, "critic")
+                       if cfg.algorithm.advantage == "gae" else None)
+        self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
+                             if cfg.reward_model.path else None)
         self.rollout = start_rollout(cfg, self.model_path, self.device)
         self.version = 0  # policy version = optimizer steps of RL taken so far
 
@@ -94,19 +106,32 @@ class RLTrainer:
     def step(self) -> dict:
         """One RL step: the whole algorithm, stage by stage."""
         cfg, start = self.cfg, time.perf_counter()
-        with self.timers("generate"):
-            batch = self.generate(self.data.next_batch())
-        with self.timers("reward"):
-            batch = self.score(batch)
+        batch, metrics = self.sample_batch()  # generate and score (DAPO dynamic sampling, ReMax baseline)
+        if self.reward_model is not None:  # the model's score replaces the rule reward, which is logged
+            with self.timers("reward_model"):
+                metrics["train/rule_reward"] = batch["rewards"].mean().item()
+                batch["rewards"] = self.reward_model.compute_rewards(batch)["rewards"]
+        a = cfg.algorithm
+        if a.overlong_buffer_len:
+            penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), cfg.rollout.max_new_tokens,
+                                              a.overlong_buffer_len, a.overlong_penalty_factor)
+            batch["rewards"] = batch["rewards"] + penalty
+            metrics["train/overlong_penalty"] = penalty.mean().item()
         with self.timers("old_logprobs"):
             policy = self.actor.compute_logprobs(batch, with_entropy=True)
             batch["old_logprobs"], batch["entropy"] = policy["logprobs"], policy["entropy"]
         if cfg.algorithm.kl_coef > 0:
             with self.timers("ref_logprobs"):
                 batch.update(self.actor.compute_logprobs(batch, reference=True))  # ref_logprobs
-        batch = compute_advantages(batch, cfg.algorithm)
+        if self.critic is not None:
+            with self.timers("values"):
+                batch.update(self.critic.compute_values(batch))  # values, GAE's baseline
+        batch = compute_advantages(batch, dataclasses.replace(a, kl_coef=self.kl_ctl.value))
         with self.timers("train"):
-            metrics = {f"train/{k}": v for k, v in self.actor.train(batch).items()}
+            if self.critic is not None:  # on the returns GAE left in the batch
+                metrics |= {f"critic/{k}": v for k, v in self.critic.train(batch, loss="value").items()}
+            metrics |= {f"train/{k}": v for k, v in self.actor.train(batch).items()}
+        metrics |= self.update_kl_coef(batch, metrics)
         self.version += 1
         with self.timers("sync"):
             metrics |= self.sync_weights()
@@ -122,18 +147,66 @@ class RLTrainer:
             if step % max(1, self.cfg.sft.steps // 5) == 0 or step == self.cfg.sft.steps:
                 self.tracker.log({"sft/loss": m["loss"]}, step)
 
-    def generate(self, prompts: list[dict], evaluation: bool = False) -> Batch:
+    def sample_batch(self) -> tuple[Batch, dict]:
+        """A step's scored samples. With DAPO dynamic sampling, groups whose rewards are all equal are set aside
+        and more prompts generated until prompts_per_step groups with differing rewards are in hand, for at
+        most algorithm.max_sampling_rounds rounds (a batch still short is filled with set-aside groups)."""
+        a, want = self.cfg.algorithm, self.cfg.data.prompts_per_step
+        rounds, dropped = [], 0
+        while True:
+            rounds.append(self.generate_and_score(self.data.next_batch(), first_group=len(rounds) * want))
+            if not a.dynamic_sampling:
+                return rounds[0], {}
+            dropped += dynamic_sampling_filter(rounds[-1])[1]
+            if len(rounds) * want - dropped >= want or len(rounds) == a.max_sampling_rounds:
+                break
+        batch, filler = take_groups(rounds, want)
+        batch.meta["reward_failures"] = sum(b.meta["reward_failures"] for b in rounds)
+        return batch, {"dapo/rounds": len(rounds), "dapo/groups_dropped": dropped, "dapo/filler_groups": filler}
+
+    def generate_and_score(self, prompts: list[dict], first_group: int = 0) -> Batch:
+        """Samples for `prompts` with rewards; groups numbered from `first_group` (distinct across rounds)."""
+        with self.timers("generate"):
+            batch = self.generate(prompts)
+        with self.timers("reward"):
+            batch = self.score(batch)
+        if self.cfg.algorithm.advantage == "remax":  # ReMax's baseline: the reward of one greedy response
+            with self.timers("generate_baseline"):
+                greedy = self.score(self.generate(prompts, greedy=True))
+            baseline = dict(zip(greedy["group"], greedy["rewards"].tolist()))
+            batch["baseline_rewards"] = torch.tensor([baseline[g] for g in batch["group"]])
+            batch.meta["reward_failures"] += greedy.meta["reward_failures"]
+        batch["group"] = [first_group + g for g in batch["group"]]
+        return batch
+
+    def update_kl_coef(self, batch: Batch, metrics: dict) -> dict:
+        """Feed this step's KL to the controller; an adaptive one moves the coefficient towards kl_target."""
+        a = self.cfg.algorithm
+        if a.kl_coef <= 0:
+            return {}
+        used = self.kl_ctl.value
+        kl = batch.meta.get("reward_kl") if a.kl_in_reward else metrics.get("train/kl")
+        if kl is not None:
+            self.kl_ctl.update(kl, len(batch))
+        if self.kl_ctl.value != used and not a.kl_in_reward:  # the loss's KL term takes it from the next step
+            self.actor.call("set_kl_coef", self.kl_ctl.value)
+        return {"algorithm/kl_coef": used} | ({"algorithm/kl": kl} if kl is not None else {})
+
+    def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False) -> Batch:
         r = self.cfg.rollout
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, n=r.eval_n_samples if evaluation else r.n_samples,
-                                temperature=r.eval_temperature if evaluation else r.temperature,
-                                top_p=1.0 if evaluation else r.top_p,
-                                # the same random draws at every evaluation: differences come from the policy
-                                seed=self.cfg.trainer.seed if evaluation else None)
+        if greedy:  # ReMax's baseline
+            params = SamplingParams(max_new_tokens=r.max_new_tokens, n=1, temperature=0.0)
+        elif evaluation:  # the same random draws at every evaluation: differences come from the policy
+            params = SamplingParams(max_new_tokens=r.max_new_tokens, n=r.eval_n_samples, temperature=r.eval_temperature,
+                                    seed=self.cfg.trainer.seed)
+        else:
+            params = SamplingParams(max_new_tokens=r.max_new_tokens, n=r.n_samples, temperature=r.temperature,
+                                    top_p=r.top_p)
         gens = ray.get(self.rollout.generate.remote([p["prompt_ids"] for p in prompts], params))
         return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
 
     def score(self, batch: Batch) -> Batch:
-        rewards, failed = score(batch, self.reward_fn)
+        rewards, failed = score(batch, self.reward_fn, self.cfg.reward.timeout_s or None, self.cfg.reward.num_workers)
         batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
         batch.meta["reward_failures"] = failed
         return batch
@@ -151,9 +224,10 @@ class RLTrainer:
         weight_sync.verify(sent, ray.get(self.rollout.weight_digests.remote(dtypes)))
 
     def validate(self) -> dict:
-        """The held-out prompts at rollout.eval_temperature: mean reward and exact-answer rate."""
-        rewards = self.score(self.generate(self.val, evaluation=True))["rewards"]
-        return {"val/reward": rewards.mean().item(), "val/accuracy": (rewards >= 1.0).float().mean().item()}
+        """The held-out prompts, rollout.eval_n_samples = k each at rollout.eval_temperature: mean reward,
+        exact-answer rate, mean@k and pass@k (megarl/data/evaluation.py)."""
+        batch = self.score(self.generate(self.val, evaluation=True))
+        return eval_metrics(batch["rewards"], batch["group"])
 
     def batch_metrics(self, batch: Batch, seconds: float) -> dict:
         mask = batch["loss_mask"]
@@ -168,4 +242,7 @@ class RLTrainer:
 
     def shutdown(self) -> None:
         self.actor.shutdown()
+        for group in (self.critic, self.reward_model):
+            if group is not None:
+                group.shutdown()
         ray.kill(self.rollout)

@@ -41,3 +41,23 @@ def overlong_reward_shaping(response_lengths: Tensor, max_len: int, buffer_len: 
                          f"max_len={max_len}")
     excess = (response_lengths.float() - (max_len - buffer_len)).clamp(0, buffer_len)
     return -penalty_factor * excess / buffer_len
+
+
+def take_groups(batches: list[Batch], n_groups: int) -> tuple[Batch, int]:
+    """The step's batch from the generation rounds of dynamic sampling: `n_groups` whole groups, those whose
+    rewards differ first (in generation order), then, only when too few of those were generated, groups whose
+    rewards are all equal (zero advantage under grpo: they fill the batch to its configured size without
+    moving the policy). Returns (the batch, the number of all-equal groups used to fill it).
+
+    Group ids (batch['group']) must be distinct across the batches."""
+    batch = Batch.concat(batches)
+    informative, _ = dynamic_sampling_filter(batch)
+    rows: dict = {}
+    for row, group in enumerate(batch["group"]):
+        rows.setdefault(group, []).append(row)
+    varied = list(dict.fromkeys(informative["group"]))
+    filler = [g for g in rows if g not in set(informative["group"])]
+    chosen = (varied + filler)[:n_groups]
+    if len(chosen) < n_groups:
+        raise ValueError(f"take_groups: {len(rows)} groups generated, {n_groups} wanted")
+    return batch.index(sorted(r for g in chosen for r in rows[g])), max(0, len(chosen) - len(varied))

@@ -1,15 +1,19 @@
 """Prompt datasets: an endless shuffled iterator of prompt batches with resumable state, prompt
-files, and supervised (SFT) batches in the shared token layout of megarl.protocol."""
+files (.jsonl, .parquet), chat templates, and supervised (SFT) batches in the shared token layout of
+megarl.protocol."""
 
 from __future__ import annotations
 
-import json
+import logging
 import random
 from pathlib import Path
 
 import torch
 
+from megarl.data.files import MalformedRow, iter_records
 from megarl.protocol import Batch
+
+logger = logging.getLogger(__name__)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -25,12 +29,16 @@ class PromptDataset:
     with the same next batch.
     """
 
-    def __init__(self, examples: list[dict], tokenizer, batch_size: int, seed: int = 0):
+    def __init__(self, examples: list[dict], tokenizer, batch_size: int, seed: int = 0, chat_template: bool = False,
+                 system_prompt: str = ""):
         if not examples:
             raise ValueError("PromptDataset needs at least one example")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.examples = [dict(ex, prompt_ids=encode(tokenizer, ex["prompt"])) for ex in examples]
+        # 'prompt' becomes the text the model sees (chat template applied), so rewards and logs see it too
+        rendered = [render_prompt(tokenizer, ex["prompt"], chat_template, system_prompt) for ex in examples]
+        self.examples = [dict(ex, prompt=text, prompt_ids=encode(tokenizer, text))
+                         for ex, text in zip(examples, rendered)]
         self.batch_size = batch_size
         self.seed = seed
         self.epoch = 0
@@ -67,31 +75,68 @@ class PromptDataset:
         self._order = self._epoch_order()
 
 
-def load_prompt_file(path: str | Path) -> list[dict]:
-    """Examples from a .jsonl file, one object per line with string fields 'prompt' and 'answer'."""
-    path = Path(path)
-    if path.suffix != ".jsonl":
-        raise ValueError(f"{path}: prompt files must be .jsonl (one JSON object per line)")
-    if not path.exists():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    examples = []
-    with path.open() as f:
-        for row, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, row {row}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}, row {row}: expected a JSON object, got {type(record).__name__}")
-            for key in ("prompt", "answer"):
-                if not isinstance(record.get(key), str):
-                    raise ValueError(f"{path}, row {row}: field '{key}' must be a string, got {record.get(key)!r}")
-            examples.append(record)
+def prompt_problem(record: dict) -> str | None:
+    """What is wrong with a prompt record, or None. A record has 'prompt' (a string, or a list of chat
+    messages {'role', 'content'}) and 'answer' (a string or number; verl's layout, with the answer in
+    'reward_model': {'ground_truth': ...}, is read too)."""
+    prompt = record.get("prompt")
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                  and isinstance(m.get("content"), str) for m in prompt):
+            return "field 'prompt' is a list but not of chat messages {'role': str, 'content': str}"
+    elif not isinstance(prompt, str):
+        return f"field 'prompt' must be a string or a list of chat messages, got {prompt!r}"
+    answer = record_answer(record)
+    if not isinstance(answer, str):
+        return f"field 'answer' must be a string, got {answer!r}"
+    return None
+
+
+def record_answer(record: dict):
+    answer = record.get("answer")
+    if answer is None and isinstance(record.get("reward_model"), dict):
+        answer = record["reward_model"].get("ground_truth")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    return answer
+
+
+def load_prompt_file(path: str | Path, skip_malformed: bool = False) -> list[dict]:
+    """Examples {'prompt', 'answer', ...} from a .jsonl or .parquet prompt file (see prompt_problem).
+
+    A malformed row raises a ValueError naming the file and row; with skip_malformed it is skipped, and
+    the number skipped is logged."""
+    examples, skipped = [], []
+    for row, record in iter_records(path):
+        problem = str(record) if isinstance(record, MalformedRow) else None
+        if problem is None and (reason := prompt_problem(record)):
+            problem = str(MalformedRow(path, row, reason))
+        if problem is None:
+            examples.append(dict(record, answer=record_answer(record)))
+        elif skip_malformed:
+            skipped.append(problem)
+        else:
+            raise ValueError(problem)
+    if skipped:
+        logger.warning("%s: skipped %d malformed rows (data.skip_malformed); the first: %s", path, len(skipped),
+                       skipped[0])
     if not examples:
-        raise ValueError(f"{path}: no examples")
+        raise ValueError(f"{path}: no examples" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
     return examples
+
+
+def render_prompt(tokenizer, prompt: str | list[dict], chat_template: bool, system_prompt: str = "") -> str:
+    """The prompt text the model sees: a plain string as it is, or, with chat_template (always for a list of
+    messages), the tokenizer's chat template applied up to the assistant's turn."""
+    if isinstance(prompt, str) and not chat_template:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt {str(prompt)[:60]!r} needs a chat template (data.chat_template or a list of "
+                         f"messages) but tokenizer {tokenizer.name_or_path!r} has none")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def sft_batch(tokenizer, examples: list[dict]) -> Batch:

@@ -13,6 +13,7 @@ megarl.rewards.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 
@@ -99,24 +100,31 @@ TRAIN_POOL = 10_000  # examples drawn for the training split of a built-in task
 
 
 def load_examples(data_cfg, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, val) examples for a DataConfig: a built-in task, or a .jsonl prompt file.
+    """(train, val) examples for a DataConfig: a built-in task, or a .jsonl/.parquet prompt file.
 
     A prompt file without `val_task` is split by the same prompt hash as the built-in tasks.
     """
+    skip = data_cfg.skip_malformed
     if data_cfg.task in TASKS:
         task = make_task(data_cfg.task, min_len=data_cfg.min_len, max_len=data_cfg.max_len)
         train = task.make_examples(TRAIN_POOL, seed, "train")
         val = [] if data_cfg.val_task else task.make_examples(data_cfg.val_size, seed, "val")
-    elif data_cfg.task.endswith(".jsonl"):
-        rows = load_prompt_file(data_cfg.task)
-        train = rows if data_cfg.val_task else [r for r in rows if split_of(r["prompt"]) == "train"]
-        val = [] if data_cfg.val_task else [r for r in rows if split_of(r["prompt"]) == "val"]
+    elif data_cfg.task.endswith((".jsonl", ".parquet")):
+        rows = load_prompt_file(data_cfg.task, skip)
+        train = rows if data_cfg.val_task else [r for r in rows if split_of(prompt_key(r)) == "train"]
+        val = [] if data_cfg.val_task else [r for r in rows if split_of(prompt_key(r)) == "val"]
     else:
         raise ValueError(f"data.task={data_cfg.task!r}: expected a built-in task ({', '.join(TASKS)}) "
-                         f"or a .jsonl prompt file")
+                         f"or a .jsonl/.parquet prompt file")
     if data_cfg.val_task:
-        val = load_prompt_file(data_cfg.val_task)
+        val = load_prompt_file(data_cfg.val_task, skip)
     if not train or not val:
         raise ValueError(f"data.task={data_cfg.task!r} gives {len(train)} training and {len(val)} validation "
                          f"examples; both must be non-empty (set data.val_task for a small prompt file)")
     return train, val
+
+
+def prompt_key(example: dict) -> str:
+    """The text a prompt is split by (a list of chat messages as its JSON)."""
+    prompt = example["prompt"]
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)

@@ -2,23 +2,32 @@
 
 `response` is the decoded response without the stop token or padding; `answer` is the example's
 reference; `sample` holds the sample's other fields (prompt, group, ...). A reward is a registered
-name (`reverse`, `add`, `exact_match`: see megarl/rewards/synthetic.py) or any plain function given
-as `package.module:function`. `score` applies one to a batch and never lets a failing reward end a
-run: a reward that raises (or returns a non-finite value) scores 0 and is counted.
+name or any plain function given as `package.module:function`:
+
+  reverse, add, exact_match   the built-in synthetic tasks (synthetic.py)
+  gsm8k, gsm8k_flexible       GSM8K: `#### N` (strict) or the last number (flexible) (gsm8k.py)
+  math                        MATH-style answers checked by math-verify (math.py)
+  countdown                   an arithmetic expression reaching a target (countdown.py)
+  code                        a program run against test cases in the sandbox (code.py)
+  remote                      an HTTP reward server, with timeouts and retries (remote.py)
+
+Rewards with settings (remote, code) are built from the RewardConfig by a function registered in
+REWARD_BUILDERS. That is also the hook for a reward model served by a training engine role: it
+registers a builder (e.g. `reward_model`) that returns an object with `score_batch(samples)`, which
+`score` calls once per batch. `score` (scoring.py) applies a reward to a batch and never lets a
+failing reward end a run: a call that raises, returns a non-finite value or times out scores 0 and
+is counted.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 from typing import Callable
 
-from megarl.protocol import Batch
 from megarl.utils.registry import Registry
 
 RewardFn = Callable[[str, str, dict], float]
 REWARDS = Registry("reward")
-logger = logging.getLogger(__name__)
+REWARD_BUILDERS = Registry("reward builder")  # name -> fn(RewardConfig) -> reward, for rewards with settings
 
 
 def get_reward_fn(name: str) -> RewardFn:
@@ -26,25 +35,15 @@ def get_reward_fn(name: str) -> RewardFn:
     return REWARDS.get(name)
 
 
-def score(samples: Batch | list[dict], fn: RewardFn) -> tuple[list[float], int]:
-    """Rewards for each sample (fields `response` and `answer`), and how many reward calls failed."""
-    if isinstance(samples, Batch):
-        fields = samples.non_tensors
-        samples = [{k: v[i] for k, v in fields.items()} for i in range(len(samples))]
-    rewards, failed = [], 0
-    for sample in samples:
-        try:
-            value = float(fn(sample["response"], sample["answer"], sample))
-            if not math.isfinite(value):
-                raise ValueError(f"reward is {value}")
-        except Exception as e:  # a reward bug in one sample must not kill a long run; it is counted
-            if not failed:
-                logger.warning("reward %s failed on response %r: %r (scored 0; further failures counted only)",
-                               getattr(fn, "__name__", fn), sample.get("response"), e)
-            failed += 1
-            value = 0.0
-        rewards.append(value)
-    return rewards, failed
+def build_reward(cfg, default: str = "") -> RewardFn:
+    """The reward a RewardConfig names (`default` when cfg.name is empty): a builder's product or a function."""
+    name = cfg.name or default
+    if name in REWARD_BUILDERS:
+        return REWARD_BUILDERS.get(name)(cfg)
+    return REWARDS.get(name)
 
 
-from megarl.rewards import synthetic  # noqa: E402,F401  (registers the built-in rewards)
+from megarl.rewards.scoring import score  # noqa: E402
+from megarl.rewards import code, countdown, gsm8k, math, remote, synthetic  # noqa: E402,F401  (registration)
+
+__all__ = ["REWARDS", "REWARD_BUILDERS", "RewardFn", "build_reward", "get_reward_fn", "score"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -47,6 +48,10 @@ class TrainWorker:
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
         return self.engine.train(batch, loss=loss, lr=lr)
+
+    def set_kl_coef(self, value: float) -> None:
+        """The adaptive KL controller's new coefficient, for the KL term of the policy loss."""
+        self.engine.algorithm = dataclasses.replace(self.engine.algorithm, kl_coef=value)
 
     def snapshot_reference(self) -> None:
         """Freeze the current policy as the KL reference (done once, after the warm start)."""

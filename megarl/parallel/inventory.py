@@ -1,0 +1,162 @@
+"""The HF tensors of a model, from its config.json alone, with how tensor parallelism cuts each one.
+
+The resharder and the planner (megarl.plan) share this list: the planner for models megarl cannot
+build on this machine (DeepSeek-V3, Qwen3-MoE), the resharder to know which rows of each HF tensor
+a training rank holds and a generation rank needs. A tensor is cut along one dimension into TP
+contiguous row blocks (rank r gets block r), or replicated:
+- column-parallel weights (q/k/v, gate/up, experts' gate/up, MLA's q_b/kv_b) and q/k/v biases: dim 0;
+- row-parallel weights (o_proj, down_proj): dim 1;
+- embeddings and the output layer: dim 0, the vocabulary padded to a multiple of TP (pad rows
+  belong to no HF tensor);
+- norms, routers and MLA's down-projections (q_a, kv_a): replicated.
+Head-structured tensors are cut between heads. K/V projections with TP above their head count (and a
+multiple of it) give each rank the one head its query heads use, as SGLang does; megatron cannot
+train that way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dim: int | None  # the TP-split dimension; None = replicated on every TP rank
+    layer: int | None  # decoder layer; None for the embedding (first stage) and the head/final norm (last)
+    pad_vocab: bool = False
+    units: int = 0  # attention heads the split dimension is made of (TP must cut between them); 0 = rows
+    kv: bool = False  # K/V heads: TP above their count takes one head per rank (module docstring)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def length(self) -> int:
+        """Rows along the split dimension (1 for a replicated tensor: it moves whole)."""
+        return 1 if self.dim is None else self.shape[self.dim]
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.length
+
+    def rows(self, tp: int, rank: int) -> tuple[int, int]:
+        """[lo, hi) rows of this tensor that TP rank `rank` of `tp` holds (may be empty: lo == hi)."""
+        if self.dim is None:
+            return 0, 1
+        length = self.length
+        if self.units and self.units % tp:
+            if not (self.kv and tp % self.units == 0):
+                raise ValueError(f"{self.name}: TP={tp} does not divide its {self.units} heads")
+            head = rank // (tp // self.units)
+            per_head = length // self.units
+            return head * per_head, (head + 1) * per_head
+        padded = -(-length // tp) * tp if self.pad_vocab else length
+        if padded % tp:
+            raise ValueError(f"{self.name}: TP={tp} does not divide its dimension {self.dim} of size {length}")
+        block = padded // tp
+        return min(rank * block, length), min((rank + 1) * block, length)
+
+
+def _get(hf: dict, *keys, default=None):
+    for key in keys:
+        if hf.get(key) is not None:
+            return hf[key]
+    return default
+
+
+def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv = _get(hf, "num_key_value_heads", default=heads)
+    hd = _get(hf, "head_dim", default=h // heads)
+    bias = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
+    specs = [TensorSpec(p + "q_proj.weight", (heads * hd, h), 0, layer, units=heads),
+             TensorSpec(p + "k_proj.weight", (kv * hd, h), 0, layer, units=kv, kv=True),
+             TensorSpec(p + "v_proj.weight", (kv * hd, h), 0, layer, units=kv, kv=True),
+             TensorSpec(p + "o_proj.weight", (h, heads * hd), 1, layer, units=heads)]
+    if bias:
+        specs += [TensorSpec(p + "q_proj.bias", (heads * hd,), 0, layer, units=heads),
+                  TensorSpec(p + "k_proj.bias", (kv * hd,), 0, layer, units=kv, kv=True),
+                  TensorSpec(p + "v_proj.bias", (kv * hd,), 0, layer, units=kv, kv=True)]
+    if hf.get("model_type", "").startswith("qwen3"):  # per-head RMSNorm of queries and keys
+        specs += [TensorSpec(p + "q_norm.weight", (hd,), None, layer),
+                  TensorSpec(p + "k_norm.weight", (hd,), None, layer)]
+    return specs
+
+
+def _mla_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
+    """DeepSeek-V2/V3 multi-head latent attention."""
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    nope, rope, v = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    q_lora, kv_lora = hf.get("q_lora_rank"), hf["kv_lora_rank"]
+    if q_lora:
+        specs = [TensorSpec(p + "q_a_proj.weight", (q_lora, h), None, layer),
+                 TensorSpec(p + "q_a_layernorm.weight", (q_lora,), None, layer),
+                 TensorSpec(p + "q_b_proj.weight", (heads * (nope + rope), q_lora), 0, layer, units=heads)]
+    else:
+        specs = [TensorSpec(p + "q_proj.weight", (heads * (nope + rope), h), 0, layer, units=heads)]
+    return specs + [TensorSpec(p + "kv_a_proj_with_mqa.weight", (kv_lora + rope, h), None, layer),
+                    TensorSpec(p + "kv_a_layernorm.weight", (kv_lora,), None, layer),
+                    TensorSpec(p + "kv_b_proj.weight", (heads * (nope + v), kv_lora), 0, layer, units=heads),
+                    TensorSpec(p + "o_proj.weight", (h, heads * v), 1, layer, units=heads)]
+
+
+def _mlp(p: str, h: int, inter: int, layer: int) -> list[TensorSpec]:
+    return [TensorSpec(p + "gate_proj.weight", (inter, h), 0, layer),
+            TensorSpec(p + "up_proj.weight", (inter, h), 0, layer),
+            TensorSpec(p + "down_proj.weight", (h, inter), 1, layer)]
+
+
+def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
+    h, inter = hf["hidden_size"], hf["moe_intermediate_size"]
+    experts = _get(hf, "n_routed_experts", "num_experts")
+    specs = [TensorSpec(p + "gate.weight", (experts, h), None, layer)]
+    if hf.get("topk_method") == "noaux_tc":  # DeepSeek-V3's load-balancing bias
+        specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer))
+    for e in range(experts):
+        specs += _mlp(f"{p}experts.{e}.", h, inter, layer)
+    if hf.get("n_shared_experts"):
+        specs += _mlp(p + "shared_experts.", h, inter * hf["n_shared_experts"], layer)
+    return specs
+
+
+def _is_moe_layer(hf: dict, layer: int) -> bool:
+    if hf.get("model_type", "").startswith("deepseek"):
+        return layer >= hf.get("first_k_dense_replace", 0) and layer % hf.get("moe_layer_freq", 1) == 0
+    if hf.get("model_type") == "qwen3_moe":
+        step = hf.get("decoder_sparse_step", 1)
+        return layer not in hf.get("mlp_only_layers", []) and (layer + 1) % step == 0
+    return False
+
+
+SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+
+
+def hf_inventory(hf: dict) -> list[TensorSpec]:
+    """Every HF tensor of the model (multi-token-prediction layers excluded: RL does not train them)."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"model_type={model_type!r}: the inventory knows {', '.join(SUPPORTED)}")
+    h, vocab = hf["hidden_size"], hf["vocab_size"]
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, h), 0, None, pad_vocab=True)]
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs.append(TensorSpec(p + "input_layernorm.weight", (h,), None, i))
+        if "kv_lora_rank" in hf:
+            specs += _mla_attention(hf, p + "self_attn.", i)
+        else:
+            specs += _attention(hf, p + "self_attn.", i)
+        specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), None, i))
+        if _is_moe_layer(hf, i):
+            specs += _moe(hf, p + "mlp.", i)
+        else:
+            specs += _mlp(p + "mlp.", h, hf["intermediate_size"], i)
+    specs.append(TensorSpec("model.norm.weight", (h,), None, None))
+    if not hf.get("tie_word_embeddings"):
+        specs.append(TensorSpec("lm_head.weight", (vocab, h), 0, None, pad_vocab=True))
+    return specs

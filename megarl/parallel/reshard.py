@@ -1,0 +1,287 @@
+"""Training layout (TP_t, PP_t, DP_t) -> generation layout (TP_g, DP_g) on the same ranks, in buckets.
+
+Every rank of the job is also a generation rank: generation TP group k is ranks [k*TP_g, (k+1)*TP_g),
+i.e. a block of one training TP group (TP_g <= TP_t) or a run of whole training TP groups (TP_g a
+multiple of TP_t), since megatron numbers ranks tp fastest, then dp, then pp.
+
+What moves is planned per HF tensor (megarl.parallel.inventory gives its TP row blocks):
+- a training rank holds rows `spec.rows(TP_t, tp_rank)` of each tensor of its pipeline stage;
+- a generation rank needs rows `spec.rows(TP_g, gen_tp_rank)` ("sharded" delivery: only its TP
+  shard, HybridFlow's zero-redundancy idea) or all rows ("full" delivery: whole HF tensors that
+  the engine slices itself, the reference path);
+- it receives exactly what it needs minus what it holds, each missing row block from the training
+  rank of the owning stage that holds it, in the receiver's own DP replica (spreading the senders).
+The same plan gives the planner's byte counts (`transfer_bytes`) and drives the transfers
+(`Resharder.buckets`): point-to-point sends and receives, one batch per bucket. Buckets are cut on
+every rank at the same tensors, from the largest per-rank cost of each tensor (its delivered shard
+plus any staging copies), so extra memory on any rank stays within one bucket or one tensor's cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel.inventory import TensorSpec
+
+DELIVERIES = ("full", "sharded")
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    tp: int
+    pp: int
+    dp: int
+    num_layers: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """megatron's order: tp fastest, then dp, then pp (no CP/EP)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def stage(self, spec: TensorSpec) -> int:
+        if spec.layer is None:
+            return 0 if "embed_tokens" in spec.name else self.pp - 1
+        return spec.layer // (self.num_layers // self.pp)
+
+    def held(self, spec: TensorSpec, rank: int) -> tuple[int, int] | None:
+        t, _, p = self.coords(rank)
+        return spec.rows(self.tp, t) if p == self.stage(spec) else None
+
+
+def generation_ranks(train: TrainLayout, gen_tp: int) -> list[list[int]]:
+    """The generation TP groups, as blocks of the training TP groups or runs of whole ones."""
+    if train.world % gen_tp or (train.tp % gen_tp and gen_tp % train.tp):
+        raise ValueError(f"generation TP={gen_tp} must divide the world ({train.world}) and divide or be a "
+                         f"multiple of training TP={train.tp}")
+    return [list(range(k * gen_tp, (k + 1) * gen_tp)) for k in range(train.world // gen_tp)]
+
+
+def new_generation_group(train: TrainLayout, gen_tp: int):
+    """This rank's generation TP group (collective: every rank builds every group, as torch requires)."""
+    mine = None
+    for ranks in generation_ranks(train, gen_tp):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def needed(spec: TensorSpec, gen_tp: int, rank: int, delivery: str) -> tuple[int, int]:
+    return (0, spec.length) if delivery == "full" else spec.rows(gen_tp, rank % gen_tp)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [lo, hi) of one tensor, sent by training rank `src` to generation rank `dst`."""
+    src: int
+    dst: int
+    lo: int
+    hi: int
+
+
+def _minus(a: tuple[int, int], b: tuple[int, int] | None) -> list[tuple[int, int]]:
+    if b is None or b[1] <= a[0] or a[1] <= b[0]:
+        return [a] if a[1] > a[0] else []
+    return [r for r in ((a[0], b[0]), (b[1], a[1])) if r[1] > r[0]]
+
+
+def plan_tensor(spec: TensorSpec, train: TrainLayout, gen_tp: int, delivery: str) -> list[Piece]:
+    """Every transfer of one tensor, in the same order on every rank."""
+    if delivery not in DELIVERIES:
+        raise ValueError(f"delivery={delivery!r}: expected one of {DELIVERIES}")
+    stage = train.stage(spec)
+    pieces = []
+    for dst in range(train.world):
+        _, dp_rank, _ = train.coords(dst)
+        for lo, hi in _minus(needed(spec, gen_tp, dst, delivery), train.held(spec, dst)):
+            for t in range(train.tp):
+                h_lo, h_hi = spec.rows(train.tp, t)
+                if max(lo, h_lo) < min(hi, h_hi):
+                    pieces.append(Piece(train.rank(t, dp_rank, stage), dst, max(lo, h_lo), min(hi, h_hi)))
+    return pieces
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_bytes(spec: TensorSpec, train: TrainLayout, gen_tp: int, delivery: str, itemsize: int):
+    recv, sent = [0] * train.world, [0] * train.world
+    for p in plan_tensor(spec, train, gen_tp, delivery):
+        nbytes = (p.hi - p.lo) * spec.row_numel * itemsize
+        recv[p.dst] += nbytes
+        sent[p.src] += nbytes
+    return recv, sent
+
+
+def transfer_bytes(specs: list[TensorSpec], train: TrainLayout, gen_tp: int, delivery: str,
+                   itemsize: int) -> tuple[list[int], list[int]]:
+    """Bytes each rank receives and sends in one sync (the planner's numbers, and the resharder's)."""
+    generation_ranks(train, gen_tp)
+    recv, sent = [0] * train.world, [0] * train.world
+    per_stage = train.num_layers // train.pp
+    for spec in specs:
+        # A tensor's plan depends on its name only through its stage: plan one unnamed stand-in in
+        # the stage's first layer for all alike (the thousands of experts of a MoE model).
+        stand_in = dataclasses.replace(spec, name="", layer=train.stage(spec) * per_stage)
+        r, s = _tensor_bytes(stand_in, train, gen_tp, delivery, itemsize)
+        recv = [a + b for a, b in zip(recv, r)]
+        sent = [a + b for a, b in zip(sent, s)]
+    return recv, sent
+
+
+def _rows(t: torch.Tensor, dim: int | None, lo: int, hi: int) -> torch.Tensor:
+    return t if dim is None else t.narrow(dim, lo, hi - lo)
+
+
+@dataclass
+class HeldRows:
+    """Rows [lo, hi) of one HF tensor inside this rank's megatron shard: row lo + i sits at position
+    index[i] along `dim` (a fused shard interleaves them: q/k/v per query group, padded vocab)."""
+    shard: torch.Tensor
+    dim: int | None
+    index: torch.Tensor | None
+    lo: int
+    hi: int
+
+    def take(self, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b): a view where they sit side by side, else a copy."""
+        if self.dim is None:
+            return self.shard
+        idx = self.index[a - self.lo:b - self.lo]
+        if len(idx) == 0 or int(idx[-1]) - int(idx[0]) == len(idx) - 1:
+            return self.shard.narrow(self.dim, int(idx[0]) if len(idx) else 0, b - a)
+        return self.shard.index_select(self.dim, idx.to(self.shard.device))
+
+
+class Resharder:
+    """Streams the policy of a megatron GPTModel into the generation layout, bucket by bucket.
+
+    `local` maps each HF tensor this rank holds rows of to its HeldRows (build it with `held_rows`).
+    """
+
+    def __init__(self, specs: list[TensorSpec], train: TrainLayout, local: dict[str, HeldRows], rank: int):
+        self.specs, self.train, self.local, self.rank = specs, train, local, rank
+
+    def _cost(self, spec: TensorSpec, pieces: list[Piece], gen_tp: int, delivery: str, itemsize: int) -> int:
+        """An upper bound of the extra bytes any rank allocates for this tensor: its delivered rows, a
+        copy of the rows it holds itself, copies of what it sends, staging of what it receives."""
+        row = spec.row_numel * itemsize
+        cost = []
+        for r in range(self.train.world):
+            lo, hi = needed(spec, gen_tp, r, delivery)
+            held = self.train.held(spec, r)
+            own = max(0, min(hi, held[1]) - max(lo, held[0])) if held else 0
+            cost.append((hi - lo + own) * row)
+        for p in pieces:
+            cost[p.src] += (p.hi - p.lo) * row
+            cost[p.dst] += (p.hi - p.lo) * row
+        return max(cost)
+
+    def buckets(self, gen_tp: int, delivery: str, bucket_bytes: int,
+                dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Collective: every rank iterates to the end. Yields this rank's (HF name, tensor) per bucket:
+        whole tensors ("full") or the rows of its generation TP shard ("sharded")."""
+        generation_ranks(self.train, gen_tp)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        bucket, size = [], 0
+        for spec in self.specs:
+            pieces = plan_tensor(spec, self.train, gen_tp, delivery)
+            cost = self._cost(spec, pieces, gen_tp, delivery, itemsize)
+            if bucket and size + cost > bucket_bytes:
+                yield self._move(bucket, gen_tp, delivery, dtype)
+                bucket, size = [], 0
+            bucket.append((spec, pieces))
+            size += cost
+        if bucket:
+            yield self._move(bucket, gen_tp, delivery, dtype)
+
+    def _move(self, bucket, gen_tp: int, delivery: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        ops, staged, out = [], [], []
+        for spec, pieces in bucket:
+            lo, hi = needed(spec, gen_tp, self.rank, delivery)
+            held = self.local.get(spec.name)
+            for p in pieces:  # what this rank sends, whether or not it receives anything itself
+                if p.src == self.rank:
+                    # Gloo matches by (peer, tag), and alike messages in posting order: the plan order on both sides.
+                    ops.append(dist.P2POp(dist.isend, held.take(p.lo, p.hi).contiguous(), p.dst, tag=p.lo))
+            if held is not None and held.lo <= lo and hi <= held.hi:
+                rows = held.take(lo, hi)
+                out.append((spec.name, rows if rows.is_contiguous() else rows.contiguous()))
+                continue
+            shape = list(spec.shape)
+            if spec.dim is not None:
+                shape[spec.dim] = hi - lo
+            result = torch.empty(shape, dtype=dtype, device=held.shard.device if held else _device())
+            if held is not None and max(lo, held.lo) < min(hi, held.hi):
+                a, b = max(lo, held.lo), min(hi, held.hi)
+                _rows(result, spec.dim, a - lo, b - lo).copy_(held.take(a, b))
+            for p in pieces:
+                if p.dst == self.rank:
+                    target = _rows(result, spec.dim, p.lo - lo, p.hi - lo)
+                    if not target.is_contiguous():
+                        staged.append((target, torch.empty(target.shape, dtype=dtype, device=target.device)))
+                        target = staged[-1][1]
+                    ops.append(dist.P2POp(dist.irecv, target, p.src, tag=p.lo))
+            out.append((spec.name, result))
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        for target, buffer in staged:
+            target.copy_(buffer)
+        return out
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, rank: int) -> dict[str, HeldRows]:
+    """For each HF tensor this rank's stage owns, where its rows sit in this rank's megatron shard.
+
+    Found by running the family's own `to_shard` on row-index probes: tensors shaped like the HF ones
+    but 1 wide outside the split dimension, holding 1 + (row id across the map's HF tensors); 0 marks
+    padding. The rows found must be the block the inventory (and so the planner) assumes.
+    """
+    from megarl.engine.weights import global_parameters
+
+    params = global_parameters(gpt)
+    by_name = {s.name: s for s in specs}
+    tp_rank = train.coords(rank)[0]
+    local = {}
+    for wm in weight_maps:
+        if not wm.export or wm.megatron not in params:
+            continue
+        shard = params[wm.megatron].detach()
+        hf_specs = [by_name[n] for n in wm.hf]
+        if all(s.dim is None for s in hf_specs):
+            (spec,) = hf_specs
+            local[spec.name] = HeldRows(shard, None, None, 0, 1)
+            continue
+        probes, offset = [], 0
+        for s in hf_specs:
+            shape = [1] * len(s.shape)
+            shape[s.dim] = s.length
+            probes.append((torch.arange(s.length) + offset + 1).reshape(shape))
+            offset += s.length
+        ids = wm.to_shard(probes, tp_rank, train.tp).reshape(-1)
+        offset = 0
+        for s in hf_specs:
+            positions = ((ids > offset) & (ids <= offset + s.length)).nonzero().reshape(-1)
+            lo, hi = s.rows(train.tp, tp_rank)
+            if not torch.equal(ids[positions] - offset - 1, torch.arange(lo, hi)):
+                raise ValueError(f"{s.name}: TP rank {tp_rank} of {train.tp} does not hold the rows [{lo}, {hi}) "
+                                 f"the inventory expects")
+            local[s.name] = HeldRows(shard, s.dim, positions, lo, hi)
+            offset += s.length
+    return local

@@ -1,0 +1,87 @@
+import threading
+import time
+
+import pytest
+
+from megarl.config import ConfigError, RewardConfig, load_config
+from megarl.rewards import REWARD_BUILDERS, build_reward, get_reward_fn, score
+
+
+def spin_or_score(response, answer, sample):
+    """A reward with a bug that never returns on 'hang' (pure Python, like a runaway simplification)."""
+    while response == "hang":
+        pass
+    if response == "sleep":
+        time.sleep(5)
+    return float(response == answer)
+
+
+def samples(*responses):
+    return [{"response": r, "answer": "ok"} for r in responses]
+
+
+def test_timeout_interrupts_a_hung_reward_in_the_main_thread():
+    start = time.monotonic()
+    assert score(samples("ok", "hang", "no", "ok"), spin_or_score, timeout_s=0.3) == ([1.0, 0.0, 0.0, 1.0], 1)
+    assert time.monotonic() - start < 2
+
+
+def test_threads_abandon_a_call_past_its_limit_and_go_on():
+    start = time.monotonic()
+    rewards, failed = score(samples("sleep", "ok", "sleep", "no", "ok"), spin_or_score, timeout_s=0.3, num_workers=2)
+    assert (rewards, failed) == ([0.0, 1.0, 0.0, 0.0, 1.0], 2)
+    assert time.monotonic() - start < 2  # the sleeping calls did not hold up the others
+
+
+def test_threads_run_calls_at_once_in_sample_order():
+    def slow(response, answer, sample):
+        time.sleep(0.2)
+        return float(response)
+
+    start = time.monotonic()
+    assert score(samples(*"01234567"), slow, num_workers=8) == ([float(i) for i in range(8)], 0)
+    assert time.monotonic() - start < 1.0  # 8 x 0.2 s one by one would be 1.6 s
+
+
+def test_off_the_main_thread_the_timeout_still_holds():
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=score(samples("sleep", "ok"), spin_or_score, 0.3)))
+    thread.start()
+    thread.join(3)
+    assert out["r"] == ([0.0, 1.0], 1)
+
+
+class BatchReward:
+    """A batch-level reward (how a reward model plugs in): one call for all samples."""
+    calls = 0
+
+    def score_batch(self, batch):
+        BatchReward.calls += 1
+        if any(s["response"] == "explode" for s in batch):
+            raise RuntimeError("server down")
+        return [len(s["response"]) for s in batch[:-1]] + [float("inf")]
+
+
+def test_batch_rewards_are_called_once_and_fail_as_a_whole():
+    REWARD_BUILDERS.register("test_batch_reward")(lambda cfg: BatchReward())
+    reward = build_reward(RewardConfig(name="test_batch_reward"))
+    assert score(samples("ab", "abc", "x"), reward) == ([2.0, 3.0, 0.0], 1)  # inf is a failure
+    assert score(samples("ab", "explode"), reward) == ([0.0, 0.0], 2)
+    assert BatchReward.calls == 2
+
+
+def test_build_reward_by_name_default_and_path():
+    assert build_reward(RewardConfig(), "reverse") is get_reward_fn("reverse")
+    assert build_reward(RewardConfig(name=f"{__name__}:spin_or_score")) is spin_or_score
+    with pytest.raises(KeyError, match="did you mean 'gsm8k'"):
+        build_reward(RewardConfig(name="gsm8"))
+
+
+def test_reward_config_is_checked():
+    with pytest.raises(ConfigError, match="set reward.name"):
+        load_config(None, ["data.task=data/train.jsonl"])
+    with pytest.raises(ConfigError, match="reward.remote_url"):
+        load_config(None, ["reward.name=remote"])
+    with pytest.raises(ConfigError, match="reward.num_workers=0"):
+        load_config(None, ["reward.num_workers=0"])
+    assert load_config(None, ["data.task=a.parquet", "reward.name=gsm8k"]).reward.timeout_s == 30.0

@@ -1,0 +1,79 @@
+"""Every recipe in configs/ loads and validates (`--dry-run`: no GPU, no model files), and the published
+baselines' settings are what the recipes say they are."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config
+from megarl.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
+BASELINES = ["ppo_gsm8k_qwen2.5_0.5b", "grpo_gsm8k_qwen2.5_0.5b", "grpo_math_qwen2.5_7b", "dapo_math_qwen2.5_7b"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_dry_run(recipe, capsys):
+    assert main(["--config", str(recipe), "--dry-run"]) == 0
+    assert "config ok" in capsys.readouterr().out
+
+
+def test_dry_run_from_the_command_line_needs_no_model_or_gpu():
+    run = subprocess.run([sys.executable, "-m", "megarl.train", "--config", str(ROOT / "configs" /
+                          "dapo_math_qwen2.5_7b.yaml"), "--dry-run", "model.path=/nonexistent"],
+                         capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr
+    assert "world_size=8 = tp 2 x pp 1 x dp 4" in run.stdout
+
+
+def recipe(name):
+    return load_config(ROOT / "configs" / f"{name}.yaml")
+
+
+def test_baseline_settings():
+    for name in BASELINES:
+        cfg = recipe(name)
+        assert cfg.actor.parallel.world_size == 8 and cfg.trainer.device == "cuda", name  # one 8-GPU node
+        assert cfg.actor.optim.lr == 1e-6 and cfg.data.chat_template, name
+    ppo, grpo = recipe("ppo_gsm8k_qwen2.5_0.5b"), recipe("grpo_gsm8k_qwen2.5_0.5b")
+    assert (ppo.algorithm.advantage, ppo.algorithm.kl_in_reward, ppo.rollout.n_samples) == ("gae", True, 1)
+    assert (ppo.data.prompts_per_step, ppo.actor.mini_batch_size, ppo.rollout.max_new_tokens) == (256, 64, 256)
+    assert (ppo.critic.optim.lr, ppo.critic.parallel.world_size, ppo.critic.mini_batch_size) == (1e-5, 8, 64)
+    assert (grpo.algorithm.advantage, grpo.algorithm.kl_estimator, grpo.rollout.n_samples) == ("grpo", "k3", 5)
+    for cfg in (ppo, grpo):
+        assert cfg.reward.name == "gsm8k" and cfg.data.val_size == 1319 and cfg.rollout.eval_temperature == 0
+    dapo = recipe("dapo_math_qwen2.5_7b").algorithm
+    assert (dapo.clip_eps, dapo.clip_eps_high, dapo.kl_coef, dapo.dynamic_sampling) == (0.2, 0.28, 0.0, True)
+    assert (dapo.overlong_buffer_len, dapo.loss_agg) == (4096, "token-mean")
+    assert recipe("grpo_math_qwen2.5_7b").reward.name == "math"
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_launch_scripts(name):
+    script = ROOT / "scripts" / "recipes" / f"{name}.sh"
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    assert f"configs/{name}.yaml" in script.read_text()
+    # without the model directory it stops at once, naming what to set
+    run = subprocess.run(["bash", script], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert run.returncode != 0 and "set MODEL" in run.stderr
+
+
+def test_recipe_preparation_converts_the_public_files_once(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    row = '{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\\n#### 5"}\n'
+    (raw / "train.jsonl").write_text(row * 3)
+    (raw / "test.jsonl").write_text(row)
+    out = tmp_path / "data"
+    command = f"source scripts/recipes/common.sh && prepare_prompts gsm8k {raw}/train.jsonl {raw}/test.jsonl {out}"
+    run = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("wrote") == 2
+    assert len((out / "train.jsonl").read_text().splitlines()) == 3
+    run = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert run.returncode == 0 and "wrote" not in run.stdout  # already there: not converted again
