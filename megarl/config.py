@@ -174,6 +174,8 @@ class TrainerConfig:
     sync_bucket_mb: int = opt(64, "weight-sync bucket size in MiB")
     verify_weight_sync: bool = opt(True, "after each sync, check the rollout engine's weights equal Megatron's")
     ray_address: str = opt("", "Ray cluster to join; empty = start a local one")
+    placement: str = opt("pack", "how training ranks spread over Ray nodes: pack, spread or strict_spread "
+                                 "(Ray placement-group strategies)")
 
 
 @dataclass
@@ -205,6 +207,7 @@ class Config:
             raise ConfigError(f"actor.mini_batch_size={mini} is not divisible by the data-parallel size {p.dp}")
         choices = {"actor.precision": (self.actor.precision, ("auto", "bf16", "fp32")),
                    "trainer.device": (self.trainer.device, ("auto", "cpu", "cuda")),
+                   "trainer.placement": (self.trainer.placement, ("pack", "spread", "strict_spread")),
                    "algorithm.kl_estimator": (self.algorithm.kl_estimator, ("k1", "k2", "k3")),
                    "actor.optim.decay_style": (self.actor.optim.decay_style, ("constant", "linear", "cosine")),
                    "rollout.engine": (self.rollout.engine, ("hf", "sglang"))}

@@ -33,6 +33,9 @@ def main(argv=None) -> int:
         print(f"config ok: {layout}; rollout={cfg.rollout.engine}; {cfg.trainer.steps} RL steps")
         return 0
 
+    if not cfg.trainer.ray_address:
+        # A local cluster stays on loopback: without this Ray swaps 127.0.0.1 for the host's address.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     from megarl.trainer import RLTrainer

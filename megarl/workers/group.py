@@ -22,7 +22,7 @@ class TrainGroup:
         n = cfg.actor.parallel.world_size
         # On GPU each rank keeps a sliver of its GPU free for a colocated rollout actor (see start_rollout).
         bundle = {"CPU": cfg.trainer.cpus_per_rank} | ({"GPU": 0.9} if device == "cuda" else {})
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
         ray.get(self.pg.ready(), timeout=300)
         actor = ray.remote(TrainWorker)
         self.workers = [

@@ -59,8 +59,6 @@ def test_base_image_and_extras_follow_the_sglang_pin():
     assert [r.split(";")[0].strip() for r in gpu_extra] == [f"sglang=={sglang}"]
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError,
-                   reason="pins.toml [gpu] has no transformer-engine and apex pins yet (issue 7 report)")
 def test_build_args_cover_every_dockerfile_argument():
     pins = load_pins()
     args = load_build_args().build_args(pins)
