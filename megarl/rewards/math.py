@@ -9,7 +9,9 @@ plain expression; a response with no answer scores 0.
 math-verify runs in a separate process that is killed after MATH_TIMEOUT_S: sympy can spend unbounded
 time inside one C call (`\\boxed{9^{9^{9^{9}}}}` builds a number with 10^8 digits), which no signal or
 thread can interrupt. A killed check raises RewardTimeout (so `score` counts it as failed) and the
-next check starts a fresh process. Idle processes are reused, one per concurrent caller.
+check starts a fresh process; the seconds that takes (sympy's imports) do not count towards the check's
+limit, so keep reward.timeout_s (score's limit, which counts everything) well above MATH_TIMEOUT_S.
+Idle processes are reused, one per concurrent caller.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ def _serve(conn) -> None:
     """The checking process: (response, answer) in, True/False or an error message out, until closed."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    conn.send("ready")
     gold_config = [LatexExtractionConfig()]
     answer_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    verify(parse("$1$", gold_config, parsing_timeout=None), parse("1", answer_config, parsing_timeout=None),
+           timeout_seconds=None)  # the first check loads most of sympy: do it before taking work
+    conn.send("ready")
     while True:
         try:
             response, answer = conn.recv()
@@ -56,7 +60,12 @@ class _Checker:
         self.process.start()
         child.close()
         # starting (imports) is not the sample's fault: it has its own limit, the check's starts after it
-        if not self.conn.poll(STARTUP_TIMEOUT_S) or self.conn.recv() != "ready":
+        try:
+            ready = self.conn.poll(STARTUP_TIMEOUT_S) and self.conn.recv() == "ready"
+        except BaseException:  # e.g. score's timer went off while waiting: leave no process behind
+            self.close()
+            raise
+        if not ready:
             self.close()
             raise RuntimeError(f"the math-verify process did not start within {STARTUP_TIMEOUT_S:g} s")
 
@@ -78,15 +87,16 @@ class _Checker:
 _idle: queue.SimpleQueue = queue.SimpleQueue()  # processes free for the next check
 
 
-def math_equal(response: str, answer: str, timeout_s: float = MATH_TIMEOUT_S) -> bool:
-    """Whether the response's final answer equals `answer` (see the module docstring)."""
+def math_equal(response: str, answer: str, timeout_s: float | None = None) -> bool:
+    """Whether the response's final answer equals `answer` (see the module docstring); the check may take
+    `timeout_s` (default MATH_TIMEOUT_S)."""
     try:
         checker = _idle.get_nowait()
     except queue.Empty:
         checker = _Checker()
     finished = False
     try:
-        result = checker.check(response, answer, timeout_s)
+        result = checker.check(response, answer, timeout_s or MATH_TIMEOUT_S)
         finished = True
         return result
     except ValueError:

@@ -3,6 +3,7 @@ import time
 import pytest
 
 from megarl.rewards import get_reward_fn, score
+from megarl.rewards import math as math_module
 from megarl.rewards.math import math_equal
 from megarl.rewards.scoring import RewardTimeout
 
@@ -33,6 +34,8 @@ def test_a_check_that_never_ends_is_killed_and_the_next_one_works():
     assert math_equal("\\boxed{2}", "2") is True  # a fresh checking process
 
 
-def test_score_counts_a_timed_out_math_check_as_failed():
+def test_score_counts_a_timed_out_math_check_as_failed(monkeypatch):
+    monkeypatch.setattr(math_module, "MATH_TIMEOUT_S", 1.0)
     samples = [{"response": "\\boxed{9^{9^{9^{9}}}}", "answer": "2"}, {"response": "\\boxed{2}", "answer": "2"}]
-    assert score(samples, math_reward, timeout_s=2.0) == ([0.0, 1.0], 1)
+    # the first check is killed at its own limit; the second waits for a fresh process, off its clock
+    assert score(samples, math_reward, timeout_s=30.0) == ([0.0, 1.0], 1)
