@@ -6,6 +6,7 @@ first/last pipeline stage, TP group ...), so this module only starts and stops i
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -32,12 +33,30 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
         backend = "nccl"
     else:
         raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(minutes=30))
+    dist.init_process_group(backend, store=_rendezvous_store(rank, world_size, master_addr, master_port),
+                            rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
     parallel_state.initialize_model_parallel(tp, pp)
     torch.manual_seed(seed)
     # Seeds megatron's tracked RNG states: the same across DP replicas, distinct per TP rank.
     model_parallel_cuda_manual_seed(seed)
+
+
+def _rendezvous_store(rank: int, world_size: int, master_addr: str, master_port: int) -> dist.TCPStore:
+    """torch.distributed's key-value store, served by rank 0 on master_addr only.
+
+    TCPStore's own server listens on every interface whatever host name it is given, so rank 0 binds
+    the socket itself (loopback stays loopback) and hands it over.
+    """
+    timeout = timedelta(minutes=30)
+    if rank != 0:
+        return dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in master_addr else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((master_addr, master_port))
+    sock.listen(world_size)
+    # the store owns the socket from here on; libuv's server does not accept a listening fd here
+    return dist.TCPStore(master_addr, master_port, world_size, True, timeout=timeout,
+                         master_listen_fd=sock.detach(), use_libuv=False)
 
 
 def destroy_parallel() -> None:

@@ -31,9 +31,5 @@ def test_launch_runs_the_recipe_on_loopback_only(tmp_path):
     assert seen > 5  # the sampling saw Ray's processes, not just the shell
     logs = list((tmp_path / "logs").glob("megarl-*.log"))
     assert len(logs) == 1 and "held-out reward" in logs[0].read_text()
-    # Ray's servers, the driver and the rollout actor: loopback only
-    assert {e for e in exposed if "TrainWorker" not in e} == set()
-    if exposed:
-        # torch's TCPStore (rank 0's rendezvous) binds every interface whatever its host name; the fix,
-        # a listening socket bound to master_addr passed as master_listen_fd, belongs in megarl/parallel
-        pytest.xfail(f"training ranks' rendezvous listens on every interface: {sorted(exposed)}")
+    # Ray's servers, the driver, the rollout actor and the training ranks' rendezvous: loopback only
+    assert exposed == set()
