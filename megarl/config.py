@@ -122,6 +122,8 @@ class RolloutConfig:
     eval_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
     eval_n_samples: int = opt(1, "responses per held-out prompt; val/reward is their mean (mean@k)")
     num_cpus: float = opt(1.0, "CPUs reserved for the rollout actor")
+    sglang_mem_fraction: float = opt(0.4, "SGLang: GPU memory fraction for its weights and KV cache")
+    sglang_tp: int = opt(1, "SGLang: tensor-parallel size of each server (one server per group of GPUs)")
 
 
 @dataclass

@@ -111,6 +111,9 @@ class RLTrainer:
         with self.timers("old_logprobs"):
             policy = self.actor.compute_logprobs(batch, with_entropy=True)
             batch["old_logprobs"], batch["entropy"] = policy["logprobs"], policy["entropy"]
+            # how far the rollout engine's log-probs are from Megatron's on the same tokens
+            real = batch["loss_mask"] > 0
+            metrics["rollout/logprob_abs_diff"] = (batch["old_logprobs"] - batch["rollout_logprobs"])[real].abs().mean().item()
         if cfg.algorithm.kl_coef > 0:
             with self.timers("ref_logprobs"):
                 batch.update(self.actor.compute_logprobs(batch, reference=True))  # ref_logprobs

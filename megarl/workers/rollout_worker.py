@@ -14,7 +14,17 @@ def make_engine(cfg: Config, model_path: str, device: str):
         from megarl.rollout.hf import HFRolloutEngine
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         return HFRolloutEngine(model_path, device=device, dtype=dtype, seed=cfg.trainer.seed)
-    raise NotImplementedError(f"rollout.engine={cfg.rollout.engine!r} is not available yet; use rollout.engine=hf")
+    if cfg.rollout.engine == "sglang":
+        import os
+
+        from megarl.rollout.sglang import SGLangRolloutEngine
+        r = cfg.rollout
+        # colocated with the trainer: SGLang gives its KV cache back between rollouts
+        return SGLangRolloutEngine(model_path, tp=r.sglang_tp, colocated=True, mem_fraction=r.sglang_mem_fraction,
+                                   log_dir=cfg.trainer.output_dir,
+                                   verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
+                                   if cfg.trainer.verify_weight_sync else None)
+    raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")
 
 
 class RolloutWorker:
