@@ -49,6 +49,7 @@ class ParallelConfig:
     world_size: int = opt(1, "training ranks (one process each; one GPU each on GPU)")
     tp: int = opt(1, "tensor-parallel size")
     pp: int = opt(1, "pipeline-parallel size")
+    ep: int = opt(1, "expert-parallel size (mixture-of-experts models): experts split over this many DP ranks")
 
     @property
     def dp(self) -> int:
@@ -200,6 +201,8 @@ class Config:
         if p.world_size % (p.tp * p.pp):
             raise ConfigError(f"actor.parallel.world_size={p.world_size} is not divisible by "
                               f"actor.parallel.tp * actor.parallel.pp = {p.tp}*{p.pp}")
+        if p.ep < 1 or p.dp % p.ep:
+            raise ConfigError(f"actor.parallel.ep={p.ep} must be >= 1 and divide the data-parallel size {p.dp}")
         batch = self.data.prompts_per_step * self.rollout.n_samples
         mini = self.actor.mini_batch_size or batch
         if batch % mini:

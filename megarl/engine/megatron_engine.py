@@ -16,7 +16,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -51,8 +50,9 @@ class MegatronEngine:
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.params_dtype = _params_dtype(actor.precision, device)
         config = family.transformer_config(self.hf_config, tp, pp, self.params_dtype,
-                                           use_cpu_initialization=device == "cpu")
-        self.gpt = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                                           use_cpu_initialization=device == "cpu",
+                                           ep=parallel_state.get_expert_model_parallel_world_size())
+        self.gpt = GPTModel(config, family.layer_spec(self.hf_config),
                             pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage(),
                             **family.gpt_model_kwargs(self.hf_config, tp)).to(self.device)

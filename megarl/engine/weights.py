@@ -21,6 +21,7 @@ from safetensors import safe_open
 from megarl.models.sharding import WeightMap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 class SafetensorsCheckpoint:
@@ -53,22 +54,42 @@ def read_hf_config(model_dir: str | Path) -> dict:
 
 
 def global_parameters(gpt) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters of a GPTModel, named with GLOBAL layer indices (PP stages hold a slice
-    of the layers, numbered from 0 locally; layer_number is megatron's 1-based global index)."""
+    """This rank's parameters of a GPTModel, named with GLOBAL layer and expert indices (PP stages hold
+    a slice of the layers, numbered from 0 locally; layer_number is megatron's 1-based global index;
+    EP ranks hold a slice of each MoE layer's experts, local_expert_indices are their global indices)."""
     layers = gpt.decoder.layers if hasattr(gpt, "decoder") else []
     params = {}
     for name, param in gpt.named_parameters():
         match = _LAYER.match(name)
         if match:
-            global_index = layers[int(match.group(1))].layer_number - 1
-            name = f"decoder.layers.{global_index}." + name[match.end():]
+            layer = layers[int(match.group(1))]
+            rest = _EXPERT.sub(lambda e: f".mlp.experts.local_experts.{_global_expert(layer, e)}.",
+                               "." + name[match.end():])
+            name = f"decoder.layers.{layer.layer_number - 1}" + rest
         params[name] = param
     return params
 
 
+def _global_expert(layer, local_match: re.Match) -> int:
+    return layer.mlp.local_expert_indices[int(local_match.group(1))]
+
+
+def _expert_owner(megatron_name: str, num_experts: int | None) -> int | None:
+    """The EP rank holding an expert parameter (named by global expert index); None for the others."""
+    match = _EXPERT.search(megatron_name)
+    if match is None:
+        return None
+    return int(match.group(1)) // (num_experts // parallel_state.get_expert_model_parallel_world_size())
+
+
+def _tp_group_of(megatron_name: str):
+    """Experts are sharded over megatron's expert-TP group, everything else over the TP group."""
+    if _EXPERT.search(megatron_name):
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 def load_hf_weights(gpt, maps: list[WeightMap], checkpoint: SafetensorsCheckpoint) -> None:
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     by_name = {m.megatron: m for m in maps}
     params = global_parameters(gpt)
     unmapped = sorted(set(params) - set(by_name))
@@ -77,7 +98,9 @@ def load_hf_weights(gpt, maps: list[WeightMap], checkpoint: SafetensorsCheckpoin
     with torch.no_grad():
         for name, param in params.items():
             wm = by_name[name]
-            shard = wm.to_shard([checkpoint.read(n) for n in wm.hf], tp_rank, tp_size)
+            group = _tp_group_of(name)
+            shard = wm.to_shard([checkpoint.read(n) for n in wm.hf], dist.get_rank(group),
+                                dist.get_world_size(group))
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: shard from {wm.hf} has shape {tuple(shard.shape)}, "
                                  f"the megatron parameter {tuple(param.shape)}")
@@ -106,22 +129,28 @@ class PipelineLayout:
 def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_shapes: dict[str, tuple],
                       dtype: torch.dtype, device: torch.device, bucket_bytes: int) -> Iterator[list]:
     """Collective over the whole job: every rank must consume the iterator to the end."""
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_size = dist.get_world_size(tp_group)
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    my_ep_rank = parallel_state.get_expert_model_parallel_rank()
+    num_experts = (gpt[0] if isinstance(gpt, (list, tuple)) else gpt).config.num_moe_experts
     params = global_parameters(gpt)
     bucket, bucket_size = [], 0
     for wm in maps:
         if not wm.export:
             continue
         stage = layout.stage_of(wm.megatron)
-        if stage == my_stage:
+        owner = _expert_owner(wm.megatron, num_experts)
+        if stage == my_stage and owner in (None, my_ep_rank):
+            tp_group = _tp_group_of(wm.megatron)
             shard = params[wm.megatron].detach().contiguous()
-            shards = [torch.empty_like(shard) for _ in range(tp_size)]
+            shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(shards, shard, group=tp_group)
             tensors = [t.contiguous() for t in wm.from_shards(shards)]
         else:
             tensors = [torch.empty(hf_shapes[n], dtype=dtype, device=device) for n in wm.hf]
+        if owner is not None and stage == my_stage and dist.get_world_size(ep_group) > 1:
+            for t in tensors:  # from the EP rank holding the expert to the rest of the stage
+                dist.broadcast(t, src=dist.get_global_rank(ep_group, owner), group=ep_group)
         if len(layout.ranks) > 1:
             for t in tensors:
                 dist.broadcast(t, src=layout.ranks[stage], group=layout.group)

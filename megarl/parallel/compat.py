@@ -95,8 +95,11 @@ def install_cpu_compat() -> None:
         raise RuntimeError("install_cpu_compat() is for machines without a GPU; this one has CUDA")
     from megatron.core.tensor_parallel import random as mp_random
 
-    # GlobalMemoryBuffer, p2p_communication and attention ask for the current CUDA device index.
-    torch.cuda.current_device = lambda: 0
+    # GlobalMemoryBuffer, p2p_communication, attention and the MoE token gather/scatter allocate on
+    # device=torch.cuda.current_device(). A CPU device rather than an index: some of those calls run in
+    # autograd's backward pass (megatron's sequence-parallel gather in the MoE allgather dispatcher),
+    # where the TorchFunctionMode below is not active (torch does not carry modes into backward).
+    torch.cuda.current_device = lambda: torch.device("cpu")
     # p2p_communication synchronizes the CUDA stream around pipeline sends; gloo is synchronous.
     torch.cuda.synchronize = lambda device=None: None
     # model_parallel_cuda_manual_seed / get_cuda_rng_tracker() find this tracker already in place.
@@ -105,3 +108,13 @@ def install_cpu_compat() -> None:
     # Entered for the life of the process: megatron's CUDA calls happen deep inside its modules.
     _CudaOnCpuMode().__enter__()
     _installed = True
+
+
+def patch_moe_without_te() -> None:
+    """megatron-core 0.16.1 MoE routers call `te_general_gemm`, a name that moe_utils defines only when
+    TransformerEngine imports (router_gating_linear then fails with NameError without TE, on CPU and GPU
+    alike). Defining it as None selects the plain torch.mm path megatron has for that case."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -37,7 +37,7 @@ class TrainWorker:
 
         p = self.cfg.actor.parallel
         init_parallel(self.rank, p.world_size, master_addr, master_port, p.tp, p.pp, self.device,
-                      self.cfg.trainer.seed)
+                      self.cfg.trainer.seed, ep=p.ep)
         self.engine = MegatronEngine(self.model_path, self.cfg.actor, self.cfg.algorithm, self.device,
                                      self.cfg.trainer.seed, total_steps)
         return {"rank": self.rank, "dp_rank": mpu.get_data_parallel_rank(), "pid": os.getpid(),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from megarl.protocol import Batch
 
@@ -40,8 +40,8 @@ def padded_batch(rows: int = 5, T: int = 12, seed: int = 1) -> Batch:
 
 @torch.no_grad()
 def hf_logprobs_entropy(model_dir: str, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' own Qwen2ForCausalLM: aligned log p(tokens[t] | <t) and entropy, 0 at t=0 / padding."""
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """transformers' own model class for the checkpoint: aligned log p(tokens[t] | <t) and entropy, 0 at t=0 / padding."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens, mask = batch["tokens"], batch["attention_mask"]
     logits = model(input_ids=tokens, attention_mask=mask).logits.float()
     logp = torch.log_softmax(logits[:, :-1], -1)

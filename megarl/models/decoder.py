@@ -1,0 +1,148 @@
+"""The Llama-style decoder shared by every family: RMSNorm, SwiGLU MLP (dense or mixture of experts),
+RoPE, grouped-query attention, optionally tied embeddings, on megatron's GPTModel with the local spec.
+
+A family is a DecoderFamily subclass that switches on what it differs in (q/k/v biases, QK-norm, RoPE
+scaling, experts). Its four methods are what the engine calls:
+  transformer_config(hf, tp, pp, params_dtype, use_cpu_initialization, ep=1) -> TransformerConfig
+  layer_spec(hf) -> megatron ModuleSpec of one decoder layer
+  gpt_model_kwargs(hf, tp) -> keyword arguments of GPTModel (vocab, RoPE, tying)
+  weight_maps(hf, tp) -> [WeightMap]: every megatron parameter, the HF tensors it is made of, and how to
+                         cut its tensor-parallel shard from them and put the shards back
+`hf` is the config.json dict.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megarl.models.sharding import (WeightMap, fused_gate_up, fused_qkv, padded_vocab_size, replicated,
+                                    split_dim, vocab_rows)
+
+
+def head_dim(hf: dict) -> int:
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def rope_parameters(hf: dict) -> dict:
+    """rope_type, rope_theta and the scaling parameters, from either config.json spelling: transformers
+    >= 5 writes `rope_parameters`; older files (the published Llama 3.x, Qwen2.5) `rope_theta` and
+    `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class DecoderFamily:
+    name = "decoder"
+    architectures: tuple[str, ...] = ()  # HF `architectures` entries and `model_type` values it serves
+    qkv_bias = False
+    qk_norm = False
+
+    def __repr__(self) -> str:
+        return f"<model family {self.name}>"
+
+    # --- what a family may override ----------------------------------------------------------
+
+    def check_supported(self, hf: dict) -> None:
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{self.name} with use_sliding_window=true is not supported (full attention only)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{self.name} with hidden_act={hf['hidden_act']!r} is not supported (silu only)")
+        if not self.qkv_bias and hf.get("attention_bias"):
+            raise ValueError(f"{self.name} with attention_bias=true is not supported")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{self.name} with mlp_bias=true is not supported")
+
+    def rope_kwargs(self, hf: dict) -> dict:
+        """GPTModel's RoPE arguments; plain RoPE unless the family overrides this."""
+        params = rope_parameters(hf)
+        if params["rope_type"] != "default":
+            raise ValueError(f"{self.name} with RoPE scaling {params['rope_type']!r} is not supported")
+        return dict(rotary_base=float(params["rope_theta"]))
+
+    def moe_config(self, hf: dict, ep: int) -> dict:
+        """TransformerConfig fields of the experts; dense families have none."""
+        if ep > 1:
+            raise ValueError(f"expert parallelism (EP={ep}) needs a mixture-of-experts model; {self.name} is dense")
+        return {}
+
+    def num_experts(self, hf: dict) -> int | None:
+        return None
+
+    def mlp_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
+        m, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+        return [WeightMap(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), **fused_gate_up()),
+                WeightMap(m + "linear_fc2.weight", (h + "down_proj.weight",), **split_dim(1))]
+
+    # --- the engine's interface ----------------------------------------------------------------
+
+    def transformer_config(self, hf: dict, tp: int, pp: int, params_dtype: torch.dtype,
+                           use_cpu_initialization: bool, ep: int = 1) -> TransformerConfig:
+        self.check_supported(hf)
+        if hf["num_key_value_heads"] % tp:
+            raise ValueError(f"TP={tp} must divide num_key_value_heads={hf['num_key_value_heads']} "
+                             f"(each TP rank holds whole query groups)")
+        if hf["num_hidden_layers"] % pp:
+            raise ValueError(f"PP={pp} must divide num_hidden_layers={hf['num_hidden_layers']}")
+        return TransformerConfig(
+            num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+            num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
+            kv_channels=head_dim(hf), ffn_hidden_size=hf["intermediate_size"],
+            normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"], qk_layernorm=self.qk_norm,
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
+            hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+            # The checkpoint overwrites megatron's random init, but keep it: megatron marks the
+            # tensor-parallel attributes of weights only in its init functions, and the grad norm
+            # (and anything else that tells TP shards from replicas) needs them.
+            use_cpu_initialization=use_cpu_initialization, perform_initialization=True,
+            # Fused kernels are GPU/apex-only; the local spec uses the unfused torch paths.
+            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+            apply_rope_fusion=False, gradient_accumulation_fusion=False,
+            **self.moe_config(hf, ep))
+
+    def layer_spec(self, hf: dict) -> ModuleSpec:
+        return get_gpt_layer_local_spec(num_experts=self.num_experts(hf), qk_layernorm=self.qk_norm,
+                                        normalization="RMSNorm")
+
+    def gpt_model_kwargs(self, hf: dict, tp: int) -> dict:
+        return dict(vocab_size=padded_vocab_size(hf["vocab_size"], tp),
+                    max_sequence_length=hf["max_position_embeddings"], position_embedding_type="rope",
+                    share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings")),
+                    **self.rope_kwargs(hf))
+
+    def weight_maps(self, hf: dict, tp: int) -> list[WeightMap]:
+        """Every megatron parameter (global layer and expert indices) with the HF tensors it is made of."""
+        vocab = vocab_rows(hf["vocab_size"], tp)
+        qkv = fused_qkv(hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf))
+        maps = [WeightMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), **vocab)]
+        for i in range(hf["num_hidden_layers"]):
+            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+            attn, hf_attn = m + "self_attention.", h + "self_attn."
+            maps += [
+                WeightMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), **replicated()),
+                WeightMap(attn + "linear_qkv.weight", tuple(hf_attn + f"{p}_proj.weight" for p in "qkv"), **qkv),
+                WeightMap(attn + "linear_proj.weight", (hf_attn + "o_proj.weight",), **split_dim(1)),
+                WeightMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), **replicated()),
+            ]
+            if self.qkv_bias:
+                maps.append(WeightMap(attn + "linear_qkv.bias", tuple(hf_attn + f"{p}_proj.bias" for p in "qkv"),
+                                      **qkv))
+            if self.qk_norm:
+                # Per-head RMSNorm over head_dim, the same weight for every head: replicated.
+                maps += [WeightMap(attn + "q_layernorm.weight", (hf_attn + "q_norm.weight",), **replicated()),
+                         WeightMap(attn + "k_layernorm.weight", (hf_attn + "k_norm.weight",), **replicated())]
+            maps += self.mlp_maps(hf, tp, i)
+        maps.append(WeightMap("decoder.final_layernorm.weight", ("model.norm.weight",), **replicated()))
+        if hf.get("tie_word_embeddings"):
+            # With PP > 1 the last stage holds its own copy of the embedding as the output layer.
+            maps.append(WeightMap("output_layer.weight", ("model.embed_tokens.weight",), export=False, **vocab))
+        else:
+            maps.append(WeightMap("output_layer.weight", ("lm_head.weight",), **vocab))
+        return maps

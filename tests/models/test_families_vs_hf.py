@@ -1,0 +1,119 @@
+"""Every model family on megatron against transformers on the same checkpoint, in one 2-rank gloo job
+that changes layout in place: TP=2, PP=2, DP=2 and (for Qwen3-MoE) EP=2 with DP=2; and Qwen3-MoE at
+EP=2 x TP=2 and EP=2 x PP=2 on 4 ranks.
+
+Per family and layout: log-probs and entropy equal transformers' (float32, CPU), and the weights
+exported back to HF names are bitwise the checkpoint's. Qwen3-MoE also takes one SFT Adam step at every
+2-rank layout without TP (megatron trains MoE at TP > 1 only with sequence parallelism, which needs
+TransformerEngine); its loss, grad norm and updated weights equal a single-process transformers +
+torch.optim.Adam step: the expert gradients survive megatron's DDP (expert-DP reduction) and grad norm
+(EP reduction) intact.
+"""
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from megarl.algorithms.losses import sft_loss
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
+from tests.dist_utils import run_distributed
+from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
+from tests.models.hf_families import llama_config, qwen3_config, qwen3_moe_config, save_random
+
+LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2))  # (tp, pp, ep) on 2 ranks
+# On 4 ranks: experts split over EP and, within each EP rank, over TP; EP within each pipeline stage.
+EP_LAYOUTS_4 = ((2, 1, 2), (1, 2, 2))
+LR = 1e-2
+# With the default eps (1e-8) Adam's first step is ~lr*sign(grad) and turns float noise in near-zero
+# gradient entries (unhit expert rows) into differences of ~lr; eps=1e-2 keeps the step a smooth
+# function of the gradient (|d step / d grad| <= lr/eps = 1), so the weights compare the gradients.
+ADAM_EPS = 1e-2
+
+
+def _relayout(tp, pp, ep):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(1)
+
+
+def _exported(engine) -> dict:
+    return {name: t for bucket in engine.export_hf_weights(1 << 30) for name, t in bucket}
+
+
+def _check_rank(rank, cases, layouts, train_dir=None):
+    from megatron.core import parallel_state as ps
+
+    from megarl.engine import MegatronEngine
+
+    trained = {}
+    for tp, pp, ep in layouts:
+        _relayout(tp, pp, ep)
+        for name, model_dir, moe, ref_logprobs, ref_entropy in cases:
+            if ep > 1 and not moe:
+                continue
+            engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2), AlgorithmConfig(), "cpu", 1, 10)
+            out = engine.compute_logprobs(padded_batch(), with_entropy=True)
+            where = f"{name} at tp={tp} pp={pp} ep={ep}"
+            torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
+            torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
+            exported, checkpoint = _exported(engine), load_file(f"{model_dir}/model.safetensors")
+            assert sorted(exported) == sorted(checkpoint), where
+            for key, tensor in checkpoint.items():
+                assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
+
+        if train_dir is None or tp > 1:
+            continue  # megatron refuses MoE training at TP > 1 without sequence parallelism (needs TE)
+        actor = ActorConfig(micro_batch_size=2, optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+        engine = MegatronEngine(train_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+        batch = padded_batch(rows=8)
+        share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        metrics = engine.train(share, loss="sft")
+        trained[(tp, pp, ep)] = (metrics, _exported(engine))
+    return trained
+
+
+def _hf_sft_step(model_dir, out_dir):
+    """One SFT Adam step of transformers' model on the whole batch: loss, grad norm, saved weights."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = padded_batch(rows=8)
+    logits = model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["tokens"][:, 1:, None]).squeeze(-1)
+    logprobs = torch.nn.functional.pad(torch.where(batch["attention_mask"][:, 1:] > 0, logp, 0.0), (1, 0))
+    loss = sft_loss(logprobs, batch["loss_mask"], batch["loss_mask"].sum().item())
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())).item()
+    torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS).step()
+    model.save_pretrained(out_dir)  # in the checkpoint's own (per-expert) tensor names
+    return loss.item(), grad_norm, load_file(f"{out_dir}/model.safetensors")
+
+
+def test_every_family_matches_transformers_at_tp_pp_ep(tmp_path):
+    configs = {"llama3-tied": llama_config(tied=True), "llama3": llama_config(tied=False),
+               "qwen3-tied": qwen3_config(tied=True), "qwen3": qwen3_config(tied=False),
+               "qwen3-moe": qwen3_moe_config(tied=False, norm_topk_prob=True),
+               "qwen3-moe-tied-unnormed": qwen3_moe_config(tied=True, norm_topk_prob=False)}
+    cases = []
+    for seed, (name, config) in enumerate(configs.items()):
+        model_dir = save_random(config, tmp_path / name, seed=seed)
+        ref_logprobs, ref_entropy = hf_logprobs_entropy(model_dir, padded_batch())
+        cases.append((name, model_dir, "moe" in name, ref_logprobs, ref_entropy))
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(cases[4][1], tmp_path / "hf-step")
+
+    trained = run_distributed(_check_rank, 2, cases, LAYOUTS, cases[4][1], timeout=240)
+
+    assert sorted(trained) == [(1, 1, 1), (1, 1, 2), (1, 2, 1)]
+    for layout, (metrics, weights) in trained.items():
+        assert abs(metrics["loss"] - ref_loss) < 1e-5 * abs(ref_loss), layout
+        assert abs(metrics["grad_norm"] - ref_grad_norm) < 1e-5 * ref_grad_norm, layout
+        assert sorted(weights) == sorted(ref_weights)
+        for key, tensor in ref_weights.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=1e-5, msg=f"{layout} {key}")
+
+
+def test_qwen3_moe_with_ep_combined_with_tp_or_pp(tmp_path):
+    model_dir = save_random(qwen3_moe_config(tied=False, norm_topk_prob=True), tmp_path / "moe", seed=7)
+    cases = [("qwen3-moe", model_dir, True, *hf_logprobs_entropy(model_dir, padded_batch()))]
+    assert run_distributed(_check_rank, 4, cases, EP_LAYOUTS_4, timeout=240) == {}

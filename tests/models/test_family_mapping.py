@@ -1,0 +1,155 @@
+"""HF <-> megatron weight layout and config translation of the model families: registry, TP shard
+rules, per-family features (Qwen2 biases, Llama 3 RoPE scaling, Qwen3 QK-norm, Qwen3-MoE experts)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from megarl.models import get_family
+from megarl.models.llama import FAMILY as llama
+from megarl.models.qwen2 import FAMILY as qwen2
+from megarl.models.qwen3 import FAMILY as qwen3
+from megarl.models.qwen3_moe import FAMILY as qwen3_moe
+from megarl.models.sharding import fused_gate_up, fused_qkv, padded_vocab_size, vocab_rows
+from tests.models.hf_families import MODEL_CLASSES, llama_config, qwen3_config, qwen3_moe_config
+
+
+def _hf(**overrides):
+    config = Qwen2Config(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"],
+                         **overrides)
+    return config.to_dict()
+
+
+def test_registry_finds_qwen2_and_names_the_supported_ones():
+    assert get_family(_hf()) is qwen2
+    assert get_family({"model_type": "qwen2"}) is qwen2
+    with pytest.raises(ValueError, match=r"MistralForCausalLM.*supports.*Qwen2ForCausalLM"):
+        get_family({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+
+
+def test_qkv_layout_is_grouped_per_query_group_and_round_trips():
+    heads, kv_heads, head_dim, hidden = 4, 2, 3, 5
+    q = torch.arange(heads * head_dim * hidden, dtype=torch.float32).reshape(heads * head_dim, hidden)
+    k = -torch.arange(kv_heads * head_dim * hidden, dtype=torch.float32).reshape(kv_heads * head_dim, hidden) - 1
+    v = k - 1000
+    rule = fused_qkv(heads, kv_heads, head_dim)
+    fused = rule["to_shard"]([q, k, v], 0, 1)
+    # group 0: query heads 0-1, key head 0, value head 0; then group 1.
+    expected = torch.cat([q[:6], k[:3], v[:3], q[6:], k[3:], v[3:]])
+    assert torch.equal(fused, expected)
+    shards = [rule["to_shard"]([q, k, v], r, 2) for r in range(2)]
+    assert torch.equal(shards[1], expected[12:])  # TP rank 1 holds query group 1 whole
+    assert all(torch.equal(a, b) for a, b in zip(rule["from_shards"](shards), (q, k, v)))
+    bias = [q[:, 0].clone(), k[:, 0].clone(), v[:, 0].clone()]
+    assert all(torch.equal(a, b) for a, b in zip(rule["from_shards"]([rule["to_shard"](bias, r, 2) for r in range(2)]), bias))
+
+
+def test_gate_up_shards_hold_their_gate_rows_then_their_up_rows():
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    rule = fused_gate_up()
+    shards = [rule["to_shard"]([gate, up], r, 2) for r in range(2)]
+    assert torch.equal(shards[1], torch.cat([gate[3:], up[3:]]))
+    assert all(torch.equal(a, b) for a, b in zip(rule["from_shards"](shards), (gate, up)))
+
+
+def test_vocab_padding_is_zero_and_dropped_on_the_way_back():
+    assert padded_vocab_size(101, 2) == 102 and padded_vocab_size(100, 4) == 100
+    emb = torch.randn(101, 8)
+    rule = vocab_rows(101, 2)
+    shards = [rule["to_shard"]([emb], r, 2) for r in range(2)]
+    assert shards[1].shape == (51, 8) and torch.equal(shards[1][-1], torch.zeros(8))
+    assert torch.equal(rule["from_shards"](shards)[0], emb)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_maps_cover_every_hf_tensor_once(tied):
+    hf = _hf(tie_word_embeddings=tied)
+    hf_names = set(Qwen2ForCausalLM(Qwen2Config(**hf)).state_dict())
+    if tied:
+        hf_names.discard("lm_head.weight")  # the same tensor as the embedding; not saved
+    exported = [n for m in qwen2.weight_maps(hf, 2) if m.export for n in m.hf]
+    assert sorted(exported) == sorted(hf_names)
+    output = [m for m in qwen2.weight_maps(hf, 2) if m.megatron == "output_layer.weight"][0]
+    assert output.hf == (("model.embed_tokens.weight",) if tied else ("lm_head.weight",))
+
+
+def test_transformer_config_translation_and_errors():
+    hf = _hf(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-5)
+    config = qwen2.transformer_config(hf, tp=2, pp=2, params_dtype=torch.float32, use_cpu_initialization=True)
+    assert (config.num_query_groups, config.kv_channels, config.ffn_hidden_size) == (2, 8, 48)
+    assert config.add_qkv_bias and not config.add_bias_linear and config.gated_linear_unit
+    assert config.normalization == "RMSNorm" and config.layernorm_epsilon == 1e-5
+    kwargs = qwen2.gpt_model_kwargs(hf, tp=2)
+    assert kwargs["vocab_size"] == 102 and kwargs["rotary_base"] == 1e6
+    assert qwen2.gpt_model_kwargs({**hf, "rope_parameters": None, "rope_theta": 5e5}, 1)["rotary_base"] == 5e5
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        qwen2.transformer_config(hf, tp=4, pp=1, params_dtype=torch.float32, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="sliding"):
+        qwen2.transformer_config({**hf, "use_sliding_window": True}, 1, 1, torch.float32, True)
+
+
+
+def test_registry_finds_every_family_by_architecture_or_model_type():
+    for config, family in ((llama_config(True), llama), (qwen3_config(True), qwen3),
+                           (qwen3_moe_config(True, True), qwen3_moe)):
+        hf = config.to_dict()
+        assert get_family(hf) is family and get_family(config) is family
+        assert get_family({"model_type": hf["model_type"]}) is family
+
+
+@pytest.mark.parametrize("make", [lambda t: llama_config(t), lambda t: qwen3_config(t),
+                                  lambda t: qwen3_moe_config(t, True)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_maps_of_every_family_cover_every_checkpoint_tensor_once(make, tied, tmp_path):
+    config = make(tied)
+    family = get_family(config.to_dict())
+    MODEL_CLASSES[config.architectures[0]](config).save_pretrained(tmp_path)
+    saved = set(load_file(f"{tmp_path}/model.safetensors"))  # the per-expert names of the checkpoint files
+    exported = [n for m in family.weight_maps(config.to_dict(), 2) if m.export for n in m.hf]
+    assert sorted(exported) == sorted(saved)
+
+
+def test_llama3_rope_scaling_equals_transformers_frequencies():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = llama_config(tied=False)
+    kwargs = llama.gpt_model_kwargs(config.to_dict(), tp=1)
+    assert kwargs["rope_scaling"] and kwargs["rope_scaling_factor"] == 8.0 and kwargs["rotary_base"] == 5e5
+    ours = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=kwargs["rotary_base"], rope_scaling=True,
+                           rope_scaling_factor=kwargs["rope_scaling_factor"], use_cpu_initialization=True).inv_freq
+    plain = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=5e5, use_cpu_initialization=True).inv_freq
+    torch.testing.assert_close(ours, LlamaRotaryEmbedding(config).inv_freq, rtol=1e-6, atol=0)
+    # kept (high frequencies), smoothed, divided by the factor (the lowest frequency)
+    assert ours[0] == plain[0] and plain[2] / 8 < ours[2] < plain[2] and ours[3] == plain[3] / 8
+    # the published Llama 3.1 config.json spelling
+    old_style = {**config.to_dict(), "rope_parameters": None, "rope_theta": 5e5,
+                 "rope_scaling": {k: v for k, v in config.rope_parameters.items() if k != "rope_theta"}}
+    assert llama.gpt_model_kwargs(old_style, 1) == kwargs
+    other = {**config.to_dict(), "rope_parameters": {**config.rope_parameters, "high_freq_factor": 2.0}}
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        llama.gpt_model_kwargs(other, 1)
+    with pytest.raises(ValueError, match="yarn"):
+        llama.gpt_model_kwargs({**config.to_dict(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 1)
+
+
+def test_qwen3_qk_norm_and_qwen3_moe_router_translation():
+    config = qwen3.transformer_config(qwen3_config(True).to_dict(), 2, 1, torch.float32, True)
+    assert config.qk_layernorm and not config.add_qkv_bias and config.kv_channels == 16
+    assert config.num_moe_experts is None
+    for norm_topk_prob in (True, False):
+        hf = qwen3_moe_config(False, norm_topk_prob).to_dict()
+        config = qwen3_moe.transformer_config(hf, 1, 1, torch.float32, True, ep=2)
+        assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 16)
+        # norm_topk_prob: top-k then softmax over those k; otherwise softmax over all, then top-k.
+        assert config.moe_router_pre_softmax is not norm_topk_prob
+        assert config.moe_aux_loss_coeff == 0 and config.moe_router_load_balancing_type == "none"
+        assert config.expert_model_parallel_size == 2 and config.qk_layernorm
+    with pytest.raises(ValueError, match="EP=3 must divide"):
+        qwen3_moe.transformer_config(hf, 1, 1, torch.float32, True, ep=3)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        qwen3_moe.transformer_config({**hf, "mlp_only_layers": [0]}, 1, 1, torch.float32, True)
+    with pytest.raises(ValueError, match="dense"):
+        qwen3.transformer_config(qwen3_config(True).to_dict(), 1, 1, torch.float32, True, ep=2)
