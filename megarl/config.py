@@ -77,6 +77,14 @@ class ActorConfig:
     mini_batch_size: int = opt(0, "sequences per optimizer step; 0 = the whole step's batch in one update")
     ppo_epochs: int = opt(1, "passes over each step's batch")
     precision: str = opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    use_distributed_optimizer: bool = opt(False, "megatron's distributed optimizer: optimizer state and fp32 main "
+                                                 "weights sharded over data-parallel ranks")
+    max_tokens_per_micro_batch: int = opt(0, "pack whole sequences (no padding) into micro-batches of at most this "
+                                             "many tokens, balanced over DP ranks; 0 = micro_batch_size padded rows")
+    recompute: str = opt("none", "activation recompute: none, full (each layer's activations) or selective "
+                                 "(core attention only)")
+    attention: str = opt("auto", "core attention: auto (sdpa on GPU, local on CPU), sdpa (PyTorch's fused "
+                                 "attention) or local (megatron's unfused DotProductAttention)")
 
 
 @dataclass
@@ -179,6 +187,13 @@ class TrainerConfig:
     ray_address: str = opt("", "Ray cluster to join; empty = start a local one")
     placement: str = opt("pack", "how training ranks spread over Ray nodes: pack, spread or strict_spread "
                                  "(Ray placement-group strategies)")
+    save_every: int = opt(0, "write a checkpoint every N RL steps and after the last one; 0 = never")
+    checkpoint_dir: str = opt("", "where checkpoints go; empty = <output_dir>/checkpoints")
+    resume: str = opt("auto", "auto (the newest complete checkpoint in checkpoint_dir, if any), none, or the path "
+                              "of a checkpoint (or of a directory of checkpoints)")
+    keep_last: int = opt(2, "complete checkpoints kept (older ones are deleted); 0 = keep all")
+    placement: str = opt("pack", "how training ranks spread over Ray nodes: pack, spread or strict_spread "
+                                 "(Ray placement-group strategies)")
 
 
 @dataclass
@@ -233,6 +248,10 @@ class Config:
         if a.kl_target < 0 or a.kl_horizon < 1 or (a.kl_target > 0 and a.kl_coef <= 0):
             raise ConfigError(f"adaptive KL needs algorithm.kl_target >= 0, kl_horizon >= 1 and, when kl_target > 0, "
                               f"an initial kl_coef > 0; got {a.kl_target}, {a.kl_horizon}, {a.kl_coef}")
+        t = self.trainer
+        if t.save_every < 0 or t.keep_last < 0 or not t.resume:
+            raise ConfigError(f"trainer.save_every={t.save_every} and trainer.keep_last={t.keep_last} must be >= 0 "
+                              f"and trainer.resume={t.resume!r} one of auto, none or a path")
         if a.max_sampling_rounds < 1:
             raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
         self._validate_data_and_reward()

@@ -19,6 +19,7 @@ from megarl.config import Config
 from megarl.data.dataset import PromptDataset, sft_batch
 from megarl.data.evaluation import eval_metrics
 from megarl.data.tasks import load_examples
+from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
 from megarl.rollout.base import SamplingParams
@@ -72,24 +73,33 @@ class RLTrainer:
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         self.rollout = start_rollout(cfg, self.model_path, self.device)
         self.version = 0  # policy version = optimizer steps of RL taken so far
+        self.history = {"val/reward": {}}  # held-out reward by step
+        self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
+                                       cfg.trainer.keep_last)
+
 
     # ---- the loop -----------------------------------------------------------------------------------
 
     def fit(self) -> dict:
-        """Warm start, then RL steps with evaluation; returns the held-out reward by step."""
+        """Warm start (or resume), then RL steps with evaluation and checkpoints; returns the held-out
+        reward by step."""
         cfg = self.cfg
-        self.prepare()
-        metrics = self.validate()
-        self.tracker.log(metrics, 0)
-        history = {"val/reward": {0: metrics["val/reward"]}}
-        for step in range(1, cfg.trainer.steps + 1):
+        done = self.resume()
+        if done == 0:
+            self.prepare()
+            metrics = self.validate()
+            self.tracker.log(metrics, 0)
+            self.history["val/reward"][0] = metrics["val/reward"]
+        for step in range(done + 1, cfg.trainer.steps + 1):
             metrics = self.step()
             if step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps:
                 metrics |= self.validate()
-                history["val/reward"][step] = metrics["val/reward"]
+                self.history["val/reward"][step] = metrics["val/reward"]
             self.tracker.log(metrics, step)
+            if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps):
+                self.save_checkpoint(step)
         self.tracker.close()
-        return history
+        return self.history
 
     def prepare(self) -> None:
         if self.cfg.sft.steps:
@@ -125,6 +135,51 @@ class RLTrainer:
         with self.timers("sync"):
             metrics |= self.sync_weights()
         return metrics | self.batch_metrics(batch, time.perf_counter() - start) | self.timers.pop()
+
+    # ---- checkpoints (megarl.engine.checkpoint) -----------------------------------------------------
+
+    def trained_groups(self) -> dict[str, TrainGroup]:
+        """The engines a checkpoint holds (the reward model is frozen: it reloads from its own path)."""
+        return {"actor": self.actor}
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Every engine, then the driver's state, committed atomically as checkpoint `step`."""
+        staging = self.checkpoints.stage(step)
+        for role, group in self.trained_groups().items():
+            group.call("save_checkpoint", str(staging / role))
+        state = {"step": step, "version": self.version, "data": self.data.state_dict(),
+                 "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                 "history": self.history}
+        return self.checkpoints.commit(staging, step, state)
+
+    def resume(self) -> int:
+        """Load the checkpoint trainer.resume names (auto: the newest complete one, if any) into the
+        engines and the driver, and the rollout engine's weights; returns the last step it completed.
+        A checkpoint without driver state (megarl.convert hf-to-megatron) gives initial weights: 0."""
+        path = self.checkpoints.resolve(self.cfg.trainer.resume)
+        if path is None:
+            return 0
+        meta = read_checkpoint_file(path)
+        groups = self.trained_groups()
+        missing = sorted(set(groups) - set(meta["roles"]))
+        if missing and meta["driver"] is not None:
+            raise FileNotFoundError(f"checkpoint {path} holds {meta['roles']}, this run also trains {missing}")
+        for role in set(groups) & set(meta["roles"]):
+            groups[role].call("load_checkpoint", str(path / role))
+        state = meta["driver"]
+        if state is None:
+            return 0
+        self.version = state["version"]
+        self.data.load_state_dict(state["data"])
+        self.sft_data.load_state_dict(state["sft_data"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if self.cfg.algorithm.kl_coef > 0 and not self.cfg.algorithm.kl_in_reward:
+            self.actor.call("set_kl_coef", self.kl_ctl.value)
+        self.history = {name: {int(step): v for step, v in by_step.items()}  # JSON keys are strings
+                        for name, by_step in state["history"].items()}
+        self.sync_weights()
+        print(f"resumed from {path} after step {state['step']}", flush=True)
+        return state["step"]
 
     # ---- one helper per stage -----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms import losses
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.engine import weights
+from megarl.engine import checkpoint, weights
 from megarl.engine.logprobs import vocab_parallel_logprobs
 from megarl.engine.micro_batches import micro_batches
 from megarl.models import get_family
@@ -38,10 +38,12 @@ def _params_dtype(precision: str, device: str) -> torch.dtype:
 
 class MegatronEngine:
     def __init__(self, model_path: str, actor: ActorConfig, algorithm: AlgorithmConfig, device: str,
-                 seed: int, total_steps: int):
+                 seed: int, total_steps: int, load_hf_weights: bool = True):
+        """load_hf_weights=False: model_path needs only config.json; the weights come from a megatron
+        checkpoint loaded next (load_checkpoint), e.g. in megarl.convert."""
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronEngine needs megarl.parallel.state.init_parallel() first")
-        self.actor, self.algorithm = actor, algorithm
+        self.actor, self.algorithm, self.model_path = actor, algorithm, model_path
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.hf_config = weights.read_hf_config(model_path)
         self.vocab_size = self.hf_config["vocab_size"]
@@ -57,16 +59,21 @@ class MegatronEngine:
                             post_process=parallel_state.is_pipeline_last_stage(),
                             **family.gpt_model_kwargs(self.hf_config, tp)).to(self.device)
         self.weight_maps = family.weight_maps(self.hf_config, tp)
-        checkpoint = weights.SafetensorsCheckpoint(model_path)
-        weights.load_hf_weights(self.gpt, self.weight_maps, checkpoint)
-        self.hf_shapes = checkpoint.shapes
+        self.gpts = [self.gpt]  # the model chunks (one without virtual pipeline stages)
         self.layout = weights.PipelineLayout(self.gpt)
+        if load_hf_weights:
+            hf_checkpoint = weights.SafetensorsCheckpoint(model_path)
+            weights.load_hf_weights(self.gpt, self.weight_maps, hf_checkpoint)
+            self.hf_shapes = hf_checkpoint.shapes
+        else:
+            self.hf_shapes = checkpoint.hf_shapes_from_model(self.gpts, self.weight_maps, self.layout)
 
         # The local spec keeps norms in fp32; Float16Module casts the whole model to bf16 (as
         # Megatron's training loop does) and the outputs of the last stage back to fp32.
         module = Float16Module(config, self.gpt) if self.params_dtype == torch.bfloat16 else self.gpt
         self.model = DistributedDataParallel(
-            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                  use_distributed_optimizer=actor.use_distributed_optimizer),
             module)
         # The schedule calls these: DP grad all-reduce (+ tied-embedding grads across PP stages).
         config.finalize_model_grads_func = finalize_model_grads
@@ -77,7 +84,8 @@ class MegatronEngine:
             OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                             clip_grad=o.clip_grad, bf16=self.params_dtype == torch.bfloat16,
-                            params_dtype=self.params_dtype, use_distributed_optimizer=False),
+                            params_dtype=self.params_dtype,
+                            use_distributed_optimizer=actor.use_distributed_optimizer),
             [self.model])
         # Advanced once per policy train() call (one RL step), so warmup/decay count RL steps.
         self.scheduler = OptimizerParamScheduler(
@@ -245,6 +253,17 @@ class MegatronEngine:
             dist.broadcast_object_list(box, src=self.layout.ranks[-1], group=self.layout.group)
             metrics = box[0]
         return metrics
+
+    # ---------------------------------------------------------------------------------------------
+    # Checkpoints (megarl.engine.checkpoint): collective, every rank calls them
+
+    def save_checkpoint(self, directory: str, weights_only: bool = False) -> None:
+        """Model, optimizer, LR scheduler, RNG and the KL reference into a dist checkpoint directory."""
+        checkpoint.save_engine(self, directory, weights_only=weights_only)
+
+    def load_checkpoint(self, directory: str, optimizer: bool = True) -> dict:
+        """Restore from save_checkpoint's directory, at any TP/PP/DP layout; returns its engine.json."""
+        return checkpoint.load_engine(self, directory, optimizer=optimizer)
 
     # ---------------------------------------------------------------------------------------------
     # Weights out

@@ -57,6 +57,14 @@ class TrainWorker:
         """Freeze the current policy as the KL reference (done once, after the warm start)."""
         self.engine.snapshot_reference()
 
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes its part of the engine's dist checkpoint into `directory`."""
+        self.engine.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Every rank loads the engine from `directory` (written at any layout)."""
+        return self.engine.load_checkpoint(directory)
+
     def push_weights(self, rollout, bucket_bytes: int) -> dict | None:
         """Every rank takes part in gathering; rank 0 streams the buckets into the rollout actor."""
         buckets = self.engine.export_hf_weights(bucket_bytes)

@@ -1,0 +1,207 @@
+"""HF model directory <-> megarl (megatron dist) checkpoint.
+
+  python -m megarl.convert hf-to-megatron HF_DIR OUT
+      OUT becomes a weights-only checkpoint (checkpoint.json, actor/{state,hf,engine.json}) that
+      `trainer.resume=OUT` starts from (fresh optimizer, step 0) and that loads at any TP/PP/DP layout.
+  python -m megarl.convert megatron-to-hf CHECKPOINT OUT [--role actor] [--dtype auto]
+      CHECKPOINT is one checkpoint (step_<N>/, or an imported one) or a checkpoint root (its newest
+      complete checkpoint). OUT becomes a HF directory: safetensors (sharded above --max-shard-gb, with
+      an index), config.json and the tokenizer files saved with the checkpoint; transformers loads it.
+
+Both run as one rank (a gloo process group of one on the CPU): dist checkpoints are independent of
+the layout, so a checkpoint written at TP=2 x PP=2 converts the same. Output directories are
+written next to OUT under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+FORMAT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConvertError(ValueError):
+    """A bad input or output path; the message names it."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _single_rank(device: str):
+    """A one-rank megatron job in this process (a process group cannot be started twice per process)."""
+    from megarl.parallel.state import destroy_parallel, init_parallel
+
+    init_parallel(0, 1, "127.0.0.1", _free_port(), tp=1, pp=1, device=device, seed=0)
+    try:
+        yield
+    finally:
+        destroy_parallel()
+
+
+def _check_output(out: Path) -> Path:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConvertError(f"output {out} already exists and is not an empty directory; choose a new path")
+    if not out.parent.is_dir():
+        raise ConvertError(f"the parent directory of the output, {out.parent}, does not exist")
+    return out
+
+
+def _staging(out: Path) -> Path:
+    staging = out.with_name(f".tmp-{out.name}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir()
+    return staging
+
+
+def _check_hf_dir(hf_dir: Path) -> None:
+    from megarl.models import get_family
+
+    if not hf_dir.is_dir():
+        raise ConvertError(f"HF model directory {hf_dir} does not exist")
+    if not (hf_dir / "config.json").exists():
+        raise ConvertError(f"{hf_dir} is not a HF model directory: no config.json")
+    if not any(hf_dir.glob("*.safetensors")):
+        raise ConvertError(f"{hf_dir} has no *.safetensors weights (other weight formats are not read)")
+    try:
+        get_family(json.loads((hf_dir / "config.json").read_text()))
+    except ValueError as e:
+        raise ConvertError(f"{hf_dir}/config.json: {e}") from None
+
+
+def _engine(model_dir: Path, device: str, precision: str, head: str = "lm", load_hf_weights: bool = True):
+    from megarl.config import ActorConfig, AlgorithmConfig
+    from megarl.engine import MegatronEngine
+
+    return MegatronEngine(str(model_dir), ActorConfig(precision=precision), AlgorithmConfig(), device, seed=0,
+                          total_steps=1, load_hf_weights=load_hf_weights, head=head)
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, role: str = "actor", device: str = "cpu") -> Path:
+    """Import a HF model directory as a weights-only checkpoint. Starts a process group: call it in a
+    process that has none (the CLI does)."""
+    from megarl.engine.checkpoint import publish
+
+    hf_dir, out = Path(hf_dir), _check_output(Path(out))
+    _check_hf_dir(hf_dir)
+    with _single_rank(device):
+        engine = _engine(hf_dir, device, precision="auto")
+        staging = _staging(out)
+        engine.save_checkpoint(str(staging / role), weights_only=True)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    publish(staging, out, step=0, driver_state=None)
+    return out
+
+
+def _resolve_checkpoint(path: Path, role: str) -> Path:
+    from megarl.engine.checkpoint import CheckpointError, find_checkpoint, read_checkpoint_file
+
+    try:
+        checkpoint = find_checkpoint(path)
+        roles = read_checkpoint_file(checkpoint)["roles"]
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if role not in roles:
+        raise ConvertError(f"checkpoint {checkpoint} has no role {role!r} (it holds: {', '.join(roles) or 'none'})")
+    if not (checkpoint / role / "hf" / "config.json").exists():
+        raise ConvertError(f"{checkpoint / role} has no hf/config.json: it was not written by megarl")
+    return checkpoint / role
+
+
+def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor", dtype: str = "auto",
+                   max_shard_gb: float = 5.0, device: str = "cpu") -> Path:
+    """Export one engine of a checkpoint as a HF model directory. Starts a process group: call it in a
+    process that has none (the CLI does)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megarl.engine.checkpoint import publish_directory, read_engine_file
+
+    if dtype not in FORMAT_DTYPES:
+        raise ConvertError(f"dtype={dtype!r}: expected one of {', '.join(FORMAT_DTYPES)}")
+    out = _check_output(Path(out))
+    role_dir = _resolve_checkpoint(Path(checkpoint), role)
+    meta = read_engine_file(role_dir)
+    saved_dtype = meta["params_dtype"]
+    target = getattr(torch, saved_dtype if dtype == "auto" else dtype)
+    with _single_rank(device):
+        engine = _engine(role_dir / "hf", device, precision="bf16" if saved_dtype == "bfloat16" else "fp32",
+                         head=meta.get("head", "lm"), load_hf_weights=False)
+        engine.load_checkpoint(str(role_dir), optimizer=False)
+        staging = _staging(out)
+        shards = []
+        for i, bucket in enumerate(engine.export_hf_weights(int(max_shard_gb * (1 << 30)))):
+            name = f"model-{i + 1:05d}.safetensors"
+            save_file({n: t.to(target).contiguous().cpu() for n, t in bucket}, str(staging / name),
+                      metadata={"format": "pt"})
+            shards.append((name, [n for n, _ in bucket], sum(t.numel() * target.itemsize for _, t in bucket)))
+    _name_shards(staging, shards)
+    for path in sorted((role_dir / "hf").iterdir()):
+        shutil.copy2(path, staging / path.name)
+    config = json.loads((staging / "config.json").read_text())
+    config["dtype"] = str(target).removeprefix("torch.")
+    if "torch_dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    publish_directory(staging, out)
+    return out
+
+
+def _name_shards(directory: Path, shards: list[tuple[str, list[str], int]]) -> None:
+    """One file is model.safetensors; several are model-0000i-of-0000N.safetensors plus the index
+    transformers reads to find each tensor."""
+    if len(shards) == 1:
+        (directory / shards[0][0]).rename(directory / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (name, tensors, _) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (directory / name).rename(directory / final)
+        weight_map |= {t: final for t in tensors}
+    index = {"metadata": {"total_size": sum(size for *_, size in shards)}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megarl.convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("hf-to-megatron", help="HF model directory -> weights-only megarl checkpoint")
+    imp.add_argument("hf_dir", type=Path, help="HF model directory (config.json, *.safetensors, tokenizer)")
+    imp.add_argument("out", type=Path, help="new checkpoint directory")
+    exp = sub.add_parser("megatron-to-hf", help="megarl checkpoint -> HF model directory")
+    exp.add_argument("checkpoint", type=Path, help="a checkpoint (step_<N>/) or a directory of checkpoints")
+    exp.add_argument("out", type=Path, help="new HF model directory")
+    exp.add_argument("--dtype", default="auto", choices=FORMAT_DTYPES,
+                     help="dtype of the written weights; auto = the checkpoint's")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    for p in (imp, exp):
+        p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic)")
+        p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "hf-to-megatron":
+            out = hf_to_megatron(args.hf_dir, args.out, args.role, args.device)
+        else:
+            out = megatron_to_hf(args.checkpoint, args.out, args.role, args.dtype, args.max_shard_gb, args.device)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":  # required: megatron's checkpoint writer starts a spawn-context process
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""`python -m megarl.convert`: HF -> megatron checkpoint -> HF is bit-exact; a checkpoint trained at
+TP=2 exports to a directory whose transformers logits equal the engine's; bad paths fail clearly."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.convert import main
+from megarl.engine.checkpoint import write_checkpoint_file
+from tests.dist_utils import run_distributed
+from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def convert(*args) -> None:
+    """The CLI in its own process: it starts a process group, which pytest's process must not hold."""
+    done = subprocess.run([sys.executable, "-m", "megarl.convert", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _train_rank(rank, imported, root):
+    """Start from the imported checkpoint at TP=2, train, save; the trained model's log-probs."""
+    from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
+    from megarl.engine import MegatronEngine
+    from tests.engine.test_checkpoint import save
+
+    actor = ActorConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2))
+    engine = MegatronEngine(str(Path(imported) / "actor" / "hf"), actor, AlgorithmConfig(), "cpu", 1, 10,
+                            load_hf_weights=False)
+    engine.load_checkpoint(str(Path(imported) / "actor"))
+    for _ in range(3):
+        engine.train(padded_batch(rows=8, seed=7), loss="sft")
+    save(engine, Path(root), 3)
+    return engine.compute_logprobs(padded_batch(rows=8, seed=9))["logprobs"]
+
+
+def test_import_train_export_matches_transformers(tmp_path):
+    hf = make_qwen2_dir(tmp_path / "hf", tied=False)
+    convert("hf-to-megatron", hf, tmp_path / "imported")
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "round_trip")
+    original, back = load_file(f"{hf}/model.safetensors"), load_file(tmp_path / "round_trip" / "model.safetensors")
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[n], back[n]) for n in original)
+
+    engine_logprobs = run_distributed(_train_rank, 2, str(tmp_path / "imported"), str(tmp_path / "ckpt"), tp=2)
+    # the checkpoint root: its newest complete checkpoint is exported, in shards of at most ~20 KB
+    convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "trained", "--max-shard-gb", 2e-5)
+    trained = tmp_path / "trained"
+    index = json.loads((trained / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(original)
+    assert json.loads((trained / "config.json").read_text())["dtype"] == "float32"
+    batch = padded_batch(rows=8, seed=9)
+    hf_trained, _ = hf_logprobs_entropy(str(trained), batch)
+    hf_original, _ = hf_logprobs_entropy(hf, batch)
+    torch.testing.assert_close(hf_trained, engine_logprobs, rtol=0, atol=1e-5)
+    assert (hf_trained - hf_original).abs().max() > 1e-2  # the export holds the trained weights
+
+
+def test_bad_paths_fail_with_a_message(tmp_path, capsys):
+    def error(*argv) -> str:
+        assert main([str(a) for a in argv]) == 2
+        return capsys.readouterr().err
+
+    hf = make_qwen2_dir(tmp_path / "hf", tied=True)
+    assert "does not exist" in error("hf-to-megatron", tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    assert "no config.json" in error("hf-to-megatron", tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text((Path(hf) / "config.json").read_text())
+    assert "no *.safetensors" in error("hf-to-megatron", tmp_path / "config_only", tmp_path / "out")
+    assert "not an empty directory" in error("hf-to-megatron", hf, tmp_path / "config_only")
+
+    assert "does not exist" in error("megatron-to-hf", tmp_path / "nowhere", tmp_path / "out")
+    assert "neither a checkpoint" in error("megatron-to-hf", hf, tmp_path / "out")
+    critic_only = tmp_path / "critic_only"
+    critic_only.mkdir()
+    write_checkpoint_file(critic_only, 5, ["critic"], None)
+    assert "has no role 'actor' (it holds: critic)" in error("megatron-to-hf", critic_only, tmp_path / "out")
+    with pytest.raises(SystemExit):  # argparse: an unknown command
+        main(["hf-to-hf", hf, str(tmp_path / "out")])
