@@ -58,6 +58,13 @@ elif [ "$role" != wait ] && { [ -z "$ip" ] || [ "$ip" = auto ]; }; then
   ip=$(megarl_node_ip)
 fi
 
+# Each node's dashboard agent gets a port of its own: several nodes on one host (tests, shared
+# machines) would otherwise race for Ray's fixed default, and the loser serves no jobs.
+if [ "$role" != wait ]; then
+  agent_port=${MEGARL_AGENT_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
+  node_args+=("--dashboard-agent-listen-port=$agent_port")
+fi
+
 case "$role" in
   head)
     exec ray start --head --node-ip-address="$ip" --port="$port" \

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -47,6 +48,20 @@ def ray_cli(args: list[str], env, timeout: float) -> subprocess.CompletedProcess
     return subprocess.run(["ray", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def wait_for_job_server(dashboard: str, token: str, timeout: float = 90) -> None:
+    """The dashboard starts a little after `ray_cluster.sh wait` sees the nodes."""
+    request = urllib.request.Request(f"{dashboard}/api/jobs/", headers={"Authorization": f"Bearer {token}"})
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(request, timeout=10)
+            return
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 def test_recipe_spans_two_ray_nodes(short_tmp):
     gcs_port, dash_port = free_port(), free_port()
     head_address = f"{node_ip()}:{gcs_port}"
@@ -72,6 +87,7 @@ def test_recipe_spans_two_ray_nodes(short_tmp):
             # the token made for this cluster is readable by its owner only
             assert token_file.stat().st_mode & 0o777 == 0o600
             token = token_file.read_text()
+            wait_for_job_server(dashboard, token)
             request = urllib.request.Request(f"{dashboard}/api/jobs/")
             try:
                 urllib.request.urlopen(request, timeout=10)
@@ -81,9 +97,13 @@ def test_recipe_spans_two_ray_nodes(short_tmp):
             request.add_header("Authorization", f"Bearer {token}")
             assert urllib.request.urlopen(request, timeout=10).status == 200
 
-            job = ray_cli(["job", "submit", "--address", dashboard, "--",
-                           "bash", str(ROOT / "scripts" / "ray_job.sh"), *TINY_RUN, *SPREAD_RUN,
-                           f"trainer.output_dir={short_tmp / 'run'}"], env, timeout=300)
+            submit = ["job", "submit", "--address", dashboard, "--", "bash", str(ROOT / "scripts" / "ray_job.sh"),
+                      *TINY_RUN, *SPREAD_RUN, f"trainer.output_dir={short_tmp / 'run'}"]
+            for _ in range(12):  # the head's job agent registers a little after the HTTP server answers
+                job = ray_cli(submit, env, timeout=300)
+                if "No available agent" not in job.stderr:
+                    break
+                time.sleep(5)
             assert job.returncode == 0 and "succeeded" in job.stdout, (job.stdout[-4000:], job.stderr[-2000:])
             assert "held-out reward" in job.stdout
 
