@@ -1,5 +1,5 @@
-"""`python -m megarl.convert`: HF -> megatron checkpoint -> HF is bit-exact; a checkpoint trained at
-TP=2 exports to a directory whose transformers logits equal the engine's; bad paths fail clearly."""
+"""`python -m megarl.convert`: an imported HF model loads bit-exact at TP=2; the checkpoint trained
+from it exports to a directory whose transformers logits equal the engine's; bad paths fail clearly."""
 
 import json
 import subprocess
@@ -26,7 +26,8 @@ def convert(*args) -> None:
 
 
 def _train_rank(rank, imported, root):
-    """Start from the imported checkpoint at TP=2, train, save; the trained model's log-probs."""
+    """Start from the imported checkpoint at TP=2, train, save: the imported weights (as HF tensors) and
+    the trained model's log-probs."""
     from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
     from megarl.engine import MegatronEngine
     from tests.engine.test_checkpoint import save
@@ -35,21 +36,21 @@ def _train_rank(rank, imported, root):
     engine = MegatronEngine(str(Path(imported) / "actor" / "hf"), actor, AlgorithmConfig(), "cpu", 1, 10,
                             load_hf_weights=False)
     engine.load_checkpoint(str(Path(imported) / "actor"))
+    imported_weights = {n: t.clone() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
     for _ in range(3):
         engine.train(padded_batch(rows=8, seed=7), loss="sft")
     save(engine, Path(root), 3)
-    return engine.compute_logprobs(padded_batch(rows=8, seed=9))["logprobs"]
+    return imported_weights, engine.compute_logprobs(padded_batch(rows=8, seed=9))["logprobs"]
 
 
 def test_import_train_export_matches_transformers(tmp_path):
     hf = make_qwen2_dir(tmp_path / "hf", tied=False)
     convert("hf-to-megatron", hf, tmp_path / "imported")
-    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "round_trip")
-    original, back = load_file(f"{hf}/model.safetensors"), load_file(tmp_path / "round_trip" / "model.safetensors")
-    assert original.keys() == back.keys()
-    assert all(torch.equal(original[n], back[n]) for n in original)
-
-    engine_logprobs = run_distributed(_train_rank, 2, str(tmp_path / "imported"), str(tmp_path / "ckpt"), tp=2)
+    imported, engine_logprobs = run_distributed(_train_rank, 2, str(tmp_path / "imported"), str(tmp_path / "ckpt"),
+                                                tp=2)
+    original = load_file(f"{hf}/model.safetensors")
+    assert original.keys() == imported.keys()
+    assert all(torch.equal(original[n], imported[n]) for n in original)  # the import is exact
     # the checkpoint root: its newest complete checkpoint is exported, in shards of at most ~20 KB
     convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "trained", "--max-shard-gb", 2e-5)
     trained = tmp_path / "trained"
