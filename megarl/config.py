@@ -50,6 +50,9 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel size")
     pp: int = opt(1, "pipeline-parallel size")
     ep: int = opt(1, "expert-parallel size (mixture-of-experts models): experts split over this many DP ranks")
+    vpp: int = opt(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B, needs pp > 1); 1 = off")
+    cp: int = opt(1, "context-parallel size (needs TransformerEngine)")
+    sequence_parallel: bool = opt(False, "sequence parallelism over the TP group (needs TransformerEngine)")
 
     @property
     def dp(self) -> int:
@@ -85,6 +88,20 @@ class ActorConfig:
                                  "(core attention only)")
     attention: str = opt("auto", "core attention: auto (sdpa on GPU, local on CPU), sdpa (PyTorch's fused "
                                  "attention) or local (megatron's unfused DotProductAttention)")
+
+
+@dataclass
+class CriticConfig(ActorConfig):
+    path: str = opt("", "the critic's HF directory; empty = the policy's (model.path) with a zero-initialised "
+                        "value head")
+    value_clip: float = opt(0.5, "PPO value clipping: new values stay within this of the values before the step; "
+                                 "0 = no clipping")
+
+
+@dataclass
+class RewardModelConfig(ActorConfig):
+    path: str = opt("", "reward model HF directory (a value head, score.weight, read at the last token); empty = "
+                        "the rule reward (reward.name)")
 
 
 @dataclass
@@ -150,7 +167,6 @@ class DataConfig:
                                       "error that names the file and row")
 
 
-
 @dataclass
 class RewardConfig:
     name: str = opt("", "reward function: registry name (gsm8k, gsm8k_flexible, math, countdown, code, remote, "
@@ -162,7 +178,6 @@ class RewardConfig:
     remote_retries: int = opt(3, "remote reward: retries after a connection error, a timeout or a 5xx/429 answer")
     code_timeout_s: float = opt(5.0, "code reward: wall-clock limit of one test run in the sandbox")
     code_memory_mb: int = opt(1024, "code reward: address-space limit of one test run in the sandbox")
-
 
 
 @dataclass
@@ -192,8 +207,6 @@ class TrainerConfig:
     resume: str = opt("auto", "auto (the newest complete checkpoint in checkpoint_dir, if any), none, or the path "
                               "of a checkpoint (or of a directory of checkpoints)")
     keep_last: int = opt(2, "complete checkpoints kept (older ones are deleted); 0 = keep all")
-    placement: str = opt("pack", "how training ranks spread over Ray nodes: pack, spread or strict_spread "
-                                 "(Ray placement-group strategies)")
 
 
 @dataclass
@@ -204,10 +217,13 @@ class Config:
     rollout: RolloutConfig = section(RolloutConfig, "generation")
     data: DataConfig = section(DataConfig, "prompts")
     reward: RewardConfig = section(RewardConfig, "reward")
+    critic: CriticConfig = section(CriticConfig, "the critic (algorithm.advantage=gae): its own layout and optimizer")
+    reward_model: RewardModelConfig = section(RewardModelConfig, "a reward model (used when reward_model.path is set)")
     sft: SFTConfig = section(SFTConfig, "supervised warm start")
     trainer: TrainerConfig = section(TrainerConfig, "the loop")
 
     def validate(self) -> "Config":
+        self._validate_engine_options()
         p = self.actor.parallel
         for key, value in (("actor.parallel.world_size", p.world_size), ("actor.parallel.tp", p.tp),
                            ("actor.parallel.pp", p.pp)):
@@ -279,6 +295,27 @@ class Config:
                            ("reward.code_timeout_s", r.code_timeout_s), ("reward.code_memory_mb", r.code_memory_mb)):
             if value <= 0:
                 raise ConfigError(f"{key}={value}: must be > 0")
+
+    def _validate_engine_options(self) -> None:
+        """Each training role's layout and engine options (the actor's batch sizes are checked below)."""
+        roles = {"actor": self.actor, "critic": self.critic, "reward_model": self.reward_model}
+        for role, section_ in roles.items():
+            p = section_.parallel
+            for key, value in (("vpp", p.vpp), ("cp", p.cp), ("world_size", p.world_size), ("tp", p.tp),
+                               ("pp", p.pp)):
+                if value < 1:
+                    raise ConfigError(f"{role}.parallel.{key}={value}: must be >= 1")
+            if section_.max_tokens_per_micro_batch < 0:
+                raise ConfigError(f"{role}.max_tokens_per_micro_batch={section_.max_tokens_per_micro_batch}: "
+                                  "must be >= 0")
+            if p.vpp > 1 and p.pp < 2:
+                raise ConfigError(f"{role}.parallel.vpp={p.vpp} needs {role}.parallel.pp > 1")
+            if p.world_size % (p.tp * p.pp):
+                raise ConfigError(f"{role}.parallel.world_size={p.world_size} is not divisible by "
+                                  f"{role}.parallel.tp * {role}.parallel.pp = {p.tp}*{p.pp}")
+            for key, allowed in (("recompute", ("none", "full", "selective")), ("attention", ("auto", "sdpa", "local"))):
+                if getattr(section_, key) not in allowed:
+                    raise ConfigError(f"{role}.{key}={getattr(section_, key)!r}: must be one of {', '.join(allowed)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -71,12 +71,16 @@ class RLTrainer:
         self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())
         self.timers = Timers()
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
+        # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
+        self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, cfg.trainer.steps, "critic")
+                       if cfg.algorithm.advantage == "gae" else None)
+        self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
+                             if cfg.reward_model.path else None)
         self.rollout = start_rollout(cfg, self.model_path, self.device)
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
                                        cfg.trainer.keep_last)
-
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -112,6 +116,10 @@ class RLTrainer:
         """One RL step: the whole algorithm, stage by stage."""
         cfg, start = self.cfg, time.perf_counter()
         batch, metrics = self.sample_batch()  # generate and score (DAPO dynamic sampling, ReMax baseline)
+        if self.reward_model is not None:  # the model's score replaces the rule reward, which is logged
+            with self.timers("reward_model"):
+                metrics["train/rule_reward"] = batch["rewards"].mean().item()
+                batch["rewards"] = self.reward_model.compute_rewards(batch)["rewards"]
         a = cfg.algorithm
         if a.overlong_buffer_len:
             penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), cfg.rollout.max_new_tokens,
@@ -127,8 +135,13 @@ class RLTrainer:
         if cfg.algorithm.kl_coef > 0:
             with self.timers("ref_logprobs"):
                 batch.update(self.actor.compute_logprobs(batch, reference=True))  # ref_logprobs
+        if self.critic is not None:
+            with self.timers("values"):
+                batch.update(self.critic.compute_values(batch))  # values, GAE's baseline
         batch = compute_advantages(batch, dataclasses.replace(a, kl_coef=self.kl_ctl.value))
         with self.timers("train"):
+            if self.critic is not None:  # on the returns GAE left in the batch
+                metrics |= {f"critic/{k}": v for k, v in self.critic.train(batch, loss="value").items()}
             metrics |= {f"train/{k}": v for k, v in self.actor.train(batch).items()}
         metrics |= self.update_kl_coef(batch, metrics)
         self.version += 1
@@ -140,7 +153,7 @@ class RLTrainer:
 
     def trained_groups(self) -> dict[str, TrainGroup]:
         """The engines a checkpoint holds (the reward model is frozen: it reloads from its own path)."""
-        return {"actor": self.actor}
+        return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
 
     def save_checkpoint(self, step: int) -> Path:
         """Every engine, then the driver's state, committed atomically as checkpoint `step`."""
@@ -286,4 +299,7 @@ class RLTrainer:
 
     def shutdown(self) -> None:
         self.actor.shutdown()
+        for group in (self.critic, self.reward_model):
+            if group is not None:
+                group.shutdown()
         ray.kill(self.rollout)

@@ -217,3 +217,38 @@ def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, m
 def sft_loss(logprobs: Tensor, mask: Tensor, total_tokens: float) -> Tensor:
     """Negative log-likelihood of the masked tokens, as a contribution to the token mean."""
     return -token_mean(logprobs.float(), mask, total_tokens, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Critic and reward model
+
+
+def value_loss(values: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig, clip: float, total_tokens: float,
+               total_seqs: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2) with V_clip = V_old + clamp(V - V_old,
+    -clip, clip), R = mb['returns'], V_old = mb['values'] (the critic before this step); clip <= 0: no
+    clipping. Reduced with cfg.loss_agg; metrics 'vf_loss', 'vf_clipfrac' (tokens where the clipped term is
+    the larger), 'vpred' (mean predicted value)."""
+    mask = mb["loss_mask"]
+    returns, old = mb["returns"].float(), mb["values"].float()
+    values = values.float()
+    squared_error = (values - returns) ** 2
+    if clip > 0:
+        clipped_error = (old + (values - old).clamp(-clip, clip) - returns) ** 2
+        per_token = 0.5 * torch.maximum(squared_error, clipped_error)
+        clipfrac = (clipped_error > squared_error).float()
+    else:
+        per_token, clipfrac = 0.5 * squared_error, torch.zeros_like(values)
+    loss = aggregate(per_token, mask, cfg.loss_agg, total_tokens, total_seqs, cfg)
+    return loss, {"vf_loss": loss.detach(),
+                  "vf_clipfrac": token_mean(clipfrac, mask, total_tokens, total_seqs),
+                  "vpred": token_mean(values.detach(), mask, total_tokens, total_seqs)}
+
+
+def bradley_terry_loss(chosen: Tensor, rejected: Tensor, total_pairs: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Reward-model loss on preference pairs: -log sigmoid(r_chosen - r_rejected), as a contribution to the
+    mean over all pairs; metrics 'accuracy' (r_chosen > r_rejected) and 'margin' (mean r_chosen - r_rejected)."""
+    margin = chosen.float() - rejected.float()
+    loss = -torch.nn.functional.logsigmoid(margin).sum() / total_pairs
+    return loss, {"accuracy": (margin > 0).float().sum() / total_pairs,
+                  "margin": margin.detach().sum() / total_pairs}

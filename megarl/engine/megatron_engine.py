@@ -8,6 +8,7 @@ calls; each DP rank passes its own share of the batch, identical across its TP/P
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from functools import partial
 from typing import Callable, Iterator
 
@@ -23,11 +24,40 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms import losses
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.engine import checkpoint, weights
+from megarl.engine import checkpoint, offload, weights
+from megarl.engine.attention import check_parallel_support, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs
-from megarl.engine.micro_batches import micro_batches
+from megarl.engine.packing import (align_to_tokens, block_causal_mask, empty_micro_batch, next_tokens,
+                                   pack_micro_batches, reset_rotary_positions, unpack)
+from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
 from megarl.models import get_family
 from megarl.protocol import Batch
+
+
+# train(loss=...) -> the head it needs
+LOSSES = {"policy": "lm", "sft": "lm", "value": "value", "bradley_terry": "value"}
+
+
+def _with_engine_options(config, actor: ActorConfig):
+    """The family's TransformerConfig plus the engine's own options: virtual pipeline, recompute."""
+    options = {}
+    if actor.parallel.vpp > 1:
+        layers_per_chunk = config.num_layers / (config.pipeline_model_parallel_size * actor.parallel.vpp)
+        if layers_per_chunk != int(layers_per_chunk):
+            raise ValueError(f"pp * vpp = {config.pipeline_model_parallel_size} * {actor.parallel.vpp} must divide "
+                             f"the {config.num_layers} layers")
+        options["virtual_pipeline_model_parallel_size"] = actor.parallel.vpp
+        # Measured: on gloo, the interleaved schedule's batched isend/irecv hands later micro-batches the
+        # activations of earlier ones (training only); one-by-one p2p ops are correct. NCCL batches fine.
+        if dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == "gloo":
+            options["batch_p2p_comm"] = False
+    if actor.recompute == "full":
+        options |= dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif actor.recompute == "selective":
+        options |= dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif actor.recompute != "none":
+        raise ValueError(f"recompute={actor.recompute!r}: expected none, full or selective")
+    return dataclasses.replace(config, **options) if options else config
 
 
 def _params_dtype(precision: str, device: str) -> torch.dtype:
@@ -38,9 +68,16 @@ def _params_dtype(precision: str, device: str) -> torch.dtype:
 
 class MegatronEngine:
     def __init__(self, model_path: str, actor: ActorConfig, algorithm: AlgorithmConfig, device: str,
-                 seed: int, total_steps: int, load_hf_weights: bool = True):
+                 seed: int, total_steps: int, load_hf_weights: bool = True, head: str = "lm",
+                 trainable: bool = True):
         """load_hf_weights=False: model_path needs only config.json; the weights come from a megatron
-        checkpoint loaded next (load_checkpoint), e.g. in megarl.convert."""
+        checkpoint loaded next (load_checkpoint), e.g. in megarl.convert.
+        head='value': a scalar value head instead of the LM head (critic, reward model: value_head.py).
+        trainable=False: no DDP, optimizer or gradients (a frozen reference or a scoring reward model).
+        `actor` is the role's section (ActorConfig, CriticConfig, RewardModelConfig)."""
+        if head not in ("lm", "value"):
+            raise ValueError(f"head={head!r}: expected 'lm' or 'value'")
+        self.head, self.trainable = head, trainable
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronEngine needs megarl.parallel.state.init_parallel() first")
         self.actor, self.algorithm, self.model_path = actor, algorithm, model_path
@@ -54,30 +91,51 @@ class MegatronEngine:
         config = family.transformer_config(self.hf_config, tp, pp, self.params_dtype,
                                            use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size())
-        self.gpt = GPTModel(config, family.layer_spec(self.hf_config),
-                            pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage(),
-                            **family.gpt_model_kwargs(self.hf_config, tp)).to(self.device)
+        check_parallel_support(actor.parallel.cp, actor.parallel.sequence_parallel)
+        config = _with_engine_options(config, actor)
+        self.core_attention = resolve_core_attention(actor.attention, device)
+        spec = with_core_attention(family.layer_spec(self.hf_config), self.core_attention)
+        gpt_kwargs = family.gpt_model_kwargs(self.hf_config, tp)
+        if head == "value":
+            gpt_kwargs["share_embeddings_and_output_weights"] = False
+        self.gpts = self._build_chunks(config, spec, gpt_kwargs)
+        self.gpt = self.gpts[0]  # the whole model unless actor.parallel.vpp > 1 (then use self.gpts)
         self.weight_maps = family.weight_maps(self.hf_config, tp)
-        self.gpts = [self.gpt]  # the model chunks (one without virtual pipeline stages)
-        self.layout = weights.PipelineLayout(self.gpt)
+        if head == "value":
+            self.weight_maps = value_weight_maps(self.weight_maps)
+        self.layout = weights.PipelineLayout(self.gpts)
         if load_hf_weights:
             hf_checkpoint = weights.SafetensorsCheckpoint(model_path)
-            weights.load_hf_weights(self.gpt, self.weight_maps, hf_checkpoint)
+            if head == "value":
+                hf_checkpoint = WithValueHead(hf_checkpoint, config.hidden_size)
+            for gpt in self.gpts:
+                weights.load_hf_weights(gpt, self.weight_maps, hf_checkpoint)
             self.hf_shapes = hf_checkpoint.shapes
         else:
             self.hf_shapes = checkpoint.hf_shapes_from_model(self.gpts, self.weight_maps, self.layout)
 
         # The local spec keeps norms in fp32; Float16Module casts the whole model to bf16 (as
         # Megatron's training loop does) and the outputs of the last stage back to fp32.
-        module = Float16Module(config, self.gpt) if self.params_dtype == torch.bfloat16 else self.gpt
-        self.model = DistributedDataParallel(
+        modules = [Float16Module(config, gpt) if self.params_dtype == torch.bfloat16 else gpt for gpt in self.gpts]
+        self._forward_backward = get_forward_backward_func(pp_size=pp, vp_size=actor.parallel.vpp
+                                                           if actor.parallel.vpp > 1 else None)
+        self._reference: list[torch.Tensor] | None = None
+        self._offloaded: offload.HostCopies | None = None
+        self.step_count = 0
+        if not trainable:
+            for module in modules:
+                module.requires_grad_(False)
+            self.models, self.model, self.optimizer, self.scheduler = modules, modules[0], None, None
+            return
+        # One DDP per virtual-pipeline chunk; only the first buckets its grads (as megatron's training does).
+        self.models = [DistributedDataParallel(
             config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                   use_distributed_optimizer=actor.use_distributed_optimizer),
-            module)
+            module, disable_bucketing=i > 0) for i, module in enumerate(modules)]
+        self.model = self.models[0]  # the whole model unless actor.parallel.vpp > 1 (then use self.models)
         # The schedule calls these: DP grad all-reduce (+ tied-embedding grads across PP stages).
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = self.model.no_sync
+        config.no_sync_func = [m.no_sync for m in self.models] if len(self.models) > 1 else self.model.no_sync
 
         o = actor.optim
         self.optimizer = get_megatron_optimizer(
@@ -86,16 +144,31 @@ class MegatronEngine:
                             clip_grad=o.clip_grad, bf16=self.params_dtype == torch.bfloat16,
                             params_dtype=self.params_dtype,
                             use_distributed_optimizer=actor.use_distributed_optimizer),
-            [self.model])
+            self.models)
         # Advanced once per policy train() call (one RL step), so warmup/decay count RL steps.
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
             lr_decay_steps=max(total_steps, o.warmup_steps + 1), lr_decay_style=o.decay_style,
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant")
-        self._forward_backward = get_forward_backward_func()
-        self._reference: list[torch.Tensor] | None = None
-        self.step_count = 0
+
+    def _build_chunks(self, config, spec, gpt_kwargs: dict) -> list[GPTModel]:
+        """This rank's GPTModel, or its actor.parallel.vpp virtual-pipeline chunks (interleaved layers)."""
+        vpp = self.actor.parallel.vpp
+        # megatron's tied-embedding and grad-finalising code reads the virtual size from parallel_state.
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+        chunks = []
+        for stage in range(vpp):
+            vp_stage = stage if vpp > 1 else None
+            gpt = GPTModel(config, spec, vp_stage=vp_stage,
+                           pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                           post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                           **gpt_kwargs).to(self.device)
+            reset_rotary_positions(gpt)
+            if self.head == "value":
+                attach_value_head(gpt, config.hidden_size, self.params_dtype, self.device)
+            chunks.append(gpt)
+        return chunks
 
     @property
     def version(self) -> int:
@@ -105,34 +178,76 @@ class MegatronEngine:
     # ---------------------------------------------------------------------------------------------
     # Forward
 
+    def _micro_batches(self, batch: Batch, keys: list[str], group_size: int = 1) -> list[dict]:
+        """Packed (actor.max_tokens_per_micro_batch > 0) or padded micro-batches (packing.py); with virtual
+        pipeline stages their number is made a multiple of PP with empty ones, as the interleaved schedule needs."""
+        mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
+                                 self.actor.max_tokens_per_micro_batch, group_size)
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if len(self.models) > 1:
+            mbs += [empty_micro_batch(mbs[0]) for _ in range(-len(mbs) % pp)]
+        return mbs
+
+    def _attention_mask(self, mb: dict):
+        """SDPA runs causal (flash) unless a row holds several sequences; megatron's own attention always
+        takes the explicit mask."""
+        if self.core_attention == "sdpa" and not mb["packed"]:
+            return None
+        return block_causal_mask(mb["doc_ids"])
+
     def _run_schedule(self, mbs: list[dict], loss_fn: Callable, forward_only: bool) -> list:
         """megatron's schedule over the micro-batches; the loss_fn outputs (last stage only)."""
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["tokens"], mb["position_ids"], mb["attn_mask"])
+            output = model(mb["tokens"], mb["position_ids"], self._attention_mask(mb))
             return output, partial(loss_fn, mb)
 
+        # The interleaved schedule runs each chunk over every micro-batch: one iterator per chunk.
+        data = [iter(mbs) for _ in self.models] if len(self.models) > 1 else iter(mbs)
         return self._forward_backward(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+            forward_step_func=forward_step, data_iterator=data, model=self.models,
             num_microbatches=len(mbs), seq_length=mbs[0]["tokens"].shape[1],
             micro_batch_size=mbs[0]["tokens"].shape[0], forward_only=forward_only)
 
     def _aligned_logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool):
-        """[b, T] log p(tokens[t] | tokens[<t]) (and entropy of that distribution), 0 at t=0 and padding."""
-        logprobs, entropy = vocab_parallel_logprobs(logits[:, :-1], mb["tokens"][:, 1:], self.vocab_size,
-                                                    with_entropy)
-        real = mb["attention_mask"][:, 1:] > 0
+        """Per sequence [S, T]: log p(tokens[t] | tokens[<t]) (and the entropy of that distribution), 0 at
+        t=0 and padding."""
+        self._require_head("lm")
+        logprobs, entropy = vocab_parallel_logprobs(logits, next_tokens(mb["tokens"]), self.vocab_size, with_entropy)
+        return (align_to_tokens(unpack(logprobs, mb), mb),
+                None if entropy is None else align_to_tokens(unpack(entropy, mb), mb))
 
-        def align(x):
-            return None if x is None else torch.nn.functional.pad(torch.where(real, x, 0.0), (1, 0))
+    def _aligned_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
+        """Per sequence [S, T]: V(tokens[<t]), the value of the state in which token t is generated (the
+        layout of log-probs and of GAE's values), 0 at t=0 and padding."""
+        self._require_head("value")
+        return align_to_tokens(unpack(output[..., 0].float(), mb), mb)
 
-        return align(logprobs), align(entropy)
+    def _last_token_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
+        """Per sequence [S]: the value head read at the sequence's last token (a reward model's score)."""
+        self._require_head("value")
+        values = unpack(output[..., 0].float(), mb)
+        positions = torch.arange(values.shape[1], device=values.device)
+        last = (positions * (mb["attention_mask"] > 0)).max(1).values
+        return values[torch.arange(len(values), device=values.device), last]
+
+    def _require_head(self, head: str) -> None:
+        if self.head != head:
+            raise ValueError(f"this engine has head={self.head!r}; the call needs head={head!r} "
+                             "(log-probs: 'lm'; values and rewards: 'value')")
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.models for p in m.parameters()]
+
+    def _set_mode(self, training: bool) -> None:
+        for m in self.models:
+            m.train(training)
 
     @contextlib.contextmanager
     def _reference_weights(self):
         if self._reference is None:
             raise RuntimeError("no reference policy: call snapshot_reference() first")
-        params = list(self.model.parameters())
+        params = self._parameters()
         current = [p.detach().clone() for p in params]
         with torch.no_grad():
             for p, ref in zip(params, self._reference):
@@ -146,36 +261,68 @@ class MegatronEngine:
 
     def snapshot_reference(self) -> None:
         """Keep a copy of the current weights as the frozen KL reference policy."""
-        self._reference = [p.detach().clone() for p in self.model.parameters()]
+        self._reference = [p.detach().clone() for p in self._parameters()]
 
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
         """'logprobs' (or 'ref_logprobs' with reference=True) and optionally 'entropy', [B, T] float32,
         the same on every rank of the model-parallel group."""
-        self.model.eval()
-        mbs = micro_batches(batch, [], self.actor.micro_batch_size, self.device)
-
-        def loss_fn(mb, logits):
+        def outputs(mb, logits):
             logprobs, entropy = self._aligned_logprobs(mb, logits, with_entropy)
-            out = {"logprobs": logprobs} | ({"entropy": entropy} if with_entropy else {})
-            return logits.new_zeros(()), out
+            return {"logprobs": logprobs} | ({"entropy": entropy} if with_entropy else {})
 
         with self._reference_weights() if reference else contextlib.nullcontext():
-            outputs = self._run_schedule(mbs, loss_fn, forward_only=True)
-        names = ["logprobs"] + (["entropy"] if with_entropy else [])
+            result = self._forward(batch, outputs)
+        if reference:
+            result["ref_logprobs"] = result.tensors.pop("logprobs")
+        return result
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """The critic's 'values' [B, T] float32: V(tokens[<t]) at every real position t >= 1 (GAE reads
+        the response positions), the same on every rank of the model-parallel group."""
+        return self._forward(batch, lambda mb, output: {"values": self._aligned_values(mb, output)})
+
+    @torch.no_grad()
+    def compute_rewards(self, batch: Batch) -> Batch:
+        """A reward model's 'rewards' [B] float32: the value head at each sequence's last token."""
+        return self._forward(batch, lambda mb, output: {"rewards": self._last_token_values(mb, output)})
+
+    def _forward(self, batch: Batch, outputs: Callable[[dict, torch.Tensor], dict]) -> Batch:
+        """Forward-only pass; `outputs(mb, model output)` gives per-sequence tensors ([S, T] or [S]), which
+        come back in batch order on every rank."""
+        self._set_mode(False)
+        mbs = self._micro_batches(batch, [])
+
+        def loss_fn(mb, output):
+            return output.new_zeros(()), outputs(mb, output)
+
+        results = self._run_schedule(mbs, loss_fn, forward_only=True)
+        return Batch(self._collect(mbs, results, batch))
+
+    def _collect(self, mbs: list[dict], results: list[dict], batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-micro-batch, per-sequence results -> [B, ...] in batch order, broadcast from the last stage."""
         B, T = batch["tokens"].shape
-        rows, cols = len(mbs) * mbs[0]["tokens"].shape[0], mbs[0]["tokens"].shape[1]
-        result = {}
-        for name in names:
-            if parallel_state.is_pipeline_last_stage():
-                full = torch.cat([o[name] for o in outputs]).float()
-            else:
-                full = torch.empty(rows, cols, dtype=torch.float32, device=self.device)
+        L = mbs[0]["tokens"].shape[1]
+        last_stage = parallel_state.is_pipeline_last_stage()
+        names = [None]
+        if last_stage:
+            names = [{name: value.dim() for name, value in results[0].items()}]
+        if len(self.layout.ranks) > 1:
+            dist.broadcast_object_list(names, src=self.layout.ranks[-1], group=self.layout.group)
+        collected = {}
+        for name, dims in names[0].items():
+            full = torch.zeros((B, L)[:dims], dtype=torch.float32, device=self.device)
+            if last_stage:
+                for mb, result in zip(mbs, results):
+                    full[mb["seq_index"]] = result[name].float()
             self._broadcast_from_last_stage(full)
-            out = torch.zeros(B, T, dtype=torch.float32)
-            out[:, :cols] = full[:B].cpu()
-            result["ref_logprobs" if reference and name == "logprobs" else name] = out
-        return Batch(result)
+            if dims == 2:  # per token: back to the batch's width
+                collected[name] = torch.zeros(B, T, dtype=torch.float32)
+                collected[name][:, :L] = full.cpu()
+            else:
+                collected[name] = full.cpu()
+        return collected
 
     def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> None:
         if len(self.layout.ranks) > 1:
@@ -186,10 +333,13 @@ class MegatronEngine:
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
         """Optimizer steps over this DP rank's share of the batch; metrics averaged over the steps."""
-        if loss not in ("policy", "sft"):
-            raise ValueError(f"loss={loss!r}: expected 'policy' or 'sft'")
-        self.model.train()
-        if loss == "policy":
+        if loss not in LOSSES:
+            raise ValueError(f"loss={loss!r}: expected one of {', '.join(LOSSES)}")
+        if not self.trainable:
+            raise RuntimeError("this engine was built with trainable=False (no optimizer)")
+        self._require_head(LOSSES[loss])
+        self._set_mode(True)
+        if loss in ("policy", "value"):  # one RL step
             self.scheduler.step(increment=1)
         if lr is not None:
             for group in self.optimizer.param_groups:
@@ -199,7 +349,7 @@ class MegatronEngine:
         if mini < 1 or len(batch) % mini:
             raise ValueError(f"this DP rank's batch of {len(batch)} rows is not divisible into mini-batches of "
                              f"{mini} (actor.mini_batch_size={self.actor.mini_batch_size} over DP={dp})")
-        epochs = self.actor.ppo_epochs if loss == "policy" else 1
+        epochs = self.actor.ppo_epochs if loss in ("policy", "value") else 1
         steps = [self._optimizer_step(mini_batch, loss) for _ in range(epochs) for mini_batch in batch.split(mini)]
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
@@ -212,23 +362,38 @@ class MegatronEngine:
         keys = ["loss_mask"]
         if loss == "policy":
             keys += ["old_logprobs", "advantages"] + (["ref_logprobs"] if self.algorithm.kl_coef > 0 else [])
+            keys += ["rollout_logprobs"] if self.algorithm.tis else []
             if "old_logprobs" not in batch:  # the old policy's log-probs, as compute_logprobs names them
                 batch = Batch(dict(batch.tensors, old_logprobs=batch["logprobs"]))
-        mbs = micro_batches(batch, keys, self.actor.micro_batch_size, self.device)
+        elif loss == "value":
+            keys += ["values", "returns"]
+        pairs = loss == "bradley_terry"
+        if pairs and len(batch) % 2:
+            raise ValueError(f"bradley_terry needs (chosen, rejected) row pairs; this mini-batch has {len(batch)} rows")
+        mbs = self._micro_batches(batch, keys, group_size=2 if pairs else 1)
         # Each loss_fn returns its micro-batch's share of the global mean; megatron divides it by the
         # number of micro-batches and DDP averages gradients over DP, so undo both.
         scale = len(mbs) * dist.get_world_size(dp_group)
 
-        def loss_fn(mb, logits):
-            logprobs, entropy = self._aligned_logprobs(mb, logits, with_entropy=loss == "policy")
-            if loss == "policy":
-                value, metrics = losses.actor_loss(self.algorithm, logprobs, entropy, mb, total_tokens, total_seqs)
+        def loss_fn(mb, output):
+            if loss == "value":
+                value, metrics = losses.value_loss(self._aligned_values(mb, output), mb, self.algorithm,
+                                                   getattr(self.actor, "value_clip", 0.0), total_tokens, total_seqs)
+            elif pairs:  # rows 2k (chosen) and 2k+1 (rejected) share a micro-batch, in any order
+                rewards = self._last_token_values(mb, output)[mb["seq_index"].argsort()]
+                value, metrics = losses.bradley_terry_loss(rewards[0::2], rewards[1::2], total_seqs / 2)
             else:
-                value, metrics = losses.sft_loss(logprobs, mb["loss_mask"], total_tokens), {}
+                logprobs, entropy = self._aligned_logprobs(mb, output, with_entropy=loss == "policy")
+                if loss == "policy":
+                    value, metrics = losses.actor_loss(self.algorithm, logprobs, entropy, mb, total_tokens,
+                                                       total_seqs)
+                else:
+                    value, metrics = losses.sft_loss(logprobs, mb["loss_mask"], total_tokens), {}
             metrics = {"loss": value} | metrics
             return value * scale, {k: v.detach().float().reshape(()) for k, v in metrics.items()}
 
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(mbs, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
@@ -253,6 +418,35 @@ class MegatronEngine:
             dist.broadcast_object_list(box, src=self.layout.ranks[-1], group=self.layout.group)
             metrics = box[0]
         return metrics
+
+    # ---------------------------------------------------------------------------------------------
+    # Memory between phases (offload.py)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors = self._parameters() + (self._reference or [])
+        if self.trainable:
+            tensors += [t for m in self.models for t in offload.ddp_buffer_tensors(m)]
+            tensors += offload.optimizer_tensors(self.optimizer)
+        return tensors
+
+    def offload(self) -> int:
+        """Move weights, gradient buffers, optimizer state and the KL reference to host memory (e.g. while a
+        colocated rollout engine generates); returns the bytes moved. Call onload() before using the engine."""
+        if self._offloaded is not None:
+            raise RuntimeError("the engine is already offloaded")
+        self._offloaded = offload.HostCopies(self._state_tensors())
+        return self._offloaded.nbytes
+
+    def onload(self) -> None:
+        """Bring back what offload() moved: every tensor holds exactly its values from before."""
+        if self._offloaded is None:
+            raise RuntimeError("the engine is not offloaded")
+        self._offloaded.restore()
+        self._offloaded = None
+
+    def resident_bytes(self) -> int:
+        """Bytes of engine state currently allocated on its device (0 while offloaded)."""
+        return offload.resident_bytes(self._state_tensors())
 
     # ---------------------------------------------------------------------------------------------
     # Checkpoints (megarl.engine.checkpoint): collective, every rank calls them

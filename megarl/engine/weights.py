@@ -56,7 +56,10 @@ def read_hf_config(model_dir: str | Path) -> dict:
 def global_parameters(gpt) -> dict[str, torch.nn.Parameter]:
     """This rank's parameters of a GPTModel, named with GLOBAL layer and expert indices (PP stages hold
     a slice of the layers, numbered from 0 locally; layer_number is megatron's 1-based global index;
-    EP ranks hold a slice of each MoE layer's experts, local_expert_indices are their global indices)."""
+    EP ranks hold a slice of each MoE layer's experts, local_expert_indices are their global indices).
+    A list of virtual-pipeline chunks gives the union of its chunks' parameters."""
+    if isinstance(gpt, (list, tuple)):
+        return {name: p for chunk in gpt for name, p in global_parameters(chunk).items()}
     layers = gpt.decoder.layers if hasattr(gpt, "decoder") else []
     params = {}
     for name, param in gpt.named_parameters():
@@ -111,8 +114,11 @@ class PipelineLayout:
     """Which pipeline stage owns each megatron parameter (collective to build: all_gather over PP)."""
 
     def __init__(self, gpt):
+        """gpt: this rank's GPTModel, or its list of virtual-pipeline chunks."""
         group = parallel_state.get_pipeline_model_parallel_group()
-        layers = [layer.layer_number - 1 for layer in getattr(getattr(gpt, "decoder", None), "layers", [])]
+        chunks = gpt if isinstance(gpt, (list, tuple)) else [gpt]
+        layers = [layer.layer_number - 1 for chunk in chunks
+                  for layer in getattr(getattr(chunk, "decoder", None), "layers", [])]
         per_stage: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(per_stage, layers, group=group)
         self.layer_stage = {layer: stage for stage, stage_layers in enumerate(per_stage) for layer in stage_layers}

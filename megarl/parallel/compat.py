@@ -105,6 +105,10 @@ def install_cpu_compat() -> None:
     # model_parallel_cuda_manual_seed / get_cuda_rng_tracker() find this tracker already in place.
     mp_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute (CheckpointFunction) saves and restores the "device" RNG around the recomputed
+    # forward; on the CPU that generator is torch's default one.
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     # Entered for the life of the process: megatron's CUDA calls happen deep inside its modules.
     _CudaOnCpuMode().__enter__()
     _installed = True

@@ -14,12 +14,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from megarl.config import Config
 from megarl.protocol import Batch
 from megarl.workers.rollout_worker import RolloutWorker
-from megarl.workers.train_worker import TrainWorker
+from megarl.engine.packing import balanced_partition, sequence_lengths
+from megarl.workers.train_worker import ROLES, TrainWorker
 
 
 class TrainGroup:
-    def __init__(self, cfg: Config, model_path: str, device: str, total_steps: int):
-        n = cfg.actor.parallel.world_size
+    def __init__(self, cfg: Config, model_path: str, device: str, total_steps: int, role: str = "actor"):
+        """role: actor, critic or reward_model (train_worker.ROLES), each on its own config section's layout."""
+        self.section = getattr(cfg, ROLES[role][0])
+        n = self.section.parallel.world_size
         # On GPU each rank keeps a sliver of its GPU free for a colocated rollout actor (see start_rollout).
         bundle = {"CPU": cfg.trainer.cpus_per_rank} | ({"GPU": 0.9} if device == "cuda" else {})
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
@@ -27,23 +30,45 @@ class TrainGroup:
         actor = ray.remote(TrainWorker)
         self.workers = [
             actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, cfg, model_path, device)
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, cfg, model_path, device,
+                                                                                     role)
             for i in range(n)]
         addr, port = ray.get(self.workers[0].address.remote())
         self.info = ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
-        self.dp = cfg.actor.parallel.dp
+        self.dp = self.section.parallel.dp
         # the first global rank of each data-parallel rank returns results for its chunk
         self.leaders = [min(i["rank"] for i in self.info if i["dp_rank"] == d) for d in range(self.dp)]
 
+    def _rows_per_rank(self, batch: Batch) -> list[list[int]]:
+        """Equal consecutive chunks; with packing, equal row counts of near-equal token totals."""
+        if self.section.max_tokens_per_micro_batch > 0:
+            return balanced_partition(sequence_lengths(batch["attention_mask"]), self.dp)
+        size = len(batch) // self.dp
+        if size * self.dp != len(batch):
+            raise ValueError(f"cannot split a batch of {len(batch)} into {self.dp} equal chunks")
+        return [list(range(d * size, (d + 1) * size)) for d in range(self.dp)]
+
     def _dispatch(self, method: str, batch: Batch, **kwargs) -> list:
-        chunks = batch.chunk(self.dp)
-        refs = [getattr(w, method).remote(chunks[info["dp_rank"]], **kwargs)
+        rows = self._rows_per_rank(batch)
+        refs = [getattr(w, method).remote(batch.index(rows[info["dp_rank"]]), **kwargs)
                 for w, info in zip(self.workers, self.info)]
         results = ray.get(refs)
         return [results[r] for r in self.leaders]
 
+    def _dispatch_rows(self, method: str, batch: Batch, **kwargs) -> Batch:
+        """A per-row result of every data-parallel rank, back in the batch's row order."""
+        order = [i for rows in self._rows_per_rank(batch) for i in rows]
+        result = Batch.concat(self._dispatch(method, batch, **kwargs))
+        return result.index(sorted(range(len(order)), key=order.__getitem__))
+
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
-        return Batch.concat(self._dispatch("compute_logprobs", batch, with_entropy=with_entropy, reference=reference))
+        return self._dispatch_rows("compute_logprobs", batch, with_entropy=with_entropy, reference=reference)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        return self._dispatch_rows("compute_values", batch)
+
+    def compute_rewards(self, batch: Batch) -> Batch:
+        return self._dispatch_rows("compute_rewards", batch)
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
         # metrics are already reduced over data-parallel ranks inside the engine

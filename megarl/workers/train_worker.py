@@ -14,9 +14,16 @@ from megarl.protocol import Batch
 from megarl.workers import weight_sync
 
 
+# role -> (config section, engine head, trainable): the critic and the reward model are value heads
+ROLES = {"actor": ("actor", "lm", True), "critic": ("critic", "value", True),
+         "reward_model": ("reward_model", "value", False)}
+
+
 class TrainWorker:
-    def __init__(self, rank: int, cfg: Config, model_path: str, device: str):
-        self.rank, self.cfg, self.model_path, self.device = rank, cfg, model_path, device
+    def __init__(self, rank: int, cfg: Config, model_path: str, device: str, role: str = "actor"):
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}: expected one of {', '.join(ROLES)}")
+        self.rank, self.cfg, self.model_path, self.device, self.role = rank, cfg, model_path, device, role
         torch.set_num_threads(cfg.trainer.threads_per_rank)
         if device == "cpu":
             from megarl.parallel.compat import install_cpu_compat
@@ -35,19 +42,33 @@ class TrainWorker:
         from megarl.parallel.state import init_parallel
         from megatron.core import parallel_state as mpu
 
-        p = self.cfg.actor.parallel
+        name, head, trainable = ROLES[self.role]
+        section = getattr(self.cfg, name)
+        p = section.parallel
         init_parallel(self.rank, p.world_size, master_addr, master_port, p.tp, p.pp, self.device,
                       self.cfg.trainer.seed, ep=p.ep)
-        self.engine = MegatronEngine(self.model_path, self.cfg.actor, self.cfg.algorithm, self.device,
-                                     self.cfg.trainer.seed, total_steps)
+        self.engine = MegatronEngine(self.model_path, section, self.cfg.algorithm, self.device,
+                                     self.cfg.trainer.seed, total_steps, head=head, trainable=trainable)
         return {"rank": self.rank, "dp_rank": mpu.get_data_parallel_rank(), "pid": os.getpid(),
                 "node": ray.util.get_node_ip_address()}
 
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
         return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference)
 
+    def compute_values(self, batch: Batch) -> Batch:
+        return self.engine.compute_values(batch)
+
+    def compute_rewards(self, batch: Batch) -> Batch:
+        return self.engine.compute_rewards(batch)
+
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
         return self.engine.train(batch, loss=loss, lr=lr)
+
+    def offload(self) -> int:
+        return self.engine.offload()
+
+    def onload(self) -> None:
+        self.engine.onload()
 
     def set_kl_coef(self, value: float) -> None:
         """The adaptive KL controller's new coefficient, for the KL term of the policy loss."""

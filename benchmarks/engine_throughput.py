@@ -1,0 +1,275 @@
+"""Training throughput of MegatronEngine against a bare megatron-core loop on the same model and batch.
+
+A random-initialised Qwen2-architecture policy (default: the ~1.4B shape of notes/gpu-anchors.md:
+16 layers, hidden 2048, 16 heads, 8 KV groups, FFN 5632, vocab 151936, untied) trains for a few steps
+on random token sequences of lengths in [--min-len, --seq], packed into micro-batches of at most
+--max-tokens tokens (block-diagonal causal attention through PyTorch SDPA, bf16 on GPU):
+
+  engine - MegatronEngine.train(batch, loss="policy"): PPO-clip loss on random advantages, with the
+           per-token log-probs and entropy from vocab-parallel logits, one optimizer step per call;
+  bare   - megatron-core alone: the same GPTModel spec, DDP, optimizer and pipeline schedule on the
+           same packed micro-batches, with megatron's fused vocab-parallel cross entropy as the loss.
+
+Reported per step (after --warmup steps): real (non-padding) tokens/s and model FLOPs utilisation
+
+  MFU = (6 * N * T + 12 * L * h * sum_i n_i^2) / step_seconds / (PEAK_FLOPS * GPUs)
+
+N = parameters of all 2-D weights except the input embedding (the output layer included), T = real tokens
+in the step, L layers, h hidden size, n_i the length of sequence i. This is the formula of
+notes/gpu-anchors.md, 6 * N * T + 12 * L * h * s * T, with the attention term summed per sequence
+(a token of sequence i attends to its n_i tokens; equal lengths s give sum_i n_i^2 = s * T).
+PEAK_FLOPS = 989e12: the dense bf16 tensor-core peak of one H100/H200 SXM (no sparsity).
+
+On the H200 (one GPU; two GPUs with --tp 2 through torchrun):
+    python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput_h200.json
+    torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --out benchmarks/results/engine_throughput_h200_tp2.json
+On a CPU, a tiny model for a smoke test:
+    python benchmarks/engine_throughput.py --size tiny --out /tmp/engine_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+PEAK_FLOPS = 989e12  # bf16 dense, one H100/H200 SXM
+SIZES = {
+    # the shape measured in notes/gpu-anchors.md (1.38B parameters)
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+               intermediate_size=5632, vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=1000),
+}
+
+
+def qwen2_config(size: str, seq: int) -> dict:
+    return dict(SIZES[size], architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_eps=1e-6,
+                max_position_embeddings=max(seq, 4096), tie_word_embeddings=False, hidden_act="silu",
+                rope_theta=1000000.0, torch_dtype="bfloat16")
+
+
+def flop_parameters(hf: dict) -> int:
+    """N: the 2-D weights but the input embedding (a lookup): q/k/v, output projection, gate/up/down, LM head."""
+    h, ffn = hf["hidden_size"], hf["intermediate_size"]
+    kv = hf["num_key_value_heads"] * (h // hf["num_attention_heads"])
+    return hf["num_hidden_layers"] * (h * (h + 2 * kv) + h * h + 3 * h * ffn) + h * hf["vocab_size"]
+
+
+def model_flops(hf: dict, lengths: list[int]) -> float:
+    """FLOPs of one training step (forward + backward) by the formula in the module docstring."""
+    attention = 12 * hf["num_hidden_layers"] * hf["hidden_size"] * sum(n * n for n in lengths)
+    return 6 * flop_parameters(hf) * sum(lengths) + attention
+
+
+def random_batch(n: int, min_len: int, max_len: int, vocab: int, seed: int):
+    from megarl.protocol import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
+    attention_mask = (torch.arange(max_len)[None] < lengths[:, None]).long()
+    tokens = torch.randint(0, vocab, (n, max_len), generator=g) * attention_mask
+    loss_mask = attention_mask.float()
+    loss_mask[:, 0] = 0
+    advantages = torch.randn(n, max_len, generator=g) * loss_mask
+    return Batch({"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask,
+                  "advantages": advantages, "old_logprobs": torch.zeros(n, max_len)}), lengths.tolist()
+
+
+def _sync(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _timed(step, steps: int, warmup: int, device: str) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        start = _sync(device)
+        step()
+        end = _sync(device)
+        if i >= warmup:
+            times.append(end - start)
+    return times
+
+
+class BareLoop:
+    """megatron-core without megarl: GPTModel + DDP + optimizer + the pipeline schedule; loss = megatron's
+    vocab-parallel cross entropy of the next token, averaged over the real tokens."""
+
+    def __init__(self, hf: dict, tp: int, dtype: torch.dtype, device: str, attention: str, lr: float):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
+
+        from megarl.engine.attention import with_core_attention
+        from megarl.models import get_family
+
+        family = get_family(hf)
+        config = family.transformer_config(hf, tp, 1, dtype, use_cpu_initialization=device == "cpu",
+                                           ep=parallel_state.get_expert_model_parallel_world_size())
+        spec = with_core_attention(family.layer_spec(hf), attention)
+        gpt = GPTModel(config, spec, pre_process=True, post_process=True, **family.gpt_model_kwargs(hf, tp))
+        gpt = gpt.to(torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device)
+        module = Float16Module(config, gpt) if dtype == torch.bfloat16 else gpt
+        self.model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype),
+            [self.model])
+        self.forward_backward = get_forward_backward_func()
+        self.packed_attention = attention == "sdpa"
+
+    def step(self, mbs: list[dict], total_tokens: float) -> float:
+        from megarl.engine.packing import block_causal_mask, next_tokens
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            mask = None if self.packed_attention and not mb["packed"] else block_causal_mask(mb["doc_ids"])
+            labels = next_tokens(mb["tokens"])
+            # predict the next token of the same sequence only
+            weight = ((mb["doc_ids"] > 0) & (next_tokens(mb["doc_ids"]) == mb["doc_ids"])).float()
+            loss = model(mb["tokens"], mb["position_ids"], mask, labels=labels)
+
+            def loss_fn(per_token):
+                value = (per_token.float() * weight).sum() / total_tokens
+                return value * len(mbs), {"loss": value.detach()}
+
+            return loss, loss_fn
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self.forward_backward(forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+                                    num_microbatches=len(mbs), seq_length=mbs[0]["tokens"].shape[1],
+                                    micro_batch_size=mbs[0]["tokens"].shape[0], forward_only=False)
+        self.optimizer.step()
+        return float(sum(o["loss"] for o in out)) if out else 0.0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _report(name: str, times: list[float], tokens: int, flops: float, gpus: int, peak: float) -> dict:
+    step = sum(times) / len(times)
+    result = {"step_seconds": times, "mean_step_seconds": step, "tokens_per_s": tokens / step,
+              "tokens_per_s_per_gpu": tokens / step / gpus, "mfu": flops / step / (peak * gpus)}
+    print(f"{name:>6}: {step * 1e3:8.1f} ms/step  {result['tokens_per_s']:10.0f} tok/s  "
+          f"{result['tokens_per_s_per_gpu']:10.0f} tok/s/GPU  MFU {100 * result['mfu']:5.1f}%")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--seq", type=int, default=2048, help="longest sequence")
+    parser.add_argument("--min-len", type=int, default=0, help="shortest sequence (0 = seq / 2)")
+    parser.add_argument("--sequences", type=int, default=64, help="sequences per step (the global batch)")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="actor.max_tokens_per_micro_batch")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--attention", choices=["sdpa", "local"], default="sdpa")
+    parser.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="per-GPU peak the MFU divides by")
+    parser.add_argument("--skip-bare", action="store_true")
+    parser.add_argument("--out", required=True, help="JSON results file")
+    args = parser.parse_args()
+
+    from megatron.core import parallel_state
+
+    from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+    from megarl.engine import MegatronEngine
+    from megarl.engine.packing import balanced_partition, pack_micro_batches, sequence_lengths
+    from megarl.parallel.state import destroy_parallel, init_parallel
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        addr = "127.0.0.1"
+    else:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    init_parallel(rank, world, addr, port, tp=args.tp, device=device, seed=1)
+    try:
+        hf = qwen2_config(args.size, args.seq)
+        model_dir = Path(tempfile.mkdtemp(prefix="engine-throughput-"))
+        (model_dir / "config.json").write_text(json.dumps(hf))
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        batch, lengths = random_batch(args.sequences, args.min_len or args.seq // 2, args.seq, hf["vocab_size"], 0)
+        share = batch.index(balanced_partition(sequence_lengths(batch["attention_mask"]), dp)[dp_rank])
+        flops = model_flops(hf, lengths)
+        gpus = world if device == "cuda" else 1
+        tokens = sum(lengths)
+        results = {}
+
+        if not args.skip_bare:
+            bare = BareLoop(hf, args.tp, dtype, device, args.attention, lr=1e-5)
+            mbs = pack_micro_batches(share, [], _device(device), 1, args.max_tokens)
+            targets = float(sum(lengths) - len(lengths))  # next-token targets in the whole batch, all DP ranks
+            results["bare"] = _report("bare", _timed(lambda: bare.step(mbs, targets),
+                                                     args.steps, args.warmup, device), tokens, flops, gpus,
+                                      args.peak_flops)
+            results["bare"]["micro_batches"] = len(mbs)
+            del bare, mbs
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp), micro_batch_size=1,
+                            max_tokens_per_micro_batch=args.max_tokens, attention=args.attention,
+                            recompute=args.recompute, precision="bf16" if device == "cuda" else "fp32",
+                            optim=OptimConfig(lr=1e-5))
+        engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, args.steps + args.warmup,
+                                load_hf_weights=False)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        results["engine"] = _report("engine", _timed(lambda: engine.train(share, loss="policy"), args.steps,
+                                                     args.warmup, device), tokens, flops, gpus, args.peak_flops)
+        if device == "cuda":
+            results["engine"]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if "bare" in results:
+            ratio = results["engine"]["tokens_per_s"] / results["bare"]["tokens_per_s"]
+            results["engine_over_bare"] = ratio
+            print(f"engine / bare throughput: {100 * ratio:.1f}%")
+        if rank == 0:
+            report = {"commit": _commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": gpus,
+                      "torch": torch.__version__, "args": vars(args), "model": hf,
+                      "flop_parameters": flop_parameters(hf),
+                      "tokens_per_step": tokens, "flops_per_step": flops, "peak_flops_per_gpu": args.peak_flops,
+                      "flops_formula": "6*N*T + 12*L*h*sum(n_i^2), N = 2-D weights except the input embedding",
+                      **results}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2))
+            print(f"wrote {args.out}")
+    finally:
+        destroy_parallel()
+
+
+def _device(device: str):
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Micro-batches without padding: whole sequences packed into rows by a token budget.
+
+A micro-batch is `tokens` [rows, L], L = the longest sequence of this rank's batch. Each row holds one or
+more whole sequences back to back; position ids restart at 0 for every sequence and the attention
+mask is block-diagonal causal, so a packed sequence sees exactly what it would see alone. With
+`max_tokens` > 0 sequences are packed first-fit-decreasing into micro-batches of max_tokens // L rows;
+with max_tokens = 0 each row holds one sequence, `micro_batch_size` rows per micro-batch, in batch order.
+All micro-batches have the same shape: pipeline stages exchange fixed-shape activations.
+
+Everything per sequence (loss_mask, advantages, old log-probs ...) stays in the ordinary [S, T] layout
+of the Batch; `packed_index` [S, T] points each (sequence, position) at its packed position, and
+`unpack` moves a per-position model output ([rows, L, ...]) into that layout, so losses never see
+packing. `seq_index` [S] gives the rows of the original batch the micro-batch's sequences come from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megarl.protocol import Batch
+
+
+def sequence_lengths(attention_mask: Tensor) -> list[int]:
+    """Tokens up to and including the last real one, per row (at least 1, so empty rows still map)."""
+    positions = torch.arange(1, attention_mask.shape[1] + 1)
+    return [max(int(n), 1) for n in (positions * (attention_mask.cpu() > 0)).max(1).values]
+
+
+def balanced_partition(lengths: list[int], parts: int, group_size: int = 1) -> list[list[int]]:
+    """Split row indices into `parts` lists of equal size with near-equal total length (longest groups
+    first, each to the part with the fewest tokens that has room). Groups of `group_size` consecutive
+    rows (e.g. preference pairs) stay together. Each list is in ascending row order."""
+    if len(lengths) % (parts * group_size):
+        raise ValueError(f"a batch of {len(lengths)} rows does not split into {parts} equal parts of whole "
+                         f"groups of {group_size}")
+    groups = [list(range(i, i + group_size)) for i in range(0, len(lengths), group_size)]
+    groups.sort(key=lambda g: -sum(lengths[i] for i in g))
+    capacity = len(groups) // parts
+    tokens, members = [0] * parts, [[] for _ in range(parts)]
+    for group in groups:
+        part = min((p for p in range(parts) if len(members[p]) < capacity), key=lambda p: tokens[p])
+        members[part].append(group)
+        tokens[part] += sum(lengths[i] for i in group)
+    return [sorted(i for g in m for i in g) for m in members]
+
+
+def _first_fit(lengths: list[int], width: int, rows_per_mb: int, group_size: int) -> list[list[list[int]]]:
+    """Micro-batches of rows of sequence indices: groups longest first, each into the first micro-batch
+    whose rows can take all of its sequences (first-fit per sequence)."""
+    groups = [list(range(i, min(i + group_size, len(lengths)))) for i in range(0, len(lengths), group_size)]
+    groups.sort(key=lambda g: -sum(lengths[i] for i in g))
+    mbs: list[list[list[int]]] = []  # micro-batch -> row -> sequence indices
+    free: list[list[int]] = []       # micro-batch -> row -> free columns
+
+    def place(mb: int, group: list[int]) -> bool:
+        room = list(free[mb])
+        slots = []
+        for i in group:
+            row = next((r for r, f in enumerate(room) if f >= lengths[i]), None)
+            if row is None:
+                return False
+            room[row] -= lengths[i]
+            slots.append(row)
+        for i, row in zip(group, slots):
+            mbs[mb][row].append(i)
+        free[mb] = room
+        return True
+
+    for group in groups:
+        if not any(place(mb, group) for mb in range(len(mbs))):
+            mbs.append([[] for _ in range(rows_per_mb)])
+            free.append([width] * rows_per_mb)
+            if not place(len(mbs) - 1, group):
+                raise ValueError(f"sequences {group} (lengths {[lengths[i] for i in group]}) do not fit one "
+                                 f"micro-batch of {rows_per_mb} rows x {width} tokens")
+    return mbs
+
+
+def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: int, max_tokens: int = 0,
+                       group_size: int = 1) -> list[dict]:
+    """Micro-batches for megatron's schedule (see the module docstring for the layout).
+
+    Each dict holds 'tokens', 'position_ids', 'doc_ids' [rows, L] (doc_ids: 1.. per sequence of a row,
+    0 on padding), 'packed' (whether some row holds several sequences), 'seq_index' [S], 'packed_index'
+    [S, L], and 'attention_mask' plus every name in `keys` in the per-sequence layout [S, L]."""
+    lengths = sequence_lengths(batch["attention_mask"])
+    width = max(lengths)
+    if max_tokens > 0:
+        rows_per_mb = max(1, max_tokens // width)
+        layout = _first_fit(lengths, width, rows_per_mb, group_size)
+    else:
+        if micro_batch_size % group_size:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be a multiple of the group size {group_size}")
+        rows_per_mb = micro_batch_size
+        layout = [[[i] for i in range(start, min(start + rows_per_mb, len(batch)))]
+                  for start in range(0, len(batch), rows_per_mb)]
+        layout[-1] += [[] for _ in range(rows_per_mb - len(layout[-1]))]
+    tokens_all = batch["tokens"][:, :width]
+    per_seq = {k: batch[k][:, :width] for k in ["attention_mask", *keys]}
+    out = []
+    for rows in layout:
+        tokens = torch.zeros(rows_per_mb, width, dtype=tokens_all.dtype)
+        positions = torch.zeros(rows_per_mb, width, dtype=torch.long)
+        doc_ids = torch.zeros(rows_per_mb, width, dtype=torch.long)
+        seq_index, packed_index = [], []
+        for r, seqs in enumerate(rows):
+            offset = 0
+            for doc, i in enumerate(seqs, start=1):
+                n = lengths[i]
+                tokens[r, offset:offset + n] = tokens_all[i, :n]
+                positions[r, offset:offset + n] = torch.arange(n)
+                doc_ids[r, offset:offset + n] = doc
+                seq_index.append(i)
+                # positions past the sequence's end point at its last token; `unpack` zeroes them
+                packed_index.append(r * width + offset + torch.arange(width).clamp(max=n - 1))
+                offset += n
+        index = torch.tensor(seq_index, dtype=torch.long)
+        mb = {"tokens": tokens, "position_ids": positions, "doc_ids": doc_ids, "seq_index": index,
+              "packed_index": torch.stack(packed_index)}
+        mb |= {k: v[index] for k, v in per_seq.items()}
+        mb = {k: v.to(device) for k, v in mb.items()}
+        mb["packed"] = any(len(seqs) > 1 for seqs in rows)
+        out.append(mb)
+    return out
+
+
+def block_causal_mask(doc_ids: Tensor) -> Tensor:
+    """megatron's boolean mask [rows, 1, L, L], True where attention is NOT allowed: a query sees the
+    earlier tokens of its own sequence only (padding, doc 0, sees padding, so no row is empty)."""
+    L = doc_ids.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=doc_ids.device).triu(1)
+    other_doc = doc_ids[:, :, None] != doc_ids[:, None, :]
+    return (causal | other_doc).unsqueeze(1)
+
+
+def unpack(packed: Tensor, mb: dict) -> Tensor:
+    """[rows, L, ...] per packed position -> [S, L, ...] per sequence position, 0 past each sequence's end."""
+    flat = packed.reshape(-1, *packed.shape[2:])
+    out = flat[mb["packed_index"]]
+    real = (mb["attention_mask"] > 0).reshape(*mb["attention_mask"].shape, *([1] * (packed.dim() - 2)))
+    return torch.where(real, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def next_tokens(tokens: Tensor) -> Tensor:
+    """tokens[:, p + 1] for every packed position p (0 at the end of a row). Across a sequence boundary
+    this is the next sequence's first token: that position's prediction is never used."""
+    return torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+
+
+def align_to_tokens(per_position: Tensor, mb: dict) -> Tensor:
+    """Per-sequence outputs of positions t-1 moved to t (the log-prob of token t, or V(tokens[<t])),
+    0 at t = 0 and past each sequence's end: the protocol's layout [S, L]."""
+    real = mb["attention_mask"][:, 1:] > 0
+    return torch.nn.functional.pad(torch.where(real, per_position[:, :-1], 0.0), (1, 0))
+
+
+def reset_rotary_positions(gpt) -> None:
+    """Make megatron's RoPE follow the position_ids given to GPTModel.forward.
+
+    GPTModel computes rotary embeddings for positions 0..L-1 of the row whatever position_ids say
+    (they feed learned absolute embeddings only). Two hooks fix that without changing the module tree:
+    one keeps the position_ids of the current forward call, the other indexes the rotary table with them
+    ([L, 1, 1, d] -> [L, rows, 1, d], which megatron's RoPE application broadcasts as it is)."""
+    rotary = getattr(gpt, "rotary_pos_emb", None)
+    if rotary is None:
+        return
+    current = {}
+
+    def keep_position_ids(module, args, kwargs):
+        current["position_ids"] = args[1] if len(args) > 1 else kwargs.get("position_ids")
+
+    def index_by_position(module, args, output):
+        positions = current.get("position_ids")
+        if positions is None:
+            return output
+        table = output[0] if isinstance(output, tuple) else output
+        emb = table[:, 0, 0][positions.t()].unsqueeze(2)
+        return (emb, *output[1:]) if isinstance(output, tuple) else emb
+
+    gpt.register_forward_pre_hook(keep_position_ids, with_kwargs=True)
+    rotary.register_forward_hook(index_by_position)
+
+
+def empty_micro_batch(like: dict) -> dict:
+    """A micro-batch of the same shape with no sequences (padding rows only): it contributes nothing."""
+    empty = {k: torch.zeros_like(v) for k, v in like.items() if k in ("tokens", "position_ids", "doc_ids")}
+    empty |= {k: v[:0] for k, v in like.items() if isinstance(v, Tensor) and k not in empty}
+    return empty | {"packed": False}

@@ -1,0 +1,149 @@
+"""Packed micro-batches (no padding, block-diagonal causal mask, reset positions), SDPA core attention,
+virtual pipeline stages and activation recompute: the same per-token log-probs as transformers and the
+same loss and gradients as the padded batch at PP=1."""
+
+import pytest
+import torch
+
+from megarl.algorithms.advantages import masked_whiten
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.engine.attention import check_parallel_support, transformer_engine_available
+from megarl.engine.packing import (balanced_partition, block_causal_mask, pack_micro_batches, sequence_lengths,
+                                   unpack)
+from tests.dist_utils import run_distributed
+from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
+
+# seq-mean-token-mean: a loss that needs each sequence's own tokens, whatever row it is packed in
+ALGO = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
+BUDGET = 24  # tokens per micro-batch: 2 rows of the longest sequence (12)
+# name: (tp, pp, vpp, max_tokens_per_micro_batch, attention, recompute) on 2 ranks
+LAYOUTS = {"padded": (1, 1, 1, 0, "local", "none"),
+           "packed": (1, 1, 1, BUDGET, "local", "none"),
+           "packed_sdpa": (1, 1, 1, BUDGET, "sdpa", "none"),
+           "vpp_packed_sdpa_recompute": (1, 2, 2, BUDGET, "sdpa", "full"),
+           "vpp_padded_selective": (1, 2, 2, 0, "local", "selective")}
+
+
+def rl_batch():
+    batch = padded_batch(rows=8)
+    g = torch.Generator().manual_seed(3)
+    batch["advantages"] = masked_whiten(torch.randn(batch["tokens"].shape, generator=g), batch["loss_mask"])
+    batch["ref_logprobs"] = -torch.rand(batch["tokens"].shape, generator=g) * batch["loss_mask"]
+    return batch
+
+
+# ---- the packing itself (no processes) ------------------------------------------------------------
+
+def test_packing_keeps_every_sequence_whole_and_alone():
+    batch = padded_batch(rows=8)
+    lengths = sequence_lengths(batch["attention_mask"])
+    assert lengths == [12, 7, 1, 10, 4, 9, 12, 3]
+    mbs = pack_micro_batches(batch, ["loss_mask"], "cpu", micro_batch_size=2, max_tokens=BUDGET)
+    assert all(mb["tokens"].shape == (2, 12) for mb in mbs)
+    assert len(mbs) == 3 < 4  # 58 tokens in 5 rows of 12 instead of 8 padded rows
+    assert any(mb["packed"] for mb in mbs)
+    seen = torch.cat([mb["seq_index"] for mb in mbs])
+    assert sorted(seen.tolist()) == list(range(8))
+    for mb in mbs:
+        original = batch.index(mb["seq_index"])
+        # unpack restores each sequence's tokens and loss mask in its own [S, T] row
+        assert torch.equal(unpack(mb["tokens"], mb), original["tokens"])
+        assert torch.equal(mb["loss_mask"], original["loss_mask"])
+        mask = block_causal_mask(mb["doc_ids"])[:, 0]
+        for r in range(2):
+            docs = mb["doc_ids"][r]
+            for d in docs.unique().tolist():
+                if d == 0:
+                    continue
+                where = (docs == d).nonzero().squeeze(1)
+                assert torch.equal(mb["position_ids"][r, where], torch.arange(len(where)))
+                # a query of this sequence sees exactly the earlier tokens of this sequence
+                q = where[-1]
+                assert torch.equal((~mask[r, q]).nonzero().squeeze(1), where)
+
+
+def test_pairs_stay_in_one_micro_batch_and_dp_split_is_balanced():
+    batch = padded_batch(rows=8)
+    lengths = sequence_lengths(batch["attention_mask"])
+    for mb in pack_micro_batches(batch, [], "cpu", micro_batch_size=2, max_tokens=BUDGET, group_size=2):
+        ids = set(mb["seq_index"].tolist())
+        assert all(i ^ 1 in ids for i in ids), ids  # rows 2k and 2k+1 together
+    parts = balanced_partition(lengths, 2)
+    assert sorted(parts[0] + parts[1]) == list(range(8)) and len(parts[0]) == len(parts[1]) == 4
+    totals = [sum(lengths[i] for i in p) for p in parts]
+    assert abs(totals[0] - totals[1]) <= 2, totals  # consecutive halves would be 30 vs 28
+    pairs = balanced_partition(lengths, 2, group_size=2)
+    assert all(i ^ 1 in part for part in pairs for i in part)
+    with pytest.raises(ValueError, match="equal parts"):
+        balanced_partition(lengths[:6], 4)
+
+
+def test_context_and_sequence_parallel_need_transformer_engine():
+    if transformer_engine_available():
+        pytest.skip("TransformerEngine is installed")
+    with pytest.raises(RuntimeError, match="need TransformerEngine"):
+        check_parallel_support(2, False)
+    with pytest.raises(RuntimeError, match="sequence_parallel=True"):
+        check_parallel_support(1, True)
+    check_parallel_support(1, False)
+
+
+# ---- through the engine (2 gloo ranks, one launch) ------------------------------------------------
+
+def _relayout(tp, pp):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(1)
+
+
+def _layouts_rank(rank, model_dir, old_logprobs, layouts):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.engine import MegatronEngine
+    from megarl.engine.weights import global_parameters
+
+    results = {}
+    for name, (tp, pp, vpp, max_tokens, attention, recompute) in layouts.items():
+        _relayout(tp, pp)
+        actor = ActorConfig(parallel=ParallelConfig(world_size=2, tp=tp, pp=pp, vpp=vpp), micro_batch_size=2,
+                            max_tokens_per_micro_batch=max_tokens, attention=attention, recompute=recompute,
+                            optim=OptimConfig(lr=1e-2, clip_grad=0.0))
+        engine = MegatronEngine(model_dir, actor, ALGO, "cpu", 1, 10)
+        assert len(engine.gpts) == vpp
+        batch = rl_batch()
+        out = engine.compute_logprobs(batch, with_entropy=True)
+        batch["old_logprobs"] = old_logprobs
+        dp = ps.get_data_parallel_world_size()
+        rows = balanced_partition(sequence_lengths(batch["attention_mask"]), dp)[ps.get_data_parallel_rank()]
+        metrics = engine.train(batch.index(rows))
+        grads = {n: p.main_grad.detach().clone() for n, p in global_parameters(engine.gpts).items()}
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, grads)
+        results[name] = (out, metrics, {n: g for rank_grads in every_rank for n, g in rank_grads.items()})
+    return results
+
+
+def test_packed_vpp_recompute_and_sdpa_match_the_padded_batch(tmp_path):
+    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True, layers=4)
+    ref_logprobs, ref_entropy = hf_logprobs_entropy(model_dir, rl_batch())
+    results = run_distributed(_layouts_rank, 2, model_dir, ref_logprobs, LAYOUTS)
+
+    _, base_metrics, base_grads = results["padded"]
+    assert base_metrics["grad_norm"] > 0 and len(base_grads) == 4 * 7 + 2
+    base_out = results["padded"][0]
+    # 4 layers of large random weights: fp32 differences from transformers' kernels reach 1e-5
+    torch.testing.assert_close(base_out["logprobs"], ref_logprobs, rtol=0, atol=5e-5)
+    torch.testing.assert_close(base_out["entropy"], ref_entropy, rtol=0, atol=5e-5)
+    for name, (out, metrics, grads) in results.items():
+        torch.testing.assert_close(out["logprobs"], base_out["logprobs"], rtol=0, atol=3e-5, msg=name)
+        torch.testing.assert_close(out["entropy"], base_out["entropy"], rtol=0, atol=3e-5, msg=name)
+        for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+            assert abs(metrics[key] - base_metrics[key]) < 1e-5 * max(1.0, abs(base_metrics[key])), (name, key)
+        for param, grad in base_grads.items():
+            # float32 summation order differs between layouts (and SDPA fuses differently): 1e-5 of the largest entry
+            diff, scale = (grads[param] - grad).abs().max().item(), grad.abs().max().item()
+            assert diff <= 1e-5 * scale, (name, param, diff, scale)
