@@ -23,8 +23,10 @@ class TrainGroup:
         """role: actor, critic or reward_model (train_worker.ROLES), each on its own config section's layout."""
         self.section = getattr(cfg, ROLES[role][0])
         n = self.section.parallel.world_size
-        # On GPU each rank keeps a sliver of its GPU free for a colocated rollout actor (see start_rollout).
-        bundle = {"CPU": cfg.trainer.cpus_per_rank} | ({"GPU": 0.9} if device == "cuda" else {})
+        # On GPU the roles (actor, critic, reward model) share each GPU, and keep a sliver of it free for a
+        # colocated rollout actor (see start_rollout).
+        roles = 1 + (cfg.algorithm.advantage == "gae") + bool(cfg.reward_model.path)
+        bundle = {"CPU": cfg.trainer.cpus_per_rank} | ({"GPU": 0.9 / roles} if device == "cuda" else {})
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
         ray.get(self.pg.ready(), timeout=300)
         actor = ray.remote(TrainWorker)
