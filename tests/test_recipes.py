@@ -41,6 +41,7 @@ def test_baseline_settings():
     ppo, grpo = recipe("ppo_gsm8k_qwen2.5_0.5b"), recipe("grpo_gsm8k_qwen2.5_0.5b")
     assert (ppo.algorithm.advantage, ppo.algorithm.kl_in_reward, ppo.rollout.n_samples) == ("gae", True, 1)
     assert (ppo.data.prompts_per_step, ppo.actor.mini_batch_size, ppo.rollout.max_new_tokens) == (256, 64, 256)
+    assert (ppo.critic.optim.lr, ppo.critic.parallel.world_size, ppo.critic.value_clip) == (1e-5, 8, 0.5)
     assert (grpo.algorithm.advantage, grpo.algorithm.kl_estimator, grpo.rollout.n_samples) == ("grpo", "k3", 5)
     for cfg in (ppo, grpo):
         assert cfg.reward.name == "gsm8k" and cfg.data.val_size == 1319 and cfg.rollout.eval_temperature == 0
