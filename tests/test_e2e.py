@@ -1,7 +1,6 @@
 """The whole system on CPU: Ray actors, megatron-core at TP=2 over gloo, the transformers rollout engine."""
 
 import json
-from pathlib import Path
 
 import pytest
 import ray
@@ -11,15 +10,7 @@ from megarl.config import load_config
 from megarl.trainer import RLTrainer
 from megarl.workers import weight_sync
 
-RECIPE = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
-    yield
-    ray.shutdown()
+from tests.conftest import QUICKSTART as RECIPE
 
 
 def tiny_grpo(tmp_path, *overrides):

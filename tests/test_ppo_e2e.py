@@ -3,8 +3,6 @@ model, each a megatron engine on its own ranks, packed micro-batches, the transf
 
 from pathlib import Path
 
-import pytest
-import ray
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -12,15 +10,7 @@ from megarl.config import load_config
 from megarl.models.tiny import build_tiny_model
 from megarl.trainer import RLTrainer
 
-RECIPE = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
-    yield
-    ray.shutdown()
+from tests.conftest import QUICKSTART as RECIPE
 
 
 def tiny_reward_model(path: Path) -> str:

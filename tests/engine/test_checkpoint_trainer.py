@@ -2,25 +2,14 @@
 after each, then a second RLTrainer at another layout (TP=2 -> DP=2) resumes and takes a third."""
 
 import json
-from pathlib import Path
 
-import pytest
-import ray
 import torch
 
 from megarl.config import load_config
 from megarl.engine.checkpoint import read_checkpoint_file
 from megarl.trainer import RLTrainer
 
-RECIPE = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
-    yield
-    ray.shutdown()
+from tests.conftest import QUICKSTART as RECIPE
 
 
 def config(tmp_path, *overrides):
