@@ -182,7 +182,7 @@ def test_fork_bomb_is_capped_and_leaves_nothing_behind(sandbox):
                          wall_s=KILL_AFTER_S)
     done.set()
     watcher.join()
-    assert result.timed_out and time.monotonic() - start < KILL_AFTER_S + 3
+    assert result.timed_out and time.monotonic() - start < KILL_AFTER_S + 10  # the kill itself, on a loaded 2-core machine
     assert 1 < max(counts) <= 1 + LIMITS.max_processes  # it forked, but only up to the budget
     assert sandbox_processes() == []  # every process of the run is gone
     assert_still_works(sandbox)
@@ -220,7 +220,7 @@ def test_an_endless_loop_is_killed_at_the_wall_clock_limit(sandbox):
     start = time.monotonic()
     result = sandbox.run("while True:\n    pass\n", wall_s=KILL_AFTER_S)
     elapsed = time.monotonic() - start
-    assert result.timed_out and KILL_AFTER_S <= elapsed < KILL_AFTER_S + 3
+    assert result.timed_out and KILL_AFTER_S <= elapsed < KILL_AFTER_S + 10
     assert sandbox_processes() == []
     assert_still_works(sandbox)
 
