@@ -34,6 +34,7 @@ import torch
 
 from megarl.protocol import Batch
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
+from megarl.rollout.batching import rows_to_tensors
 from megarl.rollout.tools import Tool, ToolError
 from megarl.rollout.tools.parsers import ToolCall, get_parser
 
@@ -288,26 +289,15 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
     `prompt`, `answer`, `response` (the last model turn's text without special tokens: the answer a
     reward compares) and `trajectory` (Trajectory.summary(): every turn, tool call and result).
     """
-    n = len(trajectories)
-    width = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
-    tokens = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    loss_mask = torch.zeros((n, width), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((n, width), dtype=torch.float32)
     responses = []
-    for i, t in enumerate(trajectories):
-        p, end = len(t.prompt_ids), len(t.prompt_ids) + len(t.response_ids)
-        tokens[i, :end] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        attention_mask[i, :end] = 1
-        loss_mask[i, p:end] = torch.tensor(t.loss_mask, dtype=torch.float32)
-        rollout_logprobs[i, p:end] = torch.tensor(t.logprobs, dtype=torch.float32)
+    for t in trajectories:
         last = next((turn for turn in reversed(t.turns) if turn["role"] == "assistant"), None)
         ids = t.response_ids[last["span"][0]:last["span"][1] - int(last["stopped"])] if last else []
         responses.append(tokenizer.decode(ids, skip_special_tokens=True))
+    tensors = rows_to_tensors([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
+                              [t.loss_mask for t in trajectories], [t.logprobs for t in trajectories], pad_id)
     return Batch(
-        {"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask,
-         "rollout_logprobs": rollout_logprobs,
-         "policy_version": torch.full((n,), policy_version, dtype=torch.long)},
+        tensors | {"policy_version": torch.full((len(trajectories),), policy_version, dtype=torch.long)},
         {"group": [t.prompt_index for t in trajectories],
          "prompt": [prompts[t.prompt_index]["prompt"] for t in trajectories],
          "response": responses,

@@ -16,29 +16,36 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
     loss_mask and rollout_logprobs are set at exactly the response positions (rollout_logprobs[t] is
     the engine's log p(tokens[t] | tokens[<t])). `response` is the decoded text without the stop token.
     """
-    rows = [prompts[g.prompt_index]["prompt_ids"] + g.token_ids for g in generations]
-    width = max(len(r) for r in rows)
-    n = len(generations)
-    tokens = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    loss_mask = torch.zeros((n, width), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((n, width), dtype=torch.float32)
     responses = []
-    for i, (row, g) in enumerate(zip(rows, generations)):
+    for i, g in enumerate(generations):
         if len(g.logprobs) != len(g.token_ids):
             raise ValueError(f"generation {i} has {len(g.token_ids)} tokens but {len(g.logprobs)} logprobs")
-        start = len(row) - len(g.token_ids)
-        tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, :len(row)] = 1
-        loss_mask[i, start:len(row)] = 1.0
-        rollout_logprobs[i, start:len(row)] = torch.tensor(g.logprobs, dtype=torch.float32)
         text_ids = g.token_ids[:-1] if g.finish_reason == "stop" else g.token_ids
         responses.append(tokenizer.decode(text_ids, skip_special_tokens=True))
+    tensors = rows_to_tensors([prompts[g.prompt_index]["prompt_ids"] for g in generations],
+                              [g.token_ids for g in generations], [[1.0] * len(g.token_ids) for g in generations],
+                              [g.logprobs for g in generations], pad_id)
     return Batch(
-        {"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask,
-         "rollout_logprobs": rollout_logprobs,
-         "policy_version": torch.full((n,), policy_version, dtype=torch.long)},
+        tensors | {"policy_version": torch.full((len(generations),), policy_version, dtype=torch.long)},
         {"group": [g.prompt_index for g in generations],
          "prompt": [prompts[g.prompt_index]["prompt"] for g in generations],
          "response": responses,
          "answer": [prompts[g.prompt_index]["answer"] for g in generations]})
+
+
+def rows_to_tensors(prompt_ids: list[list[int]], response_ids: list[list[int]], loss_masks: list[list[float]],
+                    logprobs: list[list[float]], pad_id: int) -> dict[str, torch.Tensor]:
+    """tokens = prompt + response per row, right-padded; loss_mask and rollout_logprobs over the response."""
+    n, width = len(prompt_ids), max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    tokens = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((n, width), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        end = len(p) + len(r)
+        tokens[i, :end] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, :end] = 1
+        loss_mask[i, len(p):end] = torch.tensor(loss_masks[i], dtype=torch.float32)
+        rollout_logprobs[i, len(p):end] = torch.tensor(logprobs[i], dtype=torch.float32)
+    return {"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "rollout_logprobs": rollout_logprobs}
