@@ -88,13 +88,18 @@ while code is None:
         time.sleep(0.005)
 me = str(os.getpid())
 while True:  # kill our children until none are left; orphaned descendants become our children meanwhile
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[1] == me:
-                    os.kill(int(entry), signal.SIGKILL)
-        except (OSError, IndexError):
-            pass
+    if spec["uid"] is not None:
+        # the uid is the run's alone: kill(-1) reaches every process of it (but us) in one step that
+        # no fork can race, where killing children one by one can trail a fork bomb on a busy machine
+        os.kill(-1, signal.SIGKILL)
+    else:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[1] == me:
+                        os.kill(int(entry), signal.SIGKILL)
+            except (OSError, IndexError):
+                pass
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
@@ -146,6 +151,7 @@ class Sandbox:
         self.limits = limits or SandboxLimits()
         self.as_root = os.geteuid() == 0
         self.uid_base = uid_base
+        self._lost_uids: set[int] = set()  # uids left with processes nothing could remove
         self._slots = threading.BoundedSemaphore(slots)
         # root-owned and not listable: a run's uid may enter only its own directory below it
         self.root = Path(tempfile.mkdtemp(prefix="megarl-sandbox-"))
@@ -186,7 +192,11 @@ class Sandbox:
                 lock.close()
                 continue
             try:
-                self._kill_leftovers(uid)  # of a run whose process was killed before it could clean up
+                # what a run whose supervisor was killed left behind; a uid whose leftovers outlive
+                # SIGKILL (zombies under an init that does not reap) would fail every later fork
+                if uid in self._lost_uids or not self._kill_leftovers(uid):
+                    self._lost_uids.add(uid)
+                    continue
                 yield uid
             finally:
                 lock.close()
@@ -264,15 +274,16 @@ class Sandbox:
         cut = len(data) > self.limits.max_output_bytes
         return data[:self.limits.max_output_bytes].decode("utf-8", "replace"), cut
 
-    def _kill_leftovers(self, uid: int | None) -> None:
-        """Kill what a run whose supervisor was killed left behind, found by its dedicated uid."""
+    def _kill_leftovers(self, uid: int | None) -> bool:
+        """Kill what a run whose supervisor was killed left behind, found by its dedicated uid; False
+        when some of it is still there after 5 s."""
         if uid is None:
-            return  # not root: the uid is the caller's own
+            return True  # not root: the uid is the caller's own
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             alive = _processes_of(uid)
             if not alive:
-                return
+                return True
             for pid in alive:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -280,6 +291,7 @@ class Sandbox:
                     pass
             time.sleep(0.01)
         logger.warning("sandbox uid %d still has processes %s after 5 s of SIGKILL", uid, _processes_of(uid))
+        return False
 
     # --- set-up checks -----------------------------------------------------------------------------
 

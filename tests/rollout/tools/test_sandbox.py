@@ -267,3 +267,24 @@ def test_the_sandbox_work_directory_is_private_and_removed():
     finally:
         box.close()
     assert not box.root.exists()
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="dedicated uids need root")
+def test_a_uid_left_with_unkillable_processes_is_not_used_again(monkeypatch):
+    """Zombies under an init that does not reap survive SIGKILL and would count against the next
+    run's process limit: such a uid is skipped, once looked at, for the rest of the sandbox's life."""
+    box = Sandbox(LIMITS, mode="rlimits", uid_base=1_600_000)
+    looked_at = []
+
+    def kill_leftovers(uid):
+        looked_at.append(uid)
+        return uid != 1_600_000  # the first uid "keeps" its leftovers
+
+    monkeypatch.setattr(box, "_kill_leftovers", kill_leftovers)
+    try:
+        for _ in range(2):
+            result = box.run("import os; print(os.getuid())")
+            assert result.ok and result.stdout == "1600001\n"
+        assert looked_at.count(1_600_000) == 1
+    finally:
+        box.close()
