@@ -1,18 +1,23 @@
 """Rollouts from real SGLang servers (GPU): one `python -m sglang.launch_server` process per generation
 TP group, owned by this engine.
 
-- Start-up waits for /health with a deadline and fails with the tail of the server's log.
+- Start-up waits for /health with a deadline and fails with the tail of the server's log. Every HTTP
+  call has a timeout: a hung server raises SGLangError naming the server, the call and the limit.
 - generate(): token ids in, token ids and per-token log-probs out (SGLang's `output_token_logprobs`,
   under the raw logits as base.py requires at temperature 1), n samples per prompt, stop tokens.
-  Rows are spread over the servers, least-loaded first; a conversation id keeps a multi-turn
-  conversation on one server (its prefix cache). A request to a server that died restarts it and
-  is retried once; every HTTP call has a timeout.
+  Prompts go to the least-loaded server (rows in flight), all n samples of a prompt to the same one
+  (they share its prefix cache); a conversation id keeps a multi-turn conversation on one server.
+- A server that dies is restarted (by the injectable `launch`) and its requests retried: on another
+  server holding the current policy when there is one; on the restarted server only while no policy
+  was pushed (a restarted server holds its checkpoint weights: generating from them after a sync would
+  silently be off-policy, so that raises until the next sync).
 - Weights: full HF-named tensors per bucket (SGLang slices its own TP shard) through a transport:
-  CUDA IPC when colocated (transports/cuda_ipc.py), NCCL broadcast when disaggregated
-  (transports/nccl_broadcast.py, driven by the trainer rank that owns the group).
-- Colocated memory: after each generate the KV cache is released (the trainer gets that memory
-  back); the next generate resumes it first and flushes the prefix cache if weights changed.
-  release_memory() also drops the weights (SGLang keeps no copy): they must be pushed again.
+  CUDA IPC when colocated (transports/cuda_ipc.py, also usable from the training process itself via
+  `weight_endpoints`), NCCL broadcast when disaggregated (transports/nccl_broadcast.py, driven by the
+  trainer rank that owns the group).
+- Colocated memory: when a server has no rows in flight its KV cache is released (the trainer gets
+  that memory back); the next generate resumes it first and flushes the prefix cache if weights
+  changed. release_memory() also drops the weights (SGLang keeps no copy): they must be pushed again.
 - Verification inside SGLang (`verify_weights`): the weights SGLang received are snapshotted by its
   own weights checker, reset to noise, reloaded by SGLang's own loader from a file of the exported
   tensors, and compared by the checker; any difference fails with SGLang's message.
@@ -29,8 +34,9 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import requests
 import torch
@@ -40,72 +46,38 @@ from megarl.rollout.transports import cuda_ipc
 
 
 class SGLangError(RuntimeError):
-    """A server failed to start, died, or answered a request with an error."""
+    """A server failed to start, died, hung, or answered a request with an error."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-class SGLangServer:
-    """One SGLang HTTP server process on GPUs [gpu, gpu + tp)."""
+class Endpoint:
+    """HTTP client of one SGLang server (picklable: a training rank can post weights itself)."""
 
-    def __init__(self, model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5,
-                 memory_saver: bool = True, load_format: str | None = None, cuda_graph: bool = True,
-                 extra_args: tuple[str, ...] = (), log_dir: str | None = None, startup_timeout: float = 900.0,
-                 request_timeout: float = 600.0):
-        self.model_path, self.tp, self.gpu = model_path, tp, gpu
-        self.startup_timeout, self.request_timeout = startup_timeout, request_timeout
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-                     "--host", "127.0.0.1", "--port", str(self.port), "--tp-size", str(tp),
-                     "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction),
-                     "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-                     *(["--enable-memory-saver"] if memory_saver else []),
-                     *(["--load-format", load_format] if load_format else []),
-                     *([] if cuda_graph else ["--disable-cuda-graph"]), *extra_args]
-        self.log_path = Path(log_dir or tempfile.gettempdir()) / f"sglang_{self.port}.log"
-        self.process: subprocess.Popen | None = None
+    def __init__(self, url: str, tp: int = 1, request_timeout: float = 600.0):
+        self.url, self.tp, self.request_timeout = url, tp, request_timeout
 
-    def start(self) -> "SGLangServer":
-        log = open(self.log_path, "ab")
-        # Its own session, so shutdown() can end the server's whole process tree and nothing else.
-        self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SGLangError(f"SGLang server exited with code {self.process.returncode} during start-up:\n"
-                                  f"{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        self.shutdown()
-        raise SGLangError(f"SGLang server not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+    def diagnose(self) -> str:
+        """Extra context for an error message (the process's state and log, where known)."""
+        return ""
 
     def post(self, path: str, payload: dict | None = None, timeout: float | None = None):
+        timeout = timeout or self.request_timeout
         try:
-            response = requests.post(self.url + path, json=payload or {}, timeout=timeout or self.request_timeout)
+            response = requests.post(self.url + path, json=payload or {}, timeout=timeout)
+        except requests.Timeout as error:
+            raise SGLangError(f"{path} on {self.url}: no answer within {timeout:.0f} s (server hung?)"
+                              f"{self.diagnose()}") from error
         except requests.RequestException as error:
-            raise SGLangError(f"{path} on {self.url} failed: {error}"
-                              + ("" if self.alive() else f" (server died)\n{self.log_tail()}")) from error
+            raise SGLangError(f"{path} on {self.url} failed: {error}{self.diagnose()}") from error
         if response.status_code != 200:
             raise SGLangError(f"{path} on {self.url}: HTTP {response.status_code}: {response.text[:2000]}")
+        if not response.content:  # /abort_request answers with an empty 200
+            return None
         try:
             body = response.json()
         except ValueError:  # some endpoints (/flush_cache) answer in plain text
@@ -113,6 +85,68 @@ class SGLangServer:
         if isinstance(body, dict) and body.get("success") is False:
             raise SGLangError(f"{path} on {self.url}: {body.get('message')}")
         return body
+
+
+class SGLangServer(Endpoint):
+    """One server process, started by `command` (listening on `port`), in its own session."""
+
+    def __init__(self, command: list[str], port: int, tp: int = 1, log_path: str | None = None,
+                 startup_timeout: float = 900.0, request_timeout: float = 600.0, health_timeout: float = 5.0):
+        super().__init__(f"http://127.0.0.1:{port}", tp, request_timeout)
+        self.command, self.port = command, port
+        self.startup_timeout, self.health_timeout = startup_timeout, health_timeout
+        self.log_path = Path(log_path or Path(tempfile.gettempdir()) / f"sglang_{port}.log")
+        self.process: subprocess.Popen | None = None
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.url, self.tp, self.request_timeout)
+
+    def start(self) -> "SGLangServer":
+        with open(self.log_path, "ab") as log:
+            # Its own session, so shutdown() can end the server's whole process tree and nothing else.
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SGLangError(f"server {self.url} exited with code {self.process.returncode} during start-up:\n"
+                                  f"{self.log_tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)
+        self.shutdown()
+        raise SGLangError(f"server {self.url} not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=self.health_timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def died(self, grace: float = 10.0) -> bool:
+        """After a failed call: has the process ended? A dying process may close its connections a
+        moment before it exits, so an unhealthy one gets `grace` seconds to finish dying."""
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            if self.healthy():
+                return False
+            time.sleep(0.1)
+        return not self.alive()
+
+    def restart(self) -> "SGLangServer":
+        self.shutdown()
+        return self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def diagnose(self) -> str:
+        return "" if self.alive() else f" (server died)\n{self.log_tail()}"
 
     def shutdown(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -125,93 +159,158 @@ class SGLangServer:
             self.process.wait(timeout=30)
 
 
+def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
+                  load_format: str | None = None, cuda_graph: bool = True, extra_args: tuple[str, ...] = (),
+                  log_dir: str | None = None, **kwargs) -> SGLangServer:
+    """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format."""
+    port = free_port()
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
+               "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction),
+               "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+               "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
+               *(["--enable-memory-saver"] if memory_saver else []),
+               *(["--load-format", load_format] if load_format else []),
+               *([] if cuda_graph else ["--disable-cuda-graph"]), *extra_args]
+    log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
+    return SGLangServer(command, port, tp, str(log), **kwargs)
+
+
+@dataclass
+class _ServerState:
+    load: int = 0  # rows in flight
+    kv_released: bool = False
+    weights_released: bool = False
+    version: int = 0  # the engine's weight version this server holds (0: its checkpoint's)
+    flush: bool = False  # weights changed since its last generate: drop the prefix cache
+
+
 class SGLangRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, num_servers: int = 1, tp: int = 1, colocated: bool = True,
-                 verify_dir: str | None = None, sampling_overrides: dict | None = None, **server_kwargs):
+                 verify_dir: str | None = None, sampling_overrides: dict | None = None,
+                 weight_format: str = "flattened_bucket", launch: Callable[[int], SGLangServer] | None = None,
+                 **server_kwargs):
         self.model_path, self.colocated = model_path, colocated
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks
-        self.servers = [SGLangServer(model_path, tp=tp, gpu=i * tp, **server_kwargs) for i in range(num_servers)]
+        launch = launch or (lambda i: sglang_server(model_path, tp=tp, gpu=i * tp, **server_kwargs))
+        self.servers = [launch(i) for i in range(num_servers)]
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(SGLangServer.start, self.servers))
-        self.load = [0] * num_servers  # rows in flight per server
+        self.state = [_ServerState() for _ in self.servers]
         self.sticky: dict[str, int] = {}
-        self.lock = threading.Lock()
-        self.kv_released = self.weights_released = self.weights_changed = False
+        self.lock = threading.RLock()  # routing state and the memory transitions that depend on it
+        self.version = 0  # weight syncs started
+        self.syncing = False
+        self.weight_format = weight_format
+        self._sender: cuda_ipc.CudaIpcSender | None = None
         self.verify_dir = Path(verify_dir) if verify_dir else None
         self.received: dict[str, torch.Tensor] = {}  # CPU copies of this sync's tensors, for verify_weights
+        self.restarts = 0
 
-    # ---- generation -------------------------------------------------------------------------------
+    # ---- routing ----------------------------------------------------------------------------------
 
-    def _pick(self, conversation: str | None) -> int:
+    def _fresh(self) -> list[int]:
+        """Servers holding the current policy (all of them until a server restarts after a sync)."""
+        fresh = [i for i, s in enumerate(self.state) if s.version == self.version and self.servers[i].alive()]
+        return fresh or list(range(len(self.servers)))
+
+    def _assign(self, conversation: str | None, rows: int) -> int:
+        """Least-loaded fresh server (sticky per conversation); counts the rows in flight."""
         with self.lock:
-            if conversation is not None and conversation in self.sticky:
-                return self.sticky[conversation]
-            index = min(range(len(self.servers)), key=self.load.__getitem__)
-            if conversation is not None:
-                self.sticky[conversation] = index
+            index = self.sticky.get(conversation) if conversation is not None else None
+            if index is None or index not in self._fresh():
+                index = min(self._fresh(), key=lambda i: self.state[i].load)
+                if conversation is not None:
+                    self.sticky[conversation] = index
+            self.state[index].load += rows
             return index
 
-    def _prepare_for_generation(self) -> None:
-        if self.weights_released:
-            raise SGLangError("SGLang's weights were released and not pushed again; sync before generating")
-        for server in self.servers:
-            if self.kv_released:
+    def _done(self, index: int, rows: int) -> None:
+        with self.lock:
+            state = self.state[index]
+            state.load -= rows
+            if self.colocated and state.load == 0 and not state.kv_released and self.servers[index].alive():
+                # nothing in flight: give the KV cache's memory back to the trainer until the next rollout
+                self.servers[index].post("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+                state.kv_released = True
+
+    def _prepare(self, index: int) -> None:
+        with self.lock:
+            state, server = self.state[index], self.servers[index]
+            if state.weights_released:
+                raise SGLangError(f"server {server.url}: its weights were released and not pushed again; "
+                                  "sync before generating")
+            if state.kv_released:
                 server.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
-            if self.weights_changed:
+                state.kv_released = False
+            if state.flush:
                 server.post("/flush_cache")
-        self.kv_released = self.weights_changed = False
+                state.flush = False
+            self.syncing = False
+
+    # ---- generation -------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  conversations: list[str] | None = None) -> list[Generation]:
         if params.max_new_tokens < 1 or params.n < 1:
             raise ValueError(f"max_new_tokens and n must be >= 1, got {params.max_new_tokens} and {params.n}")
-        self._prepare_for_generation()
+        if conversations is not None and len(conversations) != len(prompts):
+            raise ValueError(f"{len(conversations)} conversation ids for {len(prompts)} prompts")
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids), **self.sampling_overrides}
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
-        rows = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
-        # Chunks of rows per server: one conversation (or, without ids, a share of the batch) each.
-        chunks: dict[int, list[int]] = {}
-        share = -(-len(rows) // len(self.servers))
-        for r, (i, _) in enumerate(rows):
-            key = conversations[i] if conversations else None
-            server = self._pick(key) if key else (r // share)
-            chunks.setdefault(server, []).append(r)
-        results: list[Generation | None] = [None] * len(rows)
+        groups: dict[int, list[int]] = {}  # server -> prompt indices
+        for i in range(len(prompts)):
+            server = self._assign(conversations[i] if conversations else None, params.n)
+            groups.setdefault(server, []).append(i)
+        results: list[Generation | None] = [None] * (len(prompts) * params.n)
 
-        def run(server_index: int, row_ids: list[int]) -> None:
-            with self.lock:
-                self.load[server_index] += len(row_ids)
+        def run(index: int, prompt_ids: list[int]) -> None:
+            rows = [prompts[i] for i in prompt_ids for _ in range(params.n)]
             try:
-                outputs = self._generate_on(server_index, [rows[r][1] for r in row_ids], sampling)
+                outputs = self._generate_on(index, rows, sampling)
             finally:
-                with self.lock:
-                    self.load[server_index] -= len(row_ids)
-            for r, out in zip(row_ids, outputs):
-                results[r] = _to_generation(rows[r][0], out)
+                self._done(index, len(rows))
+            if not isinstance(outputs, list) or len(outputs) != len(rows):
+                raise SGLangError(f"/generate on {self.servers[index].url}: expected {len(rows)} outputs, got "
+                                  f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}")
+            for k, out in enumerate(outputs):
+                i = prompt_ids[k // params.n]
+                results[i * params.n + k % params.n] = _to_generation(i, out)
 
-        with ThreadPoolExecutor(max(1, len(chunks))) as pool:
-            for future in [pool.submit(run, s, ids) for s, ids in chunks.items()]:
+        with ThreadPoolExecutor(max(1, len(groups))) as pool:
+            for future in [pool.submit(run, s, ids) for s, ids in groups.items()]:
                 future.result()
-        if self.colocated:  # give the KV cache's memory back to the trainer until the next rollout
-            for server in self.servers:
-                server.post("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
-            self.kv_released = True
         return results
 
     def _generate_on(self, index: int, input_ids: list[list[int]], sampling: dict) -> list[dict]:
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
-        server = self.servers[index]
+        self._prepare(index)
         try:
-            return server.post("/generate", request)
+            return self.servers[index].post("/generate", request)
         except SGLangError:
-            if server.alive():
+            if not self.servers[index].died():
                 raise
-            # The server died: start it again and retry once. Its weights are the checkpoint's, so a
-            # trained policy must be pushed again: a colocated trainer does that at the next sync.
-            server.start()
-            return server.post("/generate", request)
+        target = self._recover(index)
+        self._prepare(target)
+        return self.servers[target].post("/generate", request)
+
+    def _recover(self, index: int) -> int:
+        """Restart a dead server; return where to retry its request."""
+        with self.lock:
+            server = self.servers[index]
+            if not server.alive():  # another thread may have restarted it already
+                server.restart()
+                self.restarts += 1
+                self.state[index] = _ServerState(load=self.state[index].load)
+            fresh = [i for i in self._fresh() if self.state[i].version == self.version]
+            if self.version == 0 or index in fresh:
+                return index
+            if fresh:
+                return min(fresh, key=lambda i: self.state[i].load)
+            raise SGLangError(f"server {server.url} died and was restarted with its checkpoint weights; no server "
+                              f"holds the current policy (version {self.version}): push the weights again")
 
     def abort(self) -> None:
         """Abort every request in flight (e.g. over-sampled work); they finish with reason 'abort'."""
@@ -220,15 +319,27 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ---- weights ----------------------------------------------------------------------------------
 
+    def begin_weight_update(self) -> list[Endpoint]:
+        """Start a sync: weights memory back where it was released, a new weight version. Returns the
+        endpoints a training rank may post buckets to itself (cuda_ipc.CudaIpcSender)."""
+        with self.lock:
+            if not self.syncing:
+                self.version += 1
+                self.syncing = True
+                self.received.clear()
+            for server, state in zip(self.servers, self.state):
+                if state.weights_released:
+                    server.post("/resume_memory_occupation", {"tags": ["weights"]})
+                    state.weights_released = False
+                state.version, state.flush = self.version, True
+        return [s.endpoint() for s in self.servers]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        bucket = list(named_tensors)
-        if self.weights_released:
-            for server in self.servers:
-                server.post("/resume_memory_occupation", {"tags": ["weights"]})
-            self.weights_released = False
-        for server in self.servers:
-            cuda_ipc.send_bucket(server, bucket, flush_cache=False)
-        self.weights_changed = True
+        bucket = [(n, t if t.is_cuda else t.cuda()) for n, t in named_tensors]
+        endpoints = self.begin_weight_update()
+        if self._sender is None:
+            self._sender = cuda_ipc.CudaIpcSender(endpoints, self.weight_format)
+        self._sender.send(bucket)()
         if self.verify_dir is not None:
             self.received.update((n, t.detach().to("cpu", copy=True)) for n, t in bucket)
 
@@ -236,19 +347,7 @@ class SGLangRolloutEngine(RolloutEngine):
         """SGLang checks itself: what it received against what its own loader reads from the exported file."""
         if self.verify_dir is None:
             raise SGLangError("verify_weights needs the engine built with verify_dir")
-        from safetensors.torch import save_file
-
-        directory = self.verify_dir / "exported"
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(self.received, str(directory / "model.safetensors"))
-        for name in os.listdir(self.model_path):  # config and tokenizer files: SGLang's loader reads them
-            if not name.endswith(".safetensors") and not (directory / name).exists():
-                (directory / name).symlink_to(Path(self.model_path, name).resolve())
-        for server in self.servers:
-            server.post("/weights_checker", {"action": "snapshot"})
-            server.post("/weights_checker", {"action": "reset_tensors"})
-            server.post("/update_weights_from_disk", {"model_path": str(directory), "flush_cache": True})
-            server.post("/weights_checker", {"action": "compare"})
+        verify_inside_sglang([s.endpoint() for s in self.servers], self.received, self.model_path, self.verify_dir)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """After verify_weights passed, SGLang holds exactly these tensors (the trainer's digest check
@@ -260,19 +359,40 @@ class SGLangRolloutEngine(RolloutEngine):
     # ---- memory -----------------------------------------------------------------------------------
 
     def release_memory(self) -> None:
-        for server in self.servers:
-            server.post("/release_memory_occupation", {})
-        self.kv_released = self.weights_released = True
+        with self.lock:
+            for server, state in zip(self.servers, self.state):
+                server.post("/release_memory_occupation", {})
+                state.kv_released = state.weights_released = True
 
     def resume_memory(self) -> None:
         """Weights memory back (its values are not: push weights next); the KV cache comes back at generate."""
-        for server in self.servers:
-            server.post("/resume_memory_occupation", {"tags": ["weights"]})
-        self.weights_released = False
+        with self.lock:
+            for server, state in zip(self.servers, self.state):
+                server.post("/resume_memory_occupation", {"tags": ["weights"]})
+                state.weights_released = False
 
     def shutdown(self) -> None:
         for server in self.servers:
             server.shutdown()
+
+
+def verify_inside_sglang(endpoints: list[Endpoint], received: dict[str, torch.Tensor], model_path: str,
+                         directory: Path) -> None:
+    """Snapshot what the servers hold, reset, reload `received` from a file with SGLang's own loader, compare."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory) / "exported"
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(received, str(directory / "model.safetensors"))
+    for name in os.listdir(model_path):  # config and tokenizer files: SGLang's loader reads them
+        if not name.endswith(".safetensors") and not (directory / name).exists():
+            (directory / name).symlink_to(Path(model_path, name).resolve())
+    for endpoint in endpoints:
+        endpoint.post("/weights_checker", {"action": "snapshot"})
+        endpoint.post("/weights_checker", {"action": "reset_tensors"})
+        endpoint.post("/update_weights_from_disk", {"model_path": str(directory), "load_format": "safetensors",
+                                                    "flush_cache": True})
+        endpoint.post("/weights_checker", {"action": "compare"})
 
 
 def _to_generation(prompt_index: int, out: dict) -> Generation:
@@ -280,5 +400,4 @@ def _to_generation(prompt_index: int, out: dict) -> Generation:
     pairs = meta["output_token_logprobs"]  # [logprob, token id, text] per generated token
     reason = (meta.get("finish_reason") or {}).get("type", "length")
     return Generation(prompt_index=prompt_index, token_ids=[int(p[1]) for p in pairs],
-                      logprobs=[float(p[0]) for p in pairs], finish_reason="length" if reason == "length" else
-                      "stop" if reason == "stop" else reason)
+                      logprobs=[float(p[0]) for p in pairs], finish_reason=reason)

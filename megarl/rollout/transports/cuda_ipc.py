@@ -1,30 +1,179 @@
 """Colocated weight transport: CUDA IPC handles through SGLang's /update_weights_from_tensor.
 
 The sender keeps its tensors on its own GPU and posts only IPC handles (ForkingPickler payloads,
-base64 in JSON), one payload per SGLang TP rank; each rank opens the handles and copies what its
-model loader needs. The tensors must stay alive until the call returns, which this function
-guarantees by holding the bucket for its duration.
+base64 in JSON), one payload per SGLang TP rank, each serialised separately (a rank that opens
+another rank's payload would upset torch's producer-side IPC reference counts); each rank opens the
+handles and copies what its model loader needs. Three payload formats (`FORMATS`):
+
+- "tensors": one handle per tensor, SGLang's default loader (the reference path).
+- "flattened_bucket": the bucket copied into one flat uint8 buffer with SGLang's own
+  FlattenedTensorMetadata; one handle per bucket.
+- "persistent": the same flat layout, but in two buffers the sender allocates once and reuses
+  (double buffering), loaded by `load_flat_bucket` (SGLang's --custom-weight-loader) which keeps
+  its mapping of each buffer open: SGLang opens an IPC handle once per buffer, not once per bucket
+  per sync (opening and closing a mapping costs time that grows with its size).
+
+`send_overlapped` runs the HTTP call of bucket k in a thread while the caller gathers and converts
+bucket k+1. The sender's tensors (or buffer slot) stay untouched until their call returned: SGLang
+copies from our memory inside that call, and the "persistent" loader synchronises before returning.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
+
 import torch
 
+FORMATS = ("tensors", "flattened_bucket", "persistent")
+PERSISTENT_LOADER = "megarl.rollout.transports.cuda_ipc.load_flat_bucket"
 
-def _serializer():
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def sglang_serializer() -> Callable[[object], str]:
+    """SGLang's ForkingPickler serialiser (base64 for JSON), with IPC handles naming GPUs by UUID so
+    processes that see different CUDA_VISIBLE_DEVICES agree."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    # IPC handles name the GPU by UUID, so processes that see different CUDA_VISIBLE_DEVICES agree.
     monkey_patch_torch_reductions()
-    return MultiprocessingSerializer
+    return lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True)
 
 
-def send_bucket(server, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
-    """Load one bucket of HF-named CUDA tensors into a running server (megarl.rollout.sglang.SGLangServer)."""
-    tensors = [(name, t.detach() if t.is_cuda else t.detach().cuda()) for name, t in bucket]
-    payload = _serializer().serialize(tensors, output_str=True)
-    server.post("/update_weights_from_tensor",
-                {"serialized_named_tensors": [payload] * server.tp, "flush_cache": flush_cache})
-    torch.cuda.synchronize()  # the server copied from our memory; only now may it change
-    del tensors
+def plain_serializer(obj) -> str:
+    """CPU stand-in for tests: pickled values instead of IPC handles, same JSON envelope."""
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def flat_layout(bucket: Bucket) -> tuple[list[list], int]:
+    """[name, dtype, shape, start, end] per tensor in one uint8 buffer (SGLang's FlattenedTensorBucket
+    layout: tensors back to back, no padding), and the buffer's size in bytes."""
+    layout, offset = [], 0
+    for name, t in bucket:
+        size = t.numel() * t.element_size()
+        layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, offset + size])
+        offset += size
+    return layout, offset
+
+
+def pack(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors into `out` (uint8) in flat_layout order; returns the used prefix."""
+    offset = 0
+    for _, t in bucket:
+        size = t.numel() * t.element_size()
+        out[offset:offset + size].view(t.dtype).view(t.shape).copy_(t)
+        offset += size
+    return out[:offset]
+
+
+def unpack(flat: torch.Tensor, layout: list[list]) -> Bucket:
+    """Views of `flat` named and shaped as `layout` says (no copies)."""
+    return [(name, flat[start:end].view(getattr(torch, dtype)).view(shape)) for name, dtype, shape, start, end in layout]
+
+
+_MAPPED: dict[int, torch.Tensor] = {}  # inside SGLang: slot -> the sender's buffer, kept mapped
+
+
+def load_flat_bucket(model, named_tensors: Bucket) -> None:
+    """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair."""
+    ((header, flat),) = named_tensors
+    header = json.loads(header)
+    model.load_weights(unpack(flat, header["layout"]))
+    if flat.is_cuda:  # the sender reuses the buffer once this call has returned
+        torch.cuda.current_stream().synchronize()
+    _MAPPED[header["slot"]] = flat
+
+
+class CudaIpcSender:
+    """Posts buckets to SGLang endpoints (megarl.rollout.sglang.Endpoint) in one of FORMATS.
+
+    Lives in the process that holds the tensors (the training rank), so the weights never leave
+    their GPU on the way: no Ray object store, no host copies.
+    """
+
+    def __init__(self, endpoints: list, fmt: str = "flattened_bucket", serializer: Callable[[object], str] | None = None,
+                 slots: int = 2):
+        if fmt not in FORMATS:
+            raise ValueError(f"weight format {fmt!r}: expected one of {', '.join(FORMATS)}")
+        self.endpoints, self.fmt, self.slots = endpoints, fmt, slots
+        self.serialize = serializer or sglang_serializer()
+        self.buffers: list[torch.Tensor | None] = [None] * slots
+        self.count = 0  # buckets sent: picks the persistent slot
+
+    def payload(self, bucket: Bucket) -> tuple[dict, object]:
+        """The request body of one bucket (for every endpoint alike but the per-rank payloads) and the
+        object that must stay alive until the request returns."""
+        if self.fmt == "tensors":
+            keep = [(n, t.detach()) for n, t in bucket]
+            return dict(load_format=None, payload=lambda: self.serialize(keep)), keep
+        layout, size = flat_layout(bucket)
+        device = bucket[0][1].device
+        if self.fmt == "flattened_bucket":
+            flat = pack(bucket, torch.empty(size, dtype=torch.uint8, device=device))
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+            meta = [FlattenedTensorMetadata(name=n, shape=torch.Size(s), dtype=getattr(torch, d), start_idx=a,
+                                            end_idx=b, numel=b - a) for n, d, s, a, b in layout]
+            obj = {"flattened_tensor": flat, "metadata": meta}
+            return dict(load_format="flattened_bucket", payload=lambda: self.serialize(obj)), flat
+        slot = self.count % self.slots
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() < size or buffer.device != device:
+            buffer = self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+        flat = pack(bucket, buffer)
+        named = [(json.dumps({"slot": slot, "layout": layout}), flat)]
+        return dict(load_format=PERSISTENT_LOADER, payload=lambda: self.serialize(named)), flat
+
+    def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
+        """Prepare the bucket now (copies on our GPU, handles serialised) and return the call that posts
+        it to every endpoint; run that call before changing the bucket's memory again."""
+        spec, keep = self.payload(bucket)
+        self.count += 1
+        requests = [{"serialized_named_tensors": [spec["payload"]() for _ in range(e.tp)],
+                     "load_format": spec["load_format"], "flush_cache": flush_cache} for e in self.endpoints]
+
+        def post() -> None:
+            nonlocal keep  # our tensors stay alive until every endpoint has copied from them
+            for endpoint, request in zip(self.endpoints, requests):
+                endpoint.post("/update_weights_from_tensor", request)
+            keep = None
+
+        return post
+
+
+def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
+    """For each bucket from `buckets` (whose production is the gather and convert work), `prepare(bucket)`
+    returns the post; the post of bucket k runs in a thread while bucket k+1 is produced and prepared.
+    Returns seconds spent producing, preparing and waiting on posts, and the bytes sent."""
+    import time
+
+    stats = dict(produce_s=0.0, prepare_s=0.0, wait_s=0.0, bytes=0, buckets=0)
+    pending = None
+    with ThreadPoolExecutor(1) as pool:
+        iterator = iter(buckets)
+        while True:
+            t0 = time.perf_counter()
+            bucket = next(iterator, None)
+            t1 = time.perf_counter()
+            stats["produce_s"] += t1 - t0
+            if bucket is None:
+                break
+            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+            stats["buckets"] += 1
+            post = prepare(bucket)
+            t2 = time.perf_counter()
+            stats["prepare_s"] += t2 - t1
+            if pending is not None:  # at most one post in flight: two buckets (or slots) in use
+                pending.result()
+            stats["wait_s"] += time.perf_counter() - t2
+            pending = pool.submit(post)
+            del bucket
+        t3 = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        stats["wait_s"] += time.perf_counter() - t3
+    return stats

@@ -1,0 +1,165 @@
+"""A stand-in SGLang HTTP server for CPU tests of megarl.rollout.sglang (run as a script: its own process,
+so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoints megarl uses:
+
+- GET /health: 200 (503 with --never-healthy).
+- POST /generate {input_ids: [[...]], sampling_params, return_logprob}: one output per row,
+  {"output_ids", "meta_info": {"finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"}
+  | {"type": "abort", ...}, "output_token_logprobs": [[logprob, token, None], ...], ...}}.
+  Tokens are a deterministic function of the prompt and a per-process row counter (so n samples differ).
+- POST /abort_request {abort_all}: empty 200; requests waiting in a slow /generate finish as aborted.
+- /release_memory_occupation, /resume_memory_occupation {tags}: null; /flush_cache: plain text.
+- POST /update_weights_from_tensor {serialized_named_tensors, load_format, flush_cache}: each payload
+  decoded with cuda_ipc.plain_serializer's format and loaded like SGLang would (default loader or
+  megarl's custom loader) into a dict model.
+Test controls: POST /fake/config {"generate_delay", "hang", "die_on_generate"}; GET /fake/log (the
+requests received); GET /fake/weights (name -> [dtype, shape, sha1 of the bytes]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import pickle
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from megarl.rollout.transports import cuda_ipc
+
+VOCAB = 1000
+
+
+class DictModel:
+    def __init__(self):
+        self.weights = {}
+
+    def load_weights(self, named):
+        for name, tensor in named:
+            self.weights[name] = tensor.clone()
+
+
+class State:
+    def __init__(self):
+        self.config = {"generate_delay": 0.0, "hang": False, "die_on_generate": False}
+        self.log, self.rows, self.model = [], 0, DictModel()
+        self.aborted = threading.Event()
+        self.lock = threading.Lock()
+
+
+STATE = State()
+
+
+def generate(body: dict) -> list[dict]:
+    cfg = STATE.config
+    if cfg["die_on_generate"]:
+        os._exit(3)
+    if cfg["hang"]:
+        time.sleep(3600)
+    ids = body["input_ids"]
+    rows = ids if ids and isinstance(ids[0], list) else [ids]
+    sp = body.get("sampling_params") or {}
+    max_new, stops = sp.get("max_new_tokens", 128), set(sp.get("stop_token_ids") or [])
+    deadline = time.monotonic() + cfg["generate_delay"]
+    aborted = False
+    while time.monotonic() < deadline:
+        if STATE.aborted.is_set():
+            aborted = True
+            break
+        time.sleep(0.01)
+    outputs = []
+    for row in rows:
+        with STATE.lock:
+            STATE.rows += 1
+            counter = STATE.rows
+        tokens, reason = [], {"type": "length", "length": max_new}
+        for j in range(max_new // 2 if aborted else max_new):
+            token = (sum(row) + 31 * counter + 13 * j) % VOCAB
+            tokens.append(token)
+            if token in stops and not sp.get("ignore_eos"):
+                reason = {"type": "stop", "matched": token}
+                break
+        if aborted:
+            reason = {"type": "abort", "message": "Abort in waiting queue", "status_code": None, "err_type": None}
+        outputs.append({"output_ids": tokens, "meta_info": {
+            "id": f"req{counter}", "finish_reason": reason, "prompt_tokens": len(row), "completion_tokens": len(tokens),
+            "output_token_logprobs": [[-0.05 - (t % 10) / 10, t, None] for t in tokens]}})
+    return outputs if rows is ids else outputs[0]
+
+
+def update_weights(body: dict) -> dict:
+    for payload in body["serialized_named_tensors"]:  # every TP rank's copy: each is loaded (a dict model)
+        named = pickle.loads(base64.b64decode(payload))
+        if body.get("load_format") == cuda_ipc.PERSISTENT_LOADER:
+            cuda_ipc.load_flat_bucket(STATE.model, named)
+        elif body.get("load_format") is None:
+            STATE.model.load_weights(named)
+        else:
+            return {"success": False, "message": f"Unknown load_format={body.get('load_format')}"}
+    return {"success": True, "message": "Success"}
+
+
+def digest(t) -> list:
+    data = t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+    return [str(t.dtype), list(t.shape), hashlib.sha1(data).hexdigest()]
+
+
+class Handler(BaseHTTPRequestHandler):
+    never_healthy = False
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code: int, body=None, text: str | None = None):
+        data = text.encode() if text is not None else (b"" if body is ... else json.dumps(body).encode())
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/health":
+            return self.reply(503 if self.never_healthy else 200, ...)
+        if self.path == "/fake/log":
+            return self.reply(200, STATE.log)
+        if self.path == "/fake/weights":
+            return self.reply(200, {n: digest(t) for n, t in STATE.model.weights.items()})
+        self.reply(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/fake/config":
+            STATE.config.update(body)
+            return self.reply(200, STATE.config)
+        STATE.log.append({"path": self.path, "body": body if self.path != "/update_weights_from_tensor" else
+                          {k: v for k, v in body.items() if k != "serialized_named_tensors"}})
+        if self.path == "/generate":
+            STATE.aborted.clear()
+            return self.reply(200, generate(body))
+        if self.path == "/abort_request":
+            if body.get("abort_all"):
+                STATE.aborted.set()
+            return self.reply(200, ...)
+        if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            return self.reply(200, None)
+        if self.path == "/flush_cache":
+            return self.reply(200, text="Cache flushed.\n")
+        if self.path == "/update_weights_from_tensor":
+            result = update_weights(body)
+            return self.reply(200 if result["success"] else 400, result)
+        self.reply(404, {"detail": "Not Found"})
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--never-healthy", action="store_true")
+    args = parser.parse_args()
+    Handler.never_healthy = args.never_healthy
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""megarl's SGLang engine logic (routing, n samples, stop params, restarts, timeouts, abort, weight
+payloads) against fake_sglang.py: real HTTP servers in their own processes speaking sglang 0.5.17's JSON."""
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine, SGLangServer, free_port
+from megarl.rollout.transports import cuda_ipc
+from megarl.workers.weight_sync import tensor_digest
+
+FAKE = str(Path(__file__).with_name("fake_sglang.py"))
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def fake_server(tmp_path, *flags, **kwargs):
+    port = free_port()
+    os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return SGLangServer([sys.executable, FAKE, "--port", str(port), *flags], port, log_path=str(tmp_path / f"{port}.log"),
+                        startup_timeout=kwargs.pop("startup_timeout", 30), **kwargs)
+
+
+def engine(tmp_path, servers=1, **kwargs):
+    timeout = kwargs.pop("request_timeout", 30)
+    return SGLangRolloutEngine("unused", num_servers=servers, colocated=kwargs.pop("colocated", False),
+                               launch=lambda i: fake_server(tmp_path, request_timeout=timeout), **kwargs)
+
+
+def log(server, path=None):
+    entries = requests.get(server.url + "/fake/log", timeout=5).json()
+    return [e for e in entries if path is None or e["path"] == path]
+
+
+def configure(server, **config):
+    requests.post(server.url + "/fake/config", json=config, timeout=5).raise_for_status()
+
+
+@pytest.fixture
+def three(tmp_path):
+    e = engine(tmp_path, servers=3)
+    yield e
+    e.shutdown()
+
+
+def test_least_loaded_routing_n_samples_and_stickiness(three):
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11], [12, 13]]
+    params = SamplingParams(max_new_tokens=5, n=3, temperature=0.7, top_p=0.9, stop_token_ids=[999], seed=4)
+    gens = three.generate(prompts, params)
+    assert [g.prompt_index for g in gens] == [i for i in range(len(prompts)) for _ in range(3)]
+    assert all(len(g.token_ids) == len(g.logprobs) == 5 for g in gens)
+    assert all(g.logprobs[k] == -0.05 - (g.token_ids[k] % 10) / 10 for g in gens for k in range(5))
+    # the n samples of a prompt are distinct rows, all sent to the same server (shared prefix)
+    assert len({tuple(g.token_ids) for g in gens[:3]}) == 3
+    rows_per_server = []
+    for server in three.servers:
+        (request,) = log(server, "/generate")
+        rows = request["body"]["input_ids"]
+        assert all(rows[k] == rows[k - k % 3] for k in range(len(rows)))
+        assert request["body"]["return_logprob"] is True
+        assert request["body"]["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9,
+                                                      "stop_token_ids": [999], "sampling_seed": 4}
+        rows_per_server.append(len(rows))
+    assert rows_per_server == [6, 6, 6]  # least-loaded: the batch is spread evenly
+    assert all(s.load == 0 for s in three.state)
+
+    # conversations stick to their server across calls, whatever the load
+    convs = ["a", "b", "c", "a"]
+    three.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=2), conversations=convs)
+    first = dict(three.sticky)
+    for _ in range(2):
+        three.generate([[5]], SamplingParams(max_new_tokens=2), conversations=["a"])
+    assert three.sticky == first and len(set(first.values())) == 3
+    a = first["a"]
+    assert [len(r["body"]["input_ids"]) for r in log(three.servers[a], "/generate")[1:]] == [2, 1, 1]
+
+
+def test_stop_token_and_finish_reasons(tmp_path):
+    e = engine(tmp_path)
+    try:
+        stop = 31 * 1 + 13 * 3  # the fake's token at position 3 of its first row
+        g = e.generate([[0]], SamplingParams(max_new_tokens=8, stop_token_ids=[stop]))[0]
+        assert g.finish_reason == "stop" and g.token_ids[-1] == stop and len(g.token_ids) == 4
+        assert e.generate([[0]], SamplingParams(max_new_tokens=3))[0].finish_reason == "length"
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            e.generate([[0]], SamplingParams(n=0))
+    finally:
+        e.shutdown()
+
+
+def test_dead_server_is_restarted_and_its_requests_retried(tmp_path):
+    e = engine(tmp_path, servers=2)
+    try:
+        first_pid = e.servers[0].process.pid
+        configure(e.servers[0], die_on_generate=True)
+        gens = e.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=4, n=2))
+        assert len(gens) == 8 and all(len(g.token_ids) == 4 for g in gens)
+        assert e.restarts == 1 and e.servers[0].alive() and e.servers[0].process.pid != first_pid
+        assert len(log(e.servers[0], "/generate")) == 1  # before any sync: retried on the restarted server
+
+        # after a sync the restarted server would generate with its checkpoint weights: retry elsewhere
+        e.begin_weight_update()
+        configure(e.servers[0], die_on_generate=True)
+        gens = e.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=4))
+        assert len(gens) == 4 and e.restarts == 2
+        assert e.state[0].version == 0 and e.state[1].version == e.version
+        assert len(log(e.servers[0], "/generate")) == 0
+        e.generate([[5], [6]], SamplingParams(max_new_tokens=2))  # routing avoids the stale server
+        assert len(log(e.servers[0], "/generate")) == 0
+        e.begin_weight_update()  # the next sync brings it back
+        e.generate([[5], [6]], SamplingParams(max_new_tokens=2))
+        assert len(log(e.servers[0], "/generate")) == 1
+    finally:
+        e.shutdown()
+
+
+def test_single_server_restarted_after_a_sync_fails_loudly(tmp_path):
+    e = engine(tmp_path)
+    try:
+        e.begin_weight_update()
+        configure(e.servers[0], die_on_generate=True)
+        with pytest.raises(SGLangError, match="restarted with its checkpoint weights"):
+            e.generate([[1]], SamplingParams(max_new_tokens=2))
+        assert e.servers[0].alive()
+    finally:
+        e.shutdown()
+
+
+def test_hung_server_times_out_with_a_clear_error(tmp_path):
+    e = engine(tmp_path, request_timeout=1.5)
+    try:
+        configure(e.servers[0], hang=True)
+        start = time.monotonic()
+        with pytest.raises(SGLangError, match=r"/generate on http://127.0.0.1:\d+: no answer within 2 s"):
+            e.generate([[1]], SamplingParams(max_new_tokens=2))
+        assert time.monotonic() - start < 10
+    finally:
+        e.shutdown()
+
+
+def test_server_that_never_gets_healthy_fails_start_with_its_log(tmp_path):
+    server = fake_server(tmp_path, "--never-healthy", startup_timeout=2)
+    with pytest.raises(SGLangError, match="not healthy after 2 s"):
+        server.start()
+    assert not server.alive()
+
+
+def test_abort_ends_requests_in_flight(tmp_path):
+    e = engine(tmp_path)
+    try:
+        configure(e.servers[0], generate_delay=20)
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(g=e.generate([[1], [2]], SamplingParams(max_new_tokens=6))))
+        thread.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        e.abort()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and time.monotonic() - start < 5
+        assert [g.finish_reason for g in out["g"]] == ["abort", "abort"]
+        assert all(len(g.token_ids) == 3 for g in out["g"])
+        assert log(e.servers[0], "/abort_request")[0]["body"] == {"abort_all": True}
+    finally:
+        e.shutdown()
+
+
+def test_colocated_memory_cycle(tmp_path):
+    e = engine(tmp_path, colocated=True)
+    try:
+        server = e.servers[0]
+        e.generate([[1]], SamplingParams(max_new_tokens=2))
+        e.release_memory()
+        with pytest.raises(SGLangError, match="weights were released"):
+            e.generate([[1]], SamplingParams(max_new_tokens=2))
+        e.begin_weight_update()
+        e.generate([[1]], SamplingParams(max_new_tokens=2))
+        calls = [(r["path"], r["body"].get("tags")) for r in log(server) if r["path"] != "/generate"]
+        assert calls == [("/release_memory_occupation", ["kv_cache", "cuda_graph"]),  # after the 1st rollout
+                         ("/release_memory_occupation", None),                      # release_memory: all
+                         ("/resume_memory_occupation", ["weights"]),                # sync begins
+                         ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),  # rollout: KV back,
+                         ("/flush_cache", None),                                    # stale prefixes dropped
+                         ("/release_memory_occupation", ["kv_cache", "cuda_graph"])]
+    finally:
+        e.shutdown()
+
+
+def bucket_of(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [("model.layers.0.mlp.down_proj.weight", torch.randn(6, 4, generator=g).to(torch.bfloat16)),
+            ("model.norm.weight", torch.randn(4, generator=g)),
+            ("model.embed_tokens.weight", torch.randn(3, 5, generator=g).to(torch.bfloat16)[:, 1:4])]  # a view
+
+
+@pytest.mark.parametrize("fmt", ["tensors", "persistent"])
+def test_weight_payloads_arrive_bitwise_with_overlap(tmp_path, fmt):
+    server = fake_server(tmp_path).start()
+    try:
+        server.tp = 2  # one payload per TP rank, each loaded
+        sender = cuda_ipc.CudaIpcSender([server.endpoint()], fmt, serializer=cuda_ipc.plain_serializer)
+        buckets = [bucket_of(s) for s in range(5)]
+        stats = cuda_ipc.send_overlapped(iter(buckets), sender.send)
+        assert stats["buckets"] == 5 and stats["bytes"] == 5 * (24 * 2 + 4 * 4 + 9 * 2)
+        held = requests.get(server.url + "/fake/weights", timeout=5).json()
+        last = buckets[-1]
+        for name, t in last:
+            dtype, shape, sha = held[name]
+            assert [dtype, shape] == [str(t.dtype), list(t.shape)]
+            import hashlib
+            assert sha == hashlib.sha1(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        requests_seen = log(server, "/update_weights_from_tensor")
+        assert len(requests_seen) == 5
+        assert {r["body"]["load_format"] for r in requests_seen} == (
+            {None} if fmt == "tensors" else {cuda_ipc.PERSISTENT_LOADER})
+        if fmt == "persistent":  # two buffers, reused: no allocation per bucket
+            assert sender.count == 5 and all(b is not None for b in sender.buffers)
+    finally:
+        server.shutdown()
+
+
+def test_flat_layout_pack_unpack_roundtrip():
+    bucket = bucket_of(7)
+    layout, size = cuda_ipc.flat_layout(bucket)
+    assert size == 24 * 2 + 4 * 4 + 9 * 2 and layout[1][3:] == [48, 64]
+    flat = cuda_ipc.pack(bucket, torch.empty(size + 10, dtype=torch.uint8))
+    assert flat.numel() == size
+    for (name, t), (name2, v) in zip(bucket, cuda_ipc.unpack(flat, layout)):
+        assert name == name2 and tensor_digest(t) == tensor_digest(v)
+    with pytest.raises(ValueError, match="weight format 'nope'"):
+        cuda_ipc.CudaIpcSender([], "nope", serializer=cuda_ipc.plain_serializer)
