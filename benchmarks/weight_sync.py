@@ -1,18 +1,28 @@
-"""Weight sync into a real SGLang server, colocated on one GPU (CUDA IPC), and rollout throughput.
+"""Weight sync into real SGLang servers, and rollout throughput against SGLang's own Engine.
 
-For each model size: a megatron GPTModel (random bf16 weights, TP=1) and an SGLang server started
-with --load-format dummy on the same GPU. One sync is timed from the end of a train step (CUDA
-synchronised) to SGLang ready to generate, split into
-  resume   - SGLang takes back its weights memory (it was released, as during training),
-  convert  - megarl.parallel.reshard yields HF-named tensors from the megatron shards (at TP=1
-             there is nothing to gather; q/k/v and gate/up are cut out of the fused weights),
-  transfer - CUDA IPC handles posted to /update_weights_from_tensor, per bucket,
-  ready    - flush the prefix cache and resume the KV cache;
-effective GB/s = bytes synced / the total. Then (--throughput) megarl's rollout path
-(SGLangRolloutEngine.generate: HTTP, n samples, log-probs) against SGLang's own Engine.generate on the
-same requests. Prints a table and writes JSON (--out).
+Parts (one process each; each writes its JSON to --out, so one failing part loses nothing else):
+  sync        colocated CUDA IPC. Per model (random Qwen2-shape, SGLang --load-format dummy, one server
+              per model reused for every measurement), per payload format of transports/cuda_ipc.py
+              (tensors, flattened_bucket, persistent): a warm-up sync, then the best of --trials timed
+              syncs from the end of a train step (CUDA synchronised) to SGLang ready to generate:
+                resume   - SGLang takes back its weights memory (released during training),
+                gather   - training-TP all-gathers (0 here: the policy is at TP=1),
+                convert  - megarl.parallel.reshard yields HF-named tensors (q/k/v, gate/up cut out of
+                           the fused megatron weights), time the main thread spends producing buckets,
+                pack     - the format's copy into a flat buffer and the IPC handles' serialisation,
+                transfer - time the main thread waits on /update_weights_from_tensor (bucket k is posted
+                           in a thread while bucket k+1 is converted and packed),
+                ready    - flush the prefix cache, resume the KV cache;
+              effective GB/s = bytes / total. --server-tp 2 puts one TP=2 server on GPUs 0-1 (trainer on 0).
+              With --verify, after each format's timed syncs SGLang checks itself bit for bit (its weights
+              checker: what the format delivered vs its own loader reading the exported tensors).
+  throughput  megarl's rollout path (SGLangRolloutEngine.generate: HTTP, n samples, log-probs) against
+              sglang.Engine.generate in-process on the same requests (same n, log-probs, ignore_eos).
+  nccl        disaggregated: trainer on GPU 0, a TP=1 server on GPU 1, weights broadcast over NCCL
+              (init_weights_update_group / update_weights_from_distributed), flattened and per-tensor,
+              verified bit for bit as above.
 
-    python benchmarks/weight_sync.py --models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b --out results.json
+    python benchmarks/weight_sync.py sync --models qwen2.5-0.5b qwen2.5-7b --out sync.json
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -31,7 +42,7 @@ import torch
 from megarl.plan import load_model_config
 
 
-def _sync() -> float:
+def _now() -> float:
     torch.cuda.synchronize()
     return time.perf_counter()
 
@@ -49,89 +60,127 @@ def build_policy(hf: dict):
     return gpt, family.weight_maps(hf, 1)
 
 
-def bench_sync(name: str, bucket_mb: int, log_dir: str) -> dict:
-    from megarl.parallel.inventory import hf_inventory
-    from megarl.parallel.reshard import Resharder, TrainLayout, held_rows
-    from megarl.rollout.sglang import SGLangServer
-    from megarl.rollout.transports import cuda_ipc
+def model_dir_for(name: str) -> Path:
+    directory = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    (directory / "config.json").write_text(json.dumps(load_model_config(name)))
+    return directory
 
-    hf = load_model_config(name)
-    model_dir = Path(tempfile.mkdtemp(prefix=f"{name}-"))
-    (model_dir / "config.json").write_text(json.dumps(hf))
-    server = SGLangServer(str(model_dir), load_format="dummy", mem_fraction=0.35, log_dir=log_dir).start()
-    try:
-        gpt, maps = build_policy(hf)
-        specs = hf_inventory(hf)
+
+class Policy:
+    """A random bf16 megatron GPTModel at TP=1 and its resharder (full HF tensors per bucket)."""
+
+    def __init__(self, name: str):
+        from megarl.parallel.inventory import hf_inventory
+        from megarl.parallel.reshard import Resharder, TrainLayout, held_rows
+
+        hf = load_model_config(name)
+        self.gpt, maps = build_policy(hf)
+        self.specs = hf_inventory(hf)
         train = TrainLayout(1, 1, 1, hf["num_hidden_layers"])
-        resharder = Resharder(specs, train, held_rows(gpt, maps, specs, train, 0), 0)
-        rows = []
-        for trial in range(3):  # the first is a warm-up (IPC and loader paths)
-            server.post("/release_memory_occupation", {})
-            t0 = _sync()
-            server.post("/resume_memory_occupation", {"tags": ["weights"]})
-            t1 = _sync()
-            convert = transfer = 0.0
-            nbytes = 0
-            buckets = resharder.buckets(1, "full", bucket_mb << 20, torch.bfloat16)
-            while True:
-                a = _sync()
-                bucket = next(buckets, None)
-                b = _sync()
-                if bucket is None:
-                    break
-                cuda_ipc.send_bucket(server, bucket, flush_cache=False)
-                c = _sync()
-                convert, transfer = convert + b - a, transfer + c - b
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                del bucket
-            t2 = _sync()
-            server.post("/flush_cache")
-            server.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
-            t3 = _sync()
-            rows.append(dict(model=name, params=sum(s.numel for s in specs), bytes=nbytes, total_s=t3 - t0,
-                             resume_s=t1 - t0, convert_s=convert, transfer_s=transfer, ready_s=t3 - t2,
-                             gb_per_s=nbytes / (t3 - t0) / 1e9, transfer_gb_per_s=nbytes / transfer / 1e9))
-        del gpt, resharder
-        torch.cuda.empty_cache()
-        return min(rows[1:], key=lambda r: r["total_s"])
-    finally:
-        server.shutdown()
-        shutil.rmtree(model_dir, ignore_errors=True)
+        self.resharder = Resharder(self.specs, train, held_rows(self.gpt, maps, self.specs, train, 0), 0)
+
+    def buckets(self, bucket_mb: int):
+        return self.resharder.buckets(1, "full", bucket_mb << 20, torch.bfloat16)
+
+    def received(self, bucket_mb: int) -> dict[str, torch.Tensor]:
+        return {n: t.detach().cpu() for b in self.buckets(bucket_mb) for n, t in b}
 
 
-def bench_throughput(name: str, prompts: int, prompt_len: int, new_tokens: int, n: int, log_dir: str) -> dict:
-    """The same requests through megarl's engine (its server) and through sglang.Engine in-process."""
+def timed_sync(endpoints, send_bucket, buckets) -> dict:
+    """One sync, colocated: resume weights, stream the buckets, flush and resume the KV cache."""
+    from megarl.rollout.transports.cuda_ipc import send_overlapped
+
+    for e in endpoints:
+        e.post("/release_memory_occupation", {})  # as during training
+    t0 = _now()
+    for e in endpoints:
+        e.post("/resume_memory_occupation", {"tags": ["weights"]})
+    t1 = _now()
+    stats = send_overlapped(buckets, send_bucket)
+    t2 = _now()
+    for e in endpoints:
+        e.post("/flush_cache")
+        e.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+    t3 = _now()
+    return dict(bytes=stats["bytes"], buckets=stats["buckets"], total_s=t3 - t0, resume_s=t1 - t0, gather_s=0.0,
+                convert_s=stats["produce_s"], pack_s=stats["prepare_s"], transfer_s=stats["wait_s"],
+                ready_s=t3 - t2, gb_per_s=stats["bytes"] / (t3 - t0) / 1e9)
+
+
+def part_sync(args) -> list[dict]:
+    from megarl.rollout.sglang import sglang_server, verify_inside_sglang
+    from megarl.rollout.transports.cuda_ipc import CudaIpcSender
+
+    rows = []
+    for name in args.models:
+        model_dir = model_dir_for(name)
+        server = sglang_server(str(model_dir), tp=args.server_tp, load_format="dummy", mem_fraction=args.mem_fraction,
+                               log_dir=args.log_dir, startup_timeout=args.startup_timeout, request_timeout=120)
+        policy = None
+        try:
+            t = time.perf_counter()
+            server.start()
+            startup = time.perf_counter() - t
+            policy = Policy(name)
+            endpoints = [server.endpoint()]
+            for fmt in args.formats:
+                try:
+                    sender = CudaIpcSender(endpoints, fmt)
+                    trials = [timed_sync(endpoints, sender.send, policy.buckets(args.bucket_mb))
+                              for _ in range(args.trials + 1)][1:]  # the first warms up IPC and loader paths
+                    best = min(trials, key=lambda r: r["total_s"])
+                    row = dict(model=name, params=sum(s.numel for s in policy.specs), format=fmt,
+                               server_tp=args.server_tp, bucket_mb=args.bucket_mb, startup_s=startup,
+                               trials_total_s=[r["total_s"] for r in trials], **best)
+                    if args.verify and name == args.models[0]:
+                        t = time.perf_counter()
+                        verify_inside_sglang(endpoints, policy.received(args.bucket_mb), str(model_dir),
+                                             Path(tempfile.mkdtemp(prefix="verify-")))
+                        row |= dict(verified=True, verify_s=time.perf_counter() - t)
+                    del sender
+                except Exception as error:  # one format failing must not lose the others
+                    row = dict(model=name, format=fmt, server_tp=args.server_tp, error=repr(error),
+                               trace=traceback.format_exc()[-3000:], server_log=server.log_tail(20))
+                print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
+                rows.append(row)
+                _write(args.out, rows)
+        except Exception as error:
+            rows.append(dict(model=name, server_tp=args.server_tp, error=repr(error), trace=traceback.format_exc()[-3000:],
+                             server_log=server.log_tail(40)))
+            print(rows[-1], flush=True)
+            _write(args.out, rows)
+        finally:
+            server.shutdown()
+            del policy
+            torch.cuda.empty_cache()
+            shutil.rmtree(model_dir, ignore_errors=True)
+    return rows
+
+
+def part_throughput(args) -> dict:
+    """The same requests through megarl's engine and through sglang.Engine in-process."""
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.sglang import SGLangRolloutEngine
 
-    hf = load_model_config(name)
-    model_dir = Path(tempfile.mkdtemp(prefix=f"{name}-tp-"))
-    (model_dir / "config.json").write_text(json.dumps(hf))
+    name = args.models[0]
+    model_dir = model_dir_for(name)
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(100, 10000, (prompts, prompt_len), generator=g).tolist() for _ in range(3)]
-    params = SamplingParams(max_new_tokens=new_tokens, n=n, temperature=1.0)
-    result = dict(model=name, prompts=prompts, n=n, new_tokens=new_tokens)
+    batches = [torch.randint(100, 10000, (args.prompts, args.prompt_len), generator=g).tolist() for _ in range(2)]
+    n, new = args.n, args.new_tokens
+    sampling = {"max_new_tokens": new, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
+    result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new)
     # ignore_eos on every path: the dummy model's EOS would otherwise end rows at random
     engine = SGLangRolloutEngine(str(model_dir), colocated=False, load_format="dummy", mem_fraction=0.7,
-                                 log_dir=log_dir, sampling_overrides={"ignore_eos": True})
+                                 log_dir=args.log_dir, sampling_overrides={"ignore_eos": True},
+                                 startup_timeout=args.startup_timeout)
     try:
-        ignore = {"ignore_eos": True}
         rates = []
         for batch in batches:  # the first is a warm-up
-            rows = [p for p in batch for _ in range(n)]
             start = time.perf_counter()
-            outs = engine.servers[0].post("/generate", {"input_ids": rows, "return_logprob": True,
-                                                        "sampling_params": {"max_new_tokens": new_tokens,
-                                                                            "temperature": 1.0, **ignore}})
-            # megarl's path: the engine's own generate (parsing, n samples) on the same server
-            rates.append(sum(len(o["meta_info"]["output_token_logprobs"]) for o in outs)
-                         / (time.perf_counter() - start))
-        megarl_rates = []
-        for batch in batches:
-            start = time.perf_counter()
-            gens = engine.generate(batch, params)
-            megarl_rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
-        result |= dict(http_tok_s=max(rates[1:]), megarl_tok_s=max(megarl_rates[1:]))
+            gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
+            rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
+        result["megarl_tok_s"] = rates[-1]
+        _write(args.out, result)
     finally:
         engine.shutdown()
     import sglang
@@ -143,46 +192,100 @@ def bench_throughput(name: str, prompts: int, prompt_len: int, new_tokens: int, 
         for batch in batches:
             rows = [p for p in batch for _ in range(n)]
             start = time.perf_counter()
-            outs = llm.generate(input_ids=rows, return_logprob=True,
-                                sampling_params={"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True})
+            outs = llm.generate(input_ids=rows, return_logprob=True, sampling_params=sampling)
             rates.append(sum(len(o["meta_info"]["output_token_logprobs"]) for o in outs)
                          / (time.perf_counter() - start))
-        result["sglang_engine_tok_s"] = max(rates[1:])
+        result["sglang_engine_tok_s"] = rates[-1]
+        result["ratio"] = result["megarl_tok_s"] / result["sglang_engine_tok_s"]
     finally:
         llm.shutdown()
         shutil.rmtree(model_dir, ignore_errors=True)
+    _write(args.out, result)
     return result
+
+
+def part_nccl(args) -> list[dict]:
+    from megarl.rollout.sglang import free_port, sglang_server, verify_inside_sglang
+    from megarl.rollout.transports.nccl_broadcast import NcclBroadcast
+
+    rows = []
+    name = args.models[0]
+    model_dir = model_dir_for(name)
+    server = sglang_server(str(model_dir), gpu=1, load_format="dummy", mem_fraction=0.5, memory_saver=False,
+                           log_dir=args.log_dir, startup_timeout=args.startup_timeout, request_timeout=120)
+    try:
+        server.start()
+        policy = Policy(name)
+        for flattened in (True, False):
+            try:
+                transport = NcclBroadcast(server.endpoint(), "127.0.0.1", free_port(),
+                                          group_name=f"megarl_{int(flattened)}", flattened=flattened)
+                trials = []
+                for _ in range(args.trials + 1):
+                    t0 = _now()
+                    nbytes = 0
+                    for bucket in policy.buckets(args.bucket_mb):
+                        transport.send_bucket(bucket, flush_cache=False)
+                        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                    server.post("/flush_cache")
+                    t1 = _now()
+                    trials.append(dict(bytes=nbytes, total_s=t1 - t0, gb_per_s=nbytes / (t1 - t0) / 1e9))
+                row = dict(model=name, transport="nccl", flattened=flattened, bucket_mb=args.bucket_mb,
+                           **min(trials[1:], key=lambda r: r["total_s"]))
+                if args.verify:
+                    verify_inside_sglang([server.endpoint()], policy.received(args.bucket_mb), str(model_dir),
+                                         Path(tempfile.mkdtemp(prefix="verify-")))
+                    row["verified"] = True
+                transport.close()
+            except Exception as error:
+                row = dict(model=name, transport="nccl", flattened=flattened, error=repr(error),
+                           trace=traceback.format_exc()[-3000:], server_log=server.log_tail(20))
+            print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
+            rows.append(row)
+            _write(args.out, rows)
+    finally:
+        server.shutdown()
+        shutil.rmtree(model_dir, ignore_errors=True)
+    return rows
+
+
+def _write(path: str, data) -> None:
+    if not path:
+        return
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("MEGARL_COMMIT", "unknown")
+    Path(path).write_text(json.dumps(dict(commit=commit, gpu=torch.cuda.get_device_name(), results=data), indent=2))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=["sync", "throughput", "nccl"])
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
-    parser.add_argument("--bucket-mb", type=int, default=512)
-    parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--formats", nargs="+", default=["tensors", "flattened_bucket", "persistent"])
+    parser.add_argument("--bucket-mb", type=int, default=1024)
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--server-tp", type=int, default=1)
+    parser.add_argument("--mem-fraction", type=float, default=0.35)
+    parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--out", default="")
     parser.add_argument("--log-dir", default=tempfile.gettempdir())
     args = parser.parse_args()
-
+    if args.part == "throughput":
+        part_throughput(args)
+        return
     from megarl.parallel.state import destroy_parallel, init_parallel
+
+    torch.cuda.set_device(0)
     init_parallel(0, 1, "127.0.0.1", 29555, device="cuda")
-    sync = [bench_sync(m, args.bucket_mb, args.log_dir) for m in args.models]
-    destroy_parallel()
-    print("| model | params | GB | total s | resume | convert | transfer | ready | effective GB/s | transfer GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in sync:
-        print(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['bytes'] / 1e9:.2f} | {r['total_s']:.3f} | {r['resume_s']:.3f} "
-              f"| {r['convert_s']:.3f} | {r['transfer_s']:.3f} | {r['ready_s']:.3f} | {r['gb_per_s']:.1f} "
-              f"| {r['transfer_gb_per_s']:.1f} |")
-    throughput = None
-    if args.throughput:
-        throughput = bench_throughput(args.models[0], 256, 128, 512, 1, args.log_dir)
-        print(f"rollout tok/s on {throughput['model']}: megarl {throughput['megarl_tok_s']:.0f}, raw HTTP "
-              f"{throughput['http_tok_s']:.0f}, sglang.Engine {throughput['sglang_engine_tok_s']:.0f}")
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("MEGARL_COMMIT", "unknown")
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(commit=commit, gpu=torch.cuda.get_device_name(), sync=sync,
-                                                  throughput=throughput), indent=2))
+    try:
+        (part_sync if args.part == "sync" else part_nccl)(args)
+    finally:
+        destroy_parallel()
 
 
 if __name__ == "__main__":

@@ -150,6 +150,9 @@ class RolloutConfig:
     num_cpus: float = opt(1.0, "CPUs reserved for the rollout actor")
     sglang_mem_fraction: float = opt(0.4, "SGLang: GPU memory fraction for its weights and KV cache")
     sglang_tp: int = opt(1, "SGLang: tensor-parallel size of each server (one server per group of GPUs)")
+    sglang_weight_format: str = opt("flattened_bucket", "SGLang: CUDA IPC weight payload per bucket: tensors (one "
+                                    "handle per tensor), flattened_bucket (one flat buffer) or persistent (two "
+                                    "reused flat buffers SGLang keeps mapped)")
 
 
 @dataclass
@@ -246,7 +249,9 @@ class Config:
                    "trainer.placement": (self.trainer.placement, ("pack", "spread", "strict_spread")),
                    "algorithm.kl_estimator": (self.algorithm.kl_estimator, ("k1", "k2", "k3")),
                    "actor.optim.decay_style": (self.actor.optim.decay_style, ("constant", "linear", "cosine")),
-                   "rollout.engine": (self.rollout.engine, ("hf", "sglang"))}
+                   "rollout.engine": (self.rollout.engine, ("hf", "sglang")),
+                   "rollout.sglang_weight_format": (self.rollout.sglang_weight_format,
+                                                    ("tensors", "flattened_bucket", "persistent"))}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")

@@ -194,8 +194,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks
         launch = launch or (lambda i: sglang_server(model_path, tp=tp, gpu=i * tp, **server_kwargs))
         self.servers = [launch(i) for i in range(num_servers)]
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(SGLangServer.start, self.servers))
+        with ThreadPoolExecutor(len(self.servers)) as pool:  # `launch` may hand over running servers
+            list(pool.map(lambda s: s if s.alive() else s.start(), self.servers))
         self.state = [_ServerState() for _ in self.servers]
         self.sticky: dict[str, int] = {}
         self.lock = threading.RLock()  # routing state and the memory transitions that depend on it

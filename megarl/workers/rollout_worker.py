@@ -21,7 +21,7 @@ def make_engine(cfg: Config, model_path: str, device: str):
         r = cfg.rollout
         # colocated with the trainer: SGLang gives its KV cache back between rollouts
         return SGLangRolloutEngine(model_path, tp=r.sglang_tp, colocated=True, mem_fraction=r.sglang_mem_fraction,
-                                   log_dir=cfg.trainer.output_dir,
+                                   weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync else None)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")

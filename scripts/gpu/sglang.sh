@@ -41,7 +41,7 @@ PY
 fi
 if [[ " $PHASES " == *" sync "* ]]; then
   # MEGARL_COMMIT: the device copy has no .git; pass the commit in to stamp the JSON
-  timeout 400 python3 benchmarks/weight_sync.py --models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b \
+  timeout 400 python3 benchmarks/weight_sync.py sync --models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b \
     --out "$OUT/weight_sync.json" --log-dir "$OUT" ${SYNC_ARGS:-} 2>&1 | tail -n 30 | tee "$OUT/weight_sync.log"
   status=$(( status | PIPESTATUS[0] ))
 fi

@@ -27,8 +27,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megarl.rollout.transports import cuda_ipc
-
 VOCAB = 1000
 
 
@@ -90,6 +88,8 @@ def generate(body: dict) -> list[dict]:
 
 
 def update_weights(body: dict) -> dict:
+    from megarl.rollout.transports import cuda_ipc  # torch: imported on first use, so start-up is quick
+
     for payload in body["serialized_named_tensors"]:  # every TP rank's copy: each is loaded (a dict model)
         named = pickle.loads(base64.b64decode(payload))
         if body.get("load_format") == cuda_ipc.PERSISTENT_LOADER:
@@ -102,7 +102,9 @@ def update_weights(body: dict) -> dict:
 
 
 def digest(t) -> list:
-    data = t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+    import torch
+
+    data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     return [str(t.dtype), list(t.shape), hashlib.sha1(data).hexdigest()]
 
 
