@@ -153,6 +153,35 @@ class RolloutConfig:
     sglang_weight_format: str = opt("flattened_bucket", "SGLang: CUDA IPC weight payload per bucket: tensors (one "
                                     "handle per tensor), flattened_bucket (one flat buffer) or persistent (two "
                                     "reused flat buffers SGLang keeps mapped)")
+    dump_dir: str = opt("", "write every training step's scored samples (tokens, masks, log-probs, rewards, tool "
+                            "calls) to <dump_dir>/step_<N>.pt; empty = off")
+    replay_dir: str = opt("", "train from the samples a run wrote with dump_dir (step N reads step_<N>.pt) "
+                              "instead of generating them; empty = off")
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn, tool-using rollouts (megarl/rollout/agent.py), for training and evaluation."""
+    enabled: bool = opt(False, "roll out with the multi-turn agent loop (tool calls between model turns) instead of "
+                               "one generation per sample")
+    tools: list = opt([], "tools the model may call: registry names (calculator, python, retrieval) or "
+                          "package.module:Class, or {name: ..., <constructor options>} dicts")
+    parser: str = opt("hermes", "tool-call parser: registry name or package.module:function")
+    max_turns: int = opt(4, "model turns per conversation")
+    max_response_tokens: int = opt(1024, "token budget of everything after the prompt: model turns and tool results")
+    max_new_tokens_per_turn: int = opt(256, "tokens one model turn may generate")
+    max_tool_calls_per_turn: int = opt(4, "tool calls run per turn; further ones are ignored")
+    tool_timeout_s: float = opt(10.0, "a tool call running longer becomes an error observation")
+    max_observation_chars: int = opt(1024, "each tool result is cut to this many characters before rendering")
+    max_concurrent: int = opt(64, "conversations in flight at once")
+    observation_template: str = opt("", "how tool results are rendered, as text with a {result} field (one per "
+                                        "call); empty = the tokenizer's chat template (tool messages), or "
+                                        "'\\n<tool_response>\\n{result}\\n</tool_response>\\n' without one")
+    oversample_groups: int = opt(0, "over-sampling: start this many groups more than data.prompts_per_step and "
+                                    "abort the rest once enough are complete (with algorithm.dynamic_sampling, "
+                                    "only groups whose rewards differ count); 0 = off")
+    partial: str = opt("resume", "over-sampling: what happens to the aborted groups' unfinished conversations: "
+                                 "resume (continued in the next step, keeping their policy_version) or drop")
 
 
 @dataclass
@@ -188,6 +217,9 @@ class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps before RL (0 = none)")
     batch_size: int = opt(32, "sequences per SFT step")
     lr: float = opt(1e-3, "SFT learning rate")
+    data: str = opt("", "SFT examples: empty = the task's reference answers; or a .jsonl of multi-turn traces "
+                        "{prompt, messages: [{role: assistant|tool, content}]} (scripts/make_tool_traces.py), "
+                        "trained on the assistant turns only")
 
 
 @dataclass
@@ -222,6 +254,7 @@ class Config:
     reward: RewardConfig = section(RewardConfig, "reward")
     critic: CriticConfig = section(CriticConfig, "the critic (algorithm.advantage=gae): its own layout and optimizer")
     reward_model: RewardModelConfig = section(RewardModelConfig, "a reward model (used when reward_model.path is set)")
+    agent: AgentConfig = section(AgentConfig, "multi-turn, tool-using rollouts")
     sft: SFTConfig = section(SFTConfig, "supervised warm start")
     trainer: TrainerConfig = section(TrainerConfig, "the loop")
 
@@ -276,6 +309,7 @@ class Config:
         if a.max_sampling_rounds < 1:
             raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
         self._validate_data_and_reward()
+        self._validate_agent()
         if not 0 <= a.overlong_buffer_len <= self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
                               f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
@@ -300,6 +334,30 @@ class Config:
                            ("reward.code_timeout_s", r.code_timeout_s), ("reward.code_memory_mb", r.code_memory_mb)):
             if value <= 0:
                 raise ConfigError(f"{key}={value}: must be > 0")
+
+    def _validate_agent(self) -> None:
+        g = self.agent
+        for key, value in (("agent.max_turns", g.max_turns), ("agent.max_response_tokens", g.max_response_tokens),
+                           ("agent.max_new_tokens_per_turn", g.max_new_tokens_per_turn),
+                           ("agent.max_tool_calls_per_turn", g.max_tool_calls_per_turn),
+                           ("agent.max_concurrent", g.max_concurrent), ("agent.tool_timeout_s", g.tool_timeout_s),
+                           ("agent.max_observation_chars", g.max_observation_chars)):
+            if value <= 0:
+                raise ConfigError(f"{key}={value}: must be > 0")
+        for i, tool in enumerate(g.tools):
+            if not (isinstance(tool, str) or (isinstance(tool, dict) and isinstance(tool.get("name"), str))):
+                raise ConfigError(f"agent.tools[{i}]={tool!r}: must be a name or a dict with a 'name'")
+        if g.observation_template and "{result}" not in g.observation_template:
+            raise ConfigError(f"agent.observation_template={g.observation_template!r} has no {{result}} field")
+        if g.partial not in ("resume", "drop"):
+            raise ConfigError(f"agent.partial={g.partial!r}: must be resume or drop")
+        if g.oversample_groups < 0 or (g.oversample_groups and not g.enabled):
+            raise ConfigError(f"agent.oversample_groups={g.oversample_groups}: must be >= 0, and needs "
+                              "agent.enabled=true")
+        if g.oversample_groups and self.algorithm.advantage == "remax":
+            raise ConfigError("agent.oversample_groups does not combine with algorithm.advantage=remax")
+        if self.rollout.dump_dir and self.rollout.replay_dir:
+            raise ConfigError("rollout.dump_dir and rollout.replay_dir are exclusive: a replay writes no dump")
 
     def _validate_engine_options(self) -> None:
         """Each training role's layout and engine options (the actor's batch sizes are checked below)."""

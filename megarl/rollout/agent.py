@@ -19,6 +19,12 @@ tool holds up only its own conversation.
 Finish reasons: "stop" (an answer: a turn without tool calls that ended with a stop token),
 "length" (the token budget ran out, or a turn without tool calls hit the per-turn limit),
 "max_turns" (the last allowed turn still asked for tools).
+
+Over-sampling (`run_groups` with `needed`): more groups (a prompt's n conversations) are started than
+the step needs; once `needed` groups are complete (and accepted, e.g. rewards that differ), the rest
+are cancelled and the engine's requests in flight aborted. A cancelled conversation keeps every turn
+it completed (the turn being generated is lost), so it can be continued later by passing it in again;
+its `policy_version` stays the one it started under.
 """
 
 from __future__ import annotations
@@ -29,26 +35,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
+from megarl.config import AgentConfig  # noqa: F401  (the loop's settings: the recipe's `agent` section)
 from megarl.protocol import Batch
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.batching import rows_to_tensors
 from megarl.rollout.tools import Tool, ToolError
 from megarl.rollout.tools.parsers import ToolCall, get_parser
-
-
-@dataclass
-class AgentConfig:
-    max_turns: int = 4  # model turns per conversation
-    max_response_tokens: int = 1024  # budget for all tokens after the prompt: model turns and observations
-    max_new_tokens_per_turn: int = 256
-    max_tool_calls_per_turn: int = 4  # further calls in one turn are ignored
-    tool_timeout_s: float = 10.0
-    max_observation_chars: int = 1024  # each tool result is cut to this before rendering
-    max_concurrent: int = 64  # conversations in flight
-    parser: str = "hermes"  # tool-call parser: registry name or package.module:function
 
 
 @dataclass
@@ -62,8 +58,9 @@ class Trajectory:
     # {"role": "tool", "span", "calls": [{"name", "arguments", "result", "error", "seconds"}]}; spans
     # index response_ids
     turns: list[dict] = field(default_factory=list)
-    finish_reason: str = ""
+    finish_reason: str = ""  # empty while the conversation goes on (or after it was aborted)
     seconds: float = 0.0
+    policy_version: int = 0  # the policy that generated its first tokens (later turns may be newer)
 
     def append(self, token_ids: list[int], logprobs: list[float] | None) -> list[int]:
         """Model tokens (with their log-probs) or observation tokens (None); returns their span."""
@@ -116,7 +113,10 @@ class ChatTemplateObservations:
         return self.tokenizer(tail, add_special_tokens=False)["input_ids"]
 
 
-def observation_renderer(tokenizer):
+def observation_renderer(tokenizer, template: str = ""):
+    """`template` (with a {result} field) if given, else the tokenizer's chat template, else plain text."""
+    if template:
+        return TextObservations(tokenizer, template)
     return ChatTemplateObservations(tokenizer) if getattr(tokenizer, "chat_template", None) \
         else TextObservations(tokenizer)
 
@@ -129,63 +129,105 @@ class AgentLoop:
         self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
         self.config = config or AgentConfig()
         self.parser = get_parser(self.config.parser)
-        self.renderer = renderer or observation_renderer(tokenizer)
+        self.renderer = renderer or observation_renderer(tokenizer, self.config.observation_template)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-agent-engine")
 
-    def run(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+    def run(self, prompts: list[list[int]], params: SamplingParams, policy_version: int = 0) -> list[Trajectory]:
         """`params.n` conversations per prompt, grouped by prompt in order. `params.max_new_tokens` is
         replaced, turn by turn, by the per-turn limit and what is left of the budget."""
-        return asyncio.run(self.arun(prompts, params))
+        groups = [[Trajectory(i, list(p), policy_version=policy_version) for _ in range(params.n)]
+                  for i, p in enumerate(prompts)]
+        finished, _, _ = asyncio.run(self.arun_groups(groups, params))
+        return [t for group in finished for t in group]
 
-    async def arun(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+    def run_groups(self, groups: list[list[Trajectory]], params: SamplingParams, needed: int | None = None,
+                   accept: Callable[[list[Trajectory]], bool] | None = None):
+        """See arun_groups."""
+        return asyncio.run(self.arun_groups(groups, params, needed, accept))
+
+    async def arun_groups(self, groups: list[list[Trajectory]], params: SamplingParams, needed: int | None = None,
+                          accept: Callable[[list[Trajectory]], bool] | None = None):
+        """Continue every conversation of `groups` (new ones have no response yet; `params.n` is not used)
+        until each is finished, or, with `needed`, until `needed` groups are finished and accepted by
+        `accept(group)` (all are, without it): then the others are aborted.
+
+        Returns (finished groups: the accepted ones, then the others that finished (rejected); unfinished
+        groups; the number rejected), each in the order given."""
         batcher = _GenerationBatcher(self.engine, params, self._engine_thread)
         slots = asyncio.Semaphore(self.config.max_concurrent)
-        return await asyncio.gather(*(self._converse(i, prompt, batcher, slots)
-                                      for i, prompt in enumerate(prompts) for _ in range(params.n)))
+        accepted, rejected = [], []
+
+        async def run_group(group: list[Trajectory]) -> None:
+            await asyncio.gather(*(self._converse(t, batcher, slots) for t in group if not t.finish_reason))
+            if needed is None or (len(accepted) < needed and (accept is None or accept(group))):
+                accepted.append(group)
+            else:
+                rejected.append(group)
+            if needed is not None and len(accepted) == needed:
+                for task in tasks:
+                    if task is not asyncio.current_task():
+                        task.cancel()
+                batcher.abort()
+
+        tasks = [asyncio.create_task(run_group(g)) for g in groups]
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        await batcher.settle()  # the engine call in flight ends before the engine is used for anything else
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+        accepted_ids, rejected_ids = {id(g) for g in accepted}, {id(g) for g in rejected}
+        return ([g for g in groups if id(g) in accepted_ids] + [g for g in groups if id(g) in rejected_ids],
+                [g for g in groups if id(g) not in accepted_ids | rejected_ids], len(rejected))
 
     def close(self) -> None:
         for tool in self.tools.values():
             tool.close()
         self._engine_thread.shutdown(wait=False)
 
-    async def _converse(self, index: int, prompt_ids: list[int], batcher: "_GenerationBatcher",
-                        slots: asyncio.Semaphore) -> Trajectory:
-        cfg = self.config
+    async def _converse(self, traj: Trajectory, batcher: "_GenerationBatcher", slots: asyncio.Semaphore) -> None:
+        """Take `traj` on from where it stands (a new one, or one aborted earlier) to its end."""
         async with slots:
             start = time.monotonic()
-            traj = Trajectory(index, list(prompt_ids))
-            for turn in range(1, cfg.max_turns + 1):
-                room = cfg.max_response_tokens - len(traj.response_ids)
-                gen = await batcher.generate(traj.prompt_ids + traj.response_ids,
-                                             min(cfg.max_new_tokens_per_turn, room))
-                stopped = gen.finish_reason == "stop"
-                text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids,
-                                             skip_special_tokens=False)
-                calls = self.parser(text)[:cfg.max_tool_calls_per_turn]
-                traj.turns.append({"role": "assistant", "text": text, "stopped": stopped,
-                                   "span": traj.append(gen.token_ids, gen.logprobs),
-                                   "tool_calls": [{"name": c.name, "arguments": c.arguments, "error": c.error}
-                                                  for c in calls]})
-                room = cfg.max_response_tokens - len(traj.response_ids)
-                if not calls:
-                    traj.finish_reason = "stop" if stopped else "length"
-                    break
-                if room <= 0:
-                    traj.finish_reason = "length"
-                    break
-                if turn == cfg.max_turns:
-                    traj.finish_reason = "max_turns"
-                    break
-                results = await asyncio.gather(*(self._call_tool(c) for c in calls))
-                stop_text = self.tokenizer.decode(gen.token_ids[-1:]) if stopped else None
-                observation = self.renderer.render([r["result"] for r in results], stop_text)
-                traj.turns.append({"role": "tool", "calls": results,
-                                   "span": traj.append(observation[:room], None)})
-                if len(observation) >= room:  # cut, or no room left for another turn
-                    traj.finish_reason = "length"
-                    break
-            traj.seconds = time.monotonic() - start
-            return traj
+            try:
+                while not traj.finish_reason:
+                    last = traj.turns[-1] if traj.turns else None
+                    if last is not None and last["role"] == "assistant" and last["tool_calls"]:
+                        await self._observe(traj, last)  # (resumed after an abort between a turn and its tools)
+                    else:
+                        await self._model_turn(traj, batcher)
+            finally:
+                traj.seconds += time.monotonic() - start
+
+    async def _model_turn(self, traj: Trajectory, batcher: "_GenerationBatcher") -> None:
+        cfg = self.config
+        room = cfg.max_response_tokens - len(traj.response_ids)
+        gen = await batcher.generate(traj.prompt_ids + traj.response_ids, min(cfg.max_new_tokens_per_turn, room))
+        stopped = gen.finish_reason == "stop"
+        text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)
+        calls = self.parser(text)[:cfg.max_tool_calls_per_turn]
+        turns = sum(t["role"] == "assistant" for t in traj.turns) + 1
+        room -= len(gen.token_ids)
+        traj.turns.append({"role": "assistant", "text": text, "stopped": stopped,
+                           "span": traj.append(gen.token_ids, gen.logprobs),
+                           "tool_calls": [{"name": c.name, "arguments": c.arguments, "error": c.error}
+                                          for c in calls]})
+        if not calls:
+            traj.finish_reason = "stop" if stopped else "length"
+        elif room <= 0:
+            traj.finish_reason = "length"
+        elif turns == cfg.max_turns:
+            traj.finish_reason = "max_turns"
+
+    async def _observe(self, traj: Trajectory, turn: dict) -> None:
+        calls = [ToolCall(c["name"], c["arguments"], c["error"]) for c in turn["tool_calls"]]
+        results = await asyncio.gather(*(self._call_tool(c) for c in calls))
+        room = self.config.max_response_tokens - len(traj.response_ids)
+        end = turn["span"][1]
+        stop_text = self.tokenizer.decode(traj.response_ids[end - 1:end]) if turn["stopped"] else None
+        observation = self.renderer.render([r["result"] for r in results], stop_text)
+        traj.turns.append({"role": "tool", "calls": results, "span": traj.append(observation[:room], None)})
+        if len(observation) >= room:  # cut, or no room left for another turn
+            traj.finish_reason = "length"
 
     async def _call_tool(self, call: ToolCall) -> dict:
         start = time.monotonic()
@@ -250,7 +292,19 @@ class _GenerationBatcher:
         self.engine, self.params, self.thread = engine, params, thread
         self.pending: list[tuple[list[int], int, asyncio.Future]] = []
         self.worker: asyncio.Task | None = None
+        self.inflight: asyncio.Future | None = None  # the engine call running in the engine thread
         self.calls = 0
+
+    def abort(self) -> None:
+        """Drop the turns waiting for a call, and cut the engine's call in flight short where the engine
+        can (SGLang's abort; a call to the HF engine runs to its end, and its results are dropped)."""
+        self.pending = []
+        if self.inflight is not None and not self.inflight.done() and hasattr(self.engine, "abort"):
+            self.engine.abort()
+
+    async def settle(self) -> None:
+        if self.inflight is not None:
+            await asyncio.gather(self.inflight, return_exceptions=True)
 
     async def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
         future = asyncio.get_running_loop().create_future()
@@ -263,27 +317,33 @@ class _GenerationBatcher:
         loop = asyncio.get_running_loop()
         while self.pending:
             await asyncio.sleep(0)  # let the other conversations that are ready join this call
+            if not self.pending:  # aborted meanwhile
+                break
             requests, self.pending = self.pending, []
             seed = None if self.params.seed is None else self.params.seed + self.calls
             params = replace(self.params, n=1, seed=seed, max_new_tokens=max(r[1] for r in requests))
             self.calls += 1
+            self.inflight = loop.run_in_executor(self.thread, self.engine.generate, [r[0] for r in requests],
+                                                 params)
             try:
-                gens = await loop.run_in_executor(self.thread, self.engine.generate, [r[0] for r in requests],
-                                                  params)
+                gens = await asyncio.shield(self.inflight)  # a cancelled conversation does not cancel the call
             except Exception as e:  # every waiting conversation sees the engine's error
                 for *_, future in requests:
-                    future.set_exception(e)
+                    if not future.done():
+                        future.set_exception(e)
                 continue
             for (_, limit, future), gen in zip(requests, gens):
+                if future.done():  # its conversation was cancelled
+                    continue
                 if len(gen.token_ids) > limit:
                     gen = Generation(gen.prompt_index, gen.token_ids[:limit], gen.logprobs[:limit], "length")
                 future.set_result(gen)
 
 
-def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], pad_id: int, policy_version: int,
-                          tokenizer) -> Batch:
+def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], pad_id: int, tokenizer) -> Batch:
     """One row per trajectory in the megarl.protocol layout: tokens = prompt_ids + response_ids,
-    right-padded with `pad_id`; loss_mask and rollout_logprobs at exactly the model's tokens.
+    right-padded with `pad_id`; loss_mask and rollout_logprobs at exactly the model's tokens;
+    policy_version per row from the trajectory (the oldest policy that wrote any of its tokens).
 
     `prompts[i]` has `prompt` and `answer` (as for generations_to_batch). Non-tensor fields: `group`,
     `prompt`, `answer`, `response` (the last model turn's text without special tokens: the answer a
@@ -297,7 +357,7 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
     tensors = rows_to_tensors([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
                               [t.loss_mask for t in trajectories], [t.logprobs for t in trajectories], pad_id)
     return Batch(
-        tensors | {"policy_version": torch.full((len(trajectories),), policy_version, dtype=torch.long)},
+        tensors | {"policy_version": torch.tensor([t.policy_version for t in trajectories], dtype=torch.long)},
         {"group": [t.prompt_index for t in trajectories],
          "prompt": [prompts[t.prompt_index]["prompt"] for t in trajectories],
          "response": responses,

@@ -69,11 +69,11 @@ def obs(tok, *results):
 def run_agent(engine, tok, prompts, config, tools=None, n=1):
     agent = AgentLoop(engine, tok, build_tools(["calculator"]) if tools is None else tools, config)
     try:
-        trajectories = agent.run([ids(tok, p) for p in prompts], SamplingParams(n=n))
+        trajectories = agent.run([ids(tok, p) for p in prompts], SamplingParams(n=n), policy_version=5)
     finally:
         agent.close()
     rows = [{"prompt": p, "answer": ""} for p in prompts]
-    return trajectories, trajectories_to_batch(rows, trajectories, tok.pad_token_id, policy_version=5, tokenizer=tok)
+    return trajectories, trajectories_to_batch(rows, trajectories, tok.pad_token_id, tokenizer=tok)
 
 
 def test_layout_interleaves_model_turns_and_observations_exactly(tok):
