@@ -16,12 +16,13 @@ from megarl.algorithms.advantages import compute_advantages
 from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
 from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
-from megarl.data.dataset import PromptDataset, sft_batch
+from megarl.data.dataset import PromptDataset, load_prompt_file, sft_batch
 from megarl.data.evaluation import eval_metrics
 from megarl.data.tasks import load_examples
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
+from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.batching import generations_to_batch
 from megarl.utils.timers import Timers
@@ -63,7 +64,9 @@ class RLTrainer:
         train, val = load_examples(cfg.data, cfg.trainer.seed)
         chat = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
         self.data = PromptDataset(train, self.tokenizer, cfg.data.prompts_per_step, cfg.trainer.seed, **chat)
-        self.sft_data = PromptDataset(train, self.tokenizer, cfg.sft.batch_size, cfg.trainer.seed + 1, **chat)
+        sft_examples = load_prompt_file(cfg.sft.data) if cfg.sft.data else train  # reference answers or traces
+        self.sft_data = PromptDataset(sft_examples, self.tokenizer, cfg.sft.batch_size, cfg.trainer.seed + 1, **chat)
+        self.renderer = observation_renderer(self.tokenizer, cfg.agent.observation_template)  # tool results
         val = val[:cfg.data.val_size]
         self.val = PromptDataset(val, self.tokenizer, len(val), 0, **chat).next_batch()
         self.reward_fn = build_reward(cfg.reward, cfg.data.task)
@@ -78,6 +81,7 @@ class RLTrainer:
                              if cfg.reward_model.path else None)
         self.rollout = start_rollout(cfg, self.model_path, self.device)
         self.version = 0  # policy version = optimizer steps of RL taken so far
+        self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
                                        cfg.trainer.keep_last)
@@ -115,7 +119,12 @@ class RLTrainer:
     def step(self) -> dict:
         """One RL step: the whole algorithm, stage by stage."""
         cfg, start = self.cfg, time.perf_counter()
-        batch, metrics = self.sample_batch()  # generate and score (DAPO dynamic sampling, ReMax baseline)
+        if cfg.rollout.replay_dir:  # a dumped run's samples: no generation
+            batch, metrics = self.load_dump(Path(cfg.rollout.replay_dir) / f"step_{self.version + 1:06d}.pt")
+        else:  # generate and score (DAPO dynamic sampling, over-sampling, ReMax baseline)
+            batch, metrics = self.sample_batch()
+            if cfg.rollout.dump_dir:
+                self.dump(batch, metrics, Path(cfg.rollout.dump_dir) / f"step_{self.version + 1:06d}.pt")
         if self.reward_model is not None:  # the model's score replaces the rule reward, which is logged
             with self.timers("reward_model"):
                 metrics["train/rule_reward"] = batch["rewards"].mean().item()
@@ -200,7 +209,7 @@ class RLTrainer:
         """Supervised warm start on the task's reference answers, through the same engine."""
         for step in range(1, self.cfg.sft.steps + 1):
             examples = self.sft_data.next_batch()
-            m = self.actor.train(sft_batch(self.tokenizer, examples), loss="sft", lr=self.cfg.sft.lr)
+            m = self.actor.train(sft_batch(self.tokenizer, examples, self.renderer), loss="sft", lr=self.cfg.sft.lr)
             if step % max(1, self.cfg.sft.steps // 5) == 0 or step == self.cfg.sft.steps:
                 self.tracker.log({"sft/loss": m["loss"]}, step)
 
@@ -209,6 +218,8 @@ class RLTrainer:
         and more prompts generated until prompts_per_step groups with differing rewards are in hand, for at
         most algorithm.max_sampling_rounds rounds (a batch still short is filled with set-aside groups)."""
         a, want = self.cfg.algorithm, self.cfg.data.prompts_per_step
+        if self.cfg.agent.oversample_groups:
+            return self.sample_oversampled()
         rounds, dropped = [], 0
         while True:
             rounds.append(self.generate_and_score(self.data.next_batch(), first_group=len(rounds) * want))
@@ -220,6 +231,46 @@ class RLTrainer:
         batch, filler = take_groups(rounds, want)
         batch.meta["reward_failures"] = sum(b.meta["reward_failures"] for b in rounds)
         return batch, {"dapo/rounds": len(rounds), "dapo/groups_dropped": dropped, "dapo/filler_groups": filler}
+
+    def sample_oversampled(self) -> tuple[Batch, dict]:
+        """agent.oversample_groups more groups than the step needs are started (the groups an abort left
+        unfinished last step first); generation stops once prompts_per_step groups are finished (with
+        dynamic sampling: finished with rewards that differ, else the first finished fill in). The
+        unfinished ones are kept for the next step (agent.partial=resume) or dropped."""
+        g, want, n = self.cfg.agent, self.cfg.data.prompts_per_step, self.cfg.rollout.n_samples
+        carried, self.partial_groups = self.partial_groups, []
+        fresh = self.data.next_batch(want + g.oversample_groups - len(carried))
+        prompts = [p for p, _ in carried] + fresh
+        groups = [group for _, group in carried] + [[Trajectory(0, p["prompt_ids"], policy_version=self.version)
+                                                     for _ in range(n)] for p in fresh]
+        for i, group in enumerate(groups):
+            for t in group:
+                t.prompt_index = i
+        with self.timers("generate"):
+            finished, unfinished, rejected = ray.get(self.rollout.rollout_agent.remote(
+                prompts, groups, self.sampling_params(), want, self.cfg.algorithm.dynamic_sampling))
+        trajectories = [t for group in finished[:want] for t in group]
+        with self.timers("reward"):
+            batch = self.score(trajectories_to_batch(prompts, trajectories, self.tokenizer.pad_token_id,
+                                                     self.tokenizer))
+        if g.partial == "resume":
+            self.partial_groups = [(prompts[group[0].prompt_index], group) for group in unfinished]
+        return batch, {"agent/groups_started": len(groups), "agent/groups_resumed": len(carried),
+                       "agent/groups_aborted": len(unfinished), "agent/groups_rejected": rejected,
+                       "agent/stale_samples": (batch["policy_version"] < self.version).sum().item()}
+
+    def dump(self, batch: Batch, metrics: dict, path: Path) -> None:
+        """A step's scored samples (every tensor, and the trajectories' turns, tool calls and results), for
+        rollout.replay_dir and for reading."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"tensors": batch.tensors, "non_tensors": batch.non_tensors, "meta": batch.meta,
+                    "metrics": metrics, "policy_version": self.version}, path)
+
+    def load_dump(self, path: Path) -> tuple[Batch, dict]:
+        if not path.exists():
+            raise FileNotFoundError(f"rollout.replay_dir: no dump {path} for step {self.version + 1}")
+        saved = torch.load(path, weights_only=False)
+        return Batch(saved["tensors"], saved["non_tensors"], saved["meta"]), saved["metrics"]
 
     def generate_and_score(self, prompts: list[dict], first_group: int = 0) -> Batch:
         """Samples for `prompts` with rewards; groups numbered from `first_group` (distinct across rounds)."""
@@ -249,16 +300,23 @@ class RLTrainer:
             self.actor.call("set_kl_coef", self.kl_ctl.value)
         return {"algorithm/kl_coef": used} | ({"algorithm/kl": kl} if kl is not None else {})
 
-    def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False) -> Batch:
+    def sampling_params(self, evaluation: bool = False, greedy: bool = False) -> SamplingParams:
         r = self.cfg.rollout
         if greedy:  # ReMax's baseline
-            params = SamplingParams(max_new_tokens=r.max_new_tokens, n=1, temperature=0.0)
-        elif evaluation:  # the same random draws at every evaluation: differences come from the policy
-            params = SamplingParams(max_new_tokens=r.max_new_tokens, n=r.eval_n_samples, temperature=r.eval_temperature,
-                                    seed=self.cfg.trainer.seed)
-        else:
-            params = SamplingParams(max_new_tokens=r.max_new_tokens, n=r.n_samples, temperature=r.temperature,
-                                    top_p=r.top_p)
+            return SamplingParams(max_new_tokens=r.max_new_tokens, n=1, temperature=0.0)
+        if evaluation:  # the same random draws at every evaluation: differences come from the policy
+            return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.eval_n_samples, temperature=r.eval_temperature,
+                                  seed=self.cfg.trainer.seed)
+        return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.n_samples, temperature=r.temperature, top_p=r.top_p)
+
+    def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False) -> Batch:
+        params = self.sampling_params(evaluation, greedy)
+        if self.cfg.agent.enabled:  # multi-turn conversations with tool calls, run next to the engine
+            groups = [[Trajectory(i, p["prompt_ids"], policy_version=self.version) for _ in range(params.n)]
+                      for i, p in enumerate(prompts)]
+            finished, _, _ = ray.get(self.rollout.rollout_agent.remote(prompts, groups, params))
+            return trajectories_to_batch(prompts, [t for group in finished for t in group],
+                                         self.tokenizer.pad_token_id, self.tokenizer)
         gens = ray.get(self.rollout.generate.remote([p["prompt_ids"] for p in prompts], params))
         return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
 
@@ -284,7 +342,9 @@ class RLTrainer:
         """The held-out prompts, rollout.eval_n_samples = k each at rollout.eval_temperature: mean reward,
         exact-answer rate, mean@k and pass@k (megarl/data/evaluation.py)."""
         batch = self.score(self.generate(self.val, evaluation=True))
-        return eval_metrics(batch["rewards"], batch["group"])
+        if self.cfg.rollout.dump_dir:
+            self.dump(batch, {}, Path(self.cfg.rollout.dump_dir) / f"val_{self.version:06d}.pt")
+        return eval_metrics(batch["rewards"], batch["group"]) | agent_metrics(batch, "val")
 
     def batch_metrics(self, batch: Batch, seconds: float) -> dict:
         mask = batch["loss_mask"]
@@ -295,7 +355,7 @@ class RLTrainer:
                 "train/response_length": lengths.mean().item(),
                 "train/reward_failures": batch.meta["reward_failures"],
                 "timing/step": seconds,
-                "perf/tokens_per_s": tokens / seconds}
+                "perf/tokens_per_s": tokens / seconds} | agent_metrics(batch, "agent")
 
     def shutdown(self) -> None:
         self.actor.shutdown()

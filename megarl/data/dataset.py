@@ -50,9 +50,10 @@ class PromptDataset:
         random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
         return order
 
-    def next_batch(self) -> list[dict]:
+    def next_batch(self, size: int | None = None) -> list[dict]:
+        """The next `size` prompts (default: batch_size)."""
         batch = []
-        while len(batch) < self.batch_size:
+        while len(batch) < (size or self.batch_size):
             if self.position == len(self._order):
                 self.epoch += 1
                 self.position = 0
@@ -139,25 +140,61 @@ def render_prompt(tokenizer, prompt: str | list[dict], chat_template: bool, syst
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def sft_batch(tokenizer, examples: list[dict]) -> Batch:
+def sft_batch(tokenizer, examples: list[dict], renderer=None) -> Batch:
     """Teacher-forced batch: tokens = prompt + answer + eos, right-padded; trained on answer and eos.
 
+    An example with `messages` (a multi-turn trace: assistant turns and tool results) is laid out as
+    the agent loop lays out a rollout (megarl/rollout/agent.py): each assistant turn + eos, trained on,
+    then the turn's tool results as `renderer` renders them, never trained on.
     loss_mask[t] = 1 where tokens[t] is a target (predicted from tokens[<t]), as in megarl.protocol.
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    rows, targets = [], []
+    rows, masks = [], []
     for ex in examples:
         prompt_ids = ex.get("prompt_ids") or encode(tokenizer, ex["prompt"])
-        target = encode(tokenizer, ex["answer"]) + [eos]
+        if "messages" in ex:
+            target, mask = trace_tokens(tokenizer, ex["messages"], renderer)
+        else:
+            target = encode(tokenizer, ex["answer"]) + [eos]
+            mask = [1.0] * len(target)
         rows.append(prompt_ids + target)
-        targets.append((len(prompt_ids), len(prompt_ids) + len(target)))
+        masks.append([0.0] * len(prompt_ids) + mask)
     width = max(len(r) for r in rows)
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, (row, (start, end)) in enumerate(zip(rows, targets)):
+    for i, (row, mask) in enumerate(zip(rows, masks)):
         tokens[i, :len(row)] = torch.tensor(row)
         attention_mask[i, :len(row)] = 1
-        loss_mask[i, start:end] = 1.0
+        loss_mask[i, :len(row)] = torch.tensor(mask)
     return Batch({"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask},
                  {"prompt": [ex["prompt"] for ex in examples], "answer": [ex["answer"] for ex in examples]})
+
+
+def trace_tokens(tokenizer, messages: list[dict], renderer) -> tuple[list[int], list[float]]:
+    """Response tokens and loss mask of a multi-turn trace [{role: assistant | tool, content}]: consecutive
+    tool messages are the results of the assistant turn before them, rendered together."""
+    if renderer is None:
+        raise ValueError("a multi-turn trace needs an observation renderer (megarl.rollout.agent.observation_renderer)")
+    eos = tokenizer.eos_token_id
+    ids, mask, results = [], [], []
+
+    def flush():
+        if results:
+            observation = renderer.render(results, tokenizer.decode([eos]))
+            ids.extend(observation)
+            mask.extend([0.0] * len(observation))
+            results.clear()
+
+    for i, m in enumerate(messages):
+        if m.get("role") == "tool":
+            results.append(str(m["content"]))
+        elif m.get("role") == "assistant":
+            flush()
+            turn = encode(tokenizer, m["content"]) + [eos]
+            ids.extend(turn)
+            mask.extend([1.0] * len(turn))
+        else:
+            raise ValueError(f"trace message {i} has role {m.get('role')!r}; expected assistant or tool")
+    flush()
+    return ids, mask

@@ -3,6 +3,8 @@
   reverse   "abcd>"  -> "dcba"   letters from `alphabet`, operand length in [min_len, max_len]
   add       "12+345=" -> "357"   operands with min_len..max_len digits (keep max_len <= 3 so prompts
                                  stay within ~8 characters)
+  mul       "37*58=" -> "2146"   the same operands, multiplied: beyond the tiny model unaided, the
+                                 task of the calculator-tool recipe (configs/tool_calculator.yaml)
 
 Each task makes `{"prompt", "answer"}` examples, deterministic per seed. The train and val splits are
 disjoint by construction: an example belongs to the split chosen by a hash of its prompt, so no seed
@@ -43,6 +45,10 @@ class SyntheticTask:
 
     def draw(self, rng: random.Random) -> dict:
         raise NotImplementedError
+
+    def num_prompts(self) -> int | None:
+        """How many distinct prompts the task has, where that is small enough to matter (else None)."""
+        return None
 
     def make_examples(self, n: int, seed: int, split: str = "train") -> list[dict]:
         """`n` distinct examples of `split`, the same list for the same (task, seed, split)."""
@@ -85,8 +91,20 @@ class AddTask(SyntheticTask):
         a, b = self._operand(rng), self._operand(rng)
         return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
+    def num_prompts(self) -> int:
+        return (10 ** self.max_len - (10 ** (self.min_len - 1) if self.min_len > 1 else 0)) ** 2
 
-TASKS: dict[str, type[SyntheticTask]] = {"reverse": ReverseTask, "add": AddTask}
+
+@dataclass
+class MulTask(AddTask):
+    name = "mul"
+
+    def draw(self, rng: random.Random) -> dict:
+        a, b = self._operand(rng), self._operand(rng)
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+
+
+TASKS: dict[str, type[SyntheticTask]] = {"reverse": ReverseTask, "add": AddTask, "mul": MulTask}
 
 
 def make_task(name: str, **options) -> SyntheticTask:
@@ -107,7 +125,8 @@ def load_examples(data_cfg, seed: int) -> tuple[list[dict], list[dict]]:
     skip = data_cfg.skip_malformed
     if data_cfg.task in TASKS:
         task = make_task(data_cfg.task, min_len=data_cfg.min_len, max_len=data_cfg.max_len)
-        train = task.make_examples(TRAIN_POOL, seed, "train")
+        # a small task (2-digit products: 8100 prompts) gives half its prompts, all found by random draws
+        train = task.make_examples(min(TRAIN_POOL, (task.num_prompts() or 2 * TRAIN_POOL) // 2), seed, "train")
         val = [] if data_cfg.val_task else task.make_examples(data_cfg.val_size, seed, "val")
     elif data_cfg.task.endswith((".jsonl", ".parquet")):
         rows = load_prompt_file(data_cfg.task, skip)

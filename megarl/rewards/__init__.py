@@ -1,10 +1,12 @@
 """Reward functions: `fn(response: str, answer: str, sample: dict) -> float`, chosen by name.
 
 `response` is the decoded response without the stop token or padding; `answer` is the example's
-reference; `sample` holds the sample's other fields (prompt, group, ...). A reward is a registered
+reference; `sample` holds the sample's other fields (prompt, group, and for multi-turn rollouts `trajectory`:
+every turn, tool call and tool result). A reward is a registered
 name or any plain function given as `package.module:function`:
 
-  reverse, add, exact_match   the built-in synthetic tasks (synthetic.py)
+  reverse, add, mul, exact_match   the built-in synthetic tasks (synthetic.py)
+  tool_answer                 multi-turn: a tool returned the answer, and the final answer (tool_use.py)
   gsm8k, gsm8k_flexible       GSM8K: `#### N` (strict) or the last number (flexible) (gsm8k.py)
   math                        MATH-style answers checked by math-verify (math.py)
   countdown                   an arithmetic expression reaching a target (countdown.py)
@@ -44,6 +46,6 @@ def build_reward(cfg, default: str = "") -> RewardFn:
 
 
 from megarl.rewards.scoring import score  # noqa: E402
-from megarl.rewards import code, countdown, gsm8k, math, remote, synthetic  # noqa: E402,F401  (registration)
+from megarl.rewards import code, countdown, gsm8k, math, remote, synthetic, tool_use  # noqa: E402,F401  (registration)
 
 __all__ = ["REWARDS", "REWARD_BUILDERS", "RewardFn", "build_reward", "get_reward_fn", "score"]

@@ -7,8 +7,8 @@ the policy solves the task (a group that all scores 0 has no learning signal):
                 response has the right character, over the longer of the two lengths (so missing or
                 extra characters cost as much as wrong ones). "dcba" vs "dcba" = 1.0, "dcbx" = 0.75,
                 "dcbaa" = 0.8, "" = 0.0.
-  add           1.0 when the response is the sum (surrounding spaces ignored); otherwise half the
-                positional digit credit above, so any wrong sum scores below 0.5:
+  add, mul      1.0 when the response is the sum (product) (surrounding spaces ignored); otherwise half
+                the positional digit credit above, so any wrong answer scores below 0.5:
                 "357" vs "357" = 1.0, "358" = 0.33, "35" = 0.33, "abc" = 0.0.
   exact_match   1.0 when the stripped response equals the stripped answer, else 0.0.
 """
@@ -31,6 +31,7 @@ def reverse_reward(response: str, answer: str, sample: dict) -> float:
     return positional_match(response, answer)
 
 
+@REWARDS.register("mul")
 @REWARDS.register("add")
 def add_reward(response: str, answer: str, sample: dict) -> float:
     response = response.strip()

@@ -30,9 +30,11 @@ its `policy_version` stays the one it started under.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -61,6 +63,7 @@ class Trajectory:
     finish_reason: str = ""  # empty while the conversation goes on (or after it was aborted)
     seconds: float = 0.0
     policy_version: int = 0  # the policy that generated its first tokens (later turns may be newer)
+    conversation: str = field(default_factory=lambda: uuid.uuid4().hex)  # engines keep it on one server
 
     def append(self, token_ids: list[int], logprobs: list[float] | None) -> list[int]:
         """Model tokens (with their log-probs) or observation tokens (None); returns their span."""
@@ -201,7 +204,8 @@ class AgentLoop:
     async def _model_turn(self, traj: Trajectory, batcher: "_GenerationBatcher") -> None:
         cfg = self.config
         room = cfg.max_response_tokens - len(traj.response_ids)
-        gen = await batcher.generate(traj.prompt_ids + traj.response_ids, min(cfg.max_new_tokens_per_turn, room))
+        gen = await batcher.generate(traj.prompt_ids + traj.response_ids, min(cfg.max_new_tokens_per_turn, room),
+                                     traj.conversation)
         stopped = gen.finish_reason == "stop"
         text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)
         calls = self.parser(text)[:cfg.max_tool_calls_per_turn]
@@ -286,11 +290,14 @@ def _in_own_thread(fn, **kwargs) -> asyncio.Future:
 class _GenerationBatcher:
     """Collects the turns that are ready to generate and runs them as one engine call (with the
     largest of their token limits; each generation is then cut at its own limit, which gives exactly
-    what generating with that limit would, since sampling is left to right)."""
+    what generating with that limit would, since sampling is left to right). Engines whose generate
+    takes `conversations` (SGLang with several servers) get each turn's conversation id, so a
+    conversation stays on one server and reuses its prefix cache."""
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, thread: ThreadPoolExecutor):
         self.engine, self.params, self.thread = engine, params, thread
-        self.pending: list[tuple[list[int], int, asyncio.Future]] = []
+        self.pending: list[tuple[list[int], int, str, asyncio.Future]] = []
+        self.sticky = "conversations" in inspect.signature(engine.generate).parameters
         self.worker: asyncio.Task | None = None
         self.inflight: asyncio.Future | None = None  # the engine call running in the engine thread
         self.calls = 0
@@ -306,9 +313,9 @@ class _GenerationBatcher:
         if self.inflight is not None:
             await asyncio.gather(self.inflight, return_exceptions=True)
 
-    async def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
+    async def generate(self, prompt: list[int], max_new_tokens: int, conversation: str) -> Generation:
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((prompt, max_new_tokens, future))
+        self.pending.append((prompt, max_new_tokens, conversation, future))
         if self.worker is None or self.worker.done():
             self.worker = asyncio.create_task(self._drain())
         return await future
@@ -323,8 +330,9 @@ class _GenerationBatcher:
             seed = None if self.params.seed is None else self.params.seed + self.calls
             params = replace(self.params, n=1, seed=seed, max_new_tokens=max(r[1] for r in requests))
             self.calls += 1
-            self.inflight = loop.run_in_executor(self.thread, self.engine.generate, [r[0] for r in requests],
-                                                 params)
+            call = functools.partial(self.engine.generate, [r[0] for r in requests], params,
+                                     **({"conversations": [r[2] for r in requests]} if self.sticky else {}))
+            self.inflight = loop.run_in_executor(self.thread, call)
             try:
                 gens = await asyncio.shield(self.inflight)  # a cancelled conversation does not cancel the call
             except Exception as e:  # every waiting conversation sees the engine's error
@@ -332,7 +340,7 @@ class _GenerationBatcher:
                     if not future.done():
                         future.set_exception(e)
                 continue
-            for (_, limit, future), gen in zip(requests, gens):
+            for (_, limit, _, future), gen in zip(requests, gens):
                 if future.done():  # its conversation was cancelled
                     continue
                 if len(gen.token_ids) > limit:
@@ -363,3 +371,19 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
          "response": responses,
          "answer": [prompts[t.prompt_index]["answer"] for t in trajectories],
          "trajectory": [t.summary() for t in trajectories]})
+
+
+def agent_metrics(batch: Batch, prefix: str) -> dict:
+    """Per-sample means of a multi-turn batch (none for single-turn ones), and the totals that throughput
+    is computed from (model turns, model tokens)."""
+    if "trajectory" not in batch:
+        return {}
+    summaries = batch["trajectory"]
+    calls = [c for s in summaries for t in s["turns"] if t["role"] == "tool" for c in t["calls"]]
+    n = max(len(summaries), 1)
+    return {f"{prefix}/turns": sum(s["num_turns"] for s in summaries) / n,
+            f"{prefix}/tool_calls": len(calls) / n,
+            f"{prefix}/tool_error_rate": sum(c["error"] for c in calls) / max(len(calls), 1),
+            f"{prefix}/finish_length": sum(s["finish_reason"] == "length" for s in summaries) / n,
+            f"{prefix}/model_turns_total": sum(s["num_turns"] for s in summaries),
+            f"{prefix}/model_tokens_total": int(batch["loss_mask"].sum().item())}

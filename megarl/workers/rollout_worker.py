@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from megarl.config import Config
+from megarl.rewards import build_reward, score
+from megarl.rollout.agent import AgentLoop, Trajectory, trajectories_to_batch
 from megarl.rollout.base import Generation, SamplingParams
+from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
 
 
@@ -30,10 +33,36 @@ def make_engine(cfg: Config, model_path: str, device: str):
 class RolloutWorker:
     def __init__(self, cfg: Config, model_path: str, device: str, threads: int = 1):
         torch.set_num_threads(threads)
+        self.cfg, self.model_path = cfg, model_path
         self.engine = make_engine(cfg, model_path, device)
+        self.agent = None  # the agent loop and its tools, built on first use (agent.enabled)
+        self.reward_fn = None  # over-sampling with dynamic sampling scores finished groups here
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return self.engine.generate(prompts, params)
+
+    def rollout_agent(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
+                      needed: int | None = None, varied_rewards: bool = False):
+        """Multi-turn conversations (megarl/rollout/agent.py) next to the engine, so turns cost no round
+        trip to the driver. `groups[i]` are the conversations of `prompts[i]`; with `needed`, the
+        rest are aborted once that many groups are finished (and, with varied_rewards, their rewards
+        differ). Returns AgentLoop.run_groups' (finished, unfinished, rejected count)."""
+        if self.agent is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.agent = AgentLoop(self.engine, tokenizer, build_tools(self.cfg.agent.tools), self.cfg.agent)
+        accept = None
+        if varied_rewards:
+            if self.reward_fn is None:
+                self.reward_fn = build_reward(self.cfg.reward, self.cfg.data.task)
+            tokenizer, r = self.agent.tokenizer, self.cfg.reward
+
+            def accept(group: list[Trajectory]) -> bool:  # as megarl.algorithms.dapo.dynamic_sampling_filter
+                batch = trajectories_to_batch(prompts, group, tokenizer.pad_token_id, tokenizer)
+                rewards, _ = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers)
+                return len(group) == 1 or len(set(rewards)) > 1
+        return self.agent.run_groups(groups, params, needed, accept)
 
     def update_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(bucket)
