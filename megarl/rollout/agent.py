@@ -154,8 +154,8 @@ class AgentLoop:
         until each is finished, or, with `needed`, until `needed` groups are finished and accepted by
         `accept(group)` (all are, without it): then the others are aborted.
 
-        Returns (finished groups: the accepted ones, then the others that finished (rejected); unfinished
-        groups; the number rejected), each in the order given."""
+        Returns (finished groups: the accepted ones, then the others that finished (rejected, or not
+        judged because the abort came first); unfinished groups; the number rejected), in the order given."""
         batcher = _GenerationBatcher(self.engine, params, self._engine_thread)
         slots = asyncio.Semaphore(self.config.max_concurrent)
         accepted, rejected = [], []
@@ -178,9 +178,11 @@ class AgentLoop:
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
                 raise outcome
-        accepted_ids, rejected_ids = {id(g) for g in accepted}, {id(g) for g in rejected}
-        return ([g for g in groups if id(g) in accepted_ids] + [g for g in groups if id(g) in rejected_ids],
-                [g for g in groups if id(g) not in accepted_ids | rejected_ids], len(rejected))
+        accepted_ids = {id(g) for g in accepted}
+        # rejected, or finished just as the abort came (not judged): finished, after the accepted ones
+        others = [g for g in groups if id(g) not in accepted_ids and all(t.finish_reason for t in g)]
+        return ([g for g in groups if id(g) in accepted_ids] + others,
+                [g for g in groups if not all(t.finish_reason for t in g)], len(rejected))
 
     def close(self) -> None:
         for tool in self.tools.values():

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from megarl.data.dataset import sft_batch
 from megarl.models.tiny import build_tiny_model
-from megarl.rollout.agent import (AgentConfig, AgentLoop, ChatTemplateObservations, TextObservations,
+from megarl.rollout.agent import (AgentConfig, AgentLoop, ChatTemplateObservations, TextObservations, Trajectory,
                                   trajectories_to_batch)
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.hf import HFRolloutEngine
@@ -252,3 +253,61 @@ def test_async_tools_and_tools_from_a_module_path(tok):
     script = {"Q:": [call("echo", text="hi") + call("calculator", expression="2*(3+4)"), "done"]}
     trajectories, _ = run_agent(ScriptedEngine(tok, script), tok, ["Q:"], AgentConfig(), tools)
     assert [c["result"] for c in trajectories[0].turns[1]["calls"]] == ["HI", "14"]
+
+
+def test_over_sampling_aborts_the_rest_and_resumed_conversations_keep_their_version(model_dir, tok):
+    """Real HF engine: 6 groups started, 2 needed; the others are aborted part-way (their finished
+    turns kept), then continued under a newer policy version without losing a token."""
+    engine = HFRolloutEngine(model_dir, seed=0)
+    config = AgentConfig(max_turns=4, max_response_tokens=100, max_new_tokens_per_turn=12,
+                         parser="test_vowel_or_digit", max_concurrent=3)  # groups move in staggered waves
+    agent = AgentLoop(engine, tok, build_tools(["calculator"]), config)
+    prompts = ["abc>", "hello>", "12+3=", "xyz>", "q>", "zz top>"]
+    groups = [[Trajectory(i, ids(tok, p), policy_version=3) for _ in range(2)] for i, p in enumerate(prompts)]
+    seen = []
+    try:
+        finished, unfinished, rejected = agent.run_groups(groups, SamplingParams(n=2, seed=1), needed=2,
+                                                          accept=lambda g: seen.append(g) or True)
+        assert rejected == 0 and len(seen) == 2 and len(finished) + len(unfinished) == 6 and len(unfinished) >= 2
+        assert finished[:2] == seen and all(t.finish_reason for g in finished for t in g)
+        assert all(any(not t.finish_reason for t in g) for g in unfinished)  # really cut short
+        partial = [t for g in unfinished for t in g if not t.finish_reason and t.turns]
+        assert partial, "some aborted conversations had finished turns"
+        before = {id(t): (list(t.response_ids), len(t.turns)) for g in unfinished for t in g}
+
+        fresh = [[Trajectory(4, ids(tok, "new>"), policy_version=4) for _ in range(2)]]
+        done, still, _ = agent.run_groups(unfinished + fresh, SamplingParams(n=2, seed=2))
+    finally:
+        agent.close()
+    resumed = len(unfinished)
+    assert not still and len(done) == resumed + 1 and all(t.finish_reason for g in done for t in g)
+    for g in done[:resumed]:
+        for t in g:
+            response, turns = before[id(t)]
+            assert t.policy_version == 3 and t.response_ids[:len(response)] == response and len(t.turns) >= turns
+    assert {t.policy_version for t in done[resumed]} == {4}
+    rows = [{"prompt": p, "answer": ""} for p in prompts]
+    batch = trajectories_to_batch(rows, [t for g in done[:resumed] for t in g], tok.pad_token_id, tok)
+    assert batch["policy_version"].tolist() == [3] * 2 * resumed
+    # the resumed rows' log-probs (earlier turns from the old call, later ones from the new) still line up
+    with torch.no_grad():
+        logits = engine.model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"]).logits.float()
+    fresh_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["tokens"][:, 1:, None])[..., 0]
+    mask = batch["loss_mask"][:, 1:].bool()
+    torch.testing.assert_close(batch["rollout_logprobs"][:, 1:][mask], fresh_lp[mask], atol=1e-5, rtol=0)
+
+
+def test_a_multi_turn_trace_lays_out_like_a_rollout(tok):
+    """SFT traces (sft.data) get the agent's layout: assistant turns + eos trained on, tool results not."""
+    call_text = call("calculator", expression="6*7")
+    messages = [{"role": "assistant", "content": call_text}, {"role": "tool", "content": "42"},
+                {"role": "assistant", "content": "42"}]
+    renderer = TextObservations(tok, "<r>{result}</r>")
+    batch = sft_batch(tok, [{"prompt": "6*7=", "answer": "42", "messages": messages}], renderer)
+    eos = tok.eos_token_id
+    expected = ids(tok, "6*7=") + ids(tok, call_text) + [eos] + ids(tok, "<r>42</r>") + ids(tok, "42") + [eos]
+    assert batch["tokens"][0].tolist() == expected
+    mask = [0] * 4 + [1] * (len(ids(tok, call_text)) + 1) + [0] * len(ids(tok, "<r>42</r>")) + [1] * 3
+    assert batch["loss_mask"][0].tolist() == mask
+    with pytest.raises(ValueError, match="message 0 has role 'user'"):
+        sft_batch(tok, [{"prompt": "x", "answer": "", "messages": [{"role": "user", "content": "?"}]}], renderer)
