@@ -311,3 +311,18 @@ def test_a_multi_turn_trace_lays_out_like_a_rollout(tok):
     assert batch["loss_mask"][0].tolist() == mask
     with pytest.raises(ValueError, match="message 0 has role 'user'"):
         sft_batch(tok, [{"prompt": "x", "answer": "", "messages": [{"role": "user", "content": "?"}]}], renderer)
+
+
+def test_over_sampling_counts_rejected_groups_and_puts_accepted_ones_first(tok):
+    """A group the accept test turns down (e.g. all rewards equal) does not count towards `needed`."""
+    script = {"A:": ["a"], "B:": [call("calculator", expression="1+1"), "2"], "C:": ["c"] * 2}
+    agent = AgentLoop(ScriptedEngine(tok, script), tok, build_tools(["calculator"]), AgentConfig())
+    groups = [[Trajectory(i, ids(tok, p)) for _ in range(2)] for i, p in enumerate(script)]
+    try:
+        finished, unfinished, rejected = agent.run_groups(groups, SamplingParams(), needed=1,
+                                                          accept=lambda g: g[0].prompt_index != 0)
+    finally:
+        agent.close()
+    # A and C finish on the first call; A is turned down, C accepted: B (mid-conversation) is aborted
+    assert rejected == 1 and [g[0].prompt_index for g in finished] == [2, 0]
+    assert unfinished == [groups[1]] and all(t.turns and not t.finish_reason for t in groups[1])
