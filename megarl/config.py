@@ -51,8 +51,11 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel size")
     ep: int = opt(1, "expert-parallel size (mixture-of-experts models): experts split over this many DP ranks")
     vpp: int = opt(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B, needs pp > 1); 1 = off")
-    cp: int = opt(1, "context-parallel size (needs TransformerEngine)")
-    sequence_parallel: bool = opt(False, "sequence parallelism over the TP group (needs TransformerEngine)")
+    cp: int = opt(1, "context-parallel size: only 1 (megatron-core's context parallelism needs TransformerEngine's "
+                     "attention, which megarl's layer spec does not use)")
+    sequence_parallel: bool = opt(False, "sequence parallelism over the TP group: norms, dropout and the MoE router "
+                                         "run on 1/TP of the tokens (needs TP > 1; row width padded to a multiple "
+                                         "of TP); required for mixture-of-experts training at TP > 1")
 
     @property
     def dp(self) -> int:
@@ -86,8 +89,10 @@ class ActorConfig:
                                              "many tokens, balanced over DP ranks; 0 = micro_batch_size padded rows")
     recompute: str = opt("none", "activation recompute: none, full (each layer's activations) or selective "
                                  "(core attention only)")
-    attention: str = opt("auto", "core attention: auto (sdpa on GPU, local on CPU), sdpa (PyTorch's fused "
-                                 "attention) or local (megatron's unfused DotProductAttention)")
+    attention: str = opt("auto", "core attention: auto (varlen on GPU, local on CPU), varlen (PyTorch SDPA; packed "
+                                 "rows by flash attention over cu_seqlens, torch.nn.attention.varlen), sdpa "
+                                 "(PyTorch SDPA; packed rows by a block-diagonal mask, no flash kernel) or local "
+                                 "(megatron's unfused DotProductAttention)")
 
 
 @dataclass
@@ -376,7 +381,12 @@ class Config:
             if p.world_size % (p.tp * p.pp):
                 raise ConfigError(f"{role}.parallel.world_size={p.world_size} is not divisible by "
                                   f"{role}.parallel.tp * {role}.parallel.pp = {p.tp}*{p.pp}")
-            for key, allowed in (("recompute", ("none", "full", "selective")), ("attention", ("auto", "sdpa", "local"))):
+            if p.cp > 1:
+                raise ConfigError(f"{role}.parallel.cp={p.cp}: context parallelism needs TransformerEngine's attention "
+                                  "in megatron-core, which megarl's layer spec does not use; set cp=1 "
+                                  "(sequence_parallel=true splits activations over the TP group without TE)")
+            for key, allowed in (("recompute", ("none", "full", "selective")),
+                                 ("attention", ("auto", "varlen", "sdpa", "local"))):
                 if getattr(section_, key) not in allowed:
                     raise ConfigError(f"{role}.{key}={getattr(section_, key)!r}: must be one of {', '.join(allowed)}")
 

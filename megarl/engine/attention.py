@@ -1,24 +1,34 @@
-"""Core attention for megatron's local layer spec: PyTorch SDPA instead of megatron's unfused
+"""Core attention for megatron's local layer spec: PyTorch's fused kernels instead of megatron's unfused
 DotProductAttention, so no TransformerEngine is needed for speed (gpu-anchors.md: 24% -> 42% MFU on an
 H200 for a 1.4B model).
 
-SDPA gets `is_causal=True` when no mask is given (flash attention on GPU, GQA without copying the key
-and value heads) and megatron's boolean mask otherwise (True = not allowed; the block-diagonal causal
-mask of packed rows), inverted to SDPA's convention (True = allowed).
+One module, SDPAttention, three ways in (megatron's core-attention signature):
+- no mask, no packed_seq_params: SDPA with `is_causal=True` (flash attention on GPU, GQA without copying
+  the key and value heads): rows that hold one sequence each;
+- megatron's boolean mask (True = not allowed; the block-diagonal causal mask of packed rows), inverted
+  to SDPA's convention (True = allowed): masked SDPA, which no flash kernel takes;
+- packed_seq_params in the 'sbhd' layout (megatron passes it through to core attention untouched) with
+  cu_seqlens over the flattened rows: variable-length causal attention, each segment alone. On CUDA that
+  is torch.nn.attention.varlen (flash attention over cu_seqlens, CUDA only); elsewhere a per-segment SDPA
+  loop, slow, but the same code path for the CPU tests.
+`attention` (config): local (megatron's), sdpa (packed rows by mask), varlen (packed rows by cu_seqlens).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import math
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
-CORE_ATTENTIONS = ("local", "sdpa")
+CORE_ATTENTIONS = ("local", "sdpa", "varlen")
 
 
 class SDPAttention(MegatronModule):
@@ -38,9 +48,10 @@ class SDPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention takes neither packed_seq_params (THD) nor an attention bias: "
-                             "packed rows come with a block-diagonal attention_mask")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention takes no attention bias")
+        if packed_seq_params is not None:
+            return self._varlen(query, key, value, packed_seq_params)
         s, b = query.shape[:2]
         # megatron: [s, b, heads, d]; SDPA: [b, heads, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -57,6 +68,65 @@ class SDPAttention(MegatronModule):
                                                  is_causal=mask is None, scale=self.scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+    def _varlen(self, query, key, value, params: PackedSeqParams):
+        if params.qkv_format != "sbhd":
+            raise ValueError(f"SDPAttention takes packed_seq_params in the 'sbhd' layout, not {params.qkv_format!r}")
+        if self.dropout and self.training:
+            raise ValueError("attention dropout is not supported with attention=varlen: use attention=sdpa")
+        s, b = query.shape[:2]
+        # [s, b, heads, d] -> [b * s, heads, d]: the rows back to back, as cu_seqlens counts them
+        q, k, v = (x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value))
+        kernel = flash_varlen if q.is_cuda else segment_sdpa
+        out = kernel(q, k, v, params.cu_seqlens_q, params.max_seqlen_q, self.scale)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_available() -> bool:
+    """torch.nn.attention.varlen (torch >= 2.9) is importable and a GPU is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _varlen_parameters()
+    except ImportError:
+        return False
+    return True
+
+
+def flash_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+    """Causal flash attention over the segments of cu_seqlens; q [T, heads, d], k and v [T, groups, d].
+    torch.nn.attention.varlen's signature moved between releases (is_causal -> window_size, enable_gqa,
+    scale): what this torch's takes is read from its signature."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_parameters()
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, q.shape[-1] ** -0.5):
+        raise ValueError(f"this torch's varlen_attn has no scale argument; the model needs {scale}")
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+def segment_sdpa(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+    """flash_varlen's result by one causal SDPA per segment (CPU; a reference, not fast)."""
+    bounds = cu_seqlens.tolist()
+    out = [F.scaled_dot_product_attention(*(x[start:end].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
+           for start, end in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(out)
+
 
 def with_core_attention(spec, core_attention: str):
     """The layer spec with its core attention swapped ('local' keeps megatron's DotProductAttention)."""
@@ -70,28 +140,38 @@ def with_core_attention(spec, core_attention: str):
 
 
 def resolve_core_attention(name: str, device: str) -> str:
-    """'auto': SDPA on GPU; megatron's own attention on CPU (the reference the tests compare with)."""
+    """'auto': varlen on GPU (sdpa where this torch has no torch.nn.attention.varlen); megatron's own
+    attention on CPU (the reference the tests compare with)."""
     if name == "auto":
-        return "sdpa" if device == "cuda" else "local"
+        if device != "cuda":
+            return "local"
+        return "varlen" if varlen_available() else "sdpa"
     if name not in CORE_ATTENTIONS:
         raise ValueError(f"attention={name!r}: expected auto, {', '.join(CORE_ATTENTIONS)}")
     return name
 
 
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def packed_attention_inputs(core_attention: str, mb: dict):
+    """(attention_mask, packed_seq_params) for GPTModel.forward on micro-batch `mb` (packing.py).
+    sdpa and varlen run rows of one sequence each as plain causal attention (no mask); packed rows go by
+    the block-diagonal mask (local, sdpa) or by cu_seqlens (varlen). max_seqlen is the row width: megatron
+    sizes its RoPE table by it, and the kernels take it as a bound."""
+    from megarl.engine.packing import block_causal_mask
+
+    if core_attention != "local" and not mb["packed"]:
+        return None, None
+    if core_attention == "varlen":
+        width = mb["tokens"].shape[1]
+        return None, PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+                                     max_seqlen_q=width, max_seqlen_kv=width)
+    return block_causal_mask(mb["doc_ids"]), None
 
 
-def check_parallel_support(context_parallel: int, sequence_parallel: bool) -> None:
-    """megatron-core implements context and sequence parallelism with TransformerEngine modules only."""
-    if (context_parallel > 1 or sequence_parallel) and not transformer_engine_available():
-        raise RuntimeError(f"context parallelism (cp={context_parallel}) and sequence parallelism "
-                           f"(sequence_parallel={sequence_parallel}) need TransformerEngine, which is not "
-                           "installed: install megarl[gpu] or set cp=1 and sequence_parallel=false")
-    if context_parallel > 1 or sequence_parallel:
-        raise NotImplementedError("context/sequence parallelism with TransformerEngine's layer spec is not "
-                                  "wired into MegatronEngine yet (set cp=1 and sequence_parallel=false)")
+def check_parallel_support(context_parallel: int) -> None:
+    """megatron-core implements context parallelism with TransformerEngine's attention only (sequence
+    parallelism runs on the local spec: megarl/models/norm.py)."""
+    if context_parallel > 1:
+        raise ValueError(f"actor.parallel.cp={context_parallel}: context parallelism needs TransformerEngine's "
+                         "attention (megatron-core splits attention across CP ranks only in TEDotProductAttention), "
+                         "which megarl's layer spec does not use; set cp=1 (sequence_parallel=true splits "
+                         "activations over the TP group without TE)")

@@ -1,6 +1,7 @@
 """MegatronEngine: one model on megatron-core inside one training rank.
 
-GPTModel (local spec, core attention megatron's or SDPA) + megatron DDP + megatron's optimizer and LR
+GPTModel (local spec, core attention megatron's, SDPA or varlen flash: attention.py; sequence parallelism
+without TE: megarl/models/norm.py) + megatron DDP + megatron's optimizer and LR
 scheduler; forward/backward runs through megatron's pipeline schedule (PP=1, PP>1, interleaved virtual
 stages). Roles: the policy and its frozen KL reference (LM head), the critic and the reward model (a
 scalar value head, value_head.py); trainable=False builds no optimizer. Micro-batches are packed or
@@ -29,12 +30,14 @@ from megatron.core.transformer.module import Float16Module
 from megarl.algorithms import losses
 from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.engine import checkpoint, offload, weights
-from megarl.engine.attention import check_parallel_support, resolve_core_attention, with_core_attention
+from megarl.engine.attention import (check_parallel_support, packed_attention_inputs, resolve_core_attention,
+                                     with_core_attention)
 from megarl.engine.logprobs import vocab_parallel_logprobs
-from megarl.engine.packing import (align_to_tokens, block_causal_mask, empty_micro_batch, next_tokens,
-                                   pack_micro_batches, reset_rotary_positions, unpack)
+from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
+                                   reset_rotary_positions, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
 from megarl.models import get_family
+from megarl.models.decoder import decoder_block_spec
 from megarl.protocol import Batch
 
 
@@ -43,8 +46,11 @@ LOSSES = {"policy": "lm", "sft": "lm", "value": "value", "bradley_terry": "value
 
 
 def _with_engine_options(config, actor: ActorConfig):
-    """The family's TransformerConfig plus the engine's own options: virtual pipeline, recompute."""
+    """The family's TransformerConfig plus the engine's own options: sequence parallelism, virtual pipeline,
+    recompute."""
     options = {}
+    if actor.parallel.sequence_parallel and config.tensor_model_parallel_size > 1:  # TP=1: nothing to split
+        options["sequence_parallel"] = True
     if actor.parallel.vpp > 1:
         layers_per_chunk = config.num_layers / (config.pipeline_model_parallel_size * actor.parallel.vpp)
         if layers_per_chunk != int(layers_per_chunk):
@@ -95,7 +101,7 @@ class MegatronEngine:
         config = family.transformer_config(self.hf_config, tp, pp, self.params_dtype,
                                            use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size())
-        check_parallel_support(actor.parallel.cp, actor.parallel.sequence_parallel)
+        check_parallel_support(actor.parallel.cp)
         config = _with_engine_options(config, actor)
         self.core_attention = resolve_core_attention(actor.attention, device)
         spec = with_core_attention(family.layer_spec(self.hf_config), self.core_attention)
@@ -164,7 +170,7 @@ class MegatronEngine:
         chunks = []
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
-            gpt = GPTModel(config, spec, vp_stage=vp_stage,
+            gpt = GPTModel(config, decoder_block_spec(spec, config, vp_stage), vp_stage=vp_stage,
                            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                            **gpt_kwargs).to(self.device)
@@ -184,26 +190,23 @@ class MegatronEngine:
 
     def _micro_batches(self, batch: Batch, keys: list[str], group_size: int = 1) -> list[dict]:
         """Packed (actor.max_tokens_per_micro_batch > 0) or padded micro-batches (packing.py); with virtual
-        pipeline stages their number is made a multiple of PP with empty ones, as the interleaved schedule needs."""
+        pipeline stages their number is made a multiple of PP with empty ones, as the interleaved schedule needs.
+        Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens)."""
+        config = self.gpt.config
+        width_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
         mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
-                                 self.actor.max_tokens_per_micro_batch, group_size)
+                                 self.actor.max_tokens_per_micro_batch, group_size, width_multiple)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if len(self.models) > 1:
             mbs += [empty_micro_batch(mbs[0]) for _ in range(-len(mbs) % pp)]
         return mbs
 
-    def _attention_mask(self, mb: dict):
-        """SDPA runs causal (flash) unless a row holds several sequences; megatron's own attention always
-        takes the explicit mask."""
-        if self.core_attention == "sdpa" and not mb["packed"]:
-            return None
-        return block_causal_mask(mb["doc_ids"])
-
     def _run_schedule(self, mbs: list[dict], loss_fn: Callable, forward_only: bool) -> list:
         """megatron's schedule over the micro-batches; the loss_fn outputs (last stage only)."""
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb["tokens"], mb["position_ids"], self._attention_mask(mb))
+            mask, packed_seq_params = packed_attention_inputs(self.core_attention, mb)
+            output = model(mb["tokens"], mb["position_ids"], mask, packed_seq_params=packed_seq_params)
             return output, partial(loss_fn, mb)
 
         # The interleaved schedule runs each chunk over every micro-batch: one iterator per chunk.
@@ -321,9 +324,9 @@ class MegatronEngine:
                 for mb, result in zip(mbs, results):
                     full[mb["seq_index"]] = result[name].float()
             self._broadcast_from_last_stage(full)
-            if dims == 2:  # per token: back to the batch's width
+            if dims == 2:  # per token: back to the batch's width (L may exceed T: packing.py's width_multiple)
                 collected[name] = torch.zeros(B, T, dtype=torch.float32)
-                collected[name][:, :L] = full.cpu()
+                collected[name][:, :min(L, T)] = full.cpu()[:, :T]
             else:
                 collected[name] = full.cpu()
         return collected

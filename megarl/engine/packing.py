@@ -5,7 +5,8 @@ more whole sequences back to back; position ids restart at 0 for every sequence 
 mask is block-diagonal causal, so a packed sequence sees exactly what it would see alone. With
 `max_tokens` > 0 sequences are packed first-fit-decreasing into micro-batches of max_tokens // L rows;
 with max_tokens = 0 each row holds one sequence, `micro_batch_size` rows per micro-batch, in batch order.
-All micro-batches have the same shape: pipeline stages exchange fixed-shape activations.
+All micro-batches have the same shape: pipeline stages exchange fixed-shape activations. With sequence
+parallelism L is rounded up to a multiple of the TP size (`width_multiple`), which splits rows by token.
 
 Everything per sequence (loss_mask, advantages, old log-probs ...) stays in the ordinary [S, T] layout
 of the Batch; `packed_index` [S, T] points each (sequence, position) at its packed position, and
@@ -78,14 +79,15 @@ def _first_fit(lengths: list[int], width: int, rows_per_mb: int, group_size: int
 
 
 def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: int, max_tokens: int = 0,
-                       group_size: int = 1) -> list[dict]:
+                       group_size: int = 1, width_multiple: int = 1) -> list[dict]:
     """Micro-batches for megatron's schedule (see the module docstring for the layout).
 
     Each dict holds 'tokens', 'position_ids', 'doc_ids' [rows, L] (doc_ids: 1.. per sequence of a row,
-    0 on padding), 'packed' (whether some row holds several sequences), 'seq_index' [S], 'packed_index'
-    [S, L], and 'attention_mask' plus every name in `keys` in the per-sequence layout [S, L]."""
+    0 on padding), 'cu_seqlens' (segment_bounds of doc_ids), 'packed' (whether some row holds several
+    sequences), 'seq_index' [S], 'packed_index' [S, L], and 'attention_mask' plus every name in `keys` in
+    the per-sequence layout [S, L]."""
     lengths = sequence_lengths(batch["attention_mask"])
-    width = max(lengths)
+    width = -(-max(lengths) // width_multiple) * width_multiple
     if max_tokens > 0:
         rows_per_mb = max(1, max_tokens // width)
         layout = _first_fit(lengths, width, rows_per_mb, group_size)
@@ -96,8 +98,9 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
         layout = [[[i] for i in range(start, min(start + rows_per_mb, len(batch)))]
                   for start in range(0, len(batch), rows_per_mb)]
         layout[-1] += [[] for _ in range(rows_per_mb - len(layout[-1]))]
-    tokens_all = batch["tokens"][:, :width]
-    per_seq = {k: batch[k][:, :width] for k in ["attention_mask", *keys]}
+    tokens_all = batch["tokens"]
+    # [S, width]: cut to the longest sequence, or zero-padded up to the rounded width
+    per_seq = {k: _fit_width(batch[k], width) for k in ["attention_mask", *keys]}
     out = []
     for rows in layout:
         tokens = torch.zeros(rows_per_mb, width, dtype=tokens_all.dtype)
@@ -116,13 +119,29 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
                 packed_index.append(r * width + offset + torch.arange(width).clamp(max=n - 1))
                 offset += n
         index = torch.tensor(seq_index, dtype=torch.long)
-        mb = {"tokens": tokens, "position_ids": positions, "doc_ids": doc_ids, "seq_index": index,
-              "packed_index": torch.stack(packed_index)}
+        mb = {"tokens": tokens, "position_ids": positions, "doc_ids": doc_ids, "cu_seqlens": segment_bounds(doc_ids),
+              "seq_index": index, "packed_index": torch.stack(packed_index)}
         mb |= {k: v[index] for k, v in per_seq.items()}
         mb = {k: v.to(device) for k, v in mb.items()}
         mb["packed"] = any(len(seqs) > 1 for seqs in rows)
         out.append(mb)
     return out
+
+
+def _fit_width(x: Tensor, width: int) -> Tensor:
+    return x[:, :width] if x.shape[1] >= width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def segment_bounds(doc_ids: Tensor) -> Tensor:
+    """cu_seqlens (int32) of the rows laid end to end: a segment is a run of one doc id within a row, so
+    each sequence is one segment and a row's padding another. Causal attention within each segment is
+    exactly block_causal_mask's attention."""
+    flat = doc_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::doc_ids.shape[1]] = True
+    bounds = torch.cat([starts.nonzero().squeeze(1), torch.tensor([flat.numel()], device=flat.device)])
+    return bounds.to(torch.int32)
 
 
 def block_causal_mask(doc_ids: Tensor) -> Tensor:
@@ -185,5 +204,6 @@ def reset_rotary_positions(gpt) -> None:
 def empty_micro_batch(like: dict) -> dict:
     """A micro-batch of the same shape with no sequences (padding rows only): it contributes nothing."""
     empty = {k: torch.zeros_like(v) for k, v in like.items() if k in ("tokens", "position_ids", "doc_ids")}
+    empty["cu_seqlens"] = segment_bounds(empty["doc_ids"])
     empty |= {k: v[:0] for k, v in like.items() if isinstance(v, Tensor) and k not in empty}
     return empty | {"packed": False}

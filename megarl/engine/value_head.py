@@ -8,13 +8,16 @@ the trunk starts from the policy.
 
 The head is replicated on every TP rank: its input (the final norm's output) is the same on all of
 them, so each computes the same values and the full gradient of its input, and megatron counts the
-replicated weight once in the grad norm (it has no tensor_model_parallel attribute).
+replicated weight once in the grad norm (it has no tensor_model_parallel attribute). Under sequence
+parallelism the head first gathers the tokens of the TP group (what megatron's output layer does), with a
+backward that keeps this rank's slice of the (replicated, complete) input gradient.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megarl.models.sharding import WeightMap, replicated
 
@@ -25,11 +28,14 @@ class ValueHead(torch.nn.Module):
     """Called as GPTModel calls its output layer: (hidden [s, b, h], weight=, runtime_gather_output=)
     -> (values [s, b, 1], bias None)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return F.linear(hidden_states, self.weight), None
 
 
@@ -39,7 +45,7 @@ def attach_value_head(gpt, hidden_size: int, dtype: torch.dtype, device) -> None
         raise ValueError("a value model must not tie its output layer to the embedding: build the GPTModel "
                          "with share_embeddings_and_output_weights=False")
     if getattr(gpt, "post_process", False):
-        gpt.output_layer = ValueHead(hidden_size, dtype, device)
+        gpt.output_layer = ValueHead(hidden_size, dtype, device, gpt.config.sequence_parallel)
 
 
 def value_weight_maps(maps: list[WeightMap]) -> list[WeightMap]:

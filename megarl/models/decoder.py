@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarl.models.norm import HeadNorm, HiddenNorm
 from megarl.models.sharding import (WeightMap, fused_gate_up, fused_qkv, padded_vocab_size, replicated,
                                     split_dim, vocab_rows)
 
@@ -108,8 +110,14 @@ class DecoderFamily:
             **self.moe_config(hf, ep))
 
     def layer_spec(self, hf: dict) -> ModuleSpec:
-        return get_gpt_layer_local_spec(num_experts=self.num_experts(hf), qk_layernorm=self.qk_norm,
+        """megatron's local spec with norms that also run under sequence parallelism (norm.py)."""
+        spec = get_gpt_layer_local_spec(num_experts=self.num_experts(hf), qk_layernorm=self.qk_norm,
                                         normalization="RMSNorm")
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenNorm
+        if self.qk_norm:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = HeadNorm
+        return spec
 
     def gpt_model_kwargs(self, hf: dict, tp: int) -> dict:
         return dict(vocab_size=padded_vocab_size(hf["vocab_size"], tp),
@@ -146,3 +154,10 @@ class DecoderFamily:
         else:
             maps.append(WeightMap("output_layer.weight", ("lm_head.weight",), **vocab))
         return maps
+
+
+def decoder_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None = None):
+    """GPTModel's decoder for this pipeline stage (or virtual stage): the layers of `layer_spec` and a final
+    norm that runs under sequence parallelism (given a layer spec, megatron picks WrappedTorchNorm)."""
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=HiddenNorm)

@@ -1,13 +1,14 @@
 """Every model family on megatron against transformers on the same checkpoint, in one 2-rank gloo job
-that changes layout in place: TP=2, PP=2, DP=2 and (for Qwen3-MoE) EP=2 with DP=2; and Qwen3-MoE at
-EP=2 x TP=2 and EP=2 x PP=2 on 4 ranks.
+that changes layout in place: TP=2, PP=2, DP=2, (for Qwen3-MoE) EP=2 with DP=2, and TP=2 with sequence
+parallelism (SP; Qwen3 and Qwen3-MoE); and Qwen3-MoE at EP=2 x TP=2 (with and without SP) and
+EP=2 x PP=2 on 4 ranks.
 
 Per family and layout: log-probs and entropy equal transformers' (float32, CPU), and the weights
 exported back to HF names are bitwise the checkpoint's. Qwen3-MoE also takes one SFT Adam step at every
-2-rank layout without TP (megatron trains MoE at TP > 1 only with sequence parallelism, which needs
-TransformerEngine); its loss, grad norm and updated weights equal a single-process transformers +
-torch.optim.Adam step: the expert gradients survive megatron's DDP (expert-DP reduction) and grad norm
-(EP reduction) intact.
+layout where megatron trains it (at TP > 1 only with SP); its loss, grad norm and updated weights equal a
+single-process transformers + torch.optim.Adam step: the expert gradients survive megatron's DDP
+(expert-DP reduction) and grad norm (EP reduction) intact, and under SP the norm and router gradients
+(partial per TP rank) are summed over TP.
 """
 
 import torch
@@ -15,14 +16,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from megarl.algorithms.losses import sft_loss
-from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import llama_config, qwen3_config, qwen3_moe_config, save_random
 
-LAYOUTS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2))  # (tp, pp, ep) on 2 ranks
+# (tp, pp, ep, sequence_parallel) on 2 ranks
+LAYOUTS = ((1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True))
 # On 4 ranks: experts split over EP and, within each EP rank, over TP; EP within each pipeline stage.
-EP_LAYOUTS_4 = ((2, 1, 2), (1, 2, 2))
+EP_LAYOUTS_4 = ((2, 1, 2, False), (2, 1, 2, True), (1, 2, 2, False))
+SP_DENSE = "qwen3"  # the dense family also checked under SP (QK-norm: gradients summed over TP by name)
 LR = 1e-2
 # With the default eps (1e-8) Adam's first step is ~lr*sign(grad) and turns float noise in near-zero
 # gradient entries (unhit expert rows) into differences of ~lr; eps=1e-2 keeps the step a smooth
@@ -44,19 +47,23 @@ def _exported(engine) -> dict:
 
 
 def _check_rank(rank, cases, layouts, train_dir=None):
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megarl.engine import MegatronEngine
 
     trained = {}
-    for tp, pp, ep in layouts:
+    for tp, pp, ep, sp in layouts:
         _relayout(tp, pp, ep)
+        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
         for name, model_dir, moe, ref_logprobs, ref_entropy in cases:
-            if ep > 1 and not moe:
+            if not moe and (ep > 1 or (sp and name != SP_DENSE)):
                 continue
-            engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2), AlgorithmConfig(), "cpu", 1, 10)
+            engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
+                                    "cpu", 1, 10)
+            assert engine.gpt.config.sequence_parallel == sp
             out = engine.compute_logprobs(padded_batch(), with_entropy=True)
-            where = f"{name} at tp={tp} pp={pp} ep={ep}"
+            where = f"{name} at tp={tp} pp={pp} ep={ep} sp={sp}"
             torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
             torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
             exported, checkpoint = _exported(engine), load_file(f"{model_dir}/model.safetensors")
@@ -64,14 +71,15 @@ def _check_rank(rank, cases, layouts, train_dir=None):
             for key, tensor in checkpoint.items():
                 assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
 
-        if train_dir is None or tp > 1:
-            continue  # megatron refuses MoE training at TP > 1 without sequence parallelism (needs TE)
-        actor = ActorConfig(micro_batch_size=2, optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+        if train_dir is None or (tp > 1 and not sp):
+            continue  # megatron refuses MoE training at TP > 1 without sequence parallelism
+        actor = ActorConfig(parallel=parallel, micro_batch_size=2,
+                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
         engine = MegatronEngine(train_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
         batch = padded_batch(rows=8)
         share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
         metrics = engine.train(share, loss="sft")
-        trained[(tp, pp, ep)] = (metrics, _exported(engine))
+        trained[(tp, pp, ep, sp)] = (metrics, _exported(engine))
     return trained
 
 
@@ -104,7 +112,11 @@ def test_every_family_matches_transformers_at_tp_pp_ep(tmp_path):
 
     trained = run_distributed(_check_rank, 2, cases, LAYOUTS, cases[4][1], timeout=240)
 
-    assert sorted(trained) == [(1, 1, 1), (1, 1, 2), (1, 2, 1)]
+    assert sorted(trained) == [(1, 1, 1, False), (1, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True)]
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
+
+
+def _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights):
     for layout, (metrics, weights) in trained.items():
         assert abs(metrics["loss"] - ref_loss) < 1e-5 * abs(ref_loss), layout
         assert abs(metrics["grad_norm"] - ref_grad_norm) < 1e-5 * ref_grad_norm, layout
@@ -116,4 +128,9 @@ def test_every_family_matches_transformers_at_tp_pp_ep(tmp_path):
 def test_qwen3_moe_with_ep_combined_with_tp_or_pp(tmp_path):
     model_dir = save_random(qwen3_moe_config(tied=False, norm_topk_prob=True), tmp_path / "moe", seed=7)
     cases = [("qwen3-moe", model_dir, True, *hf_logprobs_entropy(model_dir, padded_batch()))]
-    assert run_distributed(_check_rank, 4, cases, EP_LAYOUTS_4, timeout=240) == {}
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(model_dir, tmp_path / "hf-step")
+
+    trained = run_distributed(_check_rank, 4, cases, EP_LAYOUTS_4, model_dir, timeout=240)
+
+    assert sorted(trained) == [(1, 2, 2, False), (2, 1, 2, True)]
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
