@@ -3,12 +3,18 @@
 A random-initialised Qwen2-architecture policy (default: the ~1.4B shape of notes/gpu-anchors.md:
 16 layers, hidden 2048, 16 heads, 8 KV groups, FFN 5632, vocab 151936, untied) trains for a few steps
 on random token sequences of lengths in [--min-len, --seq], packed into micro-batches of at most
---max-tokens tokens (block-diagonal causal attention through PyTorch SDPA, bf16 on GPU):
+--max-tokens tokens, bf16 on GPU. Packed rows attend through --attention (auto: varlen on GPU): varlen is
+flash attention over the rows' cu_seqlens (torch.nn.attention.varlen); sdpa is PyTorch SDPA with the
+block-diagonal causal mask (no flash kernel takes a mask). Both loops below use the same core-attention
+module on the same packed inputs (megarl.engine.attention.packed_attention_inputs):
 
   engine - MegatronEngine.train(batch, loss="policy"): PPO-clip loss on random advantages, with the
            per-token log-probs and entropy from vocab-parallel logits, one optimizer step per call;
   bare   - megatron-core alone: the same GPTModel spec, DDP, optimizer and pipeline schedule on the
            same packed micro-batches, with megatron's fused vocab-parallel cross entropy as the loss.
+
+With --sequence-parallel (TP > 1) both run under sequence parallelism, and before timing the engine's
+log-probs are compared with an engine without it holding the same weights (sp_check in the JSON).
 
 Reported per step (after --warmup steps): real (non-padding) tokens/s and model FLOPs utilisation
 
@@ -23,6 +29,7 @@ PEAK_FLOPS = 989e12: the dense bf16 tensor-core peak of one H100/H200 SXM (no sp
 On the H200 (one GPU; two GPUs with --tp 2 through torchrun):
     python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput_h200.json
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --out benchmarks/results/engine_throughput_h200_tp2.json
+    torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --sequence-parallel --out ...
 On a CPU, a tiny model for a smoke test:
     python benchmarks/engine_throughput.py --size tiny --out /tmp/engine_throughput.json
 """
@@ -30,6 +37,7 @@ On a CPU, a tiny model for a smoke test:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -105,7 +113,8 @@ class BareLoop:
     """megatron-core without megarl: GPTModel + DDP + optimizer + the pipeline schedule; loss = megatron's
     vocab-parallel cross entropy of the next token, averaged over the real tokens."""
 
-    def __init__(self, hf: dict, tp: int, dtype: torch.dtype, device: str, attention: str, lr: float):
+    def __init__(self, hf: dict, tp: int, dtype: torch.dtype, device: str, attention: str, lr: float,
+                 sequence_parallel: bool = False):
         from megatron.core import parallel_state
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
@@ -116,12 +125,16 @@ class BareLoop:
 
         from megarl.engine.attention import with_core_attention
         from megarl.models import get_family
+        from megarl.engine.packing import reset_rotary_positions
+        from megarl.models.decoder import decoder_block_spec
 
         family = get_family(hf)
         config = family.transformer_config(hf, tp, 1, dtype, use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size())
-        spec = with_core_attention(family.layer_spec(hf), attention)
+        config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
+        spec = decoder_block_spec(with_core_attention(family.layer_spec(hf), attention), config)
         gpt = GPTModel(config, spec, pre_process=True, post_process=True, **family.gpt_model_kwargs(hf, tp))
+        reset_rotary_positions(gpt)  # RoPE by the packed position ids, as the engine does
         gpt = gpt.to(torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device)
         module = Float16Module(config, gpt) if dtype == torch.bfloat16 else gpt
         self.model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
@@ -131,18 +144,19 @@ class BareLoop:
             OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype),
             [self.model])
         self.forward_backward = get_forward_backward_func()
-        self.packed_attention = attention == "sdpa"
+        self.attention = attention
 
     def step(self, mbs: list[dict], total_tokens: float) -> float:
-        from megarl.engine.packing import block_causal_mask, next_tokens
+        from megarl.engine.attention import packed_attention_inputs
+        from megarl.engine.packing import next_tokens
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            mask = None if self.packed_attention and not mb["packed"] else block_causal_mask(mb["doc_ids"])
+            mask, packed_seq_params = packed_attention_inputs(self.attention, mb)
             labels = next_tokens(mb["tokens"])
             # predict the next token of the same sequence only
             weight = ((mb["doc_ids"] > 0) & (next_tokens(mb["doc_ids"]) == mb["doc_ids"])).float()
-            loss = model(mb["tokens"], mb["position_ids"], mask, labels=labels)
+            loss = model(mb["tokens"], mb["position_ids"], mask, labels=labels, packed_seq_params=packed_seq_params)
 
             def loss_fn(per_token):
                 value = (per_token.float() * weight).sum() / total_tokens
@@ -186,7 +200,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--attention", choices=["sdpa", "local"], default="sdpa")
+    parser.add_argument("--attention", choices=["auto", "varlen", "sdpa", "local"], default="auto",
+                        help="core attention (auto: varlen on GPU where torch has it, else sdpa)")
+    parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (TP > 1)")
     parser.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="per-GPU peak the MFU divides by")
@@ -198,10 +214,14 @@ def main() -> None:
 
     from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
     from megarl.engine import MegatronEngine
+    from megarl.engine.attention import resolve_core_attention
     from megarl.engine.packing import balanced_partition, pack_micro_batches, sequence_lengths
     from megarl.parallel.state import destroy_parallel, init_parallel
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    attention = resolve_core_attention(args.attention, device)
+    sp = args.sequence_parallel and args.tp > 1
+    print(f"attention={attention} sequence_parallel={sp} tp={args.tp} device={device} torch={torch.__version__}")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         with socket.socket() as s:
@@ -225,8 +245,9 @@ def main() -> None:
         results = {}
 
         if not args.skip_bare:
-            bare = BareLoop(hf, args.tp, dtype, device, args.attention, lr=1e-5)
-            mbs = pack_micro_batches(share, [], _device(device), 1, args.max_tokens)
+            bare = BareLoop(hf, args.tp, dtype, device, attention, lr=1e-5, sequence_parallel=sp)
+            mbs = pack_micro_batches(share, [], _device(device), 1, args.max_tokens,
+                                     width_multiple=args.tp if sp else 1)
             targets = float(sum(lengths) - len(lengths))  # next-token targets in the whole batch, all DP ranks
             results["bare"] = _report("bare", _timed(lambda: bare.step(mbs, targets),
                                                      args.steps, args.warmup, device), tokens, flops, gpus,
@@ -236,12 +257,14 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp), micro_batch_size=1,
-                            max_tokens_per_micro_batch=args.max_tokens, attention=args.attention,
+        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, sequence_parallel=sp),
+                            micro_batch_size=1, max_tokens_per_micro_batch=args.max_tokens, attention=attention,
                             recompute=args.recompute, precision="bf16" if device == "cuda" else "fp32",
                             optim=OptimConfig(lr=1e-5))
         engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, args.steps + args.warmup,
                                 load_hf_weights=False)
+        if sp:
+            results["sp_check"] = sp_check(engine, actor, str(model_dir), share, device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         results["engine"] = _report("engine", _timed(lambda: engine.train(share, loss="policy"), args.steps,
@@ -255,7 +278,8 @@ def main() -> None:
         if rank == 0:
             report = {"commit": _commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": gpus,
-                      "torch": torch.__version__, "args": vars(args), "model": hf,
+                      "torch": torch.__version__, "args": vars(args), "attention": attention,
+                      "sequence_parallel": sp, "model": hf,
                       "flop_parameters": flop_parameters(hf),
                       "tokens_per_step": tokens, "flops_per_step": flops, "peak_flops_per_gpu": args.peak_flops,
                       "flops_formula": "6*N*T + 12*L*h*sum(n_i^2), N = 2-D weights except the input embedding",
@@ -265,6 +289,31 @@ def main() -> None:
             print(f"wrote {args.out}")
     finally:
         destroy_parallel()
+
+
+def sp_check(engine, actor, model_dir: str, batch, device: str) -> dict:
+    """The engine's log-probs under sequence parallelism against an engine without it (a frozen one, same
+    weights copied in) on the same batch: they differ only by bf16 rounding (reduce-scatter + all-gather
+    instead of all-reduce)."""
+    from megarl.config import AlgorithmConfig
+    from megarl.engine import MegatronEngine
+
+    plain = dataclasses.replace(actor, parallel=dataclasses.replace(actor.parallel, sequence_parallel=False))
+    reference = MegatronEngine(model_dir, plain, AlgorithmConfig(), device, 1, 1, load_hf_weights=False,
+                               trainable=False)
+    assert not reference.gpt.config.sequence_parallel and engine.gpt.config.sequence_parallel
+    reference.gpt.load_state_dict(engine.gpt.state_dict())
+    with_sp = engine.compute_logprobs(batch)["logprobs"]
+    without = reference.compute_logprobs(batch)["logprobs"]
+    del reference
+    real = batch["attention_mask"].bool()
+    real[:, 0] = False
+    diff = (with_sp - without).abs()[real]
+    result = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
+              "mean_logprob": without[real].mean().item()}
+    result["ok"] = result["mean_abs_diff"] < 0.01 and result["max_abs_diff"] < 0.5
+    print(f"sequence parallel vs none, log-probs: {result}")
+    return result
 
 
 def _device(device: str):

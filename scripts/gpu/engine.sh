@@ -1,18 +1,50 @@
 #!/usr/bin/env bash
-# GPU check of the Megatron engine (issue 3): the GPU-marked tests, then benchmarks/engine_throughput.py
-# (engine vs a bare megatron-core loop, ~1.4B Qwen2 shape, packed seq <= 2048, bf16) on one GPU and,
-# when two are visible, at TP=2. Run on the device machine after the bundle's install.sh; JSON and logs
-# go to $OUT, a short table is printed last.
+# GPU check of the Megatron engine (issue 3), after the bundle's install.sh; JSON and logs go to $OUT, a short
+# table is printed last. One H200: ~5 min; two: ~9 min.
+#   tests  - tests/engine/test_megatron_gpu.py: bf16 engine vs transformers; varlen flash attention vs masked
+#            SDPA on packed rows (log-probs, one SFT step)
+#   tp1    - benchmarks/engine_throughput.py (engine vs a bare megatron-core loop, ~1.4B Qwen2 shape, packed
+#            seq <= 2048, bf16) with attention=auto (varlen flash for packed rows), then the engine alone with
+#            attention=sdpa (masked SDPA: the previous kernel) for comparison
+#   tp2    - the same at TP=2 on two GPUs (when two are visible)
+#   tp2sp  - TP=2 with sequence parallelism: engine and bare loop, and the engine's log-probs checked against
+#            an engine without SP holding the same weights (sp_check)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu tests 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"
-python3 benchmarks/engine_throughput.py --out "$OUT/engine_throughput_tp1.json" 2>&1 | tee "$OUT/tp1.log" | tail -15
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --out "$OUT/engine_throughput_tp2.json" \
-    2>&1 | tee "$OUT/tp2.log" | tail -15
+GPUS=$(nvidia-smi -L | wc -l)
+BENCH=benchmarks/engine_throughput.py
+timeout 300 python3 -m pytest -q -m gpu tests/engine/test_megatron_gpu.py > "$OUT/gpu_tests.log" 2>&1
+tail -3 "$OUT/gpu_tests.log"
+timeout 360 python3 $BENCH --out "$OUT/engine_throughput_tp1.json" > "$OUT/tp1.log" 2>&1; tail -4 "$OUT/tp1.log"
+timeout 240 python3 $BENCH --attention sdpa --skip-bare --out "$OUT/engine_throughput_tp1_masked_sdpa.json" \
+  > "$OUT/tp1_masked_sdpa.log" 2>&1; tail -2 "$OUT/tp1_masked_sdpa.log"
+if [ "$GPUS" -ge 2 ]; then
+  timeout 360 torchrun --nproc-per-node 2 $BENCH --tp 2 --out "$OUT/engine_throughput_tp2.json" \
+    > "$OUT/tp2.log" 2>&1; tail -4 "$OUT/tp2.log"
+  timeout 360 torchrun --nproc-per-node 2 $BENCH --tp 2 --sequence-parallel \
+    --out "$OUT/engine_throughput_tp2_sp.json" > "$OUT/tp2_sp.log" 2>&1; tail -5 "$OUT/tp2_sp.log"
 fi
-echo "== engine throughput on $(head -1 "$OUT/gpu.txt")"
-for f in "$OUT"/engine_throughput_tp*.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/',1)[-1], {k: v for k, v in d.items() if not isinstance(v, (dict, list))})" "$f"; done
+echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
+echo "== engine throughput on $GPUS x $(head -1 "$OUT/gpu.txt") (goals: engine/bare >= 90%, MFU >= 40%)"
+python3 - "$OUT"/engine_throughput_tp*.json <<'PY'
+import json, sys
+print("| run | attention | SP | bare ms | bare MFU | engine ms | engine tok/s/GPU | engine MFU | engine/bare | SP log-prob check |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for path in sys.argv[1:]:
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError) as e:
+        print(f"| {path.rsplit('/', 1)[-1]} | unreadable: {e} |")
+        continue
+    b, e = d.get("bare", {}), d.get("engine", {})
+    ms = lambda r: f"{1e3 * r['mean_step_seconds']:.0f}" if r else "-"
+    pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"
+    sp = d.get("sp_check")
+    check = f"max {sp['max_abs_diff']:.3g} mean {sp['mean_abs_diff']:.3g} ok={sp['ok']}" if sp else "-"
+    print(f"| {path.rsplit('/', 1)[-1][len('engine_throughput_'):-5]} | {d.get('attention')} | {d.get('sequence_parallel')} "
+          f"| {ms(b)} | {pct(b.get('mfu'))} | {ms(e)} | {e.get('tokens_per_s_per_gpu', 0):,.0f} | {pct(e.get('mfu'))} "
+          f"| {pct(d.get('engine_over_bare'))} | {check} |")
+PY
