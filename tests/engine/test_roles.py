@@ -1,7 +1,7 @@
 """The critic, the reward model and the frozen reference on the same engine, at TP=2 (2 gloo ranks, one
 launch): value heads against transformers' Qwen2ForTokenClassification, a critic that learns values
-(explained variance on held-out returns), a reward model trained on preference pairs (Bradley-Terry),
-and offloading weights, grads and optimizer state."""
+(explained variance on held-out returns), a reward model trained on preference pairs (Bradley-Terry)
+under sequence parallelism, and offloading weights, grads and optimizer state."""
 
 import torch
 from transformers import Qwen2Config, Qwen2ForTokenClassification
@@ -88,9 +88,12 @@ def _roles_rank(rank, policy_dir):
     out["values_after_onload"] = critic.compute_values(held_out)["values"]
 
     # --- a reward model trained on preference pairs through the same engine -------------------------------
-    rm_cfg = RewardModelConfig(parallel=tp2, micro_batch_size=4, max_tokens_per_micro_batch=20,
+    # under sequence parallelism: the value head gathers the TP group's tokens first
+    rm_cfg = RewardModelConfig(parallel=ParallelConfig(world_size=2, tp=2, sequence_parallel=True),
+                               micro_batch_size=4, max_tokens_per_micro_batch=20,
                                optim=OptimConfig(lr=3e-3))
     rm = MegatronEngine(policy_dir, rm_cfg, AlgorithmConfig(), "cpu", 1, 100, head="value")
+    assert rm.gpt.config.sequence_parallel
     out["bt_metrics"] = [rm.train(preference_pairs(16, seed=step), loss="bradley_terry") for step in range(15)]
     pairs = preference_pairs(32, seed=99)
     out["pairs"] = pairs
