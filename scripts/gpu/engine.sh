@@ -1,37 +1,46 @@
 #!/usr/bin/env bash
 # GPU check of the Megatron engine (issue 3), after the bundle's install.sh; JSON and logs go to $OUT, a short
-# table is printed last. One H200: ~5 min; two: ~9 min.
+# table is printed last. PHASES (default "tests tp1 tp2 tp2sp"; tp2 and tp2sp need two GPUs):
 #   tests  - tests/engine/test_megatron_gpu.py: bf16 engine vs transformers; varlen flash attention vs masked
-#            SDPA on packed rows (log-probs, one SFT step)
+#            SDPA on packed rows (log-probs, one SFT step)                                            (~1.5 min)
 #   tp1    - benchmarks/engine_throughput.py (engine vs a bare megatron-core loop, ~1.4B Qwen2 shape, packed
 #            seq <= 2048, bf16) with attention=auto (varlen flash for packed rows), then the engine alone with
-#            attention=sdpa (masked SDPA: the previous kernel) for comparison
-#   tp2    - the same at TP=2 on two GPUs (when two are visible)
+#            attention=sdpa (masked SDPA: the previous kernel) for comparison                       (~3 min)
+#   tp2    - engine vs bare loop at TP=2 on two GPUs                                                  (~2 min)
 #   tp2sp  - TP=2 with sequence parallelism: engine and bare loop, and the engine's log-probs checked against
-#            an engine without SP holding the same weights (sp_check)
+#            an engine without SP holding the same weights (sp_check)                                 (~2 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+PHASES=${PHASES:-tests tp1 tp2 tp2sp}
 GPUS=$(nvidia-smi -L | wc -l)
 BENCH=benchmarks/engine_throughput.py
-timeout 300 python3 -m pytest -q -m gpu tests/engine/test_megatron_gpu.py > "$OUT/gpu_tests.log" 2>&1
-tail -3 "$OUT/gpu_tests.log"
-timeout 360 python3 $BENCH --out "$OUT/engine_throughput_tp1.json" > "$OUT/tp1.log" 2>&1; tail -4 "$OUT/tp1.log"
-timeout 240 python3 $BENCH --attention sdpa --skip-bare --out "$OUT/engine_throughput_tp1_masked_sdpa.json" \
-  > "$OUT/tp1_masked_sdpa.log" 2>&1; tail -2 "$OUT/tp1_masked_sdpa.log"
-ATTN=auto
-if [ ! -s "$OUT/engine_throughput_tp1.json" ]; then
-  echo "the TP=1 run with attention=auto failed (see tp1.log): the TP=2 runs use attention=sdpa"; ATTN=sdpa
+ATTN=${ATTN:-auto}
+phase() { [[ " $PHASES " == *" $1 "* ]]; }
+if phase tests; then
+  timeout 240 python3 -m pytest -q -m gpu tests/engine/test_megatron_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
 fi
-if [ "$GPUS" -ge 2 ]; then
-  timeout 360 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --out "$OUT/engine_throughput_tp2.json" \
+if phase tp1; then
+  timeout 240 python3 $BENCH --attention $ATTN --out "$OUT/engine_throughput_tp1.json" > "$OUT/tp1.log" 2>&1
+  tail -4 "$OUT/tp1.log"
+  if [ ! -s "$OUT/engine_throughput_tp1.json" ]; then
+    echo "the TP=1 run with attention=$ATTN failed (see tp1.log): the TP=2 runs use attention=sdpa"; ATTN=sdpa
+  fi
+  timeout 150 python3 $BENCH --attention sdpa --skip-bare --out "$OUT/engine_throughput_tp1_masked_sdpa.json" \
+    > "$OUT/tp1_masked_sdpa.log" 2>&1; tail -2 "$OUT/tp1_masked_sdpa.log"
+fi
+if [ "$GPUS" -ge 2 ] && phase tp2; then
+  timeout 200 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --out "$OUT/engine_throughput_tp2.json" \
     > "$OUT/tp2.log" 2>&1; tail -4 "$OUT/tp2.log"
-  timeout 360 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --sequence-parallel \
+fi
+if [ "$GPUS" -ge 2 ] && phase tp2sp; then
+  timeout 200 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --sequence-parallel \
     --out "$OUT/engine_throughput_tp2_sp.json" > "$OUT/tp2_sp.log" 2>&1; tail -5 "$OUT/tp2_sp.log"
 fi
-echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
+[ -s "$OUT/gpu_tests.log" ] && echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
 echo "== engine throughput on $GPUS x $(head -1 "$OUT/gpu.txt") (goals: engine/bare >= 90%, MFU >= 40%)"
 python3 - "$OUT"/engine_throughput_tp*.json <<'PY'
 import json, sys
