@@ -37,6 +37,8 @@ def test_inconsistent_layout_is_an_error():
         load_config(None, ["data.prompts_per_step=2", "rollout.n_samples=4", "actor.mini_batch_size=6"])
     with pytest.raises(ConfigError, match=r"rollout.engine='vllm': must be one of hf, sglang"):
         load_config(None, ["rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match=r"critic.parallel.cp=2: context parallelism needs TransformerEngine"):
+        load_config(None, ["critic.parallel.cp=2"])
 
 
 def test_missing_recipe_and_section_misuse():
