@@ -220,7 +220,8 @@ class MegatronEngine:
         """Per sequence [S, T]: log p(tokens[t] | tokens[<t]) (and the entropy of that distribution), 0 at
         t=0 and padding."""
         self._require_head("lm")
-        logprobs, entropy = vocab_parallel_logprobs(logits, next_tokens(mb["tokens"]), self.vocab_size, with_entropy)
+        logprobs, entropy = vocab_parallel_logprobs(logits, next_tokens(mb["tokens"]), self.vocab_size, with_entropy,
+                                                    entropy_grad=self.algorithm.entropy_coef != 0)
         return (align_to_tokens(unpack(logprobs, mb), mb),
                 None if entropy is None else align_to_tokens(unpack(entropy, mb), mb))
 
