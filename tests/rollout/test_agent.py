@@ -326,3 +326,59 @@ def test_over_sampling_counts_rejected_groups_and_puts_accepted_ones_first(tok):
     # A and C finish on the first call; A is turned down, C accepted: B (mid-conversation) is aborted
     assert rejected == 1 and [g[0].prompt_index for g in finished] == [2, 0]
     assert unfinished == [groups[1]] and all(t.turns and not t.finish_reason for t in groups[1])
+
+
+class RoutedEngine(ScriptedEngine):
+    """An engine with SGLang's extras: conversation ids per prompt (sticky routing) and abort()."""
+
+    def __init__(self, tok, script, seconds=0.0):
+        super().__init__(tok, script)
+        self.routed, self.aborts, self.seconds = [], 0, seconds
+
+    def generate(self, prompts, params, conversations=None):
+        self.routed.append(list(conversations))
+        time.sleep(self.seconds)
+        return super().generate(prompts, params)
+
+    def abort(self):
+        self.aborts += 1
+
+
+def test_conversation_ids_reach_the_engine(tok):
+    script = {"A:": ["a"], "B:": [call("calculator", expression="1+1"), call("calculator", expression="2"), "2"]}
+    engine = RoutedEngine(tok, script)
+    agent = AgentLoop(engine, tok, build_tools(["calculator"]), AgentConfig())
+    groups = [[Trajectory(i, ids(tok, p)) for _ in range(2)] for i, p in enumerate(script)]
+    try:
+        done, _, _ = agent.run_groups([[Trajectory(1, ids(tok, "B:"))]], SamplingParams())
+        (b,), = done
+        assert engine.routed == [[b.conversation]] * 3  # every turn of the conversation under its own id
+        engine.routed.clear()
+        agent.run_groups(groups, SamplingParams())
+    finally:
+        agent.close()
+    first = engine.routed[0]
+    assert sorted(first) == sorted(t.conversation for g in groups for t in g) and len(set(first)) == 4
+
+
+def test_an_abort_reaches_the_engine_call_in_flight_and_waits_for_it(tok):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megarl.rollout.agent import _GenerationBatcher
+
+    engine = RoutedEngine(tok, {"A:": ["a"]}, seconds=0.5)
+
+    async def scenario():
+        batcher = _GenerationBatcher(engine, SamplingParams(), ThreadPoolExecutor(1))
+        turn = asyncio.create_task(batcher.generate(ids(tok, "A:"), 8, "c1"))
+        await asyncio.sleep(0.1)
+        batcher.abort()  # the call is in flight: the engine is told
+        turn.cancel()
+        start = time.monotonic()
+        await batcher.settle()  # returns only once the engine's call has ended
+        waited = time.monotonic() - start
+        batcher.abort()  # nothing in flight: the engine is not told again
+        return waited
+
+    waited = asyncio.run(scenario())
+    assert engine.aborts == 1 and waited > 0.2
