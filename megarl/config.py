@@ -154,7 +154,12 @@ class RolloutConfig:
     eval_n_samples: int = opt(1, "responses per held-out prompt; val/reward is their mean (mean@k)")
     num_cpus: float = opt(1.0, "CPUs reserved for the rollout actor")
     sglang_mem_fraction: float = opt(0.4, "SGLang: GPU memory fraction for its weights and KV cache")
-    sglang_tp: int = opt(1, "SGLang: tensor-parallel size of each server (one server per group of GPUs)")
+    sglang_tp: int = opt(1, "SGLang: tensor-parallel size of each server (one server per group of GPUs); also the "
+                            "generation TP that rollout.weight_delivery=sharded cuts the policy into")
+    weight_delivery: str = opt("full", "weight sync through megarl.parallel.reshard: full (whole HF tensors per bucket "
+                                       "from one rank; the engine slices its own TP shard, as SGLang's "
+                                       "update_weights_from_tensor does) or sharded (each generation TP rank sends only "
+                                       "its rows, for engines that load pre-sharded tensors: the hf engine, not SGLang)")
     sglang_weight_format: str = opt("flattened_bucket", "SGLang: CUDA IPC weight payload per bucket: tensors (one "
                                     "handle per tensor), flattened_bucket (one flat buffer) or persistent (two "
                                     "reused flat buffers SGLang keeps mapped)")
@@ -239,6 +244,10 @@ class TrainerConfig:
     loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go")
     sync_bucket_mb: int = opt(64, "weight-sync bucket size in MiB")
     verify_weight_sync: bool = opt(True, "after each sync, check the rollout engine's weights equal Megatron's")
+    offload_between_phases: str = opt("auto", "colocated memory cycle: during rollouts the training engines park "
+                                              "weights, grads and optimizer state in host memory and the rollout "
+                                              "engine releases its memory during training; auto (on for sglang on "
+                                              "GPU), always (CPU too) or never")
     ray_address: str = opt("", "Ray cluster to join; empty = start a local one")
     placement: str = opt("pack", "how training ranks spread over Ray nodes: pack, spread or strict_spread "
                                  "(Ray placement-group strategies)")
@@ -289,10 +298,14 @@ class Config:
                    "actor.optim.decay_style": (self.actor.optim.decay_style, ("constant", "linear", "cosine")),
                    "rollout.engine": (self.rollout.engine, ("hf", "sglang")),
                    "rollout.sglang_weight_format": (self.rollout.sglang_weight_format,
-                                                    ("tensors", "flattened_bucket", "persistent"))}
+                                                    ("tensors", "flattened_bucket", "persistent")),
+                   "rollout.weight_delivery": (self.rollout.weight_delivery, ("full", "sharded")),
+                   "trainer.offload_between_phases": (self.trainer.offload_between_phases,
+                                                      ("auto", "always", "never"))}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+        self._validate_weight_delivery()
         a = self.algorithm
         if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:
             raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: must be > 1 for the dual_clip loss")
@@ -325,6 +338,22 @@ class Config:
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
         return self
+
+    def _validate_weight_delivery(self) -> None:
+        r, p = self.rollout, self.actor.parallel
+        if r.weight_delivery != "sharded":
+            return
+        if r.engine == "sglang":
+            raise ConfigError("rollout.weight_delivery=sharded: SGLang's update_weights_from_tensor takes full HF tensors "
+                              "and slices them itself; use rollout.weight_delivery=full with rollout.engine=sglang")
+        g = r.sglang_tp
+        if g < 1 or p.world_size % g or (p.tp % g and g % p.tp):
+            raise ConfigError(f"rollout.weight_delivery=sharded: rollout.sglang_tp={g} (the generation TP) must divide "
+                              f"actor.parallel.world_size={p.world_size} and divide or be a multiple of "
+                              f"actor.parallel.tp={p.tp}")
+        if p.vpp > 1 or p.ep > 1:
+            raise ConfigError("rollout.weight_delivery=sharded: the resharder models TP x PP x DP layouts; "
+                              "actor.parallel.vpp and actor.parallel.ep must be 1")
 
     def _validate_data_and_reward(self) -> None:
         r = self.reward

@@ -28,6 +28,7 @@ from megarl.rollout.batching import generations_to_batch
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker
 from megarl.workers import weight_sync
+from megarl.workers.colocation import Colocation, offload_enabled
 from megarl.workers.group import TrainGroup, start_rollout
 
 
@@ -80,6 +81,9 @@ class RLTrainer:
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
                              if cfg.reward_model.path else None)
         self.rollout = start_rollout(cfg, self.model_path, self.device)
+        # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
+        self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
+                                     self.rollout, offload_enabled(cfg, self.device))
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
@@ -114,7 +118,8 @@ class RLTrainer:
             self.warm_start()
         if self.cfg.algorithm.kl_coef > 0:
             self.actor.call("snapshot_reference")
-        self.sync_weights()
+        self.publish_policy()
+        self.timers.pop()  # the warm-started policy's sync is no step's
 
     def step(self) -> dict:
         """One RL step: the whole algorithm, stage by stage."""
@@ -125,6 +130,8 @@ class RLTrainer:
             batch, metrics = self.sample_batch()
             if cfg.rollout.dump_dir:
                 self.dump(batch, metrics, Path(cfg.rollout.dump_dir) / f"step_{self.version + 1:06d}.pt")
+        with self.timers("onload"):
+            metrics |= self.colocation.to_training()  # the rollout engine releases its memory, Megatron's is back
         if self.reward_model is not None:  # the model's score replaces the rule reward, which is logged
             with self.timers("reward_model"):
                 metrics["train/rule_reward"] = batch["rewards"].mean().item()
@@ -154,8 +161,7 @@ class RLTrainer:
             metrics |= {f"train/{k}": v for k, v in self.actor.train(batch).items()}
         metrics |= self.update_kl_coef(batch, metrics)
         self.version += 1
-        with self.timers("sync"):
-            metrics |= self.sync_weights()
+        metrics |= self.publish_policy()
         return metrics | self.batch_metrics(batch, time.perf_counter() - start) | self.timers.pop()
 
     # ---- checkpoints (megarl.engine.checkpoint) -----------------------------------------------------
@@ -199,7 +205,8 @@ class RLTrainer:
             self.actor.call("set_kl_coef", self.kl_ctl.value)
         self.history = {name: {int(step): v for step, v in by_step.items()}  # JSON keys are strings
                         for name, by_step in state["history"].items()}
-        self.sync_weights()
+        self.publish_policy()
+        self.timers.pop()  # the resumed policy's sync is no step's
         print(f"resumed from {path} after step {state['step']}", flush=True)
         return state["step"]
 
@@ -326,16 +333,28 @@ class RLTrainer:
         batch.meta["reward_failures"] = failed
         return batch
 
+    def publish_policy(self) -> dict:
+        """Training done: the policy into the rollout engine, verified; then, colocated, the training engines
+        step aside for the rollout phase (workers/colocation.py)."""
+        metrics = self.colocation.memory("trained")
+        with self.timers("sync"):  # a released rollout engine takes its weights memory back first
+            metrics |= self.sync_weights() | self.colocation.memory("synced")
+        with self.timers("offload"):
+            return metrics | self.colocation.to_rollout()
+
     def sync_weights(self) -> dict:
-        """Stream the trained policy into the rollout engine; verify it arrived bit for bit."""
-        report = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20)[0]
+        """Stream the trained policy through the resharder into the rollout engine (whole HF tensors, or each
+        generation TP rank's rows: rollout.weight_delivery); verify it arrived bit for bit."""
+        reports = [r for r in self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20)
+                   if r is not None]
         if self.cfg.trainer.verify_weight_sync:
-            self.verify_rollout_weights(report["sent"])
-        return {"sync/bytes": report["bytes"], "sync/gb_per_s": report["bytes"] / max(report["seconds"], 1e-9) / 1e9}
+            self.verify_rollout_weights({key: d for r in reports for key, d in r["sent"].items()})
+        nbytes, seconds = sum(r["bytes"] for r in reports), max(r["seconds"] for r in reports)
+        return {"sync/bytes": nbytes, "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
 
     def verify_rollout_weights(self, sent: dict) -> None:
-        """The rollout engine digests the weights it holds; any difference from what was sent raises."""
-        dtypes = {n: dtype for n, (dtype, _) in sent.items()}
+        """The rollout engine digests the weights (or TP shards) it holds; any difference from what was sent raises."""
+        dtypes = {key: dtype for key, (dtype, _) in sent.items()}
         weight_sync.verify(sent, ray.get(self.rollout.weight_digests.remote(dtypes)))
 
     def validate(self) -> dict:

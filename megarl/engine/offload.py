@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 
-def _distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+def distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
     seen, storages = set(), []
     for t in tensors:
         storage = t.untyped_storage()
@@ -31,7 +31,10 @@ class HostCopies:
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
         self.saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
-        for storage in _distinct_storages(tensors):
+        for storage in distinct_storages(tensors):
+            if not storage.resizable():  # e.g. a numpy view of it was taken, or it was moved to shared memory
+                raise RuntimeError(f"cannot offload a storage of {storage.nbytes()} bytes that is not resizable "
+                                   "(a numpy view or shared memory): copy engine tensors before numpy() or sharing")
             pinned = storage.device.type == "cuda"  # pinned host memory makes the copies asynchronous
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
             host.untyped_storage().copy_(storage, non_blocking=pinned)
@@ -58,7 +61,7 @@ class HostCopies:
 
 def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes currently allocated behind the tensors (each storage counted once)."""
-    return sum(s.nbytes() for s in _distinct_storages(tensors))
+    return sum(s.nbytes() for s in distinct_storages(tensors))
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:

@@ -50,3 +50,10 @@ class RolloutEngine(abc.ABC):
 
     def resume_memory(self) -> None:
         """Take back what release_memory freed; weights must be pushed again afterwards."""
+
+    def resume_kv_cache(self) -> None:
+        """Take back the KV cache before a rollout phase (engines that release it between rollouts)."""
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of weights the engine holds in memory now; None where only the device can tell (SGLang)."""
+        return None

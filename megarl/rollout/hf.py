@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 
+from megarl.engine import offload
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 
 
@@ -21,14 +22,22 @@ class HFRolloutEngine(RolloutEngine):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
+        self.model_path = model_path
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        with torch.no_grad():  # storages of our own: the loader's may map the file, which release_memory cannot free
+            for p in self.model.parameters():  # (a tied lm_head is the same Parameter: it stays tied)
+                p.data = p.data.clone()
         self.tied = bool(self.model.config.tie_word_embeddings)
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos_ids[0]
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_memory
+        self._specs = None  # HF tensor specs, for sharded weight delivery
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.released:
+            raise RuntimeError("the rollout engine's weights were released and not pushed again; sync before generating")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if params.max_new_tokens < 1 or params.n < 1:
@@ -85,14 +94,62 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._resume_weights()
         state = self.model.state_dict()  # shares storage with the parameters; a tied lm_head is the embedding
         for name, tensor in named_tensors:
-            if name not in state:
-                raise KeyError(f"update_weights: the model has no weight named '{name}'")
-            if tuple(tensor.shape) != tuple(state[name].shape):
-                raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(state[name].shape)}")
-            state[name].copy_(tensor)
+            self._copy_into(state, name, tensor, None)
+
+    @torch.no_grad()
+    def update_weight_shards(self, named_shards: Iterable[tuple[str, torch.Tensor]], gen_rank: int,
+                             gen_tp: int) -> None:
+        """Sharded delivery (megarl.parallel.reshard): the rows of each HF tensor that generation TP rank
+        `gen_rank` of `gen_tp` holds, written where they belong (a CPU stand-in for an engine that loads
+        pre-sharded tensors: a wrong row from the resharder lands in the wrong place and fails verification)."""
+        from megarl.engine.weights import read_hf_config
+        from megarl.parallel.inventory import hf_inventory
+
+        if self._specs is None:
+            self._specs = {s.name: s for s in hf_inventory(read_hf_config(self.model_path))}
+        self._resume_weights()
+        state = self.model.state_dict()
+        for name, shard in named_shards:
+            spec = self._specs.get(name)
+            rows = None if spec is None or spec.dim is None else (spec.dim, *spec.rows(gen_tp, gen_rank))
+            self._copy_into(state, name, shard, rows)
+
+    @staticmethod
+    def _copy_into(state: dict, name: str, tensor: torch.Tensor, rows: tuple[int, int, int] | None) -> None:
+        if name not in state:
+            raise KeyError(f"update_weights: the model has no weight named '{name}'")
+        target = state[name] if rows is None else state[name].narrow(rows[0], rows[1], rows[2] - rows[1])
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"update_weights: '{name}'{'' if rows is None else f' rows {rows[1:]}'} has shape "
+                             f"{tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def release_memory(self) -> None:
+        """Free the weights' storage, as a colocated SGLang does between rollouts: the values are gone."""
+        if not self.released:
+            self.released = [(s, s.nbytes()) for s in offload.distinct_storages(self.model.parameters())]
+            for storage, _ in self.released:
+                storage.resize_(0)
+
+    def resume_memory(self) -> None:
+        """Storage back, filled with NaN: weights must be pushed before generating (a missed tensor shows)."""
+        self._resume_weights()
+
+    def _resume_weights(self) -> None:
+        if not self.released:
+            return
+        for storage, nbytes in self.released:
+            storage.resize_(nbytes)
+        self.released = []
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(float("nan"))
+
+    def resident_bytes(self) -> int:
+        return offload.resident_bytes(self.model.parameters())
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in self.model.state_dict().items()

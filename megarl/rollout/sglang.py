@@ -371,6 +371,10 @@ class SGLangRolloutEngine(RolloutEngine):
                 server.post("/resume_memory_occupation", {"tags": ["weights"]})
                 state.weights_released = False
 
+    def resume_kv_cache(self) -> None:
+        """The KV cache back (and the prefix cache flushed after new weights) ahead of a rollout phase."""
+        self._prepare_for_generation()
+
     def shutdown(self) -> None:
         for server in self.servers:
             server.shutdown()

@@ -67,5 +67,21 @@ class RolloutWorker:
     def update_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(bucket)
 
-    def weight_digests(self, dtypes: dict[str, torch.dtype]) -> dict[str, str]:
+    def update_weight_shards(self, bucket: list[tuple[str, torch.Tensor]], gen_rank: int, gen_tp: int) -> None:
+        if not hasattr(self.engine, "update_weight_shards"):
+            raise NotImplementedError(f"{type(self.engine).__name__} takes full HF tensors only "
+                                      "(rollout.weight_delivery=full)")
+        self.engine.update_weight_shards(bucket, gen_rank, gen_tp)
+
+    def weight_digests(self, dtypes: dict) -> dict:
         return weight_sync.digests_of(self.engine.named_weights(), dtypes)
+
+    # colocated phases (megarl.workers.colocation)
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_kv_cache(self) -> None:
+        self.engine.resume_kv_cache()
+
+    def resident_bytes(self) -> int | None:
+        return self.engine.resident_bytes()

@@ -49,8 +49,24 @@ class TrainWorker:
                       self.cfg.trainer.seed, ep=p.ep)
         self.engine = MegatronEngine(self.model_path, section, self.cfg.algorithm, self.device,
                                      self.cfg.trainer.seed, total_steps, head=head, trainable=trainable)
+        self.resharder = self._resharder() if self.role == "actor" else None
         return {"rank": self.rank, "dp_rank": mpu.get_data_parallel_rank(), "pid": os.getpid(),
                 "node": ray.util.get_node_ip_address()}
+
+    def _resharder(self):
+        """The policy's weight sync (megarl.parallel.reshard) for the TP x PP x DP layouts it models; with
+        virtual pipeline stages or expert parallelism the sync falls back to export_hf_weights."""
+        from megarl.parallel.inventory import hf_inventory
+        from megarl.parallel.reshard import Resharder, TrainLayout, held_rows
+        from megatron.core import parallel_state as mpu
+
+        p = self.cfg.actor.parallel
+        if p.vpp > 1 or p.ep > 1:
+            return None
+        specs = hf_inventory(self.engine.hf_config)
+        train = TrainLayout(p.tp, p.pp, mpu.get_data_parallel_world_size(), self.engine.hf_config["num_hidden_layers"])
+        return Resharder(specs, train, held_rows(self.engine.gpt, self.engine.weight_maps, specs, train, self.rank),
+                         self.rank)
 
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
         return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference)
@@ -87,15 +103,39 @@ class TrainWorker:
         return self.engine.load_checkpoint(directory)
 
     def push_weights(self, rollout, bucket_bytes: int) -> dict | None:
-        """Every rank takes part in gathering; rank 0 streams the buckets into the rollout actor."""
-        buckets = self.engine.export_hf_weights(bucket_bytes)
-        if self.rank != 0:
+        """Every rank takes part in resharding. Full delivery: rank 0 streams whole HF tensors into the
+        rollout actor. Sharded: each rank of the first generation TP group streams its own rows
+        (rollout.sglang_tp of them). Returns what this rank sent (None if nothing)."""
+        delivery = self.cfg.rollout.weight_delivery
+        gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
+        if self.resharder is None:
+            buckets = self.engine.export_hf_weights(bucket_bytes)
+        else:
+            buckets = self.resharder.buckets(gen_tp, delivery, bucket_bytes, self.engine.params_dtype)
+        if self.rank >= gen_tp:  # not a sender: take part in the collectives only
             for _ in buckets:
                 pass
             return None
-        report = weight_sync.push_buckets(buckets, lambda b: ray.get(rollout.update_weights.remote(b)))
-        report["sent"] = {n: (dtype, digest) for n, (dtype, digest) in report["sent"].items()}
-        return report
+        if delivery == "full":
+            return weight_sync.push_buckets(buckets, lambda b: ray.get(rollout.update_weights.remote(b)))
+        specs = {s.name: s for s in self.resharder.specs}
+
+        def key(name: str):
+            spec = specs[name]
+            lo, hi = spec.rows(gen_tp, self.rank)
+            return name if spec.dim is None or (lo, hi) == (0, spec.length) else (name, spec.dim, lo, hi)
+
+        return weight_sync.push_buckets(
+            buckets, lambda b: ray.get(rollout.update_weight_shards.remote(b, self.rank, gen_tp)), key)
+
+    def memory(self) -> dict[str, int]:
+        """This rank's engine state on its device, and on GPU the allocator's and the whole device's use."""
+        out = {"resident": self.engine.resident_bytes()}
+        if self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            out |= {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                    "device_used": total - free}
+        return out
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy by HF name (every rank gathers; for tests and checks)."""

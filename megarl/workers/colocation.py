@@ -1,0 +1,65 @@
+"""Training and rollouts on the same devices, one phase holding the memory at a time.
+
+The colocated cycle of one RL step (trainer.offload_between_phases), as RLTrainer drives it:
+  training done -> the rollout engine takes its weights memory back and the policy is synced into it
+  (RLTrainer.sync_weights) -> to_rollout(): every training engine (the policy with its KL reference,
+  the critic, the reward model) moves weights, grads and optimizer state to host memory
+  (MegatronEngine.offload), and the rollout engine resumes its KV cache -> rollouts -> to_training():
+  the rollout engine releases all its memory (weights too: it keeps no copy, the next sync refills
+  them) and the training engines come back bit for bit (MegatronEngine.onload).
+A checkpoint written during the rollout phase onloads the engines for its duration (engine/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from megarl.config import Config
+
+
+def offload_enabled(cfg: Config, device: str) -> bool:
+    """auto: on where training and SGLang share GPUs (SGLang runs colocated); always/never as said."""
+    mode = cfg.trainer.offload_between_phases
+    if mode == "auto":
+        return cfg.rollout.engine == "sglang" and device == "cuda"
+    return mode == "always"
+
+
+class Colocation:
+    def __init__(self, groups: list, rollout, enabled: bool):
+        """groups: the TrainGroups (policy, critic, reward model); rollout: the RolloutWorker actor."""
+        self.groups, self.rollout, self.enabled = groups, rollout, enabled
+        self.phase = "training"
+
+    def to_rollout(self) -> dict:
+        """Training engines to host memory, the rollout engine's KV cache back; memory metrics."""
+        if not self.enabled or self.phase == "rollout":
+            return {}
+        moved = sum(sum(group.call("offload")) for group in self.groups)
+        metrics = self.memory("offloaded")
+        ray.get(self.rollout.resume_kv_cache.remote())
+        self.phase = "rollout"
+        return metrics | self.memory("kv_cache") | {"memory/offloaded_gb": moved / 1e9}
+
+    def to_training(self) -> dict:
+        """The rollout engine releases its memory, the training engines come back; memory metrics."""
+        if not self.enabled or self.phase == "training":
+            return {}
+        ray.get(self.rollout.release_memory.remote())
+        metrics = self.memory("released")
+        for group in self.groups:
+            group.call("onload")
+        self.phase = "training"
+        return metrics | self.memory("onloaded")
+
+    def memory(self, label: str) -> dict:
+        """GB held now: the policy's engine state on its first rank, the rollout engine's weights where it
+        can tell, and on GPU that rank's allocator and the whole device (SGLang's share is the rest)."""
+        if not self.enabled:
+            return {}
+        train = ray.get(self.groups[0].workers[0].memory.remote())
+        rollout = ray.get(self.rollout.resident_bytes.remote())
+        out = {f"memory/{label}/train_{k}_gb": v / 1e9 for k, v in train.items()}
+        if rollout is not None:
+            out[f"memory/{label}/rollout_resident_gb"] = rollout / 1e9
+        return out
