@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# GPU run of issue 4 on one GPU (one H200: ~7 min), after the bundle's install.sh (../shared/device/README.md):
-#   grpo  - GRPO end to end, colocated: the policy in megatron-core, rollouts from a real SGLang server
-#           on the same GPU (KV cache released between rollouts), weights pushed by CUDA IPC after each
-#           step and verified inside SGLang (weights checker: received vs its own loader's reading of the
-#           exported file); a 0.28B random-init Qwen2-shape model (char tokenizer) after a short SFT;
-#           the mean |SGLang log-prob - Megatron log-prob| on the same tokens, per step.
+# GPU run of issue 4 on one GPU (one H200: ~8 min for both phases; grpo alone ~5 min), after the bundle's
+# install.sh (../shared/device/README.md):
+#   grpo  - GRPO end to end, colocated, with the offload cycle (trainer.offload_between_phases=always):
+#           train -> SGLang resumes its weights memory -> weights pushed by CUDA IPC and verified inside
+#           SGLang (weights checker: received vs its own loader's reading of the exported file) -> Megatron
+#           offloads weights, grads and optimizer state -> SGLang resumes its KV cache -> rollout -> SGLang
+#           releases its memory -> Megatron reloads. A ~0.5B Qwen2 shape (hidden 896, 24 layers, 14 heads,
+#           2 KV heads, FFN 4864; the char tokenizer's tiny vocabulary leaves ~0.36B parameters) after a
+#           short SFT; per step the mean |SGLang log-prob - Megatron log-prob| on the same tokens and the
+#           memory at each phase (the train rank's allocator, the whole device; SGLang's share is the rest),
+#           plus nvidia-smi sampled every 0.5 s ($OUT/gpu_memory.csv, per process in gpu_processes.csv).
+#           Fails if Megatron's memory does not leave the GPU during rollouts or SGLang's does not during training.
 #   sync  - benchmarks/weight_sync.py: sync time split and GB/s for 0.5B / 1.5B / 7B dummy models, TP=1.
 # PHASES="grpo sync" by default; logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
@@ -18,26 +24,64 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 status=0
 if [[ " $PHASES " == *" grpo "* ]]; then
   rm -rf "$RUN"
-  timeout 420 python3 -m megarl.train --config configs/quickstart.yaml trainer.device=cuda \
+  nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 500 > "$OUT/gpu_memory.csv" 2>/dev/null &
+  smi=$!
+  ( while sleep 0.5; do nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv,noheader \
+      2>/dev/null; done > "$OUT/gpu_processes.csv" ) &
+  apps=$!
+  timeout 480 python3 -m megarl.train --config configs/quickstart.yaml trainer.device=cuda \
     actor.parallel.world_size=1 actor.parallel.tp=1 rollout.engine=sglang rollout.sglang_mem_fraction=0.35 \
+    trainer.offload_between_phases=always rollout.weight_delivery=full \
     model.tiny_hidden_size=896 model.tiny_num_layers=24 model.tiny_num_heads=14 model.tiny_num_kv_heads=2 \
+    model.tiny_intermediate_size=4864 \
     actor.optim.lr=2e-5 sft.lr=2e-4 sft.steps=40 trainer.steps=6 trainer.eval_every=3 \
     actor.micro_batch_size=32 trainer.cpus_per_rank=1 trainer.output_dir=$RUN "$@" > "$OUT/grpo.log" 2>&1
   status=$?
+  kill "$smi" "$apps" 2>/dev/null
   tail -n 25 "$OUT/grpo.log"
   cp "$RUN/metrics.jsonl" "$OUT/grpo_metrics.jsonl" 2>/dev/null
   ls "$RUN"/sglang_*.log >/dev/null 2>&1 && tail -n 40 "$RUN"/sglang_*.log > "$OUT/grpo_sglang_server.log"
   python3 - "$OUT/grpo_metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if len(sys.argv) > 1 else []
-print("| step | train/reward | val/reward | rollout/logprob_abs_diff | timing/sync s | timing/generate s |")
-print("| --- | --- | --- | --- | --- | --- |")
+f = lambda r, k: f"{r[k]:.4g}" if k in r else ""
+print("| step | train/reward | val/reward | rollout/logprob_abs_diff | timing/sync s | timing/generate s "
+      "| timing/offload s | timing/onload s |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for r in rows:
     if "train/reward" in r or "val/reward" in r:
-        f = lambda k: f"{r[k]:.4g}" if k in r else ""
-        print(f"| {r.get('step', '')} | {f('train/reward')} | {f('val/reward')} | {f('rollout/logprob_abs_diff')} "
-              f"| {f('timing/sync')} | {f('timing/generate')} |")
+        print(f"| {r.get('step', '')} | {f(r, 'train/reward')} | {f(r, 'val/reward')} | "
+              f"{f(r, 'rollout/logprob_abs_diff')} | {f(r, 'timing/sync')} | {f(r, 'timing/generate')} | "
+              f"{f(r, 'timing/offload')} | {f(r, 'timing/onload')} |")
+# memory per phase, in cycle order: train rank allocated / reserved, whole device, the rest (SGLang + contexts)
+phases = ["trained", "synced", "offloaded", "kv_cache", "released", "onloaded"]
+print("\n| step | phase | megatron allocated GB | megatron reserved GB | device used GB | rest (SGLang) GB |")
+print("| --- | --- | --- | --- | --- | --- |")
+bad = []
+for r in rows:
+    if "memory/offloaded_gb" not in r:
+        continue
+    for p in phases:
+        k = f"memory/{p}/train_"
+        if k + "device_used_gb" in r:
+            rest = r[k + "device_used_gb"] - r[k + "reserved_gb"]
+            print(f"| {r['step']} | {p} | {r[k + 'allocated_gb']:.2f} | {r[k + 'reserved_gb']:.2f} | "
+                  f"{r[k + 'device_used_gb']:.2f} | {rest:.2f} |")
+    m = lambda p, x: r.get(f"memory/{p}/train_{x}_gb", float("nan"))
+    if not m("offloaded", "allocated") < 0.25 * m("trained", "allocated"):
+        bad.append(f"step {r['step']}: Megatron kept {m('offloaded', 'allocated'):.2f} of "
+                   f"{m('trained', 'allocated'):.2f} GB during the rollout")
+    rest = lambda p: m(p, "device_used") - m(p, "reserved")
+    if not rest("released") < rest("kv_cache") - 1.0:
+        bad.append(f"step {r['step']}: SGLang's memory did not go down after the rollout "
+                   f"({rest('kv_cache'):.2f} -> {rest('released'):.2f} GB)")
+if not any("memory/offloaded_gb" in r for r in rows):
+    bad.append("no memory metrics: the offload cycle did not run")
+print("\n".join(f"MEMORY CHECK FAILED: {b}" for b in bad) or "memory checks passed: Megatron's memory leaves the GPU "
+      "during rollouts, SGLang's during training")
+sys.exit(1 if bad else 0)
 PY
+  status=$(( status | $? ))
 fi
 if [[ " $PHASES " == *" sync "* ]]; then
   # MEGARL_COMMIT: the device copy has no .git; pass the commit in to stamp the JSON
