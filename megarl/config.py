@@ -42,6 +42,7 @@ class ModelConfig:
     tiny_num_heads: int = opt(4, "attention heads of the built-in tiny model")
     tiny_num_kv_heads: int = opt(2, "key/value heads of the built-in tiny model (GQA)")
     tiny_tie_embeddings: bool = opt(True, "tie input and output embeddings of the built-in tiny model")
+    tiny_intermediate_size: int = opt(0, "MLP (FFN) width of the built-in tiny model; 0 = the builder's default")
 
 
 @dataclass

@@ -51,6 +51,7 @@ def prepare_model(cfg: Config) -> str:
     return str(build_tiny_model(Path(cfg.trainer.output_dir) / "tiny_model", hidden_size=m.tiny_hidden_size,
                                 num_layers=m.tiny_num_layers, num_heads=m.tiny_num_heads,
                                 num_kv_heads=m.tiny_num_kv_heads, tie_embeddings=m.tiny_tie_embeddings,
+                                intermediate_size=m.tiny_intermediate_size or None,
                                 seed=cfg.trainer.seed))
 
 

@@ -359,9 +359,13 @@ class SGLangRolloutEngine(RolloutEngine):
     # ---- memory -----------------------------------------------------------------------------------
 
     def release_memory(self) -> None:
+        """Weights and KV cache memory back to the trainer (only what is still held: a KV cache released after
+        the last rollout is not released twice)."""
         with self.lock:
             for server, state in zip(self.servers, self.state):
-                server.post("/release_memory_occupation", {})
+                if not state.weights_released:
+                    tags = ["weights"] if state.kv_released else ["weights", "kv_cache", "cuda_graph"]
+                    server.post("/release_memory_occupation", {"tags": tags})
                 state.kv_released = state.weights_released = True
 
     def resume_memory(self) -> None:
@@ -373,7 +377,8 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def resume_kv_cache(self) -> None:
         """The KV cache back (and the prefix cache flushed after new weights) ahead of a rollout phase."""
-        self._prepare_for_generation()
+        for index in range(len(self.servers)):
+            self._prepare(index)
 
     def shutdown(self) -> None:
         for server in self.servers:
