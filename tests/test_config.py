@@ -61,3 +61,14 @@ def test_recipes_in_configs_validate():
     assert recipes, "no recipes found"
     for recipe in recipes:
         load_config(recipe)
+
+
+def test_weight_delivery_and_offload_options_are_checked():
+    with pytest.raises(ConfigError, match=r"rollout.weight_delivery=sharded: SGLang's update_weights_from_tensor takes full"):
+        load_config(None, ["rollout.engine=sglang", "rollout.weight_delivery=sharded"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang_tp=3 \(the generation TP\) must divide actor.parallel.world_size=2"):
+        load_config(None, ["actor.parallel.world_size=2", "rollout.weight_delivery=sharded", "rollout.sglang_tp=3"])
+    with pytest.raises(ConfigError, match=r"trainer.offload_between_phases='sometimes': must be one of auto, always, never"):
+        load_config(None, ["trainer.offload_between_phases=sometimes"])
+    assert load_config(None, ["actor.parallel.world_size=2", "actor.parallel.tp=2", "rollout.weight_delivery=sharded",
+                              "rollout.sglang_tp=2"]).rollout.weight_delivery == "sharded"
