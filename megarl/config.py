@@ -151,6 +151,8 @@ class RolloutConfig:
     max_new_tokens: int = opt(16, "response length limit")
     temperature: float = opt(1.0, "sampling temperature for training rollouts")
     top_p: float = opt(1.0, "nucleus sampling for training rollouts")
+    ignore_eos: bool = opt(False, "generate max_new_tokens for every response, past the tokenizer's EOS (benchmarks "
+                                  "with fixed lengths); stop_token_ids still stop")
     eval_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
     eval_n_samples: int = opt(1, "responses per held-out prompt; val/reward is their mean (mean@k)")
     num_cpus: float = opt(1.0, "CPUs reserved for the rollout actor")

@@ -310,12 +310,13 @@ class RLTrainer:
 
     def sampling_params(self, evaluation: bool = False, greedy: bool = False) -> SamplingParams:
         r = self.cfg.rollout
+        lengths = {"max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
         if greedy:  # ReMax's baseline
-            return SamplingParams(max_new_tokens=r.max_new_tokens, n=1, temperature=0.0)
+            return SamplingParams(**lengths, n=1, temperature=0.0)
         if evaluation:  # the same random draws at every evaluation: differences come from the policy
-            return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.eval_n_samples, temperature=r.eval_temperature,
+            return SamplingParams(**lengths, n=r.eval_n_samples, temperature=r.eval_temperature,
                                   seed=self.cfg.trainer.seed)
-        return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.n_samples, temperature=r.temperature, top_p=r.top_p)
+        return SamplingParams(**lengths, n=r.n_samples, temperature=r.temperature, top_p=r.top_p)
 
     def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False) -> Batch:
         params = self.sampling_params(evaluation, greedy)

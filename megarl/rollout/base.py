@@ -20,7 +20,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     n: int = 1  # samples per prompt
-    stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's EOS is always a stop
+    stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's EOS is a stop too, unless ignore_eos
+    ignore_eos: bool = False  # fixed-length responses (benchmarks): EOS is sampled like any token
     seed: int | None = None
 
 

@@ -46,7 +46,8 @@ class HFRolloutEngine(RolloutEngine):
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
-        stop = torch.tensor(sorted(set(self.eos_ids) | set(params.stop_token_ids)), device=self.device)
+        eos = set() if params.ignore_eos else set(self.eos_ids)
+        stop = torch.tensor(sorted(eos | set(params.stop_token_ids)), dtype=torch.long, device=self.device)
 
         tokens, mask = self._left_pad(rows)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -257,7 +257,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if conversations is not None and len(conversations) != len(prompts):
             raise ValueError(f"{len(conversations)} conversation ids for {len(prompts)} prompts")
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                    "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids), **self.sampling_overrides}
+                    "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids),
+                    "ignore_eos": params.ignore_eos, **self.sampling_overrides}
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
         groups: dict[int, list[int]] = {}  # server -> prompt indices

@@ -82,6 +82,16 @@ def test_stops_at_eos(engine, prompts):
             assert len(g.token_ids) == 32 and eos not in g.token_ids
 
 
+def test_ignore_eos_runs_every_row_to_max_new_tokens(engine, prompts):
+    eos = engine.eos_ids[0]
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, n=8, seed=0)
+    stopping = engine.generate(prompts, params)
+    fixed = engine.generate(prompts, SamplingParams(**vars(params) | {"ignore_eos": True}))
+    assert any(g.finish_reason == "stop" for g in stopping)  # the same draws stop early without ignore_eos
+    assert all(len(g.token_ids) == 32 and g.finish_reason == "length" for g in fixed)
+    assert any(eos in g.token_ids for g in fixed)  # EOS was sampled and generation went on past it
+
+
 def test_custom_stop_token_ends_generation(model_dir, prompts):
     engine = HFRolloutEngine(model_dir, seed=0)
     free = engine.generate(prompts[:1], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
