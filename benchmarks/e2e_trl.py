@@ -50,8 +50,10 @@ def main(argv=None) -> int:
 
 
 def run(args, report: dict, save) -> None:
+    import pyarrow
     import torch
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -105,7 +107,9 @@ def run(args, report: dict, save) -> None:
             save()
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
+    # A fingerprint given, not hashed from the Arrow table: datasets' dill hashing of a table fails on Python 3.12.1
+    # with pyarrow 25/26 ("Can't pickle <class 'MonthDayNano'>"), and the GPU machine's Python is a 3.12.
+    dataset = Dataset(InMemoryTable(pyarrow.table({"prompt": [r["prompt"] for r in rows]})), fingerprint="e2e-prompts")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-e2e-"), max_steps=args.warmup + args.steps,

@@ -285,7 +285,9 @@ def table(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out-dir", required=True, help="results JSON, logs and the model go here")
+    p.add_argument("--out-dir", required=True, help="results JSON and logs go here")
+    p.add_argument("--work-dir", default="", help="the model, prompt files and run directories (default: "
+                                                  "OUT/work; keep it outside a directory that is copied back)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model and lengths, megarl with the HF engine")
     p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
     p.add_argument("--runs", default="trl,megarl", help="which sides, comma-separated: trl, megarl")
@@ -302,8 +304,8 @@ def parse_args(argv=None):
     p.add_argument("--val-size", type=int, default=8, help="megarl's held-out prompts (scored before and after)")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.35)
     p.add_argument("--budget-s", type=float, default=510, help="deadline for everything, from the start")
-    p.add_argument("--trl-cap-s", type=float, default=200, help="most seconds TRL may take")
-    p.add_argument("--megarl-cap-s", type=float, default=200, help="most seconds a megarl run may take, "
+    p.add_argument("--trl-cap-s", type=float, default=170, help="most seconds TRL may take")
+    p.add_argument("--megarl-cap-s", type=float, default=230, help="most seconds a megarl run may take, "
                                                                     "but the last one gets what is left")
     args = p.parse_args(argv)
     if args.smoke:
@@ -326,7 +328,7 @@ def main(argv=None) -> int:
     import torch
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    work = out / "work"
+    work = Path(args.work_dir).resolve() if args.work_dir else out / "work"
     model_dir = work / "model"
     t0 = time.monotonic()
     shape = model_shape(args.model, args.smoke)
@@ -381,6 +383,8 @@ def main(argv=None) -> int:
         save()
         print(f"   {record['status']} in {record['wall_s']} s: step s {record.get('step_s')}, "
               f"tokens/s {record.get('tokens_per_s')}", flush=True)
+        if record["status"] != "ok":  # the end of its log, where the reason is
+            print("   | " + "\n   | ".join((out / record["log"]).read_text(errors="replace").splitlines()[-15:]))
     trl = report["runs"].get("trl", {}).get("tokens_per_s")
     report["speedup_vs_trl"] = {n: round(r["tokens_per_s"] / trl, 2) for n, r in report["runs"].items()
                                 if n != "trl" and trl and r.get("tokens_per_s")}
