@@ -307,11 +307,11 @@ def parse_args(argv=None):
     p.add_argument("--trl-cap-s", type=float, default=170, help="most seconds TRL may take")
     p.add_argument("--megarl-cap-s", type=float, default=230, help="most seconds a megarl run may take, "
                                                                     "but the last one gets what is left")
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):  # tiny sizes, unless given explicitly
+        p.set_defaults(prompt_len=8, completion_len=8, n_samples=4, micro_batch=4, trl_completions=8,
+                       megarl_completions="8,16", trl_warmup=1, trl_steps=1, megarl_warmup=1, megarl_steps=1,
+                       val_size=2)
     args = p.parse_args(argv)
-    if args.smoke:
-        args.prompt_len, args.completion_len, args.n_samples, args.micro_batch = 8, 8, 4, 4
-        args.trl_completions, args.megarl_completions = 8, "8,16"
-        args.trl_warmup, args.trl_steps, args.megarl_warmup, args.megarl_steps, args.val_size = 1, 1, 1, 1, 2
     args.megarl_completions = [int(c) for c in str(args.megarl_completions).split(",") if c]
     for c in [args.trl_completions, *args.megarl_completions]:
         if c % args.n_samples or c % args.micro_batch:
