@@ -229,8 +229,8 @@ def summarize(steps: list[dict], warmup: int, completions: int, prompt_len: int)
 
 
 MEGARL_PHASES = {  # timing/<name> of megarl's trainer -> phase; the rest of timing/step is 'other'
-    "generate": "generation", "reward": "reward", "old_logprobs": "log-probs", "train": "update",
-    "sync": "weight sync"}
+    "generate": "generation", "reward": "reward", "onload": "memory to training", "old_logprobs": "log-probs",
+    "train": "update", "sync": "weight sync", "offload": "memory to rollout"}
 
 
 def megarl_steps(metrics_file: Path) -> list[dict]:

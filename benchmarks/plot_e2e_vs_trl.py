@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-STEP_ORDER = ["generation", "reward", "log-probs", "update", "weight sync"]  # as a step runs them
+STEP_ORDER = ["generation", "reward", "memory to training", "log-probs", "update", "weight sync",
+              "memory to rollout"]  # as a step runs them
 
 
 def main(argv=None) -> int:

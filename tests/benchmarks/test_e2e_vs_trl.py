@@ -50,11 +50,12 @@ def test_steps_and_tokens_per_second_from_a_metrics_file(tmp_path):
     rows = [{"step": 0, "val/reward": 0.1}]
     for step, seconds in ((1, 9.0), (2, 2.0), (3, 4.0)):
         rows.append({"step": step, "timing/step": seconds, "timing/generate": seconds / 2, "timing/train": 0.5,
-                     "timing/offload": 0.25, "train/response_length": 512.0})
+                     "timing/offload": 0.25, "timing/new_phase": 0.0, "train/response_length": 512.0})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     steps = megarl_steps(tmp_path / "metrics.jsonl")
     assert [s["seconds"] for s in steps] == [9.0, 2.0, 4.0]
-    assert steps[1]["phases"] == {"generation": 1.0, "update": 0.5, "offload": 0.25, "other": 0.25}
+    assert steps[1]["phases"] == {"generation": 1.0, "update": 0.5, "memory to rollout": 0.25, "new_phase": 0.0,
+                                  "other": 0.25}
     result = summarize(steps, warmup=1, completions=64, prompt_len=128)
     assert result["warmup_step_s"] == [9.0] and result["step_s"] == [2.0, 4.0] and result["mean_step_s"] == 3.0
     assert result["tokens_per_step"] == 64 * 640 and result["tokens_per_s"] == pytest.approx(64 * 640 / 3, abs=0.1)
