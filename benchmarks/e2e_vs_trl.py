@@ -378,6 +378,11 @@ def main(argv=None) -> int:
             steps, warmup = megarl_steps(run_dir / "metrics.jsonl"), args.megarl_warmup
             if (run_dir / "metrics.jsonl").exists():
                 (out / f"{name}_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+            for server_log in sorted(run_dir.glob("sglang_*.log")):  # the SGLang server's own log, its end
+                tail = server_log.read_text(errors="replace").splitlines()[-80:]
+                (out / f"{name}_{server_log.name}").write_text("\n".join(tail) + "\n")
+        if device == "cuda":  # what the run left on the GPU (the next run needs it free)
+            record["gpu_memory_used_after"] = _gpu_memory_used()
         record |= summarize(steps, warmup, completions, args.prompt_len)
         report["runs"][name] = record
         save()
@@ -393,6 +398,12 @@ def main(argv=None) -> int:
           f"prompt {args.prompt_len} + completion {args.completion_len} tokens, {args.n_samples} per prompt\n")
     print(table(report))
     return 0 if all(r["status"] == "ok" for r in report["runs"].values()) else 1
+
+
+def _gpu_memory_used() -> str:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True,
+                         text=True)
+    return smi.stdout.strip() if smi.returncode == 0 else "unknown"
 
 
 def _parameter_counts(model_dir: Path) -> dict[str, int]:
