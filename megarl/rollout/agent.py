@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from megarl.config import AgentConfig  # noqa: F401  (the loop's settings: the recipe's `agent` section)
+from megarl.config import AgentConfig  # the loop's settings: a recipe's `agent` section
 from megarl.protocol import Batch
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.batching import rows_to_tensors
