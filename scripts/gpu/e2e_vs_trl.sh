@@ -20,12 +20,12 @@ OUT=${OUT:-/tmp/megarl-e2e}; mkdir -p "$OUT"
 WORK=/tmp/megarl-e2e-work; rm -rf "$WORK"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 ls /tmp/site/.installed-* 2>/dev/null | sed 's|.*/.installed-|installed chunk: |' | tr '\n' ' '; echo
-timeout 525 python3 -m benchmarks.e2e_vs_trl --out-dir "$OUT" --work-dir "$WORK" --budget-s 500 "$@" \
+timeout 515 python3 -m benchmarks.e2e_vs_trl --out-dir "$OUT" --work-dir "$WORK" --budget-s 490 "$@" \
   > "$OUT/e2e_vs_trl.log" 2>&1
 status=$?
 grep -v '^|' "$OUT/e2e_vs_trl.log" | tail -n 60
 # the plot (matplotlib is in the GPU image; benchmarks/plot_e2e_vs_trl.py also runs anywhere else on the JSON)
-timeout 30 python3 benchmarks/plot_e2e_vs_trl.py "$OUT/e2e_vs_trl.json" "$OUT/e2e_vs_trl.png" > "$OUT/plot.log" 2>&1 \
+timeout 20 python3 benchmarks/plot_e2e_vs_trl.py "$OUT/e2e_vs_trl.json" "$OUT/e2e_vs_trl.png" > "$OUT/plot.log" 2>&1 \
   || echo "(no plot: $(tail -n 1 "$OUT/plot.log"))"
 echo "== e2e_vs_trl.sh on $(cut -d, -f1 "$OUT/gpu.txt"): exit $status"
 grep '^|' "$OUT/e2e_vs_trl.log" || echo "(no table: see $OUT/e2e_vs_trl.log)"
