@@ -246,7 +246,9 @@ class TrainerConfig:
     cpus_per_rank: float = opt(0.5, "Ray CPUs reserved per training rank")
     loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go")
     sync_bucket_mb: int = opt(64, "weight-sync bucket size in MiB")
-    verify_weight_sync: bool = opt(True, "after each sync, check the rollout engine's weights equal Megatron's")
+    verify_weight_sync_every: int = opt(1, "check the rollout engine's weights equal Megatron's bit for bit (SGLang: "
+                                           "inside SGLang too) after the first weight sync and every N-th one "
+                                           "after it; 1: every sync, 0: never")
     offload_between_phases: str = opt("auto", "colocated memory cycle: during rollouts the training engines park "
                                               "weights, grads and optimizer state in host memory and the rollout "
                                               "engine releases its memory during training; auto (on for sglang on "
@@ -327,6 +329,8 @@ class Config:
         if t.save_every < 0 or t.keep_last < 0 or not t.resume:
             raise ConfigError(f"trainer.save_every={t.save_every} and trainer.keep_last={t.keep_last} must be >= 0 "
                               f"and trainer.resume={t.resume!r} one of auto, none or a path")
+        if t.verify_weight_sync_every < 0:
+            raise ConfigError(f"trainer.verify_weight_sync_every={t.verify_weight_sync_every}: must be >= 0")
         if a.max_sampling_rounds < 1:
             raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
         self._validate_data_and_reward()

@@ -86,6 +86,7 @@ class RLTrainer:
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
                                      self.rollout, offload_enabled(cfg, self.device))
         self.version = 0  # policy version = optimizer steps of RL taken so far
+        self.syncs = 0  # weight syncs done (trainer.verify_weight_sync_every counts them)
         self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
@@ -346,13 +347,23 @@ class RLTrainer:
 
     def sync_weights(self) -> dict:
         """Stream the trained policy through the resharder into the rollout engine (whole HF tensors, or each
-        generation TP rank's rows: rollout.weight_delivery); verify it arrived bit for bit."""
-        reports = [r for r in self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20)
-                   if r is not None]
-        if self.cfg.trainer.verify_weight_sync:
+        generation TP rank's rows: rollout.weight_delivery); on the first sync and every
+        trainer.verify_weight_sync_every-th after it, verify it arrived bit for bit."""
+        every = self.cfg.trainer.verify_weight_sync_every
+        verify, self.syncs = every > 0 and self.syncs % every == 0, self.syncs + 1
+        reports = [r for r in self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20,
+                                              verify) if r is not None]
+        start = time.perf_counter()
+        if verify:
             self.verify_rollout_weights({key: d for r in reports for key, d in r["sent"].items()})
-        nbytes, seconds = sum(r["bytes"] for r in reports), max(r["seconds"] for r in reports)
-        return {"sync/bytes": nbytes, "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9}
+        # bytes: the weights as sent (bf16 on GPU); seconds: the slowest sender, begin to end, without verification
+        nbytes = sum(r["bytes"] for r in reports)
+        slowest = max(reports, key=lambda r: r["seconds"] - r["digest_s"])
+        seconds = slowest["seconds"] - slowest["digest_s"]
+        split = {f"sync/{k}": slowest[k] for k in ("begin_s", "gather_convert_s", "pack_s", "transfer_s", "end_s")}
+        return split | {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
+                        "sync/direct": float(slowest["direct"]), "sync/verified": float(verify),
+                        "sync/verify_s": slowest["digest_s"] + time.perf_counter() - start}
 
     def verify_rollout_weights(self, sent: dict) -> None:
         """The rollout engine digests the weights (or TP shards) it holds; any difference from what was sent raises."""

@@ -12,8 +12,8 @@ TP group, owned by this engine.
   was pushed (a restarted server holds its checkpoint weights: generating from them after a sync would
   silently be off-policy, so that raises until the next sync).
 - Weights: full HF-named tensors per bucket (SGLang slices its own TP shard) through a transport:
-  CUDA IPC when colocated (transports/cuda_ipc.py, also usable from the training process itself via
-  `weight_endpoints`), NCCL broadcast when disaggregated (transports/nccl_broadcast.py, driven by the
+  CUDA IPC when colocated (transports/cuda_ipc.py; the trainer's sending rank posts its buckets itself
+  between `begin_weight_update`, which hands out the endpoints, and `end_weight_update`), NCCL broadcast when disaggregated (transports/nccl_broadcast.py, driven by the
   trainer rank that owns the group).
 - Colocated memory: when a server has no rows in flight its KV cache is released (the trainer gets
   that memory back); the next generate resumes it first and flushes the prefix cache if weights
@@ -334,6 +334,14 @@ class SGLangRolloutEngine(RolloutEngine):
                     state.weights_released = False
                 state.version, state.flush = self.version, True
         return [s.endpoint() for s in self.servers]
+
+    def end_weight_update(self, received: dict[str, torch.Tensor] | None = None) -> None:
+        """A training rank finished posting a sync itself (after begin_weight_update). `received`: host copies
+        of what it posted, kept for verify_weights on a verified sync (None otherwise). The next sync
+        is a new weight version; each server drops its prefix cache before it next generates."""
+        with self.lock:
+            self.received = dict(received or {})
+            self.syncing = False
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         bucket = [(n, t if t.is_cuda else t.cuda()) for n, t in named_tensors]

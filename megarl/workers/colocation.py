@@ -12,6 +12,8 @@ A checkpoint written during the rollout phase onloads the engines for its durati
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from megarl.config import Config
@@ -37,7 +39,9 @@ class Colocation:
             return {}
         moved = sum(sum(group.call("offload")) for group in self.groups)
         metrics = self.memory("offloaded")
+        start = time.perf_counter()  # the last stretch to a rollout engine ready to generate, after a sync
         ray.get(self.rollout.resume_kv_cache.remote())
+        metrics["timing/resume_kv_cache"] = time.perf_counter() - start
         self.phase = "rollout"
         return metrics | self.memory("kv_cache") | {"memory/offloaded_gb": moved / 1e9}
 

@@ -26,7 +26,7 @@ def make_engine(cfg: Config, model_path: str, device: str):
         return SGLangRolloutEngine(model_path, tp=r.sglang_tp, colocated=True, mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
-                                   if cfg.trainer.verify_weight_sync else None)
+                                   if cfg.trainer.verify_weight_sync_every else None)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")
 
 
@@ -63,6 +63,16 @@ class RolloutWorker:
                 rewards, _ = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers)
                 return len(group) == 1 or len(set(rewards)) > 1
         return self.agent.run_groups(groups, params, needed, accept)
+
+    def begin_weight_update(self) -> list | None:
+        """Start a sync: SGLang's endpoints, which the sending training rank posts its buckets to itself (CUDA IPC
+        from the process owning the tensors); None for engines loading buckets here (update_weights)."""
+        begin = getattr(self.engine, "begin_weight_update", None)
+        return begin() if begin is not None else None
+
+    def end_weight_update(self, received: dict | None) -> None:
+        """A training rank finished posting a sync itself (`received`: host copies of it, to verify)."""
+        self.engine.end_weight_update(received)
 
     def update_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(bucket)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 
@@ -29,6 +30,7 @@ class TrainWorker:
             from megarl.parallel.compat import install_cpu_compat
             install_cpu_compat()
         self.engine = None
+        self.ipc_senders = {}  # weight_sync.push_policy's CUDA IPC senders, kept across syncs
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for torch.distributed's rendezvous."""
@@ -102,10 +104,12 @@ class TrainWorker:
         """Every rank loads the engine from `directory` (written at any layout)."""
         return self.engine.load_checkpoint(directory)
 
-    def push_weights(self, rollout, bucket_bytes: int) -> dict | None:
-        """Every rank takes part in resharding. Full delivery: rank 0 streams whole HF tensors into the
-        rollout actor. Sharded: each rank of the first generation TP group streams its own rows
-        (rollout.sglang_tp of them). Returns what this rank sent (None if nothing)."""
+    def push_weights(self, rollout, bucket_bytes: int, verify: bool) -> dict | None:
+        """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
+        of the first generation TP group sends its own rows (rollout.sglang_tp of them). The rollout engine
+        picks the transport (weight_sync.push_policy): SGLang's endpoints, posted from here by CUDA IPC, or
+        the rollout actor. With `verify`, digests of what was sent. Returns this rank's report (None if it
+        sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
         gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
         if self.resharder is None:
@@ -116,8 +120,12 @@ class TrainWorker:
             for _ in buckets:
                 pass
             return None
+        sync = dict(begin=lambda: ray.get(rollout.begin_weight_update.remote()),
+                    end=lambda received: ray.get(rollout.end_weight_update.remote(received)), verify=verify,
+                    weight_format=self.cfg.rollout.sglang_weight_format, senders=self.ipc_senders)
         if delivery == "full":
-            return weight_sync.push_buckets(buckets, lambda b: ray.get(rollout.update_weights.remote(b)))
+            return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
+                ray.get, rollout.update_weights.remote(b)), **sync)
         specs = {s.name: s for s in self.resharder.specs}
 
         def key(name: str):
@@ -125,8 +133,8 @@ class TrainWorker:
             lo, hi = spec.rows(gen_tp, self.rank)
             return name if spec.dim is None or (lo, hi) == (0, spec.length) else (name, spec.dim, lo, hi)
 
-        return weight_sync.push_buckets(
-            buckets, lambda b: ray.get(rollout.update_weight_shards.remote(b, self.rank, gen_tp)), key)
+        return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
+            ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)), key=key, **sync)
 
     def memory(self) -> dict[str, int]:
         """This rank's engine state on its device, and on GPU the allocator's and the whole device's use."""

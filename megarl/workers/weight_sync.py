@@ -1,64 +1,142 @@
 """Moving the policy from the training ranks into a rollout engine, and proving it arrived intact.
 
-The training ranks stream buckets out of the resharder (megarl.parallel.reshard) into the rollout engine:
-full HF-named tensors (`RolloutEngine.update_weights`), or each generation TP rank's rows of them
-(`update_weight_shards`), recording a digest of every tensor or shard sent. Verification then asks
-the engine for the weights *as it holds them* (`named_weights`) and digests those on its side: a
-mismatch anywhere (a dropped tensor, a wrong slice, one flipped element) fails loudly by name.
+A sending training rank streams buckets out of the resharder (megarl.parallel.reshard) with
+`push_policy`. The rollout engine picks the transport when the sync begins: SGLang hands out its
+endpoints and the rank posts each bucket itself by CUDA IPC (transports/cuda_ipc.py: this process owns
+the tensors, so they never leave the GPU); any other engine loads each bucket in the rollout actor
+(through Ray's object store: `RolloutEngine.update_weights`, or a generation TP rank's rows,
+`update_weight_shards`). Either way bucket k is in flight while bucket k+1 is gathered and converted.
+
+On a verified sync the rank records a digest of every tensor or shard sent, computed on its device
+(`checksums`); verification then asks the engine for the weights *as it holds them* (`named_weights`;
+SGLang checks those inside itself first) and digests them on its side: a mismatch anywhere (a dropped
+tensor, a wrong slice, one flipped element) fails loudly by name.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Callable, Iterable
 
 import torch
+
+from megarl.rollout.transports import cuda_ipc
 
 
 class WeightSyncError(RuntimeError):
     """The rollout engine's weights differ from what the trainer sent."""
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """Bitwise fingerprint of a tensor's values (dtype and shape included)."""
-    t = t.detach().contiguous().cpu()
-    h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode())
-    # numpy() on a copy: a numpy view marks the tensor's storage non-resizable, and the resharder yields
-    # views of the parameters themselves, which the engine must still be able to offload (offload.py)
-    h.update(t.view(torch.uint8).clone().numpy() if t.numel() else b"")
-    return h.hexdigest()
+# Integer views by element size: the digest reads a tensor's bits, not its values (-0.0 != 0.0, NaNs compare)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Odd position weights w_i = (i * m mod 2^32) | 1, one sum per multiplier. Sums are int64 and wrap
+# (arithmetic mod 2^64), so they do not depend on reduction order (equal on CPU and GPU, any chunking); an
+# odd weight is invertible mod 2^64, so changing any single element always changes every sum.
+_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
+
+
+def checksums(tensors: Iterable[torch.Tensor], chunk: int = 1 << 24) -> list[torch.Tensor]:
+    """Per tensor, its position-weighted int64 sums ([2] on the tensor's device, no host sync: the caller
+    reads them all at once). Temporary memory: a few int64 copies of `chunk` elements."""
+    out = []
+    for t in tensors:
+        bits = t.detach().contiguous().view(-1).view(_BITS[t.element_size()])
+        sums = torch.zeros(len(_MULTIPLIERS), dtype=torch.int64, device=t.device)
+        for start in range(0, bits.numel(), chunk):
+            x = bits[start:start + chunk].to(torch.int64)
+            index = torch.arange(start, start + x.numel(), dtype=torch.int64, device=t.device) & 0x7FFFFFFF
+            for k, m in enumerate(_MULTIPLIERS):
+                sums[k] += (x * ((index * m) & 0xFFFFFFFF | 1)).sum()
+        out.append(sums)
+    return out
+
+
+def digests(tensors: list[torch.Tensor]) -> list[tuple]:
+    """Bitwise fingerprints (dtype, shape, sums) of tensors; one host sync for all of them."""
+    return fingerprints([(t.dtype, t.shape) for t in tensors], checksums(tensors))
+
+
+def fingerprints(meta: list[tuple[torch.dtype, torch.Size]], sums: list[torch.Tensor]) -> list[tuple]:
+    values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []
+    return [(str(dtype), tuple(shape), *v) for (dtype, shape), v in zip(meta, values)]
+
+
+def tensor_digest(t: torch.Tensor) -> tuple:
+    """Bitwise fingerprint of one tensor's values (dtype and shape included)."""
+    return digests([t])[0]
 
 
 # What was sent is keyed by HF name, or by (name, dim, lo, hi) for rows [lo, hi) along `dim` of it (a TP shard).
 Key = str | tuple[str, int, int, int]
 
 
-def digests_of(named: dict[str, torch.Tensor], dtypes: dict[Key, torch.dtype]) -> dict[Key, str]:
+def digests_of(named: dict[str, torch.Tensor], dtypes: dict[Key, torch.dtype]) -> dict[Key, tuple]:
     """Digests of an engine's own weights (or of the rows a key names), each cast to the dtype it was sent in."""
-    out = {}
+    keys, tensors = [], []
     for key, dtype in dtypes.items():
         name, rows = (key, None) if isinstance(key, str) else (key[0], key[1:])
         if name in named:
             t = named[name] if rows is None else named[name].narrow(rows[0], rows[1], rows[2] - rows[1])
-            out[key] = tensor_digest(t.to(dtype))
-    return out
+            keys.append(key)
+            tensors.append(t.to(dtype))
+    return dict(zip(keys, digests(tensors)))
 
 
-def push_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                 send: Callable[[list[tuple[str, torch.Tensor]]], None],
-                 key: Callable[[str], Key] = lambda name: name) -> dict:
-    """Send each bucket; return what was sent (dtype and digest per tensor, by `key(name)`) and how much, how fast."""
-    sent, nbytes, start = {}, 0, time.perf_counter()
-    for bucket in buckets:
-        send(bucket)
-        for name, t in bucket:
-            sent[key(name)] = (t.dtype, tensor_digest(t))
-            nbytes += t.numel() * t.element_size()
-    return {"sent": sent, "bytes": nbytes, "seconds": time.perf_counter() - start}
+Bucket = list[tuple[str, torch.Tensor]]
 
 
-def verify(sent: dict[Key, tuple[torch.dtype, str]], received: dict[Key, str]) -> None:
+def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end: Callable[[dict | None], None],
+                load: Callable[[Bucket], Callable[[], None]], verify: bool, key: Callable[[str], Key] = lambda n: n,
+                weight_format: str = "flattened_bucket", senders: dict | None = None,
+                serializer: Callable | None = None) -> dict:
+    """One sync from a sending rank. `begin()` starts it on the rollout engine and returns SGLang endpoints
+    (the buckets are posted from here by CUDA IPC, then `end(received)` closes the sync; `received` are
+    host copies of what was posted, for SGLang's own check, on a verified sync) or None (`load(bucket)`
+    hands each bucket to the rollout actor now and returns the wait for it). `senders` keeps one
+    CudaIpcSender per set of endpoints across syncs (its persistent buffers stay mapped in SGLang).
+
+    Returns what was sent (with `verify`: dtype and digest per tensor, by `key(name)`), the bf16/fp32 bytes
+    sent, and seconds: total on this rank (begin to end), and its split (begin, gather/convert,
+    pack, transfer wait, end, digests)."""
+    start = time.perf_counter()
+    endpoints = begin()
+    begun = time.perf_counter()
+    if endpoints is not None:
+        urls = tuple(e.url for e in endpoints)
+        senders = {} if senders is None else senders
+        if urls not in senders:
+            senders.clear()  # a new set of servers: the old buffers' mappings are gone with them
+            senders[urls] = cuda_ipc.CudaIpcSender(endpoints, weight_format, serializer)
+        load = senders[urls].send
+    sent, sums, received, digest_s = [], [], {}, 0.0
+
+    def prepare(bucket: Bucket) -> Callable[[], None]:
+        nonlocal digest_s
+        post = load(bucket)
+        if verify:
+            t = time.perf_counter()
+            sent.extend((key(n), x.dtype, x.shape) for n, x in bucket)  # not the tensors: one bucket in memory
+            sums.extend(checksums([x for _, x in bucket]))  # queued on the device behind the pack
+            if endpoints is not None:
+                received.update((n, x.detach().to("cpu", copy=True)) for n, x in bucket)
+            digest_s += time.perf_counter() - t
+        return post
+
+    stats = cuda_ipc.send_overlapped(buckets, prepare)
+    t = time.perf_counter()
+    if endpoints is not None:
+        end(received if verify else None)
+    ended = time.perf_counter()
+    done = fingerprints([(dtype, shape) for _, dtype, shape in sent], sums)
+    report = {"sent": {k: (dtype, d) for (k, dtype, _), d in zip(sent, done)}, "bytes": stats["bytes"],
+              "direct": endpoints is not None, "begin_s": begun - start, "gather_convert_s": stats["produce_s"],
+              "pack_s": stats["prepare_s"] - digest_s, "transfer_s": stats["wait_s"], "end_s": ended - t}
+    report["digest_s"] = digest_s + time.perf_counter() - ended
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+def verify(sent: dict[Key, tuple[torch.dtype, tuple]], received: dict[Key, tuple]) -> None:
     """Raise WeightSyncError naming every tensor whose received digest differs from the sent one."""
     missing = sorted(set(sent) - set(received), key=str)
     wrong = sorted((n for n in sent if n in received and received[n] != sent[n][1]), key=str)

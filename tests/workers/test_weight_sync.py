@@ -1,24 +1,53 @@
+import functools
+
 import pytest
+import requests
 import torch
 
-from megarl.workers.weight_sync import WeightSyncError, digests_of, push_buckets, tensor_digest, verify
+from megarl.rollout.transports import cuda_ipc
+from megarl.workers.weight_sync import (WeightSyncError, checksums, digests_of, push_policy, tensor_digest,
+                                        verify)
+
+from tests.rollout import fake_sglang
+from tests.rollout.test_sglang_engine import bucket_of, engine
 
 
-def test_digest_is_bitwise():
-    a = torch.randn(4, 5)
-    b = a.clone()
-    assert tensor_digest(a) == tensor_digest(b)
-    b[2, 3] = torch.nextafter(b[2, 3], torch.tensor(1e9))  # one ulp
-    assert tensor_digest(a) != tensor_digest(b)
-    assert tensor_digest(a) != tensor_digest(a.view(5, 4))
+def test_device_digest_is_bitwise_and_dtype_aware():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64, torch.uint8):
+        a = (torch.randn(37, 11, generator=g) * 50).to(dtype)
+        b = a.clone()
+        assert tensor_digest(a) == tensor_digest(b)
+        for i in (0, 200, a.numel() - 1):  # one element, anywhere, one step of its bits
+            c = a.clone()
+            bits = c.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()])
+            bits[i] ^= 1
+            assert tensor_digest(c) != tensor_digest(a), (dtype, i)
+        swapped = a.clone().view(-1)
+        swapped[[3, 4]] = swapped[[4, 3]]
+        assert swapped[3] == swapped[4] or tensor_digest(swapped.view(37, 11)) != tensor_digest(a)
+        assert tensor_digest(a) != tensor_digest(a.view(11, 37))  # shape counts
+    half = torch.randn(64, generator=g, dtype=torch.float16)
+    assert tensor_digest(half) != tensor_digest(half.view(torch.bfloat16))  # same bits, other dtype
+    assert tensor_digest(torch.tensor([0.0])) != tensor_digest(torch.tensor([-0.0]))
+    # sums do not depend on how the reduction is cut up (GPU and CPU agree), nor on memory layout
+    t = torch.randn(1000, generator=g)
+    assert torch.equal(checksums([t], chunk=7)[0], checksums([t])[0])
+    m = torch.randn(20, 30, generator=g)
+    assert tensor_digest(m.t()) == tensor_digest(m.t().contiguous())
 
 
 def test_push_then_verify_against_the_receivers_own_copy():
     weights = {"w1": torch.randn(3, 3), "w2": torch.randn(7)}
     held = {}
-    report = push_buckets([[("w1", weights["w1"])], [("w2", weights["w2"])]],
-                          lambda bucket: held.update({n: t.clone() for n, t in bucket}))
-    assert report["bytes"] == (9 + 7) * 4
+
+    def load(bucket):
+        held.update({n: t.clone() for n, t in bucket})
+        return lambda: None
+
+    report = push_policy([[("w1", weights["w1"])], [("w2", weights["w2"])]], begin=lambda: None, end=None,
+                         load=load, verify=True)
+    assert report["bytes"] == (9 + 7) * 4 and not report["direct"]
     dtypes = {n: d for n, (d, _) in report["sent"].items()}
     verify(report["sent"], digests_of(held, dtypes))
 
@@ -28,3 +57,32 @@ def test_push_then_verify_against_the_receivers_own_copy():
     del held["w1"]
     with pytest.raises(WeightSyncError, match=r"1 missing \['w1'\]"):
         verify(report["sent"], digests_of(held, dtypes))
+    unverified = push_policy([[("w1", weights["w1"])]], begin=lambda: None, end=None, load=load, verify=False)
+    assert unverified["sent"] == {} and unverified["bytes"] == 36
+
+
+@pytest.mark.parametrize("fmt", ["tensors", "persistent"])
+def test_direct_sync_posts_from_the_sending_process(tmp_path, fmt):
+    """The direct path the trainer takes with SGLang, against fake SGLang (CPU: pickled tensors in place of
+    IPC handles): begin hands out endpoints, this process posts every bucket, end closes the sync; the
+    engine keeps host copies only for a verified sync, and the next sync is a new weight version."""
+    e = engine(tmp_path, colocated=True)
+    try:
+        server, senders = e.servers[0], {}
+        not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
+        for sync, check in enumerate((True, False)):
+            buckets = [bucket_of(10 * sync + k) for k in range(3)]
+            report = push_policy(iter(buckets), e.begin_weight_update, e.end_weight_update, not_here, check,
+                                 weight_format=fmt, senders=senders, serializer=cuda_ipc.plain_serializer)
+            assert report["direct"] and e.version == sync + 1 and not e.syncing
+            held = requests.get(server.url + "/fake/weights", timeout=5).json()
+            assert {n: h[2] for n, h in held.items()} == {n: fake_sglang.digest(t)[2] for n, t in buckets[-1]}
+            assert report["bytes"] == 3 * (24 * 2 + 4 * 4 + 9 * 2)
+            assert (len(e.received), len(report["sent"])) == ((3, 3) if check else (0, 0))
+            if check:  # what SGLang got, what the engine kept and what was sent all agree
+                last = dict(buckets[-1])
+                verify({n: v for n, v in report["sent"].items() if n in last},
+                       digests_of(e.received, {n: t.dtype for n, t in last.items()}))
+        assert len(senders) == 1  # one sender across syncs: the persistent buffers stay mapped
+    finally:
+        e.shutdown()
