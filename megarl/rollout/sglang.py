@@ -13,7 +13,8 @@ TP group, owned by this engine.
   silently be off-policy, so that raises until the next sync).
 - Weights: full HF-named tensors per bucket (SGLang slices its own TP shard) through a transport:
   CUDA IPC when colocated (transports/cuda_ipc.py; the trainer's sending rank posts its buckets itself
-  between `begin_weight_update`, which hands out the endpoints, and `end_weight_update`), NCCL broadcast when disaggregated (transports/nccl_broadcast.py, driven by the
+  between `begin_weight_update`, which hands out the endpoints, and `end_weight_update`), NCCL
+  broadcast when disaggregated (transports/nccl_broadcast.py, driven by the
   trainer rank that owns the group).
 - Colocated memory: when a server has no rows in flight its KV cache is released (the trainer gets
   that memory back); the next generate resumes it first and flushes the prefix cache if weights
