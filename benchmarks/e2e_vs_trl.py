@@ -203,7 +203,7 @@ def megarl_command(args, model_dir: Path, prompts: Path, val: Path, completions:
         "algorithm.advantage": "grpo", "algorithm.kl_coef": 0.0, "actor.micro_batch_size": args.micro_batch,
         "actor.mini_batch_size": 0, "actor.ppo_epochs": 1, "actor.optim.lr": 1e-6, "sft.steps": 0,
         "trainer.steps": args.megarl_warmup + args.megarl_steps, "trainer.eval_every": 1_000_000,
-        "trainer.verify_weight_sync": "false", "trainer.loggers": "console,jsonl", "trainer.resume": "none",
+        "trainer.verify_weight_sync_every": 0, "trainer.loggers": "console,jsonl", "trainer.resume": "none",
         "trainer.cpus_per_rank": 1}
     return [sys.executable, "-m", "megarl.train", *(f"{k}={v}" for k, v in overrides.items())]
 

@@ -36,7 +36,7 @@ def test_megarl_overrides_make_a_valid_config(tmp_path):
     assert (cfg.rollout.engine, cfg.rollout.ignore_eos, cfg.rollout.max_new_tokens, cfg.rollout.n_samples) == \
         ("sglang", True, 512, 8)
     assert cfg.data.prompts_per_step * cfg.rollout.n_samples == 256 and cfg.algorithm.kl_coef == 0
-    assert cfg.trainer.verify_weight_sync is False and cfg.trainer.steps == 6
+    assert cfg.trainer.verify_weight_sync_every == 0 and cfg.trainer.steps == 6
     assert cfg.reward.name == "benchmarks.e2e_vs_trl:vowel_share"
     assert vowel_share("abca", "", {}) == 0.5 and vowel_share("", "", {}) == 0.0
 

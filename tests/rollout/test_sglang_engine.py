@@ -65,7 +65,8 @@ def test_least_loaded_routing_n_samples_and_stickiness(three):
         assert all(rows[k] == rows[k - k % 3] for k in range(len(rows)))
         assert request["body"]["return_logprob"] is True
         assert request["body"]["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9,
-                                                      "stop_token_ids": [999], "sampling_seed": 4}
+                                                      "stop_token_ids": [999], "ignore_eos": False,
+                                                      "sampling_seed": 4}
         rows_per_server.append(len(rows))
     assert rows_per_server == [6, 6, 6]  # least-loaded: the batch is spread evenly
     assert all(s.load == 0 for s in three.state)
@@ -182,7 +183,7 @@ def test_colocated_memory_cycle(tmp_path):
         e.generate([[1]], SamplingParams(max_new_tokens=2))
         calls = [(r["path"], r["body"].get("tags")) for r in log(server) if r["path"] != "/generate"]
         assert calls == [("/release_memory_occupation", ["kv_cache", "cuda_graph"]),  # after the 1st rollout
-                         ("/release_memory_occupation", None),                      # release_memory: all
+                         ("/release_memory_occupation", ["weights"]),  # release_memory: what is still held
                          ("/resume_memory_occupation", ["weights"]),                # sync begins
                          ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),  # rollout: KV back,
                          ("/flush_cache", None),                                    # stale prefixes dropped
