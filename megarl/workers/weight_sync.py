@@ -71,15 +71,18 @@ Key = str | tuple[str, int, int, int]
 
 
 def digests_of(named: dict[str, torch.Tensor], dtypes: dict[Key, torch.dtype]) -> dict[Key, tuple]:
-    """Digests of an engine's own weights (or of the rows a key names), each cast to the dtype it was sent in."""
-    keys, tensors = [], []
+    """Digests of an engine's own weights (or of the rows a key names), each cast to the dtype it was sent in;
+    computed on a GPU where this process has one (SGLang's engine holds host copies of a verified sync)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keys, meta, sums = [], [], []
     for key, dtype in dtypes.items():
         name, rows = (key, None) if isinstance(key, str) else (key[0], key[1:])
         if name in named:
             t = named[name] if rows is None else named[name].narrow(rows[0], rows[1], rows[2] - rows[1])
             keys.append(key)
-            tensors.append(t.to(dtype))
-    return dict(zip(keys, digests(tensors)))
+            meta.append((dtype, t.shape))
+            sums.extend(checksums([t.to(device, dtype)]))  # one tensor's copy on the device at a time
+    return dict(zip(keys, fingerprints(meta, sums)))
 
 
 Bucket = list[tuple[str, torch.Tensor]]

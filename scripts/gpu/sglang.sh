@@ -2,8 +2,8 @@
 # GPU run of issue 4 on one GPU (one H200: ~8 min for both phases; grpo alone ~5 min), after the bundle's
 # install.sh (../shared/device/README.md):
 #   grpo  - GRPO end to end, colocated, with the offload cycle (trainer.offload_between_phases=always):
-#           train -> SGLang resumes its weights memory -> weights pushed by CUDA IPC and verified inside
-#           SGLang (weights checker: received vs its own loader's reading of the exported file) -> Megatron
+#           train -> SGLang resumes its weights memory -> the train rank posts the weights by CUDA IPC itself, verified
+#           in SGLang on syncs 0, 3, 6 (weights checker: received vs its loader reading the exported file) -> Megatron
 #           offloads weights, grads and optimizer state -> SGLang resumes its KV cache -> rollout -> SGLang
 #           releases its memory -> Megatron reloads. A ~0.5B Qwen2 shape (hidden 896, 24 layers, 14 heads,
 #           2 KV heads, FFN 4864; the char tokenizer's tiny vocabulary leaves ~0.36B parameters) after a
@@ -34,7 +34,7 @@ if [[ " $PHASES " == *" grpo "* ]]; then
     trainer.offload_between_phases=always rollout.weight_delivery=full \
     model.tiny_hidden_size=896 model.tiny_num_layers=24 model.tiny_num_heads=14 model.tiny_num_kv_heads=2 \
     model.tiny_intermediate_size=4864 \
-    actor.optim.lr=2e-5 sft.lr=2e-4 sft.steps=40 trainer.steps=6 trainer.eval_every=3 \
+    actor.optim.lr=2e-5 sft.lr=2e-4 sft.steps=40 trainer.steps=6 trainer.eval_every=3 trainer.verify_weight_sync_every=3 \
     actor.micro_batch_size=32 trainer.cpus_per_rank=1 trainer.output_dir=$RUN "$@" > "$OUT/grpo.log" 2>&1
   status=$?
   kill "$smi" "$apps" 2>/dev/null
@@ -45,14 +45,14 @@ if [[ " $PHASES " == *" grpo "* ]]; then
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if len(sys.argv) > 1 else []
 f = lambda r, k: f"{r[k]:.4g}" if k in r else ""
-print("| step | train/reward | val/reward | rollout/logprob_abs_diff | timing/sync s | timing/generate s "
-      "| timing/offload s | timing/onload s |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-for r in rows:
-    if "train/reward" in r or "val/reward" in r:
-        print(f"| {r.get('step', '')} | {f(r, 'train/reward')} | {f(r, 'val/reward')} | "
-              f"{f(r, 'rollout/logprob_abs_diff')} | {f(r, 'timing/sync')} | {f(r, 'timing/generate')} | "
-              f"{f(r, 'timing/offload')} | {f(r, 'timing/onload')} |")
+print("| step | train/reward | val/reward | logprob_abs_diff | timing/sync s | sync s (GB/s, direct) | gather+convert "
+      "/ pack / transfer / end s | verify s | resume_kv s | generate s | offload s | onload s |\n|" + " --- |" * 12)
+for r in (r for r in rows if "train/reward" in r or "val/reward" in r):
+    print(f"| {r.get('step', '')} | {f(r, 'train/reward')} | {f(r, 'val/reward')} | {f(r, 'rollout/logprob_abs_diff')} | "
+          f"{f(r, 'timing/sync')} | {f(r, 'sync/seconds')} ({f(r, 'sync/gb_per_s')}, {f(r, 'sync/direct')}) | "
+          + " / ".join(f(r, f"sync/{k}_s") for k in ("gather_convert", "pack", "transfer", "end")) + " | "
+          f"{f(r, 'sync/verify_s')} | {f(r, 'timing/resume_kv_cache')} | {f(r, 'timing/generate')} | "
+          f"{f(r, 'timing/offload')} | {f(r, 'timing/onload')} |")
 # memory per phase, in cycle order: train rank allocated / reserved, whole device, the rest (SGLang + contexts)
 phases = ["trained", "synced", "offloaded", "kv_cache", "released", "onloaded"]
 print("\n| step | phase | megatron allocated GB | megatron reserved GB | device used GB | rest (SGLang) GB |")
