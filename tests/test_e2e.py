@@ -22,12 +22,14 @@ def tiny_grpo(tmp_path, *overrides):
 
 
 def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
-    trainer = RLTrainer(tiny_grpo(tmp_path))
+    trainer = RLTrainer(tiny_grpo(tmp_path, "trainer.verify_weight_sync_every=2"))
     try:
         trainer.prepare()
         before = trainer.actor.call("hf_state_dict")[0]
-        for _ in range(3):
+        for step in range(1, 4):
             metrics = trainer.step()
+            # syncs 0 (the warm start's) and 2 are verified by the trainer; this test checks every one itself
+            assert metrics["sync/verified"] == float(step % 2 == 0) and metrics["sync/direct"] == 0.0
             after = trainer.actor.call("hf_state_dict")[0]
             # the policy moved ...
             assert max((after[n] - before[n]).abs().max().item() for n in after) > 0
