@@ -33,9 +33,9 @@ if [[ " $PHASES " == *" grpo "* ]]; then
     actor.parallel.world_size=1 actor.parallel.tp=1 rollout.engine=sglang rollout.sglang_mem_fraction=0.35 \
     trainer.offload_between_phases=always rollout.weight_delivery=full \
     model.tiny_hidden_size=896 model.tiny_num_layers=24 model.tiny_num_heads=14 model.tiny_num_kv_heads=2 \
-    model.tiny_intermediate_size=4864 \
-    actor.optim.lr=2e-5 sft.lr=2e-4 sft.steps=40 trainer.steps=6 trainer.eval_every=3 trainer.verify_weight_sync_every=3 \
-    actor.micro_batch_size=32 trainer.cpus_per_rank=1 trainer.output_dir=$RUN "$@" > "$OUT/grpo.log" 2>&1
+    model.tiny_intermediate_size=4864 actor.optim.lr=2e-5 sft.lr=2e-4 sft.steps=40 trainer.steps=6 trainer.eval_every=3 \
+    trainer.verify_weight_sync_every=3 trainer.sync_bucket_mb=512 actor.micro_batch_size=32 \
+    trainer.cpus_per_rank=1 trainer.output_dir=$RUN "$@" > "$OUT/grpo.log" 2>&1
   status=$?
   kill "$smi" "$apps" 2>/dev/null
   tail -n 25 "$OUT/grpo.log"
