@@ -34,6 +34,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from megarl.utils.provenance import source_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 VOWELS = frozenset("aeiou")
 PAD, EOS = "<pad>", "<eos>"
@@ -147,15 +149,15 @@ def run_process(cmd: list[str], log: Path, timeout: float, env: dict, leftovers:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        else:
-            try:  # the driver is gone: end what it left in its process group (Ray's processes)
+                pass
+        finally:  # also when this script is interrupted: end the driver and what it left in its process group
+            try:  # (Ray's processes)
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    if leftovers:
-        end_sglang_servers(leftovers)
+            proc.wait()
+            if leftovers:
+                end_sglang_servers(leftovers)
     if status == "ok" and proc.returncode != 0:
         status = "failed"
     return {"status": status, "returncode": proc.returncode, "wall_s": round(time.monotonic() - start, 1),
@@ -264,9 +266,7 @@ def environment(device: str) -> dict:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True)
         gpu = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else "cuda (unknown)"
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("MEGARL_COMMIT", "unknown")
-    return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": gpu, "python": sys.version.split()[0],
+    return {"commit": source_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": gpu, "python": sys.version.split()[0],
             "versions": versions}
 
 
@@ -322,6 +322,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: exit through run_process's finally
     deadline = time.monotonic() + args.budget_s
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -41,13 +41,14 @@ import dataclasses
 import json
 import os
 import socket
-import subprocess
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from megarl.utils.provenance import source_commit
 
 PEAK_FLOPS = 989e12  # bf16 dense, one H100/H200 SXM
 SIZES = {
@@ -173,14 +174,6 @@ class BareLoop:
         return float(sum(o["loss"] for o in out)) if out else 0.0
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _report(name: str, times: list[float], tokens: int, flops: float, gpus: int, peak: float) -> dict:
     step = sum(times) / len(times)
     result = {"step_seconds": times, "mean_step_seconds": step, "tokens_per_s": tokens / step,
@@ -276,7 +269,7 @@ def main() -> None:
             results["engine_over_bare"] = ratio
             print(f"engine / bare throughput: {100 * ratio:.1f}%")
         if rank == 0:
-            report = {"commit": _commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            report = {"commit": source_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": gpus,
                       "torch": torch.__version__, "args": vars(args), "attention": attention,
                       "sequence_parallel": sp, "model": hf,

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from megarl.plan import load_model_config
+from megarl.utils.provenance import source_commit
 
 
 def _now() -> float:
@@ -252,9 +253,7 @@ def part_nccl(args) -> list[dict]:
 def _write(path: str, data) -> None:
     if not path:
         return
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("MEGARL_COMMIT", "unknown")
-    Path(path).write_text(json.dumps(dict(commit=commit, gpu=torch.cuda.get_device_name(), results=data), indent=2))
+    Path(path).write_text(json.dumps(dict(commit=source_commit(), gpu=torch.cuda.get_device_name(), results=data), indent=2))
 
 
 def main() -> None:
@@ -275,6 +274,8 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--log-dir", default=tempfile.gettempdir())
     args = parser.parse_args()
+    # the GPU script's `timeout` sends SIGTERM: exit through the finally blocks, which shut the servers down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.part == "throughput":
         part_throughput(args)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from megarl.config import ConfigError, help_text, load_config
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
         ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
                  log_to_driver=True)
     print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
+    # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     trainer = RLTrainer(cfg)
     try:
         history = trainer.fit()

@@ -29,7 +29,7 @@ from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker
 from megarl.workers import weight_sync
 from megarl.workers.colocation import Colocation, offload_enabled
-from megarl.workers.group import TrainGroup, start_rollout
+from megarl.workers.group import TrainGroup, start_rollout, stop_rollout
 
 
 def resolve_device(cfg: Config) -> str:
@@ -394,4 +394,4 @@ class RLTrainer:
         for group in (self.critic, self.reward_model):
             if group is not None:
                 group.shutdown()
-        ray.kill(self.rollout)
+        stop_rollout(self.rollout)

@@ -58,3 +58,6 @@ class RolloutEngine(abc.ABC):
     def resident_bytes(self) -> int | None:
         """Bytes of weights the engine holds in memory now; None where only the device can tell (SGLang)."""
         return None
+
+    def shutdown(self) -> None:
+        """Stop what the engine started outside this process (SGLang's servers); a no-op for in-process engines."""

@@ -45,6 +45,8 @@ import torch
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.transports import cuda_ipc
 
+SERVER_GUARD = str(Path(__file__).with_name("server_guard.py"))
+
 
 class SGLangError(RuntimeError):
     """A server failed to start, died, hung, or answered a request with an error."""
@@ -104,8 +106,10 @@ class SGLangServer(Endpoint):
 
     def start(self) -> "SGLangServer":
         with open(self.log_path, "ab") as log:
-            # Its own session, so shutdown() can end the server's whole process tree and nothing else.
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # Its own session, so shutdown() can end the server's whole process tree and nothing else; under a
+            # guard (server_guard.py) that ends the server when this process dies without calling shutdown().
+            self.process = subprocess.Popen([sys.executable, SERVER_GUARD, str(os.getpid()), *self.command],
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

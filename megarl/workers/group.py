@@ -92,3 +92,14 @@ def start_rollout(cfg: Config, model_path: str, device: str):
     return ray.remote(RolloutWorker).options(
         num_cpus=cfg.rollout.num_cpus, num_gpus=0.1 if device == "cuda" else 0,
     ).remote(cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)))
+
+
+def stop_rollout(rollout, timeout: float = 90.0) -> None:
+    """Shut the rollout actor's engine down (its SGLang servers: up to 60 s each), then kill the actor. Should
+    the actor be dead or hung, the servers' guards (megarl/rollout/server_guard.py) end them once it is gone."""
+    try:
+        ray.get(rollout.shutdown.remote(), timeout=timeout)
+    except (ray.exceptions.RayError, TimeoutError) as error:
+        print(f"megarl: rollout shutdown failed ({type(error).__name__}: {error}); killing the actor", flush=True)
+    finally:
+        ray.kill(rollout)

@@ -95,3 +95,7 @@ class RolloutWorker:
 
     def resident_bytes(self) -> int | None:
         return self.engine.resident_bytes()
+
+    def shutdown(self) -> None:
+        """Stop the engine's servers before the actor goes (ray.kill would leave them running)."""
+        self.engine.shutdown()
