@@ -16,6 +16,7 @@ OUT=${OUT:-/tmp/megarl-agent}; mkdir -p "$OUT"
 PHASES=${PHASES:-agent oversample}
 RUN=/tmp/megarl-agent-run
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 rm -rf "$RUN"; mkdir -p "$RUN"
 python3 scripts/make_tool_traces.py --out "$RUN/traces.jsonl" --n 4000 > "$OUT/traces.log" 2>&1 || { cat "$OUT/traces.log"; exit 1; }
 status=0

@@ -19,6 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_
 OUT=${OUT:-/tmp/megarl-e2e}; mkdir -p "$OUT"
 WORK=/tmp/megarl-e2e-work; rm -rf "$WORK"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 ls /tmp/site/.installed-* 2>/dev/null | sed 's|.*/.installed-|installed chunk: |' | tr '\n' ' '; echo
 timeout 515 python3 -m benchmarks.e2e_vs_trl --out-dir "$OUT" --work-dir "$WORK" --budget-s 490 "$@" \
   > "$OUT/e2e_vs_trl.log" 2>&1

@@ -14,6 +14,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 PHASES=${PHASES:-tests tp1 tp1sdpa tp2 tp2sp}
 GPUS=$(nvidia-smi -L | wc -l)
 BENCH=benchmarks/engine_throughput.py

@@ -21,6 +21,7 @@ OUT=${OUT:-/tmp/megarl-sglang}; mkdir -p "$OUT"
 PHASES=${PHASES:-grpo sync}
 RUN=/tmp/megarl-sglang-run
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 status=0
 if [[ " $PHASES " == *" grpo "* ]]; then
   rm -rf "$RUN"

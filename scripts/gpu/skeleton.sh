@@ -8,6 +8,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_
   RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log"
 tests_status=${PIPESTATUS[0]}
 python3 -m megarl.train --config configs/quickstart.yaml trainer.device=cuda \

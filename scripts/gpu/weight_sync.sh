@@ -18,6 +18,7 @@ OUT=${OUT:-/tmp/megarl-weight-sync}; mkdir -p "$OUT/server_logs"
 B="python3 benchmarks/weight_sync.py"
 LOGS="--log-dir $OUT/server_logs"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 GPUS=$(nvidia-smi -L | wc -l)
 run() {  # name, limit in seconds, command...
   local name=$1 limit=$2; shift 2
