@@ -1,6 +1,6 @@
 """The calculator-tool recipe end to end on CPU (Ray, megatron-core, the HF engine, the agent loop): SFT on
-multi-turn traces, GRPO steps with over-sampling, a rollout dump, and a replay of that dump that trains
-to the same numbers bit for bit."""
+multi-turn traces (direct answers and calculator calls), GRPO steps with over-sampling, a rollout dump,
+and a replay of that dump that trains to the same numbers bit for bit."""
 
 import json
 import subprocess
@@ -29,6 +29,15 @@ def test_tool_recipe_dumps_over_samples_and_replays_bit_for_bit(tmp_path, ray_lo
     traces = tmp_path / "traces.jsonl"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tool_traces.py"), "--out", str(traces), "--n", "64"],
                    check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+    # the warm start's mix: answers without the tool, and calculator calls whose result is the answer
+    rows = [json.loads(line) for line in traces.read_text().splitlines()]
+    direct = [r for r in rows if len(r["messages"]) == 1]
+    assert 0.4 < len(direct) / len(rows) < 0.8 and all(r["messages"][0]["content"] == r["answer"] for r in direct)
+    for r in rows:
+        if len(r["messages"]) > 1:
+            assert [m["role"] for m in r["messages"]] == ["assistant", "tool", "assistant"]
+            assert r["prompt"].rstrip("=") in r["messages"][0]["content"]
+            assert r["messages"][1]["content"] == r["messages"][2]["content"] == r["answer"]
     dump = tmp_path / "dump"
     common = [f"sft.data={traces}", "sft.steps=4", "sft.batch_size=8", "data.prompts_per_step=2",
               "rollout.n_samples=2", "data.val_size=2", "trainer.steps=2", "trainer.eval_every=2",
