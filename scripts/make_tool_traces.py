@@ -5,9 +5,10 @@ Each trace answers a training prompt of a built-in task (default `mul`, "37*58="
 right product: the tiny model cannot learn to multiply from a few thousand of them, so its unaided
 answers are mostly wrong); the others go through the calculator: a turn that calls it, the tool's
 result (computed by the real tool), and a turn that gives the result as the answer. The warm-started
-policy then does both, and RL has a choice to learn: the reward (the right answer) needs the tool. Rows: {prompt, answer, messages: [{role, content}]}, the layout that
-sft.data reads (megarl.data.dataset.sft_batch). Only the task's training split is used, so held-out
-prompts never appear in a trace.
+policy then does both, and RL has a choice to learn: the reward (the right answer) needs the tool.
+Rows: {prompt, answer, messages: [{role, content}]}, the layout that sft.data reads
+(megarl.data.dataset.sft_batch). Only the task's training split is used, so held-out prompts never
+appear in a trace.
 
     python scripts/make_tool_traces.py --out runs/tool_calculator/traces.jsonl [--n 4000] [--direct-share 0.6]
 """
@@ -23,7 +24,7 @@ from megarl.data.tasks import make_task
 from megarl.rollout.tools.calculator import Calculator
 
 
-def make_traces(task: str, n: int, seed: int, min_len: int, max_len: int, direct_share: float = 0.0) -> list[dict]:
+def make_traces(task: str, n: int, seed: int, min_len: int, max_len: int, direct_share: float = 0.6) -> list[dict]:
     if not 0 <= direct_share <= 1:
         raise ValueError(f"--direct-share must be in [0, 1], got {direct_share}")
     calculator = Calculator()
