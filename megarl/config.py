@@ -126,6 +126,10 @@ class AlgorithmConfig:
     tis: bool = opt(False, "truncated importance sampling: weight the policy loss by min(exp(old - rollout "
                            "logprob), tis_cap) to correct the rollout/training log-prob mismatch")
     tis_cap: float = opt(2.0, "truncated importance sampling: upper bound of the weight")
+    recompute_old_logprobs: str = opt("auto", "the old policy's log-probs by a forward pass of their own before "
+                                              "training: always; never (the training forward's, detached: exact "
+                                              "when the step makes one optimizer update); auto = never exactly "
+                                              "when one update per step and no KL in the reward")
     kl_coef: float = opt(0.0, "coefficient of the KL to the reference policy; 0 = no reference model")
     kl_in_reward: bool = opt(False, "apply the KL as a per-token reward penalty (gae, reinforce_plus_plus, "
                                     "remax) instead of a loss term")
@@ -306,7 +310,9 @@ class Config:
                                                     ("tensors", "flattened_bucket", "persistent")),
                    "rollout.weight_delivery": (self.rollout.weight_delivery, ("full", "sharded")),
                    "trainer.offload_between_phases": (self.trainer.offload_between_phases,
-                                                      ("auto", "always", "never"))}
+                                                      ("auto", "always", "never")),
+                   "algorithm.recompute_old_logprobs": (self.algorithm.recompute_old_logprobs,
+                                                        ("auto", "always", "never"))}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
@@ -317,6 +323,11 @@ class Config:
         if a.loss_agg == "seq-mean-token-sum-norm" and a.loss_agg_norm_len < 1:
             raise ConfigError("algorithm.loss_agg=seq-mean-token-sum-norm needs algorithm.loss_agg_norm_len >= 1 "
                               "(e.g. rollout.max_new_tokens)")
+        if a.recompute_old_logprobs == "never" and not self.old_policy_is_the_trained_one():
+            raise ConfigError("algorithm.recompute_old_logprobs=never needs one optimizer update per step "
+                              f"(actor.ppo_epochs=1 and actor.mini_batch_size 0 or the step's batch; got "
+                              f"{self.actor.ppo_epochs} epoch(s) of mini-batches of {mini} from {batch} samples) "
+                              "and no algorithm.kl_in_reward (its KL reads the old log-probs before training)")
         if a.tis and a.tis_cap <= 0:
             raise ConfigError(f"algorithm.tis_cap={a.tis_cap}: must be > 0")
         for key, value in (("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)):
@@ -345,6 +356,18 @@ class Config:
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
         return self
+
+    def old_policy_is_the_trained_one(self) -> bool:
+        """One optimizer update per step and nothing reading the old log-probs before it: the policy the
+        update starts from is the old policy, so its training forward gives the old log-probs (detached)."""
+        batch = self.data.prompts_per_step * self.rollout.n_samples
+        one_update = self.actor.ppo_epochs == 1 and self.actor.mini_batch_size in (0, batch)
+        return one_update and not (self.algorithm.kl_coef > 0 and self.algorithm.kl_in_reward)
+
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the step runs a forward pass of its own for the old log-probs (algorithm.recompute_old_logprobs)."""
+        mode = self.algorithm.recompute_old_logprobs
+        return mode == "always" or (mode == "auto" and not self.old_policy_is_the_trained_one())
 
     def _validate_weight_delivery(self) -> None:
         r, p = self.rollout, self.actor.parallel

@@ -144,12 +144,12 @@ class RLTrainer:
                                               a.overlong_buffer_len, a.overlong_penalty_factor)
             batch["rewards"] = batch["rewards"] + penalty
             metrics["train/overlong_penalty"] = penalty.mean().item()
-        with self.timers("old_logprobs"):
-            policy = self.actor.compute_logprobs(batch, with_entropy=True)
-            batch["old_logprobs"], batch["entropy"] = policy["logprobs"], policy["entropy"]
-            # how far the rollout engine's log-probs are from Megatron's on the same tokens
-            real = batch["loss_mask"] > 0
-            metrics["rollout/logprob_abs_diff"] = (batch["old_logprobs"] - batch["rollout_logprobs"])[real].abs().mean().item()
+        if cfg.recompute_old_logprobs():  # else the update's own forward gives them (algorithm.recompute_old_logprobs)
+            with self.timers("old_logprobs"):
+                batch["old_logprobs"] = self.actor.compute_logprobs(batch)["logprobs"]
+                # how far the rollout engine's log-probs are from Megatron's on the same tokens
+                real = batch["loss_mask"] > 0
+                metrics["rollout/logprob_abs_diff"] = (batch["old_logprobs"] - batch["rollout_logprobs"])[real].abs().mean().item()
         if cfg.algorithm.kl_coef > 0:
             with self.timers("ref_logprobs"):
                 batch.update(self.actor.compute_logprobs(batch, reference=True))  # ref_logprobs
@@ -160,7 +160,10 @@ class RLTrainer:
         with self.timers("train"):
             if self.critic is not None:  # on the returns GAE left in the batch
                 metrics |= {f"critic/{k}": v for k, v in self.critic.train(batch, loss="value").items()}
-            metrics |= {f"train/{k}": v for k, v in self.actor.train(batch).items()}
+            trained = self.actor.train(batch)
+            if "rollout_logprob_abs_diff" in trained:  # measured by the update's forward
+                metrics["rollout/logprob_abs_diff"] = trained.pop("rollout_logprob_abs_diff")
+            metrics |= {f"train/{k}": v for k, v in trained.items()}
         metrics |= self.update_kl_coef(batch, metrics)
         self.version += 1
         metrics |= self.publish_policy()
@@ -383,7 +386,6 @@ class RLTrainer:
         lengths = mask.sum(1)
         tokens = batch["attention_mask"].sum().item()
         return {"train/reward": batch["rewards"].mean().item(),
-                "train/entropy": ((batch["entropy"] * mask).sum() / mask.sum().clamp(min=1)).item(),
                 "train/response_length": lengths.mean().item(),
                 "train/reward_failures": batch.meta["reward_failures"],
                 "timing/step": seconds,

@@ -358,6 +358,10 @@ class MegatronEngine:
             raise ValueError(f"this DP rank's batch of {len(batch)} rows is not divisible into mini-batches of "
                              f"{mini} (actor.mini_batch_size={self.actor.mini_batch_size} over DP={dp})")
         epochs = self.actor.ppo_epochs if loss in ("policy", "value") else 1
+        updates = epochs * (len(batch) // mini)
+        if loss == "policy" and "old_logprobs" not in batch and updates > 1:
+            raise ValueError(f"the batch has no 'old_logprobs' and makes {updates} optimizer updates: after the first, "
+                             "the policy is no longer the old one (algorithm.recompute_old_logprobs=always)")
         steps = [self._optimizer_step(mini_batch, loss) for _ in range(epochs) for mini_batch in batch.split(mini)]
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
@@ -368,11 +372,13 @@ class MegatronEngine:
         dist.all_reduce(counts, group=dp_group)
         total_tokens, total_seqs = counts.tolist()
         keys = ["loss_mask"]
+        # Without 'old_logprobs' this one update starts from the old policy: its forward gives them (detached),
+        # and the rollout engine's log-prob gap is measured on it.
+        on_policy = loss == "policy" and "old_logprobs" not in batch
         if loss == "policy":
-            keys += ["old_logprobs", "advantages"] + (["ref_logprobs"] if self.algorithm.kl_coef > 0 else [])
-            keys += ["rollout_logprobs"] if self.algorithm.tis else []
-            if "old_logprobs" not in batch:  # the old policy's log-probs, as compute_logprobs names them
-                batch = Batch(dict(batch.tensors, old_logprobs=batch["logprobs"]))
+            keys += ["advantages"] + ([] if on_policy else ["old_logprobs"])
+            keys += ["ref_logprobs"] if self.algorithm.kl_coef > 0 else []
+            keys += ["rollout_logprobs"] if self.algorithm.tis or (on_policy and "rollout_logprobs" in batch) else []
         elif loss == "value":
             keys += ["values", "returns"]
         pairs = loss == "bradley_terry"
@@ -393,8 +399,13 @@ class MegatronEngine:
             else:
                 logprobs, entropy = self._aligned_logprobs(mb, output, with_entropy=loss == "policy")
                 if loss == "policy":
+                    if on_policy:
+                        mb = dict(mb, old_logprobs=logprobs.detach())
                     value, metrics = losses.actor_loss(self.algorithm, logprobs, entropy, mb, total_tokens,
                                                        total_seqs)
+                    if on_policy and "rollout_logprobs" in mb:
+                        metrics["rollout_logprob_abs_diff"] = losses.token_mean(
+                            (logprobs.detach() - mb["rollout_logprobs"]).abs(), mb["loss_mask"], total_tokens, total_seqs)
                 else:
                     value, metrics = losses.sft_loss(logprobs, mb["loss_mask"], total_tokens), {}
             metrics = {"loss": value} | metrics
