@@ -203,7 +203,7 @@ def _remove(path: Path) -> None:
 #
 # The engine provides: gpts (its GPTModel, or its virtual-pipeline chunks), optimizer and scheduler
 # (None when frozen), step_count, model_path, params_dtype, actor.use_distributed_optimizer,
-# snapshot_reference(), _reference and _reference_weights(), offload()/onload() and _offloaded.
+# snapshot_reference(), _reference and _reference_weights(), offload()/onload() and offloaded.
 
 
 def _model_state(engine) -> dict:
@@ -220,7 +220,7 @@ def _load_model_state(engine, loaded: dict) -> None:
 @contextlib.contextmanager
 def _onloaded(engine):
     """Weights and optimizer state in place for the duration (an offloaded engine goes back after)."""
-    offloaded = getattr(engine, "_offloaded", None) is not None
+    offloaded = engine.offloaded
     if offloaded:
         engine.onload()
     try:

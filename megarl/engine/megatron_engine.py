@@ -130,7 +130,7 @@ class MegatronEngine:
         self._forward_backward = get_forward_backward_func(pp_size=pp, vp_size=actor.parallel.vpp
                                                            if actor.parallel.vpp > 1 else None)
         self._reference: list[torch.Tensor] | None = None
-        self._offloaded: offload.HostCopies | None = None
+        self._offloader = offload.Offloader()
         self.step_count = 0
         if not trainable:
             for module in modules:
@@ -442,26 +442,40 @@ class MegatronEngine:
     # Memory between phases (offload.py)
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        tensors = self._parameters() + (self._reference or [])
-        if self.trainable:
-            tensors += [t for m in self.models for t in offload.ddp_buffer_tensors(m)]
-            tensors += offload.optimizer_tensors(self.optimizer)
-        return tensors
+        kept, remade = self._offload_plan()
+        return kept + remade
 
-    def offload(self) -> int:
-        """Move weights, gradient buffers, optimizer state and the KL reference to host memory (e.g. while a
-        colocated rollout engine generates); returns the bytes moved. Call onload() before using the engine."""
-        if self._offloaded is not None:
-            raise RuntimeError("the engine is already offloaded")
-        self._offloaded = offload.HostCopies(self._state_tensors())
-        return self._offloaded.nbytes
+    def _offload_plan(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(kept: their values go to the host and back; re-made: gradient buffers, zeroed before every update,
+        and bf16 weights, re-made from the optimizer's fp32 master copies after onload)."""
+        params = self._parameters()
+        if not self.trainable:
+            return params + (self._reference or []), []
+        remade = [t for m in self.models for t in offload.ddp_grad_buffers(m)]
+        master_copied = {id(weight) for weight, _ in offload.master_weight_pairs(self.optimizer)}
+        remade += [p for p in params if id(p) in master_copied]
+        kept = [p for p in params if id(p) not in master_copied] + (self._reference or [])
+        kept += [t for m in self.models for t in offload.ddp_param_buffers(m)]
+        return kept + offload.optimizer_tensors(self.optimizer), remade
 
+    @property
+    def offloaded(self) -> bool:
+        return self._offloader.active
+
+    def offload(self) -> dict[str, int]:
+        """Free the device memory of weights, gradient buffers, optimizer state and the KL reference (e.g. while
+        a colocated rollout engine generates); only what cannot be re-made is copied to host memory (offload.py).
+        Returns {'copied': bytes copied to the host (and back at onload), 'freed': bytes freed}. Call onload()
+        before using the engine."""
+        return self._offloader.offload(*self._offload_plan())
+
+    @torch.no_grad()
     def onload(self) -> None:
-        """Bring back what offload() moved: every tensor holds exactly its values from before."""
-        if self._offloaded is None:
-            raise RuntimeError("the engine is not offloaded")
-        self._offloaded.restore()
-        self._offloaded = None
+        """Bring back what offload() freed: weights, optimizer state and reference exactly as before."""
+        self._offloader.onload()
+        if self.trainable:
+            for weight, master in offload.master_weight_pairs(self.optimizer):
+                weight.copy_(master)  # as the optimizer's update leaves them: the master copy rounded
 
     def resident_bytes(self) -> int:
         """Bytes of engine state currently allocated on its device (0 while offloaded)."""

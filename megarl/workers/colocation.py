@@ -3,10 +3,12 @@
 The colocated cycle of one RL step (trainer.offload_between_phases), as RLTrainer drives it:
   training done -> the rollout engine takes its weights memory back and the policy is synced into it
   (RLTrainer.sync_weights) -> to_rollout(): every training engine (the policy with its KL reference,
-  the critic, the reward model) moves weights, grads and optimizer state to host memory
-  (MegatronEngine.offload), and the rollout engine resumes its KV cache -> rollouts -> to_training():
+  the critic, the reward model) frees its weights, grads and optimizer state, copying to host memory
+  only what cannot be re-made (MegatronEngine.offload: not the grads, nor bf16 weights with fp32
+  master copies), and the rollout engine resumes its KV cache -> rollouts -> to_training():
   the rollout engine releases all its memory (weights too: it keeps no copy, the next sync refills
-  them) and the training engines come back bit for bit (MegatronEngine.onload).
+  them) and the training engines come back (MegatronEngine.onload: weights and optimizer state bit
+  for bit; gradient buffers as fresh memory, which every update zeroes first).
 A checkpoint written during the rollout phase onloads the engines for its duration (engine/checkpoint.py).
 """
 
@@ -37,13 +39,15 @@ class Colocation:
         """Training engines to host memory, the rollout engine's KV cache back; memory metrics."""
         if not self.enabled or self.phase == "rollout":
             return {}
-        moved = sum(sum(group.call("offload")) for group in self.groups)
+        moved = [report for group in self.groups for report in group.call("offload")]
         metrics = self.memory("offloaded")
         start = time.perf_counter()  # the last stretch to a rollout engine ready to generate, after a sync
         ray.get(self.rollout.resume_kv_cache.remote())
         metrics["timing/resume_kv_cache"] = time.perf_counter() - start
         self.phase = "rollout"
-        return metrics | self.memory("kv_cache") | {"memory/offloaded_gb": moved / 1e9}
+        # freed: all the engines' state; copied to the host and back: what cannot be re-made (offload.py)
+        return metrics | self.memory("kv_cache") | {"memory/offloaded_gb": sum(r["freed"] for r in moved) / 1e9,
+                                                    "memory/offload_bytes": sum(r["copied"] for r in moved)}
 
     def to_training(self) -> dict:
         """The rollout engine releases its memory, the training engines come back; memory metrics."""

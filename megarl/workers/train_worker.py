@@ -82,7 +82,7 @@ class TrainWorker:
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
         return self.engine.train(batch, loss=loss, lr=lr)
 
-    def offload(self) -> int:
+    def offload(self) -> dict[str, int]:
         return self.engine.offload()
 
     def onload(self) -> None:
