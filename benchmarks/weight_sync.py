@@ -171,19 +171,22 @@ def part_throughput(args) -> dict:
     sampling = {"max_new_tokens": new, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
     result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new)
     # ignore_eos on every path: the dummy model's EOS would otherwise end rows at random
-    engine = SGLangRolloutEngine(str(model_dir), colocated=False, load_format="dummy", mem_fraction=0.7,
-                                 log_dir=args.log_dir, sampling_overrides={"ignore_eos": True},
-                                 startup_timeout=args.startup_timeout)
-    try:
-        rates = []
-        for batch in batches:  # the first is a warm-up
-            start = time.perf_counter()
-            gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
-            rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
-        result["megarl_tok_s"] = rates[-1]
-        _write(args.out, result)
-    finally:
-        engine.shutdown()
+    # megarl's HTTP path with the server as sglang.Engine runs (no memory saver: megarl_tok_s), and as the
+    # colocated trainer launches it (memory saver on: megarl_memory_saver_tok_s), to split the gap
+    for key, memory_saver in (("megarl_tok_s", False), ("megarl_memory_saver_tok_s", True)):
+        engine = SGLangRolloutEngine(str(model_dir), colocated=False, load_format="dummy", mem_fraction=0.7,
+                                     memory_saver=memory_saver, log_dir=args.log_dir,
+                                     sampling_overrides={"ignore_eos": True}, startup_timeout=args.startup_timeout)
+        try:
+            rates = []
+            for batch in batches:  # the first is a warm-up
+                start = time.perf_counter()
+                gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
+                rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
+            result[key] = rates[-1]
+            _write(args.out, result)
+        finally:
+            engine.shutdown()
     import sglang
 
     llm = sglang.Engine(model_path=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
@@ -198,6 +201,7 @@ def part_throughput(args) -> dict:
                          / (time.perf_counter() - start))
         result["sglang_engine_tok_s"] = rates[-1]
         result["ratio"] = result["megarl_tok_s"] / result["sglang_engine_tok_s"]
+        result["ratio_memory_saver"] = result["megarl_memory_saver_tok_s"] / result["sglang_engine_tok_s"]
     finally:
         llm.shutdown()
         shutil.rmtree(model_dir, ignore_errors=True)

@@ -197,6 +197,9 @@ class SGLangRolloutEngine(RolloutEngine):
                  **server_kwargs):
         self.model_path, self.colocated = model_path, colocated
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks
+        # SGLang's memory saver only where memory is released between phases (colocated): it is off in
+        # sglang.Engine's defaults, and a disaggregated server has no use for it
+        server_kwargs = {"memory_saver": colocated} | server_kwargs
         launch = launch or (lambda i: sglang_server(model_path, tp=tp, gpu=i * tp, **server_kwargs))
         self.servers = [launch(i) for i in range(num_servers)]
         with ThreadPoolExecutor(len(self.servers)) as pool:  # `launch` may hand over running servers

@@ -65,8 +65,7 @@ class Colocation:
         can tell, and on GPU that rank's allocator and the whole device (SGLang's share is the rest)."""
         if not self.enabled:
             return {}
-        train = ray.get(self.groups[0].workers[0].memory.remote())
-        rollout = ray.get(self.rollout.resident_bytes.remote())
+        train, rollout = ray.get([self.groups[0].workers[0].memory.remote(), self.rollout.resident_bytes.remote()])
         out = {f"memory/{label}/train_{k}_gb": v / 1e9 for k, v in train.items()}
         if rollout is not None:
             out[f"memory/{label}/rollout_resident_gb"] = rollout / 1e9

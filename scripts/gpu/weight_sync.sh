@@ -27,7 +27,7 @@ run() {  # name, limit in seconds, command...
   echo "   exit $? after ${SECONDS}s total"; tail -n 4 "$OUT/$name.log"
 }
 run sync_tp1 300 $B sync --models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b --verify --out "$OUT/sync_tp1.json" $LOGS
-run throughput 150 $B throughput --models qwen2.5-0.5b --out "$OUT/throughput.json" $LOGS
+run throughput 240 $B throughput --models qwen2.5-0.5b --out "$OUT/throughput.json" $LOGS
 if [ "$GPUS" -ge 2 ]; then
   run sync_tp2 110 $B sync --models qwen2.5-7b --server-tp 2 --formats flattened_bucket persistent \
     --out "$OUT/sync_tp2.json" $LOGS
@@ -64,5 +64,6 @@ t = load("throughput.json")
 if t:
     print(f"rollout tok/s ({t.get('model')}, {t.get('prompts')} prompts x n={t.get('n')} x {t.get('new_tokens')} new): "
           f"megarl {t.get('megarl_tok_s', float('nan')):.0f}, sglang.Engine {t.get('sglang_engine_tok_s', float('nan')):.0f}, "
-          f"ratio {t.get('ratio', float('nan')):.3f}")
+          f"ratio {t.get('ratio', float('nan')):.3f}; megarl with SGLang's memory saver (as colocated) "
+          f"{t.get('megarl_memory_saver_tok_s', float('nan')):.0f}, ratio {t.get('ratio_memory_saver', float('nan')):.3f}")
 PY
