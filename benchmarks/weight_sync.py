@@ -1,28 +1,38 @@
 """Weight sync into real SGLang servers, and rollout throughput against SGLang's own Engine.
 
-Parts (one process each; each writes its JSON to --out, so one failing part loses nothing else):
-  sync        colocated CUDA IPC. Per model (random Qwen2-shape, SGLang --load-format dummy, one server
-              per model reused for every measurement), per payload format of transports/cuda_ipc.py
-              (tensors, flattened_bucket, persistent): a warm-up sync, then the best of --trials timed
-              syncs from the end of a train step (CUDA synchronised) to SGLang ready to generate:
-                resume   - SGLang takes back its weights memory (released during training),
+Parts (one process each; each writes its JSON to --out after every measurement, so one failing part, or
+a time limit, loses nothing already measured):
+  sync        colocated CUDA IPC through megarl's own path: SGLangRolloutEngine (colocated) and
+              workers.weight_sync.push_policy, as the trainer runs them. Per model (random Qwen2 shape,
+              SGLang --load-format dummy, one server per model), per --bucket-mb and payload format of
+              transports/cuda_ipc.py: a warm-up sync, then the best of --trials timed syncs from the end of
+              a train step (CUDA synchronised; SGLang holds neither weights nor KV cache, as after a
+              release) to SGLang ready to generate:
+                resume   - begin_weight_update: SGLang takes its weights memory back,
                 gather   - training-TP all-gathers (0 here: the policy is at TP=1),
                 convert  - megarl.parallel.reshard yields HF-named tensors (q/k/v, gate/up cut out of
                            the fused megatron weights), time the main thread spends producing buckets,
                 pack     - the format's copy into a flat buffer and the IPC handles' serialisation,
                 transfer - time the main thread waits on /update_weights_from_tensor (bucket k is posted
                            in a thread while bucket k+1 is converted and packed),
-                ready    - flush the prefix cache, resume the KV cache;
+                ready    - resume_kv_cache: the KV cache back (kv) and the prefix cache dropped if
+                           needed (flush);
               effective GB/s = bytes / total. --server-tp 2 puts one TP=2 server on GPUs 0-1 (trainer on 0).
               With --verify, after each format's timed syncs SGLang checks itself bit for bit (its weights
               checker: what the format delivered vs its own loader reading the exported tensors).
+              Sync-only servers skip what only generation needs (CUDA graphs, the warm-up request): no
+              forward pass runs, so start-up compiles nothing; the update path is the training one.
   throughput  megarl's rollout path (SGLangRolloutEngine.generate: HTTP, n samples, log-probs) against
               sglang.Engine.generate in-process on the same requests (same n, log-probs, ignore_eos).
   nccl        disaggregated: trainer on GPU 0, a TP=1 server on GPU 1, weights broadcast over NCCL
               (init_weights_update_group / update_weights_from_distributed), flattened and per-tensor,
               verified bit for bit as above.
+  table       the short table of the JSON files in --out-dir, parts in --parts order.
 
-    python benchmarks/weight_sync.py sync --models qwen2.5-0.5b qwen2.5-7b --out sync.json
+--dry-run (any GPU part) checks the plumbing on a CPU: no server, no GPU; rows carry the sizes, zero times
+and dry_run=true.
+
+    python benchmarks/weight_sync.py sync --models qwen2.5-7b --formats persistent --out sync.json
 """
 
 from __future__ import annotations
@@ -41,6 +51,12 @@ import torch
 
 from megarl.plan import load_model_config
 from megarl.utils.provenance import source_commit
+
+# What a sync-only server skips: only generation needs CUDA graphs or the warm-up request. Without them no
+# forward pass runs, so start-up JIT-compiles nothing (~45 s instead of 80-145 s on an H200); the weights
+# memory, loaders and KV cache (its size: the same mem fraction) are the training run's. With CUDA graphs
+# the ready step would also resume their memory pool (small next to the KV cache).
+SYNC_ONLY_SERVER = dict(load_format="dummy", cuda_graph=False, extra_args=("--skip-server-warmup",))
 
 
 def _now() -> float:
@@ -87,69 +103,108 @@ class Policy:
         return {n: t.detach().cpu() for b in self.buckets(bucket_mb) for n, t in b}
 
 
-def timed_sync(endpoints, send_bucket, buckets) -> dict:
-    """One sync, colocated: resume weights, stream the buckets, flush and resume the KV cache."""
-    from megarl.rollout.transports.cuda_ipc import send_overlapped
+def model_bytes(name: str) -> tuple[int, int]:
+    """Parameters and bf16 bytes of a model config's HF tensors (what one full sync moves)."""
+    from megarl.parallel.inventory import hf_inventory
 
-    for e in endpoints:
-        e.post("/release_memory_occupation", {})  # as during training
+    params = sum(s.numel for s in hf_inventory(load_model_config(name)))
+    return params, 2 * params
+
+
+def time_posts(server, seconds: dict) -> None:
+    """Add the seconds each of the server's own calls takes to `seconds`, by path and memory tags (the
+    engine's resume and flush calls; bucket posts go through other Endpoint objects)."""
+    post = server.post
+
+    def timed(path, payload=None, timeout=None):
+        key = " ".join([path, *(payload or {}).get("tags", [])])
+        start = time.perf_counter()
+        try:
+            return post(path, payload, timeout)
+        finally:
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+
+    server.post = timed
+
+
+def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict) -> dict:
+    """One colocated sync as the trainer runs it: from the end of a train step (SGLang released its weights
+    and KV cache) through push_policy (resume weights, stream the buckets) to resume_kv_cache."""
+    from megarl.workers.weight_sync import push_policy
+
+    engine.release_memory()  # as during training
+    posts.clear()
     t0 = _now()
-    for e in endpoints:
-        e.post("/resume_memory_occupation", {"tags": ["weights"]})
-    t1 = _now()
-    stats = send_overlapped(buckets, send_bucket)
-    t2 = _now()
-    for e in endpoints:
-        e.post("/flush_cache")
-        e.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
-    t3 = _now()
-    return dict(bytes=stats["bytes"], buckets=stats["buckets"], total_s=t3 - t0, resume_s=t1 - t0, gather_s=0.0,
-                convert_s=stats["produce_s"], pack_s=stats["prepare_s"], transfer_s=stats["wait_s"],
-                ready_s=t3 - t2, gb_per_s=stats["bytes"] / (t3 - t0) / 1e9)
+    report = push_policy(buckets, begin=engine.begin_weight_update, end=engine.end_weight_update, load=None,
+                         verify=False, weight_format=fmt, senders=senders)
+    t1 = time.perf_counter()
+    engine.resume_kv_cache()
+    t2 = time.perf_counter()
+    return dict(bytes=report["bytes"], total_s=t2 - t0, resume_s=report["begin_s"], gather_s=0.0,
+                convert_s=report["gather_convert_s"], pack_s=report["pack_s"], transfer_s=report["transfer_s"],
+                end_s=report["end_s"], ready_s=t2 - t1, flush_s=posts.get("/flush_cache", 0.0),
+                kv_s=posts.get("/resume_memory_occupation kv_cache cuda_graph", 0.0),
+                gb_per_s=report["bytes"] / (t2 - t0) / 1e9)
+
+
+def _print_row(row: dict) -> None:
+    print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
 
 
 def part_sync(args) -> list[dict]:
-    from megarl.rollout.sglang import sglang_server, verify_inside_sglang
-    from megarl.rollout.transports.cuda_ipc import CudaIpcSender
+    from megarl.rollout.sglang import SGLangRolloutEngine, sglang_server, verify_inside_sglang
 
     rows = []
     for name in args.models:
+        params, nbytes = model_bytes(name)
+        if args.dry_run:
+            for bucket_mb in args.bucket_mb:
+                for fmt in args.formats:
+                    rows.append(dict(model=name, params=params, format=fmt, server_tp=args.server_tp,
+                                     bucket_mb=bucket_mb, bytes=nbytes, dry_run=True, **dict.fromkeys(TIMES, 0.0),
+                                     gb_per_s=0.0, verified="planned" if args.verify else None))
+                    _print_row(rows[-1])
+                    _write(args, rows)
+            continue
         model_dir = model_dir_for(name)
-        server = sglang_server(str(model_dir), tp=args.server_tp, load_format="dummy", mem_fraction=args.mem_fraction,
-                               log_dir=args.log_dir, startup_timeout=args.startup_timeout, request_timeout=120)
+        server = sglang_server(str(model_dir), tp=args.server_tp, mem_fraction=args.mem_fraction, log_dir=args.log_dir,
+                               startup_timeout=args.startup_timeout, request_timeout=120, **SYNC_ONLY_SERVER)
         policy = None
         try:
             t = time.perf_counter()
-            server.start()
+            engine = SGLangRolloutEngine(str(model_dir), tp=args.server_tp, colocated=True, launch=lambda i: server)
             startup = time.perf_counter() - t
+            posts: dict[str, float] = {}
+            time_posts(server, posts)
             policy = Policy(name)
-            endpoints = [server.endpoint()]
-            for fmt in args.formats:
-                try:
-                    sender = CudaIpcSender(endpoints, fmt)
-                    trials = [timed_sync(endpoints, sender.send, policy.buckets(args.bucket_mb))
-                              for _ in range(args.trials + 1)][1:]  # the first warms up IPC and loader paths
-                    best = min(trials, key=lambda r: r["total_s"])
-                    row = dict(model=name, params=sum(s.numel for s in policy.specs), format=fmt,
-                               server_tp=args.server_tp, bucket_mb=args.bucket_mb, startup_s=startup,
-                               trials_total_s=[r["total_s"] for r in trials], **best)
-                    if args.verify and name == args.models[0]:
-                        t = time.perf_counter()
-                        verify_inside_sglang(endpoints, policy.received(args.bucket_mb), str(model_dir),
-                                             Path(tempfile.mkdtemp(prefix="verify-")))
-                        row |= dict(verified=True, verify_s=time.perf_counter() - t)
-                    del sender
-                except Exception as error:  # one format failing must not lose the others
-                    row = dict(model=name, format=fmt, server_tp=args.server_tp, error=repr(error),
-                               trace=traceback.format_exc()[-3000:], server_log=server.log_tail(20))
-                print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
-                rows.append(row)
-                _write(args.out, rows)
+            for bucket_mb in args.bucket_mb:
+                for fmt in args.formats:
+                    try:
+                        senders: dict = {}  # one CudaIpcSender per format and bucket size, kept across its syncs
+                        trials = [timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts)
+                                  for _ in range(args.trials + 1)][1:]  # the first warms up IPC and loader paths
+                        best = min(trials, key=lambda r: r["total_s"])
+                        row = dict(model=name, params=params, format=fmt, server_tp=args.server_tp, bucket_mb=bucket_mb,
+                                   startup_s=startup, server_args=server.command[3:],
+                                   trials_total_s=[r["total_s"] for r in trials], **best)
+                        if args.verify:
+                            t = time.perf_counter()
+                            verify_inside_sglang([server.endpoint()], policy.received(bucket_mb), str(model_dir),
+                                                 Path(tempfile.mkdtemp(prefix="verify-")))
+                            row |= dict(verified=True, verify_s=time.perf_counter() - t)
+                        senders.clear()
+                    except Exception as error:  # one format failing must not lose the others
+                        row = dict(model=name, format=fmt, server_tp=args.server_tp, bucket_mb=bucket_mb,
+                                   error=repr(error), trace=traceback.format_exc()[-3000:],
+                                   server_log=server.log_tail(20))
+                    _print_row(row)
+                    rows.append(row)
+                    _write(args, rows)
         except Exception as error:
-            rows.append(dict(model=name, server_tp=args.server_tp, error=repr(error), trace=traceback.format_exc()[-3000:],
-                             server_log=server.log_tail(40)))
-            print(rows[-1], flush=True)
-            _write(args.out, rows)
+            rows.append(dict(model=name, server_tp=args.server_tp, error=repr(error),
+                             trace=traceback.format_exc()[-3000:], server_log=server.log_tail(40)))
+            _print_row(rows[-1])
+            _write(args, rows)
         finally:
             server.shutdown()
             del policy
@@ -164,12 +219,17 @@ def part_throughput(args) -> dict:
     from megarl.rollout.sglang import SGLangRolloutEngine
 
     name = args.models[0]
-    model_dir = model_dir_for(name)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(100, 10000, (args.prompts, args.prompt_len), generator=g).tolist() for _ in range(2)]
     n, new = args.n, args.new_tokens
     sampling = {"max_new_tokens": new, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
     result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new)
+    if args.dry_run:
+        result |= dict(dry_run=True, megarl_tok_s=0.0, megarl_memory_saver_tok_s=0.0, sglang_engine_tok_s=0.0,
+                       ratio=0.0, ratio_memory_saver=0.0)
+        _write(args, result)
+        return result
+    model_dir = model_dir_for(name)
     # ignore_eos on every path: the dummy model's EOS would otherwise end rows at random
     # megarl's HTTP path with the server as sglang.Engine runs (no memory saver: megarl_tok_s), and as the
     # colocated trainer launches it (memory saver on: megarl_memory_saver_tok_s), to split the gap
@@ -184,7 +244,7 @@ def part_throughput(args) -> dict:
                 gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
                 rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
             result[key] = rates[-1]
-            _write(args.out, result)
+            _write(args, result)
         finally:
             engine.shutdown()
     import sglang
@@ -205,7 +265,7 @@ def part_throughput(args) -> dict:
     finally:
         llm.shutdown()
         shutil.rmtree(model_dir, ignore_errors=True)
-    _write(args.out, result)
+    _write(args, result)
     return result
 
 
@@ -215,12 +275,24 @@ def part_nccl(args) -> list[dict]:
 
     rows = []
     name = args.models[0]
+    if args.dry_run:
+        params, nbytes = model_bytes(name)
+        for flattened in (True, False):
+            rows.append(dict(model=name, transport="nccl", flattened=flattened, bucket_mb=args.bucket_mb[0],
+                             bytes=nbytes, dry_run=True, total_s=0.0, gb_per_s=0.0,
+                             verified="planned" if args.verify else None))
+            _print_row(rows[-1])
+            _write(args, rows)
+        return rows
     model_dir = model_dir_for(name)
-    server = sglang_server(str(model_dir), gpu=1, load_format="dummy", mem_fraction=0.5, memory_saver=False,
-                           log_dir=args.log_dir, startup_timeout=args.startup_timeout, request_timeout=120)
+    server = sglang_server(str(model_dir), gpu=1, mem_fraction=0.5, memory_saver=False, log_dir=args.log_dir,
+                           startup_timeout=args.startup_timeout, request_timeout=120, **SYNC_ONLY_SERVER)
     try:
+        t = time.perf_counter()
         server.start()
+        startup = time.perf_counter() - t
         policy = Policy(name)
+        bucket_mb = args.bucket_mb[0]
         for flattened in (True, False):
             try:
                 transport = NcclBroadcast(server.endpoint(), "127.0.0.1", free_port(),
@@ -229,64 +301,133 @@ def part_nccl(args) -> list[dict]:
                 for _ in range(args.trials + 1):
                     t0 = _now()
                     nbytes = 0
-                    for bucket in policy.buckets(args.bucket_mb):
+                    for bucket in policy.buckets(bucket_mb):
                         transport.send_bucket(bucket, flush_cache=False)
                         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                     server.post("/flush_cache")
                     t1 = _now()
                     trials.append(dict(bytes=nbytes, total_s=t1 - t0, gb_per_s=nbytes / (t1 - t0) / 1e9))
-                row = dict(model=name, transport="nccl", flattened=flattened, bucket_mb=args.bucket_mb,
+                row = dict(model=name, transport="nccl", flattened=flattened, bucket_mb=bucket_mb, startup_s=startup,
+                           trials_total_s=[r["total_s"] for r in trials[1:]],
                            **min(trials[1:], key=lambda r: r["total_s"]))
                 if args.verify:
-                    verify_inside_sglang([server.endpoint()], policy.received(args.bucket_mb), str(model_dir),
+                    t = time.perf_counter()
+                    verify_inside_sglang([server.endpoint()], policy.received(bucket_mb), str(model_dir),
                                          Path(tempfile.mkdtemp(prefix="verify-")))
-                    row["verified"] = True
+                    row |= dict(verified=True, verify_s=time.perf_counter() - t)
                 transport.close()
             except Exception as error:
                 row = dict(model=name, transport="nccl", flattened=flattened, error=repr(error),
                            trace=traceback.format_exc()[-3000:], server_log=server.log_tail(20))
-            print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
+            _print_row(row)
             rows.append(row)
-            _write(args.out, rows)
+            _write(args, rows)
     finally:
         server.shutdown()
         shutil.rmtree(model_dir, ignore_errors=True)
     return rows
 
 
-def _write(path: str, data) -> None:
-    if not path:
+TIMES = ("total_s", "resume_s", "gather_s", "convert_s", "pack_s", "transfer_s", "end_s", "ready_s", "kv_s", "flush_s")
+
+
+def _write(args, data) -> None:
+    if not args.out:
         return
-    Path(path).write_text(json.dumps(dict(commit=source_commit(), gpu=torch.cuda.get_device_name(), results=data), indent=2))
+    gpu = "dry run (no GPU)" if args.dry_run else torch.cuda.get_device_name()
+    Path(args.out).write_text(json.dumps(dict(commit=source_commit(), gpu=gpu, results=data), indent=2))
 
 
-def main() -> None:
+def table(out_dir: Path, parts: list[str]) -> str:
+    """The short table of the parts' JSON files, in `parts` order; a part without results says so."""
+    head = ("| part | model | format | tp | bucket MB | GB | total s | resume | convert | pack | transfer "
+            "| ready (kv + flush) | GB/s | verified |")
+    lines, tail = [head, "|" + " --- |" * 14], []
+    for part in parts:
+        try:
+            data = json.loads((out_dir / f"{part}.json").read_text())
+        except (OSError, ValueError) as error:
+            lines.append(f"| {part} | no results (skipped, or failed: see {part}.log) |")
+            continue
+        results, dry = data.get("results"), " (dry run)" if "dry run" in str(data.get("gpu")) else ""
+        if part == "throughput":
+            f = lambda k: f"{results.get(k, float('nan')):.0f}"
+            r = lambda k: f"{results.get(k, float('nan')):.3f}"
+            tail.append(f"rollout tok/s{dry} ({results.get('model')}, {results.get('prompts')} prompts "
+                        f"x n={results.get('n')} x {results.get('new_tokens')} new): megarl {f('megarl_tok_s')}, "
+                        f"sglang.Engine {f('sglang_engine_tok_s')}, ratio {r('ratio')}; megarl with SGLang's memory "
+                        f"saver (as colocated) {f('megarl_memory_saver_tok_s')}, ratio {r('ratio_memory_saver')}")
+            continue
+        for r in results:
+            fmt = f"nccl flattened={r['flattened']}" if r.get("transport") == "nccl" else r.get("format", "")
+            start = f"| {part}{dry} | {r['model']} | {fmt} | {r.get('server_tp', 1)} | {r.get('bucket_mb', '')} |"
+            if "error" in r:
+                lines.append(f"{start} ERROR {r['error'][:100]} |")
+                continue
+            x = lambda k: f"{r[k]:.3f}" if k in r else ""
+            ready = f"{x('ready_s')} ({x('kv_s')} + {x('flush_s')})" if "ready_s" in r else ""
+            lines.append(f"{start} {r['bytes'] / 1e9:.2f} | {x('total_s')} | {x('resume_s')} | {x('convert_s')} | "
+                         f"{x('pack_s')} | {x('transfer_s')} | {ready} | {r['gb_per_s']:.1f} | "
+                         f"{r.get('verified') or ''} |")
+    return "\n".join(lines + tail)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megarl.rollout.transports.cuda_ipc import FORMATS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=["sync", "throughput", "nccl"])
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"])
-    parser.add_argument("--formats", nargs="+", default=["tensors", "flattened_bucket", "persistent"])
-    parser.add_argument("--bucket-mb", type=int, default=1024)
-    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("part", choices=["sync", "throughput", "nccl", "table"])
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-7b", "qwen2.5-1.5b", "qwen2.5-0.5b"],
+                        help="model configs (configs/models/ names or config.json paths), measured in this order")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["persistent", "flattened_bucket", "tensors"],
+                        help="CUDA IPC payload formats, measured in this order")
+    parser.add_argument("--bucket-mb", nargs="+", type=int, default=[1024], help="bucket sizes (MiB), in this order")
+    parser.add_argument("--trials", type=int, default=2, help="timed syncs per format after one warm-up")
     parser.add_argument("--server-tp", type=int, default=1)
-    parser.add_argument("--mem-fraction", type=float, default=0.35)
-    parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--mem-fraction", type=float, default=0.35,
+                        help="SGLang --mem-fraction-static (the GRPO run's: the KV cache the ready step resumes)")
+    parser.add_argument("--verify", action="store_true", help="SGLang checks what it received bit for bit")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--startup-timeout", type=float, default=300)
-    parser.add_argument("--out", default="")
-    parser.add_argument("--log-dir", default=tempfile.gettempdir())
-    args = parser.parse_args()
+    parser.add_argument("--out", default="", help="the part's JSON, rewritten after every measurement")
+    parser.add_argument("--log-dir", default=tempfile.gettempdir(), help="SGLang server logs")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU, no server: sizes, order and JSON only")
+    parser.add_argument("--out-dir", default="", help="table: the directory of the parts' JSON files")
+    parser.add_argument("--parts", nargs="+", default=[], help="table: the parts (JSON file stems), in this order")
+    args = parser.parse_args(argv)
+    if args.part == "table" and not args.out_dir:
+        parser.error("table needs --out-dir")
+    if min(args.bucket_mb) < 1 or args.trials < 1:
+        parser.error(f"--bucket-mb and --trials must be >= 1, got {args.bucket_mb} and {args.trials}")
+    for name in args.models:
+        try:
+            load_model_config(name)
+        except (OSError, ValueError) as error:
+            parser.error(f"--models {name}: {error}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.part == "table":
+        print(table(Path(args.out_dir), args.parts))
+        return
+    if args.dry_run:
+        {"sync": part_sync, "nccl": part_nccl, "throughput": part_throughput}[args.part](args)
+        return
     # the GPU script's `timeout` sends SIGTERM: exit through the finally blocks, which shut the servers down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.part == "throughput":
         part_throughput(args)
         return
     from megarl.parallel.state import destroy_parallel, init_parallel
+    from megarl.rollout.sglang import free_port
 
     torch.cuda.set_device(0)
-    init_parallel(0, 1, "127.0.0.1", 29555, device="cuda")
+    init_parallel(0, 1, "127.0.0.1", free_port(), device="cuda")
     try:
         (part_sync if args.part == "sync" else part_nccl)(args)
     finally:

@@ -251,6 +251,7 @@ class SGLangRolloutEngine(RolloutEngine):
             if state.kv_released:
                 server.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
                 state.kv_released = False
+                state.flush = False  # releasing the KV cache flushed the prefix cache: nothing stale since
             if state.flush:
                 server.post("/flush_cache")
                 state.flush = False

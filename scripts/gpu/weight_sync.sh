@@ -1,69 +1,63 @@
 #!/usr/bin/env bash
-# GPU run of issue 4's weight sync and rollout throughput (benchmarks/weight_sync.py), 1 or 2 GPUs, after
-# the bundle's install.sh (../shared/device/README.md). Expected: ~6 min on one H200, ~8 on two.
-#   sync_tp1   colocated CUDA IPC into a TP=1 server, 0.5B / 1.5B / 7B random Qwen2 shapes (dummy load),
-#              payload formats tensors / flattened_bucket / persistent, time split and GB/s; 0.5B
-#              verified bit for bit inside SGLang (weights checker) for every format.
-#   throughput megarl's SGLangRolloutEngine.generate vs sglang.Engine.generate, same requests (0.5B).
-#   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0.
+# GPU run of issue 4's weight sync and rollout throughput (benchmarks/weight_sync.py), after the bundle's
+# install.sh (../shared/device/README.md). One call each, within BUDGET seconds (default 530) of parts:
+#   1 GPU  (default PARTS="sync_7b sync_1.5b sync_0.5b throughput"): ~7.5 min expected, 9 at most.
+#   2 GPUs (default PARTS="sync_tp2 nccl"):                           ~4.5 min expected, 9 at most.
+# Parts, in PARTS order, each its own process with its own time limit (capped by what is left of BUDGET;
+# a part with under 45 s left is skipped): one failing or timing out keeps everything measured before it.
+#   sync_7b    colocated CUDA IPC into a TP=1 server, random Qwen2.5-7B shape (dummy load), the number that
+#              matters: formats persistent / flattened_bucket / tensors x buckets 1024 / 2048 MiB  (~90 s)
+#   sync_1.5b  the same at 1.5B, 1024 MiB buckets                                                  (~65 s)
+#   sync_0.5b  the same at 0.5B, each format verified bit for bit inside SGLang (weights checker)   (~70 s)
+#   throughput megarl's SGLangRolloutEngine.generate (without and with the memory saver) vs sglang.Engine,
+#              same requests, 0.5B; CUDA graphs, so the first of its 3 starts JIT-compiles      (~220 s)
+#   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0                          (~110 s)
 #   nccl       (2 GPUs) disaggregated: server on GPU 1, NCCL broadcast from GPU 0, 7B, flattened and
-#              per-tensor, verified bit for bit.
-# Each part is its own process with its own time limit: one failing keeps the others' numbers. Logs,
-# server logs and JSON go to $OUT; a short table is printed last.
+#              per-tensor, each verified bit for bit (a 15 GB safetensors export each)              (~160 s)
+# Sync-only servers run without CUDA graphs or the warm-up request (nothing to JIT at start-up; the weight
+# update path is the training one). JSON is written after every measurement, logs and server-log tails go
+# to $OUT, and a short table is printed last. DRY=1 checks the plumbing on a CPU (no GPU, no server).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-weight-sync}; mkdir -p "$OUT/server_logs"
-B="python3 benchmarks/weight_sync.py"
-LOGS="--log-dir $OUT/server_logs"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
-GPUS=$(nvidia-smi -L | wc -l)
-run() {  # name, limit in seconds, command...
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s)"
-  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "   exit $? after ${SECONDS}s total"; tail -n 4 "$OUT/$name.log"
-}
-run sync_tp1 300 $B sync --models qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b --verify --out "$OUT/sync_tp1.json" $LOGS
-run throughput 240 $B throughput --models qwen2.5-0.5b --out "$OUT/throughput.json" $LOGS
-if [ "$GPUS" -ge 2 ]; then
-  run sync_tp2 110 $B sync --models qwen2.5-7b --server-tp 2 --formats flattened_bucket persistent \
-    --out "$OUT/sync_tp2.json" $LOGS
-  run nccl 110 $B nccl --models qwen2.5-7b --verify --out "$OUT/nccl.json" $LOGS
+PY=${PY:-python3}
+BUDGET=${BUDGET:-530}
+if [ -n "${DRY:-}" ]; then
+  GPUS=${GPUS:-1}; DRYARG=--dry-run; echo "dry run (no GPU)" > "$OUT/gpu.txt"
+else
+  DRYARG=""
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
+  GPUS=$(nvidia-smi -L | wc -l)
 fi
+if [ "$GPUS" -ge 2 ]; then PARTS=${PARTS:-sync_tp2 nccl}; else PARTS=${PARTS:-sync_7b sync_1.5b sync_0.5b throughput}; fi
+B="$PY benchmarks/weight_sync.py"
+part_command() {  # name -> "limit_seconds command..."
+  local common="--log-dir $OUT/server_logs --out $OUT/$1.json $DRYARG"
+  case $1 in
+    sync_7b)    echo "200 $B sync --models qwen2.5-7b --bucket-mb 1024 2048 --trials 3 $common" ;;
+    sync_1.5b)  echo "120 $B sync --models qwen2.5-1.5b --trials 3 $common" ;;
+    sync_0.5b)  echo "130 $B sync --models qwen2.5-0.5b --trials 3 --verify $common" ;;
+    throughput) echo "260 $B throughput --models qwen2.5-0.5b $common" ;;
+    sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --bucket-mb 1024 2048 --trials 3 $common" ;;
+    nccl)       echo "300 $B nccl --models qwen2.5-7b --verify $common" ;;
+    *)          echo "" ;;
+  esac
+}
+for name in $PARTS; do
+  spec=$(part_command "$name")
+  if [ -z "$spec" ]; then echo "== $name: unknown part (known: sync_7b sync_1.5b sync_0.5b throughput sync_tp2 nccl)"; continue; fi
+  if [[ "$name" == sync_tp2 || "$name" == nccl ]] && [ "$GPUS" -lt 2 ]; then echo "== $name: needs 2 GPUs, skipped"; continue; fi
+  limit=${spec%% *}; left=$(( BUDGET - SECONDS ))
+  (( limit > left )) && limit=$left
+  if (( limit < 45 )); then echo "== $name: skipped, ${left}s of the ${BUDGET}s budget left"; continue; fi
+  echo "== $name (limit ${limit}s, at ${SECONDS}s)"
+  timeout -k 15 "$limit" ${spec#* } > "$OUT/$name.log" 2>&1
+  echo "   exit $? at ${SECONDS}s"; tail -n 3 "$OUT/$name.log"
+done
 # keep only the server logs' tails (the files that come back are limited)
 for f in "$OUT"/server_logs/*.log; do [ -f "$f" ] && tail -n 60 "$f" > "$f.tail" && rm "$f"; done
-echo "== weight sync on $(head -1 "$OUT/gpu.txt") ($GPUS GPU(s)), ${SECONDS}s"
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-def load(name):
-    try:
-        return json.loads((out / name).read_text())["results"]
-    except Exception as e:
-        print(f"{name}: no results ({e})"); return []
-print("| part | model | format | tp | GB | total s | resume | convert | pack | transfer | ready | GB/s | verified |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-for part in ("sync_tp1.json", "sync_tp2.json"):
-    for r in load(part) if (out / part).exists() or part == "sync_tp1.json" else []:
-        if "error" in r:
-            print(f"| {part[:-5]} | {r['model']} | {r.get('format', '')} | {r.get('server_tp')} | ERROR {r['error'][:80]} |"); continue
-        print(f"| {part[:-5]} | {r['model']} | {r['format']} | {r['server_tp']} | {r['bytes']/1e9:.2f} | {r['total_s']:.3f} "
-              f"| {r['resume_s']:.3f} | {r['convert_s']:.3f} | {r['pack_s']:.3f} | {r['transfer_s']:.3f} | {r['ready_s']:.3f} "
-              f"| {r['gb_per_s']:.1f} | {r.get('verified', '')} |")
-if (out / "nccl.json").exists():
-    for r in load("nccl.json"):
-        if "error" in r:
-            print(f"| nccl | {r['model']} | flattened={r['flattened']} | 1 | ERROR {r['error'][:80]} |"); continue
-        print(f"| nccl | {r['model']} | flattened={r['flattened']} | 1 | {r['bytes']/1e9:.2f} | {r['total_s']:.3f} "
-              f"| | | | | | {r['gb_per_s']:.1f} | {r.get('verified', '')} |")
-t = load("throughput.json")
-if t:
-    print(f"rollout tok/s ({t.get('model')}, {t.get('prompts')} prompts x n={t.get('n')} x {t.get('new_tokens')} new): "
-          f"megarl {t.get('megarl_tok_s', float('nan')):.0f}, sglang.Engine {t.get('sglang_engine_tok_s', float('nan')):.0f}, "
-          f"ratio {t.get('ratio', float('nan')):.3f}; megarl with SGLang's memory saver (as colocated) "
-          f"{t.get('megarl_memory_saver_tok_s', float('nan')):.0f}, ratio {t.get('ratio_memory_saver', float('nan')):.3f}")
-PY
+echo "== weight sync on $(head -1 "$OUT/gpu.txt") ($GPUS GPU(s)), ${SECONDS}s; goal >= 100 GB/s effective"
+$B table --out-dir "$OUT" --parts $PARTS

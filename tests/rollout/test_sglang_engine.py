@@ -185,9 +185,12 @@ def test_colocated_memory_cycle(tmp_path):
         assert calls == [("/release_memory_occupation", ["kv_cache", "cuda_graph"]),  # after the 1st rollout
                          ("/release_memory_occupation", ["weights"]),  # release_memory: what is still held
                          ("/resume_memory_occupation", ["weights"]),                # sync begins
-                         ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),  # rollout: KV back,
-                         ("/flush_cache", None),                                    # stale prefixes dropped
-                         ("/release_memory_occupation", ["kv_cache", "cuda_graph"])]
+                         ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),  # rollout: KV back (its
+                         ("/release_memory_occupation", ["kv_cache", "cuda_graph"])]  # release flushed it)
+        e.resume_kv_cache()  # KV cache held through the next sync: its prefixes go stale, so they are flushed
+        e.begin_weight_update()
+        e.resume_kv_cache()
+        assert [r["path"] for r in log(server)][-2:] == ["/resume_memory_occupation", "/flush_cache"]
     finally:
         e.shutdown()
 
