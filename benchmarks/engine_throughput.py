@@ -26,10 +26,11 @@ notes/gpu-anchors.md, 6 * N * T + 12 * L * h * s * T, with the attention term su
 (a token of sequence i attends to its n_i tokens; equal lengths s give sum_i n_i^2 = s * T).
 PEAK_FLOPS = 989e12: the dense bf16 tensor-core peak of one H100/H200 SXM (no sparsity).
 
-On the H200 (one GPU; two GPUs with --tp 2 through torchrun):
+On the H200 (one GPU; more through torchrun: DP = ranks / (TP * PP), e.g. TP=2 x PP=2 on four GPUs):
     python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput_h200.json
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --out benchmarks/results/engine_throughput_h200_tp2.json
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --sequence-parallel --out ...
+    torchrun --nproc-per-node 4 benchmarks/engine_throughput.py --tp 2 --pp 2 --out ...
 On a CPU, a tiny model for a smoke test:
     python benchmarks/engine_throughput.py --size tiny --out /tmp/engine_throughput.json
 """
@@ -115,7 +116,7 @@ class BareLoop:
     vocab-parallel cross entropy of the next token, averaged over the real tokens."""
 
     def __init__(self, hf: dict, tp: int, dtype: torch.dtype, device: str, attention: str, lr: float,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, pp: int = 1):
         from megatron.core import parallel_state
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
@@ -130,11 +131,12 @@ class BareLoop:
         from megarl.models.decoder import decoder_block_spec
 
         family = get_family(hf)
-        config = family.transformer_config(hf, tp, 1, dtype, use_cpu_initialization=device == "cpu",
+        config = family.transformer_config(hf, tp, pp, dtype, use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size())
         config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
         spec = decoder_block_spec(with_core_attention(family.layer_spec(hf), attention), config)
-        gpt = GPTModel(config, spec, pre_process=True, post_process=True, **family.gpt_model_kwargs(hf, tp))
+        gpt = GPTModel(config, spec, pre_process=parallel_state.is_pipeline_first_stage(),
+                       post_process=parallel_state.is_pipeline_last_stage(), **family.gpt_model_kwargs(hf, tp))
         reset_rotary_positions(gpt)  # RoPE by the packed position ids, as the engine does
         gpt = gpt.to(torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device)
         module = Float16Module(config, gpt) if dtype == torch.bfloat16 else gpt
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (data-parallel size = ranks / (tp * pp))")
     parser.add_argument("--attention", choices=["auto", "varlen", "sdpa", "local"], default="auto",
                         help="core attention (auto: varlen on GPU where torch has it, else sdpa)")
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (TP > 1)")
@@ -214,7 +217,8 @@ def main() -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     attention = resolve_core_attention(args.attention, device)
     sp = args.sequence_parallel and args.tp > 1
-    print(f"attention={attention} sequence_parallel={sp} tp={args.tp} device={device} torch={torch.__version__}")
+    print(f"attention={attention} sequence_parallel={sp} tp={args.tp} pp={args.pp} device={device} "
+          f"torch={torch.__version__}")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         with socket.socket() as s:
@@ -223,7 +227,7 @@ def main() -> None:
         addr = "127.0.0.1"
     else:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    init_parallel(rank, world, addr, port, tp=args.tp, device=device, seed=1)
+    init_parallel(rank, world, addr, port, tp=args.tp, pp=args.pp, device=device, seed=1)
     try:
         hf = qwen2_config(args.size, args.seq)
         model_dir = Path(tempfile.mkdtemp(prefix="engine-throughput-"))
@@ -238,7 +242,7 @@ def main() -> None:
         results = {}
 
         if not args.skip_bare:
-            bare = BareLoop(hf, args.tp, dtype, device, attention, lr=1e-5, sequence_parallel=sp)
+            bare = BareLoop(hf, args.tp, dtype, device, attention, lr=1e-5, sequence_parallel=sp, pp=args.pp)
             mbs = pack_micro_batches(share, [], _device(device), 1, args.max_tokens,
                                      width_multiple=args.tp if sp else 1)
             targets = float(sum(lengths) - len(lengths))  # next-token targets in the whole batch, all DP ranks
@@ -250,7 +254,7 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, sequence_parallel=sp),
+        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, sequence_parallel=sp),
                             micro_batch_size=1, max_tokens_per_micro_batch=args.max_tokens, attention=attention,
                             recompute=args.recompute, precision="bf16" if device == "cuda" else "fp32",
                             optim=OptimConfig(lr=1e-5))
@@ -272,7 +276,7 @@ def main() -> None:
             report = {"commit": source_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": gpus,
                       "torch": torch.__version__, "args": vars(args), "attention": attention,
-                      "sequence_parallel": sp, "model": hf,
+                      "sequence_parallel": sp, "layout": {"tp": args.tp, "pp": args.pp, "dp": dp}, "model": hf,
                       "flop_parameters": flop_parameters(hf),
                       "tokens_per_step": tokens, "flops_per_step": flops, "peak_flops_per_gpu": args.peak_flops,
                       "flops_formula": "6*N*T + 12*L*h*sum(n_i^2), N = 2-D weights except the input embedding",
