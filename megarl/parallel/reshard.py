@@ -246,6 +246,18 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def engine_resharder(engine, rank: int) -> Resharder:
+    """The resharder of a MegatronEngine's policy on this rank, its TP x PP x DP layout from megatron's state."""
+    from megatron.core import parallel_state as mpu
+
+    from megarl.parallel.inventory import hf_inventory
+
+    specs = hf_inventory(engine.hf_config)
+    train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
+                        mpu.get_data_parallel_world_size(), engine.hf_config["num_hidden_layers"])
+    return Resharder(specs, train, held_rows(engine.gpt, engine.weight_maps, specs, train, rank), rank)
+
+
 def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, rank: int) -> dict[str, HeldRows]:
     """For each HF tensor this rank's stage owns, where its rows sit in this rank's megatron shard.
 

@@ -58,17 +58,12 @@ class TrainWorker:
     def _resharder(self):
         """The policy's weight sync (megarl.parallel.reshard) for the TP x PP x DP layouts it models; with
         virtual pipeline stages or expert parallelism the sync falls back to export_hf_weights."""
-        from megarl.parallel.inventory import hf_inventory
-        from megarl.parallel.reshard import Resharder, TrainLayout, held_rows
-        from megatron.core import parallel_state as mpu
+        from megarl.parallel.reshard import engine_resharder
 
         p = self.cfg.actor.parallel
         if p.vpp > 1 or p.ep > 1:
             return None
-        specs = hf_inventory(self.engine.hf_config)
-        train = TrainLayout(p.tp, p.pp, mpu.get_data_parallel_world_size(), self.engine.hf_config["num_hidden_layers"])
-        return Resharder(specs, train, held_rows(self.engine.gpt, self.engine.weight_maps, specs, train, self.rank),
-                         self.rank)
+        return engine_resharder(self.engine, self.rank)
 
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
         return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference)

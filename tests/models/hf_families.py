@@ -31,8 +31,8 @@ def qwen3_config(tied: bool) -> Qwen3Config:
                        tie_word_embeddings=tied, architectures=["Qwen3ForCausalLM"])
 
 
-def qwen3_moe_config(tied: bool, norm_topk_prob: bool) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+def qwen3_moe_config(tied: bool, norm_topk_prob: bool, num_experts: int = 4) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=16,
                           norm_topk_prob=norm_topk_prob, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                           tie_word_embeddings=tied, architectures=["Qwen3MoeForCausalLM"])
 

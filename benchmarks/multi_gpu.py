@@ -1,0 +1,426 @@
+"""Multi-GPU runs of issue 8: resharding into colocated SGLang servers, the disaggregated weight sync over
+NCCL broadcast, and MoE expert parallelism against EP=1. One process per GPU, launched by torchrun; with
+--device cpu the same code runs on gloo at tiny sizes, a recording stand-in taking the SGLang servers' place
+(the smoke test before a GPU run). Rank 0 writes the JSON (--out); the exit status is 1 if a check failed.
+
+  reshard  The policy (random Qwen2 shape, --size) at --tp x --pp (DP = the rest of the ranks) takes
+           --train-steps optimizer steps; then for each --gen-tp g: world / g SGLang servers of TP=g on the
+           same GPUs (dummy weights; generation TP=g x DP=world/g), and the sync as RLTrainer does it: every rank
+           reshards (megarl.parallel.reshard, full delivery, point-to-point over NCCL), the first rank of each
+           generation group posts its buckets into its server by CUDA IPC (weight_sync.push_policy). The first
+           sync is verified per server: what was sent equals the policy exported by megatron's gather path
+           (engine.export_hf_weights, another code path), and SGLang holds exactly what was sent (its weights
+           checker against its own loader, then digests). Then --trials timed syncs, each from the servers'
+           released state (as after a train step) to every server ready to generate (barrier: the slowest
+           rank): seconds, bytes per server and in all, GB/s.
+  disagg   The policy at --tp on all ranks (the training GPUs), one SGLang server of TP=--server-tp on the next
+           GPUs; rank 0 broadcasts each resharded bucket over NCCL (transports/nccl_broadcast.py, flattened),
+           verified and timed as above.
+  moe      A random Qwen3-MoE (--experts, transformers' own model class) at EP=1 and at EP=world in one
+           process group, fp32 and bf16: log-probs and entropy of the same batch at EP=world equal EP=1's
+           (and, fp32, transformers').
+
+    torchrun --nproc-per-node 4 benchmarks/multi_gpu.py reshard --tp 2 --pp 2 --gen-tp 1 2 --out reshard.json
+    torchrun --nproc-per-node 2 benchmarks/multi_gpu.py disagg --tp 2 --server-tp 2 --out disagg.json
+    torchrun --nproc-per-node 4 benchmarks/multi_gpu.py moe --out moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.utils.provenance import source_commit
+from megarl.workers import weight_sync
+
+
+class RecordingEngine:
+    """--device cpu: stands in for a rollout engine's SGLang server, keeping what it is sent."""
+
+    def __init__(self):
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def begin_weight_update(self):
+        return None  # no endpoints: push_policy hands each bucket to update_weights
+
+    def end_weight_update(self, received) -> None:
+        pass
+
+    def update_weights(self, bucket) -> None:
+        self.weights.update((n, t.detach().clone()) for n, t in bucket)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return self.weights
+
+    def release_memory(self) -> None:
+        pass
+
+    def resume_kv_cache(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _now(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _shared_dir(args, name: str) -> Path:
+    """A directory every rank sees (one machine): rank 0 creates it, the others wait at the barrier."""
+    path = Path(args.work_dir) / name
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    dist.barrier()
+    return path
+
+
+def _policy(args, device: str):
+    """The random policy at the launched layout after --train-steps steps, its resharder and HF directory."""
+    from megatron.core import parallel_state as mpu
+
+    from benchmarks.engine_throughput import qwen2_config, random_batch
+    from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+    from megarl.engine import MegatronEngine
+    from megarl.engine.packing import balanced_partition, sequence_lengths
+    from megarl.parallel.reshard import engine_resharder
+
+    hf = qwen2_config(args.size, args.seq)
+    model_dir = _shared_dir(args, f"{args.part}-model")
+    if dist.get_rank() == 0:
+        (model_dir / "config.json").write_text(json.dumps(hf))
+    dist.barrier()
+    actor = ActorConfig(parallel=ParallelConfig(world_size=dist.get_world_size(), tp=args.tp, pp=args.pp),
+                        micro_batch_size=1, max_tokens_per_micro_batch=4 * args.seq, optim=OptimConfig(lr=1e-4))
+    engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, max(1, args.train_steps),
+                            load_hf_weights=False)
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    for step in range(args.train_steps):  # the synced weights are trained ones, not megatron's init
+        batch, _ = random_batch(4 * dp, args.seq // 2, args.seq, hf["vocab_size"], step)
+        engine.train(batch.index(balanced_partition(sequence_lengths(batch["attention_mask"]), dp)[dp_rank]))
+    return engine, engine_resharder(engine, dist.get_rank()), model_dir
+
+
+def _check_against_export(engine, sent: dict | None, bucket_bytes: int) -> str | None:
+    """Collective. What this rank sent (push_policy's digests by HF name) against megatron's own gather of the
+    policy (export_hf_weights); None where equal, else the mismatch."""
+    dtypes = {name: dtype for name, (dtype, _) in (sent or {}).items()}
+    exported = {}
+    for bucket in engine.export_hf_weights(bucket_bytes):
+        exported |= weight_sync.digests_of(dict(bucket), {n: dtypes[n] for n, _ in bucket if n in dtypes})
+    if sent is None:
+        return None
+    try:
+        weight_sync.verify(sent, exported)
+    except weight_sync.WeightSyncError as error:
+        return str(error)
+    return None
+
+
+def _check_rollout(rollout, sent: dict) -> str | None:
+    """The rollout engine holds exactly what was sent (SGLang first checks itself: verify_inside_sglang)."""
+    try:
+        dtypes = {name: dtype for name, (dtype, _) in sent.items()}
+        weight_sync.verify(sent, weight_sync.digests_of(rollout.named_weights(), dtypes))
+    except Exception as error:  # SGLangError from its checker, or WeightSyncError
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _sync(resharder, rollout, gen_tp: int, bucket_bytes: int, dtype, verify: bool, senders: dict,
+          load=None) -> dict | None:
+    """One sync, as TrainWorker.push_weights does it (full delivery): every rank reshards, a sender posts."""
+    buckets = resharder.buckets(gen_tp, "full", bucket_bytes, dtype)
+    if rollout is None:
+        for _ in buckets:  # the collectives only
+            pass
+        return None
+
+    def into_rollout(bucket):
+        rollout.update_weights(bucket)
+        return lambda: None
+
+    return weight_sync.push_policy(buckets, begin=rollout.begin_weight_update, end=rollout.end_weight_update,
+                                   load=load or into_rollout, verify=verify, senders=senders)
+
+
+def _gather(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _split(report: dict) -> dict:
+    return {k: report[k] for k in ("begin_s", "gather_convert_s", "pack_s", "transfer_s", "end_s")}
+
+
+def part_reshard(args, device: str) -> list[dict]:
+    from megarl.rollout.base import SamplingParams
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, resharder, model_dir = _policy(args, device)
+    bucket_bytes = args.bucket_mb << 20
+    rows = []
+    for gen_tp in args.gen_tp:
+        row = dict(part="reshard", train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)},
+                   gen_tp=gen_tp, gen_dp=world // gen_tp, size=args.size)
+        rollout, error = None, None
+        try:
+            start = time.perf_counter()
+            if rank % gen_tp == 0:
+                rollout = _rollout_engine(args, device, model_dir, gen_tp, gpu=rank)
+            row["startup_s"] = max(_gather(time.perf_counter() - start))
+            senders = {}
+            first = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, True, senders)
+            checks = [_check_against_export(engine, first and first["sent"], bucket_bytes),
+                      _check_rollout(rollout, first["sent"]) if rollout is not None else None]
+            if rollout is not None and device == "cuda":  # the servers serve after the sync
+                gens = rollout.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4, temperature=0.0))
+                if len(gens[0].token_ids) != 4:
+                    checks.append(f"rank {rank}: generated {gens[0].token_ids} after the sync")
+            failures = [f"rank {rank}: {c}" for c in checks if c]
+            trials = []
+            for _ in range(args.trials):
+                if rollout is not None:
+                    rollout.release_memory()  # as after a train step
+                dist.barrier()
+                t0 = _now(device)
+                report = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, False, senders)
+                if rollout is not None:
+                    rollout.resume_kv_cache()
+                _now(device)
+                dist.barrier()
+                trials.append((time.perf_counter() - t0, report))
+            reports = _gather([r and {k: v for k, v in r.items() if k != "sent"} for _, r in trials])
+            failures = sum(_gather(failures), [])
+            per_server = max(_gather(first["bytes"] if first else 0))
+            seconds = [t for t, _ in trials]  # rank 0's (every trial ends at a barrier)
+            best = min(range(args.trials), key=seconds.__getitem__)
+            total_s = seconds[best]
+            slowest = max((r[best] for r in reports if r[best] is not None), key=lambda r: r["seconds"])
+            row |= dict(servers=world // gen_tp, bytes_per_server=per_server, bytes_total=per_server * (world // gen_tp),
+                        trials_total_s=seconds, total_s=total_s,
+                        gb_per_s_per_server=per_server / total_s / 1e9,
+                        gb_per_s_total=per_server * (world // gen_tp) / total_s / 1e9,
+                        slowest_sender=_split(slowest) | {"seconds": slowest["seconds"]},
+                        verified=not failures, failures=failures)
+        except Exception as err:
+            error = err
+            row |= dict(verified=False, error=repr(err), trace=traceback.format_exc()[-3000:])
+        finally:
+            if rollout is not None:
+                rollout.shutdown()
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+            _write(args, rows)  # after each layout: a later one failing keeps this one's numbers
+        if error is not None:
+            raise error  # the other ranks may be stuck in a collective: end the job
+    return rows
+
+
+def _rollout_engine(args, device: str, model_dir: Path, tp: int, gpu: int):
+    if device == "cpu":
+        return RecordingEngine()
+    from megarl.rollout.sglang import SGLangRolloutEngine, sglang_server
+
+    log_dir = args.log_dir or tempfile.gettempdir()
+    return SGLangRolloutEngine(
+        str(model_dir), colocated=True, verify_dir=tempfile.mkdtemp(prefix=f"verify-{gpu}-"),
+        launch=lambda _: sglang_server(str(model_dir), tp=tp, gpu=gpu, mem_fraction=args.mem_fraction,
+                                       load_format="dummy", cuda_graph=False, log_dir=log_dir,
+                                       startup_timeout=args.startup_timeout, request_timeout=180))
+
+
+def part_disagg(args, device: str) -> list[dict]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, resharder, model_dir = _policy(args, device)
+    bucket_bytes = args.bucket_mb << 20
+    row = dict(part="disagg", train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)},
+               train_gpus=world, server_tp=args.server_tp, size=args.size)
+    server = transport = None
+    sink = RecordingEngine() if rank == 0 else None  # what rank 0 sent, for SGLang's check (and the CPU run)
+    try:
+        if rank == 0 and device == "cuda":
+            from megarl.rollout.sglang import free_port, sglang_server
+            from megarl.rollout.transports.nccl_broadcast import NcclBroadcast
+
+            t = time.perf_counter()
+            server = sglang_server(str(model_dir), tp=args.server_tp, gpu=world, load_format="dummy",
+                                   mem_fraction=args.mem_fraction, memory_saver=False, cuda_graph=False,
+                                   log_dir=args.log_dir or tempfile.gettempdir(), startup_timeout=args.startup_timeout,
+                                   request_timeout=180).start()
+            row["startup_s"] = time.perf_counter() - t
+            transport = NcclBroadcast(server.endpoint(), "127.0.0.1", free_port())
+        def broadcast(bucket):
+            if transport is not None:
+                transport.send_bucket(bucket, flush_cache=False)
+            if recording:
+                sink.update_weights(bucket)
+            return lambda: None
+
+        trials = []
+        for trial in range(args.trials + 1):  # the first is verified, not timed
+            recording = trial == 0
+            dist.barrier()
+            t0 = _now(device)
+            report = _sync(resharder, sink, args.tp, bucket_bytes, engine.params_dtype, trial == 0, {},
+                           load=broadcast)
+            if server is not None:
+                server.post("/flush_cache")
+            _now(device)
+            dist.barrier()
+            trials.append((time.perf_counter() - t0, report))
+        first = trials[0][1]
+        failures = [_check_against_export(engine, first and first["sent"], bucket_bytes)]
+        if server is not None:
+            from megarl.rollout.sglang import verify_inside_sglang
+
+            try:
+                verify_inside_sglang([server.endpoint()], {n: t.cpu() for n, t in sink.weights.items()},
+                                     str(model_dir), Path(tempfile.mkdtemp(prefix="verify-disagg-")))
+            except Exception as error:
+                failures.append(f"SGLang's check: {error}")
+        failures = [f"rank {rank}: {f}" for f in failures if f]
+        failures = sum(_gather(failures), [])
+        if rank == 0:
+            timed = trials[1:]
+            best = min(timed, key=lambda t: t[0])
+            nbytes = best[1]["bytes"]
+            row |= dict(bytes=nbytes, trials_total_s=[t for t, _ in timed], total_s=best[0],
+                        gb_per_s=nbytes / best[0] / 1e9, sender=_split(best[1]) | {"seconds": best[1]["seconds"]},
+                        verified=not failures, failures=failures, flattened=True)
+    except Exception as error:
+        row |= dict(verified=False, error=repr(error), trace=traceback.format_exc()[-3000:],
+                    server_log=server.log_tail(30) if server is not None else None)
+        raise
+    finally:
+        if rank == 0:
+            print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
+            _write(args, [row])
+        if transport is not None:
+            transport.close()
+        if server is not None:
+            server.shutdown()
+    return [row]
+
+
+def _relayout(tp: int, pp: int, ep: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(1)
+
+
+def part_moe(args, device: str) -> list[dict]:
+    from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
+    from megarl.engine import MegatronEngine
+    from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
+    from tests.models.hf_families import qwen3_moe_config, save_random
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_dir = _shared_dir(args, "moe-model")
+    if rank == 0:
+        save_random(qwen3_moe_config(tied=False, norm_topk_prob=True, num_experts=args.experts), model_dir, seed=3)
+    dist.barrier()
+    batch = padded_batch(rows=8)
+    reference = hf_logprobs_entropy(str(model_dir), batch) if rank == 0 else None
+    real = batch["attention_mask"].bool()
+    real[:, 0] = False
+    rows = []
+    for precision, tolerance in (("fp32", args.fp32_atol), ("bf16", args.bf16_atol)):
+        out = {}
+        for ep in (1, world):
+            _relayout(1, 1, ep)
+            actor = ActorConfig(parallel=ParallelConfig(world_size=world, ep=ep), micro_batch_size=2,
+                                precision=precision)
+            engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, 1, trainable=False)
+            result = engine.compute_logprobs(batch, with_entropy=True)
+            out[ep] = (result["logprobs"], result["entropy"])
+            del engine
+        diff = lambda a, b: max((x - y).abs()[real].max().item() for x, y in zip(a, b))
+        row = dict(part="moe", precision=precision, experts=args.experts, ep=world,
+                   max_abs_diff_vs_ep1=diff(out[world], out[1]), atol=tolerance)
+        row["ok"] = row["max_abs_diff_vs_ep1"] <= tolerance
+        if precision == "fp32" and rank == 0:
+            row["max_abs_diff_ep1_vs_transformers"] = diff(out[1], reference)
+            row["ok"] = row["ok"] and row["max_abs_diff_ep1_vs_transformers"] <= tolerance
+        row["mean_logprob"] = out[1][0][real].mean().item()
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _write(args, rows: list[dict]) -> None:
+    report = {"commit": source_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
+              "world": dist.get_world_size(), "torch": torch.__version__, "args": vars(args), "results": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=["reshard", "disagg", "moe"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--size", default="1b", help="benchmarks/engine_throughput.py's SIZES (reshard, disagg)")
+    parser.add_argument("--seq", type=int, default=1024, help="longest training sequence")
+    parser.add_argument("--tp", type=int, default=1, help="training TP")
+    parser.add_argument("--pp", type=int, default=1, help="training PP (reshard)")
+    parser.add_argument("--gen-tp", type=int, nargs="+", default=[1, 2], help="generation TP of each server (reshard)")
+    parser.add_argument("--server-tp", type=int, default=1, help="the disaggregated server's TP, on the GPUs after "
+                                                                 "the training ranks' (disagg)")
+    parser.add_argument("--train-steps", type=int, default=1)
+    parser.add_argument("--trials", type=int, default=3, help="timed syncs (the best is reported)")
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--mem-fraction", type=float, default=0.3)
+    parser.add_argument("--startup-timeout", type=float, default=300)
+    parser.add_argument("--experts", type=int, default=8, help="experts of the random Qwen3-MoE (moe)")
+    parser.add_argument("--fp32-atol", type=float, default=1e-4, help="moe: fp32 log-prob/entropy tolerance")
+    parser.add_argument("--bf16-atol", type=float, default=0.1, help="moe: bf16 tolerance (different GEMM shapes)")
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "megarl-multi-gpu"))
+    parser.add_argument("--log-dir", default="", help="SGLang server logs")
+    parser.add_argument("--out", required=True, help="JSON results file (rank 0)")
+    args = parser.parse_args()
+    # the GPU script's `timeout` sends SIGTERM: exit through the finally blocks, which shut the servers down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    from megarl.parallel.state import destroy_parallel, init_parallel
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # torchrun's own store holds MASTER_PORT
+    init_parallel(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)) + 1,
+                  tp=args.tp if args.part != "moe" else 1, pp=args.pp if args.part != "moe" else 1,
+                  device=args.device)
+    ok = False
+    try:
+        rows = {"reshard": part_reshard, "disagg": part_disagg, "moe": part_moe}[args.part](args, args.device)
+        ok = all(r.get("verified", r.get("ok")) for r in rows)
+        if rank == 0 and args.part == "moe":
+            _write(args, rows)
+    finally:
+        destroy_parallel()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
