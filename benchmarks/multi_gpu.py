@@ -298,13 +298,14 @@ def part_disagg(args, device: str) -> list[dict]:
                 failures.append(f"SGLang's check: {error}")
         failures = [f"rank {rank}: {f}" for f in failures if f]
         failures = sum(_gather(failures), [])
+        row |= dict(verified=not failures, failures=failures)
         if rank == 0:
             timed = trials[1:]
             best = min(timed, key=lambda t: t[0])
             nbytes = best[1]["bytes"]
             row |= dict(bytes=nbytes, trials_total_s=[t for t, _ in timed], total_s=best[0],
                         gb_per_s=nbytes / best[0] / 1e9, sender=_split(best[1]) | {"seconds": best[1]["seconds"]},
-                        verified=not failures, failures=failures, flattened=True)
+                        flattened=True)
     except Exception as error:
         row |= dict(verified=False, error=repr(error), trace=traceback.format_exc()[-3000:],
                     server_log=server.log_tail(30) if server is not None else None)
