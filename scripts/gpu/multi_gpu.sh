@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Multi-GPU runs of issue 8 on 2, 4 or 8 GPUs (the phases adapt to the count), after the bundle's install.sh
+# (../shared/device/README.md). Logs, SGLang server log tails and JSON go to $OUT; a short table is printed last.
+#   train    benchmarks/engine_throughput.py, engine vs bare megatron-core, the ~1.4B Qwen2 shape (bf16, packed
+#            sequences <= 2048, 64 per step): TP=1 x DP=N against TP=2 x PP=2 (x DP=N/4) on 4 or 8 GPUs, against
+#            TP=2 on 2; tokens/s and MFU (989 TFLOP/s peak per GPU)                      (~1.5 min per layout)
+#   reshard  benchmarks/multi_gpu.py reshard on 4 GPUs: the policy trained at TP=2 x PP=2 (one step), synced into
+#            colocated SGLang servers at generation TP=1 x DP=4 (four servers) and TP=2 x DP=2 (two), resharded
+#            over NCCL and posted by CUDA IPC; verified (resharded = megatron's export; SGLang holds what was
+#            sent); sync seconds and GB/s. On 2 GPUs: TP=2 -> TP=1 x DP=2 and TP=2   (~5 min; the first
+#            SGLang start on a fresh machine JIT-compiles for ~110 s)
+#   disagg   benchmarks/multi_gpu.py disagg: 2 GPUs train (TP=2), 2 serve (one TP=2 server), weights by NCCL
+#            broadcast; on 2 GPUs 1 + 1; verified, sync seconds and GB/s                 (~2-3 min)
+#   moe      benchmarks/multi_gpu.py moe: a random Qwen3-MoE with 8 experts at EP=N vs EP=1 (fp32, bf16) and
+#            transformers                                                               (~1 min)
+# PHASES: default "train reshard disagg moe" on 4+ GPUs, which is two calls' worth: run PHASES="train moe"
+# then PHASES="reshard disagg" (each <= ~9 min). Default on 2 GPUs: "train disagg moe" (PHASES=reshard: a
+# second call). Each phase has its own time limit, cut to what is left of BUDGET seconds (default 560);
+# a phase that no longer fits is skipped and says so.
+# DEVICE=cpu: the same phases through gloo at tiny sizes, GPUS processes (default 4): the smoke test.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=1
+OUT=${OUT:-/tmp/megarl-multi-gpu}; mkdir -p "$OUT/server_logs"
+BUDGET=${BUDGET:-560}
+if [ "$DEVICE" = cpu ]; then
+  export PYTHONPATH=$PWD
+  GPUS=${GPUS:-4}
+  echo "cpu (gloo), $GPUS processes" > "$OUT/gpu.txt"
+  TINY="--device cpu --size tiny --seq 64"
+  TRAIN_ARGS="--device cpu --size tiny --seq 64 --sequences 8 --max-tokens 128 --steps 1 --warmup 1"
+  MOE_ARGS="--device cpu"
+else
+  export PYTHONPATH=/tmp/site:$PWD
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
+  GPUS=${GPUS:-$(nvidia-smi -L | wc -l)}
+  TINY=""
+  TRAIN_ARGS=""
+  MOE_ARGS=""
+fi
+if [ "$GPUS" -ge 4 ]; then PHASES=${PHASES:-train reshard disagg moe}; else PHASES=${PHASES:-train disagg moe}; fi
+if [ "$GPUS" -lt 2 ]; then echo "multi_gpu.sh needs 2, 4 or 8 GPUs (found $GPUS)"; exit 2; fi
+M="benchmarks/multi_gpu.py"
+LOGS="--log-dir $OUT/server_logs"
+status=0
+phase() { [[ " $PHASES " == *" $1 "* ]]; }
+launch() {  # name, limit in seconds, processes, script and arguments...
+  local name=$1 limit=$2 procs=$3; shift 3
+  local left=$(( BUDGET - SECONDS - 10 ))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 45 ]; then
+    echo "== $name: SKIPPED, ${left}s left of BUDGET=$BUDGET"; status=1; return
+  fi
+  echo "== $name ($procs processes, limit ${limit}s, at ${SECONDS}s)"
+  timeout -k 15 "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node "$procs" "$@" \
+    > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4
+  status=$(( status | (rc != 0) ))
+}
+T=benchmarks/engine_throughput.py
+if phase train; then
+  launch "train_tp1_dp$GPUS" 210 "$GPUS" $T --tp 1 $TRAIN_ARGS --out "$OUT/train_tp1_dp$GPUS.json"
+  if [ "$GPUS" -ge 4 ]; then
+    launch "train_tp2_pp2_dp$((GPUS / 4))" 210 "$GPUS" $T --tp 2 --pp 2 $TRAIN_ARGS \
+      --out "$OUT/train_tp2_pp2_dp$((GPUS / 4)).json"
+  else
+    launch train_tp2_dp1 210 2 $T --tp 2 $TRAIN_ARGS --out "$OUT/train_tp2_dp1.json"
+  fi
+fi
+if phase moe; then
+  launch "moe_ep$GPUS" 120 "$GPUS" $M moe $MOE_ARGS --out "$OUT/moe_ep$GPUS.json"
+fi
+if phase reshard; then
+  if [ "$GPUS" -ge 4 ]; then
+    launch reshard_tp2_pp2 330 4 $M reshard --tp 2 --pp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2_pp2.json"
+  else
+    launch reshard_tp2 330 2 $M reshard --tp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2.json"
+  fi
+fi
+if phase disagg; then
+  if [ "$GPUS" -ge 4 ]; then
+    launch disagg_2_2 210 2 $M disagg --tp 2 --server-tp 2 $TINY $LOGS --out "$OUT/disagg_2_2.json"
+  else
+    launch disagg_1_1 210 1 $M disagg --tp 1 --server-tp 1 $TINY $LOGS --out "$OUT/disagg_1_1.json"
+  fi
+fi
+# keep only the server logs' tails (the files that come back are limited)
+for f in "$OUT"/server_logs/*.log; do [ -f "$f" ] && tail -n 60 "$f" > "$f.tail" && rm "$f"; done
+echo "== multi-GPU runs [$PHASES] on $GPUS x $(head -1 "$OUT/gpu.txt"), ${SECONDS}s"
+$PY - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+def load(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"{path.name}: unreadable ({e})"); return None
+pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"
+train = sorted(out.glob("train_*.json"))
+if train:
+    print("| training layout | engine tok/s | tok/s/GPU | engine MFU | bare MFU | engine/bare | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for p in train:
+        d = load(p) or {}
+        e, b, lay = d.get("engine", {}), d.get("bare", {}), d.get("layout", {})
+        print(f"| TP={lay.get('tp')} PP={lay.get('pp')} DP={lay.get('dp')} | {e.get('tokens_per_s', 0):,.0f} "
+              f"| {e.get('tokens_per_s_per_gpu', 0):,.0f} | {pct(e.get('mfu'))} | {pct(b.get('mfu'))} "
+              f"| {pct(d.get('engine_over_bare'))} | {e.get('peak_memory_gib', float('nan')):.1f} |")
+rows = [r for p in sorted(out.glob("*.json")) if not p.name.startswith("train_") for r in (load(p) or {}).get("results", [])]
+sync = [r for r in rows if r["part"] in ("reshard", "disagg")]
+if sync:
+    print("\n| sync | training | generation | GB per server | total s (trials) | GB/s per server | GB/s all | verified |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in sync:
+        t = r["train"]
+        train = f"TP={t['tp']} PP={t['pp']} DP={t['dp']}"
+        gen = (f"TP={r['gen_tp']} x DP={r['gen_dp']}" if r["part"] == "reshard"
+               else f"1 server TP={r['server_tp']} on other GPUs")
+        if "error" in r or "total_s" not in r:
+            print(f"| {r['part']} | {train} | {gen} | ERROR {r.get('error', '')[:120]} |"); continue
+        nbytes = r.get("bytes_per_server", r.get("bytes"))
+        trials = ", ".join(f"{s:.2f}" for s in r["trials_total_s"])
+        print(f"| {r['part']} | {train} | {gen} | {nbytes / 1e9:.2f} | {r['total_s']:.3f} ({trials}) "
+              f"| {nbytes / r['total_s'] / 1e9:.1f} | {r.get('gb_per_s_total', r.get('gb_per_s')):.1f} "
+              f"| {r['verified']} {'; '.join(r.get('failures', []))[:200]} |")
+moe = [r for r in rows if r["part"] == "moe"]
+if moe:
+    print("\n| MoE | experts | EP | max abs diff vs EP=1 | EP=1 vs transformers | tolerance | ok |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in moe:
+        hf = r.get("max_abs_diff_ep1_vs_transformers")
+        print(f"| {r['precision']} | {r['experts']} | {r['ep']} | {r['max_abs_diff_vs_ep1']:.3g} "
+              f"| {'-' if hf is None else f'{hf:.3g}'} | {r['atol']} | {r['ok']} |")
+PY
+echo "== multi_gpu.sh: exit $status"
+exit $status
