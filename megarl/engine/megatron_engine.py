@@ -34,7 +34,7 @@ from megarl.engine.attention import (check_parallel_support, packed_attention_in
                                      with_core_attention)
 from megarl.engine.logprobs import vocab_parallel_logprobs
 from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
-                                   reset_rotary_positions, unpack)
+                                   reset_rotary_positions, sequence_lengths, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
 from megarl.models import get_family
 from megarl.models.decoder import decoder_block_spec
@@ -191,15 +191,27 @@ class MegatronEngine:
     def _micro_batches(self, batch: Batch, keys: list[str], group_size: int = 1) -> list[dict]:
         """Packed (actor.max_tokens_per_micro_batch > 0) or padded micro-batches (packing.py); with virtual
         pipeline stages their number is made a multiple of PP with empty ones, as the interleaved schedule needs.
-        Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens)."""
+        Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens).
+        With experts split over data-parallel ranks (EP > 1) every micro-batch's token exchange spans ranks holding
+        different sequences: they agree on the row width and the number of micro-batches (empty ones pad)."""
         config = self.gpt.config
         width_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        experts = (parallel_state.get_expert_tensor_and_model_parallel_group()
+                   if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 else None)
+        longest = self._agreed_max(max(sequence_lengths(batch["attention_mask"])), experts) if experts else 0
         mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
-                                 self.actor.max_tokens_per_micro_batch, group_size, width_multiple)
+                                 self.actor.max_tokens_per_micro_batch, group_size, width_multiple, longest)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if len(self.models) > 1:
             mbs += [empty_micro_batch(mbs[0]) for _ in range(-len(mbs) % pp)]
+        if experts:  # counts that are multiples of PP (above) have a maximum that is one too
+            mbs += [empty_micro_batch(mbs[0]) for _ in range(self._agreed_max(len(mbs), experts) - len(mbs))]
         return mbs
+
+    def _agreed_max(self, value: int, group) -> int:
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
 
     def _run_schedule(self, mbs: list[dict], loss_fn: Callable, forward_only: bool) -> list:
         """megatron's schedule over the micro-batches; the loss_fn outputs (last stage only)."""

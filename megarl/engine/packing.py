@@ -79,15 +79,16 @@ def _first_fit(lengths: list[int], width: int, rows_per_mb: int, group_size: int
 
 
 def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: int, max_tokens: int = 0,
-                       group_size: int = 1, width_multiple: int = 1) -> list[dict]:
-    """Micro-batches for megatron's schedule (see the module docstring for the layout).
+                       group_size: int = 1, width_multiple: int = 1, longest: int = 0) -> list[dict]:
+    """Micro-batches for megatron's schedule (see the module docstring for the layout). `longest`: lay the rows
+    out for sequences up to that length at least (ranks that must agree on the shape pass the same value).
 
     Each dict holds 'tokens', 'position_ids', 'doc_ids' [rows, L] (doc_ids: 1.. per sequence of a row,
     0 on padding), 'cu_seqlens' (segment_bounds of doc_ids), 'packed' (whether some row holds several
     sequences), 'seq_index' [S], 'packed_index' [S, L], and 'attention_mask' plus every name in `keys` in
     the per-sequence layout [S, L]."""
     lengths = sequence_lengths(batch["attention_mask"])
-    width = -(-max(lengths) // width_multiple) * width_multiple
+    width = -(-max(max(lengths), longest) // width_multiple) * width_multiple
     if max_tokens > 0:
         rows_per_mb = max(1, max_tokens // width)
         layout = _first_fit(lengths, width, rows_per_mb, group_size)

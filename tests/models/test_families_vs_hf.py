@@ -1,7 +1,8 @@
 """Every model family on megatron against transformers on the same checkpoint, in one 2-rank gloo job
 that changes layout in place: TP=2, PP=2, DP=2, (for Qwen3-MoE) EP=2 with DP=2, and TP=2 with sequence
-parallelism (SP; Qwen3 and Qwen3-MoE); and Qwen3-MoE at EP=2 x TP=2 with SP and
-EP=2 x PP=2 on 4 ranks.
+parallelism (SP; Qwen3 and Qwen3-MoE); and Qwen3-MoE at EP=2 x TP=2 with SP, EP=2 x PP=2 and
+EP=4 (one expert per rank, four data-parallel ranks whose rows differ in length: the engine makes
+them agree on micro-batch shapes and counts for the expert token exchange) on 4 ranks.
 
 Per family and layout: log-probs and entropy equal transformers' (float32, CPU), and the weights
 exported back to HF names are bitwise the checkpoint's. Qwen3-MoE also takes one SFT Adam step at every
@@ -23,8 +24,8 @@ from tests.models.hf_families import llama_config, qwen3_config, qwen3_moe_confi
 
 # (tp, pp, ep, sequence_parallel) on 2 ranks
 LAYOUTS = ((1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True))
-# On 4 ranks: experts split over EP and, within each EP rank, over TP; EP within each pipeline stage.
-EP_LAYOUTS_4 = ((2, 1, 2, True), (1, 2, 2, False))
+# On 4 ranks: experts split over EP and, within each EP rank, over TP; EP within each pipeline stage; EP over all.
+EP_LAYOUTS_4 = ((2, 1, 2, True), (1, 2, 2, False), (1, 1, 4, False))
 SP_DENSE = "qwen3"  # the dense family also checked under SP (QK-norm: gradients summed over TP by name)
 LR = 1e-2
 # With the default eps (1e-8) Adam's first step is ~lr*sign(grad) and turns float noise in near-zero
@@ -125,12 +126,12 @@ def _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights):
             torch.testing.assert_close(weights[key], tensor, rtol=0, atol=1e-5, msg=f"{layout} {key}")
 
 
-def test_qwen3_moe_with_ep_combined_with_tp_or_pp(tmp_path):
+def test_qwen3_moe_with_ep_combined_with_tp_or_pp_and_ep4(tmp_path):
     model_dir = save_random(qwen3_moe_config(tied=False, norm_topk_prob=True), tmp_path / "moe", seed=7)
     cases = [("qwen3-moe", model_dir, True, *hf_logprobs_entropy(model_dir, padded_batch()))]
     ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(model_dir, tmp_path / "hf-step")
 
     trained = run_distributed(_check_rank, 4, cases, EP_LAYOUTS_4, model_dir, timeout=240)
 
-    assert sorted(trained) == [(1, 2, 2, False), (2, 1, 2, True)]
+    assert sorted(trained) == [(1, 1, 4, False), (1, 2, 2, False), (2, 1, 2, True)]
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
