@@ -190,7 +190,8 @@ def part_reshard(args, device: str) -> list[dict]:
             checks = [_check_against_export(engine, first and first["sent"], bucket_bytes),
                       _check_rollout(rollout, first["sent"]) if rollout is not None else None]
             if rollout is not None and device == "cuda":  # the servers serve after the sync
-                gens = rollout.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4, temperature=0.0))
+                gens = rollout.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4, temperature=0.0,
+                                                                           ignore_eos=True))
                 if len(gens[0].token_ids) != 4:
                     checks.append(f"rank {rank}: generated {gens[0].token_ids} after the sync")
             failures = [f"rank {rank}: {c}" for c in checks if c]

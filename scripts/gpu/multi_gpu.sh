@@ -16,7 +16,7 @@
 # PHASES: default "train reshard disagg moe" on 4+ GPUs, which is two calls' worth: run PHASES="train moe"
 # then PHASES="reshard disagg" (each <= ~9 min). Default on 2 GPUs: "train disagg moe" (PHASES=reshard: a
 # second call). Each phase has its own time limit, cut to what is left of BUDGET seconds (default 560);
-# a phase that no longer fits is skipped and says so.
+# a phase that no longer fits is skipped and says so (then run it alone: PHASES=disagg).
 # DEVICE=cpu: the same phases through gloo at tiny sizes, GPUS processes (default 4): the smoke test.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -55,9 +55,16 @@ launch() {  # name, limit in seconds, processes, script and arguments...
     echo "== $name: SKIPPED, ${left}s left of BUDGET=$BUDGET"; status=1; return
   fi
   echo "== $name ($procs processes, limit ${limit}s, at ${SECONDS}s)"
+  local start=$SECONDS
   timeout -k 15 "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node "$procs" "$@" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
+  if [ "$rc" != 0 ] && [ $(( SECONDS - start )) -lt 30 ]; then  # failed at start-up (a port taken?): once more
+    mv "$OUT/$name.log" "$OUT/$name.first_try.log"; echo "   exit $rc within 30 s: trying again"
+    timeout -k 15 "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node "$procs" "$@" \
+      > "$OUT/$name.log" 2>&1
+    rc=$?
+  fi
   echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4
   status=$(( status | (rc != 0) ))
 }
@@ -76,16 +83,16 @@ if phase moe; then
 fi
 if phase reshard; then
   if [ "$GPUS" -ge 4 ]; then
-    launch reshard_tp2_pp2 330 4 $M reshard --tp 2 --pp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2_pp2.json"
+    launch reshard_tp2_pp2 380 4 $M reshard --tp 2 --pp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2_pp2.json"
   else
-    launch reshard_tp2 330 2 $M reshard --tp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2.json"
+    launch reshard_tp2 380 2 $M reshard --tp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2.json"
   fi
 fi
 if phase disagg; then
   if [ "$GPUS" -ge 4 ]; then
-    launch disagg_2_2 210 2 $M disagg --tp 2 --server-tp 2 $TINY $LOGS --out "$OUT/disagg_2_2.json"
+    launch disagg_2_2 170 2 $M disagg --tp 2 --server-tp 2 $TINY $LOGS --out "$OUT/disagg_2_2.json"
   else
-    launch disagg_1_1 210 1 $M disagg --tp 1 --server-tp 1 $TINY $LOGS --out "$OUT/disagg_1_1.json"
+    launch disagg_1_1 170 1 $M disagg --tp 1 --server-tp 1 $TINY $LOGS --out "$OUT/disagg_1_1.json"
   fi
 fi
 # keep only the server logs' tails (the files that come back are limited)
