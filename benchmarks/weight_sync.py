@@ -147,12 +147,22 @@ def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict) -> dict:
                 gb_per_s=report["bytes"] / (t2 - t0) / 1e9)
 
 
+def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
+    """SGLang's own check of what it holds against what the last sync sent (raises on a mismatch)."""
+    from megarl.rollout.sglang import verify_inside_sglang
+
+    t = time.perf_counter()
+    verify_inside_sglang([server.endpoint()], policy.received(bucket_mb), str(model_dir),
+                         Path(tempfile.mkdtemp(prefix="verify-")))
+    return dict(verified=True, verify_s=time.perf_counter() - t)
+
+
 def _print_row(row: dict) -> None:
     print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
 
 
 def part_sync(args) -> list[dict]:
-    from megarl.rollout.sglang import SGLangRolloutEngine, sglang_server, verify_inside_sglang
+    from megarl.rollout.sglang import SGLangRolloutEngine, sglang_server
 
     rows = []
     for name in args.models:
@@ -188,10 +198,7 @@ def part_sync(args) -> list[dict]:
                                    startup_s=startup, server_args=server.command[3:],
                                    trials_total_s=[r["total_s"] for r in trials], **best)
                         if args.verify:
-                            t = time.perf_counter()
-                            verify_inside_sglang([server.endpoint()], policy.received(bucket_mb), str(model_dir),
-                                                 Path(tempfile.mkdtemp(prefix="verify-")))
-                            row |= dict(verified=True, verify_s=time.perf_counter() - t)
+                            row |= verified(server, policy, bucket_mb, model_dir)
                         senders.clear()
                     except Exception as error:  # one format failing must not lose the others
                         row = dict(model=name, format=fmt, server_tp=args.server_tp, bucket_mb=bucket_mb,
@@ -270,7 +277,7 @@ def part_throughput(args) -> dict:
 
 
 def part_nccl(args) -> list[dict]:
-    from megarl.rollout.sglang import free_port, sglang_server, verify_inside_sglang
+    from megarl.rollout.sglang import free_port, sglang_server
     from megarl.rollout.transports.nccl_broadcast import NcclBroadcast
 
     rows = []
@@ -311,10 +318,7 @@ def part_nccl(args) -> list[dict]:
                            trials_total_s=[r["total_s"] for r in trials[1:]],
                            **min(trials[1:], key=lambda r: r["total_s"]))
                 if args.verify:
-                    t = time.perf_counter()
-                    verify_inside_sglang([server.endpoint()], policy.received(bucket_mb), str(model_dir),
-                                         Path(tempfile.mkdtemp(prefix="verify-")))
-                    row |= dict(verified=True, verify_s=time.perf_counter() - t)
+                    row |= verified(server, policy, bucket_mb, model_dir)
                 transport.close()
             except Exception as error:
                 row = dict(model=name, transport="nccl", flattened=flattened, error=repr(error),
