@@ -12,6 +12,11 @@ One module, SDPAttention, three ways in (megatron's core-attention signature):
   is torch.nn.attention.varlen (flash attention over cu_seqlens, CUDA only); elsewhere a per-segment SDPA
   loop, slow, but the same code path for the CPU tests.
 `attention` (config): local (megatron's), sdpa (packed rows by mask), varlen (packed rows by cu_seqlens).
+
+Under context parallelism (context_parallel.py) SDPAttention gathers the keys and values of the whole row
+from the CP group and always takes the mask way: its mask (context_parallel.attention_mask) relates this
+rank's queries to every key by position and segment. megatron's own attention refuses CP, and varlen's
+cu_seqlens cannot describe queries that are a part of a row, so CP runs attention=sdpa only.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from megarl.engine import context_parallel
+
 CORE_ATTENTIONS = ("local", "sdpa", "varlen")
 
 
@@ -37,10 +44,9 @@ class SDPAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("context parallelism needs TransformerEngine's attention; SDPAttention has none")
         tp = pg_collection.tp.size() if pg_collection is not None else \
             parallel_state.get_tensor_model_parallel_world_size()
+        self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
@@ -52,6 +58,10 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention takes no attention bias")
         if packed_seq_params is not None:
             return self._varlen(query, key, value, packed_seq_params)
+        if self.config.context_parallel_size > 1:
+            if attention_mask is None:
+                raise ValueError("SDPAttention under context parallelism needs context_parallel.attention_mask")
+            key, value = context_parallel.gather_keys_values(key, value, self.cp_group)
         s, b = query.shape[:2]
         # megatron: [s, b, heads, d]; SDPA: [b, heads, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -139,15 +149,21 @@ def with_core_attention(spec, core_attention: str):
     return spec
 
 
-def resolve_core_attention(name: str, device: str) -> str:
+def resolve_core_attention(name: str, device: str, context_parallel_size: int = 1) -> str:
     """'auto': varlen on GPU (sdpa where this torch has no torch.nn.attention.varlen); megatron's own
-    attention on CPU (the reference the tests compare with)."""
+    attention on CPU (the reference the tests compare with); sdpa under context parallelism, the only
+    core attention that runs it."""
+    if name not in ("auto", *CORE_ATTENTIONS):
+        raise ValueError(f"attention={name!r}: expected auto, {', '.join(CORE_ATTENTIONS)}")
+    if context_parallel_size > 1:
+        if name not in ("auto", "sdpa"):
+            raise ValueError(f"attention={name!r} does not run context parallelism (cp={context_parallel_size}): "
+                             "use attention=sdpa or auto")
+        return "sdpa"
     if name == "auto":
         if device != "cuda":
             return "local"
         return "varlen" if varlen_available() else "sdpa"
-    if name not in CORE_ATTENTIONS:
-        raise ValueError(f"attention={name!r}: expected auto, {', '.join(CORE_ATTENTIONS)}")
     return name
 
 
@@ -155,9 +171,12 @@ def packed_attention_inputs(core_attention: str, mb: dict):
     """(attention_mask, packed_seq_params) for GPTModel.forward on micro-batch `mb` (packing.py).
     sdpa and varlen run rows of one sequence each as plain causal attention (no mask); packed rows go by
     the block-diagonal mask (local, sdpa) or by cu_seqlens (varlen). max_seqlen is the row width: megatron
-    sizes its RoPE table by it, and the kernels take it as a bound."""
+    sizes its RoPE table by it, and the kernels take it as a bound. Under context parallelism every row goes
+    by the mask of this rank's queries over the whole row's keys."""
     from megarl.engine.packing import block_causal_mask
 
+    if context_parallel.size() > 1:
+        return context_parallel.attention_mask(mb["doc_ids"]), None
     if core_attention != "local" and not mb["packed"]:
         return None, None
     if core_attention == "varlen":
@@ -165,13 +184,3 @@ def packed_attention_inputs(core_attention: str, mb: dict):
         return None, PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
                                      max_seqlen_q=width, max_seqlen_kv=width)
     return block_causal_mask(mb["doc_ids"]), None
-
-
-def check_parallel_support(context_parallel: int) -> None:
-    """megatron-core implements context parallelism with TransformerEngine's attention only (sequence
-    parallelism runs on the local spec: megarl/models/norm.py)."""
-    if context_parallel > 1:
-        raise ValueError(f"actor.parallel.cp={context_parallel}: context parallelism needs TransformerEngine's "
-                         "attention (megatron-core splits attention across CP ranks only in TEDotProductAttention), "
-                         "which megarl's layer spec does not use; set cp=1 (sequence_parallel=true splits "
-                         "activations over the TP group without TE)")

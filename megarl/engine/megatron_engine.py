@@ -1,7 +1,7 @@
 """MegatronEngine: one model on megatron-core inside one training rank.
 
 GPTModel (local spec, core attention megatron's, SDPA or varlen flash: attention.py; sequence parallelism
-without TE: megarl/models/norm.py) + megatron DDP + megatron's optimizer and LR
+without TE: megarl/models/norm.py; context parallelism without TE: context_parallel.py) + megatron DDP + megatron's optimizer and LR
 scheduler; forward/backward runs through megatron's pipeline schedule (PP=1, PP>1, interleaved virtual
 stages). Roles: the policy and its frozen KL reference (LM head), the critic and the reward model (a
 scalar value head, value_head.py); trainable=False builds no optimizer. Micro-batches are packed or
@@ -29,9 +29,8 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms import losses
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.engine import checkpoint, offload, weights
-from megarl.engine.attention import (check_parallel_support, packed_attention_inputs, resolve_core_attention,
-                                     with_core_attention)
+from megarl.engine import checkpoint, context_parallel, offload, weights
+from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs
 from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
                                    reset_rotary_positions, sequence_lengths, unpack)
@@ -46,9 +45,11 @@ LOSSES = {"policy": "lm", "sft": "lm", "value": "value", "bradley_terry": "value
 
 
 def _with_engine_options(config, actor: ActorConfig):
-    """The family's TransformerConfig plus the engine's own options: sequence parallelism, virtual pipeline,
-    recompute."""
+    """The family's TransformerConfig plus the engine's own options: sequence and context parallelism, virtual
+    pipeline, recompute."""
     options = {}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        options["context_parallel_size"] = parallel_state.get_context_parallel_world_size()
     if actor.parallel.sequence_parallel and config.tensor_model_parallel_size > 1:  # TP=1: nothing to split
         options["sequence_parallel"] = True
     if actor.parallel.vpp > 1:
@@ -101,9 +102,8 @@ class MegatronEngine:
         config = family.transformer_config(self.hf_config, tp, pp, self.params_dtype,
                                            use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size())
-        check_parallel_support(actor.parallel.cp)
         config = _with_engine_options(config, actor)
-        self.core_attention = resolve_core_attention(actor.attention, device)
+        self.core_attention = resolve_core_attention(actor.attention, device, config.context_parallel_size)
         spec = with_core_attention(family.layer_spec(self.hf_config), self.core_attention)
         gpt_kwargs = family.gpt_model_kwargs(self.hf_config, tp)
         if head == "value":
@@ -191,11 +191,13 @@ class MegatronEngine:
     def _micro_batches(self, batch: Batch, keys: list[str], group_size: int = 1) -> list[dict]:
         """Packed (actor.max_tokens_per_micro_batch > 0) or padded micro-batches (packing.py); with virtual
         pipeline stages their number is made a multiple of PP with empty ones, as the interleaved schedule needs.
-        Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens).
+        Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens),
+        under context parallelism of 2 * CP (context_parallel.py's chunks), under both of their product.
         With experts split over data-parallel ranks (EP > 1) every micro-batch's token exchange spans ranks holding
         different sequences: they agree on the row width and the number of micro-batches (empty ones pad)."""
         config = self.gpt.config
         width_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+        width_multiple *= 2 * config.context_parallel_size if config.context_parallel_size > 1 else 1
         experts = (parallel_state.get_expert_tensor_and_model_parallel_group()
                    if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 else None)
         longest = self._agreed_max(max(sequence_lengths(batch["attention_mask"])), experts) if experts else 0
@@ -218,7 +220,8 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             mask, packed_seq_params = packed_attention_inputs(self.core_attention, mb)
-            output = model(mb["tokens"], mb["position_ids"], mask, packed_seq_params=packed_seq_params)
+            output = model(context_parallel.local(mb["tokens"]), context_parallel.local(mb["position_ids"]), mask,
+                           packed_seq_params=packed_seq_params)
             return output, partial(loss_fn, mb)
 
         # The interleaved schedule runs each chunk over every micro-batch: one iterator per chunk.
@@ -230,23 +233,24 @@ class MegatronEngine:
 
     def _aligned_logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool):
         """Per sequence [S, T]: log p(tokens[t] | tokens[<t]) (and the entropy of that distribution), 0 at
-        t=0 and padding."""
+        t=0 and padding. Under context parallelism `logits` are this CP rank's positions of the rows."""
         self._require_head("lm")
-        logprobs, entropy = vocab_parallel_logprobs(logits, next_tokens(mb["tokens"]), self.vocab_size, with_entropy,
+        targets = context_parallel.local(next_tokens(mb["tokens"]))
+        logprobs, entropy = vocab_parallel_logprobs(logits, targets, self.vocab_size, with_entropy,
                                                     entropy_grad=self.algorithm.entropy_coef != 0)
-        return (align_to_tokens(unpack(logprobs, mb), mb),
-                None if entropy is None else align_to_tokens(unpack(entropy, mb), mb))
+        return (align_to_tokens(unpack(context_parallel.gather_rows(logprobs), mb), mb),
+                None if entropy is None else align_to_tokens(unpack(context_parallel.gather_rows(entropy), mb), mb))
 
     def _aligned_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
         """Per sequence [S, T]: V(tokens[<t]), the value of the state in which token t is generated (the
         layout of log-probs and of GAE's values), 0 at t=0 and padding."""
         self._require_head("value")
-        return align_to_tokens(unpack(output[..., 0].float(), mb), mb)
+        return align_to_tokens(unpack(context_parallel.gather_rows(output[..., 0].float()), mb), mb)
 
     def _last_token_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
         """Per sequence [S]: the value head read at the sequence's last token (a reward model's score)."""
         self._require_head("value")
-        values = unpack(output[..., 0].float(), mb)
+        values = unpack(context_parallel.gather_rows(output[..., 0].float()), mb)
         positions = torch.arange(values.shape[1], device=values.device)
         last = (positions * (mb["attention_mask"] > 0)).max(1).values
         return values[torch.arange(len(values), device=values.device), last]

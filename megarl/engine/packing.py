@@ -181,10 +181,13 @@ def reset_rotary_positions(gpt) -> None:
     GPTModel computes rotary embeddings for positions 0..L-1 of the row whatever position_ids say
     (they feed learned absolute embeddings only). Two hooks fix that without changing the module tree:
     one keeps the position_ids of the current forward call, the other indexes the rotary table with them
-    ([L, 1, 1, d] -> [L, rows, 1, d], which megatron's RoPE application broadcasts as it is)."""
+    ([L, 1, 1, d] -> [L, rows, 1, d], which megatron's RoPE application broadcasts as it is).
+    Under context parallelism the position ids are this CP rank's (context_parallel.local): they index the
+    whole row's table, which megatron would otherwise cut to the rank's chunks itself."""
     rotary = getattr(gpt, "rotary_pos_emb", None)
     if rotary is None:
         return
+    rotary.cp_group = None
     current = {}
 
     def keep_position_ids(module, args, kwargs):

@@ -16,13 +16,15 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp: int = 1, pp: int = 1,
-                  device: str = "cpu", seed: int = 1, ep: int = 1) -> None:
-    """Join the job's process group and build megatron's TP/PP/DP groups (order tp-cp-ep-dp-pp).
+                  device: str = "cpu", seed: int = 1, ep: int = 1, cp: int = 1) -> None:
+    """Join the job's process group and build megatron's TP/CP/PP/DP groups (order tp-cp-ep-dp-pp).
 
     device="cpu": gloo plus the CPU compatibility layer; device="cuda": NCCL on GPU `rank % gpus`.
     """
-    if world_size % (tp * pp):
-        raise ValueError(f"world_size={world_size} is not divisible by tp*pp = {tp}*{pp}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"world_size={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if cp > 1 and ep > 1:
+        raise ValueError(f"context parallelism (cp={cp}) with expert parallelism (ep={ep}) is not supported")
     if world_size % (tp * pp * ep):
         raise ValueError(f"EP={ep} must divide the data-parallel size {world_size // (tp * pp)} (experts are "
                          f"split over data-parallel ranks; expert TP = TP)")
@@ -38,7 +40,7 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
         raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
     dist.init_process_group(backend, store=_rendezvous_store(rank, world_size, master_addr, master_port),
                             rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     # Seeds megatron's tracked RNG states: the same across DP replicas, distinct per TP rank.
     model_parallel_cuda_manual_seed(seed)

@@ -9,7 +9,7 @@ import torch
 
 from megarl.algorithms.advantages import masked_whiten
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
-from megarl.engine.attention import check_parallel_support, segment_sdpa
+from megarl.engine.attention import segment_sdpa
 from megarl.engine.packing import (balanced_partition, block_causal_mask, pack_micro_batches, segment_bounds,
                                    sequence_lengths, unpack)
 from tests.dist_utils import run_distributed
@@ -106,12 +106,6 @@ def test_segments_and_width_multiple():
                                                              v[3:].transpose(0, 1), is_causal=True, scale=0.3,
                                                              enable_gqa=True)
     torch.testing.assert_close(out[3:], alone.transpose(0, 1))
-
-
-def test_context_parallel_is_refused_by_key():
-    with pytest.raises(ValueError, match=r"actor\.parallel\.cp=2: context parallelism needs TransformerEngine"):
-        check_parallel_support(2)
-    check_parallel_support(1)
 
 
 # ---- through the engine (2 gloo ranks, one launch) ------------------------------------------------

@@ -1,0 +1,86 @@
+"""Context parallelism (CP) without TransformerEngine (megarl/engine/context_parallel.py), padded and packed
+rows, against transformers on the same checkpoints: Qwen2 (q/k/v biases, tied) and Qwen3 (QK-norm, head_dim
+16 != hidden/heads, untied), both GQA.
+
+Per layout: log-probs and entropy equal transformers' (float32), and one SFT Adam step on Qwen3 gives
+transformers' loss, grad norm and updated weights: the CP ranks' gradients sum to the whole rows' gradient
+once, neither CP times (an output gather whose backward sums over CP instead of slicing) nor partially.
+Layouts: CP=2 on 2 ranks (rows padded to a multiple of 2 * CP = 4); CP=2 x TP=2 with sequence parallelism
+(rows padded from 12 to 16) and CP=2 x DP=2 on 4 ranks.
+"""
+
+import pytest
+import torch
+
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.engine.attention import resolve_core_attention
+from tests.dist_utils import run_distributed
+from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
+from tests.models.hf_families import qwen3_config, save_random
+from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step, _exported, _hf_sft_step
+
+BUDGET = 24  # tokens per packed micro-batch: two rows of the longest sequence (12)
+
+
+def _relayout(tp, cp):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+    model_parallel_cuda_manual_seed(1)
+
+
+def _cp_rank(rank, cases, layouts, train_dir):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.engine import MegatronEngine
+
+    trained = {}
+    for tp, cp, sp, max_tokens in layouts:
+        _relayout(tp, cp)
+        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, cp=cp, sequence_parallel=sp)
+        actor = ActorConfig(parallel=parallel, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens,
+                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+        for name, model_dir, ref_logprobs, ref_entropy in cases:
+            engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10, trainable=False)
+            assert engine.core_attention == "sdpa" and engine.gpt.config.context_parallel_size == cp
+            out = engine.compute_logprobs(padded_batch(), with_entropy=True)
+            where = f"{name} at tp={tp} cp={cp} sp={sp} max_tokens={max_tokens}"
+            torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
+            torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
+
+        engine = MegatronEngine(train_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+        share = padded_batch(rows=8).chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        trained[(tp, cp, sp, max_tokens)] = (engine.train(share, loss="sft"), _exported(engine))
+    return trained
+
+
+def _cases(tmp_path):
+    dirs = {"qwen2": make_qwen2_dir(tmp_path / "qwen2", tied=True),
+            "qwen3": save_random(qwen3_config(tied=False), tmp_path / "qwen3", seed=2)}
+    return [(name, d, *hf_logprobs_entropy(d, padded_batch())) for name, d in dirs.items()]
+
+
+def _check(tmp_path, world_size, layouts):
+    cases = _cases(tmp_path)
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(cases[1][1], tmp_path / "hf-step")
+    trained = run_distributed(_cp_rank, world_size, cases, layouts, cases[1][1], timeout=240)
+    assert sorted(trained) == sorted(layouts)
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
+
+
+def test_context_parallel_padded_and_packed_match_transformers(tmp_path):
+    _check(tmp_path, 2, [(1, 2, False, 0), (1, 2, False, BUDGET)])
+
+
+def test_context_parallel_with_tensor_sequence_and_data_parallel(tmp_path):
+    _check(tmp_path, 4, [(2, 2, True, BUDGET), (1, 2, False, BUDGET)])
+
+
+def test_context_parallel_runs_sdpa_only():
+    assert resolve_core_attention("auto", "cpu", 2) == resolve_core_attention("auto", "cuda", 2) == "sdpa"
+    for name in ("local", "varlen"):
+        with pytest.raises(ValueError, match=rf"attention='{name}' does not run context parallelism \(cp=2\)"):
+            resolve_core_attention(name, "cpu", 2)
