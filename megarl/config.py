@@ -52,15 +52,16 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel size")
     ep: int = opt(1, "expert-parallel size (mixture-of-experts models): experts split over this many DP ranks")
     vpp: int = opt(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B, needs pp > 1); 1 = off")
-    cp: int = opt(1, "context-parallel size: only 1 (megatron-core's context parallelism needs TransformerEngine's "
-                     "attention, which megarl's layer spec does not use)")
+    cp: int = opt(1, "context-parallel size: every row split over this many ranks by sequence (2 * cp chunks, "
+                     "row width padded to a multiple of 2 * cp), keys and values all-gathered for attention "
+                     "(attention=sdpa; no TransformerEngine needed); not with ep > 1")
     sequence_parallel: bool = opt(False, "sequence parallelism over the TP group: norms, dropout and the MoE router "
                                          "run on 1/TP of the tokens (needs TP > 1; row width padded to a multiple "
                                          "of TP); required for mixture-of-experts training at TP > 1")
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
 
 @dataclass
@@ -288,9 +289,6 @@ class Config:
                            ("actor.parallel.pp", p.pp)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
-        if p.world_size % (p.tp * p.pp):
-            raise ConfigError(f"actor.parallel.world_size={p.world_size} is not divisible by "
-                              f"actor.parallel.tp * actor.parallel.pp = {p.tp}*{p.pp}")
         if p.ep < 1 or p.dp % p.ep:
             raise ConfigError(f"actor.parallel.ep={p.ep} must be >= 1 and divide the data-parallel size {p.dp}")
         batch = self.data.prompts_per_step * self.rollout.n_samples
@@ -437,13 +435,15 @@ class Config:
                                   "must be >= 0")
             if p.vpp > 1 and p.pp < 2:
                 raise ConfigError(f"{role}.parallel.vpp={p.vpp} needs {role}.parallel.pp > 1")
-            if p.world_size % (p.tp * p.pp):
-                raise ConfigError(f"{role}.parallel.world_size={p.world_size} is not divisible by "
-                                  f"{role}.parallel.tp * {role}.parallel.pp = {p.tp}*{p.pp}")
-            if p.cp > 1:
-                raise ConfigError(f"{role}.parallel.cp={p.cp}: context parallelism needs TransformerEngine's attention "
-                                  "in megatron-core, which megarl's layer spec does not use; set cp=1 "
-                                  "(sequence_parallel=true splits activations over the TP group without TE)")
+            if p.world_size % (p.tp * p.pp * p.cp):
+                raise ConfigError(f"{role}.parallel.world_size={p.world_size} is not divisible by {role}.parallel.tp "
+                                  f"* {role}.parallel.pp * {role}.parallel.cp = {p.tp}*{p.pp}*{p.cp}")
+            if p.cp > 1 and p.ep > 1:
+                raise ConfigError(f"{role}.parallel.cp={p.cp} with {role}.parallel.ep={p.ep}: context parallelism "
+                                  "with expert parallelism is not supported")
+            if p.cp > 1 and section_.attention not in ("auto", "sdpa"):
+                raise ConfigError(f"{role}.attention={section_.attention!r} does not run context parallelism "
+                                  f"({role}.parallel.cp={p.cp}): use sdpa or auto")
             for key, allowed in (("recompute", ("none", "full", "selective")),
                                  ("attention", ("auto", "varlen", "sdpa", "local"))):
                 if getattr(section_, key) not in allowed:

@@ -2,6 +2,9 @@
 
     python -m megarl.plan --model deepseek-v3 --train tp=8,pp=16,dp=2 --gen tp=8
 
+--train also takes cp=N (context parallelism): activations divided by CP; CP ranks hold the same weights as
+DP ones, so the distributed optimizer shards over CP x DP and the weight sync counts them as replicas.
+
 --model takes a HF config.json path or a name in configs/models/. Memory per training rank: bf16
 weights, fp32 grads (megatron's grad_reduce_in_fp32), Adam (fp32 master copy + two moments: 12 B per
 parameter, divided over DP with --distributed-optimizer), and an activation estimate (Korthikanti et
@@ -69,15 +72,16 @@ def kv_bytes_per_token(hf: dict, gen_tp: int, itemsize: int = 2) -> int:
 
 
 def plan(hf: dict, train: TrainLayout, gen_tp: int, seq_len: int = 4096, micro_batch: int = 1,
-         kv_tokens: int = 65536, distributed_optimizer: bool = False) -> dict:
-    """Per-rank memory (bytes) and sync traffic; everything main() prints."""
+         kv_tokens: int = 65536, distributed_optimizer: bool = False, cp: int = 1) -> dict:
+    """Per-rank memory (bytes) and sync traffic; everything main() prints. `train.dp` counts the CP x DP
+    replicas (as the resharder does); `cp` of them split each sequence."""
     generation_ranks(train, gen_tp)
     specs = hf_inventory(hf)
     by_stage: dict[int, list[TensorSpec]] = {}
     for s in specs:
         by_stage.setdefault(train.stage(s), []).append(s)
     h = hf["hidden_size"]
-    activations = (seq_len * micro_batch * h * (10 + 24 / train.tp) * (train.num_layers // train.pp)
+    activations = (seq_len / cp * micro_batch * h * (10 + 24 / train.tp) * (train.num_layers // train.pp)
                    * train.pp)
     traffic = {d: transfer_bytes(specs, train, gen_tp, d, itemsize=2) for d in DELIVERIES}
     ranks = []
@@ -110,15 +114,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--distributed-optimizer", action="store_true")
     args = parser.parse_args(argv)
     hf = load_model_config(args.model)
-    t = parse_layout(args.train, ("tp", "pp", "dp"))
+    t = parse_layout(args.train, ("tp", "pp", "cp", "dp"))
     gen_tp = parse_layout(args.gen, ("tp",))["tp"]
-    train = TrainLayout(t["tp"], t["pp"], t["dp"], hf["num_hidden_layers"])
+    train = TrainLayout(t["tp"], t["pp"], t["cp"] * t["dp"], hf["num_hidden_layers"])
     if hf["num_hidden_layers"] % train.pp:
         raise SystemExit(f"PP={train.pp} does not divide num_hidden_layers={hf['num_hidden_layers']}")
-    result = plan(hf, train, gen_tp, args.seq_len, args.micro_batch, args.kv_tokens, args.distributed_optimizer)
+    result = plan(hf, train, gen_tp, args.seq_len, args.micro_batch, args.kv_tokens, args.distributed_optimizer,
+                  t["cp"])
     print(f"{args.model}: {result['total_params'] / 1e9:.2f}B parameters; train TP={train.tp} PP={train.pp} "
-          f"DP={train.dp} ({train.world} GPUs), generation TP={gen_tp} DP={train.world // gen_tp}")
-    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, Adam {'over DP' if args.distributed_optimizer else 'replicated'}; "
+          f"CP={t['cp']} DP={t['dp']} ({train.world} GPUs), generation TP={gen_tp} DP={train.world // gen_tp}")
+    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, Adam {'over CP x DP' if args.distributed_optimizer else 'replicated'}; "
           f"activations at seq {args.seq_len} x micro-batch {args.micro_batch}; KV for {args.kv_tokens} tokens)")
     print("rank tp pp |  weights    grads optimizer activations train_total | gen_weights kv_cache gen_total"
           " | sync GiB: full recv/send   sharded recv/send")

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     p = cfg.actor.parallel
-    layout = f"world_size={p.world_size} = tp {p.tp} x pp {p.pp} x dp {p.dp}"
+    layout = f"world_size={p.world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}"
     if args.dry_run:
         print(f"config ok: {layout}; rollout={cfg.rollout.engine}; {cfg.trainer.steps} RL steps")
         return 0

@@ -31,14 +31,24 @@ def test_wrong_type_names_the_key():
 
 
 def test_inconsistent_layout_is_an_error():
-    with pytest.raises(ConfigError, match=r"world_size=3 is not divisible by actor.parallel.tp \* actor.parallel.pp = 2\*1"):
+    with pytest.raises(ConfigError, match=r"world_size=3 is not divisible by actor.parallel.tp \* actor.parallel.pp "
+                                          r"\* actor.parallel.cp = 2\*1\*1"):
         load_config(None, ["actor.parallel.world_size=3", "actor.parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"actor.mini_batch_size=6 does not divide the step's batch"):
         load_config(None, ["data.prompts_per_step=2", "rollout.n_samples=4", "actor.mini_batch_size=6"])
     with pytest.raises(ConfigError, match=r"rollout.engine='vllm': must be one of hf, sglang"):
         load_config(None, ["rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match=r"critic.parallel.cp=2: context parallelism needs TransformerEngine"):
-        load_config(None, ["critic.parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"critic.parallel.world_size=2 is not divisible by critic.parallel.tp "
+                                          r"\* critic.parallel.pp \* critic.parallel.cp = 1\*1\*4"):
+        load_config(None, ["critic.parallel.world_size=2", "critic.parallel.cp=4"])
+    with pytest.raises(ConfigError, match=r"actor.parallel.cp=2 with actor.parallel.ep=2: context parallelism with "
+                                          "expert parallelism is not supported"):
+        load_config(None, ["actor.parallel.world_size=8", "actor.parallel.cp=2", "actor.parallel.ep=2"])
+    with pytest.raises(ConfigError, match=r"actor.attention='varlen' does not run context parallelism "
+                                          r"\(actor.parallel.cp=2\)"):
+        load_config(None, ["actor.parallel.world_size=2", "actor.parallel.cp=2", "actor.attention=varlen"])
+    cfg = load_config(None, ["actor.parallel.world_size=8", "actor.parallel.tp=2", "actor.parallel.cp=2"])
+    assert cfg.actor.parallel.dp == 2  # 8 ranks = TP 2 x CP 2 x DP 2
 
 
 def test_missing_recipe_and_section_misuse():

@@ -47,6 +47,9 @@ def test_memory_by_hand():
     assert r[0]["params"] == params and r[0]["weights"] == 2 * params and r[0]["grads"] == 4 * params
     assert r[0]["optimizer"] == 12 * params / 2
     assert r[0]["activations"] == 8 * 4 * (10 + 24 / 2) * 2  # s*b*h*(10+24/TP) * layers
+    # CP 2 (of the 2 replicas): half of each sequence's activations per rank, the same weights and optimizer
+    cp = plan(TINY, TrainLayout(2, 1, 2, 2), gen_tp=4, seq_len=8, distributed_optimizer=True, cp=2)["ranks"]
+    assert cp[0]["activations"] == r[0]["activations"] / 2 and cp[0]["optimizer"] == r[0]["optimizer"]
     # K/V at generation TP 4 with 2 KV heads: each rank keeps one head (2 layers * K,V * head_dim 1 * bf16)
     assert r[0]["kv_cache"] == 10 * 2 * 2 * 1 * 1 * 2
 
@@ -61,6 +64,9 @@ def test_cli_prints_every_rank(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("qwen2.5-7b: 7.62B parameters")
     assert [line.split()[0] for line in lines[3:]] == ["0", "1", "2", "3"]
+    main(["--model", "qwen2.5-7b", "--train", "tp=2,cp=2,dp=2", "--gen", "tp=4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "train TP=2 PP=1 CP=2 DP=2 (8 GPUs)" in lines[0] and len(lines) == 3 + 8
 
 
 def test_errors_name_the_problem():

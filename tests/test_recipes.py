@@ -26,7 +26,7 @@ def test_dry_run_from_the_command_line_needs_no_model_or_gpu():
                           "dapo_math_qwen2.5_7b.yaml"), "--dry-run", "model.path=/nonexistent"],
                          capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr
-    assert "world_size=8 = tp 2 x pp 1 x dp 4" in run.stdout
+    assert "world_size=8 = tp 2 x pp 1 x cp 1 x dp 4" in run.stdout
 
 
 def recipe(name):

@@ -247,14 +247,16 @@ def _device() -> torch.device:
 
 
 def engine_resharder(engine, rank: int) -> Resharder:
-    """The resharder of a MegatronEngine's policy on this rank, its TP x PP x DP layout from megatron's state."""
+    """The resharder of a MegatronEngine's policy on this rank, its TP x PP x DP layout from megatron's state.
+    Context-parallel ranks hold the same weights as data-parallel ones, and megatron numbers them between TP and
+    DP (tp-cp-dp-pp): the resharder counts CP x DP replicas as its DP."""
     from megatron.core import parallel_state as mpu
 
     from megarl.parallel.inventory import hf_inventory
 
     specs = hf_inventory(engine.hf_config)
     train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
-                        mpu.get_data_parallel_world_size(), engine.hf_config["num_hidden_layers"])
+                        mpu.get_data_parallel_world_size(with_context_parallel=True), engine.hf_config["num_hidden_layers"])
     return Resharder(specs, train, held_rows(engine.gpt, engine.weight_maps, specs, train, rank), rank)
 
 

@@ -48,7 +48,7 @@ class TrainWorker:
         section = getattr(self.cfg, name)
         p = section.parallel
         init_parallel(self.rank, p.world_size, master_addr, master_port, p.tp, p.pp, self.device,
-                      self.cfg.trainer.seed, ep=p.ep)
+                      self.cfg.trainer.seed, ep=p.ep, cp=p.cp)
         self.engine = MegatronEngine(self.model_path, section, self.cfg.algorithm, self.device,
                                      self.cfg.trainer.seed, total_steps, head=head, trainable=trainable)
         self.resharder = self._resharder() if self.role == "actor" else None
