@@ -513,5 +513,5 @@ class MegatronEngine:
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of full HF-named tensors, the same on every rank; every rank must iterate to the end."""
-        return weights.export_hf_weights(self.gpt, self.weight_maps, self.layout, self.hf_shapes,
+        return weights.export_hf_weights(self.gpts, self.weight_maps, self.layout, self.hf_shapes,
                                          self.params_dtype, self.device, bucket_bytes)

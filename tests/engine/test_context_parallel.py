@@ -5,8 +5,9 @@ rows, against transformers on the same checkpoints: Qwen2 (q/k/v biases, tied) a
 Per layout: log-probs and entropy equal transformers' (float32), and one SFT Adam step on Qwen3 gives
 transformers' loss, grad norm and updated weights: the CP ranks' gradients sum to the whole rows' gradient
 once, neither CP times (an output gather whose backward sums over CP instead of slicing) nor partially.
-Layouts: CP=2 on 2 ranks (rows padded to a multiple of 2 * CP = 4); CP=2 x TP=2 with sequence parallelism
-(rows padded from 12 to 16) and CP=2 x DP=2 on 4 ranks.
+After the step the weight sync (megarl.parallel.reshard, CP ranks counted as replicas) delivers the trained
+weights. Layouts: CP=2 on 2 ranks (rows padded to a multiple of 2 * CP = 4); CP=2 x TP=2 with sequence
+parallelism (rows padded from 12 to 16), CP=2 x DP=2, and CP=2 x PP=2 with virtual stages on 4 ranks.
 """
 
 import pytest
@@ -20,15 +21,24 @@ from tests.models.hf_families import qwen3_config, save_random
 from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step, _exported, _hf_sft_step
 
 BUDGET = 24  # tokens per packed micro-batch: two rows of the longest sequence (12)
+LAYERS = 4  # PP=2 x VPP=2: one layer per virtual stage
 
 
-def _relayout(tp, cp):
+def _relayout(tp, pp, cp):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+    parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)
     model_parallel_cuda_manual_seed(1)
+
+
+def _synced(engine, rank) -> dict:
+    """What the weight sync delivers to generation rank `rank` (full HF tensors, generation TP=2)."""
+    from megarl.parallel.reshard import engine_resharder
+
+    buckets = engine_resharder(engine, rank).buckets(2, "full", 1 << 30, engine.params_dtype)
+    return {name: t for bucket in buckets for name, t in bucket}
 
 
 def _cp_rank(rank, cases, layouts, train_dir):
@@ -38,28 +48,35 @@ def _cp_rank(rank, cases, layouts, train_dir):
     from megarl.engine import MegatronEngine
 
     trained = {}
-    for tp, cp, sp, max_tokens in layouts:
-        _relayout(tp, cp)
-        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, cp=cp, sequence_parallel=sp)
+    for layout in layouts:
+        tp, pp, vpp, cp, sp, max_tokens = layout
+        _relayout(tp, pp, cp)
+        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp)
         actor = ActorConfig(parallel=parallel, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens,
                             optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
         for name, model_dir, ref_logprobs, ref_entropy in cases:
             engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10, trainable=False)
             assert engine.core_attention == "sdpa" and engine.gpt.config.context_parallel_size == cp
             out = engine.compute_logprobs(padded_batch(), with_entropy=True)
-            where = f"{name} at tp={tp} cp={cp} sp={sp} max_tokens={max_tokens}"
+            where = f"{name} at {layout}"
             torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
             torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
 
         engine = MegatronEngine(train_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
         share = padded_batch(rows=8).chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-        trained[(tp, cp, sp, max_tokens)] = (engine.train(share, loss="sft"), _exported(engine))
+        metrics, exported = engine.train(share, loss="sft"), _exported(engine)
+        if vpp == 1:  # the weight sync's own layouts (with virtual stages it falls back to the export)
+            synced = _synced(engine, rank)
+            assert sorted(synced) == sorted(exported) and all(torch.equal(synced[k], exported[k]) for k in synced)
+        trained[layout] = (metrics, exported)
     return trained
 
 
 def _cases(tmp_path):
-    dirs = {"qwen2": make_qwen2_dir(tmp_path / "qwen2", tied=True),
-            "qwen3": save_random(qwen3_config(tied=False), tmp_path / "qwen3", seed=2)}
+    qwen3 = qwen3_config(tied=False)
+    qwen3.num_hidden_layers, qwen3.layer_types = LAYERS, ["full_attention"] * LAYERS
+    dirs = {"qwen2": make_qwen2_dir(tmp_path / "qwen2", tied=True, layers=LAYERS),
+            "qwen3": save_random(qwen3, tmp_path / "qwen3", seed=2)}
     return [(name, d, *hf_logprobs_entropy(d, padded_batch())) for name, d in dirs.items()]
 
 
@@ -72,11 +89,12 @@ def _check(tmp_path, world_size, layouts):
 
 
 def test_context_parallel_padded_and_packed_match_transformers(tmp_path):
-    _check(tmp_path, 2, [(1, 2, False, 0), (1, 2, False, BUDGET)])
+    # (tp, pp, vpp, cp, sequence_parallel, max_tokens_per_micro_batch)
+    _check(tmp_path, 2, [(1, 1, 1, 2, False, 0), (1, 1, 1, 2, False, BUDGET)])
 
 
 def test_context_parallel_with_tensor_sequence_and_data_parallel(tmp_path):
-    _check(tmp_path, 4, [(2, 2, True, BUDGET), (1, 2, False, BUDGET)])
+    _check(tmp_path, 4, [(2, 1, 1, 2, True, BUDGET), (1, 1, 1, 2, False, BUDGET), (1, 2, 2, 2, False, BUDGET)])
 
 
 def test_context_parallel_runs_sdpa_only():
