@@ -15,6 +15,9 @@ module on the same packed inputs (megarl.engine.attention.packed_attention_input
 
 With --sequence-parallel (TP > 1) both run under sequence parallelism, and before timing the engine's
 log-probs are compared with an engine without it holding the same weights (sp_check in the JSON).
+With --cp N (context parallelism: megarl/engine/context_parallel.py, attention=sdpa) the engine runs alone
+(the bare loop has no CP attention); after timing, its log-probs are compared with a CP=1 engine holding the
+same weights on the same ranks (cp_check in the JSON).
 
 Reported per step (after --warmup steps): real (non-padding) tokens/s and model FLOPs utilisation
 
@@ -31,6 +34,7 @@ On the H200 (one GPU; more through torchrun: DP = ranks / (TP * PP), e.g. TP=2 x
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --out benchmarks/results/engine_throughput_h200_tp2.json
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --sequence-parallel --out ...
     torchrun --nproc-per-node 4 benchmarks/engine_throughput.py --tp 2 --pp 2 --out ...
+    torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --cp 2 --attention sdpa --skip-bare --out ...
 On a CPU, a tiny model for a smoke test:
     python benchmarks/engine_throughput.py --size tiny --out /tmp/engine_throughput.json
 """
@@ -195,7 +199,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (data-parallel size = ranks / (tp * pp))")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (data-parallel size = ranks / (tp * pp * cp))")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (engine only: implies --skip-bare)")
     parser.add_argument("--attention", choices=["auto", "varlen", "sdpa", "local"], default="auto",
                         help="core attention (auto: varlen on GPU where torch has it, else sdpa)")
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (TP > 1)")
@@ -215,9 +220,10 @@ def main() -> None:
     from megarl.parallel.state import destroy_parallel, init_parallel
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    attention = resolve_core_attention(args.attention, device)
+    attention = resolve_core_attention(args.attention, device, args.cp)
     sp = args.sequence_parallel and args.tp > 1
-    print(f"attention={attention} sequence_parallel={sp} tp={args.tp} pp={args.pp} device={device} "
+    args.skip_bare = args.skip_bare or args.cp > 1
+    print(f"attention={attention} sequence_parallel={sp} tp={args.tp} pp={args.pp} cp={args.cp} device={device} "
           f"torch={torch.__version__}")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
@@ -227,7 +233,7 @@ def main() -> None:
         addr = "127.0.0.1"
     else:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    init_parallel(rank, world, addr, port, tp=args.tp, pp=args.pp, device=device, seed=1)
+    init_parallel(rank, world, addr, port, tp=args.tp, pp=args.pp, device=device, seed=1, cp=args.cp)
     try:
         hf = qwen2_config(args.size, args.seq)
         model_dir = Path(tempfile.mkdtemp(prefix="engine-throughput-"))
@@ -254,7 +260,8 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, sequence_parallel=sp),
+        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp,
+                                                    sequence_parallel=sp),
                             micro_batch_size=1, max_tokens_per_micro_batch=args.max_tokens, attention=attention,
                             recompute=args.recompute, precision="bf16" if device == "cuda" else "fp32",
                             optim=OptimConfig(lr=1e-5))
@@ -272,11 +279,14 @@ def main() -> None:
             ratio = results["engine"]["tokens_per_s"] / results["bare"]["tokens_per_s"]
             results["engine_over_bare"] = ratio
             print(f"engine / bare throughput: {100 * ratio:.1f}%")
+        if args.cp > 1:
+            results["cp_check"] = cp_check(engine, actor, str(model_dir), share, device)
         if rank == 0:
             report = {"commit": source_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": gpus,
                       "torch": torch.__version__, "args": vars(args), "attention": attention,
-                      "sequence_parallel": sp, "layout": {"tp": args.tp, "pp": args.pp, "dp": dp}, "model": hf,
+                      "sequence_parallel": sp, "layout": {"tp": args.tp, "pp": args.pp, "cp": args.cp, "dp": dp},
+                      "model": hf,
                       "flop_parameters": flop_parameters(hf),
                       "tokens_per_step": tokens, "flops_per_step": flops, "peak_flops_per_gpu": args.peak_flops,
                       "flops_formula": "6*N*T + 12*L*h*sum(n_i^2), N = 2-D weights except the input embedding",
@@ -310,6 +320,39 @@ def sp_check(engine, actor, model_dir: str, batch, device: str) -> dict:
               "mean_logprob": without[real].mean().item()}
     result["ok"] = result["mean_abs_diff"] < 0.01 and result["max_abs_diff"] < 0.5
     print(f"sequence parallel vs none, log-probs: {result}")
+    return result
+
+
+def cp_check(engine, actor, model_dir: str, batch, device: str) -> dict:
+    """The engine's log-probs under context parallelism against a CP=1 engine (frozen, same weights copied in)
+    on the same ranks, megatron's groups rebuilt without CP (the CP ranks become data-parallel ones, each
+    computing the whole batch): they differ only by bf16 rounding. Leaves the process without CP groups."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.config import AlgorithmConfig
+    from megarl.engine import MegatronEngine
+
+    with_cp = engine.compute_logprobs(batch)["logprobs"]
+    weights = engine.gpt.state_dict()
+    tp, pp = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(1)
+    plain = dataclasses.replace(actor, parallel=dataclasses.replace(actor.parallel, cp=1), attention="sdpa")
+    reference = MegatronEngine(model_dir, plain, AlgorithmConfig(), device, 1, 1, load_hf_weights=False,
+                               trainable=False)
+    assert reference.gpt.config.context_parallel_size == 1 and engine.gpt.config.context_parallel_size > 1
+    reference.gpt.load_state_dict(weights)
+    without = reference.compute_logprobs(batch)["logprobs"]
+    del reference
+    real = batch["attention_mask"].bool()
+    real[:, 0] = False
+    diff = (with_cp - without).abs()[real]
+    result = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
+              "mean_logprob": without[real].mean().item()}
+    result["ok"] = result["mean_abs_diff"] < 0.01 and result["max_abs_diff"] < 0.5
+    print(f"context parallel vs none, log-probs: {result}")
     return result
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the Megatron engine (issue 3), after the bundle's install.sh; JSON and logs go to $OUT, a short
-# table is printed last. PHASES (default "tests tp1 tp1sdpa tp2 tp2sp"; tp2 and tp2sp need two GPUs):
+# table is printed last. PHASES (default "tests tp1 tp1sdpa tp2 tp2sp cp2"; tp2, tp2sp and cp2 need two GPUs):
 #   tests  - tests/engine/test_megatron_gpu.py: bf16 engine vs transformers; varlen flash attention vs masked
 #            SDPA on packed rows (log-probs, one SFT step)                                            (~1.5 min)
 #   tp1    - benchmarks/engine_throughput.py (engine vs a bare megatron-core loop, ~1.4B Qwen2 shape, packed
@@ -9,13 +9,17 @@
 #   tp2    - engine vs bare loop at TP=2 on two GPUs                                                  (~2 min)
 #   tp2sp  - TP=2 with sequence parallelism: engine and bare loop, and the engine's log-probs checked against
 #            an engine without SP holding the same weights (sp_check)                                 (~2 min)
+#   cp2    - context parallelism (K/V all-gathered, masked SDPA) on two GPUs: the engine at CP=2 and, on the
+#            same two GPUs and kernel, at DP=2 (CP=1); CP=2's log-probs checked against a CP=1 engine holding
+#            the same weights (cp_check). Sequences up to CP_SEQ (default 2048) tokens              (~3 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
-PHASES=${PHASES:-tests tp1 tp1sdpa tp2 tp2sp}
+PHASES=${PHASES:-tests tp1 tp1sdpa tp2 tp2sp cp2}
+CP_SEQ=${CP_SEQ:-2048}
 GPUS=$(nvidia-smi -L | wc -l)
 BENCH=benchmarks/engine_throughput.py
 ATTN=${ATTN:-auto}
@@ -43,12 +47,19 @@ if [ "$GPUS" -ge 2 ] && phase tp2sp; then
   timeout 200 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --sequence-parallel \
     --out "$OUT/engine_throughput_tp2_sp.json" > "$OUT/tp2_sp.log" 2>&1; tail -5 "$OUT/tp2_sp.log"
 fi
+if [ "$GPUS" -ge 2 ] && phase cp2; then
+  timeout 200 torchrun --nproc-per-node 2 $BENCH --attention sdpa --skip-bare --seq "$CP_SEQ" \
+    --out "$OUT/engine_throughput_dp2_sdpa.json" > "$OUT/dp2_sdpa.log" 2>&1; tail -2 "$OUT/dp2_sdpa.log"
+  timeout 240 torchrun --nproc-per-node 2 $BENCH --cp 2 --attention sdpa --seq "$CP_SEQ" \
+    --out "$OUT/engine_throughput_cp2.json" > "$OUT/cp2.log" 2>&1; tail -3 "$OUT/cp2.log"
+fi
 [ -s "$OUT/gpu_tests.log" ] && echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
 echo "== engine throughput on $GPUS x $(head -1 "$OUT/gpu.txt") (goals: engine/bare >= 90%, MFU >= 40%)"
 python3 - "$OUT"/engine_throughput_tp*.json <<'PY'
 import json, sys
-print("| run | attention | SP | bare ms | bare MFU | engine ms | engine tok/s/GPU | engine MFU | engine/bare | SP log-prob check |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| run | attention | SP | CP | bare ms | bare MFU | engine ms | engine tok/s/GPU | engine MFU | engine GiB "
+      "| engine/bare | SP/CP log-prob check |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for path in sys.argv[1:]:
     try:
         d = json.load(open(path))
@@ -58,9 +69,11 @@ for path in sys.argv[1:]:
     b, e = d.get("bare", {}), d.get("engine", {})
     ms = lambda r: f"{1e3 * r['mean_step_seconds']:.0f}" if r else "-"
     pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"
-    sp = d.get("sp_check")
+    sp = d.get("sp_check") or d.get("cp_check")
     check = f"max {sp['max_abs_diff']:.3g} mean {sp['mean_abs_diff']:.3g} ok={sp['ok']}" if sp else "-"
+    gib = f"{e['peak_memory_gib']:.1f}" if "peak_memory_gib" in e else "-"
     print(f"| {path.rsplit('/', 1)[-1][len('engine_throughput_'):-5]} | {d.get('attention')} | {d.get('sequence_parallel')} "
-          f"| {ms(b)} | {pct(b.get('mfu'))} | {ms(e)} | {e.get('tokens_per_s_per_gpu', 0):,.0f} | {pct(e.get('mfu'))} "
+          f"| {d.get('layout', {}).get('cp', 1)} | {ms(b)} | {pct(b.get('mfu'))} | {ms(e)} "
+          f"| {e.get('tokens_per_s_per_gpu', 0):,.0f} | {pct(e.get('mfu'))} | {gib} "
           f"| {pct(d.get('engine_over_bare'))} | {check} |")
 PY
