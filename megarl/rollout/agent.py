@@ -290,16 +290,18 @@ def _in_own_thread(fn, **kwargs) -> asyncio.Future:
 
 
 class _GenerationBatcher:
-    """Collects the turns that are ready to generate and runs them as one engine call (with the
-    largest of their token limits; each generation is then cut at its own limit, which gives exactly
-    what generating with that limit would, since sampling is left to right). Engines whose generate
-    takes `conversations` (SGLang with several servers) get each turn's conversation id, so a
-    conversation stays on one server and reuses its prefix cache."""
+    """Collects the turns that are ready to generate and runs them as one engine call. Engines whose
+    generate takes per-prompt `max_new_tokens` (SGLang) get each turn's own limit; the others run with
+    the largest and each generation is cut at its own limit, which gives exactly what generating with
+    that limit would, since sampling is left to right. Engines whose generate takes `conversations`
+    (SGLang) get each turn's conversation id, so a conversation stays on one server and reuses its
+    prefix cache."""
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, thread: ThreadPoolExecutor):
         self.engine, self.params, self.thread = engine, params, thread
         self.pending: list[tuple[list[int], int, str, asyncio.Future]] = []
-        self.sticky = "conversations" in inspect.signature(engine.generate).parameters
+        accepts = inspect.signature(engine.generate).parameters
+        self.sticky, self.per_prompt_limits = "conversations" in accepts, "max_new_tokens" in accepts
         self.worker: asyncio.Task | None = None
         self.inflight: asyncio.Future | None = None  # the engine call running in the engine thread
         self.calls = 0
@@ -332,8 +334,10 @@ class _GenerationBatcher:
             seed = None if self.params.seed is None else self.params.seed + self.calls
             params = replace(self.params, n=1, seed=seed, max_new_tokens=max(r[1] for r in requests))
             self.calls += 1
-            call = functools.partial(self.engine.generate, [r[0] for r in requests], params,
-                                     **({"conversations": [r[2] for r in requests]} if self.sticky else {}))
+            extra = {"conversations": [r[2] for r in requests]} if self.sticky else {}
+            if self.per_prompt_limits:
+                extra["max_new_tokens"] = [r[1] for r in requests]
+            call = functools.partial(self.engine.generate, [r[0] for r in requests], params, **extra)
             self.inflight = loop.run_in_executor(self.thread, call)
             try:
                 gens = await asyncio.shield(self.inflight)  # a cancelled conversation does not cancel the call

@@ -259,12 +259,17 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ---- generation -------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 conversations: list[str] | None = None) -> list[Generation]:
-        if params.max_new_tokens < 1 or params.n < 1:
-            raise ValueError(f"max_new_tokens and n must be >= 1, got {params.max_new_tokens} and {params.n}")
-        if conversations is not None and len(conversations) != len(prompts):
-            raise ValueError(f"{len(conversations)} conversation ids for {len(prompts)} prompts")
+    def generate(self, prompts: list[list[int]], params: SamplingParams, conversations: list[str] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[Generation]:
+        """`conversations`: an id per prompt, whose turns stay on one server (its prefix cache).
+        `max_new_tokens`: a limit per prompt in place of params.max_new_tokens (multi-turn rollouts batch
+        turns with different budgets; SGLang refuses a row whose prompt plus limit passes the context)."""
+        limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
+        if min(limits, default=1) < 1 or params.n < 1:
+            raise ValueError(f"max_new_tokens and n must be >= 1, got {min(limits)} and {params.n}")
+        for name, per_prompt in (("conversation ids", conversations), ("token limits", max_new_tokens)):
+            if per_prompt is not None and len(per_prompt) != len(prompts):
+                raise ValueError(f"{len(per_prompt)} {name} for {len(prompts)} prompts")
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids),
                     "ignore_eos": params.ignore_eos, **self.sampling_overrides}
@@ -278,8 +283,10 @@ class SGLangRolloutEngine(RolloutEngine):
 
         def run(index: int, prompt_ids: list[int]) -> None:
             rows = [prompts[i] for i in prompt_ids for _ in range(params.n)]
+            row_sampling = sampling if max_new_tokens is None else \
+                [sampling | {"max_new_tokens": limits[i]} for i in prompt_ids for _ in range(params.n)]
             try:
-                outputs = self._generate_on(index, rows, sampling)
+                outputs = self._generate_on(index, rows, row_sampling)
             finally:
                 self._done(index, len(rows))
             if not isinstance(outputs, list) or len(outputs) != len(rows):
@@ -294,7 +301,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 future.result()
         return results
 
-    def _generate_on(self, index: int, input_ids: list[list[int]], sampling: dict) -> list[dict]:
+    def _generate_on(self, index: int, input_ids: list[list[int]], sampling: dict | list[dict]) -> list[dict]:
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
         self._prepare(index)
         try:

@@ -2,7 +2,8 @@
 so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoints megarl uses:
 
 - GET /health: 200 (503 with --never-healthy).
-- POST /generate {input_ids: [[...]], sampling_params, return_logprob}: one output per row,
+- POST /generate {input_ids: [[...]], sampling_params (one, or one per row), return_logprob}: one output per
+  row (HTTP 400 with sglang's message for a row whose prompt + max_new_tokens passes --context-length),
   {"output_ids", "meta_info": {"finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"}
   | {"type": "abort", ...}, "output_token_logprobs": [[logprob, token, None], ...], ...}}.
   Tokens are a deterministic function of the prompt and a per-process row counter (so n samples differ).
@@ -45,6 +46,11 @@ class State:
         self.log, self.rows, self.model = [], 0, DictModel()
         self.aborted = threading.Event()
         self.lock = threading.Lock()
+        self.context_length = 1 << 20
+
+
+class ContextTooLong(ValueError):
+    pass
 
 
 STATE = State()
@@ -58,8 +64,13 @@ def generate(body: dict) -> list[dict]:
         time.sleep(3600)
     ids = body["input_ids"]
     rows = ids if ids and isinstance(ids[0], list) else [ids]
-    sp = body.get("sampling_params") or {}
-    max_new, stops = sp.get("max_new_tokens", 128), set(sp.get("stop_token_ids") or [])
+    per_row = body.get("sampling_params") or {}
+    per_row = per_row if isinstance(per_row, list) else [per_row] * len(rows)
+    for row, sp in zip(rows, per_row):
+        wanted = len(row) + sp.get("max_new_tokens", 128)
+        if wanted > STATE.context_length:  # sglang 0.5.17's check and its words
+            raise ContextTooLong(f"Requested token count exceeds the model's maximum context length of "
+                                 f"{STATE.context_length} tokens. You requested a total of {wanted} tokens")
     deadline = time.monotonic() + cfg["generate_delay"]
     aborted = False
     while time.monotonic() < deadline:
@@ -68,7 +79,8 @@ def generate(body: dict) -> list[dict]:
             break
         time.sleep(0.01)
     outputs = []
-    for row in rows:
+    for row, sp in zip(rows, per_row):
+        max_new, stops = sp.get("max_new_tokens", 128), set(sp.get("stop_token_ids") or [])
         with STATE.lock:
             STATE.rows += 1
             counter = STATE.rows
@@ -139,7 +151,10 @@ class Handler(BaseHTTPRequestHandler):
                           {k: v for k, v in body.items() if k != "serialized_named_tensors"}})
         if self.path == "/generate":
             STATE.aborted.clear()
-            return self.reply(200, generate(body))
+            try:
+                return self.reply(200, generate(body))
+            except ContextTooLong as e:
+                return self.reply(400, {"error": {"message": str(e)}})
         if self.path == "/abort_request":
             if body.get("abort_all"):
                 STATE.aborted.set()
@@ -158,8 +173,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--never-healthy", action="store_true")
+    parser.add_argument("--context-length", type=int, default=STATE.context_length)
     args = parser.parse_args()
     Handler.never_healthy = args.never_healthy
+    STATE.context_length = args.context_length
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
 
 

@@ -361,6 +361,28 @@ def test_conversation_ids_reach_the_engine(tok):
     assert sorted(first) == sorted(t.conversation for g in groups for t in g) and len(set(first)) == 4
 
 
+def test_turns_batched_into_one_call_keep_their_own_token_limits(tok):
+    """Engines that take a limit per prompt (SGLang) get each turn's own, not the largest of the call."""
+    limits = []
+
+    class LimitedEngine(ScriptedEngine):
+        def generate(self, prompts, params, max_new_tokens=None):
+            limits.append(list(max_new_tokens))
+            return super().generate(prompts, params)
+
+    script = {"A:": ["a"], "B:": ["b"]}
+    agent = AgentLoop(LimitedEngine(tok, script), tok, build_tools(["calculator"]),
+                      AgentConfig(max_response_tokens=40, max_new_tokens_per_turn=30))
+    prompts = {"A:": ids(tok, "A:"), "B:": ids(tok, "B:")}
+    groups = [[Trajectory(0, prompts["A:"])], [Trajectory(1, prompts["B:"])]]
+    groups[1][0].append(ids(tok, "x" * 25), None)  # B is further into its budget: 15 tokens left
+    try:
+        agent.run_groups(groups, SamplingParams())
+    finally:
+        agent.close()
+    assert limits == [[30, 15]]
+
+
 def test_an_abort_reaches_the_engine_call_in_flight_and_waits_for_it(tok):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -27,10 +27,10 @@ def fake_server(tmp_path, *flags, **kwargs):
                         startup_timeout=kwargs.pop("startup_timeout", 30), **kwargs)
 
 
-def engine(tmp_path, servers=1, **kwargs):
+def engine(tmp_path, servers=1, flags=(), **kwargs):
     timeout = kwargs.pop("request_timeout", 30)
     return SGLangRolloutEngine("unused", num_servers=servers, colocated=kwargs.pop("colocated", False),
-                               launch=lambda i: fake_server(tmp_path, request_timeout=timeout), **kwargs)
+                               launch=lambda i: fake_server(tmp_path, *flags, request_timeout=timeout), **kwargs)
 
 
 def log(server, path=None):
@@ -91,6 +91,23 @@ def test_stop_token_and_finish_reasons(tmp_path):
         assert e.generate([[0]], SamplingParams(max_new_tokens=3))[0].finish_reason == "length"
         with pytest.raises(ValueError, match="n must be >= 1"):
             e.generate([[0]], SamplingParams(n=0))
+    finally:
+        e.shutdown()
+
+
+def test_token_limits_per_prompt_keep_every_row_inside_the_context(tmp_path):
+    """Multi-turn rollouts batch turns of different lengths: one shared limit would push the long prompt
+    past the context, which SGLang refuses (HTTP 400); a limit per prompt fits each row."""
+    e = engine(tmp_path, flags=("--context-length", "16"))
+    try:
+        prompts, params = [[1] * 12, [2] * 3], SamplingParams(max_new_tokens=10, n=2)
+        with pytest.raises(SGLangError, match="maximum context length of 16"):
+            e.generate(prompts, params)
+        gens = e.generate(prompts, params, max_new_tokens=[4, 10])
+        assert [len(g.token_ids) for g in gens] == [4, 4, 10, 10]
+        assert all(g.finish_reason == "length" for g in gens)
+        with pytest.raises(ValueError, match="1 token limits for 2 prompts"):
+            e.generate(prompts, params, max_new_tokens=[4])
     finally:
         e.shutdown()
 
