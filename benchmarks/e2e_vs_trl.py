@@ -206,7 +206,7 @@ def megarl_command(args, model_dir: Path, prompts: Path, val: Path, completions:
         "actor.mini_batch_size": 0, "actor.ppo_epochs": 1, "actor.optim.lr": 1e-6, "sft.steps": 0,
         "trainer.steps": args.megarl_warmup + args.megarl_steps, "trainer.eval_every": 1_000_000,
         "trainer.verify_weight_sync_every": 0, "trainer.loggers": "console,jsonl", "trainer.resume": "none",
-        "trainer.cpus_per_rank": 1}
+        "trainer.cpus_per_rank": 1, "trainer.offload_between_phases": args.offload}
     return [sys.executable, "-m", "megarl.train", *(f"{k}={v}" for k, v in overrides.items())]
 
 
@@ -303,6 +303,10 @@ def parse_args(argv=None):
     p.add_argument("--megarl-steps", type=int, default=4)
     p.add_argument("--val-size", type=int, default=8, help="megarl's held-out prompts (scored before and after)")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.35)
+    p.add_argument("--offload", default="never", choices=("auto", "always", "never"),
+                   help="megarl's trainer.offload_between_phases. never: a 0.5B model, its optimizer and its SGLang "
+                        "server fit the GPU together (TRL too keeps everything resident); auto moves the training "
+                        "state to host memory during rollouts, for models that do not fit beside the server")
     p.add_argument("--budget-s", type=float, default=510, help="deadline for everything, from the start")
     p.add_argument("--trl-cap-s", type=float, default=170, help="most seconds TRL may take")
     p.add_argument("--megarl-cap-s", type=float, default=230, help="most seconds a megarl run may take, "
@@ -342,7 +346,8 @@ def main(argv=None) -> int:
               "setup": {"model": "smoke" if args.smoke else args.model, "shape": shape, "parameters": params,
                         "prompt_len": args.prompt_len, "completion_len": args.completion_len,
                         "n_samples": args.n_samples, "micro_batch": args.micro_batch, "reward": "vowel_share",
-                        "reference_model": False, "updates_per_batch": 1, "trl_warmup": args.trl_warmup,
+                        "reference_model": False, "updates_per_batch": 1, "megarl_offload": args.offload,
+                        "trl_warmup": args.trl_warmup,
                         "megarl_warmup": args.megarl_warmup, "model_build_s": round(time.monotonic() - t0, 1)},
               "runs": {}}
     result_file = out / "e2e_vs_trl.json"
