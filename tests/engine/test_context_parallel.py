@@ -2,7 +2,9 @@
 rows, against transformers on the same checkpoints: Qwen2 (q/k/v biases, tied) and Qwen3 (QK-norm, head_dim
 16 != hidden/heads, untied), both GQA.
 
-Per layout: log-probs and entropy equal transformers' (float32), and one SFT Adam step on Qwen3 gives
+Per layout: log-probs and entropy equal transformers' (float32), a value head on Qwen2 (a frozen critic /
+reward model with a random head) gives transformers' token-classification values, and one SFT Adam step on
+Qwen3 gives
 transformers' loss, grad norm and updated weights: the CP ranks' gradients sum to the whole rows' gradient
 once, neither CP times (an output gather whose backward sums over CP instead of slicing) nor partially.
 After the step the weight sync (megarl.parallel.reshard, CP ranks counted as replicas) delivers the trained
@@ -13,11 +15,12 @@ parallelism (rows padded from 12 to 16), CP=2 x DP=2, and CP=2 x PP=2 with virtu
 import pytest
 import torch
 
-from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.config import ActorConfig, AlgorithmConfig, CriticConfig, OptimConfig, ParallelConfig
 from megarl.engine.attention import resolve_core_attention
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
 from tests.models.hf_families import qwen3_config, save_random
+from tests.engine.test_roles import _hf_values
 from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step, _exported, _hf_sft_step
 
 BUDGET = 24  # tokens per packed micro-batch: two rows of the longest sequence (12)
@@ -41,13 +44,28 @@ def _synced(engine, rank) -> dict:
     return {name: t for bucket in buckets for name, t in bucket}
 
 
+def _value_outputs(model_dir, parallel) -> dict:
+    """A frozen value-head engine on the checkpoint with a random head: values, rewards, exported weights."""
+    from megarl.engine import MegatronEngine
+
+    critic = MegatronEngine(model_dir, CriticConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
+                            "cpu", 1, 10, head="value", trainable=False)
+    with torch.no_grad():
+        for gpt in critic.gpts:
+            if gpt.post_process:  # the same head on every rank of the last stage
+                gpt.output_layer.weight.copy_(torch.randn(gpt.output_layer.weight.shape,
+                                                          generator=torch.Generator().manual_seed(0)))
+    return {"values": critic.compute_values(padded_batch())["values"],
+            "rewards": critic.compute_rewards(padded_batch())["rewards"], "weights": _exported(critic)}
+
+
 def _cp_rank(rank, cases, layouts, train_dir):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megarl.engine import MegatronEngine
 
-    trained = {}
+    trained, valued = {}, {}
     for layout in layouts:
         tp, pp, vpp, cp, sp, max_tokens = layout
         _relayout(tp, pp, cp)
@@ -61,6 +79,7 @@ def _cp_rank(rank, cases, layouts, train_dir):
             where = f"{name} at {layout}"
             torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
             torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
+        valued[layout] = _value_outputs(cases[0][1], parallel)
 
         engine = MegatronEngine(train_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
         share = padded_batch(rows=8).chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
@@ -69,7 +88,7 @@ def _cp_rank(rank, cases, layouts, train_dir):
             synced = _synced(engine, rank)
             assert sorted(synced) == sorted(exported) and all(torch.equal(synced[k], exported[k]) for k in synced)
         trained[layout] = (metrics, exported)
-    return trained
+    return trained, valued
 
 
 def _cases(tmp_path):
@@ -83,9 +102,17 @@ def _cases(tmp_path):
 def _check(tmp_path, world_size, layouts):
     cases = _cases(tmp_path)
     ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(cases[1][1], tmp_path / "hf-step")
-    trained = run_distributed(_cp_rank, world_size, cases, layouts, cases[1][1], timeout=240)
-    assert sorted(trained) == sorted(layouts)
+    trained, valued = run_distributed(_cp_rank, world_size, cases, layouts, cases[1][1], timeout=240)
+    assert sorted(trained) == sorted(valued) == sorted(layouts)
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
+    batch = padded_batch()
+    real, last = batch["attention_mask"][:, 1:] > 0, batch["attention_mask"].sum(1) - 1
+    for layout, out in valued.items():
+        hf = _hf_values(cases[0][1], out["weights"], batch)  # V(tokens[<t]) is the head at position t-1
+        assert hf.abs().max() > 1  # the random head makes values far from 0
+        torch.testing.assert_close(out["values"][:, 1:][real], hf[:, :-1][real], rtol=0, atol=1e-4, msg=str(layout))
+        torch.testing.assert_close(out["rewards"], hf[torch.arange(len(batch)), last], rtol=0, atol=1e-4,
+                                   msg=str(layout))
 
 
 def test_context_parallel_padded_and_packed_match_transformers(tmp_path):
