@@ -199,7 +199,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (data-parallel size = ranks / (tp * pp * cp))")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline stages (data-parallel size = ranks / (tp * pp * cp))")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (engine only: implies --skip-bare)")
     parser.add_argument("--attention", choices=["auto", "varlen", "sdpa", "local"], default="auto",
                         help="core attention (auto: varlen on GPU where torch has it, else sdpa)")
@@ -335,7 +336,8 @@ def cp_check(engine, actor, model_dir: str, batch, device: str) -> dict:
 
     with_cp = engine.compute_logprobs(batch)["logprobs"]
     weights = engine.gpt.state_dict()
-    tp, pp = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, pp)
     model_parallel_cuda_manual_seed(1)

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
                   t["cp"])
     print(f"{args.model}: {result['total_params'] / 1e9:.2f}B parameters; train TP={train.tp} PP={train.pp} "
           f"CP={t['cp']} DP={t['dp']} ({train.world} GPUs), generation TP={gen_tp} DP={train.world // gen_tp}")
-    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, Adam {'over CP x DP' if args.distributed_optimizer else 'replicated'}; "
+    adam = "over CP x DP" if args.distributed_optimizer else "replicated"
+    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, Adam {adam}; "
           f"activations at seq {args.seq_len} x micro-batch {args.micro_batch}; KV for {args.kv_tokens} tokens)")
     print("rank tp pp |  weights    grads optimizer activations train_total | gen_weights kv_cache gen_total"
           " | sync GiB: full recv/send   sharded recv/send")

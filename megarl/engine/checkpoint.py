@@ -234,7 +234,8 @@ def _layout() -> dict[str, int]:
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
             "dp": parallel_state.get_data_parallel_world_size(),
-            "ep": parallel_state.get_expert_model_parallel_world_size()}
+            "ep": parallel_state.get_expert_model_parallel_world_size(),
+            "cp": parallel_state.get_context_parallel_world_size()}
 
 
 def _optimizer_metadata(engine) -> dict:
@@ -398,7 +399,7 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
             request["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=True,
                                                                        **_optimizer_metadata(engine))
             request["scheduler"] = engine.scheduler.state_dict()
-        if "rng" in contents and meta["layout"] == _layout():
+        if "rng" in contents and {"cp": 1, **meta["layout"]} == _layout():  # checkpoints before CP: no "cp"
             request["rng"] = _rng_object(None)
 
         loaded = dist_checkpointing.load(request, str(directory / "state"))

@@ -57,7 +57,8 @@ def gather_rows(part: Tensor) -> Tensor:
     if cp == 1:
         return part
     width = part.shape[1] * cp
-    gathered = gather_from_sequence_parallel_region(part.transpose(0, 1).contiguous(), tensor_parallel_output_grad=False,
+    gathered = gather_from_sequence_parallel_region(part.transpose(0, 1).contiguous(),
+                                                    tensor_parallel_output_grad=False,
                                                     group=parallel_state.get_context_parallel_group())
     order = torch.cat([chunk_index(width, r) for r in range(cp)]).argsort().to(part.device)
     return gathered[order].transpose(0, 1)

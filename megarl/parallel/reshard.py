@@ -256,7 +256,8 @@ def engine_resharder(engine, rank: int) -> Resharder:
 
     specs = hf_inventory(engine.hf_config)
     train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
-                        mpu.get_data_parallel_world_size(with_context_parallel=True), engine.hf_config["num_hidden_layers"])
+                        mpu.get_data_parallel_world_size(with_context_parallel=True),
+                        engine.hf_config["num_hidden_layers"])
     return Resharder(specs, train, held_rows(engine.gpt, engine.weight_maps, specs, train, rank), rank)
 
 

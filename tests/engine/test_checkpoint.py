@@ -56,20 +56,20 @@ def save(engine, root: Path, step: int) -> None:
     dist.barrier()
 
 
-def relayout(tp: int, pp: int) -> None:
+def relayout(tp: int, pp: int, cp: int = 1) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)
     model_parallel_cuda_manual_seed(1)
 
 
-def run(model_dir, tp, pp, distributed_optimizer, save_to=None, resume_from=None):
+def run(model_dir, tp, pp, distributed_optimizer, save_to=None, resume_from=None, cp=1):
     """Losses of RL steps 1..STEPS (or SAVE_AFTER+1..STEPS when resuming) and the final LR."""
     from megarl.engine import MegatronEngine
 
-    relayout(tp, pp)
+    relayout(tp, pp, cp)
     engine = MegatronEngine(model_dir, actor_config(distributed_optimizer), ALGO, "cpu", 1, total_steps=10)
     first = 1
     if resume_from is not None:

@@ -10,7 +10,12 @@ once, neither CP times (an output gather whose backward sums over CP instead of 
 After the step the weight sync (megarl.parallel.reshard, CP ranks counted as replicas) delivers the trained
 weights. Layouts: CP=2 on 2 ranks (rows padded to a multiple of 2 * CP = 4); CP=2 x TP=2 with sequence
 parallelism (rows padded from 12 to 16), CP=2 x DP=2, and CP=2 x PP=2 with virtual stages on 4 ranks.
+RL training over several steps (test_checkpoint.py's run: PPO epochs, KL, clipping, distributed optimizer) at
+CP=2 follows DP=2's loss curve, and a CP=2 checkpoint resumes at DP=2.
 """
+
+from pathlib import Path
+
 
 import pytest
 import torch
@@ -20,6 +25,7 @@ from megarl.engine.attention import resolve_core_attention
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
 from tests.models.hf_families import qwen3_config, save_random
+from tests.engine.test_checkpoint import SAVE_AFTER, STEPS, run
 from tests.engine.test_roles import _hf_values
 from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step, _exported, _hf_sft_step
 
@@ -129,3 +135,18 @@ def test_context_parallel_runs_sdpa_only():
     for name in ("local", "varlen"):
         with pytest.raises(ValueError, match=rf"attention='{name}' does not run context parallelism \(cp=2\)"):
             resolve_core_attention(name, "cpu", 2)
+
+
+def _resume_rank(rank, model_dir, root):
+    return {"dp2": run(model_dir, 1, 1, True), "cp2": run(model_dir, 1, 1, True, save_to=Path(root) / "cp2", cp=2),
+            "cp2 -> dp2": run(model_dir, 1, 1, True, resume_from=Path(root) / "cp2")}
+
+
+def test_context_parallel_rl_steps_and_checkpoint_follow_data_parallel(tmp_path):
+    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True)
+    r = run_distributed(_resume_rank, 2, model_dir, str(tmp_path / "ckpt"))
+    (dp2, lr), tail = r["dp2"], slice(SAVE_AFTER, STEPS)
+    assert len(set(dp2)) == STEPS
+    torch.testing.assert_close(r["cp2"][0], dp2, rtol=0, atol=1e-5)
+    torch.testing.assert_close(r["cp2 -> dp2"][0], dp2[tail], rtol=0, atol=1e-5)
+    assert r["cp2"][1] == r["cp2 -> dp2"][1] == lr
