@@ -55,7 +55,7 @@ if [ "$GPUS" -ge 2 ] && phase cp2; then
 fi
 [ -s "$OUT/gpu_tests.log" ] && echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
 echo "== engine throughput on $GPUS x $(head -1 "$OUT/gpu.txt") (goals: engine/bare >= 90%, MFU >= 40%)"
-python3 - "$OUT"/engine_throughput_tp*.json <<'PY'
+python3 - "$OUT"/engine_throughput_*.json <<'PY'
 import json, sys
 print("| run | attention | SP | CP | bare ms | bare MFU | engine ms | engine tok/s/GPU | engine MFU | engine GiB "
       "| engine/bare | SP/CP log-prob check |")
