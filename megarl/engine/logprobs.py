@@ -1,62 +1,130 @@
 """Log-probabilities and entropy from vocab-parallel logits, without gathering the vocabulary.
 
-Each TP rank holds logits for its slice of the (padded) vocabulary. The log-softmax normaliser is
-built from a max and a sum of exponentials all-reduced over the TP group, as megatron's
-vocab_parallel_cross_entropy does. The reductions go through megatron's
-reduce_from_tensor_model_parallel_region (all-reduce forward, identity backward): every TP rank
-computes the same loss, so each rank's backward already carries the full upstream gradient.
+Each TP rank holds logits for its slice of the (padded) vocabulary. Per token, a rank reduces its slice to
+a max m_r, a sum of exponentials s_r = sum exp(x - m_r) and, for the entropy, b_r = sum exp(x - m_r)(x - m_r);
+two all-reduces over the TP group (MAX of m_r, then SUM of the rescaled s_r, b_r and the owned target logit)
+give log Z, log p(target) and the entropy H = log Z - E_p[x] on every rank.
+
+Why a hand-written autograd.Function (measured with benchmarks/logprobs_speed.py): written as plain torch
+ops, each elementwise step over [tokens, V_local] (float(), the padding mask, the shift, exp, exp * x)
+materialises a float32 copy of the logits (6.2 GB at 10240 tokens x 151936), autograd keeps several of
+them and replays as many passes in backward. Here the forward walks the tokens in chunks and keeps only
+per-token float32 numbers (log Z, H) plus the input logits, which are needed anyway; the backward
+recomputes p per chunk and writes the gradient straight into the logits' dtype:
+    d log p(t) / d x_j = [j = t] - p_j,        d H / d x_j = -p_j (x_j - E_p[x]) = -p_j (log p_j + H).
+Both use the global normaliser, so a rank's formula covers its own slice exactly, and the backward needs
+no communication: every TP rank computes the same loss from the same (all-reduced) log-probs and entropy,
+so each receives the full upstream gradient of both outputs and only its slice's share is left to it.
+Vocab padding ids (>= vocab_size, at the end of the last rank's slice) are left out of every sum and get a
+zero gradient.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from torch import Tensor
+
+# Tokens per chunk are chosen so that a chunk's [tokens, V_local] float32 temporaries (two at a time,
+# in forward and in backward) take ~1 GiB: a few passes over an L2-sized stream are still far from
+# launch-bound at 151936 / TP columns, and the peak stays well under a logits-sized float32 copy.
+CHUNK_ELEMENTS = 2 ** 27
 
 
 def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, vocab_size: int, with_entropy: bool,
                             entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """logits [b, s, V_local] (this rank's vocab slice), targets [b, s] global token ids ->
-    (log p(target) [b, s], entropy [b, s] or None), float32, identical on every TP rank.
-    Vocab padding rows (ids >= vocab_size) are masked to -inf so they carry no probability.
-    entropy_grad=False: the entropy is a metric only (no entropy bonus), computed outside autograd, which
-    then keeps no [b, s, V_local] products for it."""
-    logits = logits.float()
-    local = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * local
-    pad = torch.arange(start, start + local, device=logits.device) >= vocab_size
-    if pad.any():
-        logits = logits.masked_fill(pad, float("-inf"))
-
-    # The max only stabilises exp(); the result does not depend on it, so it needs no gradient.
-    shift = logits.detach().max(dim=-1).values
-    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    exp_logits = torch.exp(logits - shift.unsqueeze(-1))
-    sum_exp = reduce_from_tensor_model_parallel_region(exp_logits.sum(-1))
-    log_z = shift + torch.log(sum_exp)
-
-    owned = (targets >= start) & (targets < start + local)
-    local_ids = (targets - start).clamp(0, local - 1)
-    target_logit = torch.gather(logits, -1, local_ids.unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce_from_tensor_model_parallel_region(torch.where(owned, target_logit, 0.0))
-    logprobs = target_logit - log_z
-
-    entropy = None
-    if with_entropy:
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            entropy = _entropy(logits, exp_logits, sum_exp, log_z, pad)
-    return logprobs, entropy
+    (log p(target) [b, s], entropy [b, s] or None), float32 (float64 for float64 logits), identical on
+    every TP rank, differentiable w.r.t. logits.
+    entropy_grad=False: the entropy is a metric only (no entropy bonus); it is returned without gradient and
+    the backward does no entropy work."""
+    logprobs, entropy = _VocabParallelLogprobs.apply(logits, targets, vocab_size, with_entropy, entropy_grad)
+    return logprobs, entropy if with_entropy else None
 
 
-def _entropy(logits: Tensor, exp_logits: Tensor, sum_exp: Tensor, log_z: Tensor, pad: Tensor) -> Tensor:
-    """H = log Z - E_p[logit], with E_p[logit] = sum(exp * logit) / sum(exp). Each rank's share of both
-    sums depends on its own logits only; computing p with the global log Z instead would miss the
-    gradient that flows through the other ranks' shares. The pad entries' -inf is replaced by 0 in the
-    product (their exp is exactly 0; 0 * -inf is nan)."""
-    finite_logits = logits.masked_fill(pad, 0.0) if pad.any() else logits
-    sum_exp_logit = reduce_from_tensor_model_parallel_region((exp_logits * finite_logits).sum(-1))
-    return log_z - sum_exp_logit / sum_exp
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, vocab_size: int, with_entropy: bool, entropy_grad: bool):
+        local = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        real = min(max(vocab_size - start, 0), local)  # this slice's columns that are not vocab padding
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        x = logits.reshape(-1, local)
+        n = x.shape[0]
+        owned = (targets >= start) & (targets < start + real)
+        local_ids = torch.where(owned, targets - start, 0).reshape(-1, 1)
+
+        # Per token: local max, then sums of exp(x - max) (and of exp(x - max) * (x - max) for H).
+        local_max = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)
+        sums = torch.zeros((3 if with_entropy else 2, n), dtype=dtype, device=logits.device)
+        sums[-1] = torch.where(owned.reshape(-1), torch.gather(x, 1, local_ids).squeeze(1).to(dtype), 0.0)
+        if real:
+            for rows in _chunks(n, local):
+                chunk = x[rows, :real]
+                m = chunk.amax(-1).to(dtype)
+                shifted = chunk - m.unsqueeze(-1)  # promotes to float32: the one upcast of the chunk
+                e = torch.exp(shifted)
+                sums[0, rows] = e.sum(-1)
+                if with_entropy:
+                    sums[1, rows] = e.mul_(shifted).sum(-1)
+                local_max[rows] = m
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        global_max = local_max.clone()
+        if tp > 1:
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+        if real:  # rebase this rank's sums from its own max to the global one (an all-padding slice adds 0)
+            offset = local_max - global_max
+            if with_entropy:
+                sums[1] += offset * sums[0]
+            sums[:-1] *= torch.exp(offset)
+        if tp > 1:
+            dist.all_reduce(sums, group=group)
+
+        log_z = global_max + torch.log(sums[0])
+        logprobs = (sums[-1] - log_z).view_as(targets)
+        entropy = (torch.log(sums[0]) - sums[1] / sums[0]).view_as(targets) if with_entropy else None
+
+        ctx.real = real
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(logits, local_ids, owned, log_z, entropy if ctx.entropy_grad else None)
+        ctx.set_materialize_grads(False)
+        if with_entropy and not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        logits, local_ids, owned, log_z, entropy = ctx.saved_tensors
+        if not ctx.entropy_grad:
+            grad_entropy = None
+        local = logits.shape[-1]
+        x = logits.reshape(-1, local)
+        if (grad_logprobs is None and grad_entropy is None) or not ctx.real:
+            return torch.zeros_like(logits), None, None, None, None
+        grad = torch.empty_like(x)
+        grad[:, ctx.real:] = 0  # vocab padding
+        n = x.shape[0]
+        owned = owned.reshape(-1, 1)
+        g_lp = (torch.zeros_like(log_z) if grad_logprobs is None else grad_logprobs.reshape(-1)).unsqueeze(-1)
+        log_z = log_z.unsqueeze(-1)
+        for rows in _chunks(n, local):
+            log_p = x[rows, :ctx.real] - log_z[rows]
+            p = torch.exp(log_p)
+            if grad_entropy is None:  # -p * g_lp
+                chunk_grad = p.mul_(-g_lp[rows])
+            else:  # -p * (g_lp + g_H * (log p + H))
+                g_h = grad_entropy.reshape(-1, 1)[rows]
+                chunk_grad = p.mul_(log_p.add_(entropy.reshape(-1, 1)[rows]).mul_(g_h).add_(g_lp[rows])).neg_()
+            # The one-hot term of d log p(t), on the rank that owns t (others add 0 to column 0).
+            chunk_grad.scatter_add_(1, local_ids[rows], torch.where(owned[rows], g_lp[rows], 0.0))
+            grad[rows, :ctx.real] = chunk_grad
+        return grad.view_as(logits), None, None, None, None
+
+
+def _chunks(n: int, width: int):
+    """Row slices of at most CHUNK_ELEMENTS elements at `width` columns (at least one row each)."""
+    step = max(1, CHUNK_ELEMENTS // width)
+    return (slice(i, min(i + step, n)) for i in range(0, n, step))
