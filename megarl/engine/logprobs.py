@@ -26,9 +26,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
-# Tokens per chunk are chosen so that a chunk's [tokens, V_local] float32 temporaries (two at a time,
-# in forward and in backward) take ~1 GiB: a few passes over an L2-sized stream are still far from
-# launch-bound at 151936 / TP columns, and the peak stays well under a logits-sized float32 copy.
+# Elements of one chunk's [tokens, V_local] float32 temporary. Forward and backward hold two at a time, so
+# ~1 GiB in all instead of several logits-sized float32 copies; at 151936 columns a chunk is still ~880
+# tokens, a dozen chunks for a 10240-token micro-batch: too few kernels for launch overhead to matter.
 CHUNK_ELEMENTS = 2 ** 27
 
 
@@ -100,27 +100,36 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         logits, local_ids, owned, log_z, entropy = ctx.saved_tensors
         if not ctx.entropy_grad:
             grad_entropy = None
-        local = logits.shape[-1]
-        x = logits.reshape(-1, local)
         if (grad_logprobs is None and grad_entropy is None) or not ctx.real:
             return torch.zeros_like(logits), None, None, None, None
+        local, real = logits.shape[-1], ctx.real
+        x = logits.reshape(-1, local)
         grad = torch.empty_like(x)
-        grad[:, ctx.real:] = 0  # vocab padding
-        n = x.shape[0]
-        owned = owned.reshape(-1, 1)
+        grad[:, real:] = 0  # vocab padding
+        # Per token, d loss / d x_j = p_j (a log p_j + c) + [j = t] g_lp, with a = -g_H and c = -(g_lp + g_H H)
+        # (no entropy gradient: a = 0, c = -g_lp).
         g_lp = (torch.zeros_like(log_z) if grad_logprobs is None else grad_logprobs.reshape(-1)).unsqueeze(-1)
-        log_z = log_z.unsqueeze(-1)
-        for rows in _chunks(n, local):
-            log_p = x[rows, :ctx.real] - log_z[rows]
-            p = torch.exp(log_p)
-            if grad_entropy is None:  # -p * g_lp
-                chunk_grad = p.mul_(-g_lp[rows])
-            else:  # -p * (g_lp + g_H * (log p + H))
-                g_h = grad_entropy.reshape(-1, 1)[rows]
-                chunk_grad = p.mul_(log_p.add_(entropy.reshape(-1, 1)[rows]).mul_(g_h).add_(g_lp[rows])).neg_()
-            # The one-hot term of d log p(t), on the rank that owns t (others add 0 to column 0).
-            chunk_grad.scatter_add_(1, local_ids[rows], torch.where(owned[rows], g_lp[rows], 0.0))
-            grad[rows, :ctx.real] = chunk_grad
+        if grad_entropy is None:
+            a, c = None, -g_lp
+        else:
+            a = -grad_entropy.reshape(-1, 1)
+            c = a * entropy.reshape(-1, 1) - g_lp
+        log_z, owned = log_z.unsqueeze(-1), owned.reshape(-1, 1)
+        for rows in _chunks(x.shape[0], local):
+            log_p = x[rows, :real] - log_z[rows]
+            log_p_t = log_p.gather(1, local_ids[rows])
+            if a is None:
+                torch.mul(log_p.exp_(), c[rows], out=grad[rows, :real])
+                grad_t = log_p_t.exp() * c[rows]
+            else:
+                p = torch.exp(log_p)
+                torch.mul(p, torch.addcmul(c[rows], log_p, a[rows], out=log_p), out=grad[rows, :real])
+                grad_t = log_p_t.exp() * (a[rows] * log_p_t + c[rows])
+            # The target's column gets the one-hot term, added in float32 before the one rounding to the
+            # logits' dtype; on the ranks that do not own the target, the scatter writes back what is there.
+            chunk = grad[rows]
+            kept = chunk.gather(1, local_ids[rows])
+            chunk.scatter_(1, local_ids[rows], torch.where(owned[rows], (grad_t + g_lp[rows]).to(grad.dtype), kept))
         return grad.view_as(logits), None, None, None, None
 
 
