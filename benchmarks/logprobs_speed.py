@@ -7,7 +7,8 @@ vocabulary) with requires_grad, random targets. Per mode, the loss is sum(w1 * l
   entropy_metric  - plus the entropy as a metric (entropy_coef = 0): no entropy gradient;
   entropy_grad    - plus an entropy bonus: the entropy's gradient too.
 baseline = logits.float() -> log_softmax -> gather (and -(p * log p).sum for H) under autograd.
-Time: median of --repeats (after one warm-up) of forward + backward, synchronised. Peak: the device's peak
+Time: median of --repeats (after one warm-up, which is also timed: on CUDA the chunked function compiles its
+kernels there) of forward + backward, synchronised. Peak: the device's peak
 allocation during one forward + backward above what was allocated before it (the logits and their gradient
 buffer of the previous run are freed first). Each row also carries the largest difference from the baseline
 of log p, H and the logits' gradient (bf16: the gradient's is a bf16 rounding).
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
+from megarl.engine import logprobs as logprobs_module
 from megarl.engine.logprobs import vocab_parallel_logprobs
 from megarl.utils.provenance import source_commit
 
@@ -59,9 +61,11 @@ def step(fn, logits, targets, weights, with_entropy, entropy_grad):
 
 def measure(fn, logits, targets, weights, mode, repeats, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step(fn, logits, targets, weights, *MODES[mode])  # warm-up
+    start = time.perf_counter()
+    step(fn, logits, targets, weights, *MODES[mode])  # warm-up (the chunked one compiles its kernels here)
     logits.grad = None
     sync()
+    warmup = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -74,7 +78,8 @@ def measure(fn, logits, targets, weights, mode, repeats, device):
         sync()
         seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
-    return {"ms": 1e3 * statistics.median(seconds), "peak_gib": None if peak is None else peak / 2 ** 30}, out
+    return {"ms": 1e3 * statistics.median(seconds), "warmup_s": warmup,
+            "peak_gib": None if peak is None else peak / 2 ** 30}, out
 
 
 def main() -> None:
@@ -114,7 +119,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(_report(args, device, rows), indent=2))
 
     print(f"| mode | baseline ms | chunked ms | speed-up | baseline peak GiB | chunked peak GiB | max |diff| "
-          f"logp / H / grad |  ({args.tokens} x {args.vocab} bf16, {device.type})")
+          f"logp / H / grad |  ({args.tokens} x {args.vocab} bf16, {device.type}, "
+          f"compiled kernels: {_report(args, device, rows)['compiled_kernels']})")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         b, c = r["baseline"], r["chunked"]
@@ -126,7 +132,9 @@ def main() -> None:
 
 
 def _report(args, device, rows):
+    compiled = device.type in logprobs_module.COMPILE_ON and not logprobs_module._KERNELS.failed
     return {"commit": source_commit(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "compiled_kernels": compiled,
             "tokens": args.tokens, "vocab": args.vocab, "dtype": "bfloat16", "repeats": args.repeats, "rows": rows}
 
 

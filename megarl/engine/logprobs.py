@@ -16,20 +16,28 @@ Both use the global normaliser, so a rank's formula covers its own slice exactly
 no communication: every TP rank computes the same loss from the same (all-reduced) log-probs and entropy,
 so each receives the full upstream gradient of both outputs and only its slice's share is left to it.
 Vocab padding ids (>= vocab_size, at the end of the last rank's slice) are left out of every sum and get a
-zero gradient.
+zero gradient. The per-chunk work is two small functions (_chunk_sums, _chunk_grad); on CUDA inductor fuses
+each into one kernel over the bf16 chunk (no float32 copy at all), on the CPU they run eagerly.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
-# Elements of one chunk's [tokens, V_local] float32 temporary. Forward and backward hold two at a time, so
-# ~1 GiB in all instead of several logits-sized float32 copies; at 151936 columns a chunk is still ~880
-# tokens, a dozen chunks for a 10240-token micro-batch: too few kernels for launch overhead to matter.
+# Elements of one chunk's [tokens, V_local] float32 temporary. Run eagerly, forward and backward hold two at
+# a time, so ~1 GiB in all instead of several logits-sized float32 copies (compiled, the chunk's bf16 gradient
+# is the only one); at 151936 columns a chunk is still ~880 tokens, a dozen chunks for a 10240-token
+# micro-batch: too few kernel launches to matter.
 CHUNK_ELEMENTS = 2 ** 27
+# Device types on which the chunk functions are compiled (_Kernels); eager elsewhere.
+COMPILE_ON = ("cuda",)
+
+logger = logging.getLogger(__name__)
 
 
 def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, vocab_size: int, with_entropy: bool,
@@ -61,14 +69,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         sums[-1] = torch.where(owned.reshape(-1), torch.gather(x, 1, local_ids).squeeze(1).to(dtype), 0.0)
         if real:
             for rows in _chunks(n, local):
-                chunk = x[rows, :real]
-                m = chunk.amax(-1).to(dtype)
-                shifted = chunk - m.unsqueeze(-1)  # promotes to float32: the one upcast of the chunk
-                e = torch.exp(shifted)
-                sums[0, rows] = e.sum(-1)
-                if with_entropy:
-                    sums[1, rows] = e.mul_(shifted).sum(-1)
-                local_max[rows] = m
+                local_max[rows], sums[:-1, rows] = _KERNELS(_chunk_sums, x)(x[rows, :real], dtype, with_entropy)
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
@@ -116,21 +117,63 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             c = a * entropy.reshape(-1, 1) - g_lp
         log_z, owned = log_z.unsqueeze(-1), owned.reshape(-1, 1)
         for rows in _chunks(x.shape[0], local):
-            log_p = x[rows, :real] - log_z[rows]
-            log_p_t = log_p.gather(1, local_ids[rows])
-            if a is None:
-                torch.mul(log_p.exp_(), c[rows], out=grad[rows, :real])
-                grad_t = log_p_t.exp() * c[rows]
-            else:
-                p = torch.exp(log_p)
-                torch.mul(p, torch.addcmul(c[rows], log_p, a[rows], out=log_p), out=grad[rows, :real])
-                grad_t = log_p_t.exp() * (a[rows] * log_p_t + c[rows])
+            grad[rows, :real] = _KERNELS(_chunk_grad, x)(x[rows, :real], log_z[rows], None if a is None else a[rows],
+                                                         c[rows])
             # The target's column gets the one-hot term, added in float32 before the one rounding to the
             # logits' dtype; on the ranks that do not own the target, the scatter writes back what is there.
+            log_p_t = x[rows].gather(1, local_ids[rows]) - log_z[rows]
+            grad_t = log_p_t.exp() * (c[rows] if a is None else a[rows] * log_p_t + c[rows])
             chunk = grad[rows]
             kept = chunk.gather(1, local_ids[rows])
             chunk.scatter_(1, local_ids[rows], torch.where(owned[rows], (grad_t + g_lp[rows]).to(grad.dtype), kept))
         return grad.view_as(logits), None, None, None, None
+
+
+def _chunk_sums(chunk: Tensor, dtype: torch.dtype, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """A chunk of logits [rows, cols] -> per row: its max m, and [sum exp(x - m)(, sum exp(x - m)(x - m))]."""
+    m = chunk.amax(-1).to(dtype)
+    shifted = chunk - m.unsqueeze(-1)  # promotes bf16 to float32
+    e = torch.exp(shifted)
+    sums = [e.sum(-1)]
+    if with_entropy:
+        sums.append(e.mul_(shifted).sum(-1))
+    return m, torch.stack(sums)
+
+
+def _chunk_grad(chunk: Tensor, log_z: Tensor, a: Tensor | None, c: Tensor) -> Tensor:
+    """p (a log p + c) in the logits' dtype, per row's a, c [rows, 1] (a=None: a = 0)."""
+    log_p = chunk - log_z
+    p = torch.exp(log_p)
+    return p.mul_(c if a is None else log_p.mul_(a).add_(c)).to(chunk.dtype)
+
+
+class _Kernels:
+    """The chunk functions, compiled by inductor on the device types in COMPILE_ON: each becomes one fused
+    kernel that reads the bf16 chunk once or twice, where eager torch makes a float32 pass per operation
+    (roughly 20 bytes per logit each way instead of 4-6). A compilation that fails is reported once and
+    leaves that function eager."""
+
+    def __init__(self):
+        self.compiled, self.failed = {}, set()
+
+    def __call__(self, fn, like: Tensor):
+        if like.device.type not in COMPILE_ON or fn in self.failed:
+            return fn
+        if fn not in self.compiled:
+            self.compiled[fn] = torch.compile(fn, dynamic=True)
+
+        def call(*args):
+            try:
+                return self.compiled[fn](*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function is the same math
+                logger.warning("torch.compile of %s failed (%s: %s); running it eagerly", fn.__name__,
+                               type(e).__name__, e)
+                self.failed.add(fn)
+                return fn(*args)
+        return call
+
+
+_KERNELS = _Kernels()
 
 
 def _chunks(n: int, width: int):

@@ -113,3 +113,18 @@ def _tp2_rank(rank, chunk):
 
 def test_tp2_over_gloo_equals_the_whole_vocabulary():
     run_distributed(_tp2_rank, 2, 5 * LOCAL, tp=2, timeout=120)
+
+
+def test_compiled_chunk_kernels_match_log_softmax(tp1, monkeypatch):
+    """The path the GPU takes (inductor-compiled chunk functions), here compiled for the CPU."""
+    monkeypatch.setattr(logprobs_module, "COMPILE_ON", ("cpu",))
+    monkeypatch.setattr(logprobs_module, "_KERNELS", logprobs_module._Kernels())
+    monkeypatch.setattr(logprobs_module, "CHUNK_ELEMENTS", 4 * 2 * LOCAL)
+    logits, targets, weights = _inputs(torch.bfloat16)
+    ref_logprobs, ref_entropy, ref_grad = _reference(logits, targets, 21, weights)
+    logprobs, entropy, grad = _run(logits, targets, 21, weights)
+    assert len(logprobs_module._KERNELS.compiled) == 2 and not logprobs_module._KERNELS.failed
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logprobs, ref_logprobs.float(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy, ref_entropy.float(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=2 ** -7, atol=1e-6)
