@@ -165,7 +165,9 @@ class _Kernels:
         def call(*args):
             try:
                 return self.compiled[fn](*args)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function is the same math
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # any compiler failure: the eager function is the same math
                 logger.warning("torch.compile of %s failed (%s: %s); running it eagerly", fn.__name__,
                                type(e).__name__, e)
                 self.failed.add(fn)
