@@ -118,17 +118,19 @@ def main() -> None:
         rows.append(row)
         Path(args.out).write_text(json.dumps(_report(args, device, rows), indent=2))
 
-    print(f"| mode | baseline ms | chunked ms | speed-up | baseline peak GiB | chunked peak GiB | max |diff| "
+    print(f"| mode | baseline ms | chunked ms | speed-up | baseline peak GiB | chunked peak GiB | chunked warm-up s "
+          f"| max |diff| "
           f"logp / H / grad |  ({args.tokens} x {args.vocab} bf16, {device.type}, "
           f"compiled kernels: {_report(args, device, rows)['compiled_kernels']})")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         b, c = r["baseline"], r["chunked"]
         ms = lambda x: f"{x['ms']:.1f}" if "ms" in x else x["error"][:40]
         gib = lambda x: f"{x['peak_gib']:.2f}" if x.get("peak_gib") is not None else "-"
         speed = f"{b['ms'] / c['ms']:.2f}x" if "ms" in b and "ms" in c else "-"
         diff = " / ".join("-" if v is None else f"{v:.2g}" for v in r.get("max_abs_diff", {}).values()) or "-"
-        print(f"| {r['mode']} | {ms(b)} | {ms(c)} | {speed} | {gib(b)} | {gib(c)} | {diff} |")
+        warmup = f"{c['warmup_s']:.1f}" if "warmup_s" in c else "-"
+        print(f"| {r['mode']} | {ms(b)} | {ms(c)} | {speed} | {gib(b)} | {gib(c)} | {warmup} | {diff} |")
 
 
 def _report(args, device, rows):

@@ -3,7 +3,8 @@
 # (needs megatron-core in /tmp/site); JSON and logs go to $OUT, a short table is printed last. PHASES
 # (default "bench"):
 #   bench  - benchmarks/logprobs_speed.py: forward + backward of the plain log_softmax formula vs the chunked
-#            function on [10240, 151936] bf16 logits, time, peak memory and their agreement     (~1 min)
+#            function on [10240, 151936] bf16 logits: time, peak memory, compile (warm-up) time and
+#            their agreement                                                                  (~2 min)
 #   tests  - tests/engine/test_megatron_gpu.py: the bf16 engine (which uses the function) vs transformers
 #                                                                                              (~1.5 min)
 set -uo pipefail
