@@ -207,6 +207,9 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (TP > 1)")
     parser.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="the engine's actor.precision (auto: bf16 on GPU); fp32 makes the SP/CP checks exact "
+                             "up to kernel order, where bf16 rounding would hide a small error")
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="per-GPU peak the MFU divides by")
     parser.add_argument("--skip-bare", action="store_true")
     parser.add_argument("--out", required=True, help="JSON results file")
@@ -264,7 +267,7 @@ def main() -> None:
         actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp,
                                                     sequence_parallel=sp),
                             micro_batch_size=1, max_tokens_per_micro_batch=args.max_tokens, attention=attention,
-                            recompute=args.recompute, precision="bf16" if device == "cuda" else "fp32",
+                            recompute=args.recompute, precision=args.precision,
                             optim=OptimConfig(lr=1e-5))
         engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, args.steps + args.warmup,
                                 load_hf_weights=False)
