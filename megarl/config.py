@@ -168,9 +168,10 @@ class RolloutConfig:
                                        "from one rank; the engine slices its own TP shard, as SGLang's "
                                        "update_weights_from_tensor does) or sharded (each generation TP rank sends only "
                                        "its rows, for engines that load pre-sharded tensors: the hf engine, not SGLang)")
-    sglang_weight_format: str = opt("flattened_bucket", "SGLang: CUDA IPC weight payload per bucket: tensors (one "
-                                    "handle per tensor), flattened_bucket (one flat buffer) or persistent (two "
-                                    "reused flat buffers SGLang keeps mapped)")
+    sglang_weight_format: str = opt("persistent", "SGLang: CUDA IPC weight payload per bucket: persistent (two "
+                                    "reused flat buffers SGLang keeps mapped: the fastest, and the one that works "
+                                    "into a TP>1 server), flattened_bucket (SGLang's one flat buffer per bucket; "
+                                    "crashed a TP=2 server in sglang 0.5.17) or tensors (one handle per tensor)")
     dump_dir: str = opt("", "write every training step's scored samples (tokens, masks, log-probs, rewards, tool "
                             "calls) to <dump_dir>/step_<N>.pt; empty = off")
     replay_dir: str = opt("", "train from the samples a run wrote with dump_dir (step N reads step_<N>.pt) "

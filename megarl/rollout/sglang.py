@@ -193,7 +193,7 @@ class _ServerState:
 class SGLangRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, num_servers: int = 1, tp: int = 1, colocated: bool = True,
                  verify_dir: str | None = None, sampling_overrides: dict | None = None,
-                 weight_format: str = "flattened_bucket", launch: Callable[[int], SGLangServer] | None = None,
+                 weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
                  **server_kwargs):
         self.model_path, self.colocated = model_path, colocated
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks

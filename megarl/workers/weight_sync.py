@@ -90,7 +90,7 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end: Callable[[dict | None], None],
                 load: Callable[[Bucket], Callable[[], None]], verify: bool, key: Callable[[str], Key] = lambda n: n,
-                weight_format: str = "flattened_bucket", senders: dict | None = None,
+                weight_format: str = "persistent", senders: dict | None = None,
                 serializer: Callable | None = None) -> dict:
     """One sync from a sending rank. `begin()` starts it on the rollout engine and returns SGLang endpoints
     (the buckets are posted from here by CUDA IPC, then `end(received)` closes the sync; `received` are
