@@ -29,7 +29,10 @@ def main(argv=None) -> int:
     if not runs:
         print(f"{argv[0]}: no run has measured steps; nothing to plot")
         return 1
-    seen = dict.fromkeys(p for r in runs.values() for p in r.get("phase_tokens_per_s", {}))
+    # a phase under a millisecond is a timer around nothing (e.g. the memory cycle when offload is off): no bar
+    rates = {name: {p: r["tokens_per_step"] / s for p, s in r.get("phase_s", {}).items() if s >= 1e-3}
+             for name, r in runs.items()}
+    seen = dict.fromkeys(p for r in rates.values() for p in r)
     phases = [p for p in STEP_ORDER if p in seen] + [p for p in seen if p not in STEP_ORDER + ["other"]] + \
         (["other"] if "other" in seen else [])
     fig, (total, per_phase) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 2.6]})
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
 
     width = 0.8 / len(names)
     for i, n in enumerate(names):
-        values = [runs[n].get("phase_tokens_per_s", {}).get(p, 0) for p in phases]
+        values = [rates[n].get(p, 0) for p in phases]
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(phases))]
         per_phase.bar(xs, values, width, label=labels[i].replace("\n", " "), color=colors[i])
     per_phase.set_xticks(range(len(phases)), phases)
