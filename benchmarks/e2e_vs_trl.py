@@ -140,7 +140,10 @@ def run_process(cmd: list[str], log: Path, timeout: float, env: dict, leftovers:
     with log.open("w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        # SIGINT back to its default in the child: a shell's background job (`cmd &`, nohup) inherits it ignored,
+        # and Python then installs no KeyboardInterrupt handler, so the SIGINT below would do nothing
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             proc.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
