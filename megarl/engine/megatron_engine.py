@@ -3,11 +3,11 @@
 GPTModel (local spec, core attention megatron's, SDPA or varlen flash: attention.py; sequence parallelism
 without TE: megarl/models/norm.py; context parallelism without TE: context_parallel.py) + megatron DDP +
 megatron's optimizer and LR scheduler; forward/backward runs through megatron's pipeline schedule (PP=1,
-PP>1, interleaved virtual stages). Roles: the policy and its frozen KL reference (LM head), the critic and the reward model (a
-scalar value head, value_head.py); trainable=False builds no optimizer. Micro-batches are packed or
-padded (packing.py); offload()/onload() park the engine's memory on the host (offload.py). Every rank
-of the job runs the same calls; each DP rank passes its own share of the batch, identical across its
-TP/PP ranks.
+PP>1, interleaved virtual stages). Roles: the policy and its frozen KL reference (LM head), the critic and
+the reward model (a scalar value head, value_head.py); trainable=False builds no optimizer. Micro-batches
+are packed or padded (packing.py); offload()/onload() park the engine's memory on the host (offload.py).
+Every rank of the job runs the same calls; each DP rank passes its own share of the batch, identical across
+its TP/PP ranks.
 """
 
 from __future__ import annotations
