@@ -56,7 +56,8 @@ from megarl.utils.provenance import source_commit
 # forward pass runs, so start-up JIT-compiles nothing (~45 s instead of 80-145 s on an H200); the weights
 # memory, loaders and KV cache (its size: the same mem fraction) are the training run's. With CUDA graphs
 # the ready step would also resume their memory pool (small next to the KV cache).
-SYNC_ONLY_SERVER = dict(load_format="dummy", cuda_graph=False, extra_args=("--skip-server-warmup",))
+SYNC_ONLY_SERVER = dict(load_format="dummy", cuda_graph=False, extra_args=("--skip-server-warmup",),
+                        env={"MEGARL_TIME_WEIGHT_LOADS": "1"})  # the loads' own seconds in the log: server_loads
 
 
 def _now() -> float:
@@ -127,12 +128,33 @@ def time_posts(server, seconds: dict) -> None:
     server.post = timed
 
 
+def server_loads(server) -> dict:
+    """What the server's loads took since the last call (the MEGARL_TIME_WEIGHT_LOADS lines of its log), per
+    rank summed, slowest rank: seconds inside the loader, and of those the loaders' Python work (queued)."""
+    from megarl.rollout.transports.cuda_ipc import LOAD_TIMING
+
+    offset = getattr(server, "load_log_offset", 0)
+    with open(server.log_path, "rb") as log:
+        log.seek(offset)
+        text = log.read().decode(errors="replace")
+        server.load_log_offset = log.tell()
+    seconds, queued = {}, {}
+    for line in text.splitlines():
+        if LOAD_TIMING in line:
+            fields = line.split(LOAD_TIMING + ":")[1].split()
+            rank, values = fields[1], dict(zip(fields[2::2], map(float, fields[3::2])))
+            seconds[rank] = seconds.get(rank, 0.0) + values["seconds"]
+            queued[rank] = queued.get(rank, 0.0) + values["queued"]
+    return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0))
+
+
 def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict) -> dict:
     """One colocated sync as the trainer runs it: from the end of a train step (SGLang released its weights
     and KV cache) through push_policy (resume weights, stream the buckets) to resume_kv_cache."""
     from megarl.workers.weight_sync import push_policy
 
     engine.release_memory()  # as during training
+    server_loads(engine.servers[0])  # skip the lines of earlier syncs
     posts.clear()
     t0 = _now()
     report = push_policy(buckets, begin=engine.begin_weight_update, end=engine.end_weight_update, load=None,
@@ -144,6 +166,8 @@ def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict) -> dict:
                 convert_s=report["gather_convert_s"], pack_s=report["pack_s"], transfer_s=report["transfer_s"],
                 end_s=report["end_s"], ready_s=t2 - t1, flush_s=posts.get("/flush_cache", 0.0),
                 kv_s=posts.get("/resume_memory_occupation kv_cache cuda_graph", 0.0),
+                posts=len(report["posts_s"]), posts_s=sum(report["posts_s"]), post_max_s=max(report["posts_s"]),
+                **(server_loads(engine.servers[0]) if fmt == "persistent" else {}),
                 gb_per_s=report["bytes"] / (t2 - t0) / 1e9)
 
 
@@ -345,8 +369,8 @@ def _write(args, data) -> None:
 def table(out_dir: Path, parts: list[str]) -> str:
     """The short table of the parts' JSON files, in `parts` order; a part without results says so."""
     head = ("| part | model | format | tp | bucket MB | GB | total s | resume | convert | pack | transfer "
-            "| ready (kv + flush) | GB/s | verified |")
-    lines, tail = [head, "|" + " --- |" * 14], []
+            "| ready (kv + flush) | posts: n, s (SGLang load) | GB/s | verified |")
+    lines, tail = [head, "|" + " --- |" * 15], []
     for part in parts:
         try:
             data = json.loads((out_dir / f"{part}.json").read_text())
@@ -370,8 +394,9 @@ def table(out_dir: Path, parts: list[str]) -> str:
                 continue
             x = lambda k: f"{r[k]:.3f}" if k in r else ""
             ready = f"{x('ready_s')} ({x('kv_s')} + {x('flush_s')})" if "ready_s" in r else ""
+            posts = f"{r['posts']}, {x('posts_s')} ({x('server_load_s') or '-'})" if "posts" in r else ""
             lines.append(f"{start} {r['bytes'] / 1e9:.2f} | {x('total_s')} | {x('resume_s')} | {x('convert_s')} | "
-                         f"{x('pack_s')} | {x('transfer_s')} | {ready} | {r['gb_per_s']:.1f} | "
+                         f"{x('pack_s')} | {x('transfer_s')} | {ready} | {posts} | {r['gb_per_s']:.1f} | "
                          f"{r.get('verified') or ''} |")
     return "\n".join(lines + tail)
 

@@ -81,7 +81,7 @@ class RLTrainer:
                        if cfg.algorithm.advantage == "gae" else None)
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
                              if cfg.reward_model.path else None)
-        self.rollout = start_rollout(cfg, self.model_path, self.device)
+        self.rollout = start_rollout(cfg, self.model_path, self.device, self.actor.gpus())
         # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
                                      self.rollout, offload_enabled(cfg, self.device))

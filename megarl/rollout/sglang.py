@@ -94,9 +94,11 @@ class SGLangServer(Endpoint):
     """One server process, started by `command` (listening on `port`), in its own session."""
 
     def __init__(self, command: list[str], port: int, tp: int = 1, log_path: str | None = None,
-                 startup_timeout: float = 900.0, request_timeout: float = 600.0, health_timeout: float = 5.0):
+                 startup_timeout: float = 900.0, request_timeout: float = 600.0, health_timeout: float = 5.0,
+                 env: dict[str, str] | None = None):
         super().__init__(f"http://127.0.0.1:{port}", tp, request_timeout)
         self.command, self.port = command, port
+        self.env = env  # extra environment of the server process (its visible GPUs)
         self.startup_timeout, self.health_timeout = startup_timeout, health_timeout
         self.log_path = Path(log_path or Path(tempfile.gettempdir()) / f"sglang_{port}.log")
         self.process: subprocess.Popen | None = None
@@ -109,7 +111,8 @@ class SGLangServer(Endpoint):
             # Its own session, so shutdown() can end the server's whole process tree and nothing else; under a
             # guard (server_guard.py) that ends the server when this process dies without calling shutdown().
             self.process = subprocess.Popen([sys.executable, SERVER_GUARD, str(os.getpid()), *self.command],
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=os.environ | self.env if self.env else None)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -166,8 +169,11 @@ class SGLangServer(Endpoint):
 
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
                   load_format: str | None = None, cuda_graph: bool = True, extra_args: tuple[str, ...] = (),
-                  log_dir: str | None = None, **kwargs) -> SGLangServer:
-    """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format."""
+                  log_dir: str | None = None, visible_devices: list[str] | None = None, env: dict | None = None,
+                  **kwargs) -> SGLangServer:
+    """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
+    `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
+    GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs)."""
     port = free_port()
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
@@ -178,7 +184,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                *(["--load-format", load_format] if load_format else []),
                *([] if cuda_graph else ["--disable-cuda-graph"]), *extra_args]
     log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
-    return SGLangServer(command, port, tp, str(log), **kwargs)
+    env = dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})
+    return SGLangServer(command, port, tp, str(log), env=env, **kwargs)
 
 
 @dataclass
@@ -194,13 +201,20 @@ class SGLangRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, num_servers: int = 1, tp: int = 1, colocated: bool = True,
                  verify_dir: str | None = None, sampling_overrides: dict | None = None,
                  weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
-                 **server_kwargs):
+                 gpus: list[str] | None = None, **server_kwargs):
+        """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
+        place of `num_servers` servers on this process's first num_servers * tp visible GPUs."""
         self.model_path, self.colocated = model_path, colocated
+        if gpus:
+            if len(gpus) % tp:
+                raise ValueError(f"{len(gpus)} GPUs ({','.join(gpus)}) cannot hold servers of tensor-parallel size {tp}")
+            num_servers = len(gpus) // tp
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks
         # SGLang's memory saver only where memory is released between phases (colocated): it is off in
         # sglang.Engine's defaults, and a disaggregated server has no use for it
         server_kwargs = {"memory_saver": colocated} | server_kwargs
-        launch = launch or (lambda i: sglang_server(model_path, tp=tp, gpu=i * tp, **server_kwargs))
+        launch = launch or (lambda i: sglang_server(model_path, tp=tp, gpu=i * tp, visible_devices=gpus,
+                                                    **server_kwargs))
         self.servers = [launch(i) for i in range(num_servers)]
         with ThreadPoolExecutor(len(self.servers)) as pool:  # `launch` may hand over running servers
             list(pool.map(lambda s: s if s.alive() else s.start(), self.servers))

@@ -76,6 +76,15 @@ class TrainGroup:
         # metrics are already reduced over data-parallel ranks inside the engine
         return self._dispatch("train", batch, loss=loss, lr=lr)[0]
 
+    def gpus(self) -> list[str]:
+        """The GPUs of the ranks, in rank order (GPU ids as Ray names them), for colocated rollout servers:
+        those are started by the rollout actor, so the ranks must share its node."""
+        nodes = {i["node"] for i in self.info}
+        if len(nodes) > 1:
+            raise RuntimeError(f"colocated rollout servers need the training ranks on one node; they are on "
+                               f"{len(nodes)} ({', '.join(sorted(nodes))})")
+        return list(dict.fromkeys(g for i in self.info for g in i["gpus"]))
+
     def call(self, method: str, *args, **kwargs) -> list:
         """Run a method on every rank (collectives need all of them); results in rank order."""
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
@@ -87,11 +96,12 @@ class TrainGroup:
         ray.util.remove_placement_group(self.pg)
 
 
-def start_rollout(cfg: Config, model_path: str, device: str):
-    """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it."""
+def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None):
+    """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it. `gpus`: where
+    its colocated servers go (the training ranks' GPUs)."""
     return ray.remote(RolloutWorker).options(
         num_cpus=cfg.rollout.num_cpus, num_gpus=0.1 if device == "cuda" else 0,
-    ).remote(cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)))
+    ).remote(cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)), gpus)
 
 
 def stop_rollout(rollout, timeout: float = 90.0) -> None:

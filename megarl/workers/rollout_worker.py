@@ -12,7 +12,7 @@ from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
 
 
-def make_engine(cfg: Config, model_path: str, device: str):
+def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None):
     if cfg.rollout.engine == "hf":
         from megarl.rollout.hf import HFRolloutEngine
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -22,8 +22,10 @@ def make_engine(cfg: Config, model_path: str, device: str):
 
         from megarl.rollout.sglang import SGLangRolloutEngine
         r = cfg.rollout
-        # colocated with the trainer: SGLang gives its KV cache back between rollouts
-        return SGLangRolloutEngine(model_path, tp=r.sglang_tp, colocated=True, mem_fraction=r.sglang_mem_fraction,
+        # colocated with the trainer (one server per rollout.sglang_tp of its GPUs): SGLang gives its KV cache
+        # back between rollouts
+        return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=True,
+                                   mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
@@ -31,10 +33,10 @@ def make_engine(cfg: Config, model_path: str, device: str):
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Config, model_path: str, device: str, threads: int = 1):
+    def __init__(self, cfg: Config, model_path: str, device: str, threads: int = 1, gpus: list[str] | None = None):
         torch.set_num_threads(threads)
         self.cfg, self.model_path = cfg, model_path
-        self.engine = make_engine(cfg, model_path, device)
+        self.engine = make_engine(cfg, model_path, device, gpus)
         self.agent = None  # the agent loop and its tools, built on first use (agent.enabled)
         self.reward_fn = None  # over-sampling with dynamic sampling scores finished groups here
 

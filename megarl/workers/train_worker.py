@@ -53,7 +53,7 @@ class TrainWorker:
                                      self.cfg.trainer.seed, total_steps, head=head, trainable=trainable)
         self.resharder = self._resharder() if self.role == "actor" else None
         return {"rank": self.rank, "dp_rank": mpu.get_data_parallel_rank(), "pid": os.getpid(),
-                "node": ray.util.get_node_ip_address()}
+                "node": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def _resharder(self):
         """The policy's weight sync (megarl.parallel.reshard) for the TP x PP x DP layouts it models; with

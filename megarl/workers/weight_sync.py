@@ -100,7 +100,7 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
 
     Returns what was sent (with `verify`: dtype and digest per tensor, by `key(name)`), the bf16/fp32 bytes
     sent, and seconds: total on this rank (begin to end), and its split (begin, gather/convert,
-    pack, transfer wait, end, digests)."""
+    pack, transfer wait, end, digests), and each bucket's post (posts_s)."""
     start = time.perf_counter()
     endpoints = begin()
     begun = time.perf_counter()
@@ -133,7 +133,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     done = fingerprints([(dtype, shape) for _, dtype, shape in sent], sums)
     report = {"sent": {k: (dtype, d) for (k, dtype, _), d in zip(sent, done)}, "bytes": stats["bytes"],
               "direct": endpoints is not None, "begin_s": begun - start, "gather_convert_s": stats["produce_s"],
-              "pack_s": stats["prepare_s"] - digest_s, "transfer_s": stats["wait_s"], "end_s": ended - t}
+              "pack_s": stats["prepare_s"] - digest_s, "transfer_s": stats["wait_s"], "end_s": ended - t,
+              "posts_s": stats["posts_s"]}
     report["digest_s"] = digest_s + time.perf_counter() - ended
     report["seconds"] = time.perf_counter() - start
     return report

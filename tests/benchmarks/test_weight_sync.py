@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.weight_sync import main, parse_args, table, time_posts
+from benchmarks.weight_sync import main, parse_args, server_loads, table, time_posts
 
 
 def test_defaults_measure_7b_first_and_bad_input_names_the_option(capsys):
@@ -50,7 +50,7 @@ def test_posts_are_timed_by_path_and_memory_tags():
 def test_table_lists_parts_in_order_with_errors_and_missing_parts(tmp_path):
     row = dict(model="qwen2.5-7b", format="persistent", server_tp=1, bucket_mb=1024, bytes=15_231_233_024, total_s=0.15,
                resume_s=0.02, convert_s=0.05, pack_s=0.03, transfer_s=0.03, ready_s=0.012, kv_s=0.011, flush_s=0.0,
-               gb_per_s=101.5)
+               posts=15, posts_s=0.141, server_load_s=0.052, gb_per_s=101.5)
     error = dict(model="qwen2.5-7b", format="tensors", server_tp=1, bucket_mb=1024, error="SGLangError('hung')")
     (tmp_path / "sync_7b.json").write_text(json.dumps(dict(gpu="NVIDIA H200", results=[row, error])))
     (tmp_path / "throughput.json").write_text(json.dumps(dict(gpu="NVIDIA H200", results=dict(
@@ -58,8 +58,22 @@ def test_table_lists_parts_in_order_with_errors_and_missing_parts(tmp_path):
         ratio=0.8, megarl_memory_saver_tok_s=17500.0, ratio_memory_saver=0.7))))
     lines = table(tmp_path, ["sync_7b", "sync_1.5b", "throughput"]).splitlines()
     assert lines[2] == ("| sync_7b | qwen2.5-7b | persistent | 1 | 1024 | 15.23 | 0.150 | 0.020 | 0.050 | 0.030 | 0.030 "
-                        "| 0.012 (0.011 + 0.000) | 101.5 |  |")
+                        "| 0.012 (0.011 + 0.000) | 15, 0.141 (0.052) | 101.5 |  |")
     assert lines[3] == "| sync_7b | qwen2.5-7b | tensors | 1 | 1024 | ERROR SGLangError('hung') |"
     assert lines[4] == "| sync_1.5b | no results (skipped, or failed: see sync_1.5b.log) |"
     assert lines[5] == ("rollout tok/s (qwen2.5-0.5b, 128 prompts x n=4 x 256 new): megarl 20000, sglang.Engine 25000, "
                         "ratio 0.800; megarl with SGLang's memory saver (as colocated) 17500, ratio 0.700")
+
+
+def test_server_loads_sum_each_rank_and_report_the_slowest_since_the_last_call(tmp_path):
+    class Server:
+        log_path = tmp_path / "server.log"
+
+    server = Server()
+    line = "[2026-11-22 TP{0}] megarl weight load: rank {0} bytes 1024 queued {1} seconds {2}\n"
+    server.log_path.write_text("start-up\n" + line.format(0, 0.001, 0.002) + line.format(1, 0.001, 0.004))
+    assert server_loads(server) == {"server_load_s": 0.004, "server_queued_s": 0.001}
+    with open(server.log_path, "a") as log:
+        log.write(line.format(0, 0.002, 0.003) + line.format(0, 0.003, 0.005) + line.format(1, 0.001, 0.006))
+    assert server_loads(server) == pytest.approx({"server_load_s": 0.008, "server_queued_s": 0.005})
+    assert server_loads(server) == {"server_load_s": 0.0, "server_queued_s": 0.0}  # nothing new

@@ -12,7 +12,7 @@ import requests
 import torch
 
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine, SGLangServer, free_port
+from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine, SGLangServer, free_port, sglang_server
 from megarl.rollout.transports import cuda_ipc
 from megarl.workers.weight_sync import tensor_digest
 
@@ -221,13 +221,18 @@ def bucket_of(seed):
 
 @pytest.mark.parametrize("fmt", ["tensors", "persistent"])
 def test_weight_payloads_arrive_bitwise_with_overlap(tmp_path, fmt):
-    server = fake_server(tmp_path).start()
+    server = fake_server(tmp_path, env={"MEGARL_TIME_WEIGHT_LOADS": "1"}).start()
     try:
         server.tp = 2  # one payload per TP rank, each loaded
         sender = cuda_ipc.CudaIpcSender([server.endpoint()], fmt, serializer=cuda_ipc.plain_serializer)
         buckets = [bucket_of(s) for s in range(5)]
         stats = cuda_ipc.send_overlapped(iter(buckets), sender.send)
         assert stats["buckets"] == 5 and stats["bytes"] == 5 * (24 * 2 + 4 * 4 + 9 * 2)
+        assert len(stats["posts_s"]) == 5 and all(s > 0 for s in stats["posts_s"])
+        # the persistent loader times itself when the server's environment asks for it: a line per rank and bucket
+        timings = [line for line in server.log_path.read_text().splitlines() if cuda_ipc.LOAD_TIMING in line]
+        assert len(timings) == (10 if fmt == "persistent" else 0)
+        assert all(" bytes 82 " in line for line in timings)
         held = requests.get(server.url + "/fake/weights", timeout=5).json()
         last = buckets[-1]
         for name, t in last:
@@ -243,6 +248,26 @@ def test_weight_payloads_arrive_bitwise_with_overlap(tmp_path, fmt):
             assert sender.count == 5 and all(b is not None for b in sender.buffers)
     finally:
         server.shutdown()
+
+
+def test_servers_spread_over_the_given_gpus(tmp_path):
+    launched = []
+
+    def launch(i):
+        launched.append(i)
+        return fake_server(tmp_path)
+
+    e = SGLangRolloutEngine("unused", tp=2, gpus=["3", "5", "6", "7"], colocated=False, launch=launch)
+    try:
+        assert launched == [0, 1] and len(e.servers) == 2  # one server per tp GPUs, whatever num_servers says
+    finally:
+        e.shutdown()
+    with pytest.raises(ValueError, match="3 GPUs .* tensor-parallel size 2"):
+        SGLangRolloutEngine("unused", tp=2, gpus=["0", "1", "2"], launch=launch)
+    # the second server of tp=2 over those GPUs: base GPU 2 of what it sees, and it sees only those
+    server = sglang_server("model", tp=2, gpu=2, visible_devices=["3", "5", "6", "7"], log_dir=str(tmp_path))
+    assert server.command[server.command.index("--base-gpu-id") + 1] == "2"
+    assert server.env == {"CUDA_VISIBLE_DEVICES": "3,5,6,7"}
 
 
 def test_flat_layout_pack_unpack_roundtrip():

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -76,16 +79,26 @@ def unpack(flat: torch.Tensor, layout: list[list]) -> Bucket:
 
 
 _MAPPED: dict[int, torch.Tensor] = {}  # inside SGLang: slot -> the sender's buffer, kept mapped
+# Benchmarks set this in a server's environment: each load then prints its seconds to the server's log
+# (`LOAD_TIMING` lines), which splits a post's time into SGLang's load and the request's way there and back.
+TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
+LOAD_TIMING = "megarl weight load"
 
 
 def load_flat_bucket(model, named_tensors: Bucket) -> None:
     """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair."""
+    start = time.perf_counter()
     ((header, flat),) = named_tensors
     header = json.loads(header)
     model.load_weights(unpack(flat, header["layout"]))
+    queued = time.perf_counter()  # the loaders' Python work is done; the copies may still run
     if flat.is_cuda:  # the sender reuses the buffer once this call has returned
         torch.cuda.current_stream().synchronize()
     _MAPPED[header["slot"]] = flat
+    if TIME_LOADS:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} "
+              f"seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
 
 
 class CudaIpcSender:
@@ -148,10 +161,14 @@ class CudaIpcSender:
 def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
     """For each bucket from `buckets` (whose production is the gather and convert work), `prepare(bucket)`
     returns the post; the post of bucket k runs in a thread while bucket k+1 is produced and prepared.
-    Returns seconds spent producing, preparing and waiting on posts, and the bytes sent."""
-    import time
+    Returns seconds spent producing, preparing and waiting on posts, each post's seconds, and the bytes sent."""
+    stats = dict(produce_s=0.0, prepare_s=0.0, wait_s=0.0, bytes=0, buckets=0, posts_s=[])
 
-    stats = dict(produce_s=0.0, prepare_s=0.0, wait_s=0.0, bytes=0, buckets=0)
+    def timed(post: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        post()
+        stats["posts_s"].append(time.perf_counter() - start)
+
     pending = None
     with ThreadPoolExecutor(1) as pool:
         iterator = iter(buckets)
@@ -170,7 +187,7 @@ def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Calla
             if pending is not None:  # at most one post in flight: two buckets (or slots) in use
                 pending.result()
             stats["wait_s"] += time.perf_counter() - t2
-            pending = pool.submit(post)
+            pending = pool.submit(timed, post)
             del bucket
         t3 = time.perf_counter()
         if pending is not None:
