@@ -17,7 +17,11 @@ a time limit, loses nothing already measured):
                            in a thread while bucket k+1 is converted and packed),
                 ready    - resume_kv_cache: the KV cache back (kv) and the prefix cache dropped if
                            needed (flush);
-              effective GB/s = bytes / total. --server-tp 2 puts one TP=2 server on GPUs 0-1 (trainer on 0).
+              effective GB/s = bytes / total. --weights resident measures the same without the memory
+              cycle (SGLang kept its weights and KV cache: offload off), where resume and ready are ~0.
+              posts: each bucket's /update_weights_from_tensor call, and of that the seconds SGLang's
+              loads took inside the server (the persistent loader times itself: server_loads).
+              --server-tp 2 puts one TP=2 server on GPUs 0-1 (trainer on 0).
               With --verify, after each format's timed syncs SGLang checks itself bit for bit (its weights
               checker: what the format delivered vs its own loader reading the exported tensors).
               Sync-only servers skip what only generation needs (CUDA graphs, the warm-up request): no
@@ -38,6 +42,7 @@ and dry_run=true.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import signal
@@ -148,12 +153,17 @@ def server_loads(server) -> dict:
     return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0))
 
 
-def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict) -> dict:
-    """One colocated sync as the trainer runs it: from the end of a train step (SGLang released its weights
-    and KV cache) through push_policy (resume weights, stream the buckets) to resume_kv_cache."""
+def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: str = "released") -> dict:
+    """One colocated sync as the trainer runs it: from the end of a train step through push_policy (resume
+    the weights memory, stream the buckets) to resume_kv_cache. `weights`: "released", SGLang released its
+    weights and KV cache during training (trainer.offload_between_phases on); "resident", it kept both
+    (offload off: nothing to resume, the ready step only drops the prefix cache)."""
     from megarl.workers.weight_sync import push_policy
 
-    engine.release_memory()  # as during training
+    if weights == "released":
+        engine.release_memory()  # as during training
+    else:
+        engine.resume_kv_cache()  # what a previous released sync left released comes back, untimed
     server_loads(engine.servers[0])  # skip the lines of earlier syncs
     posts.clear()
     t0 = _now()
@@ -193,8 +203,8 @@ def part_sync(args) -> list[dict]:
         params, nbytes = model_bytes(name)
         if args.dry_run:
             for bucket_mb in args.bucket_mb:
-                for fmt in args.formats:
-                    rows.append(dict(model=name, params=params, format=fmt, server_tp=args.server_tp,
+                for fmt, weights in itertools.product(args.formats, args.weights):
+                    rows.append(dict(model=name, params=params, format=fmt, weights=weights, server_tp=args.server_tp,
                                      bucket_mb=bucket_mb, bytes=nbytes, dry_run=True, **dict.fromkeys(TIMES, 0.0),
                                      gb_per_s=0.0, verified="planned" if args.verify else None))
                     _print_row(rows[-1])
@@ -212,21 +222,21 @@ def part_sync(args) -> list[dict]:
             time_posts(server, posts)
             policy = Policy(name)
             for bucket_mb in args.bucket_mb:
-                for fmt in args.formats:
+                for fmt, weights in itertools.product(args.formats, args.weights):
                     try:
                         senders: dict = {}  # one CudaIpcSender per format and bucket size, kept across its syncs
-                        trials = [timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts)
+                        trials = [timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts, weights)
                                   for _ in range(args.trials + 1)][1:]  # the first warms up IPC and loader paths
                         best = min(trials, key=lambda r: r["total_s"])
-                        row = dict(model=name, params=params, format=fmt, server_tp=args.server_tp, bucket_mb=bucket_mb,
-                                   startup_s=startup, server_args=server.command[3:],
+                        row = dict(model=name, params=params, format=fmt, weights=weights, server_tp=args.server_tp,
+                                   bucket_mb=bucket_mb, startup_s=startup, server_args=server.command[3:],
                                    trials_total_s=[r["total_s"] for r in trials], **best)
                         if args.verify:
                             row |= verified(server, policy, bucket_mb, model_dir)
                         senders.clear()
                     except Exception as error:  # one format failing must not lose the others
-                        row = dict(model=name, format=fmt, server_tp=args.server_tp, bucket_mb=bucket_mb,
-                                   error=repr(error), trace=traceback.format_exc()[-3000:],
+                        row = dict(model=name, format=fmt, weights=weights, server_tp=args.server_tp,
+                                   bucket_mb=bucket_mb, error=repr(error), trace=traceback.format_exc()[-3000:],
                                    server_log=server.log_tail(20))
                     _print_row(row)
                     rows.append(row)
@@ -261,40 +271,43 @@ def part_throughput(args) -> dict:
         _write(args, result)
         return result
     model_dir = model_dir_for(name)
-    # ignore_eos on every path: the dummy model's EOS would otherwise end rows at random
-    # megarl's HTTP path with the server as sglang.Engine runs (no memory saver: megarl_tok_s), and as the
-    # colocated trainer launches it (memory saver on: megarl_memory_saver_tok_s), to split the gap
-    for key, memory_saver in (("megarl_tok_s", False), ("megarl_memory_saver_tok_s", True)):
-        engine = SGLangRolloutEngine(str(model_dir), colocated=False, load_format="dummy", mem_fraction=0.7,
-                                     memory_saver=memory_saver, log_dir=args.log_dir,
-                                     sampling_overrides={"ignore_eos": True}, startup_timeout=args.startup_timeout)
-        try:
-            rates = []
-            for batch in batches:  # the first is a warm-up
-                start = time.perf_counter()
-                gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
-                rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
-            result[key] = rates[-1]
-            _write(args, result)
-        finally:
-            engine.shutdown()
     import sglang
 
+    # sglang.Engine first, then megarl's HTTP path with the server as sglang.Engine runs (no memory saver:
+    # megarl_tok_s), then as the colocated trainer launches it (memory saver on): a time limit that ends the
+    # part early still leaves the ratio. ignore_eos on every path: the dummy model's EOS would end rows at random.
     llm = sglang.Engine(model_path=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
                         attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.7)
     try:
         rates = []
-        for batch in batches:
+        for batch in batches:  # the first is a warm-up
             rows = [p for p in batch for _ in range(n)]
             start = time.perf_counter()
             outs = llm.generate(input_ids=rows, return_logprob=True, sampling_params=sampling)
             rates.append(sum(len(o["meta_info"]["output_token_logprobs"]) for o in outs)
                          / (time.perf_counter() - start))
         result["sglang_engine_tok_s"] = rates[-1]
-        result["ratio"] = result["megarl_tok_s"] / result["sglang_engine_tok_s"]
-        result["ratio_memory_saver"] = result["megarl_memory_saver_tok_s"] / result["sglang_engine_tok_s"]
+        _write(args, result)
     finally:
         llm.shutdown()
+    try:
+        for key, memory_saver in (("megarl_tok_s", False), ("megarl_memory_saver_tok_s", True)):
+            engine = SGLangRolloutEngine(str(model_dir), colocated=False, load_format="dummy", mem_fraction=0.7,
+                                         memory_saver=memory_saver, log_dir=args.log_dir,
+                                         sampling_overrides={"ignore_eos": True}, startup_timeout=args.startup_timeout)
+            try:
+                rates = []
+                for batch in batches:
+                    start = time.perf_counter()
+                    gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
+                    rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
+                result[key] = rates[-1]
+                result["ratio" if key == "megarl_tok_s" else "ratio_memory_saver"] = \
+                    rates[-1] / result["sglang_engine_tok_s"]
+                _write(args, result)
+            finally:
+                engine.shutdown()
+    finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     _write(args, result)
     return result
@@ -387,7 +400,8 @@ def table(out_dir: Path, parts: list[str]) -> str:
                         f"saver (as colocated) {f('megarl_memory_saver_tok_s')}, ratio {r('ratio_memory_saver')}")
             continue
         for r in results:
-            fmt = f"nccl flattened={r['flattened']}" if r.get("transport") == "nccl" else r.get("format", "")
+            fmt = f"nccl flattened={r['flattened']}" if r.get("transport") == "nccl" else \
+                " ".join(filter(None, (r.get("format", ""), r.get("weights") == "resident" and "(resident)")))
             start = f"| {part}{dry} | {r['model']} | {fmt} | {r.get('server_tp', 1)} | {r.get('bucket_mb', '')} |"
             if "error" in r:
                 lines.append(f"{start} ERROR {r['error'][:100]} |")
@@ -412,6 +426,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CUDA IPC payload formats, measured in this order")
     parser.add_argument("--bucket-mb", nargs="+", type=int, default=[1024], help="bucket sizes (MiB), in this order")
     parser.add_argument("--trials", type=int, default=2, help="timed syncs per format after one warm-up")
+    parser.add_argument("--weights", nargs="+", choices=["released", "resident"], default=["released"],
+                        help="SGLang's memory during training: released (the colocated offload cycle: the sync "
+                             "resumes its weights memory first, the ready step its KV cache) or resident (kept)")
     parser.add_argument("--server-tp", type=int, default=1)
     parser.add_argument("--mem-fraction", type=float, default=0.35,
                         help="SGLang --mem-fraction-static (the GRPO run's: the KV cache the ready step resumes)")

@@ -16,6 +16,7 @@ tensor, a wrong slice, one flipped element) fails loudly by name.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
@@ -98,24 +99,36 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     hands each bucket to the rollout actor now and returns the wait for it). `senders` keeps one
     CudaIpcSender per set of endpoints across syncs (its persistent buffers stay mapped in SGLang).
 
+    `begin()` runs in a thread while the first bucket is gathered and converted (SGLang's taking its weights
+    memory back overlaps that work); the first bucket's hand-over waits for it.
+
     Returns what was sent (with `verify`: dtype and digest per tensor, by `key(name)`), the bf16/fp32 bytes
-    sent, and seconds: total on this rank (begin to end), and its split (begin, gather/convert,
+    sent, and seconds: total on this rank (begin to end), and its split (the wait for begin, gather/convert,
     pack, transfer wait, end, digests), and each bucket's post (posts_s)."""
     start = time.perf_counter()
-    endpoints = begin()
-    begun = time.perf_counter()
-    if endpoints is not None:
+    pool = ThreadPoolExecutor(1)
+    begun = pool.submit(begin)
+    senders = {} if senders is None else senders
+    sent, sums, received, digest_s, begin_wait = [], [], {}, 0.0, 0.0
+    endpoints, deliver = None, None
+
+    def transport() -> Callable[[Bucket], Callable[[], None]]:
+        nonlocal endpoints, begin_wait
+        t = time.perf_counter()
+        endpoints = begun.result()
+        begin_wait = time.perf_counter() - t
+        if endpoints is None:
+            return load
         urls = tuple(e.url for e in endpoints)
-        senders = {} if senders is None else senders
         if urls not in senders:
             senders.clear()  # a new set of servers: the old buffers' mappings are gone with them
             senders[urls] = cuda_ipc.CudaIpcSender(endpoints, weight_format, serializer)
-        load = senders[urls].send
-    sent, sums, received, digest_s = [], [], {}, 0.0
+        return senders[urls].send
 
     def prepare(bucket: Bucket) -> Callable[[], None]:
-        nonlocal digest_s
-        post = load(bucket)
+        nonlocal digest_s, deliver
+        deliver = deliver or transport()
+        post = deliver(bucket)
         if verify:
             t = time.perf_counter()
             sent.extend((key(n), x.dtype, x.shape) for n, x in bucket)  # not the tensors: one bucket in memory
@@ -125,15 +138,19 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
             digest_s += time.perf_counter() - t
         return post
 
-    stats = cuda_ipc.send_overlapped(buckets, prepare)
+    try:
+        stats = cuda_ipc.send_overlapped(buckets, prepare)
+        deliver = deliver or transport()  # a sync of no buckets still begins and ends
+    finally:
+        pool.shutdown()
     t = time.perf_counter()
     if endpoints is not None:
         end(received if verify else None)
     ended = time.perf_counter()
     done = fingerprints([(dtype, shape) for _, dtype, shape in sent], sums)
     report = {"sent": {k: (dtype, d) for (k, dtype, _), d in zip(sent, done)}, "bytes": stats["bytes"],
-              "direct": endpoints is not None, "begin_s": begun - start, "gather_convert_s": stats["produce_s"],
-              "pack_s": stats["prepare_s"] - digest_s, "transfer_s": stats["wait_s"], "end_s": ended - t,
+              "direct": endpoints is not None, "begin_s": begin_wait, "gather_convert_s": stats["produce_s"],
+              "pack_s": stats["prepare_s"] - digest_s - begin_wait, "transfer_s": stats["wait_s"], "end_s": ended - t,
               "posts_s": stats["posts_s"]}
     report["digest_s"] = digest_s + time.perf_counter() - ended
     report["seconds"] = time.perf_counter() - start

@@ -6,14 +6,15 @@
 # Parts, in PARTS order, each its own process with its own time limit (capped by what is left of BUDGET;
 # a part with under 45 s left is skipped): one failing or timing out keeps everything measured before it.
 #   sync_7b    colocated CUDA IPC into a TP=1 server, random Qwen2.5-7B shape (dummy load), the number that
-#              matters: formats persistent / tensors x buckets 1024 / 2048 / 4096 MiB               (~90 s)
+#              matters: formats persistent / tensors x buckets 2048 / 4096 / 8192 MiB x SGLang's weights
+#              released during training or resident                                                 (~100 s)
 #   sync_1.5b  the same at 1.5B, 1024 MiB buckets                                                  (~65 s)
 #   sync_0.5b  the same at 0.5B, each format verified bit for bit inside SGLang (weights checker)   (~70 s)
 #   throughput megarl's SGLangRolloutEngine.generate (without and with the memory saver) vs sglang.Engine,
 #              same requests, 0.5B; CUDA graphs, so the first of its 3 starts JIT-compiles      (~220 s)
 #   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0, as sync_7b (flattened_bucket,
 #              SGLang's own loader, crashed a TP=2 server in sglang 0.5.17)                           (~110 s)
-#   nccl       (2 GPUs) disaggregated: server on GPU 1, NCCL broadcast from GPU 0, 7B, flattened and
+#   nccl       (2 GPUs) disaggregated: server on GPU 1, NCCL broadcast from GPU 0, 1.5B, flattened and
 #              per-tensor, each verified bit for bit (a 15 GB safetensors export each)              (~160 s)
 # Sync-only servers run without CUDA graphs or the warm-up request (nothing to JIT at start-up; the weight
 # update path is the training one). JSON is written after every measurement, logs and server-log tails go
@@ -21,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
-  RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
+  RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 NCCL_CUMEM_ENABLE=0
 OUT=${OUT:-/tmp/megarl-weight-sync}; mkdir -p "$OUT/server_logs"
 PY=${PY:-python3}
 BUDGET=${BUDGET:-530}
@@ -38,12 +39,12 @@ B="$PY benchmarks/weight_sync.py"
 part_command() {  # name -> "limit_seconds command..."
   local common="--log-dir $OUT/server_logs --out $OUT/$1.json $DRYARG"
   case $1 in
-    sync_7b)    echo "200 $B sync --models qwen2.5-7b --formats persistent tensors --bucket-mb 1024 2048 4096 --trials 3 $common" ;;
+    sync_7b)    echo "200 $B sync --models qwen2.5-7b --formats persistent tensors --bucket-mb 2048 4096 8192 --weights released resident --trials 3 $common" ;;
     sync_1.5b)  echo "120 $B sync --models qwen2.5-1.5b --trials 3 $common" ;;
     sync_0.5b)  echo "130 $B sync --models qwen2.5-0.5b --trials 3 --verify $common" ;;
     throughput) echo "260 $B throughput --models qwen2.5-0.5b $common" ;;
-    sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --formats persistent tensors --bucket-mb 1024 2048 4096 --trials 3 $common" ;;
-    nccl)       echo "300 $B nccl --models qwen2.5-7b --verify $common" ;;
+    sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --formats persistent tensors --bucket-mb 2048 4096 8192 --weights released resident --trials 3 $common" ;;
+    nccl)       echo "200 $B nccl --models qwen2.5-1.5b --verify $common" ;;
     *)          echo "" ;;
   esac
 }

@@ -1,4 +1,5 @@
 import functools
+import time
 
 import pytest
 import requests
@@ -59,6 +60,30 @@ def test_push_then_verify_against_the_receivers_own_copy():
         verify(report["sent"], digests_of(held, dtypes))
     unverified = push_policy([[("w1", weights["w1"])]], begin=lambda: None, end=None, load=load, verify=False)
     assert unverified["sent"] == {} and unverified["bytes"] == 36
+
+
+def test_begin_overlaps_the_first_buckets_production_and_failures_surface():
+    events = []
+
+    def begin():
+        time.sleep(0.3)  # SGLang taking its weights memory back
+        events.append("begun")
+
+    def buckets():
+        events.append("producing bucket 0")
+        time.sleep(0.2)  # gather and convert
+        yield [("w", torch.ones(2))]
+
+    report = push_policy(buckets(), begin=begin, end=None, load=lambda b: lambda: events.append("loaded"),
+                         verify=False)
+    assert events == ["producing bucket 0", "begun", "loaded"]  # produced while begin ran, loaded after it
+    assert 0.0 < report["begin_s"] < 0.2  # the part of begin not hidden (~0.1 s)
+
+    def gone():
+        raise RuntimeError("server gone")
+
+    with pytest.raises(RuntimeError, match="server gone"):  # even a sync of no buckets waits for begin
+        push_policy(iter([]), begin=gone, end=None, load=None, verify=False)
 
 
 @pytest.mark.parametrize("fmt", ["tensors", "persistent"])

@@ -7,11 +7,19 @@ shapes to /update_weights_from_distributed, broadcast the tensors in that order 
 `flattened` (the default), the bucket packed into one uint8 buffer (cuda_ipc.flat_layout, the layout
 of SGLang's FlattenedTensorBucket) and broadcast once ("flattened_bucket" load format): one
 collective per bucket instead of one per tensor.
+
+Both ends of the group must agree on NCCL_CUMEM_ENABLE (NCCL's cuMem buffers or legacy IPC between the
+peers): SGLang sets it to 0 where it is unset, so this side does too, before its first NCCL communicator
+(the GPU scripts export it). With a mismatch the server's half fails with CUDA "invalid argument".
+A server that fails its half (or does not answer) aborts this side's broadcast instead of leaving it
+waiting on a peer that never comes.
 """
 
 from __future__ import annotations
 
-import threading
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -25,16 +33,18 @@ class NcclBroadcast:
                  flattened: bool = True):
         from sglang.srt.utils.common import init_custom_process_group
 
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # SGLang's value (module docstring)
         self.server, self.group_name, self.flattened = server, group_name, flattened
+        self.pool = ThreadPoolExecutor(1)  # the server's half of each collective call
         world = 1 + server.tp
         request = {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
                    "world_size": world, "group_name": group_name, "backend": "nccl"}
         # Both sides block in the rendezvous: the server's half runs in a thread.
-        joined = _in_thread(lambda: server.post("/init_weights_update_group", request))
+        joined = self.pool.submit(server.post, "/init_weights_update_group", request)
         self.group = init_custom_process_group(
             backend="nccl", init_method=f"tcp://{master_address}:{master_port}", world_size=world, rank=0,
             group_name=group_name, timeout=timedelta(minutes=5))
-        joined()
+        joined.result()
 
     def send_bucket(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         request = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
@@ -45,34 +55,22 @@ class NcclBroadcast:
             tensors = [cuda_ipc.pack(bucket, torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device))]
         else:
             tensors = [t.detach().contiguous() for _, t in bucket]
-        done = _in_thread(lambda: self.server.post("/update_weights_from_distributed", request))
-        for t in tensors:
-            dist.broadcast(t, src=0, group=self.group)
+        posted = self.pool.submit(self.server.post, "/update_weights_from_distributed", request)
+        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        self._wait(works, posted)
         torch.cuda.synchronize()
-        done()
+        posted.result()
+
+    def _wait(self, works: list, posted: Future) -> None:
+        """Until the broadcasts complete; should the server's half fail first (its post raised: an error
+        answer, or no answer within the request timeout), abort the group and raise that error."""
+        while not all(w.is_completed() for w in works):
+            if posted.done() and posted.exception() is not None:
+                self.group.abort()
+                raise posted.exception()
+            time.sleep(0.001)
 
     def close(self) -> None:
         self.server.post("/destroy_weights_update_group", {"group_name": self.group_name})
         dist.destroy_process_group(self.group)
-
-
-def _in_thread(fn):
-    """Run fn in a thread; the returned callable joins it and re-raises its exception."""
-    box = {}
-
-    def run():
-        try:
-            box["result"] = fn()
-        except BaseException as error:  # re-raised in the caller's thread
-            box["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-
-    def join():
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
-
-    return join
+        self.pool.shutdown()
