@@ -15,7 +15,7 @@
 #   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0, as sync_7b (flattened_bucket,
 #              SGLang's own loader, crashed a TP=2 server in sglang 0.5.17)                           (~110 s)
 #   nccl       (2 GPUs) disaggregated: server on GPU 1, NCCL broadcast from GPU 0, 1.5B, flattened and
-#              per-tensor, each verified bit for bit (a 15 GB safetensors export each)              (~160 s)
+#              per-tensor, each verified bit for bit (a 3 GB safetensors export each)                (~120 s)
 # Sync-only servers run without CUDA graphs or the warm-up request (nothing to JIT at start-up; the weight
 # update path is the training one). JSON is written after every measurement, logs and server-log tails go
 # to $OUT, and a short table is printed last. DRY=1 checks the plumbing on a CPU (no GPU, no server).
