@@ -284,9 +284,10 @@ def part_throughput(args) -> dict:
             rows = [p for p in batch for _ in range(n)]
             start = time.perf_counter()
             outs = llm.generate(input_ids=rows, return_logprob=True, sampling_params=sampling)
-            rates.append(sum(len(o["meta_info"]["output_token_logprobs"]) for o in outs)
-                         / (time.perf_counter() - start))
-        result["sglang_engine_tok_s"] = rates[-1]
+            wall = time.perf_counter() - start
+            rates.append(sum(len(o["meta_info"]["output_token_logprobs"]) for o in outs) / wall)
+        result |= dict(sglang_engine_tok_s=rates[-1], sglang_engine_wall_s=wall,
+                       sglang_engine_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
         _write(args, result)
     finally:
         llm.shutdown()
@@ -304,6 +305,8 @@ def part_throughput(args) -> dict:
                 result[key] = rates[-1]
                 result["ratio" if key == "megarl_tok_s" else "ratio_memory_saver"] = \
                     rates[-1] / result["sglang_engine_tok_s"]
+                if not memory_saver:
+                    result |= request_split(engine, batches[-1], n, sampling)
                 _write(args, result)
             finally:
                 engine.shutdown()
@@ -311,6 +314,18 @@ def part_throughput(args) -> dict:
         shutil.rmtree(model_dir, ignore_errors=True)
     _write(args, result)
     return result
+
+
+def request_split(engine, batch: list[list[int]], n: int, sampling: dict) -> dict:
+    """Where megarl's rollout time goes: the same rows in one raw /generate (as SGLangRolloutEngine sends them),
+    its wall time with the answer parsed, and the time SGLang's tokenizer manager saw it (the longest
+    e2e_latency): the rest is HTTP, JSON on both sides and the transfer; generate's own conversion is
+    what remains of megarl's time beyond that wall time."""
+    rows = [p for p in batch for _ in range(n)]
+    start = time.perf_counter()
+    outs = engine.servers[0].post("/generate", {"input_ids": rows, "sampling_params": sampling, "return_logprob": True})
+    return dict(megarl_request_wall_s=time.perf_counter() - start,
+                megarl_request_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
 
 
 def part_nccl(args) -> list[dict]:
@@ -398,6 +413,10 @@ def table(out_dir: Path, parts: list[str]) -> str:
                         f"x n={results.get('n')} x {results.get('new_tokens')} new): megarl {f('megarl_tok_s')}, "
                         f"sglang.Engine {f('sglang_engine_tok_s')}, ratio {r('ratio')}; megarl with SGLang's memory "
                         f"saver (as colocated) {f('megarl_memory_saver_tok_s')}, ratio {r('ratio_memory_saver')}")
+            if "megarl_request_wall_s" in results:
+                tail.append(f"one batch, wall s (inside SGLang's tokenizer manager): sglang.Engine "
+                            f"{r('sglang_engine_wall_s')} ({r('sglang_engine_inside_s')}), megarl's raw /generate "
+                            f"{r('megarl_request_wall_s')} ({r('megarl_request_inside_s')})")
             continue
         for r in results:
             fmt = f"nccl flattened={r['flattened']}" if r.get("transport") == "nccl" else \
