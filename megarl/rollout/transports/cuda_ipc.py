@@ -148,9 +148,19 @@ class CudaIpcSender:
         self.count += 1
         requests = [{"serialized_named_tensors": [spec["payload"]() for _ in range(e.tp)],
                      "load_format": spec["load_format"], "flush_cache": flush_cache} for e in self.endpoints]
+        # The pack (and the conversions before it) are queued on our stream, not done. A receiver that opens a
+        # handle waits on the event torch's IPC sends along, but one that has it open already (SGLang keeps the
+        # persistent buffers mapped: torch's rebuild_cuda_tensor then takes its cached storage) does not wait:
+        # the post waits for the copies instead, in its thread, so the next bucket's work still overlaps.
+        device = bucket[0][1].device
+        packed = torch.cuda.Event() if device.type == "cuda" else None
+        if packed is not None:
+            packed.record(torch.cuda.current_stream(device))
 
         def post() -> None:
             nonlocal keep  # our tensors stay alive until every endpoint has copied from them
+            if packed is not None:
+                packed.synchronize()
             for endpoint, request in zip(self.endpoints, requests):
                 endpoint.post("/update_weights_from_tensor", request)
             keep = None
