@@ -11,11 +11,10 @@ TP group, owned by this engine.
   server holding the current policy when there is one; on the restarted server only while no policy
   was pushed (a restarted server holds its checkpoint weights: generating from them after a sync would
   silently be off-policy, so that raises until the next sync).
-- Weights: full HF-named tensors per bucket (SGLang slices its own TP shard) through a transport:
-  CUDA IPC when colocated (transports/cuda_ipc.py; the trainer's sending rank posts its buckets itself
-  between `begin_weight_update`, which hands out the endpoints, and `end_weight_update`), NCCL
-  broadcast when disaggregated (transports/nccl_broadcast.py, driven by the
-  trainer rank that owns the group).
+- Weights: full HF-named tensors per bucket (SGLang slices its own TP shard), sent by the trainer's sending
+  rank itself between `begin_weight_update`, which hands out the endpoints and names their transport, and
+  `end_weight_update`: CUDA IPC when colocated (transports/cuda_ipc.py), NCCL broadcast when
+  disaggregated (transports/nccl_broadcast.py: the rank is rank 0 of a weight group with each server).
 - Colocated memory: when a server has no rows in flight its KV cache is released (the trainer gets
   that memory back); the next generate resumes it first and flushes the prefix cache if weights
   changed. release_memory() also drops the weights (SGLang keeps no copy): they must be pushed again.
@@ -58,11 +57,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Endpoint:
-    """HTTP client of one SGLang server (picklable: a training rank can post weights itself)."""
+TRANSPORTS = ("cuda_ipc", "nccl")  # how a training rank delivers weights to a server: transports/<name>.py
 
-    def __init__(self, url: str, tp: int = 1, request_timeout: float = 600.0):
+
+class Endpoint:
+    """HTTP client of one SGLang server (picklable: a training rank can post weights itself). `transport`: how
+    weights reach it (TRANSPORTS); `instance`: which process serves `url` (a restarted server is another one:
+    its weight transfer state, such as a weight group, starts over)."""
+
+    def __init__(self, url: str, tp: int = 1, request_timeout: float = 600.0, transport: str = "cuda_ipc",
+                 instance: int | None = None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
         self.url, self.tp, self.request_timeout = url, tp, request_timeout
+        self.transport, self.instance = transport, instance
 
     def diagnose(self) -> str:
         """Extra context for an error message (the process's state and log, where known)."""
@@ -103,8 +111,8 @@ class SGLangServer(Endpoint):
         self.log_path = Path(log_path or Path(tempfile.gettempdir()) / f"sglang_{port}.log")
         self.process: subprocess.Popen | None = None
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint(self.url, self.tp, self.request_timeout)
+    def endpoint(self, transport: str = "cuda_ipc") -> Endpoint:
+        return Endpoint(self.url, self.tp, self.request_timeout, transport, self.process.pid if self.process else None)
 
     def start(self) -> "SGLangServer":
         with open(self.log_path, "ab") as log:
@@ -352,7 +360,8 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def begin_weight_update(self) -> list[Endpoint]:
         """Start a sync: weights memory back where it was released, a new weight version. Returns the
-        endpoints a training rank may post buckets to itself (cuda_ipc.CudaIpcSender)."""
+        endpoints a training rank sends buckets to itself, by their `transport`: CUDA IPC when colocated (the
+        tensors are on a GPU the servers see), NCCL broadcast when not."""
         with self.lock:
             if not self.syncing:
                 self.version += 1
@@ -363,7 +372,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     server.post("/resume_memory_occupation", {"tags": ["weights"]})
                     state.weights_released = False
                 state.version, state.flush = self.version, True
-        return [s.endpoint() for s in self.servers]
+        return [s.endpoint("cuda_ipc" if self.colocated else "nccl") for s in self.servers]
 
     def end_weight_update(self, received: dict[str, torch.Tensor] | None = None) -> None:
         """A training rank finished posting a sync itself (after begin_weight_update). `received`: host copies

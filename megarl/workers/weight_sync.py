@@ -2,8 +2,9 @@
 
 A sending training rank streams buckets out of the resharder (megarl.parallel.reshard) with
 `push_policy`. The rollout engine picks the transport when the sync begins: SGLang hands out its
-endpoints and the rank posts each bucket itself by CUDA IPC (transports/cuda_ipc.py: this process owns
-the tensors, so they never leave the GPU); any other engine loads each bucket in the rollout actor
+endpoints and the rank sends each bucket itself (this process owns the tensors, so they never leave the
+GPU on the way), by CUDA IPC to colocated servers (transports/cuda_ipc.py) or by NCCL broadcast to servers
+on GPUs of their own (transports/nccl_broadcast.py); any other engine loads each bucket in the rollout actor
 (through Ray's object store: `RolloutEngine.update_weights`, or a generation TP rank's rows,
 `update_weight_shards`). Either way bucket k is in flight while bucket k+1 is gathered and converted.
 
@@ -21,7 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megarl.rollout.transports import cuda_ipc
+from megarl.rollout.transports import cuda_ipc, nccl_broadcast
 
 
 class WeightSyncError(RuntimeError):
@@ -89,15 +90,33 @@ def digests_of(named: dict[str, torch.Tensor], dtypes: dict[Key, torch.dtype]) -
 Bucket = list[tuple[str, torch.Tensor]]
 
 
+def make_sender(endpoints: list, weight_format: str, serializer: Callable | None, master_address: str):
+    """The sender for the endpoints' transport. NCCL sends the flat layout of the CUDA IPC formats (one
+    broadcast per bucket) or, with "tensors", one broadcast per tensor."""
+    if endpoints[0].transport == "nccl":
+        return nccl_broadcast.NcclSender(endpoints, master_address, flattened=weight_format != "tensors")
+    return cuda_ipc.CudaIpcSender(endpoints, weight_format, serializer)
+
+
+def close_senders(senders: dict) -> None:
+    """Release what the senders hold on both sides (NCCL weight groups); the dict is left empty."""
+    for sender in senders.values():
+        if isinstance(sender, nccl_broadcast.NcclSender):
+            sender.close()
+    senders.clear()
+
+
 def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end: Callable[[dict | None], None],
                 load: Callable[[Bucket], Callable[[], None]], verify: bool, key: Callable[[str], Key] = lambda n: n,
                 weight_format: str = "persistent", senders: dict | None = None,
-                serializer: Callable | None = None) -> dict:
+                serializer: Callable | None = None, master_address: str = "127.0.0.1") -> dict:
     """One sync from a sending rank. `begin()` starts it on the rollout engine and returns SGLang endpoints
-    (the buckets are posted from here by CUDA IPC, then `end(received)` closes the sync; `received` are
-    host copies of what was posted, for SGLang's own check, on a verified sync) or None (`load(bucket)`
-    hands each bucket to the rollout actor now and returns the wait for it). `senders` keeps one
-    CudaIpcSender per set of endpoints across syncs (its persistent buffers stay mapped in SGLang).
+    (the buckets are sent from here by the endpoints' transport, then `end(received)` closes the sync;
+    `received` are host copies of what was sent, for SGLang's own check, on a verified sync) or None
+    (`load(bucket)` hands each bucket to the rollout actor now and returns the wait for it). `senders` keeps
+    one sender per set of server processes across syncs (make_sender: CUDA IPC's persistent buffers stay
+    mapped in SGLang; NCCL's weight groups, rendezvousing at `master_address`, this rank's address, are
+    built once).
 
     `begin()` runs in a thread while the first bucket is gathered and converted (SGLang's taking its weights
     memory back overlaps that work); the first bucket's hand-over waits for it.
@@ -119,11 +138,11 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
         begin_wait = time.perf_counter() - t
         if endpoints is None:
             return load
-        urls = tuple(e.url for e in endpoints)
-        if urls not in senders:
-            senders.clear()  # a new set of servers: the old buffers' mappings are gone with them
-            senders[urls] = cuda_ipc.CudaIpcSender(endpoints, weight_format, serializer)
-        return senders[urls].send
+        servers = tuple((e.url, e.instance, e.transport) for e in endpoints)
+        if servers not in senders:  # a new set of servers: what the old senders set up is gone with them
+            close_senders(senders)
+            senders[servers] = make_sender(endpoints, weight_format, serializer, master_address)
+        return senders[servers].send
 
     def prepare(bucket: Bucket) -> Callable[[], None]:
         nonlocal digest_s, deliver

@@ -12,6 +12,11 @@ so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoi
 - POST /update_weights_from_tensor {serialized_named_tensors, load_format, flush_cache}: each payload
   decoded with cuda_ipc.plain_serializer's format and loaded like SGLang would (default loader or
   megarl's custom loader) into a dict model.
+- POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}:
+  this server's one TP rank joins the group (nccl_broadcast.weight_group; gloo on CPU) as rank rank_offset.
+- POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, load_format}: the
+  broadcast received into one flat buffer ("flattened_bucket") or a tensor per name (null), then loaded.
+- POST /destroy_weights_update_group {group_name}.
 Test controls: POST /fake/config {"generate_delay", "hang", "die_on_generate"}; GET /fake/log (the
 requests received); GET /fake/weights (name -> [dtype, shape, sha1 of the bytes]).
 """
@@ -44,6 +49,7 @@ class State:
     def __init__(self):
         self.config = {"generate_delay": 0.0, "hang": False, "die_on_generate": False}
         self.log, self.rows, self.model = [], 0, DictModel()
+        self.groups = {}  # weight groups by name
         self.aborted = threading.Event()
         self.lock = threading.Lock()
         self.context_length = 1 << 20
@@ -113,6 +119,58 @@ def update_weights(body: dict) -> dict:
     return {"success": True, "message": "Success"}
 
 
+def init_weights_group(body: dict) -> dict:
+    from megarl.rollout.transports.nccl_broadcast import weight_group
+
+    if body["group_name"] in STATE.groups:  # SGLang's refusal of a name it holds
+        return {"success": False, "message": f"group {body['group_name']} already exists"}
+    STATE.groups[body["group_name"]] = weight_group(
+        body["backend"], f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],
+        body["rank_offset"], body["group_name"])
+    return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+def update_weights_from_distributed(body: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megarl.rollout.transports import cuda_ipc
+
+    group = STATE.groups.get(body["group_name"])
+    if group is None:
+        return {"success": False, "message": f"Group {body['group_name']} not in model_update_group"}
+    empty = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
+             for n, d, s in zip(body["names"], body["dtypes"], body["shapes"])]
+    if body.get("load_format") == "flattened_bucket":
+        layout, size = cuda_ipc.flat_layout(empty)
+        flat = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(flat, group_src=0, group=group)
+        STATE.model.load_weights(cuda_ipc.unpack(flat, layout))
+    elif body.get("load_format") is None:
+        named = [(n, torch.empty_like(t, device="cpu")) for n, t in empty]
+        for _, t in named:
+            dist.broadcast(t, group_src=0, group=group)
+        STATE.model.load_weights(named)
+    else:
+        return {"success": False, "message": f"Unknown load_format={body.get('load_format')}"}
+    return {"success": True, "message": "Succeeded to update parameter online."}
+
+
+def destroy_weights_group(body: dict) -> dict:
+    import torch.distributed as dist
+
+    group = STATE.groups.pop(body["group_name"], None)
+    if group is None:
+        return {"success": False, "message": f"Group {body['group_name']} not in model_update_group"}
+    dist.destroy_process_group(group)
+    return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+WEIGHT_GROUP_PATHS = {"/init_weights_update_group": init_weights_group,
+                      "/update_weights_from_distributed": update_weights_from_distributed,
+                      "/destroy_weights_update_group": destroy_weights_group}
+
+
 def digest(t) -> list:
     import torch
 
@@ -163,8 +221,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, None)
         if self.path == "/flush_cache":
             return self.reply(200, text="Cache flushed.\n")
-        if self.path == "/update_weights_from_tensor":
-            result = update_weights(body)
+        if self.path == "/update_weights_from_tensor" or self.path in WEIGHT_GROUP_PATHS:
+            result = WEIGHT_GROUP_PATHS.get(self.path, update_weights)(body)
             return self.reply(200 if result["success"] else 400, result)
         self.reply(404, {"detail": "Not Found"})
 

@@ -6,11 +6,11 @@ import requests
 import torch
 
 from megarl.rollout.transports import cuda_ipc
-from megarl.workers.weight_sync import (WeightSyncError, checksums, digests_of, push_policy, tensor_digest,
-                                        verify)
+from megarl.workers.weight_sync import (WeightSyncError, checksums, close_senders, digests_of, push_policy,
+                                        tensor_digest, verify)
 
 from tests.rollout import fake_sglang
-from tests.rollout.test_sglang_engine import bucket_of, engine
+from tests.rollout.test_sglang_engine import bucket_of, engine, log
 
 
 def test_device_digest_is_bitwise_and_dtype_aware():
@@ -109,5 +109,42 @@ def test_direct_sync_posts_from_the_sending_process(tmp_path, fmt):
                 verify({n: v for n, v in report["sent"].items() if n in last},
                        digests_of(e.received, {n: t.dtype for n, t in last.items()}))
         assert len(senders) == 1  # one sender across syncs: the persistent buffers stay mapped
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["tensors", "persistent"])
+def test_disaggregated_sync_broadcasts_to_every_server_over_one_group_each(tmp_path, fmt):
+    """The trainer's path to servers on GPUs of their own, against two fake SGLang servers (gloo on CPU tensors
+    in place of NCCL): begin names the transport, the first bucket builds one weight group per server, every
+    bucket reaches every server bit for bit (one flat buffer per bucket, or one broadcast per tensor), the
+    groups serve the next sync too, and closing the senders destroys both halves."""
+    e = engine(tmp_path, servers=2, colocated=False)
+    try:
+        senders = {}
+        not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
+        for sync, check in enumerate((True, False)):
+            buckets = [bucket_of(10 * sync + k) for k in range(3)]
+            report = push_policy(iter(buckets), e.begin_weight_update, e.end_weight_update, not_here, check,
+                                 weight_format=fmt, senders=senders)
+            assert report["direct"] and e.version == sync + 1 and not e.syncing
+            expected = {n: fake_sglang.digest(t) for n, t in buckets[-1]}
+            for server in e.servers:
+                assert requests.get(server.url + "/fake/weights", timeout=5).json() == expected
+            assert (len(e.received), len(report["sent"])) == ((3, 3) if check else (0, 0))
+        (sender,) = senders.values()
+        assert len(sender.groups) == 2 and {g.group_name for g in sender.groups} == {
+            b["body"]["group_name"] for s in e.servers for b in log(s, "/init_weights_update_group")}
+        for server in e.servers:
+            (joined,) = log(server, "/init_weights_update_group")  # once, for both syncs
+            assert joined["body"] | {"master_port": 0, "group_name": ""} == {
+                "master_address": "127.0.0.1", "master_port": 0, "rank_offset": 1, "world_size": 2,
+                "group_name": "", "backend": "gloo"}
+            posts = log(server, "/update_weights_from_distributed")
+            assert len(posts) == 6 and {p["body"]["load_format"] for p in posts} == {
+                None if fmt == "tensors" else "flattened_bucket"}
+            assert posts[0]["body"]["dtypes"] == ["bfloat16", "float32", "bfloat16"]
+        close_senders(senders)
+        assert senders == {} and all(len(log(s, "/destroy_weights_update_group")) == 1 for s in e.servers)
     finally:
         e.shutdown()
