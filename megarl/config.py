@@ -164,6 +164,10 @@ class RolloutConfig:
     sglang_mem_fraction: float = opt(0.4, "SGLang: GPU memory fraction for its weights and KV cache")
     sglang_tp: int = opt(1, "SGLang: tensor-parallel size of each server (one server per group of GPUs); also the "
                             "generation TP that rollout.weight_delivery=sharded cuts the policy into")
+    sglang_gpus: int = opt(0, "SGLang: GPUs reserved for the servers apart from the training ranks' (disaggregated: "
+                              "one server per rollout.sglang_tp of them, weights broadcast over NCCL, no offload "
+                              "cycle; rollout.sglang_mem_fraction may then take most of each GPU); 0 = the servers "
+                              "share the training ranks' GPUs (colocated, weights by CUDA IPC)")
     weight_delivery: str = opt("full", "weight sync through megarl.parallel.reshard: full (whole HF tensors per bucket "
                                        "from one rank; the engine slices its own TP shard, as SGLang's "
                                        "update_weights_from_tensor does) or sharded (each generation TP rank sends only "
@@ -319,6 +323,7 @@ class Config:
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
         self._validate_weight_delivery()
+        self._validate_disaggregated()
         a = self.algorithm
         if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:
             raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: must be > 1 for the dual_clip loss")
@@ -370,6 +375,22 @@ class Config:
         """Whether the step runs a forward pass of its own for the old log-probs (algorithm.recompute_old_logprobs)."""
         mode = self.algorithm.recompute_old_logprobs
         return mode == "always" or (mode == "auto" and not self.old_policy_is_the_trained_one())
+
+    def _validate_disaggregated(self) -> None:
+        r = self.rollout
+        if r.sglang_gpus < 0:
+            raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus}: must be >= 0 (0 = colocated)")
+        if not r.sglang_gpus:
+            return
+        if r.engine != "sglang":
+            raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus} reserves GPUs for SGLang servers: it needs "
+                              f"rollout.engine=sglang (got {r.engine})")
+        if r.sglang_tp < 1 or r.sglang_gpus % r.sglang_tp:
+            raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus} must be a multiple of rollout.sglang_tp="
+                              f"{r.sglang_tp} (one server per rollout.sglang_tp GPUs)")
+        if self.trainer.offload_between_phases == "always":
+            raise ConfigError(f"trainer.offload_between_phases=always with rollout.sglang_gpus={r.sglang_gpus}: the "
+                              "servers have GPUs of their own, nothing shares memory to offload (use auto or never)")
 
     def _validate_weight_delivery(self) -> None:
         r, p = self.rollout, self.actor.parallel

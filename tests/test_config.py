@@ -82,3 +82,23 @@ def test_weight_delivery_and_offload_options_are_checked():
         load_config(None, ["trainer.offload_between_phases=sometimes"])
     assert load_config(None, ["actor.parallel.world_size=2", "actor.parallel.tp=2", "rollout.weight_delivery=sharded",
                               "rollout.sglang_tp=2"]).rollout.weight_delivery == "sharded"
+
+
+def test_disaggregated_sglang_options_are_checked():
+    from megarl.workers.colocation import offload_enabled
+
+    with pytest.raises(ConfigError, match=r"rollout.sglang_gpus=2 reserves GPUs for SGLang servers: it needs "
+                                          r"rollout.engine=sglang \(got hf\)"):
+        load_config(None, ["rollout.sglang_gpus=2"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang_gpus=3 must be a multiple of rollout.sglang_tp=2"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=3", "rollout.sglang_tp=2"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang_gpus=-1: must be >= 0"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=-1"])
+    with pytest.raises(ConfigError, match=r"trainer.offload_between_phases=always with rollout.sglang_gpus=1"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=1", "trainer.offload_between_phases=always"])
+    with pytest.raises(ConfigError, match=r"rollout.weight_delivery=sharded: SGLang's update_weights_from_tensor"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=1", "rollout.weight_delivery=sharded"])
+    # auto: the offload cycle runs only where training and SGLang share GPUs
+    disaggregated = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_tp=2"])
+    assert not offload_enabled(disaggregated, "cuda")
+    assert offload_enabled(load_config(None, ["rollout.engine=sglang"]), "cuda")

@@ -22,10 +22,11 @@ from megarl.config import Config
 
 
 def offload_enabled(cfg: Config, device: str) -> bool:
-    """auto: on where training and SGLang share GPUs (SGLang runs colocated); always/never as said."""
+    """auto: on where training and SGLang share GPUs (SGLang runs colocated: no rollout.sglang_gpus of its own);
+    always/never as said."""
     mode = cfg.trainer.offload_between_phases
     if mode == "auto":
-        return cfg.rollout.engine == "sglang" and device == "cuda"
+        return cfg.rollout.engine == "sglang" and device == "cuda" and not cfg.rollout.sglang_gpus
     return mode == "always"
 
 

@@ -98,10 +98,15 @@ class TrainGroup:
 
 def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None):
     """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it. `gpus`: where
-    its colocated servers go (the training ranks' GPUs)."""
-    return ray.remote(RolloutWorker).options(
-        num_cpus=cfg.rollout.num_cpus, num_gpus=0.1 if device == "cuda" else 0,
-    ).remote(cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)), gpus)
+    its colocated servers go (the training ranks' GPUs); disaggregated (rollout.sglang_gpus), Ray gives it
+    whole GPUs of its own instead (none of the training bundles' fractions) and its servers go there."""
+    gpus_wanted = cfg.rollout.sglang_gpus or (0.1 if device == "cuda" else 0)
+    left = ray.available_resources().get("GPU", 0.0)  # after the training bundles: an actor asking more waits forever
+    if cfg.rollout.sglang_gpus > int(left):
+        raise RuntimeError(f"rollout.sglang_gpus={cfg.rollout.sglang_gpus}: Ray has {left:g} GPU(s) left beside the "
+                           "training ranks; SGLang servers need whole GPUs of their own")
+    return ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.num_cpus, num_gpus=gpus_wanted).remote(
+        cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)), gpus)
 
 
 def stop_rollout(rollout, timeout: float = 90.0) -> None:

@@ -20,11 +20,16 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
     if cfg.rollout.engine == "sglang":
         import os
 
+        import ray
+
         from megarl.rollout.sglang import SGLangRolloutEngine
         r = cfg.rollout
-        # colocated with the trainer (one server per rollout.sglang_tp of its GPUs): SGLang gives its KV cache
-        # back between rollouts
-        return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=True,
+        # colocated: on the trainer's GPUs (`gpus`), SGLang gives its KV cache back between rollouts;
+        # disaggregated: on the GPUs Ray gave this actor, SGLang keeps its memory
+        colocated = not r.sglang_gpus
+        if not colocated:
+            gpus = [str(g) for g in ray.get_gpu_ids()]
+        return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=colocated,
                                    mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
@@ -67,8 +72,8 @@ class RolloutWorker:
         return self.agent.run_groups(groups, params, needed, accept)
 
     def begin_weight_update(self) -> list | None:
-        """Start a sync: SGLang's endpoints, which the sending training rank posts its buckets to itself (CUDA IPC
-        from the process owning the tensors); None for engines loading buckets here (update_weights)."""
+        """Start a sync: SGLang's endpoints, which the sending training rank sends its buckets to itself (CUDA IPC
+        or NCCL, as each endpoint's transport says); None for engines loading buckets here (update_weights)."""
         begin = getattr(self.engine, "begin_weight_update", None)
         return begin() if begin is not None else None
 

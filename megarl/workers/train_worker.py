@@ -30,7 +30,7 @@ class TrainWorker:
             from megarl.parallel.compat import install_cpu_compat
             install_cpu_compat()
         self.engine = None
-        self.ipc_senders = {}  # weight_sync.push_policy's CUDA IPC senders, kept across syncs
+        self.weight_senders = {}  # weight_sync.push_policy's senders (CUDA IPC or NCCL), kept across syncs
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for torch.distributed's rendezvous."""
@@ -102,8 +102,8 @@ class TrainWorker:
     def push_weights(self, rollout, bucket_bytes: int, verify: bool) -> dict | None:
         """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
         of the first generation TP group sends its own rows (rollout.sglang_tp of them). The rollout engine
-        picks the transport (weight_sync.push_policy): SGLang's endpoints, posted from here by CUDA IPC, or
-        the rollout actor. With `verify`, digests of what was sent. Returns this rank's report (None if it
+        picks the transport (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC
+        (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, digests of what was sent. Returns this rank's report (None if it
         sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
         gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
@@ -117,7 +117,8 @@ class TrainWorker:
             return None
         sync = dict(begin=lambda: ray.get(rollout.begin_weight_update.remote()),
                     end=lambda received: ray.get(rollout.end_weight_update.remote(received)), verify=verify,
-                    weight_format=self.cfg.rollout.sglang_weight_format, senders=self.ipc_senders)
+                    weight_format=self.cfg.rollout.sglang_weight_format, senders=self.weight_senders,
+                    master_address=ray.util.get_node_ip_address())
         if delivery == "full":
             return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
                 ray.get, rollout.update_weights.remote(b)), **sync)
@@ -145,5 +146,7 @@ class TrainWorker:
         return {n: t.clone() for bucket in self.engine.export_hf_weights(1 << 30) for n, t in bucket}
 
     def shutdown(self) -> None:
+        """Weight groups first (the servers are still up: the trainer stops the rollout actor after the ranks)."""
         from megarl.parallel.state import destroy_parallel
+        weight_sync.close_senders(self.weight_senders)
         destroy_parallel()
