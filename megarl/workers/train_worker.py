@@ -103,8 +103,8 @@ class TrainWorker:
         """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
         of the first generation TP group sends its own rows (rollout.sglang_tp of them). The rollout engine
         picks the transport (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC
-        (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, digests of what was sent. Returns this rank's report (None if it
-        sent nothing)."""
+        (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, digests of what
+        was sent. Returns this rank's report (None if it sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
         gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
         if self.resharder is None:
