@@ -82,8 +82,9 @@ class RLTrainer:
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
                              if cfg.reward_model.path else None)
         # colocated SGLang servers go on the policy's GPUs; disaggregated ones on GPUs of their own
+        colocated_sglang = cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_gpus
         self.rollout = start_rollout(cfg, self.model_path, self.device,
-                                     None if cfg.rollout.sglang_gpus else self.actor.gpus())
+                                     self.actor.gpus() if colocated_sglang else None)
         # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
                                      self.rollout, offload_enabled(cfg, self.device))
