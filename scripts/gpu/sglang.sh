@@ -3,7 +3,7 @@
 # install.sh (../shared/device/README.md):
 #   grpo  - GRPO end to end, colocated, with the offload cycle (trainer.offload_between_phases=always):
 #           train -> SGLang resumes its weights memory -> the train rank posts the weights by CUDA IPC itself, verified
-#           in SGLang on syncs 0, 3, 6 (weights checker: received vs its loader reading the exported file) -> Megatron
+#           in SGLang after every sync (weights checker: received vs its loader reading the exported file) -> Megatron
 #           offloads weights, grads and optimizer state -> SGLang resumes its KV cache -> rollout -> SGLang
 #           releases its memory -> Megatron reloads. A ~0.5B Qwen2 shape (hidden 896, 24 layers, 14 heads,
 #           2 KV heads, FFN 4864; the char tokenizer's tiny vocabulary leaves ~0.36B parameters) after a
@@ -15,7 +15,7 @@
 #   grpo_disagg - (2 GPUs, ~5 min) the same GRPO run disaggregated: the training rank on GPU 0, a TP=1 SGLang
 #           server on GPU 1 (rollout.sglang_gpus=1: the rollout actor's own GPU), no offload cycle; each sync
 #           broadcast by NCCL from the train rank into the server (its weight group built at the first sync),
-#           verified in SGLang on syncs 0, 3, 6. Fails unless every sync was direct, some verified, no offload
+#           verified in SGLang after every sync. Fails unless every sync was direct, some verified, no offload
 #           ran and both GPUs were used. Run it alone: PHASES=grpo_disagg bash scripts/gpu/sglang.sh
 # PHASES="grpo sync" by default; logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
@@ -30,8 +30,8 @@ source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above
 # One GRPO run of the quickstart on SGLang: grpo_run NAME MODE OVERRIDES... (MODE: colocated or disaggregated,
 # which the checks after the table follow). A ~0.5B Qwen2 shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
 # FFN 4864; the char tokenizer's tiny vocabulary leaves ~0.36B parameters) after a short SFT, weights verified
-# inside SGLang on syncs 0, 3, 6; nvidia-smi sampled every 0.5 s ($OUT/NAME_gpu_memory.csv, per process in
-# NAME_gpu_processes.csv); log, metrics and the server logs' tails in $OUT/NAME*; the per-step table printed.
+# inside SGLang after every sync (~2 s each at this size); nvidia-smi sampled every 0.5 s
+# ($OUT/NAME_gpu_memory.csv, per process in NAME_gpu_processes.csv); log, metrics and the server logs' tails in $OUT/NAME*; the per-step table printed.
 grpo_run() {
   local name=$1 mode=$2 rc
   shift 2
@@ -46,7 +46,7 @@ grpo_run() {
     actor.parallel.world_size=1 actor.parallel.tp=1 rollout.engine=sglang rollout.weight_delivery=full \
     model.tiny_hidden_size=896 model.tiny_num_layers=24 model.tiny_num_heads=14 model.tiny_num_kv_heads=2 \
     model.tiny_intermediate_size=4864 actor.optim.lr=2e-5 sft.lr=2e-4 sft.steps=40 trainer.steps=6 trainer.eval_every=3 \
-    trainer.verify_weight_sync_every=3 trainer.sync_bucket_mb=512 actor.micro_batch_size=32 \
+    trainer.verify_weight_sync_every=1 trainer.sync_bucket_mb=512 actor.micro_batch_size=32 \
     trainer.cpus_per_rank=1 trainer.output_dir=$RUN "$@" > "$OUT/$name.log" 2>&1
   rc=$?
   kill "$smi" "$apps" 2>/dev/null
