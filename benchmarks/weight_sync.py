@@ -323,7 +323,8 @@ def request_split(engine, batch: list[list[int]], n: int, sampling: dict) -> dic
     what remains of megarl's time beyond that wall time."""
     rows = [p for p in batch for _ in range(n)]
     start = time.perf_counter()
-    outs = engine.servers[0].post("/generate", {"input_ids": rows, "sampling_params": sampling, "return_logprob": True})
+    request = {"input_ids": rows, "sampling_params": sampling | {"stop_token_ids": []}, "return_logprob": True}
+    outs = engine.servers[0].post("/generate", request)
     return dict(megarl_request_wall_s=time.perf_counter() - start,
                 megarl_request_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
 
