@@ -27,7 +27,10 @@ a time limit, loses nothing already measured):
               Sync-only servers skip what only generation needs (CUDA graphs, the warm-up request): no
               forward pass runs, so start-up compiles nothing; the update path is the training one.
   throughput  megarl's rollout path (SGLangRolloutEngine.generate: HTTP, n samples, log-probs) against
-              sglang.Engine.generate in-process on the same requests (same n, log-probs, ignore_eos).
+              sglang.Engine.generate in-process on the same requests (same n, log-probs, ignore_eos):
+              one request per call, the rows in concurrent requests of SPLIT_ROWS, and with SGLang's
+              memory saver (as colocated); and one raw /generate's wall time against SGLang's own
+              e2e_latency (request_split), to place the gap.
   nccl        disaggregated: trainer on GPU 0, a TP=1 server on GPU 1, weights broadcast over NCCL
               (init_weights_update_group / update_weights_from_distributed), flattened and per-tensor,
               verified bit for bit as above.
@@ -267,7 +270,7 @@ def part_throughput(args) -> dict:
     result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new)
     if args.dry_run:
         result |= dict(dry_run=True, megarl_tok_s=0.0, megarl_memory_saver_tok_s=0.0, sglang_engine_tok_s=0.0,
-                       ratio=0.0, ratio_memory_saver=0.0)
+                       ratio=0.0, ratio_memory_saver=0.0, megarl_split_tok_s=0.0, ratio_split=0.0)
         _write(args, result)
         return result
     model_dir = model_dir_for(name)
@@ -292,28 +295,35 @@ def part_throughput(args) -> dict:
     finally:
         llm.shutdown()
     try:
-        for key, memory_saver in (("megarl_tok_s", False), ("megarl_memory_saver_tok_s", True)):
+        for memory_saver in (False, True):
             engine = SGLangRolloutEngine(str(model_dir), colocated=False, load_format="dummy", mem_fraction=0.7,
                                          memory_saver=memory_saver, log_dir=args.log_dir,
                                          sampling_overrides={"ignore_eos": True}, startup_timeout=args.startup_timeout)
             try:
-                rates = []
-                for batch in batches:
-                    start = time.perf_counter()
-                    gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
-                    rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
-                result[key] = rates[-1]
-                result["ratio" if key == "megarl_tok_s" else "ratio_memory_saver"] = \
-                    rates[-1] / result["sglang_engine_tok_s"]
+                # one request per call; then (same server) the rows in concurrent requests of SPLIT_ROWS
+                for key, ratio, rows_per_request in (
+                        (("megarl_memory_saver_tok_s", "ratio_memory_saver", 0),) if memory_saver else
+                        (("megarl_tok_s", "ratio", 0), ("megarl_split_tok_s", "ratio_split", SPLIT_ROWS))):
+                    engine.rows_per_request = rows_per_request
+                    rates = []
+                    for batch in batches:
+                        start = time.perf_counter()
+                        gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
+                        rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
+                    result[key], result[ratio] = rates[-1], rates[-1] / result["sglang_engine_tok_s"]
+                    _write(args, result)
                 if not memory_saver:
                     result |= request_split(engine, batches[-1], n, sampling)
-                _write(args, result)
+                    _write(args, result)
             finally:
                 engine.shutdown()
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     _write(args, result)
     return result
+
+
+SPLIT_ROWS = 64  # rows per request of the throughput part's split variant (SGLangRolloutEngine rows_per_request)
 
 
 def request_split(engine, batch: list[list[int]], n: int, sampling: dict) -> dict:
@@ -413,7 +423,8 @@ def table(out_dir: Path, parts: list[str]) -> str:
             tail.append(f"rollout tok/s{dry} ({results.get('model')}, {results.get('prompts')} prompts "
                         f"x n={results.get('n')} x {results.get('new_tokens')} new): megarl {f('megarl_tok_s')}, "
                         f"sglang.Engine {f('sglang_engine_tok_s')}, ratio {r('ratio')}; megarl with SGLang's memory "
-                        f"saver (as colocated) {f('megarl_memory_saver_tok_s')}, ratio {r('ratio_memory_saver')}")
+                        f"saver (as colocated) {f('megarl_memory_saver_tok_s')}, ratio {r('ratio_memory_saver')}; "
+                        f"megarl in requests of {SPLIT_ROWS} rows {f('megarl_split_tok_s')}, ratio {r('ratio_split')}")
             if "megarl_request_wall_s" in results:
                 tail.append(f"one batch, wall s (inside SGLang's tokenizer manager): sglang.Engine "
                             f"{r('sglang_engine_wall_s')} ({r('sglang_engine_inside_s')}), megarl's raw /generate "

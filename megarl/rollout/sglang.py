@@ -209,10 +209,12 @@ class SGLangRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, num_servers: int = 1, tp: int = 1, colocated: bool = True,
                  verify_dir: str | None = None, sampling_overrides: dict | None = None,
                  weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
-                 gpus: list[str] | None = None, **server_kwargs):
+                 gpus: list[str] | None = None, rows_per_request: int = 0, **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
-        place of `num_servers` servers on this process's first num_servers * tp visible GPUs."""
-        self.model_path, self.colocated = model_path, colocated
+        place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
+        `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
+        rows (a prompt's n samples stay together); 0 = one request per server."""
+        self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
         if gpus:
             if len(gpus) % tp:
                 raise ValueError(f"{len(gpus)} GPUs ({','.join(gpus)}) cannot hold servers of tensor-parallel size {tp}")
@@ -318,8 +320,10 @@ class SGLangRolloutEngine(RolloutEngine):
                 i = prompt_ids[k // params.n]
                 results[i * params.n + k % params.n] = _to_generation(i, out)
 
-        with ThreadPoolExecutor(max(1, len(groups))) as pool:
-            for future in [pool.submit(run, s, ids) for s, ids in groups.items()]:
+        per = max(1, self.rows_per_request // params.n) if self.rows_per_request else len(prompts)
+        requests = [(s, ids[k:k + per]) for s, ids in groups.items() for k in range(0, len(ids), per)]
+        with ThreadPoolExecutor(max(1, len(requests))) as pool:
+            for future in [pool.submit(run, s, ids) for s, ids in requests]:
                 future.result()
         return results
 

@@ -82,6 +82,24 @@ def test_least_loaded_routing_n_samples_and_stickiness(three):
     assert [len(r["body"]["input_ids"]) for r in log(three.servers[a], "/generate")[1:]] == [2, 1, 1]
 
 
+def test_rows_split_into_concurrent_requests_keep_samples_together_and_order(tmp_path):
+    whole, split = engine(tmp_path), engine(tmp_path, rows_per_request=5)
+    try:
+        prompts = [[1, 2], [4], [4, 5, 6], [7], [8, 9]]  # sums differ, and not by multiples of 31
+        params = SamplingParams(max_new_tokens=4, n=2, seed=1)
+        gens = split.generate(prompts, params)
+        sizes = sorted(len(r["body"]["input_ids"]) for r in log(split.servers[0], "/generate"))
+        assert sizes == [2, 4, 4]  # 5 rows at most per request: 2 prompts x n=2, never a prompt's samples apart
+        reference = whole.generate(prompts, params)
+        assert [g.prompt_index for g in gens] == [g.prompt_index for g in reference] == [i for i in range(5) for _ in "ab"]
+        # each answer came from its own prompt: the fake's first token is sum(prompt) + 31 x its row counter
+        assert all((g.token_ids[0] - sum(prompts[g.prompt_index])) % 31 == 0 for g in gens)
+        assert len({tuple(g.token_ids) for g in gens}) == 10 and split.state[0].load == 0
+    finally:
+        whole.shutdown()
+        split.shutdown()
+
+
 def test_stop_token_and_finish_reasons(tmp_path):
     e = engine(tmp_path)
     try:
