@@ -10,8 +10,9 @@
 #              released during training or resident                                                 (~100 s)
 #   sync_1.5b  the same at 1.5B, 1024 MiB buckets                                                  (~65 s)
 #   sync_0.5b  the same at 0.5B, each format verified bit for bit inside SGLang (weights checker)   (~70 s)
-#   throughput megarl's SGLangRolloutEngine.generate (without and with the memory saver) vs sglang.Engine,
-#              same requests, 0.5B; CUDA graphs, so the first of its 3 starts JIT-compiles      (~220 s)
+#   throughput sglang.Engine, then megarl's SGLangRolloutEngine.generate (one request, requests of 64 rows,
+#              a raw /generate timed against SGLang's own latency; then with the memory saver), same
+#              requests, 0.5B; CUDA graphs, so the first of its 3 starts JIT-compiles          (~290 s)
 #   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0, as sync_7b (flattened_bucket,
 #              SGLang's own loader, crashed a TP=2 server in sglang 0.5.17)                           (~110 s)
 #   nccl       (2 GPUs) disaggregated: server on GPU 1, NCCL broadcast from GPU 0, 1.5B, flattened and
@@ -42,7 +43,7 @@ part_command() {  # name -> "limit_seconds command..."
     sync_7b)    echo "200 $B sync --models qwen2.5-7b --formats persistent tensors --bucket-mb 2048 4096 8192 --weights released resident --trials 3 $common" ;;
     sync_1.5b)  echo "120 $B sync --models qwen2.5-1.5b --trials 3 $common" ;;
     sync_0.5b)  echo "130 $B sync --models qwen2.5-0.5b --trials 3 --verify $common" ;;
-    throughput) echo "260 $B throughput --models qwen2.5-0.5b $common" ;;
+    throughput) echo "330 $B throughput --models qwen2.5-0.5b $common" ;;
     sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --formats persistent tensors --bucket-mb 2048 4096 8192 --weights released resident --trials 3 $common" ;;
     nccl)       echo "200 $B nccl --models qwen2.5-1.5b --verify $common" ;;
     *)          echo "" ;;
