@@ -101,8 +101,7 @@ def make_sender(endpoints: list, weight_format: str, serializer: Callable | None
 def close_senders(senders: dict) -> None:
     """Release what the senders hold on both sides (NCCL weight groups); the dict is left empty."""
     for sender in senders.values():
-        if isinstance(sender, nccl_broadcast.NcclSender):
-            sender.close()
+        sender.close()
     senders.clear()
 
 

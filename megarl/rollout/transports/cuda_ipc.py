@@ -167,6 +167,9 @@ class CudaIpcSender:
 
         return post
 
+    def close(self) -> None:
+        """Nothing to release: SGLang's mappings of the buffers go with their server or this process."""
+
 
 def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
     """For each bucket from `buckets` (whose production is the gather and convert work), `prepare(bucket)`
