@@ -24,8 +24,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_
   RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-sglang}; mkdir -p "$OUT"
 PHASES=${PHASES:-grpo sync}
-RUN=/tmp/megarl-sglang-run
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+# only the GPUs this run may use (another run may share the machine on other GPUs)
+SMI_GPUS=${CUDA_VISIBLE_DEVICES:+-i $CUDA_VISIBLE_DEVICES}
+nvidia-smi $SMI_GPUS --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 # One GRPO run of the quickstart on SGLang: grpo_run NAME MODE OVERRIDES... (MODE: colocated or disaggregated,
 # which the checks after the table follow). A ~0.5B Qwen2 shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
@@ -34,12 +35,13 @@ source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above
 # ($OUT/NAME_gpu_memory.csv, per process in NAME_gpu_processes.csv); log, metrics and the server logs' tails in $OUT/NAME*; the per-step table printed.
 grpo_run() {
   local name=$1 mode=$2 rc
+  local RUN=/tmp/megarl-sglang-run-$name
   shift 2
   rm -rf "$RUN"
-  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader -lms 500 > "$OUT/${name}_gpu_memory.csv" \
+  nvidia-smi $SMI_GPUS --query-gpu=timestamp,index,memory.used --format=csv,noheader -lms 500 > "$OUT/${name}_gpu_memory.csv" \
     2>/dev/null &
   local smi=$!
-  ( while sleep 0.5; do nvidia-smi --query-compute-apps=timestamp,gpu_uuid,pid,process_name,used_memory \
+  ( while sleep 0.5; do nvidia-smi $SMI_GPUS --query-compute-apps=timestamp,gpu_uuid,pid,process_name,used_memory \
       --format=csv,noheader 2>/dev/null; done > "$OUT/${name}_gpu_processes.csv" ) &
   local apps=$!
   timeout 480 python3 -m megarl.train --config configs/quickstart.yaml trainer.device=cuda \
@@ -125,8 +127,9 @@ if [[ " $PHASES " == *" grpo "* ]]; then
   status=$(( status | $? ))
 fi
 if [[ " $PHASES " == *" grpo_disagg "* ]]; then
-  if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
-    echo "grpo_disagg needs 2 GPUs (1 training rank, 1 SGLang server); this machine has $(nvidia-smi -L | wc -l)"
+  gpus=$(nvidia-smi $SMI_GPUS --query-gpu=index --format=csv,noheader | wc -l)
+  if [ "$gpus" -lt 2 ]; then
+    echo "grpo_disagg needs 2 GPUs (1 training rank, 1 SGLang server); this run has $gpus"
     status=1
   else
     # SGLang on a GPU of its own (most of it for weights and KV cache), no offload cycle; NCCL_CUMEM_ENABLE=0

@@ -15,6 +15,7 @@
 #              requests, 0.5B; CUDA graphs, so the first of its 3 starts JIT-compiles          (~290 s)
 #   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0, as sync_7b (flattened_bucket,
 #              SGLang's own loader, crashed a TP=2 server in sglang 0.5.17)                           (~110 s)
+#   sync_tp2_small (2 GPUs) the same at 0.5B and 1.5B, 1024 MiB buckets                               (~90 s)
 #   nccl       (2 GPUs) disaggregated: server on GPU 1, NCCL broadcast from GPU 0, 1.5B, flattened and
 #              per-tensor, each verified bit for bit (a 3 GB safetensors export each)                (~120 s)
 # Sync-only servers run without CUDA graphs or the warm-up request (nothing to JIT at start-up; the weight
@@ -31,9 +32,10 @@ if [ -n "${DRY:-}" ]; then
   GPUS=${GPUS:-1}; DRYARG=--dry-run; echo "dry run (no GPU)" > "$OUT/gpu.txt"
 else
   DRYARG=""
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  SMI_GPUS=${CUDA_VISIBLE_DEVICES:+-i $CUDA_VISIBLE_DEVICES}  # the GPUs this run may use
+  nvidia-smi $SMI_GPUS --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
-  GPUS=$(nvidia-smi -L | wc -l)
+  GPUS=$(nvidia-smi $SMI_GPUS --query-gpu=index --format=csv,noheader | wc -l)
 fi
 if [ "$GPUS" -ge 2 ]; then PARTS=${PARTS:-sync_tp2 nccl}; else PARTS=${PARTS:-sync_7b sync_1.5b sync_0.5b throughput}; fi
 B="$PY benchmarks/weight_sync.py"
@@ -45,14 +47,15 @@ part_command() {  # name -> "limit_seconds command..."
     sync_0.5b)  echo "130 $B sync --models qwen2.5-0.5b --trials 3 --verify $common" ;;
     throughput) echo "330 $B throughput --models qwen2.5-0.5b $common" ;;
     sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --formats persistent tensors --bucket-mb 2048 4096 8192 --weights released resident --trials 3 $common" ;;
+    sync_tp2_small) echo "200 $B sync --models qwen2.5-0.5b qwen2.5-1.5b --server-tp 2 --formats persistent tensors --weights released resident --trials 3 $common" ;;
     nccl)       echo "200 $B nccl --models qwen2.5-1.5b --verify $common" ;;
     *)          echo "" ;;
   esac
 }
 for name in $PARTS; do
   spec=$(part_command "$name")
-  if [ -z "$spec" ]; then echo "== $name: unknown part (known: sync_7b sync_1.5b sync_0.5b throughput sync_tp2 nccl)"; continue; fi
-  if [[ "$name" == sync_tp2 || "$name" == nccl ]] && [ "$GPUS" -lt 2 ]; then echo "== $name: needs 2 GPUs, skipped"; continue; fi
+  if [ -z "$spec" ]; then echo "== $name: unknown part (known: sync_7b sync_1.5b sync_0.5b throughput sync_tp2 sync_tp2_small nccl)"; continue; fi
+  if [[ "$name" == sync_tp2* || "$name" == nccl ]] && [ "$GPUS" -lt 2 ]; then echo "== $name: needs 2 GPUs, skipped"; continue; fi
   limit=${spec%% *}; left=$(( BUDGET - SECONDS ))
   (( limit > left )) && limit=$left
   if (( limit < 45 )); then echo "== $name: skipped, ${left}s of the ${BUDGET}s budget left"; continue; fi

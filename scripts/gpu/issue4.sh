@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 4's GPU evidence in one call, after the bundle's install.sh (../shared/device/README.md): steps of
+# scripts/gpu/sglang.sh and scripts/gpu/weight_sync.sh in lanes that run in parallel, each step on GPUs of
+# its own. Every step gets what is left of BUDGET seconds (default 560); its output goes to $OUT/<step>/,
+# the whole of $OUT is packed into $OUT/all.tgz (few files come back from a call), and each step's exit code
+# and the tail of its output are printed last.
+#   LANES: lanes separated by ";", each a sequence of "GPUS=STEP" (run STEP with CUDA_VISIBLE_DEVICES=GPUS)
+#   and "wait:STEP" (until that step of another lane has ended). A STEP: grpo (GRPO colocated, one GPU),
+#   grpo_tp2 (the same at TP=2 on two), grpo_disagg (two: trainer and server apart), or a part of
+#   weight_sync.sh. The default, for 4 GPUs (~8 min): what of issue 4 had not run on the GPU.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/megarl-issue4}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-560}
+LANES=${LANES:-"0,1=grpo_disagg 0,1=nccl; 2=grpo; 3=throughput wait:grpo 2,3=sync_tp2_small"}
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+
+step() {  # step NAME GPUS
+  local name=$1 gpus=$2 dir="$OUT/$1" left=$(( BUDGET - SECONDS )) cmd rc
+  mkdir -p "$dir"
+  if (( left < 60 )); then echo "$name: skipped, ${left}s of ${BUDGET}s left" > "$dir/result.txt"; return; fi
+  case $name in
+    grpo)        cmd=(env PHASES=grpo bash scripts/gpu/sglang.sh) ;;
+    grpo_tp2)    cmd=(env PHASES=grpo bash scripts/gpu/sglang.sh actor.parallel.world_size=2 actor.parallel.tp=2
+                      rollout.sglang_tp=2) ;;
+    grpo_disagg) cmd=(env PHASES=grpo_disagg bash scripts/gpu/sglang.sh) ;;
+    *)           cmd=(env PARTS="$name" BUDGET=$(( left - 20 )) bash scripts/gpu/weight_sync.sh) ;;
+  esac
+  echo "[$(date +%T)] $name on GPUs $gpus starts, ${left}s left"
+  CUDA_VISIBLE_DEVICES=$gpus OUT="$dir" timeout -k 20 "$left" "${cmd[@]}" > "$dir/stdout.txt" 2>&1
+  rc=$?
+  echo "$name on GPUs $gpus: exit $rc at ${SECONDS}s" | tee "$dir/result.txt"
+}
+
+lane() {
+  local token
+  for token in $1; do
+    if [[ $token == wait:* ]]; then
+      while [ ! -e "$OUT/${token#wait:}/result.txt" ]; do sleep 2; done
+    else
+      step "${token#*=}" "${token%%=*}"
+    fi
+  done
+}
+
+IFS=';' read -ra lanes <<< "$LANES"
+for spec in "${lanes[@]}"; do lane "$spec" & done
+wait
+echo "== issue 4 on $(wc -l < "$OUT/gpus.txt") x $(head -1 "$OUT/gpus.txt" | cut -d, -f2), lanes [$LANES], ${SECONDS}s"
+for spec in "${lanes[@]}"; do
+  for token in $spec; do
+    [[ $token == wait:* ]] && continue
+    echo "---- $(cat "$OUT/${token#*=}/result.txt" 2>/dev/null)"
+    tail -n 14 "$OUT/${token#*=}/stdout.txt" 2>/dev/null
+  done
+done
+tar -czf /tmp/issue4-all.tgz -C "$OUT" . && mv /tmp/issue4-all.tgz "$OUT/all.tgz"
