@@ -27,10 +27,11 @@ a time limit, loses nothing already measured):
               Sync-only servers skip what only generation needs (CUDA graphs, the warm-up request): no
               forward pass runs, so start-up compiles nothing; the update path is the training one.
   throughput  megarl's rollout path (SGLangRolloutEngine.generate: HTTP, n samples, log-probs) against
-              sglang.Engine.generate in-process on the same requests (same n, log-probs, ignore_eos):
-              one request per call, the rows in concurrent requests of SPLIT_ROWS, and with SGLang's
-              memory saver (as colocated); and one raw /generate's wall time against SGLang's own
-              e2e_latency (request_split), to place the gap.
+              sglang.Engine.generate in-process on the same kind of requests (same n, log-probs,
+              ignore_eos): one request per call, the rows in concurrent requests of SPLIT_ROWS, and with
+              SGLang's memory saver (as colocated); all alive at once and measured in turns, medians over
+              --rounds; and one raw /generate's wall time against SGLang's own e2e_latency
+              (request_split), to place the gap.
   nccl        disaggregated: trainer on GPU 0, a TP=1 server on GPU 1, weights broadcast over NCCL
               (init_weights_update_group / update_weights_from_distributed), flattened and per-tensor,
               verified bit for bit as above.
@@ -257,86 +258,106 @@ def part_sync(args) -> list[dict]:
     return rows
 
 
+SPLIT_ROWS = 64  # rows per request of the throughput part's split variant (SGLangRolloutEngine rows_per_request)
+# The throughput part's generation paths, in the order of its first round: sglang.Engine in-process, then megarl's
+# SGLangRolloutEngine with one request per call, in concurrent requests of SPLIT_ROWS, and on a server with SGLang's
+# memory saver (as colocated).
+PATHS = ("sglang_engine", "megarl", "megarl_split", "megarl_memory_saver")
+
+
 def part_throughput(args) -> dict:
-    """The same requests through megarl's engine and through sglang.Engine in-process."""
+    """The same kind of requests through sglang.Engine in-process and megarl's engine, all alive on one GPU at
+    once and measured in turns (round r runs every path, each on a batch of its own: no prefix cache hits across
+    paths; the order rotates every round), so that a change of the machine's speed during the part (CPU
+    contention: decode past SGLang's captured batch sizes is CPU-bound) falls on every path alike. Each path's
+    tok/s is its median over --rounds rounds after a warm-up batch; ratios are against sglang.Engine's median."""
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.sglang import SGLangRolloutEngine
 
-    name = args.models[0]
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(100, 10000, (args.prompts, args.prompt_len), generator=g).tolist() for _ in range(2)]
-    n, new = args.n, args.new_tokens
-    sampling = {"max_new_tokens": new, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
-    result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new)
+    name, n, new = args.models[0], args.n, args.new_tokens
+    result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new,
+                  rounds=args.rounds, mem_fraction=args.throughput_mem_fraction)
     if args.dry_run:
-        result |= dict(dry_run=True, megarl_tok_s=0.0, megarl_memory_saver_tok_s=0.0, sglang_engine_tok_s=0.0,
-                       ratio=0.0, ratio_memory_saver=0.0, megarl_split_tok_s=0.0, ratio_split=0.0)
+        result |= {f"{p}_tok_s": 0.0 for p in PATHS} | dict(dry_run=True, ratio=0.0, ratio_split=0.0,
+                                                              ratio_memory_saver=0.0)
         _write(args, result)
         return result
+    g = torch.Generator().manual_seed(0)
+    # a batch per path per round, and one for request_split
+    batches = [torch.randint(100, 10000, (args.prompts, args.prompt_len), generator=g).tolist()
+               for _ in range((args.rounds + 1) * len(PATHS) + 1)]
+    fresh = iter(batches[:-1])
+    sampling = {"max_new_tokens": new, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
     model_dir = model_dir_for(name)
     import sglang
 
-    # sglang.Engine first, then megarl's HTTP path with the server as sglang.Engine runs (no memory saver:
-    # megarl_tok_s), then as the colocated trainer launches it (memory saver on): a time limit that ends the
-    # part early still leaves the ratio. ignore_eos on every path: the dummy model's EOS would end rows at random.
+    # ignore_eos on every path: the dummy model's EOS would end rows at random
     llm = sglang.Engine(model_path=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
-                        attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.7)
-    try:
-        rates = []
-        for batch in batches:  # the first is a warm-up
-            rows = [p for p in batch for _ in range(n)]
-            start = time.perf_counter()
-            outs = llm.generate(input_ids=rows, return_logprob=True, sampling_params=sampling)
-            wall = time.perf_counter() - start
-            rates.append(sum(len(o["meta_info"]["output_token_logprobs"]) for o in outs) / wall)
-        result |= dict(sglang_engine_tok_s=rates[-1], sglang_engine_wall_s=wall,
-                       sglang_engine_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
-        _write(args, result)
-    finally:
-        llm.shutdown()
+                        attention_backend="triton", sampling_backend="pytorch",
+                        mem_fraction_static=args.throughput_mem_fraction)
+    servers = []
     try:
         for memory_saver in (False, True):
-            engine = SGLangRolloutEngine(str(model_dir), colocated=False, load_format="dummy", mem_fraction=0.7,
-                                         memory_saver=memory_saver, log_dir=args.log_dir,
-                                         sampling_overrides={"ignore_eos": True}, startup_timeout=args.startup_timeout)
-            try:
-                # one request per call; then (same server) the rows in concurrent requests of SPLIT_ROWS
-                for key, ratio, rows_per_request in (
-                        (("megarl_memory_saver_tok_s", "ratio_memory_saver", 0),) if memory_saver else
-                        (("megarl_tok_s", "ratio", 0), ("megarl_split_tok_s", "ratio_split", SPLIT_ROWS))):
-                    engine.rows_per_request = rows_per_request
-                    rates = []
-                    for batch in batches:
-                        start = time.perf_counter()
-                        gens = engine.generate(batch, SamplingParams(max_new_tokens=new, n=n, temperature=1.0))
-                        rates.append(sum(len(x.token_ids) for x in gens) / (time.perf_counter() - start))
-                    result[key], result[ratio] = rates[-1], rates[-1] / result["sglang_engine_tok_s"]
-                    _write(args, result)
-                if not memory_saver:
-                    result |= request_split(engine, batches[-1], n, sampling)
-                    _write(args, result)
-            finally:
-                engine.shutdown()
+            servers.append(SGLangRolloutEngine(
+                str(model_dir), colocated=False, load_format="dummy", mem_fraction=args.throughput_mem_fraction,
+                memory_saver=memory_saver, log_dir=args.log_dir, sampling_overrides={"ignore_eos": True},
+                startup_timeout=args.startup_timeout))
+        megarl, saver = servers
+        params = SamplingParams(max_new_tokens=new, n=n, temperature=1.0)
+
+        def engine_tokens(batch):
+            rows = [p for p in batch for _ in range(n)]
+            outs = llm.generate(input_ids=rows, return_logprob=True, sampling_params=sampling)
+            return sum(len(o["meta_info"]["output_token_logprobs"]) for o in outs)
+
+        def megarl_tokens(engine, rows_per_request):
+            def run(batch):
+                engine.rows_per_request = rows_per_request
+                return sum(len(x.token_ids) for x in engine.generate(batch, params))
+            return run
+
+        runs = dict(sglang_engine=engine_tokens, megarl=megarl_tokens(megarl, 0),
+                    megarl_split=megarl_tokens(megarl, SPLIT_ROWS), megarl_memory_saver=megarl_tokens(saver, 0))
+        rates = {p: [] for p in PATHS}
+        for round_ in range(args.rounds + 1):  # round 0 warms every path up
+            for path in PATHS[round_ % len(PATHS):] + PATHS[:round_ % len(PATHS)]:
+                start = time.perf_counter()
+                tokens = runs[path](next(fresh))
+                if round_:
+                    rates[path].append(tokens / (time.perf_counter() - start))
+            if round_:
+                median = {p: sorted(r)[len(r) // 2] for p, r in rates.items()}
+                result |= {f"{p}_tok_s": median[p] for p in PATHS} | dict(rates=rates)
+                result |= {key: median[p] / median["sglang_engine"] for key, p in
+                           (("ratio", "megarl"), ("ratio_split", "megarl_split"),
+                            ("ratio_memory_saver", "megarl_memory_saver"))}
+                _write(args, result)
+        result |= request_split(llm, megarl, batches[-1], n, sampling)
+        _write(args, result)
     finally:
+        for server in servers:
+            server.shutdown()
+        llm.shutdown()
         shutil.rmtree(model_dir, ignore_errors=True)
-    _write(args, result)
     return result
 
 
-SPLIT_ROWS = 64  # rows per request of the throughput part's split variant (SGLangRolloutEngine rows_per_request)
-
-
-def request_split(engine, batch: list[list[int]], n: int, sampling: dict) -> dict:
+def request_split(llm, engine, batch: list[list[int]], n: int, sampling: dict) -> dict:
     """Where megarl's rollout time goes: the same rows in one raw /generate (as SGLangRolloutEngine sends them),
     its wall time with the answer parsed, and the time SGLang's tokenizer manager saw it (the longest
     e2e_latency): the rest is HTTP, JSON on both sides and the transfer; generate's own conversion is
-    what remains of megarl's time beyond that wall time."""
+    what remains of megarl's time beyond that wall time. The same for sglang.Engine (its wall time beyond the
+    inside: the in-process hand-over)."""
     rows = [p for p in batch for _ in range(n)]
+    start = time.perf_counter()
+    outs = llm.generate(input_ids=rows, return_logprob=True, sampling_params=sampling)
+    split = dict(sglang_engine_wall_s=time.perf_counter() - start,
+                 sglang_engine_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
     start = time.perf_counter()
     request = {"input_ids": rows, "sampling_params": sampling | {"stop_token_ids": []}, "return_logprob": True}
     outs = engine.servers[0].post("/generate", request)
-    return dict(megarl_request_wall_s=time.perf_counter() - start,
-                megarl_request_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
+    return split | dict(megarl_request_wall_s=time.perf_counter() - start,
+                        megarl_request_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
 
 
 def part_nccl(args) -> list[dict]:
@@ -421,7 +442,8 @@ def table(out_dir: Path, parts: list[str]) -> str:
             f = lambda k: f"{results.get(k, float('nan')):.0f}"
             r = lambda k: f"{results.get(k, float('nan')):.3f}"
             tail.append(f"rollout tok/s{dry} ({results.get('model')}, {results.get('prompts')} prompts "
-                        f"x n={results.get('n')} x {results.get('new_tokens')} new): megarl {f('megarl_tok_s')}, "
+                        f"x n={results.get('n')} x {results.get('new_tokens')} new, median of "
+                        f"{results.get('rounds', 1)} rounds): megarl {f('megarl_tok_s')}, "
                         f"sglang.Engine {f('sglang_engine_tok_s')}, ratio {r('ratio')}; megarl with SGLang's memory "
                         f"saver (as colocated) {f('megarl_memory_saver_tok_s')}, ratio {r('ratio_memory_saver')}; "
                         f"megarl in requests of {SPLIT_ROWS} rows {f('megarl_split_tok_s')}, ratio {r('ratio_split')}")
@@ -468,6 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="throughput: measured rounds (every path once each)")
+    parser.add_argument("--throughput-mem-fraction", type=float, default=0.25,
+                        help="throughput: SGLang --mem-fraction-static of each of the three instances on the GPU")
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--out", default="", help="the part's JSON, rewritten after every measurement")
     parser.add_argument("--log-dir", default=tempfile.gettempdir(), help="SGLang server logs")
