@@ -17,7 +17,7 @@
 #   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0, as sync_7b but 4096 / 8192 / 16384 MiB
 #              buckets (a post costs ~15 ms at TP=2 beyond SGLang's load, ~4 at TP=1: fewer posts) (flattened_bucket,
 #              SGLang's own loader, crashed a TP=2 server in sglang 0.5.17)                           (~110 s)
-#   sync_tp2_small (2 GPUs) the same at 0.5B and 1.5B, 1024 MiB buckets                               (~90 s)
+#   sync_tp2_small (2 GPUs) the same at 0.5B and 1.5B, 1024 MiB buckets, verified as sync_0.5b          (~150 s)
 #   nccl       (2 GPUs) disaggregated: server on GPU 1, NCCL broadcast from GPU 0, 1.5B, flattened and
 #              per-tensor, each verified bit for bit (a 3 GB safetensors export each)                (~120 s)
 # Sync-only servers run without CUDA graphs or the warm-up request (nothing to JIT at start-up; the weight
@@ -49,7 +49,7 @@ part_command() {  # name -> "limit_seconds command..."
     sync_0.5b)  echo "130 $B sync --models qwen2.5-0.5b --trials 3 --verify $common" ;;
     throughput) echo "420 $B throughput --models qwen2.5-0.5b $common" ;;
     sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --formats persistent tensors --bucket-mb 4096 8192 16384 --weights released resident --trials 3 $common" ;;
-    sync_tp2_small) echo "200 $B sync --models qwen2.5-0.5b qwen2.5-1.5b --server-tp 2 --formats persistent tensors --weights released resident --trials 3 $common" ;;
+    sync_tp2_small) echo "240 $B sync --models qwen2.5-0.5b qwen2.5-1.5b --server-tp 2 --formats persistent tensors --weights released resident --trials 3 --verify $common" ;;
     nccl)       echo "200 $B nccl --models qwen2.5-1.5b --verify $common" ;;
     *)          echo "" ;;
   esac

@@ -110,6 +110,7 @@ def update_weights(body: dict) -> dict:
 
     for payload in body["serialized_named_tensors"]:  # every TP rank's copy: each is loaded (a dict model)
         named = pickle.loads(base64.b64decode(payload))
+        named = [(name, tensor.to("cpu")) for name, tensor in named]  # as SGLang: to the rank's device first
         if body.get("load_format") == cuda_ipc.PERSISTENT_LOADER:
             cuda_ipc.load_flat_bucket(STATE.model, named)
         elif body.get("load_format") is None:

@@ -298,3 +298,21 @@ def test_flat_layout_pack_unpack_roundtrip():
         assert name == name2 and tensor_digest(t) == tensor_digest(v)
     with pytest.raises(ValueError, match="weight format 'nope'"):
         cuda_ipc.CudaIpcSender([], "nope", serializer=cuda_ipc.plain_serializer)
+
+
+def test_persistent_buckets_are_read_where_the_sender_put_them():
+    """SGLang moves what it receives to each TP rank's GPU before loading; the persistent payload stays put, so
+    a rank on another GPU copies only the rows it loads (here: "meta" would drop the values of a moved tensor)."""
+    class Model:
+        def load_weights(self, named):
+            self.weights = {n: t.clone() for n, t in named}
+
+    bucket = bucket_of(3)
+    sender = cuda_ipc.CudaIpcSender([], "persistent", serializer=lambda obj: obj)  # the objects themselves
+    spec, flat = sender.payload(bucket)
+    ((header, buffer),) = spec["payload"]()
+    moved = buffer.to("meta")
+    assert moved.tensor.data_ptr() == flat.data_ptr()
+    model = Model()
+    cuda_ipc.load_flat_bucket(model, [(header, moved)])
+    assert {n: tensor_digest(t) for n, t in model.weights.items()} == {n: tensor_digest(t) for n, t in bucket}

@@ -11,7 +11,8 @@ handles and copies what its model loader needs. Three payload formats (`FORMATS`
 - "persistent": the same flat layout, but in two buffers the sender allocates once and reuses
   (double buffering), loaded by `load_flat_bucket` (SGLang's --custom-weight-loader) which keeps
   its mapping of each buffer open: SGLang opens an IPC handle once per buffer, not once per bucket
-  per sync (opening and closing a mapping costs time that grows with its size).
+  per sync (opening and closing a mapping costs time that grows with its size). Each TP rank reads
+  the rows it needs where the buffer is (`InPlace`), not a copy of the whole bucket on its own GPU.
 
 `send_overlapped` runs the HTTP call of bucket k in a thread while the caller gathers and converts
 bucket k+1. The sender's tensors (or buffer slot) stay untouched until their call returned: SGLang
@@ -85,14 +86,28 @@ TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
 LOAD_TIMING = "megarl weight load"
 
 
-def load_flat_bucket(model, named_tensors: Bucket) -> None:
+class InPlace:
+    """A sent buffer that a receiver reads where it is. SGLang's update_weights_from_tensor moves everything it
+    receives to the TP rank's own GPU (`.to(device)`) before the loader runs: at TP=2 the rank on another GPU
+    than the sender's copied the whole bucket over NVLink each post, into memory of its own, to keep half of
+    it. Wrapped, `.to` is a no-op and each rank's loader copies only its rows, straight from the sender's GPU."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def to(self, device) -> "InPlace":
+        return self
+
+
+def load_flat_bucket(model, named_tensors: list[tuple[str, InPlace]]) -> None:
     """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair."""
     start = time.perf_counter()
-    ((header, flat),) = named_tensors
-    header = json.loads(header)
+    ((header, buffer),) = named_tensors
+    header, flat = json.loads(header), buffer.tensor
     model.load_weights(unpack(flat, header["layout"]))
     queued = time.perf_counter()  # the loaders' Python work is done; the copies may still run
     if flat.is_cuda:  # the sender reuses the buffer once this call has returned
+        # copies from another GPU run on that GPU's stream, and this device's current stream waits for them
         torch.cuda.current_stream().synchronize()
     _MAPPED[header["slot"]] = flat
     if TIME_LOADS:
@@ -138,7 +153,7 @@ class CudaIpcSender:
         if buffer is None or buffer.numel() < size or buffer.device != device:
             buffer = self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         flat = pack(bucket, buffer)
-        named = [(json.dumps({"slot": slot, "layout": layout}), flat)]
+        named = [(json.dumps({"slot": slot, "layout": layout}), InPlace(flat))]
         return dict(load_format=PERSISTENT_LOADER, payload=lambda: self.serialize(named)), flat
 
     def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
