@@ -1,7 +1,9 @@
 """megarl's SGLang engine logic (routing, n samples, stop params, restarts, timeouts, abort, weight
 payloads) against fake_sglang.py: real HTTP servers in their own processes speaking sglang 0.5.17's JSON."""
 
+import io
 import os
+import pickle
 import sys
 import threading
 import time
@@ -300,9 +302,22 @@ def test_flat_layout_pack_unpack_roundtrip():
         cuda_ipc.CudaIpcSender([], "nope", serializer=cuda_ipc.plain_serializer)
 
 
+# Module prefixes sglang 0.5.17's SafeUnpickler (sglang/srt/utils/common.py) loads classes from (those a payload
+# may touch); it refuses any other class, so a payload class of megarl's own crashes the server's TP worker.
+SGLANG_UNPICKLER_PREFIXES = ("builtins.", "collections.", "copyreg.", "functools.", "torch.", "sglang.srt.")
+
+
+class SGLangUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if not (module + ".").startswith(SGLANG_UNPICKLER_PREFIXES):
+            raise RuntimeError(f"Blocked unsafe class loading ({module}.{name})")
+        return super().find_class(module, name)
+
+
 def test_persistent_buckets_are_read_where_the_sender_put_them():
-    """SGLang moves what it receives to each TP rank's GPU before loading; the persistent payload stays put, so
-    a rank on another GPU copies only the rows it loads (here: "meta" would drop the values of a moved tensor)."""
+    """SGLang unpickles a payload with its safe unpickler, then moves what it received to each TP rank's GPU before
+    loading; the persistent payload passes the first and stays put through the second, so a rank on another GPU
+    copies only the rows it loads (here: "meta" would drop the values of a moved tensor)."""
     class Model:
         def load_weights(self, named):
             self.weights = {n: t.clone() for n, t in named}
@@ -310,9 +325,11 @@ def test_persistent_buckets_are_read_where_the_sender_put_them():
     bucket = bucket_of(3)
     sender = cuda_ipc.CudaIpcSender([], "persistent", serializer=lambda obj: obj)  # the objects themselves
     spec, flat = sender.payload(bucket)
-    ((header, buffer),) = spec["payload"]()
-    moved = buffer.to("meta")
-    assert moved.tensor.data_ptr() == flat.data_ptr()
+    ((header, holder),) = SGLangUnpickler(io.BytesIO(pickle.dumps(spec["payload"]()))).load()
+    moved = holder.to("meta")
+    assert moved.flat.shape == flat.shape and moved.flat.device.type == "cpu"
     model = Model()
     cuda_ipc.load_flat_bucket(model, [(header, moved)])
     assert {n: tensor_digest(t) for n, t in model.weights.items()} == {n: tensor_digest(t) for n, t in bucket}
+    with pytest.raises(RuntimeError, match="Blocked unsafe class loading"):  # what a class of megarl's own meets
+        SGLangUnpickler(io.BytesIO(pickle.dumps(SamplingParams()))).load()

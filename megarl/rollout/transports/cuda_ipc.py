@@ -12,7 +12,7 @@ handles and copies what its model loader needs. Three payload formats (`FORMATS`
   (double buffering), loaded by `load_flat_bucket` (SGLang's --custom-weight-loader) which keeps
   its mapping of each buffer open: SGLang opens an IPC handle once per buffer, not once per bucket
   per sync (opening and closing a mapping costs time that grows with its size). Each TP rank reads
-  the rows it needs where the buffer is (`InPlace`), not a copy of the whole bucket on its own GPU.
+  the rows it needs where the buffer is (`in_place`), not a copy of the whole bucket on its own GPU.
 
 `send_overlapped` runs the HTTP call of bucket k in a thread while the caller gathers and converts
 bucket k+1. The sender's tensors (or buffer slot) stay untouched until their call returned: SGLang
@@ -86,24 +86,23 @@ TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
 LOAD_TIMING = "megarl weight load"
 
 
-class InPlace:
-    """A sent buffer that a receiver reads where it is. SGLang's update_weights_from_tensor moves everything it
-    receives to the TP rank's own GPU (`.to(device)`) before the loader runs: at TP=2 the rank on another GPU
-    than the sender's copied the whole bucket over NVLink each post, into memory of its own, to keep half of
-    it. Wrapped, `.to` is a no-op and each rank's loader copies only its rows, straight from the sender's GPU."""
+def in_place(flat: torch.Tensor) -> torch.nn.Module:
+    """`flat` in a form that SGLang's receiving ranks read where it is. SGLang's update_weights_from_tensor moves
+    everything it receives to the TP rank's own GPU (`.to(device)`) before the loader runs: at TP=2 the rank on
+    another GPU than the sender's copied the whole bucket over NVLink each post, into memory of its own, to keep
+    half of it. A parameter-free torch Module holding the buffer as a plain attribute moves nothing on `.to`, so
+    each rank's loader copies only its rows, straight from the sender's GPU; and it is a class SGLang's safe
+    unpickler accepts (one of megarl's own is refused)."""
+    holder = torch.nn.Module()
+    holder.flat = flat  # an attribute, not a registered buffer: Module.to() leaves it alone
+    return holder
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
 
-    def to(self, device) -> "InPlace":
-        return self
-
-
-def load_flat_bucket(model, named_tensors: list[tuple[str, InPlace]]) -> None:
-    """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair."""
+def load_flat_bucket(model, named_tensors: list[tuple[str, torch.nn.Module]]) -> None:
+    """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, `in_place` buffer) pair."""
     start = time.perf_counter()
-    ((header, buffer),) = named_tensors
-    header, flat = json.loads(header), buffer.tensor
+    ((header, holder),) = named_tensors
+    header, flat = json.loads(header), holder.flat
     model.load_weights(unpack(flat, header["layout"]))
     queued = time.perf_counter()  # the loaders' Python work is done; the copies may still run
     if flat.is_cuda:  # the sender reuses the buffer once this call has returned
@@ -153,7 +152,7 @@ class CudaIpcSender:
         if buffer is None or buffer.numel() < size or buffer.device != device:
             buffer = self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         flat = pack(bucket, buffer)
-        named = [(json.dumps({"slot": slot, "layout": layout}), InPlace(flat))]
+        named = [(json.dumps({"slot": slot, "layout": layout}), in_place(flat))]
         return dict(load_format=PERSISTENT_LOADER, payload=lambda: self.serialize(named)), flat
 
     def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
