@@ -18,6 +18,17 @@ from megarl.engine.packing import balanced_partition, sequence_lengths
 from megarl.workers.train_worker import ROLES, TrainWorker
 
 
+def get_all(refs: list) -> list:
+    """Every rank's result, in order; raises as soon as one rank fails. ray.get of the list would wait for every
+    rank first, and the other ranks of a failed one may wait for it in a collective (a resharding gather, a
+    gradient all-reduce) until NCCL's timeout, or forever on gloo."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
 class TrainGroup:
     def __init__(self, cfg: Config, model_path: str, device: str, total_steps: int, role: str = "actor"):
         """role: actor, critic or reward_model (train_worker.ROLES), each on its own config section's layout."""
@@ -36,7 +47,7 @@ class TrainGroup:
                                                                                      role)
             for i in range(n)]
         addr, port = ray.get(self.workers[0].address.remote())
-        self.info = ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
+        self.info = get_all([w.setup.remote(addr, port, total_steps) for w in self.workers])
         self.dp = self.section.parallel.dp
         # the first global rank of each data-parallel rank returns results for its chunk
         self.leaders = [min(i["rank"] for i in self.info if i["dp_rank"] == d) for d in range(self.dp)]
@@ -54,7 +65,7 @@ class TrainGroup:
         rows = self._rows_per_rank(batch)
         refs = [getattr(w, method).remote(batch.index(rows[info["dp_rank"]]), **kwargs)
                 for w, info in zip(self.workers, self.info)]
-        results = ray.get(refs)
+        results = get_all(refs)
         return [results[r] for r in self.leaders]
 
     def _dispatch_rows(self, method: str, batch: Batch, **kwargs) -> Batch:
@@ -87,7 +98,7 @@ class TrainGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run a method on every rank (collectives need all of them); results in rank order."""
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return get_all([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def shutdown(self) -> None:
         self.call("shutdown")

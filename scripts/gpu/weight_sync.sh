@@ -11,9 +11,9 @@
 #   sync_1.5b  the same at 1.5B, 1024 MiB buckets                                                  (~65 s)
 #   sync_0.5b  the same at 0.5B, each format verified bit for bit inside SGLang (weights checker)   (~70 s)
 #   throughput sglang.Engine and megarl's SGLangRolloutEngine.generate (one request, requests of 64 rows, and
-#              on a server with the memory saver), all on the GPU at once, measured in turns (medians of 3
+#              on a server with the memory saver), all on the GPU at once, measured in turns (medians of 5
 #              rounds); a raw /generate timed against SGLang's own latency; 0.5B; CUDA graphs, so the
-#              first of its 3 starts JIT-compiles                                                (~330 s)
+#              first of its 3 starts JIT-compiles                                                (~380 s)
 #   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0, as sync_7b but 4096 / 8192 / 16384 MiB
 #              buckets (a post costs ~15 ms at TP=2 beyond SGLang's load, ~4 at TP=1: fewer posts) (flattened_bucket,
 #              SGLang's own loader, crashed a TP=2 server in sglang 0.5.17)                           (~110 s)
@@ -47,7 +47,7 @@ part_command() {  # name -> "limit_seconds command..."
     sync_7b)    echo "200 $B sync --models qwen2.5-7b --formats persistent tensors --bucket-mb 2048 4096 8192 --weights released resident --trials 3 $common" ;;
     sync_1.5b)  echo "120 $B sync --models qwen2.5-1.5b --trials 3 $common" ;;
     sync_0.5b)  echo "130 $B sync --models qwen2.5-0.5b --trials 3 --verify $common" ;;
-    throughput) echo "420 $B throughput --models qwen2.5-0.5b $common" ;;
+    throughput) echo "460 $B throughput --models qwen2.5-0.5b $common" ;;
     sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --formats persistent tensors --bucket-mb 4096 8192 16384 --weights released resident --trials 3 $common" ;;
     sync_tp2_small) echo "240 $B sync --models qwen2.5-0.5b qwen2.5-1.5b --server-tp 2 --formats persistent tensors --weights released resident --trials 3 --verify $common" ;;
     nccl)       echo "200 $B nccl --models qwen2.5-1.5b --verify $common" ;;
