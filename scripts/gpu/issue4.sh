@@ -7,12 +7,13 @@
 #   LANES: lanes separated by ";", each a sequence of "GPUS=STEP" (run STEP with CUDA_VISIBLE_DEVICES=GPUS)
 #   and "wait:STEP" (until that step of another lane has ended). A STEP: grpo (GRPO colocated, one GPU),
 #   grpo_tp2 (the same at TP=2 on two), grpo_disagg (two: trainer and server apart), or a part of
-#   weight_sync.sh. The default, for 4 GPUs (~8 min): what of issue 4 had not run on the GPU.
+#   weight_sync.sh. The default, for 4 GPUs (~8.5 min): session 5's last round (round 1's lanes were
+#   "0,1=grpo_disagg 0,1=nccl; 2=grpo; 3=throughput wait:grpo 2,3=sync_tp2_small").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/megarl-issue4}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-560}
-LANES=${LANES:-"0,1=grpo_disagg 0,1=nccl; 2=grpo; 3=throughput wait:grpo 2,3=sync_tp2_small"}
+LANES=${LANES:-"0,1=grpo_tp2 0,1=sync_tp2_small; 2,3=sync_tp2 2=throughput; wait:sync_tp2 3=sync_0.5b"}
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 
 step() {  # step NAME GPUS
