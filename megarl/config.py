@@ -171,7 +171,9 @@ class RolloutConfig:
     weight_delivery: str = opt("full", "weight sync through megarl.parallel.reshard: full (whole HF tensors per bucket "
                                        "from one rank; the engine slices its own TP shard, as SGLang's "
                                        "update_weights_from_tensor does) or sharded (each generation TP rank sends only "
-                                       "its rows, for engines that load pre-sharded tensors: the hf engine, not SGLang)")
+                                       "its rows into engines that load pre-sharded tensors: the hf engine, or "
+                                       "SGLang colocated with rollout.sglang_tp = actor TP and PP=1, each TP rank's "
+                                       "shard by CUDA IPC from the training rank on its GPU)")
     sglang_weight_format: str = opt("persistent", "SGLang: CUDA IPC weight payload per bucket: persistent (two "
                                     "reused flat buffers SGLang keeps mapped: the fastest, and the one that works "
                                     "into a TP>1 server), flattened_bucket (SGLang's one flat buffer per bucket; "
@@ -396,9 +398,13 @@ class Config:
         r, p = self.rollout, self.actor.parallel
         if r.weight_delivery != "sharded":
             return
-        if r.engine == "sglang":
-            raise ConfigError("rollout.weight_delivery=sharded: SGLang's update_weights_from_tensor takes full HF tensors "
-                              "and slices them itself; use rollout.weight_delivery=full with rollout.engine=sglang")
+        if r.engine == "sglang" and (r.sglang_gpus or r.sglang_tp != p.tp or p.pp > 1):
+            raise ConfigError(
+                f"rollout.weight_delivery=sharded with rollout.engine=sglang needs colocated servers "
+                f"(rollout.sglang_gpus=0, got {r.sglang_gpus}: the shards go by CUDA IPC from the training ranks' GPUs), "
+                f"rollout.sglang_tp = actor.parallel.tp (got {r.sglang_tp} and {p.tp}: each of the first TP group's "
+                f"ranks then holds exactly its SGLang rank's shard) and actor.parallel.pp=1 (got {p.pp}); "
+                f"otherwise use rollout.weight_delivery=full")
         g = r.sglang_tp
         if g < 1 or p.world_size % g or (p.tp % g and g % p.tp):
             raise ConfigError(f"rollout.weight_delivery=sharded: rollout.sglang_tp={g} (the generation TP) must divide "

@@ -74,8 +74,12 @@ def test_recipes_in_configs_validate():
 
 
 def test_weight_delivery_and_offload_options_are_checked():
-    with pytest.raises(ConfigError, match=r"rollout.weight_delivery=sharded: SGLang's update_weights_from_tensor takes full"):
-        load_config(None, ["rollout.engine=sglang", "rollout.weight_delivery=sharded"])
+    sharded_sglang = ["rollout.engine=sglang", "rollout.weight_delivery=sharded", "actor.parallel.world_size=2"]
+    with pytest.raises(ConfigError, match=r"rollout.sglang_tp = actor.parallel.tp \(got 2 and 1: each of the first"):
+        load_config(None, sharded_sglang + ["rollout.sglang_tp=2"])
+    with pytest.raises(ConfigError, match=r"and actor.parallel.pp=1 \(got 2\)"):
+        load_config(None, sharded_sglang + ["actor.parallel.pp=2"])
+    assert load_config(None, sharded_sglang + ["actor.parallel.tp=2", "rollout.sglang_tp=2"]).rollout.engine == "sglang"
     with pytest.raises(ConfigError, match=r"rollout.sglang_tp=3 \(the generation TP\) must divide actor.parallel.world_size=2"):
         load_config(None, ["actor.parallel.world_size=2", "rollout.weight_delivery=sharded", "rollout.sglang_tp=3"])
     with pytest.raises(ConfigError, match=r"trainer.offload_between_phases='sometimes': must be one of auto, always, never"):
@@ -96,7 +100,8 @@ def test_disaggregated_sglang_options_are_checked():
         load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=-1"])
     with pytest.raises(ConfigError, match=r"trainer.offload_between_phases=always with rollout.sglang_gpus=1"):
         load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=1", "trainer.offload_between_phases=always"])
-    with pytest.raises(ConfigError, match=r"rollout.weight_delivery=sharded: SGLang's update_weights_from_tensor"):
+    with pytest.raises(ConfigError, match=r"rollout.weight_delivery=sharded with rollout.engine=sglang needs colocated "
+                                          r"servers \(rollout.sglang_gpus=0, got 1"):
         load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=1", "rollout.weight_delivery=sharded"])
     # auto: the offload cycle runs only where training and SGLang share GPUs
     disaggregated = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_tp=2"])

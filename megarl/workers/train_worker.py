@@ -31,6 +31,7 @@ class TrainWorker:
             install_cpu_compat()
         self.engine = None
         self.weight_senders = {}  # weight_sync.push_policy's senders (CUDA IPC or NCCL), kept across syncs
+        self.generation_group = None  # sharded delivery: the first generation TP group's CPU (gloo) group
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for torch.distributed's rendezvous."""
@@ -104,20 +105,25 @@ class TrainWorker:
         of the first generation TP group sends its own rows (rollout.sglang_tp of them). The rollout engine
         picks the transport (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC
         (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, digests of what
-        was sent. Returns this rank's report (None if it sent nothing)."""
+        was sent. Sharded into SGLang: the group's ranks pack their rows each on their own GPU, rank 0 posts
+        (cuda_ipc.ShardedIpcSender). Returns this rank's report (None if it sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
         gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
         if self.resharder is None:
             buckets = self.engine.export_hf_weights(bucket_bytes)
         else:
             buckets = self.resharder.buckets(gen_tp, delivery, bucket_bytes, self.engine.params_dtype)
+        if delivery == "sharded" and self.generation_group is None:  # every rank builds it, as torch requires
+            self.generation_group = torch.distributed.new_group(list(range(gen_tp)), backend="gloo")
         if self.rank >= gen_tp:  # not a sender: take part in the collectives only
             for _ in buckets:
                 pass
             return None
-        sync = dict(begin=lambda: ray.get(rollout.begin_weight_update.remote()),
-                    end=lambda received: ray.get(rollout.end_weight_update.remote(received)), verify=verify,
-                    weight_format=self.cfg.rollout.sglang_weight_format, senders=self.weight_senders,
+        # Sharded: rank 0 alone starts and ends the sync, and tells its group the endpoints (push_policy's `group`)
+        talks = delivery == "full" or self.rank == 0
+        sync = dict(begin=(lambda: ray.get(rollout.begin_weight_update.remote())) if talks else None,
+                    end=(lambda received: ray.get(rollout.end_weight_update.remote(received))) if talks else None,
+                    verify=verify, weight_format=self.cfg.rollout.sglang_weight_format, senders=self.weight_senders,
                     master_address=ray.util.get_node_ip_address())
         if delivery == "full":
             return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
@@ -130,7 +136,8 @@ class TrainWorker:
             return name if spec.dim is None or (lo, hi) == (0, spec.length) else (name, spec.dim, lo, hi)
 
         return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
-            ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)), key=key, **sync)
+            ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)), key=key, group=self.generation_group,
+            **sync)
 
     def memory(self) -> dict[str, int]:
         """This rank's engine state on its device, and on GPU the allocator's and the whole device's use."""

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from megarl.rollout.transports import cuda_ipc, nccl_broadcast
 
@@ -90,9 +91,12 @@ def digests_of(named: dict[str, torch.Tensor], dtypes: dict[Key, torch.dtype]) -
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def make_sender(endpoints: list, weight_format: str, serializer: Callable | None, master_address: str):
+def make_sender(endpoints: list, weight_format: str, serializer: Callable | None, master_address: str, group=None):
     """The sender for the endpoints' transport. NCCL sends the flat layout of the CUDA IPC formats (one
-    broadcast per bucket) or, with "tensors", one broadcast per tensor."""
+    broadcast per bucket) or, with "tensors", one broadcast per tensor. With a generation TP `group` (sharded
+    delivery) its ranks send their shards together by CUDA IPC (persistent buffers)."""
+    if group is not None:
+        return cuda_ipc.ShardedIpcSender(endpoints, group, serializer)
     if endpoints[0].transport == "nccl":
         return nccl_broadcast.NcclSender(endpoints, master_address, flattened=weight_format != "tensors")
     return cuda_ipc.CudaIpcSender(endpoints, weight_format, serializer)
@@ -108,7 +112,7 @@ def close_senders(senders: dict) -> None:
 def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end: Callable[[dict | None], None],
                 load: Callable[[Bucket], Callable[[], None]], verify: bool, key: Callable[[str], Key] = lambda n: n,
                 weight_format: str = "persistent", senders: dict | None = None,
-                serializer: Callable | None = None, master_address: str = "127.0.0.1") -> dict:
+                serializer: Callable | None = None, master_address: str = "127.0.0.1", group=None) -> dict:
     """One sync from a sending rank. `begin()` starts it on the rollout engine and returns SGLang endpoints
     (the buckets are sent from here by the endpoints' transport, then `end(received)` closes the sync;
     `received` are host copies of what was sent, for SGLang's own check, on a verified sync) or None
@@ -120,12 +124,18 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     `begin()` runs in a thread while the first bucket is gathered and converted (SGLang's taking its weights
     memory back overlaps that work); the first bucket's hand-over waits for it.
 
+    Sharded delivery from a generation TP `group` (a CPU process group of the ranks whose buckets are TP shards):
+    every rank of it calls this, but only group rank 0 talks to the rollout engine (the others pass begin and end
+    as None) and broadcasts the endpoints; to SGLang the ranks then send together (cuda_ipc.ShardedIpcSender), and
+    on a verified sync rank 0 gathers every rank's host copies and hands `end` the whole tensors (`assemble`).
+    To any other engine each rank loads its own buckets.
+
     Returns what was sent (with `verify`: dtype and digest per tensor, by `key(name)`), the bf16/fp32 bytes
     sent, and seconds: total on this rank (begin to end), and its split (the wait for begin, gather/convert,
     pack, transfer wait, end, digests), and each bucket's post (posts_s)."""
     start = time.perf_counter()
     pool = ThreadPoolExecutor(1)
-    begun = pool.submit(begin)
+    begun = pool.submit(begin) if begin is not None else None
     senders = {} if senders is None else senders
     sent, sums, received, digest_s, begin_wait = [], [], {}, 0.0, 0.0
     endpoints, deliver = None, None
@@ -133,14 +143,18 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     def transport() -> Callable[[Bucket], Callable[[], None]]:
         nonlocal endpoints, begin_wait
         t = time.perf_counter()
-        endpoints = begun.result()
+        endpoints = begun.result() if begun is not None else None
+        if group is not None:
+            box = [endpoints]
+            dist.broadcast_object_list(box, group_src=0, group=group)
+            endpoints = box[0]
         begin_wait = time.perf_counter() - t
         if endpoints is None:
             return load
         servers = tuple((e.url, e.instance, e.transport) for e in endpoints)
         if servers not in senders:  # a new set of servers: what the old senders set up is gone with them
             close_senders(senders)
-            senders[servers] = make_sender(endpoints, weight_format, serializer, master_address)
+            senders[servers] = make_sender(endpoints, weight_format, serializer, master_address, group)
         return senders[servers].send
 
     def prepare(bucket: Bucket) -> Callable[[], None]:
@@ -152,7 +166,7 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
             sent.extend((key(n), x.dtype, x.shape) for n, x in bucket)  # not the tensors: one bucket in memory
             sums.extend(checksums([x for _, x in bucket]))  # queued on the device behind the pack
             if endpoints is not None:
-                received.update((n, x.detach().to("cpu", copy=True)) for n, x in bucket)
+                received.update((key(n), x.detach().to("cpu", copy=True)) for n, x in bucket)
             digest_s += time.perf_counter() - t
         return post
 
@@ -162,7 +176,11 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     finally:
         pool.shutdown()
     t = time.perf_counter()
-    if endpoints is not None:
+    if endpoints is not None and group is not None and verify:
+        parts = [None] * dist.get_world_size(group) if end is not None else None
+        dist.gather_object(received, parts, group_dst=0, group=group)
+        received = assemble(parts) if end is not None else {}
+    if endpoints is not None and end is not None:
         end(received if verify else None)
     ended = time.perf_counter()
     done = fingerprints([(dtype, shape) for _, dtype, shape in sent], sums)
@@ -173,6 +191,28 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     report["digest_s"] = digest_s + time.perf_counter() - ended
     report["seconds"] = time.perf_counter() - start
     return report
+
+
+def assemble(parts: list[dict[Key, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole HF tensors from the generation TP ranks' shards (one dict per rank, keyed as `Key`s say): row blocks
+    concatenated along their dimension (blocks held by several ranks, such as K/V heads at TP above their count,
+    once); a replicated tensor is rank 0's. Blocks that leave a gap fail naming the tensor."""
+    blocks: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+    whole, dims = {}, {}
+    for part in parts:
+        for key, tensor in part.items():
+            if isinstance(key, str):
+                whole.setdefault(key, tensor)
+            else:
+                name, dims[name], lo, hi = key
+                blocks.setdefault(name, {}).setdefault((lo, hi), tensor)
+    for name, rows in blocks.items():
+        order = sorted(rows)
+        ends = [0] + [hi for _, hi in order[:-1]]
+        if [lo for lo, _ in order] != ends:
+            raise WeightSyncError(f"{name}: the generation TP ranks' row blocks {order} do not tile its rows")
+        whole[name] = torch.cat([rows[r] for r in order], dim=dims[name])
+    return whole
 
 
 def verify(sent: dict[Key, tuple[torch.dtype, tuple]], received: dict[Key, tuple]) -> None:

@@ -14,6 +14,9 @@ handles and copies what its model loader needs. Three payload formats (`FORMATS`
   per sync (opening and closing a mapping costs time that grows with its size). Each TP rank reads
   the rows it needs where the buffer is (`in_place`), not a copy of the whole bucket on its own GPU.
 
+`ShardedIpcSender` is the zero-redundancy form of "persistent" (rollout.weight_delivery=sharded): each SGLang
+TP rank's payload is the buffer of the training rank holding its TP shard, loaded as presharded weights.
+
 `send_overlapped` runs the HTTP call of bucket k in a thread while the caller gathers and converts
 bucket k+1. The sender's tensors (or buffer slot) stay untouched until their call returned: SGLang
 copies from our memory inside that call, and the "persistent" loader synchronises before returning.
@@ -99,11 +102,16 @@ def in_place(flat: torch.Tensor) -> torch.nn.Module:
 
 
 def load_flat_bucket(model, named_tensors: list[tuple[str, torch.nn.Module]]) -> None:
-    """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, `in_place` buffer) pair."""
+    """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, `in_place` buffer) pair. A
+    "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender)."""
     start = time.perf_counter()
     ((header, holder),) = named_tensors
     header, flat = json.loads(header), holder.flat
-    model.load_weights(unpack(flat, header["layout"]))
+    bucket = unpack(flat, header["layout"])
+    if header.get("presharded"):
+        load_presharded(model, bucket)
+    else:
+        model.load_weights(bucket)
     queued = time.perf_counter()  # the loaders' Python work is done; the copies may still run
     if flat.is_cuda:  # the sender reuses the buffer once this call has returned
         # copies from another GPU run on that GPU's stream, and this device's current stream waits for them
@@ -113,6 +121,32 @@ def load_flat_bucket(model, named_tensors: list[tuple[str, torch.nn.Module]]) ->
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} "
               f"seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
+
+
+def load_presharded(model, bucket: Bucket) -> None:
+    """The model's own load_weights (it fuses q/k/v and gate/up by shard id) with every layer that has SGLang's
+    `use_presharded_weights` switched on, so its weight_loader copies each tensor as this rank's shard instead
+    of narrowing it; the switches are restored afterwards, also when a load fails. A wrong shape fails in the
+    loaders' assertions, re-raised naming the tensor being loaded."""
+    switched = [(m, m.use_presharded_weights) for m in model.modules() if hasattr(m, "use_presharded_weights")]
+    current = None
+
+    def tracked():
+        nonlocal current
+        for name, tensor in bucket:
+            current = (name, tuple(tensor.shape))
+            yield name, tensor
+
+    try:
+        for module, _ in switched:
+            module.use_presharded_weights = True
+        model.load_weights(tracked())
+    except Exception as error:
+        raise RuntimeError(f"presharded weight load failed at {current[0]} (rows of shape {list(current[1])}): "
+                           f"{type(error).__name__}: {error}") from error
+    finally:
+        for module, before in switched:
+            module.use_presharded_weights = before
 
 
 class CudaIpcSender:
@@ -137,23 +171,29 @@ class CudaIpcSender:
         if self.fmt == "tensors":
             keep = [(n, t.detach()) for n, t in bucket]
             return dict(load_format=None, payload=lambda: self.serialize(keep)), keep
-        layout, size = flat_layout(bucket)
-        device = bucket[0][1].device
         if self.fmt == "flattened_bucket":
-            flat = pack(bucket, torch.empty(size, dtype=torch.uint8, device=device))
+            layout, size = flat_layout(bucket)
+            flat = pack(bucket, torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device))
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
             meta = [FlattenedTensorMetadata(name=n, shape=torch.Size(s), dtype=getattr(torch, d), start_idx=a,
                                             end_idx=b, numel=b - a) for n, d, s, a, b in layout]
             obj = {"flattened_tensor": flat, "metadata": meta}
             return dict(load_format="flattened_bucket", payload=lambda: self.serialize(obj)), flat
+        named, flat = self.persistent(bucket)
+        return dict(load_format=PERSISTENT_LOADER, payload=lambda: self.serialize(named)), flat
+
+    def persistent(self, bucket: Bucket, **header) -> tuple[Bucket, torch.Tensor]:
+        """The bucket packed into this bucket's slot buffer (grown when too small): the persistent loader's
+        (header JSON, `in_place` buffer) payload and the buffer's used prefix."""
+        layout, size = flat_layout(bucket)
+        device = bucket[0][1].device
         slot = self.count % self.slots
         buffer = self.buffers[slot]
         if buffer is None or buffer.numel() < size or buffer.device != device:
             buffer = self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         flat = pack(bucket, buffer)
-        named = [(json.dumps({"slot": slot, "layout": layout}), in_place(flat))]
-        return dict(load_format=PERSISTENT_LOADER, payload=lambda: self.serialize(named)), flat
+        return [(json.dumps({"slot": slot, "layout": layout, **header}), in_place(flat))], flat
 
     def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
         """Prepare the bucket now (copies on our GPU, handles serialised) and return the call that posts
@@ -183,6 +223,49 @@ class CudaIpcSender:
 
     def close(self) -> None:
         """Nothing to release: SGLang's mappings of the buffers go with their server or this process."""
+
+
+class ShardedIpcSender(CudaIpcSender):
+    """Zero-redundancy delivery into SGLang servers of TP=g: each rank of the trainer's first generation TP group
+    (`group`, ranks 0..g-1) packs its own rows of each HF tensor (the resharder's "sharded" buckets) into persistent
+    buffers on its own GPU; group rank 0 gathers every rank's serialised payload and posts one request per bucket,
+    payload r for SGLang TP rank r (colocated, on that rank's GPU), loaded with SGLang's presharded weight loading
+    (`load_presharded`). Every rank calls `send` for every bucket (collectives on `group`, a CPU/gloo group); only
+    rank 0's post does anything, and only rank 0 needs the endpoints."""
+
+    def __init__(self, endpoints: list, group, serializer: Callable[[object], str] | None = None, slots: int = 2):
+        import torch.distributed as dist
+
+        super().__init__(endpoints, "persistent", serializer, slots)
+        self.group, self.size = group, dist.get_world_size(group)
+        self.first = dist.get_group_rank(group, dist.get_rank()) == 0
+        for endpoint in endpoints:  # every rank of the group checks (it got the endpoints from rank 0): all fail alike
+            if endpoint.tp != self.size or endpoint.transport != "cuda_ipc":
+                raise ValueError(f"sharded weight delivery: server {endpoint.url} (TP={endpoint.tp}, weights by "
+                                 f"{endpoint.transport}) cannot take the shards of a {self.size}-rank group by CUDA IPC: "
+                                 f"it needs colocated servers of TP={self.size} (rollout.sglang_tp = actor TP)")
+
+    def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
+        import torch.distributed as dist
+
+        # This bucket's slot held bucket count - slots, which SGLang may read until rank 0's post of it returned.
+        # Rank 0 gets here only after that (send_overlapped keeps one post in flight); the others wait for it here.
+        dist.barrier(group=self.group)
+        named, flat = self.persistent(bucket, presharded=True)
+        self.count += 1
+        if flat.is_cuda:  # SGLang holds the buffer mapped: it does not wait on torch's IPC event for our pack
+            torch.cuda.current_stream(flat.device).synchronize()
+        payloads = [None] * self.size if self.first else None
+        dist.gather_object(self.serialize(named), payloads, group_dst=0, group=self.group)
+        if not self.first:
+            return lambda: None
+        request = {"serialized_named_tensors": payloads, "load_format": PERSISTENT_LOADER, "flush_cache": flush_cache}
+
+        def post() -> None:
+            for endpoint in self.endpoints:
+                endpoint.post("/update_weights_from_tensor", request)
+
+        return post
 
 
 def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
