@@ -12,6 +12,7 @@ import torch
 
 from megarl.config import Config
 from megarl.protocol import Batch
+from megarl.rollout.transports import cuda_ipc
 from megarl.workers import weight_sync
 
 
@@ -109,6 +110,8 @@ class TrainWorker:
         (cuda_ipc.ShardedIpcSender). Returns this rank's report (None if it sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
         gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
+        if delivery == "sharded" and self.cfg.rollout.engine == "sglang":  # every rank alike, before any collective
+            cuda_ipc.check_presharded_vocab(self.resharder.specs, gen_tp)
         if self.resharder is None:
             buckets = self.engine.export_hf_weights(bucket_bytes)
         else:
@@ -128,16 +131,9 @@ class TrainWorker:
         if delivery == "full":
             return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
                 ray.get, rollout.update_weights.remote(b)), **sync)
-        specs = {s.name: s for s in self.resharder.specs}
-
-        def key(name: str):
-            spec = specs[name]
-            lo, hi = spec.rows(gen_tp, self.rank)
-            return name if spec.dim is None or (lo, hi) == (0, spec.length) else (name, spec.dim, lo, hi)
-
         return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
-            ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)), key=key, group=self.generation_group,
-            **sync)
+            ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)),
+            key=weight_sync.shard_key(self.resharder.specs, gen_tp, self.rank), group=self.generation_group, **sync)
 
     def memory(self) -> dict[str, int]:
         """This rank's engine state on its device, and on GPU the allocator's and the whole device's use."""

@@ -73,6 +73,19 @@ def tensor_digest(t: torch.Tensor) -> tuple:
 Key = str | tuple[str, int, int, int]
 
 
+def shard_key(specs: list, gen_tp: int, rank: int) -> Callable[[str], Key]:
+    """Sharded delivery: the key of what generation TP rank `rank` of `gen_tp` sends of each HF tensor (megarl's
+    inventory TensorSpecs): its name where that is the whole tensor, else (name, dim, lo, hi)."""
+    by_name = {s.name: s for s in specs}
+
+    def key(name: str) -> Key:
+        spec = by_name[name]
+        lo, hi = spec.rows(gen_tp, rank)
+        return name if spec.dim is None or (lo, hi) == (0, spec.length) else (name, spec.dim, lo, hi)
+
+    return key
+
+
 def digests_of(named: dict[str, torch.Tensor], dtypes: dict[Key, torch.dtype]) -> dict[Key, tuple]:
     """Digests of an engine's own weights (or of the rows a key names), each cast to the dtype it was sent in;
     computed on a GPU where this process has one (SGLang's engine holds host copies of a verified sync)."""

@@ -17,8 +17,12 @@ so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoi
 - POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, load_format}: the
   broadcast received into one flat buffer ("flattened_bucket") or a tensor per name (null), then loaded.
 - POST /destroy_weights_update_group {group_name}.
-Test controls: POST /fake/config {"generate_delay", "hang", "die_on_generate"}; GET /fake/log (the
-requests received); GET /fake/weights (name -> [dtype, shape, sha1 of the bytes]).
+- POST /weights_checker {action: snapshot | reset_tensors | compare}, /update_weights_from_disk {model_path}:
+  what megarl.rollout.sglang.verify_inside_sglang uses (per TP rank).
+With --tp N --model-path DIR the server has N TP ranks (`tp_model`: SGLang's sharding and presharded loading),
+payload r of a weight update loads into rank r. Test controls: POST /fake/config {"generate_delay", "hang",
+"die_on_generate", "corrupt": [rank, name] (after each weight update, one element of that rank's tensor is off)}; GET /fake/log (the requests received); GET /fake/weights[?rank=r] (name -> [dtype, shape,
+sha1 of the bytes]).
 """
 
 from __future__ import annotations
@@ -45,10 +49,75 @@ class DictModel:
             self.weights[name] = tensor.clone()
 
 
+def tp_model(hf: dict, rank: int, tp: int):
+    """One TP rank of a fake TP server of a Qwen2-style model (--model-path with --tp): SGLang's weight loading
+    semantics, written here from SGLang 0.5.17's layers (not from megarl's inventory). Full tensors are narrowed to
+    the rank's shard; with a layer's `use_presharded_weights` on, the tensor must be the shard itself and is
+    copied as is (SGLang's assertions and words on a wrong shape). Shards: q/k/v and gate/up rows (K/V heads at
+    TP above their count: the rank's one head), o/down columns, embed/lm_head rows of the vocabulary padded to a
+    multiple of 64 (presharded: exactly vocab // tp rows, VocabParallelEmbedding's assertion); the rest whole."""
+    import torch
+
+    class Layer(torch.nn.Module):  # the kind of SGLang layer a tensor loads into, carrying its presharded switch
+        def __init__(self):
+            super().__init__()
+            self.use_presharded_weights = False
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.column, self.row, self.vocab = Layer(), Layer(), Layer()
+            self.weights = {}
+
+        def shard(self, name: str, length: int):
+            """(layer, dim, lo, hi) of this rank's shard, None for a replicated tensor."""
+            heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+            if "embed_tokens" in name or "lm_head" in name:
+                per = -(-length // 64) * 64 // tp
+                return self.vocab, 0, rank * per, min((rank + 1) * per, length)
+            if any(k in name for k in ("k_proj", "v_proj")) and kv < tp:
+                head = rank // (tp // kv)
+                return self.column, 0, head * length // kv, (head + 1) * length // kv
+            if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                return self.column, 0, rank * length // tp, (rank + 1) * length // tp
+            if any(k in name for k in ("o_proj.weight", "down_proj.weight")):
+                return self.row, 1, rank * length // tp, (rank + 1) * length // tp
+            return None
+
+        def load_weights(self, named):
+            for name, tensor in named:
+                full = SHAPES[name]
+                cut = self.shard(name, full[0] if "o_proj" not in name and "down_proj" not in name else full[1])
+                if cut is None:
+                    assert tensor.shape == full, f"param_data.shape={full} loaded_weight.shape={tensor.shape}"
+                    self.weights[name] = tensor.clone()
+                    continue
+                layer, dim, lo, hi = cut
+                if layer is self.vocab and layer.use_presharded_weights:
+                    assert tensor.shape[0] == full[0] // tp, (
+                        f"self.org_vocab_size={full[0]} self.use_presharded_weights=True "
+                        f"loaded_weight.shape[output_dim]={tensor.shape[0]}")
+                elif not layer.use_presharded_weights:
+                    assert tensor.shape == full, f"param_data.shape={full} loaded_weight.shape={tensor.shape}"
+                    tensor = tensor.narrow(dim, lo, hi - lo)
+                shape = list(full)
+                shape[dim] = hi - lo
+                assert list(tensor.shape) == shape, f"param_data.shape={shape} loaded_weight.shape={tensor.shape}"
+                self.weights[name] = tensor.clone()
+
+    from megarl.parallel.inventory import hf_inventory  # the HF tensors' full shapes only
+
+    SHAPES = {s.name: torch.Size(s.shape) for s in hf_inventory(hf)}
+    return Model()
+
+
 class State:
     def __init__(self):
         self.config = {"generate_delay": 0.0, "hang": False, "die_on_generate": False}
         self.log, self.rows, self.model = [], 0, DictModel()
+        self.ranks = []  # a TP server's per-rank models (--tp with --model-path): payload r loads into rank r
+        self.snapshot = None  # /weights_checker's
+        self.model_path = None
         self.groups = {}  # weight groups by name
         self.aborted = threading.Event()
         self.lock = threading.Lock()
@@ -108,16 +177,56 @@ def generate(body: dict) -> list[dict]:
 def update_weights(body: dict) -> dict:
     from megarl.rollout.transports import cuda_ipc  # torch: imported on first use, so start-up is quick
 
-    for payload in body["serialized_named_tensors"]:  # every TP rank's copy: each is loaded (a dict model)
+    payloads = body["serialized_named_tensors"]
+    if STATE.ranks and len(payloads) != len(STATE.ranks):
+        return {"success": False, "message": f"{len(payloads)} payloads for tp_size={len(STATE.ranks)}"}
+    for rank, payload in enumerate(payloads):  # every TP rank's own (a dict model loads each)
         named = pickle.loads(base64.b64decode(payload))
         named = [(name, tensor.to("cpu")) for name, tensor in named]  # as SGLang: to the rank's device first
-        if body.get("load_format") == cuda_ipc.PERSISTENT_LOADER:
-            cuda_ipc.load_flat_bucket(STATE.model, named)
-        elif body.get("load_format") is None:
-            STATE.model.load_weights(named)
-        else:
-            return {"success": False, "message": f"Unknown load_format={body.get('load_format')}"}
+        model = STATE.ranks[rank] if STATE.ranks else STATE.model
+        try:
+            if body.get("load_format") == cuda_ipc.PERSISTENT_LOADER:
+                cuda_ipc.load_flat_bucket(model, named)
+            elif body.get("load_format") is None:
+                model.load_weights(named)
+            else:
+                return {"success": False, "message": f"Unknown load_format={body.get('load_format')}"}
+        except Exception as error:  # SGLang answers a failed load with its message
+            return {"success": False, "message": f"Failed to update weights: {error}"}
+    if STATE.config.get("corrupt"):  # [rank, name]: that rank's copy of the tensor is off by one element
+        rank, name = STATE.config["corrupt"]
+        if name in STATE.ranks[rank].weights:
+            STATE.ranks[rank].weights[name].view(-1)[0] += 1
     return {"success": True, "message": "Success"}
+
+
+def weights_checker(body: dict) -> dict:
+    """SGLang's weights checker per TP rank: snapshot, reset_tensors (noise), compare (names every difference)."""
+    import torch
+
+    ranks = STATE.ranks or [STATE.model]
+    if body["action"] == "snapshot":
+        STATE.snapshot = [{n: t.clone() for n, t in m.weights.items()} for m in ranks]
+    elif body["action"] == "reset_tensors":
+        for m in ranks:
+            m.weights = {n: torch.randn(t.shape).to(t.dtype) for n, t in m.weights.items()}
+    elif body["action"] == "compare":
+        wrong = [f"rank {r} {n}" for r, (m, snap) in enumerate(zip(ranks, STATE.snapshot)) for n, t in snap.items()
+                 if n not in m.weights or not torch.equal(m.weights[n].view(-1).view(torch.uint8),
+                                                          t.view(-1).view(torch.uint8))]
+        if wrong:
+            return {"success": False, "message": f"check tensor equality failed: {wrong}"}
+    return {"success": True, "message": ""}
+
+
+def update_weights_from_disk(body: dict) -> dict:
+    """The model's safetensors loaded by each TP rank's default path (full tensors, narrowed)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(body["model_path"], "model.safetensors"))
+    for m in STATE.ranks or [STATE.model]:
+        m.load_weights(weights.items())
+    return {"success": True, "message": "Succeeded to update model weights."}
 
 
 def init_weights_group(body: dict) -> dict:
@@ -169,7 +278,8 @@ def destroy_weights_group(body: dict) -> dict:
 
 WEIGHT_GROUP_PATHS = {"/init_weights_update_group": init_weights_group,
                       "/update_weights_from_distributed": update_weights_from_distributed,
-                      "/destroy_weights_update_group": destroy_weights_group}
+                      "/destroy_weights_update_group": destroy_weights_group,
+                      "/weights_checker": weights_checker, "/update_weights_from_disk": update_weights_from_disk}
 
 
 def digest(t) -> list:
@@ -197,8 +307,10 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(503 if self.never_healthy else 200, ...)
         if self.path == "/fake/log":
             return self.reply(200, STATE.log)
-        if self.path == "/fake/weights":
-            return self.reply(200, {n: digest(t) for n, t in STATE.model.weights.items()})
+        if self.path.startswith("/fake/weights"):  # ?rank=r: TP rank r's
+            rank = int(self.path.partition("rank=")[2] or 0)
+            model = STATE.ranks[rank] if STATE.ranks else STATE.model
+            return self.reply(200, {n: digest(t) for n, t in model.weights.items()})
         self.reply(404, {"detail": "Not Found"})
 
     def do_POST(self):
@@ -233,7 +345,13 @@ def main():
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--context-length", type=int, default=STATE.context_length)
+    parser.add_argument("--tp", type=int, default=1, help="with --model-path: a TP server (tp_model per rank)")
+    parser.add_argument("--model-path", default=None, help="a Qwen2-style HF directory (its config.json)")
     args = parser.parse_args()
+    if args.model_path:
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            hf = json.load(f)
+        STATE.ranks = [tp_model(hf, r, args.tp) for r in range(args.tp)]
     Handler.never_healthy = args.never_healthy
     STATE.context_length = args.context_length
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 FORMATS = ("tensors", "flattened_bucket", "persistent")
 PERSISTENT_LOADER = "megarl.rollout.transports.cuda_ipc.load_flat_bucket"
@@ -225,6 +226,28 @@ class CudaIpcSender:
         """Nothing to release: SGLang's mappings of the buffers go with their server or this process."""
 
 
+SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads the vocabulary to it
+
+
+def check_presharded_vocab(specs: list, tp: int) -> None:
+    """SGLang's presharded embedding/lm_head loading takes exactly vocab // tp rows on every rank, placed at the
+    rank's block of the vocabulary padded to a multiple of 64; megarl's shards (inventory TensorSpec.rows) must be
+    those rows, else refuse before anything is sent."""
+    for spec in specs:
+        if not spec.pad_vocab:
+            continue
+        vocab = spec.length
+        per = -(-vocab // SGLANG_VOCAB_PADDING) * SGLANG_VOCAB_PADDING // tp
+        for rank in range(tp):
+            ours, theirs = spec.rows(tp, rank), (rank * per, min((rank + 1) * per, vocab))
+            if ours != theirs or ours[1] - ours[0] != vocab // tp:
+                raise ValueError(
+                    f"{spec.name}: vocabulary of {vocab} rows at TP={tp}: SGLang's presharded loading takes rows "
+                    f"{list(theirs)} on rank {rank} and needs {vocab // tp} (vocab // tp) there, megarl's shard is "
+                    f"{list(ours)}; sharded delivery into SGLang needs a vocabulary that is a multiple of "
+                    f"{SGLANG_VOCAB_PADDING} and of TP: use rollout.weight_delivery=full")
+
+
 class ShardedIpcSender(CudaIpcSender):
     """Zero-redundancy delivery into SGLang servers of TP=g: each rank of the trainer's first generation TP group
     (`group`, ranks 0..g-1) packs its own rows of each HF tensor (the resharder's "sharded" buckets) into persistent
@@ -234,8 +257,6 @@ class ShardedIpcSender(CudaIpcSender):
     rank 0's post does anything, and only rank 0 needs the endpoints."""
 
     def __init__(self, endpoints: list, group, serializer: Callable[[object], str] | None = None, slots: int = 2):
-        import torch.distributed as dist
-
         super().__init__(endpoints, "persistent", serializer, slots)
         self.group, self.size = group, dist.get_world_size(group)
         self.first = dist.get_group_rank(group, dist.get_rank()) == 0
@@ -246,8 +267,6 @@ class ShardedIpcSender(CudaIpcSender):
                                  f"it needs colocated servers of TP={self.size} (rollout.sglang_tp = actor TP)")
 
     def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
-        import torch.distributed as dist
-
         # This bucket's slot held bucket count - slots, which SGLang may read until rank 0's post of it returned.
         # Rank 0 gets here only after that (send_overlapped keeps one post in flight); the others wait for it here.
         dist.barrier(group=self.group)

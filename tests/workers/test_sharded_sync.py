@@ -1,0 +1,194 @@
+"""Sharded ("zero-redundancy") weight delivery into a colocated SGLang server of TP=2, on the CPU: a TP=2 megatron
+policy on 2 gloo ranks, each sending its own TP shard (cuda_ipc.ShardedIpcSender; pickled tensors in place of IPC
+handles), into the fake SGLang server's two TP ranks, which load with SGLang's presharded semantics
+(tests/rollout/fake_sglang.py tp_model)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from megarl.parallel.inventory import hf_inventory
+from megarl.rollout.transports import cuda_ipc
+from megarl.workers import weight_sync
+from tests.dist_utils import run_distributed
+from tests.rollout import fake_sglang
+
+BUCKET = 24 << 10  # several buckets per sync: both persistent slots are reused
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _write_model(path) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))  # every element distinct: a wrong row cannot pass
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _hf(model_dir) -> dict:
+    return json.loads(Path(model_dir, "config.json").read_text())
+
+
+def _sglang_shards(hf: dict, full: dict) -> list[dict]:
+    """What each SGLang TP rank must hold: the full tensors loaded by the fake's own (SGLang's) narrowing."""
+    out = []
+    for rank in range(2):
+        model = fake_sglang.tp_model(hf, rank, 2)
+        model.load_weights(full.items())
+        out.append({n: fake_sglang.digest(t) for n, t in model.weights.items()})
+    return out
+
+
+def _held(server) -> list[dict]:
+    return [requests.get(f"{server.url}/fake/weights?rank={r}", timeout=5).json() for r in range(2)]
+
+
+def _not_through_the_actor(bucket):
+    raise AssertionError("a sharded sync into SGLang must not load buckets through the rollout actor")
+
+
+def _rank(rank, model_dir, work):
+    import torch.distributed as dist
+
+    from megarl.config import ActorConfig, AlgorithmConfig
+    from megarl.engine import MegatronEngine
+    from megarl.engine.weights import global_parameters
+    from megarl.parallel.reshard import TrainLayout, engine_resharder
+    from megarl.plan import plan
+    from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine
+    from tests.rollout.test_sglang_engine import configure, fake_server, log
+
+    engine = MegatronEngine(model_dir, ActorConfig(), AlgorithmConfig(), "cpu", 1, 10)
+    resharder = engine_resharder(engine, rank)
+    group = dist.new_group([0, 1], backend="gloo")
+    hf = _hf(model_dir)
+    itemsize = torch.empty((), dtype=engine.params_dtype).element_size()
+    planned = plan(hf, TrainLayout(2, 1, 1, hf["num_hidden_layers"]), 2)["ranks"][rank]["gen_weights"] * itemsize // 2
+    rollout = None
+    if rank == 0:
+        rollout = SGLangRolloutEngine(model_dir, colocated=True, verify_dir=str(Path(work, "verify")), launch=lambda i:
+                                      fake_server(Path(work), "--tp", "2", "--model-path", model_dir, tp=2))
+    senders = {}
+
+    def sync(verify: bool) -> dict:
+        talks = rank == 0
+        report = weight_sync.push_policy(
+            resharder.buckets(2, "sharded", BUCKET, engine.params_dtype), rollout.begin_weight_update if talks else None,
+            rollout.end_weight_update if talks else None, _not_through_the_actor, verify,
+            key=weight_sync.shard_key(resharder.specs, 2, rank), senders=senders,
+            serializer=cuda_ipc.plain_serializer, group=group)
+        assert report["direct"] and report["bytes"] == planned, (rank, report["bytes"], planned)
+        sent = [None, None] if talks else None
+        dist.gather_object(report["sent"], sent, group_dst=0)
+        return {k: v for part in sent for k, v in part.items()} if talks else None
+
+    def policy() -> dict:  # megatron's own gather of the policy (collective)
+        return {n: t.clone() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
+
+    try:
+        full = policy()
+        sent = sync(verify=True)
+        if rank == 0:
+            server = rollout.servers[0]
+            posts = log(server, "/update_weights_from_tensor")
+            assert len(posts) > 2 and {p["body"]["load_format"] for p in posts} == {cuda_ipc.PERSISTENT_LOADER}
+            assert _held(server) == _sglang_shards(hf, full)  # each rank holds exactly SGLang's shard, bitwise
+            received = rollout.named_weights()  # SGLang's own check: its shards against its loader on the full file
+            assert received.keys() == full.keys() and all(torch.equal(received[n], full[n]) for n in full)
+            dtypes = {k: d for k, (d, _) in sent.items()}
+            assert (Q, 0, 32, 64) in sent and "model.norm.weight" in sent
+            weight_sync.verify(sent, weight_sync.digests_of(received, dtypes))  # the trainer's digest check
+            received[Q][40, 3] += 1  # rank 1's rows of q_proj differ from what rank 1 sent
+            with pytest.raises(weight_sync.WeightSyncError, match=r"1 tensor\(s\) differ \[\('" + Q + r"', 0, 32, 64\)"):
+                weight_sync.verify(sent, weight_sync.digests_of(received, dtypes))
+        with torch.no_grad():  # a new policy: the second sync reuses both slots with other values
+            for p in global_parameters(engine.gpt).values():
+                p.add_(1)
+        full = policy()
+        sync(verify=False)
+        if rank == 0:
+            assert _held(rollout.servers[0]) == _sglang_shards(hf, full)
+            assert len(senders) == 1 and rollout.received == {}
+            configure(rollout.servers[0], corrupt=[1, Q])  # SGLang's rank 1 holds a wrong shard
+        sync(verify=True)
+        if rank == 0:
+            with pytest.raises(SGLangError, match=f"check tensor equality failed: \\['rank 1 {Q}'\\]"):
+                rollout.named_weights()
+    finally:
+        if rollout is not None:
+            rollout.shutdown()
+    return True
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _write_model(tmp_path_factory.mktemp("sharded") / "qwen2")
+
+
+def test_sharded_sync_into_a_tp2_sglang_server(model_dir, tmp_path):
+    assert run_distributed(_rank, 2, model_dir, str(tmp_path), tp=2, timeout=180)
+
+
+def test_presharded_loader_switches_the_models_layers_and_restores_them(model_dir):
+    hf = _hf(model_dir)
+    full = {n: torch.randn(s.shape) for n, s in ((s.name, s) for s in hf_inventory(hf))}
+    reference = fake_sglang.tp_model(hf, 1, 2)
+    reference.load_weights(full.items())  # narrowed from full tensors: SGLang's default loading
+    model = fake_sglang.tp_model(hf, 1, 2)
+    model.row.use_presharded_weights = True  # a layer built presharded stays so
+    seen = []
+    load_weights = model.load_weights
+    model.load_weights = lambda named: (seen.append([m.use_presharded_weights for m in (model.column, model.vocab)]),
+                                        load_weights(named))
+    cuda_ipc.load_presharded(model, list(reference.weights.items()))
+    assert seen == [[True, True]] and [model.column.use_presharded_weights, model.row.use_presharded_weights,
+                                       model.vocab.use_presharded_weights] == [False, True, False]
+    assert all(torch.equal(model.weights[n], t) for n, t in reference.weights.items())
+    wrong = [(n, t) for n, t in reference.weights.items() if n != Q] + [(Q, reference.weights[Q][:-1])]
+    with pytest.raises(RuntimeError, match=f"presharded weight load failed at {Q} \\(rows of shape \\[31, 64\\]\\)"):
+        cuda_ipc.load_presharded(model, wrong)
+    assert [model.column.use_presharded_weights, model.row.use_presharded_weights,
+            model.vocab.use_presharded_weights] == [False, True, False]  # restored after the failure too
+    with pytest.raises(RuntimeError, match="presharded weight load failed at model.embed_tokens.weight.*"
+                                           "org_vocab_size=256 self.use_presharded_weights=True"):
+        cuda_ipc.load_presharded(model, [("model.embed_tokens.weight", full["model.embed_tokens.weight"])])
+    # the persistent loader takes the same path for a "presharded" header
+    layout, size = cuda_ipc.flat_layout(list(reference.weights.items()))
+    flat = cuda_ipc.pack(list(reference.weights.items()), torch.empty(size, dtype=torch.uint8))
+    fresh = fake_sglang.tp_model(hf, 1, 2)
+    cuda_ipc.load_flat_bucket(fresh, [(json.dumps({"slot": 0, "layout": layout, "presharded": True}),
+                                      cuda_ipc.in_place(flat))])
+    assert all(torch.equal(fresh.weights[n], t) for n, t in reference.weights.items())
+
+
+def test_sglang_vocab_rows_are_checked_before_sending():
+    from megarl.parallel.inventory import TensorSpec
+
+    for vocab in (256, 151936, 152064):  # multiples of 64 and of TP: megarl's rows are SGLang's
+        cuda_ipc.check_presharded_vocab([TensorSpec("lm_head.weight", (vocab, 8), 0, None, pad_vocab=True)], 2)
+    with pytest.raises(ValueError, match=r"lm_head.weight: vocabulary of 101 rows at TP=2: SGLang's presharded loading "
+                                         r"takes rows \[0, 64\] on rank 0 and needs 50"):
+        cuda_ipc.check_presharded_vocab([TensorSpec("lm_head.weight", (101, 8), 0, None, pad_vocab=True)], 2)
+    with pytest.raises(ValueError, match=r"vocabulary of 200 rows at TP=2.*multiple of 64 and of TP"):
+        cuda_ipc.check_presharded_vocab([TensorSpec("model.embed_tokens.weight", (200, 8), 0, None, pad_vocab=True)], 2)
+
+
+def test_assemble_tiles_row_blocks_and_refuses_gaps():
+    a, b = torch.arange(6.0).view(3, 2), torch.arange(6.0, 10.0).view(2, 2)
+    whole = weight_sync.assemble([{("w", 0, 0, 3): a, "n": torch.ones(2), ("k", 1, 0, 1): b[:, :1]},
+                                  {("w", 0, 3, 5): b, "n": torch.zeros(2), ("k", 1, 0, 1): b[:, :1]}])
+    assert torch.equal(whole["w"], torch.arange(10.0).view(5, 2)) and torch.equal(whole["n"], torch.ones(2))
+    assert torch.equal(whole["k"], b[:, :1])  # a block two ranks hold (K/V heads at TP above their count), once
+    with pytest.raises(weight_sync.WeightSyncError, match=r"w: the generation TP ranks' row blocks \[\(0, 3\), \(4, 5\)\]"):
+        weight_sync.assemble([{("w", 0, 0, 3): a}, {("w", 0, 4, 5): b[:1]}])
