@@ -11,8 +11,7 @@ handles and copies what its model loader needs. Three payload formats (`FORMATS`
 - "persistent": the same flat layout, but in two buffers the sender allocates once and reuses
   (double buffering), loaded by `load_flat_bucket` (SGLang's --custom-weight-loader) which keeps
   its mapping of each buffer open: SGLang opens an IPC handle once per buffer, not once per bucket
-  per sync (opening and closing a mapping costs time that grows with its size). Each TP rank reads
-  the rows it needs where the buffer is (`in_place`), not a copy of the whole bucket on its own GPU.
+  per sync (opening and closing a mapping costs time that grows with its size).
 
 `ShardedIpcSender` is the zero-redundancy form of "persistent" (rollout.weight_delivery=sharded): each SGLang
 TP rank's payload is the buffer of the training rank holding its TP shard, loaded as presharded weights.
@@ -90,24 +89,12 @@ TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
 LOAD_TIMING = "megarl weight load"
 
 
-def in_place(flat: torch.Tensor) -> torch.nn.Module:
-    """`flat` in a form that SGLang's receiving ranks read where it is. SGLang's update_weights_from_tensor moves
-    everything it receives to the TP rank's own GPU (`.to(device)`) before the loader runs: at TP=2 the rank on
-    another GPU than the sender's copied the whole bucket over NVLink each post, into memory of its own, to keep
-    half of it. A parameter-free torch Module holding the buffer as a plain attribute moves nothing on `.to`, so
-    each rank's loader copies only its rows, straight from the sender's GPU; and it is a class SGLang's safe
-    unpickler accepts (one of megarl's own is refused)."""
-    holder = torch.nn.Module()
-    holder.flat = flat  # an attribute, not a registered buffer: Module.to() leaves it alone
-    return holder
-
-
-def load_flat_bucket(model, named_tensors: list[tuple[str, torch.nn.Module]]) -> None:
-    """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, `in_place` buffer) pair. A
+def load_flat_bucket(model, named_tensors: Bucket) -> None:
+    """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair. A
     "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender)."""
     start = time.perf_counter()
-    ((header, holder),) = named_tensors
-    header, flat = json.loads(header), holder.flat
+    ((header, flat),) = named_tensors
+    header = json.loads(header)
     bucket = unpack(flat, header["layout"])
     if header.get("presharded"):
         load_presharded(model, bucket)
@@ -115,7 +102,6 @@ def load_flat_bucket(model, named_tensors: list[tuple[str, torch.nn.Module]]) ->
         model.load_weights(bucket)
     queued = time.perf_counter()  # the loaders' Python work is done; the copies may still run
     if flat.is_cuda:  # the sender reuses the buffer once this call has returned
-        # copies from another GPU run on that GPU's stream, and this device's current stream waits for them
         torch.cuda.current_stream().synchronize()
     _MAPPED[header["slot"]] = flat
     if TIME_LOADS:
@@ -186,7 +172,7 @@ class CudaIpcSender:
 
     def persistent(self, bucket: Bucket, **header) -> tuple[Bucket, torch.Tensor]:
         """The bucket packed into this bucket's slot buffer (grown when too small): the persistent loader's
-        (header JSON, `in_place` buffer) payload and the buffer's used prefix."""
+        (header JSON, buffer) payload and the buffer's used prefix."""
         layout, size = flat_layout(bucket)
         device = bucket[0][1].device
         slot = self.count % self.slots
@@ -194,7 +180,7 @@ class CudaIpcSender:
         if buffer is None or buffer.numel() < size or buffer.device != device:
             buffer = self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         flat = pack(bucket, buffer)
-        return [(json.dumps({"slot": slot, "layout": layout, **header}), in_place(flat))], flat
+        return [(json.dumps({"slot": slot, "layout": layout, **header}), flat)], flat
 
     def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
         """Prepare the bucket now (copies on our GPU, handles serialised) and return the call that posts
