@@ -101,10 +101,25 @@ class TrainGroup:
         return get_all([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def shutdown(self) -> None:
-        self.call("shutdown")
-        for w in self.workers:
-            ray.kill(w)
+        stop_ranks(self.workers)
         ray.util.remove_placement_group(self.pg)
+
+
+def stop_ranks(workers: list, timeout: float = 60.0) -> None:
+    """Every rank releases what it holds (weight groups, process groups), then the actors are killed. After a
+    failed call the other ranks may still be inside a collective with the failed one, their actors busy for
+    good: those are killed as they are after `timeout` (waiting for them hung a failed GPU run until its limit)."""
+    refs = [w.shutdown.remote() for w in workers]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    try:
+        ray.get(done)
+    except ray.exceptions.RayError as error:
+        print(f"megarl: a training rank failed to shut down ({error}); killing the ranks", flush=True)
+    if pending:
+        print(f"megarl: {len(pending)} of {len(refs)} training ranks still busy after {timeout:.0f} s (in a "
+              "collective with a failed rank?); killing them", flush=True)
+    for w in workers:
+        ray.kill(w)
 
 
 def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None):
