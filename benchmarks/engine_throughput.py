@@ -60,8 +60,12 @@ SIZES = {
     # the shape measured in notes/gpu-anchors.md (1.38B parameters)
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                intermediate_size=5632, vocab_size=151936),
+    # Qwen2.5-7B's shape (7.6B parameters)
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064),
+    # vocabulary a multiple of 64 x TP: SGLang's presharded embedding loading takes it (sharded delivery)
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=1000),
+                 intermediate_size=128, vocab_size=1024),
 }
 
 

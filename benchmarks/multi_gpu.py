@@ -5,14 +5,17 @@ NCCL broadcast, and MoE expert parallelism against EP=1. One process per GPU, la
 
   reshard  The policy (random Qwen2 shape, --size) at --tp x --pp (DP = the rest of the ranks) takes
            --train-steps optimizer steps; then for each --gen-tp g: world / g SGLang servers of TP=g on the
-           same GPUs (dummy weights; generation TP=g x DP=world/g), and the sync as RLTrainer does it: every rank
-           reshards (megarl.parallel.reshard, full delivery, point-to-point over NCCL), the first rank of each
-           generation group posts its buckets into its server by CUDA IPC (weight_sync.push_policy). The first
+           same GPUs (dummy weights; generation TP=g x DP=world/g), and for each --delivery the sync as
+           TrainWorker.push_weights does it: every rank reshards (megarl.parallel.reshard, point-to-point over
+           NCCL); "full": the first rank of each generation group posts whole tensors into its server by CUDA
+           IPC (weight_sync.push_policy); "sharded" (g = --tp = world): each rank packs its own TP shard, rank 0
+           posts one request per bucket with every rank's payload (cuda_ipc.ShardedIpcSender). The first
            sync is verified per server: what was sent equals the policy exported by megatron's gather path
            (engine.export_hf_weights, another code path), and SGLang holds exactly what was sent (its weights
            checker against its own loader, then digests). Then --trials timed syncs, each from the servers'
            released state (as after a train step) to every server ready to generate (barrier: the slowest
-           rank): seconds, bytes per server and in all, GB/s.
+           rank): seconds, bytes per server and in all, GB/s. On the CPU the servers are the tests' fake
+           SGLang (TP ranks with SGLang's sharding and presharded loading).
   disagg   The policy at --tp on all ranks (the training GPUs), one SGLang server of TP=--server-tp on the next
            GPUs; rank 0 broadcasts each resharded bucket over NCCL (transports/nccl_broadcast.py, flattened),
            verified and timed as above.
@@ -21,6 +24,8 @@ NCCL broadcast, and MoE expert parallelism against EP=1. One process per GPU, la
            (and, fp32, transformers'), also with each rank holding its own rows (lengths differ between ranks).
 
     torchrun --nproc-per-node 4 benchmarks/multi_gpu.py reshard --tp 2 --pp 2 --gen-tp 1 2 --out reshard.json
+    torchrun --nproc-per-node 2 benchmarks/multi_gpu.py reshard --tp 2 --gen-tp 2 --delivery full sharded \
+        --size 7b --train-steps 0 --bucket-mb 8192 --out reshard_tp2.json
     torchrun --nproc-per-node 2 benchmarks/multi_gpu.py disagg --tp 2 --server-tp 2 --out disagg.json
     torchrun --nproc-per-node 4 benchmarks/multi_gpu.py moe --out moe.json
 """
@@ -42,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.rollout.transports import cuda_ipc
 from megarl.utils.provenance import source_commit
 from megarl.workers import weight_sync
 
@@ -117,12 +123,14 @@ def _policy(args, device: str):
 
 
 def _check_against_export(engine, sent: dict | None, bucket_bytes: int) -> str | None:
-    """Collective. What this rank sent (push_policy's digests by HF name) against megatron's own gather of the
-    policy (export_hf_weights); None where equal, else the mismatch."""
-    dtypes = {name: dtype for name, (dtype, _) in (sent or {}).items()}
+    """Collective. What this rank sent (push_policy's digests by HF name, or by (name, dim, lo, hi) for a TP shard)
+    against megatron's own gather of the policy (export_hf_weights); None where equal, else the mismatch."""
+    dtypes = {key: dtype for key, (dtype, _) in (sent or {}).items()}
     exported = {}
     for bucket in engine.export_hf_weights(bucket_bytes):
-        exported |= weight_sync.digests_of(dict(bucket), {n: dtypes[n] for n, _ in bucket if n in dtypes})
+        names = {n for n, _ in bucket}
+        exported |= weight_sync.digests_of(dict(bucket), {k: d for k, d in dtypes.items()
+                                                          if (k if isinstance(k, str) else k[0]) in names})
     if sent is None:
         return None
     try:
@@ -143,9 +151,17 @@ def _check_rollout(rollout, sent: dict) -> str | None:
 
 
 def _sync(resharder, rollout, gen_tp: int, bucket_bytes: int, dtype, verify: bool, senders: dict,
-          load=None) -> dict | None:
-    """One sync, as TrainWorker.push_weights does it (full delivery): every rank reshards, a sender posts."""
-    buckets = resharder.buckets(gen_tp, "full", bucket_bytes, dtype)
+          load=None, delivery: str = "full", group=None, serializer=None) -> dict | None:
+    """One sync, as TrainWorker.push_weights does it: every rank reshards; full delivery: the rank holding a
+    rollout engine posts whole tensors; sharded: the first generation group's ranks (`group`) each send their
+    TP shard, its rank 0 (the one holding the engine) posts."""
+    buckets = resharder.buckets(gen_tp, delivery, bucket_bytes, dtype)
+    if delivery == "sharded" and dist.get_rank() < gen_tp:
+        talks = rollout is not None
+        return weight_sync.push_policy(
+            buckets, rollout.begin_weight_update if talks else None, rollout.end_weight_update if talks else None,
+            load=_no_actor_load, verify=verify, key=weight_sync.shard_key(resharder.specs, gen_tp, dist.get_rank()),
+            senders=senders, serializer=serializer, group=group)
     if rollout is None:
         for _ in buckets:  # the collectives only
             pass
@@ -156,7 +172,11 @@ def _sync(resharder, rollout, gen_tp: int, bucket_bytes: int, dtype, verify: boo
         return lambda: None
 
     return weight_sync.push_policy(buckets, begin=rollout.begin_weight_update, end=rollout.end_weight_update,
-                                   load=load or into_rollout, verify=verify, senders=senders)
+                                   load=load or into_rollout, verify=verify, senders=senders, serializer=serializer)
+
+
+def _no_actor_load(bucket):
+    raise RuntimeError("the rollout engine handed out no endpoints: sharded delivery needs SGLang servers")
 
 
 def _gather(obj) -> list:
@@ -170,82 +190,124 @@ def _split(report: dict) -> dict:
 
 
 def part_reshard(args, device: str) -> list[dict]:
-    from megarl.rollout.base import SamplingParams
-
     rank, world = dist.get_rank(), dist.get_world_size()
     engine, resharder, model_dir = _policy(args, device)
     bucket_bytes = args.bucket_mb << 20
     rows = []
     for gen_tp in args.gen_tp:
-        row = dict(part="reshard", train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)},
-                   gen_tp=gen_tp, gen_dp=world // gen_tp, size=args.size)
-        rollout, error = None, None
+        deliveries = [d for d in args.delivery if d == "full" or gen_tp == args.tp == world]
+        if deliveries != args.delivery and rank == 0:  # sharded: TrainWorker's condition, one server
+            print(json.dumps(dict(part="reshard", gen_tp=gen_tp, skipped="sharded delivery needs generation TP = "
+                                  f"training TP = world ({args.tp}, {world})")), flush=True)
+        group = dist.new_group(list(range(gen_tp)), backend="gloo") if "sharded" in deliveries else None
+        rollout, error, start = None, None, time.perf_counter()
         try:
-            start = time.perf_counter()
-            if rank % gen_tp == 0:
+            if rank % gen_tp == 0:  # one server per generation group, on its GPUs, for every delivery
                 rollout = _rollout_engine(args, device, model_dir, gen_tp, gpu=rank)
-            row["startup_s"] = max(_gather(time.perf_counter() - start))
-            senders = {}
-            first = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, True, senders)
-            checks = [_check_against_export(engine, first and first["sent"], bucket_bytes),
-                      _check_rollout(rollout, first["sent"]) if rollout is not None else None]
-            if rollout is not None and device == "cuda":  # the servers serve after the sync
-                gens = rollout.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4, temperature=0.0,
-                                                                           ignore_eos=True))
-                if len(gens[0].token_ids) != 4:
-                    checks.append(f"rank {rank}: generated {gens[0].token_ids} after the sync")
-            failures = [f"rank {rank}: {c}" for c in checks if c]
-            trials = []
-            for _ in range(args.trials):
-                if rollout is not None:
-                    rollout.release_memory()  # as after a train step
-                dist.barrier()
-                t0 = _now(device)
-                report = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, False, senders)
-                if rollout is not None:
-                    rollout.resume_kv_cache()
-                _now(device)
-                dist.barrier()
-                trials.append((time.perf_counter() - t0, report))
-            reports = _gather([r and {k: v for k, v in r.items() if k != "sent"} for _, r in trials])
-            failures = sum(_gather(failures), [])
-            per_server = max(_gather(first["bytes"] if first else 0))
-            seconds = [t for t, _ in trials]  # rank 0's (every trial ends at a barrier)
-            best = min(range(args.trials), key=seconds.__getitem__)
-            total_s = seconds[best]
-            slowest = max((r[best] for r in reports if r[best] is not None), key=lambda r: r["seconds"])
-            row |= dict(servers=world // gen_tp, bytes_per_server=per_server, bytes_total=per_server * (world // gen_tp),
-                        trials_total_s=seconds, total_s=total_s,
-                        gb_per_s_per_server=per_server / total_s / 1e9,
-                        gb_per_s_total=per_server * (world // gen_tp) / total_s / 1e9,
-                        slowest_sender=_split(slowest) | {"seconds": slowest["seconds"]},
-                        verified=not failures, failures=failures)
+            startup_s = max(_gather(time.perf_counter() - start))
+            for delivery in deliveries:
+                row = dict(part="reshard", delivery=delivery, size=args.size, gen_tp=gen_tp, gen_dp=world // gen_tp,
+                           train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)},
+                           startup_s=startup_s)
+                rows.append(row)
+                row |= _measure(args, device, engine, resharder, rollout, gen_tp, delivery, group, bucket_bytes)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+                    _write(args, rows)  # after each layout: a later one failing keeps this one's numbers
         except Exception as err:
             error = err
-            row |= dict(verified=False, error=repr(err), trace=traceback.format_exc()[-3000:])
+            failed = dict(part="reshard", gen_tp=gen_tp, gen_dp=world // gen_tp, size=args.size,
+                          train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)}, verified=False,
+                          error=repr(err), trace=traceback.format_exc()[-3000:])
+            rows.append(failed)
+            if rank == 0:
+                print(json.dumps({k: v for k, v in failed.items() if k != "trace"}), flush=True)
+                _write(args, rows)
         finally:
             if rollout is not None:
                 rollout.shutdown()
-        rows.append(row)
-        if rank == 0:
-            print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
-            _write(args, rows)  # after each layout: a later one failing keeps this one's numbers
+                shutil.rmtree(rollout.verify_dir, ignore_errors=True)  # the exported policy: GBs at real sizes
         if error is not None:
             raise error  # the other ranks may be stuck in a collective: end the job
     return rows
 
 
+def _measure(args, device: str, engine, resharder, rollout, gen_tp: int, delivery: str, group,
+             bucket_bytes: int) -> dict:
+    """The first sync of `delivery`, verified (against megatron's export and inside SGLang), then --trials timed
+    ones from the servers' released state to every server ready to generate."""
+    from megarl.rollout.base import SamplingParams
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if delivery == "sharded":
+        cuda_ipc.check_presharded_vocab(resharder.specs, gen_tp)
+    senders = {}
+    how = dict(delivery=delivery, group=group, serializer=cuda_ipc.plain_serializer if device == "cpu" else None)
+    first = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, True, senders, **how)
+    checks = [_check_against_export(engine, first and first["sent"], bucket_bytes)]
+    sent = _gather(first and first["sent"])  # sharded: every rank's shards make what the server holds
+    if rollout is not None:
+        server_sent = {k: v for r in range(rank, rank + gen_tp) for k, v in (sent[r] or {}).items()}
+        checks.append(_check_rollout(rollout, server_sent))
+        if device == "cuda":  # the servers serve after the sync
+            gens = rollout.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+            if len(gens[0].token_ids) != 4:
+                checks.append(f"generated {gens[0].token_ids} after the sync")
+    failures = sum(_gather([f"rank {rank}: {c}" for c in checks if c]), [])
+    trials = []
+    for _ in range(args.trials):
+        if rollout is not None:
+            rollout.release_memory()  # as after a train step
+        dist.barrier()
+        t0 = _now(device)
+        report = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, False, senders, **how)
+        if rollout is not None:
+            rollout.resume_kv_cache()
+        _now(device)
+        dist.barrier()
+        trials.append((time.perf_counter() - t0, report))
+    weight_sync.close_senders(senders)  # the next delivery's buffers take their memory
+    del senders
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    reports = _gather([r and {k: v for k, v in r.items() if k != "sent"} for _, r in trials])
+    sent_bytes = _gather(first["bytes"] if first else 0)
+    # what one server receives: rank 0's whole tensors (full), or the sum of its TP ranks' shards (sharded)
+    per_server = sum(sent_bytes[:gen_tp]) if delivery == "sharded" else max(sent_bytes)
+    seconds = [t for t, _ in trials]  # rank 0's (every trial ends at a barrier)
+    best = min(range(args.trials), key=seconds.__getitem__)
+    total_s = seconds[best]
+    slowest = max((r[best] for r in reports if r[best] is not None), key=lambda r: r["seconds"])
+    return dict(servers=world // gen_tp, bytes_per_rank=sent_bytes, bytes_per_server=per_server,
+                bytes_total=per_server * (world // gen_tp), trials_total_s=seconds, total_s=total_s,
+                gb_per_s_per_server=per_server / total_s / 1e9,
+                gb_per_s_total=per_server * (world // gen_tp) / total_s / 1e9,
+                slowest_sender=_split(slowest) | {"seconds": slowest["seconds"]},
+                verified=not failures, failures=failures)
+
+
 def _rollout_engine(args, device: str, model_dir: Path, tp: int, gpu: int):
-    if device == "cpu":
-        return RecordingEngine()
-    from megarl.rollout.sglang import SGLangRolloutEngine, sglang_server
+    """A colocated SGLang server of TP=`tp` on GPUs [gpu, gpu + tp), dummy weights; on the CPU the fake SGLang
+    server of the tests (tests/rollout/fake_sglang.py: TP ranks with SGLang's sharding, pickled tensors in place
+    of CUDA IPC handles)."""
+    from megarl.rollout.sglang import SGLangRolloutEngine, SGLangServer, free_port, sglang_server
 
     log_dir = args.log_dir or tempfile.gettempdir()
-    return SGLangRolloutEngine(
-        str(model_dir), colocated=True, verify_dir=tempfile.mkdtemp(prefix=f"verify-{gpu}-"),
-        launch=lambda _: sglang_server(str(model_dir), tp=tp, gpu=gpu, mem_fraction=args.mem_fraction,
-                                       load_format="dummy", cuda_graph=False, log_dir=log_dir,
-                                       startup_timeout=args.startup_timeout, request_timeout=180))
+    if device == "cpu":
+        from tests.rollout import fake_sglang
+
+        def launch(_):
+            port = free_port()
+            return SGLangServer([sys.executable, fake_sglang.__file__, "--port", str(port), "--tp", str(tp),
+                                 "--model-path", str(model_dir)], port, tp=tp,
+                                log_path=os.path.join(log_dir, f"fake_sglang_{port}.log"), startup_timeout=60)
+    else:
+        def launch(_):
+            return sglang_server(str(model_dir), tp=tp, gpu=gpu, mem_fraction=args.mem_fraction, load_format="dummy",
+                                 cuda_graph=False, log_dir=log_dir, startup_timeout=args.startup_timeout,
+                                 request_timeout=180)
+    return SGLangRolloutEngine(str(model_dir), colocated=True, verify_dir=tempfile.mkdtemp(prefix=f"verify-{gpu}-"),
+                               launch=launch)
 
 
 def part_disagg(args, device: str) -> list[dict]:
@@ -395,6 +457,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="training TP")
     parser.add_argument("--pp", type=int, default=1, help="training PP (reshard)")
     parser.add_argument("--gen-tp", type=int, nargs="+", default=[1, 2], help="generation TP of each server (reshard)")
+    parser.add_argument("--delivery", nargs="+", choices=["full", "sharded"], default=["full"],
+                        help="reshard: weight deliveries measured into the same servers, in order (sharded only at "
+                             "generation TP = --tp = the world: each rank sends its TP shard, rank 0 posts)")
     parser.add_argument("--server-tp", type=int, default=1, help="the disaggregated server's TP, on the GPUs after "
                                                                  "the training ranks' (disagg)")
     parser.add_argument("--train-steps", type=int, default=1)

@@ -43,6 +43,9 @@ class ModelConfig:
     tiny_num_kv_heads: int = opt(2, "key/value heads of the built-in tiny model (GQA)")
     tiny_tie_embeddings: bool = opt(True, "tie input and output embeddings of the built-in tiny model")
     tiny_intermediate_size: int = opt(0, "MLP (FFN) width of the built-in tiny model; 0 = the builder's default")
+    tiny_vocab_multiple: int = opt(1, "pad the built-in tiny model's vocabulary (embedding rows past the tokenizer's) "
+                                      "to a multiple of this, as real checkpoints do; rollout.weight_delivery=sharded "
+                                      "into SGLang needs a multiple of 64 x rollout.sglang_tp")
 
 
 @dataclass
@@ -361,7 +364,8 @@ class Config:
         for key, value in (("rollout.n_samples", self.rollout.n_samples),
                            ("rollout.max_new_tokens", self.rollout.max_new_tokens),
                            ("data.prompts_per_step", self.data.prompts_per_step),
-                           ("actor.micro_batch_size", self.actor.micro_batch_size)):
+                           ("actor.micro_batch_size", self.actor.micro_batch_size),
+                           ("model.tiny_vocab_multiple", self.model.tiny_vocab_multiple)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
         return self

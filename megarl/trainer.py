@@ -52,6 +52,7 @@ def prepare_model(cfg: Config) -> str:
                                 num_layers=m.tiny_num_layers, num_heads=m.tiny_num_heads,
                                 num_kv_heads=m.tiny_num_kv_heads, tie_embeddings=m.tiny_tie_embeddings,
                                 intermediate_size=m.tiny_intermediate_size or None,
+                                vocab_multiple=m.tiny_vocab_multiple,
                                 seed=cfg.trainer.seed))
 
 

@@ -61,8 +61,11 @@ def tiny_config(vocab_size: int, pad_id: int, eos_id: int, hidden_size: int = 64
 
 def build_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      num_kv_heads: int = 2, tie_embeddings: bool = True, seed: int = 0,
-                     intermediate_size: int | None = None) -> Path:
+                     intermediate_size: int | None = None, vocab_multiple: int = 1) -> Path:
     """Write (or reuse) a randomly initialised tiny Qwen2ForCausalLM + char tokenizer in `out_dir`.
+
+    `vocab_multiple`: embedding rows padded to a multiple of it past the tokenizer's, as real checkpoints do
+    (SGLang's presharded loading of the embedding wants a vocabulary that is a multiple of 64 x TP).
 
     Idempotent: a directory already built with the same arguments is returned untouched. The
     files are written to a temporary sibling and renamed into place, so processes that build the
@@ -73,7 +76,7 @@ def build_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int
     out_dir = Path(out_dir)
     args = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                 tie_embeddings=tie_embeddings, seed=seed, intermediate_size=intermediate_size,
-                format_version=_FORMAT_VERSION)
+                format_version=_FORMAT_VERSION) | ({"vocab_multiple": vocab_multiple} if vocab_multiple != 1 else {})
     stamp = out_dir / _STAMP
     if stamp.exists():
         if json.loads(stamp.read_text()) == args:
@@ -84,7 +87,7 @@ def build_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int
         raise FileExistsError(f"{out_dir} exists and is not a tiny-model directory (no {_STAMP})")
 
     tokenizer = build_char_tokenizer()
-    config = tiny_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, hidden_size,
+    config = tiny_config(-(-len(tokenizer) // vocab_multiple) * vocab_multiple, tokenizer.pad_token_id, tokenizer.eos_token_id, hidden_size,
                          num_layers, num_heads, num_kv_heads, tie_embeddings, intermediate_size)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream alone
         torch.manual_seed(seed)

@@ -7,7 +7,8 @@
 #   reshard  benchmarks/multi_gpu.py reshard on 4 GPUs: the policy trained at TP=2 x PP=2 (one step), synced into
 #            colocated SGLang servers at generation TP=1 x DP=4 (four servers) and TP=2 x DP=2 (two), resharded
 #            over NCCL and posted by CUDA IPC; verified (resharded = megatron's export; SGLang holds what was
-#            sent); sync seconds and GB/s. On 2 GPUs: TP=2 -> TP=1 x DP=2 and TP=2   (~5 min; the first
+#            sent); sync seconds and GB/s. On 2 GPUs: TP=2 -> TP=1 x DP=2 and TP=2, at TP=2 also the sharded
+#            delivery (each rank posts its own TP shard's buffer)                      (~5 min; the first
 #            SGLang start on a fresh machine JIT-compiles for ~110 s)
 #   disagg   benchmarks/multi_gpu.py disagg: 2 GPUs train (TP=2), 2 serve (one TP=2 server), weights by NCCL
 #            broadcast; on 2 GPUs 1 + 1; verified, sync seconds and GB/s                 (~2-3 min)
@@ -85,7 +86,8 @@ if phase reshard; then
   if [ "$GPUS" -ge 4 ]; then
     launch reshard_tp2_pp2 380 4 $M reshard --tp 2 --pp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2_pp2.json"
   else
-    launch reshard_tp2 380 2 $M reshard --tp 2 --gen-tp 1 2 $TINY $LOGS --out "$OUT/reshard_tp2.json"
+    launch reshard_tp2 380 2 $M reshard --tp 2 --gen-tp 1 2 --delivery full sharded $TINY $LOGS \
+      --out "$OUT/reshard_tp2.json"
   fi
 fi
 if phase disagg; then
@@ -127,7 +129,7 @@ if sync:
     for r in sync:
         t = r["train"]
         train = f"TP={t['tp']} PP={t['pp']} DP={t['dp']}"
-        gen = (f"TP={r['gen_tp']} x DP={r['gen_dp']}" if r["part"] == "reshard"
+        gen = (f"TP={r['gen_tp']} x DP={r['gen_dp']} {r.get('delivery', '')}" if r["part"] == "reshard"
                else f"1 server TP={r['server_tp']} on other GPUs")
         if "error" in r or "total_s" not in r:
             print(f"| {r['part']} | {train} | {gen} | ERROR {r.get('error', '')[:120]} |"); continue

@@ -50,3 +50,12 @@ def test_idempotent_and_seeded(tmp_path, tiny_dir):
     w = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(same.state_dict()[w], ref.state_dict()[w])
     assert not torch.equal(other.state_dict()[w], ref.state_dict()[w])
+
+
+def test_vocab_padded_to_a_multiple(tmp_path):
+    from megarl.models.tiny import build_char_tokenizer
+
+    padded = build_tiny_model(tmp_path / "padded", vocab_multiple=128)
+    config = json.loads((padded / "config.json").read_text())
+    assert len(build_char_tokenizer()) < 128 and config["vocab_size"] == 128
+    assert build_tiny_model(tmp_path / "padded", vocab_multiple=128) == padded  # idempotent with the option
