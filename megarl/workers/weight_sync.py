@@ -140,7 +140,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     Sharded delivery from a generation TP `group` (a CPU process group of the ranks whose buckets are TP shards):
     every rank of it calls this, but only group rank 0 talks to the rollout engine (the others pass begin and end
     as None) and broadcasts the endpoints; to SGLang the ranks then send together (cuda_ipc.ShardedIpcSender), and
-    on a verified sync rank 0 gathers every rank's host copies and hands `end` the whole tensors (`assemble`).
+    on a verified sync rank 0 gathers every rank's host copies (per bucket) and hands `end` the whole tensors
+    (`assemble`).
     To any other engine each rank loads its own buckets.
 
     Returns what was sent (with `verify`: dtype and digest per tensor, by `key(name)`), the bf16/fp32 bytes
@@ -151,6 +152,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     begun = pool.submit(begin) if begin is not None else None
     senders = {} if senders is None else senders
     sent, sums, received, digest_s, begin_wait = [], [], {}, 0.0, 0.0
+    shards = []  # sharded into SGLang, verified, on group rank 0: every rank's host copies, bucket by bucket
+    first = group is None or dist.get_group_rank(group, dist.get_rank()) == 0
     endpoints, deliver = None, None
 
     def transport() -> Callable[[Bucket], Callable[[], None]]:
@@ -179,7 +182,13 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
             sent.extend((key(n), x.dtype, x.shape) for n, x in bucket)  # not the tensors: one bucket in memory
             sums.extend(checksums([x for _, x in bucket]))  # queued on the device behind the pack
             if endpoints is not None:
-                received.update((key(n), x.detach().to("cpu", copy=True)) for n, x in bucket)
+                copies = {key(n): x.detach().to("cpu", copy=True) for n, x in bucket}
+                if group is None:
+                    received.update(copies)
+                else:  # every bucket's at once: rank 0's staging of the gather stays within a bucket
+                    parts = [None] * dist.get_world_size(group) if first else None
+                    dist.gather_object(copies, parts, group_dst=0, group=group)
+                    shards.extend(parts or [])
             digest_s += time.perf_counter() - t
         return post
 
@@ -189,10 +198,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     finally:
         pool.shutdown()
     t = time.perf_counter()
-    if endpoints is not None and group is not None and verify:
-        parts = [None] * dist.get_world_size(group) if end is not None else None
-        dist.gather_object(received, parts, group_dst=0, group=group)
-        received = assemble(parts) if end is not None else {}
+    if endpoints is not None and group is not None and verify and first:
+        received = assemble(shards)
     if endpoints is not None and end is not None:
         end(received if verify else None)
     ended = time.perf_counter()

@@ -66,7 +66,7 @@ def _rank(rank, model_dir, work):
     from megarl.engine.weights import global_parameters
     from megarl.parallel.reshard import TrainLayout, engine_resharder
     from megarl.plan import plan
-    from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine
+    from megarl.rollout.sglang import Endpoint, SGLangError, SGLangRolloutEngine
     from tests.rollout.test_sglang_engine import configure, fake_server, log
 
     engine = MegatronEngine(model_dir, ActorConfig(), AlgorithmConfig(), "cpu", 1, 10)
@@ -121,6 +121,10 @@ def _rank(rank, model_dir, work):
             assert _held(rollout.servers[0]) == _sglang_shards(hf, full)
             assert len(senders) == 1 and rollout.received == {}
             configure(rollout.servers[0], corrupt=[1, Q])  # SGLang's rank 1 holds a wrong shard
+        for wrong in (Endpoint("http://127.0.0.1:1", tp=1), Endpoint("http://127.0.0.1:1", tp=2, transport="nccl")):
+            with pytest.raises(ValueError, match=r"cannot take the shards of a 2-rank group by CUDA IPC: it needs "
+                                                 r"colocated servers of TP=2"):
+                cuda_ipc.ShardedIpcSender([wrong], group, cuda_ipc.plain_serializer)
         sync(verify=True)
         if rank == 0:
             with pytest.raises(SGLangError, match=f"check tensor equality failed: \\['rank 1 {Q}'\\]"):
