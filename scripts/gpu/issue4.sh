@@ -9,7 +9,8 @@
 #   grpo_tp2 (the same at TP=2 on two), grpo_tp2_sharded (grpo_tp2 with rollout.weight_delivery=sharded: each
 #   training rank posts its own TP shard), grpo_disagg (two: trainer and server apart), reshard_tp2 (two:
 #   benchmarks/multi_gpu.py reshard, a 7B Qwen2.5 shape at TP=2 into a colocated TP=2 SGLang server, full then
-#   sharded delivery, 8 GiB buckets, verified then timed; ~5-7 min), or a part of weight_sync.sh. The default, for 4 GPUs (~8.5 min): session 5's last round (round 1's lanes were
+#   sharded delivery, 8 GiB buckets, verified then timed; ~5-7 min; --mem-fraction 0.6: SGLang's KV cache is
+#   what is left of 60% of the GPU after the trainer's ~40 GB and its own weights), or a part of weight_sync.sh. The default, for 4 GPUs (~8.5 min): session 5's last round (round 1's lanes were
 #   "0,1=grpo_disagg 0,1=nccl; 2=grpo; 3=throughput wait:grpo 2,3=sync_tp2_small").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,7 +33,7 @@ step() {  # step NAME GPUS
     reshard_tp2) cmd=(env PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
                       NCCL_CUMEM_ENABLE=0 OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone
                       --nproc-per-node 2 benchmarks/multi_gpu.py reshard --tp 2 --gen-tp 2 --delivery full sharded
-                      --size 7b --seq 1024 --train-steps 0 --bucket-mb 8192 --trials 2 --mem-fraction 0.25
+                      --size 7b --seq 1024 --train-steps 0 --bucket-mb 8192 --trials 2 --mem-fraction 0.6
                       --startup-timeout 400 --log-dir "$dir" --work-dir "$dir/work" --out "$dir/reshard_tp2.json") ;;
     *)           cmd=(env PARTS="$name" BUDGET=$(( left - 20 )) bash scripts/gpu/weight_sync.sh) ;;
   esac
