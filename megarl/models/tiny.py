@@ -87,7 +87,8 @@ def build_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int
         raise FileExistsError(f"{out_dir} exists and is not a tiny-model directory (no {_STAMP})")
 
     tokenizer = build_char_tokenizer()
-    config = tiny_config(-(-len(tokenizer) // vocab_multiple) * vocab_multiple, tokenizer.pad_token_id, tokenizer.eos_token_id, hidden_size,
+    vocab = -(-len(tokenizer) // vocab_multiple) * vocab_multiple
+    config = tiny_config(vocab, tokenizer.pad_token_id, tokenizer.eos_token_id, hidden_size,
                          num_layers, num_heads, num_kv_heads, tie_embeddings, intermediate_size)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream alone
         torch.manual_seed(seed)

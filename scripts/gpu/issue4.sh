@@ -5,18 +5,24 @@
 # the whole of $OUT is packed into $OUT/all.tgz (few files come back from a call), and each step's exit code
 # and the tail of its output are printed last.
 #   LANES: lanes separated by ";", each a sequence of "GPUS=STEP" (run STEP with CUDA_VISIBLE_DEVICES=GPUS)
-#   and "wait:STEP" (until that step of another lane has ended). A STEP: grpo (GRPO colocated, one GPU),
-#   grpo_tp2 (the same at TP=2 on two), grpo_tp2_sharded (grpo_tp2 with rollout.weight_delivery=sharded: each
-#   training rank posts its own TP shard), grpo_disagg (two: trainer and server apart), reshard_tp2 (two:
-#   benchmarks/multi_gpu.py reshard, a 7B Qwen2.5 shape at TP=2 into a colocated TP=2 SGLang server, full then
-#   sharded delivery, 8 GiB buckets, verified then timed; ~5-7 min; --mem-fraction 0.6: SGLang's KV cache is
-#   what is left of 60% of the GPU after the trainer's ~40 GB and its own weights), or a part of weight_sync.sh. The default, for 4 GPUs (~8.5 min): session 5's last round (round 1's lanes were
-#   "0,1=grpo_disagg 0,1=nccl; 2=grpo; 3=throughput wait:grpo 2,3=sync_tp2_small").
+#   and "wait:STEP" (until that step of another lane has ended). A STEP:
+#     grpo              GRPO colocated on one GPU, SGLang verified after every sync            (~3.5 min)
+#     grpo_tp2          the same at TP=2 on two GPUs                                           (~4-5 min)
+#     grpo_tp2_sharded  grpo_tp2 with rollout.weight_delivery=sharded: each rank posts its shard (~5 min)
+#     grpo_disagg       two GPUs: trainer and SGLang apart, weights by NCCL                    (~3.5 min)
+#     reshard_tp2       two GPUs: benchmarks/multi_gpu.py reshard, a 7B Qwen2.5 shape at TP=2 into a colocated
+#                       TP=2 server, full then sharded delivery, 8 GiB buckets, verified then timed; SGLang at
+#                       --mem-fraction 0.6 (its KV cache: what is left after the trainer's ~40 GB)  (~5-7 min)
+#     any part of weight_sync.sh (sync_7b, sync_tp2, sync_tp2_small, sync_0.5b, throughput, nccl)
+#   The default (4 GPUs, ~8 min) is what of issue 4 has not run on the GPU; then, in a second call,
+#   LANES="0,1=reshard_tp2; 2,3=sync_tp2 2=throughput". Session 5's rounds: "0,1=grpo_disagg 0,1=nccl; 2=grpo;
+#   3=throughput wait:grpo 2,3=sync_tp2_small", then "0,1=grpo_tp2 0,1=sync_tp2_small; 2,3=sync_tp2
+#   2=throughput; wait:sync_tp2 3=sync_0.5b" (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/megarl-issue4}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-560}
-LANES=${LANES:-"0,1=grpo_tp2 0,1=sync_tp2_small; 2,3=sync_tp2 2=throughput; wait:sync_tp2 3=sync_0.5b"}
+LANES=${LANES:-"0,1=grpo_tp2 0,1=sync_tp2_small; 2,3=grpo_tp2_sharded"}
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 
 step() {  # step NAME GPUS
