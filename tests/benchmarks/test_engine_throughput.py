@@ -16,7 +16,9 @@ def test_flops_formula_is_the_notes_formula_for_equal_lengths():
     assert abs(flop_parameters(hf) + 2048 * 151936 - 1.38e9) < 0.01e9
     L, h, s, T = 16, 2048, 2048, 4 * 2048
     assert model_flops(hf, [s] * 4) == 6 * flop_parameters(hf) * T + 12 * L * h * s * T
-    assert set(SIZES) == {"1b", "tiny"}
+    assert set(SIZES) == {"1b", "7b", "tiny"}
+    # the 7b shape is Qwen2.5-7B's: 7.62B parameters, untied output layer
+    assert abs(flop_parameters(qwen2_config("7b", 2048)) + 3584 * 152064 - 7.62e9) < 0.01e9
 
 
 def test_tiny_run_writes_engine_and_bare_results(tmp_path):
