@@ -116,7 +116,7 @@ def load_presharded(model, bucket: Bucket) -> None:
     of narrowing it; the switches are restored afterwards, also when a load fails. A wrong shape fails in the
     loaders' assertions, re-raised naming the tensor being loaded."""
     switched = [(m, m.use_presharded_weights) for m in model.modules() if hasattr(m, "use_presharded_weights")]
-    current = None
+    current = ("(before the first tensor)", ())
 
     def tracked():
         nonlocal current
