@@ -2,8 +2,8 @@
 # Issue 4's GPU evidence in one call, after the bundle's install.sh (../shared/device/README.md): steps of
 # scripts/gpu/sglang.sh and scripts/gpu/weight_sync.sh in lanes that run in parallel, each step on GPUs of
 # its own. Every step gets what is left of BUDGET seconds (default 560); its output goes to $OUT/<step>/,
-# the whole of $OUT is packed into $OUT/all.tgz (few files come back from a call), and each step's exit code
-# and the tail of its output are printed last.
+# all of $OUT but weight files is packed into $OUT/all.tgz (few files come back from a call), and each
+# step's exit code and the tail of its output are printed last.
 #   LANES: lanes separated by ";", each a sequence of "GPUS=STEP" (run STEP with CUDA_VISIBLE_DEVICES=GPUS)
 #   and "wait:STEP" (until that step of another lane has ended). A STEP:
 #     grpo              GRPO colocated on one GPU, SGLang verified after every sync            (~3.5 min)
@@ -40,7 +40,7 @@ step() {  # step NAME GPUS
                       NCCL_CUMEM_ENABLE=0 OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone
                       --nproc-per-node 2 benchmarks/multi_gpu.py reshard --tp 2 --gen-tp 2 --delivery full sharded
                       --size 7b --seq 1024 --train-steps 0 --bucket-mb 8192 --trials 2 --mem-fraction 0.6
-                      --startup-timeout 400 --log-dir "$dir" --work-dir "$dir/work" --out "$dir/reshard_tp2.json") ;;
+                      --startup-timeout 400 --log-dir "$dir" --work-dir /tmp/megarl-reshard-tp2 --out "$dir/reshard_tp2.json") ;;
     *)           cmd=(env PARTS="$name" BUDGET=$(( left - 20 )) bash scripts/gpu/weight_sync.sh) ;;
   esac
   echo "[$(date +%T)] $name on GPUs $gpus starts, ${left}s left"
@@ -71,4 +71,4 @@ for spec in "${lanes[@]}"; do
     tail -n 14 "$OUT/${token#*=}/stdout.txt" 2>/dev/null
   done
 done
-tar -czf /tmp/issue4-all.tgz -C "$OUT" . && mv /tmp/issue4-all.tgz "$OUT/all.tgz"
+tar -czf /tmp/issue4-all.tgz --exclude="*.safetensors" -C "$OUT" . && mv /tmp/issue4-all.tgz "$OUT/all.tgz"
