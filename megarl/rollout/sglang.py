@@ -13,8 +13,9 @@ TP group, owned by this engine.
   silently be off-policy, so that raises until the next sync).
 - Weights: full HF-named tensors per bucket (SGLang slices its own TP shard), or with
   rollout.weight_delivery=sharded each TP rank's own rows from the training rank on its GPU (presharded
-  loading: transports/cuda_ipc.py ShardedIpcSender), sent by the trainer's sending rank(s) itself between
-  `begin_weight_update`, which hands out the endpoints and names their transport, and `end_weight_update`: CUDA IPC when colocated (transports/cuda_ipc.py), NCCL broadcast when
+  loading: transports/cuda_ipc.py ShardedIpcSender), sent by the trainer's sending rank(s) themselves
+  between `begin_weight_update`, which hands out the endpoints and names their transport, and
+  `end_weight_update`: CUDA IPC when colocated (transports/cuda_ipc.py), NCCL broadcast when
   disaggregated (transports/nccl_broadcast.py: the rank is rank 0 of a weight group with each server).
 - Colocated memory: when a server has no rows in flight its KV cache is released (the trainer gets
   that memory back); the next generate resumes it first and flushes the prefix cache if weights

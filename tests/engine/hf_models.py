@@ -26,6 +26,22 @@ def make_qwen2_dir(path, tied: bool, seed: int = 0, layers: int = 2) -> str:
     return str(path)
 
 
+def make_distinct_qwen2_dir(path, vocab_size: int, layers: int, heads: int, kv_heads: int) -> str:
+    """Hidden 64, FFN 128, untied, every element random and distinct: a tensor or row moved to the wrong place
+    cannot pass a bitwise comparison (the resharding tests)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                         tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    model.save_pretrained(path)
+    return str(path)
+
+
 def padded_batch(rows: int = 5, T: int = 12, seed: int = 1) -> Batch:
     """Right-padded rows of different lengths (one of full length, one of length 1)."""
     g = torch.Generator().manual_seed(seed)

@@ -17,25 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megarl.parallel.inventory import hf_inventory
 from megarl.parallel.reshard import TrainLayout, generation_ranks, transfer_bytes
 from tests.dist_utils import run_distributed
+from tests.engine.hf_models import make_distinct_qwen2_dir
 
 BUCKET = 256 << 10
 GEN_TPS = (1, 2, 4)
-
-
-def _write_model(path) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=24,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p))  # every element distinct: a wrong row cannot pass
-    model.save_pretrained(path)
-    return str(path)
 
 
 class _Mallinfo(ctypes.Structure):
@@ -144,7 +129,7 @@ def _check_rank(rank, model_dir):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return _write_model(tmp_path_factory.mktemp("reshard") / "qwen2")
+    return make_distinct_qwen2_dir(tmp_path_factory.mktemp("reshard") / "qwen2", vocab_size=101, layers=24, heads=8, kv_heads=4)
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2), (4, 1)])

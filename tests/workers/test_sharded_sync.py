@@ -14,26 +14,11 @@ from megarl.parallel.inventory import hf_inventory
 from megarl.rollout.transports import cuda_ipc
 from megarl.workers import weight_sync
 from tests.dist_utils import run_distributed
+from tests.engine.hf_models import make_distinct_qwen2_dir
 from tests.rollout import fake_sglang
 
 BUCKET = 24 << 10  # several buckets per sync: both persistent slots are reused
 Q = "model.layers.0.self_attn.q_proj.weight"
-
-
-def _write_model(path) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p))  # every element distinct: a wrong row cannot pass
-    model.save_pretrained(path)
-    return str(path)
 
 
 def _hf(model_dir) -> dict:
@@ -137,7 +122,7 @@ def _rank(rank, model_dir, work):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return _write_model(tmp_path_factory.mktemp("sharded") / "qwen2")
+    return make_distinct_qwen2_dir(tmp_path_factory.mktemp("sharded") / "qwen2", vocab_size=256, layers=2, heads=4, kv_heads=2)
 
 
 def test_sharded_sync_into_a_tp2_sglang_server(model_dir, tmp_path):
