@@ -276,7 +276,8 @@ def part_throughput(args) -> dict:
 
     name, n, new = args.models[0], args.n, args.new_tokens
     result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new,
-                  rounds=args.rounds, mem_fraction=args.throughput_mem_fraction)
+                  rounds=args.rounds, mem_fraction=args.throughput_mem_fraction,
+                  cuda_graph_max_bs=args.cuda_graph_max_bs)
     if args.dry_run:
         result |= {f"{p}_tok_s": 0.0 for p in PATHS} | dict(dry_run=True, ratio=0.0, ratio_split=0.0,
                                                               ratio_memory_saver=0.0)
@@ -294,14 +295,16 @@ def part_throughput(args) -> dict:
     # ignore_eos on every path: the dummy model's EOS would end rows at random
     llm = sglang.Engine(model_path=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
                         attention_backend="triton", sampling_backend="pytorch",
-                        mem_fraction_static=args.throughput_mem_fraction)
+                        mem_fraction_static=args.throughput_mem_fraction,
+                        cuda_graph_max_bs_decode=args.cuda_graph_max_bs)
     servers = []
     try:
         for memory_saver in (False, True):
             servers.append(SGLangRolloutEngine(
                 str(model_dir), colocated=False, load_format="dummy", mem_fraction=args.throughput_mem_fraction,
                 memory_saver=memory_saver, log_dir=args.log_dir, sampling_overrides={"ignore_eos": True},
-                startup_timeout=args.startup_timeout))
+                startup_timeout=args.startup_timeout,
+                extra_args=("--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs))))
         megarl, saver = servers
         params = SamplingParams(max_new_tokens=new, n=n, temperature=1.0)
 
@@ -493,6 +496,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="throughput: measured rounds (every path once each)")
     parser.add_argument("--throughput-mem-fraction", type=float, default=0.25,
                         help="throughput: SGLang --mem-fraction-static of each of the three instances on the GPU")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=512,
+                        help="throughput: SGLang's largest decode batch in a CUDA graph, on every path (past its "
+                             "default 256 a batch of 512 rows decodes eagerly: CPU-bound, and as noisy as the host)")
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--out", default="", help="the part's JSON, rewritten after every measurement")
     parser.add_argument("--log-dir", default=tempfile.gettempdir(), help="SGLang server logs")

@@ -64,6 +64,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launcher (torchrun, torchelastic) sets for its own workers. A server started from such a worker must not
+# inherit it: with TORCHELASTIC_USE_AGENT_STORE set, every rank of SGLang's own process group joins its store as a
+# client and none serves it, so a TP>1 server waits at "Init torch distributed begin" until its start-up deadline.
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TRANSPORTS = ("cuda_ipc", "nccl")  # how a training rank delivers weights to a server: transports/<name>.py
 
 
@@ -127,7 +132,7 @@ class SGLangServer(Endpoint):
             # guard (server_guard.py) that ends the server when this process dies without calling shutdown().
             self.process = subprocess.Popen([sys.executable, SERVER_GUARD, str(os.getpid()), *self.command],
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env=os.environ | self.env if self.env else None)
+                                            env=self.server_env())
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -138,6 +143,12 @@ class SGLangServer(Endpoint):
             time.sleep(0.5)
         self.shutdown()
         raise SGLangError(f"server {self.url} not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def server_env(self) -> dict[str, str]:
+        """This process's environment without its launcher's variables, plus the server's own (`env`)."""
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+        return inherited | (self.env or {})
 
     def healthy(self) -> bool:
         try:

@@ -290,6 +290,18 @@ def test_servers_spread_over_the_given_gpus(tmp_path):
     assert server.env == {"CUDA_VISIBLE_DEVICES": "3,5,6,7"}
 
 
+
+def test_server_does_not_inherit_its_launchers_process_group(monkeypatch, tmp_path):
+    # under torchrun a TP=2 server inheriting TORCHELASTIC_USE_AGENT_STORE never starts (GPU, session 6)
+    for key, value in dict(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", RANK="1",
+                           LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500",
+                           CUDA_VISIBLE_DEVICES="0,1", MEGARL_KEPT="yes").items():
+        monkeypatch.setenv(key, value)
+    env = sglang_server("model", tp=2, visible_devices=["2", "3"], log_dir=str(tmp_path)).server_env()
+    assert not {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT"} & env.keys()
+    assert env["MEGARL_KEPT"] == "yes" and env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PATH"] == os.environ["PATH"]
+
 def test_flat_layout_pack_unpack_roundtrip():
     bucket = bucket_of(7)
     layout, size = cuda_ipc.flat_layout(bucket)
