@@ -181,6 +181,9 @@ class RolloutConfig:
                                     "reused flat buffers SGLang keeps mapped: the fastest, and the one that works "
                                     "into a TP>1 server), flattened_bucket (SGLang's one flat buffer per bucket; "
                                     "crashed a TP=2 server in sglang 0.5.17) or tensors (one handle per tensor)")
+    sglang_args: list = opt([], "SGLang: extra sglang.launch_server arguments, e.g. [--cuda-graph-max-bs-decode, 512] "
+                                "or [--attention-backend, fa3]; they come after megarl's own and override its "
+                                "defaults (triton attention, pytorch sampling); the ones megarl manages are refused")
     dump_dir: str = opt("", "write every training step's scored samples (tokens, masks, log-probs, rewards, tool "
                             "calls) to <dump_dir>/step_<N>.pt; empty = off")
     replay_dir: str = opt("", "train from the samples a run wrote with dump_dir (step N reads step_<N>.pt) "
@@ -328,6 +331,7 @@ class Config:
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
         self._validate_weight_delivery()
+        self._validate_sglang_args()
         self._validate_disaggregated()
         a = self.algorithm
         if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:
@@ -397,6 +401,18 @@ class Config:
         if self.trainer.offload_between_phases == "always":
             raise ConfigError(f"trainer.offload_between_phases=always with rollout.sglang_gpus={r.sglang_gpus}: the "
                               "servers have GPUs of their own, nothing shares memory to offload (use auto or never)")
+
+    def _validate_sglang_args(self) -> None:
+        r = self.rollout
+        if not r.sglang_args:
+            return
+        if r.engine != "sglang":
+            raise ConfigError(f"rollout.sglang_args={r.sglang_args}: extra SGLang arguments need rollout.engine=sglang "
+                              f"(got {r.engine})")
+        from megarl.rollout.sglang import managed_args
+        if managed_args(r.sglang_args):
+            raise ConfigError(f"rollout.sglang_args: {', '.join(managed_args(r.sglang_args))} is set by megarl "
+                              f"(from rollout.sglang_tp, rollout.sglang_mem_fraction, the GPUs and the weight loader)")
 
     def _validate_weight_delivery(self) -> None:
         r, p = self.rollout, self.actor.parallel

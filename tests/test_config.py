@@ -30,6 +30,15 @@ def test_wrong_type_names_the_key():
         load_config(None, ["actor.parallel.tp=1.5"])
 
 
+def test_extra_sglang_arguments_reach_the_server_and_megarls_own_are_refused():
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--cuda-graph-max-bs-decode, 512]"])
+    assert cfg.rollout.sglang_args == ["--cuda-graph-max-bs-decode", 512]
+    with pytest.raises(ConfigError, match=r"rollout.sglang_args: --tp-size is set by megarl .*rollout.sglang_tp"):
+        load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--tp-size=2]"])
+    with pytest.raises(ConfigError, match=r"extra SGLang arguments need rollout.engine=sglang \(got hf\)"):
+        load_config(None, ["rollout.sglang_args=[--attention-backend, fa3]"])
+
+
 def test_inconsistent_layout_is_an_error():
     with pytest.raises(ConfigError, match=r"world_size=3 is not divisible by actor.parallel.tp \* actor.parallel.pp "
                                           r"\* actor.parallel.cp = 2\*1\*1"):

@@ -69,6 +69,10 @@ def free_port() -> int:
 # client and none serves it, so a TP>1 server waits at "Init torch distributed begin" until its start-up deadline.
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# The launch arguments megarl owns (where the server listens and on which GPUs, its share of memory, how weights
+# reach it); extra arguments may override the rest, such as the attention backend or CUDA-graph batch sizes.
+MANAGED_ARGS = ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--mem-fraction-static",
+                "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver")
 TRANSPORTS = ("cuda_ipc", "nccl")  # how a training rank delivers weights to a server: transports/<name>.py
 
 
@@ -193,13 +197,21 @@ class SGLangServer(Endpoint):
             self.process.wait(timeout=30)
 
 
+def managed_args(extra_args: Iterable) -> list[str]:
+    """Those of `extra_args` (as "--flag" or "--flag=value") that megarl sets itself."""
+    return sorted({str(a).split("=")[0] for a in extra_args} & set(MANAGED_ARGS))
+
+
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
                   load_format: str | None = None, cuda_graph: bool = True, extra_args: tuple[str, ...] = (),
                   log_dir: str | None = None, visible_devices: list[str] | None = None, env: dict | None = None,
                   **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
-    GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs)."""
+    GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs).
+    `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS."""
+    if managed_args(extra_args):
+        raise ValueError(f"extra SGLang arguments {', '.join(managed_args(extra_args))}: megarl sets these itself")
     port = free_port()
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
@@ -208,7 +220,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
                *(["--enable-memory-saver"] if memory_saver else []),
                *(["--load-format", load_format] if load_format else []),
-               *([] if cuda_graph else ["--disable-cuda-graph"]), *extra_args]
+               *([] if cuda_graph else ["--disable-cuda-graph"]), *map(str, extra_args)]
     log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
     env = dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})
     return SGLangServer(command, port, tp, str(log), env=env, **kwargs)

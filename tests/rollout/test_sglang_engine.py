@@ -291,6 +291,15 @@ def test_servers_spread_over_the_given_gpus(tmp_path):
 
 
 
+def test_extra_arguments_come_last_and_cannot_take_over_megarls_own(tmp_path):
+    server = sglang_server("model", extra_args=("--attention-backend", "fa3", "--cuda-graph-max-bs-decode", 512),
+                           log_dir=str(tmp_path))
+    # argparse keeps the last value: the user's backend replaces megarl's default triton
+    assert server.command[-4:] == ["--attention-backend", "fa3", "--cuda-graph-max-bs-decode", "512"]
+    assert server.command.index("triton") < len(server.command) - 4
+    with pytest.raises(ValueError, match=r"--mem-fraction-static, --port: megarl sets these itself"):
+        sglang_server("model", extra_args=("--port=1", "--mem-fraction-static", "0.9"), log_dir=str(tmp_path))
+
 def test_server_does_not_inherit_its_launchers_process_group(monkeypatch, tmp_path):
     # under torchrun a TP=2 server inheriting TORCHELASTIC_USE_AGENT_STORE never starts (GPU, session 6)
     for key, value in dict(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", RANK="1",
