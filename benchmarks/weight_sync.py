@@ -516,7 +516,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5, help="throughput: measured rounds (every path once each)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="throughput: measured rounds (every path once each); the JSON is rewritten after each")
     parser.add_argument("--throughput-mem-fraction", type=float, default=0.25,
                         help="throughput: SGLang --mem-fraction-static of each of the three instances on the GPU")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=512,
