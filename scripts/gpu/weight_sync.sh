@@ -47,7 +47,7 @@ part_command() {  # name -> "limit_seconds command..."
     sync_7b)    echo "200 $B sync --models qwen2.5-7b --formats persistent tensors --bucket-mb 2048 4096 8192 --weights released resident --trials 3 $common" ;;
     sync_1.5b)  echo "120 $B sync --models qwen2.5-1.5b --trials 3 $common" ;;
     sync_0.5b)  echo "130 $B sync --models qwen2.5-0.5b --trials 3 --verify $common" ;;
-    throughput) echo "460 $B throughput --models qwen2.5-0.5b $common" ;;
+    throughput) echo "520 $B throughput --models qwen2.5-0.5b $common" ;;
     sync_tp2)   echo "220 $B sync --models qwen2.5-7b --server-tp 2 --formats persistent tensors --bucket-mb 4096 8192 16384 --weights released resident --trials 3 $common" ;;
     sync_tp2_small) echo "240 $B sync --models qwen2.5-0.5b qwen2.5-1.5b --server-tp 2 --formats persistent tensors --weights released resident --trials 3 --verify $common" ;;
     nccl)       echo "200 $B nccl --models qwen2.5-1.5b --verify $common" ;;
