@@ -200,15 +200,15 @@ def part_reshard(args, device: str) -> list[dict]:
             print(json.dumps(dict(part="reshard", gen_tp=gen_tp, skipped="sharded delivery needs generation TP = "
                                   f"training TP = world ({args.tp}, {world})")), flush=True)
         group = dist.new_group(list(range(gen_tp)), backend="gloo") if "sharded" in deliveries else None
+        layout = dict(part="reshard", size=args.size, gen_tp=gen_tp, gen_dp=world // gen_tp,
+                      train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)})
         rollout, error, start = None, None, time.perf_counter()
         try:
             if rank % gen_tp == 0:  # one server per generation group, on its GPUs, for every delivery
                 rollout = _rollout_engine(args, device, model_dir, gen_tp, gpu=rank)
             startup_s = max(_gather(time.perf_counter() - start))
             for delivery in deliveries:
-                row = dict(part="reshard", delivery=delivery, size=args.size, gen_tp=gen_tp, gen_dp=world // gen_tp,
-                           train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)},
-                           startup_s=startup_s)
+                row = layout | dict(delivery=delivery, startup_s=startup_s)
                 rows.append(row)
                 row |= _measure(args, device, engine, resharder, rollout, gen_tp, delivery, group, bucket_bytes)
                 if rank == 0:
@@ -216,9 +216,7 @@ def part_reshard(args, device: str) -> list[dict]:
                     _write(args, rows)  # after each layout: a later one failing keeps this one's numbers
         except Exception as err:
             error = err
-            failed = dict(part="reshard", gen_tp=gen_tp, gen_dp=world // gen_tp, size=args.size,
-                          train={"tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp)}, verified=False,
-                          error=repr(err), trace=traceback.format_exc()[-3000:])
+            failed = layout | dict(verified=False, error=repr(err), trace=traceback.format_exc()[-3000:])
             rows.append(failed)
             if rank == 0:
                 print(json.dumps({k: v for k, v in failed.items() if k != "trace"}), flush=True)

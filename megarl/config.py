@@ -410,8 +410,9 @@ class Config:
             raise ConfigError(f"rollout.sglang_args={r.sglang_args}: extra SGLang arguments need rollout.engine=sglang "
                               f"(got {r.engine})")
         from megarl.rollout.sglang import managed_args
-        if managed_args(r.sglang_args):
-            raise ConfigError(f"rollout.sglang_args: {', '.join(managed_args(r.sglang_args))} is set by megarl "
+        managed = managed_args(r.sglang_args)
+        if managed:
+            raise ConfigError(f"rollout.sglang_args: {', '.join(managed)} is set by megarl "
                               f"(from rollout.sglang_tp, rollout.sglang_mem_fraction, the GPUs and the weight loader)")
 
     def _validate_weight_delivery(self) -> None:

@@ -210,8 +210,9 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
     GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs).
     `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS."""
-    if managed_args(extra_args):
-        raise ValueError(f"extra SGLang arguments {', '.join(managed_args(extra_args))}: megarl sets these itself")
+    managed = managed_args(extra_args)
+    if managed:
+        raise ValueError(f"extra SGLang arguments {', '.join(managed)}: megarl sets these itself")
     port = free_port()
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),

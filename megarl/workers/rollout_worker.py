@@ -32,7 +32,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
         return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=colocated,
                                    mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
-                                   extra_args=tuple(map(str, r.sglang_args)),
+                                   extra_args=tuple(r.sglang_args),
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")

@@ -110,13 +110,13 @@ class TrainWorker:
         (cuda_ipc.ShardedIpcSender). Returns this rank's report (None if it sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
         gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
-        if delivery == "sharded" and self.cfg.rollout.engine == "sglang":  # every rank alike, before any collective
-            cuda_ipc.check_presharded_vocab(self.resharder.specs, gen_tp)
         if self.resharder is None:
             buckets = self.engine.export_hf_weights(bucket_bytes)
         else:
             buckets = self.resharder.buckets(gen_tp, delivery, bucket_bytes, self.engine.params_dtype)
-        if delivery == "sharded" and self.generation_group is None:  # every rank builds it, as torch requires
+        if delivery == "sharded" and self.generation_group is None:  # the first sync, on every rank alike
+            if self.cfg.rollout.engine == "sglang":  # refused before any collective, by every rank
+                cuda_ipc.check_presharded_vocab(self.resharder.specs, gen_tp)
             self.generation_group = torch.distributed.new_group(list(range(gen_tp)), backend="gloo")
         if self.rank >= gen_tp:  # not a sender: take part in the collectives only
             for _ in buckets:
