@@ -57,7 +57,7 @@ def test_table_lists_parts_in_order_with_errors_and_missing_parts(tmp_path):
         model="qwen2.5-0.5b", prompts=128, n=4, new_tokens=256, rounds=3, megarl_tok_s=20000.4, sglang_engine_tok_s=25000.0,
         ratio=0.8, megarl_memory_saver_tok_s=17500.0, ratio_memory_saver=0.7, sglang_engine_wall_s=4.0,
         sglang_engine_inside_s=3.95, megarl_request_wall_s=4.9, megarl_request_inside_s=4.2,
-        megarl_split_tok_s=24000.0, ratio_split=0.96, ratio_inside=0.97))))
+        megarl_split_tok_s=24000.0, ratio_split=0.96, ratio_inside=0.97, ratio_paired=0.9))))
     lines = table(tmp_path, ["sync_7b", "sync_1.5b", "throughput"]).splitlines()
     assert lines[2] == ("| sync_7b | qwen2.5-7b | persistent | 1 | 1024 | 15.23 | 0.150 | 0.020 | 0.050 | 0.030 | 0.030 "
                         "| 0.012 (0.011 + 0.000) | 15, 0.141 (0.052) | 101.5 |  |")
@@ -65,7 +65,8 @@ def test_table_lists_parts_in_order_with_errors_and_missing_parts(tmp_path):
     assert lines[4] == "| sync_1.5b | no results (skipped, or failed: see sync_1.5b.log) |"
     assert lines[5] == ("rollout tok/s (qwen2.5-0.5b, 128 prompts x n=4 x 256 new, median of 3 rounds): megarl 20000, sglang.Engine 25000, "
                         "ratio 0.800; megarl with SGLang's memory saver (as colocated) 17500, ratio 0.700; "
-                        "megarl in requests of 64 rows 24000, ratio 0.960; on SGLang's own clock, ratio 0.970")
+                        "megarl in requests of 64 rows 24000, ratio 0.960; on SGLang's own clock, ratio 0.970; "
+                        "median of the rounds' ratios 0.900")
     assert lines[6] == ("one batch, wall s (inside SGLang's tokenizer manager): sglang.Engine 4.000 (3.950), "
                         "megarl's raw /generate 4.900 (4.200)")
 
