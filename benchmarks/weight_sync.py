@@ -272,12 +272,16 @@ def part_throughput(args) -> dict:
     contention: decode past SGLang's captured batch sizes is CPU-bound) falls on every path alike. Each path's
     tok/s is its median over --rounds rounds after a warm-up batch; ratios are against sglang.Engine's median."""
     from megarl.rollout.base import SamplingParams
-    from megarl.rollout.sglang import SGLangRolloutEngine
+    from megarl.rollout.sglang import SGLangRolloutEngine, decode_graph_args
 
     name, n, new = args.models[0], args.n, args.new_tokens
+    # decode CUDA graphs as megarl's servers size them for a batch (batch_rows), given to sglang.Engine too: past
+    # SGLang's default 256 rows a batch decodes eagerly, CPU-bound, 4x slower and as noisy as the host
+    graph_args = decode_graph_args(args.prompts * n)
+    engine_graphs = dict(cuda_graph_max_bs_decode=int(graph_args[1])) if graph_args else {}
     result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new,
                   rounds=args.rounds, mem_fraction=args.throughput_mem_fraction,
-                  cuda_graph_max_bs=args.cuda_graph_max_bs)
+                  decode_graph_args=graph_args)
     if args.dry_run:
         result |= {f"{p}_tok_s": 0.0 for p in PATHS} | dict(dry_run=True, ratio=0.0, ratio_split=0.0,
                                                               ratio_memory_saver=0.0, ratio_inside=0.0,
@@ -297,7 +301,7 @@ def part_throughput(args) -> dict:
     llm = sglang.Engine(model_path=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
                         attention_backend="triton", sampling_backend="pytorch",
                         mem_fraction_static=args.throughput_mem_fraction,
-                        cuda_graph_max_bs_decode=args.cuda_graph_max_bs)
+                        **engine_graphs)
     servers = []
     try:
         for memory_saver in (False, True):
@@ -305,7 +309,7 @@ def part_throughput(args) -> dict:
                 str(model_dir), colocated=False, load_format="dummy", mem_fraction=args.throughput_mem_fraction,
                 memory_saver=memory_saver, log_dir=args.log_dir, sampling_overrides={"ignore_eos": True},
                 startup_timeout=args.startup_timeout,
-                extra_args=("--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs))))
+                batch_rows=args.prompts * n))
         megarl, saver = servers
         params = SamplingParams(max_new_tokens=new, n=n, temperature=1.0)
 
@@ -320,11 +324,12 @@ def part_throughput(args) -> dict:
         def time_answers(server):  # megarl's engine keeps no meta_info: read it off the answers on their way
             post = server.post
 
-            def timed(route, payload=None, timeout=None):
-                body = post(route, payload, timeout)
-                if route == "/generate":
-                    served.append(max(o["meta_info"]["e2e_latency"] for o in body))
-                return body
+            def timed(route, payload=None, timeout=None, convert=None):
+                def read(body):
+                    if route == "/generate":
+                        served.append(max(o["meta_info"]["e2e_latency"] for o in body))
+                    return convert(body) if convert else body
+                return post(route, payload, timeout, convert=read)
             server.post = timed
 
         for server in megarl.servers + saver.servers:
@@ -336,11 +341,22 @@ def part_throughput(args) -> dict:
                 return sum(len(x.token_ids) for x in engine.generate(batch, params))
             return run
 
+        def flush_servers(engine):
+            def flush():
+                for server in engine.servers:
+                    server.post("/flush_cache")
+            return flush
+
+        # every batch starts from an empty prefix cache, as after a weight sync in training; otherwise the server
+        # that two paths share fills its cache first and pays for evictions in the later rounds (session 7's run)
+        flushes = dict(sglang_engine=llm.flush_cache, megarl=flush_servers(megarl), megarl_split=flush_servers(megarl),
+                       megarl_memory_saver=flush_servers(saver))
         runs = dict(sglang_engine=engine_tokens, megarl=megarl_tokens(megarl, 0),
                     megarl_split=megarl_tokens(megarl, SPLIT_ROWS), megarl_memory_saver=megarl_tokens(saver, 0))
         rates, inside_rates = {p: [] for p in PATHS}, {p: [] for p in PATHS}
         for round_ in range(args.rounds + 1):  # round 0 warms every path up
             for path in PATHS[round_ % len(PATHS):] + PATHS[:round_ % len(PATHS)]:
+                flushes[path]()
                 served.clear()
                 start = time.perf_counter()
                 tokens = runs[path](next(fresh))
@@ -379,12 +395,14 @@ def request_split(llm, engine, batch: list[list[int]], n: int, sampling: dict) -
     what remains of megarl's time beyond that wall time. The same for sglang.Engine (its wall time beyond the
     inside: the in-process hand-over)."""
     rows = [p for p in batch for _ in range(n)]
+    llm.flush_cache()
     start = time.perf_counter()
     outs = llm.generate(input_ids=rows, return_logprob=True, sampling_params=sampling)
     split = dict(sglang_engine_wall_s=time.perf_counter() - start,
                  sglang_engine_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
-    start = time.perf_counter()
     request = {"input_ids": rows, "sampling_params": sampling | {"stop_token_ids": []}, "return_logprob": True}
+    engine.servers[0].post("/flush_cache")
+    start = time.perf_counter()
     outs = engine.servers[0].post("/generate", request)
     return split | dict(megarl_request_wall_s=time.perf_counter() - start,
                         megarl_request_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
@@ -526,9 +544,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="throughput: measured rounds (every path once each); the JSON is rewritten after each")
     parser.add_argument("--throughput-mem-fraction", type=float, default=0.25,
                         help="throughput: SGLang --mem-fraction-static of each of the three instances on the GPU")
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=512,
-                        help="throughput: SGLang's largest decode batch in a CUDA graph, on every path (past its "
-                             "default 256 a batch of 512 rows decodes eagerly: CPU-bound, and as noisy as the host)")
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--out", default="", help="the part's JSON, rewritten after every measurement")
     parser.add_argument("--log-dir", default=tempfile.gettempdir(), help="SGLang server logs")

@@ -181,9 +181,10 @@ class RolloutConfig:
                                     "reused flat buffers SGLang keeps mapped: the fastest, and the one that works "
                                     "into a TP>1 server), flattened_bucket (SGLang's one flat buffer per bucket; "
                                     "crashed a TP=2 server in sglang 0.5.17) or tensors (one handle per tensor)")
-    sglang_args: list = opt([], "SGLang: extra sglang.launch_server arguments, e.g. [--cuda-graph-max-bs-decode, 512] "
-                                "or [--attention-backend, fa3]; they come after megarl's own and override its "
-                                "defaults (triton attention, pytorch sampling); the ones megarl manages are refused")
+    sglang_args: list = opt([], "SGLang: extra sglang.launch_server arguments, e.g. [--attention-backend, fa3]; they "
+                                "come after megarl's own and override its defaults (triton attention, pytorch "
+                                "sampling, decode CUDA graphs up to each server's share of the step's batch when "
+                                "that passes SGLang's 256 rows); the ones megarl manages are refused")
     dump_dir: str = opt("", "write every training step's scored samples (tokens, masks, log-probs, rewards, tool "
                             "calls) to <dump_dir>/step_<N>.pt; empty = off")
     replay_dir: str = opt("", "train from the samples a run wrote with dump_dir (step N reads step_<N>.pt) "

@@ -27,6 +27,7 @@ TP group, owned by this engine.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -73,7 +75,37 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 # reach it); extra arguments may override the rest, such as the attention backend or CUDA-graph batch sizes.
 MANAGED_ARGS = ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--mem-fraction-static",
                 "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver")
+# sglang 0.5.17 captures decode CUDA graphs up to 256 rows at TP < 4 on 80-160 GB GPUs (H100, H200); a larger
+# batch decodes without them, 4x slower for a 0.5B model on an H200 (docs/benchmarks.md, session 7). megarl
+# captures up to a server's share of the step's batch instead, to at most 1024 rows: past that, a step's GPU work
+# hides most of the launch overhead graphs save, while capture time and memory keep growing (a judgment).
+SGLANG_DECODE_GRAPH_ROWS, MAX_DECODE_GRAPH_ROWS = 256, 1024
 TRANSPORTS = ("cuda_ipc", "nccl")  # how a training rank delivers weights to a server: transports/<name>.py
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = True
+
+
+@contextmanager
+def gc_paused():
+    """No garbage collection inside: parsing a rollout's answer allocates ~10^5 small lists (a [log-prob, id, text]
+    per token), enough to set off full collections of the driver's whole heap, ~0.4 s each with megatron and
+    SGLang imported (measured), inside rollout time. The lists die with the conversion, so nothing is deferred
+    to the collector. Re-entrant across threads: collection resumes when the last one leaves."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 class Endpoint:
@@ -92,7 +124,9 @@ class Endpoint:
         """Extra context for an error message (the process's state and log, where known)."""
         return ""
 
-    def post(self, path: str, payload: dict | None = None, timeout: float | None = None):
+    def post(self, path: str, payload: dict | None = None, timeout: float | None = None,
+             convert: Callable | None = None):
+        """The parsed answer, or what `convert` makes of it while the garbage collector is paused."""
         timeout = timeout or self.request_timeout
         try:
             response = requests.post(self.url + path, json=payload or {}, timeout=timeout)
@@ -105,13 +139,14 @@ class Endpoint:
             raise SGLangError(f"{path} on {self.url}: HTTP {response.status_code}: {response.text[:2000]}")
         if not response.content:  # /abort_request answers with an empty 200
             return None
-        try:
-            body = json_loads(response.content)
-        except ValueError:  # some endpoints (/flush_cache) answer in plain text
-            return response.text
-        if isinstance(body, dict) and body.get("success") is False:
-            raise SGLangError(f"{path} on {self.url}: {body.get('message')}")
-        return body
+        with gc_paused():
+            try:
+                body = json_loads(response.content)
+            except ValueError:  # some endpoints (/flush_cache) answer in plain text
+                return response.text
+            if isinstance(body, dict) and body.get("success") is False:
+                raise SGLangError(f"{path} on {self.url}: {body.get('message')}")
+            return convert(body) if convert else body
 
 
 class SGLangServer(Endpoint):
@@ -202,11 +237,20 @@ def managed_args(extra_args: Iterable) -> list[str]:
     return sorted({str(a).split("=")[0] for a in extra_args} & set(MANAGED_ARGS))
 
 
+def decode_graph_args(rows: int) -> list[str]:
+    """Launch arguments for a server that decodes `rows` rows at once: none while SGLang's own CUDA-graph
+    limit covers them."""
+    if rows <= SGLANG_DECODE_GRAPH_ROWS:
+        return []
+    return ["--cuda-graph-max-bs-decode", str(min(rows, MAX_DECODE_GRAPH_ROWS))]
+
+
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
-                  load_format: str | None = None, cuda_graph: bool = True, extra_args: tuple[str, ...] = (),
-                  log_dir: str | None = None, visible_devices: list[str] | None = None, env: dict | None = None,
-                  **kwargs) -> SGLangServer:
+                  load_format: str | None = None, cuda_graph: bool = True, decode_rows: int = 0,
+                  extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
+                  env: dict | None = None, **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
+    `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_args).
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
     GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs).
     `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS."""
@@ -221,7 +265,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
                *(["--enable-memory-saver"] if memory_saver else []),
                *(["--load-format", load_format] if load_format else []),
-               *([] if cuda_graph else ["--disable-cuda-graph"]), *map(str, extra_args)]
+               *(decode_graph_args(decode_rows) if cuda_graph else ["--disable-cuda-graph"]),
+               *map(str, extra_args)]
     log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
     env = dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})
     return SGLangServer(command, port, tp, str(log), env=env, **kwargs)
@@ -240,11 +285,13 @@ class SGLangRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, num_servers: int = 1, tp: int = 1, colocated: bool = True,
                  verify_dir: str | None = None, sampling_overrides: dict | None = None,
                  weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
-                 gpus: list[str] | None = None, rows_per_request: int = 0, **server_kwargs):
+                 gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0, **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
         place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
         `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
-        rows (a prompt's n samples stay together); 0 = one request per server."""
+        rows (a prompt's n samples stay together); 0 = one request per server.
+        `batch_rows`: the rows of a step's generate call (prompts x n), which sizes each server's decode CUDA
+        graphs (sglang_server's decode_rows); 0 = SGLang's own sizes."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
         if gpus:
             if len(gpus) % tp:
@@ -254,6 +301,9 @@ class SGLangRolloutEngine(RolloutEngine):
         # SGLang's memory saver only where memory is released between phases (colocated): it is off in
         # sglang.Engine's defaults, and a disaggregated server has no use for it
         server_kwargs = {"memory_saver": colocated} | server_kwargs
+        if batch_rows:  # a server's share, rounded up to 32 rows: routing splits whole prompt groups unevenly
+            share = -(-batch_rows // num_servers)
+            server_kwargs.setdefault("decode_rows", -(-share // 32) * 32)
         launch = launch or (lambda i: sglang_server(model_path, tp=tp, gpu=i * tp, visible_devices=gpus,
                                                     **server_kwargs))
         self.servers = [launch(i) for i in range(num_servers)]
@@ -340,16 +390,19 @@ class SGLangRolloutEngine(RolloutEngine):
             rows = [prompts[i] for i in prompt_ids for _ in range(params.n)]
             row_sampling = sampling if max_new_tokens is None else \
                 [sampling | {"max_new_tokens": limits[i]} for i in prompt_ids for _ in range(params.n)]
+
+            def to_generations(outputs) -> list[Generation]:
+                if not isinstance(outputs, list) or len(outputs) != len(rows):
+                    raise SGLangError(f"/generate on {self.servers[index].url}: expected {len(rows)} outputs, got "
+                                      f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}")
+                return [_to_generation(prompt_ids[k // params.n], out) for k, out in enumerate(outputs)]
+
             try:
-                outputs = self._generate_on(index, rows, row_sampling)
+                generations = self._generate_on(index, rows, row_sampling, to_generations)
             finally:
                 self._done(index, len(rows))
-            if not isinstance(outputs, list) or len(outputs) != len(rows):
-                raise SGLangError(f"/generate on {self.servers[index].url}: expected {len(rows)} outputs, got "
-                                  f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}")
-            for k, out in enumerate(outputs):
-                i = prompt_ids[k // params.n]
-                results[i * params.n + k % params.n] = _to_generation(i, out)
+            for k, generation in enumerate(generations):
+                results[generation.prompt_index * params.n + k % params.n] = generation
 
         per = max(1, self.rows_per_request // params.n) if self.rows_per_request else len(prompts)
         requests = [(s, ids[k:k + per]) for s, ids in groups.items() for k in range(0, len(ids), per)]
@@ -358,17 +411,18 @@ class SGLangRolloutEngine(RolloutEngine):
                 future.result()
         return results
 
-    def _generate_on(self, index: int, input_ids: list[list[int]], sampling: dict | list[dict]) -> list[dict]:
+    def _generate_on(self, index: int, input_ids: list[list[int]], sampling: dict | list[dict],
+                     convert: Callable[[list[dict]], list[Generation]]) -> list[Generation]:
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
         self._prepare(index)
         try:
-            return self.servers[index].post("/generate", request)
+            return self.servers[index].post("/generate", request, convert=convert)
         except SGLangError:
             if not self.servers[index].died():
                 raise
         target = self._recover(index)
         self._prepare(target)
-        return self.servers[target].post("/generate", request)
+        return self.servers[target].post("/generate", request, convert=convert)
 
     def _recover(self, index: int) -> int:
         """Restart a dead server; return where to retry its request."""

@@ -32,6 +32,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
         return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=colocated,
                                    mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
+                                   batch_rows=(cfg.data.prompts_per_step + cfg.agent.oversample_groups) * r.n_samples,
                                    extra_args=tuple(r.sglang_args),
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)

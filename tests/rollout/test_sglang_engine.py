@@ -1,6 +1,7 @@
 """megarl's SGLang engine logic (routing, n samples, stop params, restarts, timeouts, abort, weight
 payloads) against fake_sglang.py: real HTTP servers in their own processes speaking sglang 0.5.17's JSON."""
 
+import gc
 import io
 import os
 import pickle
@@ -13,8 +14,9 @@ import pytest
 import requests
 import torch
 
+from megarl.rollout import sglang as sglang_module
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine, SGLangServer, free_port, sglang_server
+from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine, SGLangServer, free_port, gc_paused, sglang_server
 from megarl.rollout.transports import cuda_ipc
 from megarl.workers.weight_sync import tensor_digest
 
@@ -100,6 +102,40 @@ def test_rows_split_into_concurrent_requests_keep_samples_together_and_order(tmp
     finally:
         whole.shutdown()
         split.shutdown()
+
+
+def test_answers_are_converted_with_the_collector_paused_until_the_last_thread_leaves(tmp_path):
+    server = fake_server(tmp_path).start()
+    try:
+        request = {"input_ids": [[1, 2]], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+        assert server.post("/generate", request, convert=lambda body: (len(body), gc.isenabled())) == (1, False)
+        assert gc.isenabled()
+    finally:
+        server.shutdown()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_thread():
+        with gc_paused():
+            inside.set()
+            leave.wait(10)
+    worker = threading.Thread(target=other_thread)
+    with gc_paused():
+        worker.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # the other thread is still parsing
+    leave.set()
+    worker.join()
+    assert gc.isenabled()
+    with pytest.raises(ZeroDivisionError), gc_paused():
+        1 / 0
+    assert gc.isenabled()
+    gc.disable()  # a caller that turned the collector off keeps it off
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_stop_token_and_finish_reasons(tmp_path):
@@ -290,7 +326,6 @@ def test_servers_spread_over_the_given_gpus(tmp_path):
     assert server.env == {"CUDA_VISIBLE_DEVICES": "3,5,6,7"}
 
 
-
 def test_extra_arguments_come_last_and_cannot_take_over_megarls_own(tmp_path):
     server = sglang_server("model", extra_args=("--attention-backend", "fa3", "--cuda-graph-max-bs-decode", 512),
                            log_dir=str(tmp_path))
@@ -299,6 +334,30 @@ def test_extra_arguments_come_last_and_cannot_take_over_megarls_own(tmp_path):
     assert server.command.index("triton") < len(server.command) - 4
     with pytest.raises(ValueError, match=r"--mem-fraction-static, --port: megarl sets these itself"):
         sglang_server("model", extra_args=("--port=1", "--mem-fraction-static", "0.9"), log_dir=str(tmp_path))
+
+
+def test_decode_graphs_cover_each_servers_share_of_the_batch(monkeypatch, tmp_path):
+    def graph_rows(server):
+        flag = "--cuda-graph-max-bs-decode"
+        return server.command[server.command.index(flag) + 1] if flag in server.command else None
+
+    def server(**kwargs):
+        return sglang_server("model", log_dir=str(tmp_path), **kwargs)
+    assert graph_rows(server(decode_rows=256)) is None  # SGLang's own limit covers it
+    assert graph_rows(server(decode_rows=512)) == "512"
+    assert graph_rows(server(decode_rows=5000)) == "1024"
+    eager = server(decode_rows=512, cuda_graph=False)
+    assert graph_rows(eager) is None and "--disable-cuda-graph" in eager.command
+    assert server(decode_rows=512, extra_args=("--cuda-graph-max-bs-decode", 64)).command[-1] == "64"  # user's last
+    shares = []
+
+    def launch_fake(model_path, decode_rows, **kwargs):
+        shares.append(decode_rows)
+        return fake_server(tmp_path)
+    monkeypatch.setattr(sglang_module, "sglang_server", launch_fake)
+    SGLangRolloutEngine("unused", num_servers=3, colocated=False, batch_rows=1000).shutdown()
+    assert shares == [352] * 3  # 334 rows each, rounded up to 32: prompt groups split unevenly
+
 
 def test_server_does_not_inherit_its_launchers_process_group(monkeypatch, tmp_path):
     # under torchrun a TP=2 server inheriting TORCHELASTIC_USE_AGENT_STORE never starts (GPU, session 6)
@@ -310,6 +369,7 @@ def test_server_does_not_inherit_its_launchers_process_group(monkeypatch, tmp_pa
     assert not {"TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                 "MASTER_ADDR", "MASTER_PORT"} & env.keys()
     assert env["MEGARL_KEPT"] == "yes" and env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PATH"] == os.environ["PATH"]
+
 
 def test_flat_layout_pack_unpack_roundtrip():
     bucket = bucket_of(7)
