@@ -389,11 +389,14 @@ def part_throughput(args) -> dict:
 
 
 def request_split(llm, engine, batch: list[list[int]], n: int, sampling: dict) -> dict:
-    """Where megarl's rollout time goes: the same rows in one raw /generate (as SGLangRolloutEngine sends them),
-    its wall time with the answer parsed, and the time SGLang's tokenizer manager saw it (the longest
-    e2e_latency): the rest is HTTP, JSON on both sides and the transfer; generate's own conversion is
-    what remains of megarl's time beyond that wall time. The same for sglang.Engine (its wall time beyond the
-    inside: the in-process hand-over)."""
+    """Where megarl's rollout time goes: the same rows in one /generate, sent as Endpoint.post and converted as
+    SGLangRolloutEngine.generate does, each step timed (encode, answered, parse, convert), and the time SGLang's
+    tokenizer manager saw it (the longest e2e_latency): "answered" beyond that is the server's JSON and HTTP.
+    The same for sglang.Engine (its wall time beyond the inside: the in-process hand-over)."""
+    import requests
+
+    from megarl.rollout.sglang import _to_generation, gc_paused, json_dumps, json_loads
+
     rows = [p for p in batch for _ in range(n)]
     llm.flush_cache()
     start = time.perf_counter()
@@ -401,11 +404,22 @@ def request_split(llm, engine, batch: list[list[int]], n: int, sampling: dict) -
     split = dict(sglang_engine_wall_s=time.perf_counter() - start,
                  sglang_engine_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
     request = {"input_ids": rows, "sampling_params": sampling | {"stop_token_ids": []}, "return_logprob": True}
-    engine.servers[0].post("/flush_cache")
-    start = time.perf_counter()
-    outs = engine.servers[0].post("/generate", request)
+    server = engine.servers[0]
+    server.post("/flush_cache")
+    start = time.perf_counter()  # Endpoint.post's steps, each timed
+    body = json_dumps(request)
+    encoded = time.perf_counter()
+    response = requests.post(server.url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    received = time.perf_counter()
+    with gc_paused():
+        outs = json_loads(response.content)
+        parsed = time.perf_counter()
+        [_to_generation(0, out) for out in outs]
     return split | dict(megarl_request_wall_s=time.perf_counter() - start,
-                        megarl_request_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs))
+                        megarl_request_inside_s=max(o["meta_info"]["e2e_latency"] for o in outs),
+                        megarl_request_encode_s=encoded - start, megarl_request_answered_s=received - encoded,
+                        megarl_request_parse_s=parsed - received, megarl_request_convert_s=time.perf_counter() - parsed,
+                        megarl_answer_mb=len(response.content) / 1e6)
 
 
 def part_nccl(args) -> list[dict]:
@@ -501,6 +515,10 @@ def table(out_dir: Path, parts: list[str]) -> str:
                 tail.append(f"one batch, wall s (inside SGLang's tokenizer manager): sglang.Engine "
                             f"{r('sglang_engine_wall_s')} ({r('sglang_engine_inside_s')}), megarl's raw /generate "
                             f"{r('megarl_request_wall_s')} ({r('megarl_request_inside_s')})")
+            if "megarl_request_parse_s" in results:
+                tail.append(f"megarl's request, s: encode {r('megarl_request_encode_s')}, answered "
+                            f"{r('megarl_request_answered_s')}, parse {r('megarl_request_parse_s')} "
+                            f"({results['megarl_answer_mb']:.1f} MB), convert {r('megarl_request_convert_s')}")
             continue
         for r in results:
             fmt = f"nccl flattened={r['flattened']}" if r.get("transport") == "nccl" else \

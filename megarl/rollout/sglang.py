@@ -46,9 +46,13 @@ import requests
 import torch
 
 try:  # SGLang's own dependency: parses a rollout's answer (MBs of log-probs) several times faster than json
-    from orjson import loads as json_loads
+    from orjson import dumps as json_dumps, loads as json_loads
 except ImportError:  # a CPU install without SGLang
-    from json import loads as json_loads
+    import json
+
+    def json_dumps(value) -> bytes:
+        return json.dumps(value).encode()
+    json_loads = json.loads
 
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.transports import cuda_ipc
@@ -129,7 +133,8 @@ class Endpoint:
         """The parsed answer, or what `convert` makes of it while the garbage collector is paused."""
         timeout = timeout or self.request_timeout
         try:
-            response = requests.post(self.url + path, json=payload or {}, timeout=timeout)
+            response = requests.post(self.url + path, data=json_dumps(payload or {}), timeout=timeout,
+                                     headers={"Content-Type": "application/json"})
         except requests.Timeout as error:
             raise SGLangError(f"{path} on {self.url}: no answer within {timeout:.0f} s (server hung?)"
                               f"{self.diagnose()}") from error

@@ -57,6 +57,8 @@ def test_table_lists_parts_in_order_with_errors_and_missing_parts(tmp_path):
         model="qwen2.5-0.5b", prompts=128, n=4, new_tokens=256, rounds=3, megarl_tok_s=20000.4, sglang_engine_tok_s=25000.0,
         ratio=0.8, megarl_memory_saver_tok_s=17500.0, ratio_memory_saver=0.7, sglang_engine_wall_s=4.0,
         sglang_engine_inside_s=3.95, megarl_request_wall_s=4.9, megarl_request_inside_s=4.2,
+        megarl_request_encode_s=0.001, megarl_request_answered_s=4.3, megarl_request_parse_s=0.05,
+        megarl_answer_mb=5.83, megarl_request_convert_s=0.01,
         megarl_split_tok_s=24000.0, ratio_split=0.96, ratio_inside=0.97, ratio_paired=0.9))))
     lines = table(tmp_path, ["sync_7b", "sync_1.5b", "throughput"]).splitlines()
     assert lines[2] == ("| sync_7b | qwen2.5-7b | persistent | 1 | 1024 | 15.23 | 0.150 | 0.020 | 0.050 | 0.030 | 0.030 "
@@ -69,6 +71,7 @@ def test_table_lists_parts_in_order_with_errors_and_missing_parts(tmp_path):
                         "median of the rounds' ratios 0.900")
     assert lines[6] == ("one batch, wall s (inside SGLang's tokenizer manager): sglang.Engine 4.000 (3.950), "
                         "megarl's raw /generate 4.900 (4.200)")
+    assert lines[7] == "megarl's request, s: encode 0.001, answered 4.300, parse 0.050 (5.8 MB), convert 0.010"
 
 
 def test_server_loads_sum_each_rank_and_report_the_slowest_since_the_last_call(tmp_path):
