@@ -334,6 +334,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, None)
         if self.path == "/flush_cache":
             return self.reply(200, text="Cache flushed.\n")
+        if self.path == "/freeze_gc":
+            return self.reply(200, text="Garbage collection frozen.\n")
         if self.path == "/update_weights_from_tensor" or self.path in WEIGHT_GROUP_PATHS:
             result = WEIGHT_GROUP_PATHS.get(self.path, update_weights)(body)
             return self.reply(200 if result["success"] else 400, result)

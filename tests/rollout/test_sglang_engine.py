@@ -255,7 +255,8 @@ def test_colocated_memory_cycle(tmp_path):
         e.begin_weight_update()
         e.generate([[1]], SamplingParams(max_new_tokens=2))
         calls = [(r["path"], r["body"].get("tags")) for r in log(server) if r["path"] != "/generate"]
-        assert calls == [("/release_memory_occupation", ["kv_cache", "cuda_graph"]),  # after the 1st rollout
+        assert calls == [("/freeze_gc", None),  # once healthy: start-up objects out of the collector's reach
+                         ("/release_memory_occupation", ["kv_cache", "cuda_graph"]),  # after the 1st rollout
                          ("/release_memory_occupation", ["weights"]),  # release_memory: what is still held
                          ("/resume_memory_occupation", ["weights"]),                # sync begins
                          ("/resume_memory_occupation", ["kv_cache", "cuda_graph"]),  # rollout: KV back (its
