@@ -527,6 +527,8 @@ class SGLangRolloutEngine(RolloutEngine):
             self._prepare(index)
 
     def shutdown(self) -> None:
+        if self._sender is not None:  # the servers let go of its buffers while they are up (CudaIpcSender.close)
+            self._sender.close()
         for server in self.servers:
             server.shutdown()
 

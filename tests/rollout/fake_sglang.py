@@ -307,6 +307,9 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(503 if self.never_healthy else 200, ...)
         if self.path == "/fake/log":
             return self.reply(200, STATE.log)
+        if self.path == "/fake/mapped":  # the persistent loader's buffers held mapped, by slot
+            from megarl.rollout.transports import cuda_ipc
+            return self.reply(200, sorted(cuda_ipc._MAPPED))
         if self.path.startswith("/fake/weights"):  # ?rank=r: TP rank r's
             rank = int(self.path.partition("rank=")[2] or 0)
             model = STATE.ranks[rank] if STATE.ranks else STATE.model

@@ -303,6 +303,14 @@ def test_weight_payloads_arrive_bitwise_with_overlap(tmp_path, fmt):
             {None} if fmt == "tensors" else {cuda_ipc.PERSISTENT_LOADER})
         if fmt == "persistent":  # two buffers, reused: no allocation per bucket
             assert sender.count == 5 and all(b is not None for b in sender.buffers)
+            mapped = lambda: requests.get(server.url + "/fake/mapped", timeout=5).json()
+            assert mapped() == [0, 1]
+            sender.close()  # SGLang lets go of both buffers first, then ours are freed
+            assert mapped() == [] and sender.buffers == [None, None]
+            sender.send(buckets[0])()
+            server.shutdown()
+            sender.close()  # a server that is gone let go with its process
+            assert sender.buffers == [None, None]
     finally:
         server.shutdown()
 

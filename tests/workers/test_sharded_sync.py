@@ -39,6 +39,10 @@ def _held(server) -> list[dict]:
     return [requests.get(f"{server.url}/fake/weights?rank={r}", timeout=5).json() for r in range(2)]
 
 
+def _mapped(server) -> list[int]:
+    return requests.get(server.url + "/fake/mapped", timeout=5).json()
+
+
 def _not_through_the_actor(bucket):
     raise AssertionError("a sharded sync into SGLang must not load buckets through the rollout actor")
 
@@ -114,6 +118,10 @@ def _rank(rank, model_dir, work):
         if rank == 0:
             with pytest.raises(SGLangError, match=f"check tensor equality failed: \\['rank 1 {Q}'\\]"):
                 rollout.named_weights()
+            assert _mapped(rollout.servers[0]) == [0, 1]
+        weight_sync.close_senders(senders)  # on every rank: SGLang lets go of both ranks' buffers, then they are freed
+        if rank == 0:
+            assert _mapped(rollout.servers[0]) == []
     finally:
         if rollout is not None:
             rollout.shutdown()

@@ -95,6 +95,9 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
     start = time.perf_counter()
     ((header, flat),) = named_tensors
     header = json.loads(header)
+    if header.get("release"):  # the sender is closing (CudaIpcSender.close): let go of its buffers
+        _MAPPED.clear()
+        return
     bucket = unpack(flat, header["layout"])
     if header.get("presharded"):
         load_presharded(model, bucket)
@@ -209,7 +212,33 @@ class CudaIpcSender:
         return post
 
     def close(self) -> None:
-        """Nothing to release: SGLang's mappings of the buffers go with their server or this process."""
+        """SGLang keeps the persistent buffers mapped (load_flat_bucket) until told to let go; until then torch
+        keeps their memory in its IPC limbo, and at exit torch 2.11 crashed freeing such blocks (SIGSEGV in
+        ~CudaIPCSentData after a 7B sync into a TP=2 server, 2026-11-22)."""
+        named = self.release_payload()
+        if named is not None:
+            payload = self.serialize(named)
+            for endpoint in self.endpoints:
+                post_release(endpoint, [payload] * endpoint.tp)
+        self.free()
+
+    def release_payload(self) -> Bucket | None:
+        """The persistent loader's payload that makes SGLang drop its mappings; None if nothing is mapped."""
+        held = [b for b in self.buffers if b is not None]
+        return [(json.dumps({"release": True}), held[0][:1])] if held else None
+
+    def free(self) -> None:
+        self.buffers = [None] * self.slots
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # the buffers SGLang let go of leave torch's IPC limbo
+
+
+def post_release(endpoint, payloads: list[str]) -> None:
+    try:
+        endpoint.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
+                                                     "load_format": PERSISTENT_LOADER, "flush_cache": False})
+    except RuntimeError:  # SGLangError: a server that is gone let go of everything with its process
+        pass
 
 
 SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads the vocabulary to it
@@ -271,6 +300,18 @@ class ShardedIpcSender(CudaIpcSender):
                 endpoint.post("/update_weights_from_tensor", request)
 
         return post
+
+    def close(self) -> None:
+        """As CudaIpcSender.close, for every rank's buffers: rank 0 posts them all; every rank of the group
+        calls this (TrainWorker.shutdown and push_policy's change of servers run on all of them)."""
+        named = self.release_payload()
+        payloads = [None] * self.size if self.first else None
+        dist.gather_object(named and self.serialize(named), payloads, group_dst=0, group=self.group)
+        if self.first and all(payloads):
+            for endpoint in self.endpoints:
+                post_release(endpoint, payloads)
+        dist.barrier(group=self.group)  # SGLang let go of every rank's buffers
+        self.free()
 
 
 def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
