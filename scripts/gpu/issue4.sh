@@ -14,10 +14,10 @@
 #                       TP=2 server, full then sharded delivery, 8 GiB buckets, verified then timed; SGLang at
 #                       --mem-fraction 0.6 (its KV cache: what is left after the trainer's ~40 GB)  (~5-7 min)
 #     any part of weight_sync.sh (sync_7b, sync_tp2, sync_tp2_small, sync_0.5b, throughput, nccl)
-#   The default (3 GPUs, ~7 min) is what of issue 4 has not run on the GPU: the 7B full-vs-sharded reshard
-#   (session 6's attempt: its TP=2 server inherited torchrun's store settings, fixed since) beside the rollout
-#   throughput part. Session 6's calls: "0,1=grpo_tp2 0,1=sync_tp2; 2,3=grpo_tp2_sharded 2,3=sync_tp2_small",
-#   "0,1=grpo_tp2; 2,3=reshard_tp2", "0=throughput" (docs/benchmarks.md).
+#   The default (3 GPUs, ~7 min) runs the 7B full-vs-sharded reshard beside the rollout throughput part. Session 6's
+#   calls: "0,1=grpo_tp2 0,1=sync_tp2; 2,3=grpo_tp2_sharded 2,3=sync_tp2_small", "0,1=grpo_tp2; 2,3=reshard_tp2",
+#   "0=throughput"; session 7's, on one H200 and then two: "0=throughput" three times, "0,1=reshard_tp2" twice
+#   (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/megarl-issue4}; mkdir -p "$OUT"

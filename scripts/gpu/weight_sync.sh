@@ -12,8 +12,9 @@
 #   sync_0.5b  the same at 0.5B, each format verified bit for bit inside SGLang (weights checker)   (~70 s)
 #   throughput sglang.Engine and megarl's SGLangRolloutEngine.generate (one request, requests of 64 rows, and
 #              on a server with the memory saver), all on the GPU at once, measured in turns (medians of 7
-#              rounds, also on SGLang's own clock); a raw /generate timed against SGLang's own latency; 0.5B;
-#              decode CUDA graphs up to 512 rows, so the first of its 3 starts JIT-compiles         (~420 s)
+#              rounds, also on SGLang's own clock, each batch from an empty prefix cache); one request timed
+#              step by step against SGLang's own latency; 0.5B; decode CUDA graphs as megarl sizes them for
+#              the batch (512 rows), so the first of its 3 starts JIT-compiles                    (~300 s)
 #   sync_tp2   (2 GPUs) one TP=2 server on GPUs 0-1, 7B, trainer on GPU 0, as sync_7b but 4096 / 8192 / 16384 MiB
 #              buckets (a post costs ~15 ms at TP=2 beyond SGLang's load, ~4 at TP=1: fewer posts) (flattened_bucket,
 #              SGLang's own loader, crashed a TP=2 server in sglang 0.5.17)                           (~110 s)
