@@ -272,16 +272,15 @@ def part_throughput(args) -> dict:
     contention: decode past SGLang's captured batch sizes is CPU-bound) falls on every path alike. Each path's
     tok/s is its median over --rounds rounds after a warm-up batch; ratios are against sglang.Engine's median."""
     from megarl.rollout.base import SamplingParams
-    from megarl.rollout.sglang import SGLangRolloutEngine, decode_graph_args
+    from megarl.rollout.sglang import SGLangRolloutEngine, decode_graph_rows
 
     name, n, new = args.models[0], args.n, args.new_tokens
     # decode CUDA graphs as megarl's servers size them for a batch (batch_rows), given to sglang.Engine too: past
     # SGLang's default 256 rows a batch decodes eagerly, CPU-bound, 4x slower and as noisy as the host
-    graph_args = decode_graph_args(args.prompts * n)
-    engine_graphs = dict(cuda_graph_max_bs_decode=int(graph_args[1])) if graph_args else {}
+    graph_rows = decode_graph_rows(args.prompts * n)
     result = dict(model=name, prompts=args.prompts, prompt_len=args.prompt_len, n=n, new_tokens=new,
                   rounds=args.rounds, mem_fraction=args.throughput_mem_fraction,
-                  decode_graph_args=graph_args)
+                  decode_graph_rows=graph_rows)
     if args.dry_run:
         result |= {f"{p}_tok_s": 0.0 for p in PATHS} | dict(dry_run=True, ratio=0.0, ratio_split=0.0,
                                                               ratio_memory_saver=0.0, ratio_inside=0.0,
@@ -301,7 +300,7 @@ def part_throughput(args) -> dict:
     llm = sglang.Engine(model_path=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
                         attention_backend="triton", sampling_backend="pytorch",
                         mem_fraction_static=args.throughput_mem_fraction,
-                        **engine_graphs)
+                        cuda_graph_max_bs_decode=graph_rows)
     servers = []
     try:
         for memory_saver in (False, True):

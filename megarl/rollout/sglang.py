@@ -246,12 +246,10 @@ def managed_args(extra_args: Iterable) -> list[str]:
     return sorted({str(a).split("=")[0] for a in extra_args} & set(MANAGED_ARGS))
 
 
-def decode_graph_args(rows: int) -> list[str]:
-    """Launch arguments for a server that decodes `rows` rows at once: none while SGLang's own CUDA-graph
-    limit covers them."""
-    if rows <= SGLANG_DECODE_GRAPH_ROWS:
-        return []
-    return ["--cuda-graph-max-bs-decode", str(min(rows, MAX_DECODE_GRAPH_ROWS))]
+def decode_graph_rows(rows: int) -> int | None:
+    """The largest decode batch to capture in a CUDA graph for a server that decodes `rows` rows at once;
+    None while SGLang's own limit covers them."""
+    return min(rows, MAX_DECODE_GRAPH_ROWS) if rows > SGLANG_DECODE_GRAPH_ROWS else None
 
 
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
@@ -259,14 +257,14 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                   extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
                   env: dict | None = None, **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
-    `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_args).
+    `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_rows).
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
     GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs).
     `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS."""
     managed = managed_args(extra_args)
     if managed:
         raise ValueError(f"extra SGLang arguments {', '.join(managed)}: megarl sets these itself")
-    port = free_port()
+    port, graph_rows = free_port(), decode_graph_rows(decode_rows)
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
                "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction),
@@ -274,7 +272,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
                *(["--enable-memory-saver"] if memory_saver else []),
                *(["--load-format", load_format] if load_format else []),
-               *(decode_graph_args(decode_rows) if cuda_graph else ["--disable-cuda-graph"]),
+               *([] if cuda_graph else ["--disable-cuda-graph"]),
+               *(["--cuda-graph-max-bs-decode", str(graph_rows)] if cuda_graph and graph_rows else []),
                *map(str, extra_args)]
     log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
     env = dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})

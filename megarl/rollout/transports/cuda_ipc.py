@@ -233,10 +233,14 @@ class CudaIpcSender:
             torch.cuda.ipc_collect()  # the buffers SGLang let go of leave torch's IPC limbo
 
 
+def persistent_request(payloads: list[str], flush_cache: bool = False) -> dict:
+    """The /update_weights_from_tensor body for the persistent loader: one payload per SGLang TP rank."""
+    return {"serialized_named_tensors": payloads, "load_format": PERSISTENT_LOADER, "flush_cache": flush_cache}
+
+
 def post_release(endpoint, payloads: list[str]) -> None:
     try:
-        endpoint.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
-                                                     "load_format": PERSISTENT_LOADER, "flush_cache": False})
+        endpoint.post("/update_weights_from_tensor", persistent_request(payloads))
     except RuntimeError:  # SGLangError: a server that is gone let go of everything with its process
         pass
 
@@ -293,7 +297,7 @@ class ShardedIpcSender(CudaIpcSender):
         dist.gather_object(self.serialize(named), payloads, group_dst=0, group=self.group)
         if not self.first:
             return lambda: None
-        request = {"serialized_named_tensors": payloads, "load_format": PERSISTENT_LOADER, "flush_cache": flush_cache}
+        request = persistent_request(payloads, flush_cache)
 
         def post() -> None:
             for endpoint in self.endpoints:
