@@ -283,6 +283,17 @@ class TrainerConfig:
     resume: str = opt("auto", "auto (the newest complete checkpoint in checkpoint_dir, if any), none, or the path "
                               "of a checkpoint (or of a directory of checkpoints)")
     keep_last: int = opt(2, "complete checkpoints kept (older ones are deleted); 0 = keep all")
+    skip_nonfinite_updates: bool = opt(False, "an optimizer update whose loss (any micro-batch, any rank) or gradient "
+                                              "norm is NaN or infinite is skipped (weights and optimizer state "
+                                              "untouched, the LR schedule still advances; counted in "
+                                              "train/skipped_updates) instead of stopping the run with an error that "
+                                              "names the step, rank and micro-batch")
+    worker_timeout_s: float = opt(1800.0, "deadline in seconds for every driver call to a training rank or the "
+                                          "rollout actor (a whole generate, train or checkpoint call); past it the run "
+                                          "names the silent rank and the call, kills every rank and server and exits "
+                                          "non-zero. 30 min: far longer than any healthy call (a 671B step's train "
+                                          "or checkpoint call takes minutes), as long as the ranks' own collective "
+                                          "timeout (megarl/parallel/state.py). 0 = wait forever")
 
 
 @dataclass
@@ -357,6 +368,8 @@ class Config:
         if t.save_every < 0 or t.keep_last < 0 or not t.resume:
             raise ConfigError(f"trainer.save_every={t.save_every} and trainer.keep_last={t.keep_last} must be >= 0 "
                               f"and trainer.resume={t.resume!r} one of auto, none or a path")
+        if t.worker_timeout_s < 0:
+            raise ConfigError(f"trainer.worker_timeout_s={t.worker_timeout_s}: must be >= 0 (0 = no deadline)")
         if t.verify_weight_sync_every < 0:
             raise ConfigError(f"trainer.verify_weight_sync_every={t.verify_weight_sync_every}: must be >= 0")
         if a.max_sampling_rounds < 1:
