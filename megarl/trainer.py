@@ -16,9 +16,9 @@ from megarl.algorithms.advantages import compute_advantages
 from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
 from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
-from megarl.data.dataset import PromptDataset, load_prompt_file, sft_batch
+from megarl.data.dataset import sft_batch
 from megarl.data.evaluation import eval_metrics
-from megarl.data.tasks import load_examples
+from megarl.data.inputs import prompt_datasets, prompt_limit, read_model_config
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
@@ -43,8 +43,7 @@ def resolve_device(cfg: Config) -> str:
 def prepare_model(cfg: Config) -> str:
     """The policy's HF directory; the built-in tiny model is built offline on first use."""
     if cfg.model.path != "tiny":
-        if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.model.path}: no config.json there")
+        read_model_config(cfg.model.path)  # an InputError naming a missing or unreadable config.json
         return cfg.model.path
     from megarl.models.tiny import build_tiny_model
     m = cfg.model
@@ -64,14 +63,11 @@ class RLTrainer:
         self.device = resolve_device(cfg)
         self.model_path = prepare_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        train, val = load_examples(cfg.data, cfg.trainer.seed)
-        chat = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt}
-        self.data = PromptDataset(train, self.tokenizer, cfg.data.prompts_per_step, cfg.trainer.seed, **chat)
-        sft_examples = load_prompt_file(cfg.sft.data) if cfg.sft.data else train  # reference answers or traces
-        self.sft_data = PromptDataset(sft_examples, self.tokenizer, cfg.sft.batch_size, cfg.trainer.seed + 1, **chat)
+        # every prompt checked now (empty, unencodable, longer than the model's positions leave), its row named
+        limit = prompt_limit(cfg, read_model_config(self.model_path), str(Path(self.model_path) / "config.json"))
+        prompts = prompt_datasets(cfg, self.tokenizer, limit)
+        self.data, self.sft_data, self.val = prompts.train, prompts.sft, prompts.val
         self.renderer = observation_renderer(self.tokenizer, cfg.agent.observation_template)  # tool results
-        val = val[:cfg.data.val_size]
-        self.val = PromptDataset(val, self.tokenizer, len(val), 0, **chat).next_batch()
         self.reward_fn = build_reward(cfg.reward, cfg.data.task)
         self.kl_ctl = kl_controller(cfg.algorithm)  # fixed, or adaptive towards algorithm.kl_target
         self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())

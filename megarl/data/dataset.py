@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import random
+import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megarl.data.files import MalformedRow, iter_records
+from megarl.data.files import InputError, MalformedRow, iter_records
 from megarl.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -21,24 +23,59 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+class Example(dict):
+    """A prompt record that remembers where it came from ("<file>, row N", "task 'add' train example N"), so
+    that a problem found once the prompt is tokenized still names its row."""
+
+    def __init__(self, record: dict, origin: str, **fields):
+        super().__init__(record, **fields)
+        self.origin = origin
+
+
+@dataclass
+class PromptLimit:
+    """The most tokens a prompt may have, and where that number comes from (said in the error)."""
+    tokens: int
+    why: str
+
+
 class PromptDataset:
     """Endless batches of prompts, reshuffled every epoch (the order depends only on seed and epoch).
 
     A batch may span two epochs, so every batch has exactly `batch_size` prompts. `state_dict()`
     captures where the iterator is; loading it into a dataset built from the same examples resumes
     with the same next batch.
+
+    Each prompt is rendered and tokenized here, once; one that has no tokens, holds characters the
+    tokenizer cannot encode, or is longer than `max_prompt_tokens` raises an InputError naming its row,
+    or with `skip_malformed` is left out and counted (`skipped`: the problem by index in `examples`; logged).
     """
 
     def __init__(self, examples: list[dict], tokenizer, batch_size: int, seed: int = 0, chat_template: bool = False,
-                 system_prompt: str = ""):
+                 system_prompt: str = "", max_prompt_tokens: PromptLimit | None = None, skip_malformed: bool = False):
         if not examples:
             raise ValueError("PromptDataset needs at least one example")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        # 'prompt' becomes the text the model sees (chat template applied), so rewards and logs see it too
-        rendered = [render_prompt(tokenizer, ex["prompt"], chat_template, system_prompt) for ex in examples]
-        self.examples = [dict(ex, prompt=text, prompt_ids=encode(tokenizer, text))
-                         for ex, text in zip(examples, rendered)]
+        self.examples, self.skipped = [], {}
+        for i, ex in enumerate(examples):
+            # 'prompt' becomes the text the model sees (chat template applied), so rewards and logs see it too
+            text = render_prompt(tokenizer, ex["prompt"], chat_template, system_prompt)
+            ids = encode(tokenizer, text)
+            problem = token_problem(tokenizer, text, ids, max_prompt_tokens)
+            if problem is None:
+                self.examples.append(dict(ex, prompt=text, prompt_ids=ids))
+                continue
+            problem = f"{getattr(ex, 'origin', f'example {i}')}: {problem}"
+            if not skip_malformed:
+                raise InputError(problem)
+            self.skipped[i] = problem
+        first = next(iter(self.skipped.values()), "")
+        if self.skipped:
+            logger.warning("skipped %d of %d prompts (data.skip_malformed); the first: %s", len(self.skipped),
+                           len(examples), first)
+        if not self.examples:
+            raise InputError(f"no usable prompts: all {len(examples)} were skipped; the first: {first}")
         self.batch_size = batch_size
         self.seed = seed
         self.epoch = 0
@@ -76,17 +113,47 @@ class PromptDataset:
         self._order = self._epoch_order()
 
 
+def token_problem(tokenizer, text: str, ids: list[int], limit: PromptLimit | None) -> str | None:
+    """What is wrong with a rendered prompt and its token ids, or None."""
+    if not ids:
+        return f"prompt {text[:60]!r} has no tokens"
+    lost = unencodable_characters(tokenizer, text, ids)
+    if lost:
+        return (f"characters the tokenizer cannot encode (dropped, or mapped to its unknown token): {lost!r} "
+                f"in prompt {text[:60]!r}")
+    if limit is not None and len(ids) > limit.tokens:
+        return f"prompt is {len(ids)} tokens, over the limit of {limit.tokens} ({limit.why})"
+    return None
+
+
+def unencodable_characters(tokenizer, text: str, ids: list[int]) -> str:
+    """The characters of `text` that do not come back when `ids` are decoded, in order of first use. A space
+    may be dropped or merged legitimately (SentencePiece's leading space), and a character may come back in
+    its NFKC form (tokenizers that normalize), so neither counts as lost."""
+    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if decoded == text:
+        return ""
+    return "".join(c for c in dict.fromkeys(text)
+                   if c != " " and c not in decoded and unicodedata.normalize("NFKC", c) not in decoded)
+
+
 def prompt_problem(record: dict) -> str | None:
     """What is wrong with a prompt record, or None. A record has 'prompt' (a string, or a list of chat
     messages {'role', 'content'}) and 'answer' (a string or number; verl's layout, with the answer in
     'reward_model': {'ground_truth': ...}, is read too)."""
     prompt = record.get("prompt")
     if isinstance(prompt, list):
-        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                  and isinstance(m.get("content"), str) for m in prompt):
+        if not prompt:
+            return "field 'prompt' is an empty list of chat messages"
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                   and isinstance(m.get("content"), str) for m in prompt):
             return "field 'prompt' is a list but not of chat messages {'role': str, 'content': str}"
+        if not any(m["content"].strip() for m in prompt if m["role"] != "system"):
+            return "field 'prompt' is empty: no chat message but a system one has any content"
     elif not isinstance(prompt, str):
         return f"field 'prompt' must be a string or a list of chat messages, got {prompt!r}"
+    elif not prompt.strip():
+        return f"field 'prompt' is empty ({prompt!r})"
     answer = record_answer(record)
     if not isinstance(answer, str):
         return f"field 'answer' must be a string, got {answer!r}"
@@ -105,24 +172,25 @@ def record_answer(record: dict):
 def load_prompt_file(path: str | Path, skip_malformed: bool = False) -> list[dict]:
     """Examples {'prompt', 'answer', ...} from a .jsonl or .parquet prompt file (see prompt_problem).
 
-    A malformed row raises a ValueError naming the file and row; with skip_malformed it is skipped, and
-    the number skipped is logged."""
+    A malformed row (not valid UTF-8 or JSON, an empty prompt, no answer) raises an InputError naming the
+    file and row; with skip_malformed it is skipped, and the number skipped is logged. Each example is an
+    Example that keeps its file and row, for the checks PromptDataset makes once it is tokenized."""
     examples, skipped = [], []
     for row, record in iter_records(path):
         problem = str(record) if isinstance(record, MalformedRow) else None
         if problem is None and (reason := prompt_problem(record)):
             problem = str(MalformedRow(path, row, reason))
         if problem is None:
-            examples.append(dict(record, answer=record_answer(record)))
+            examples.append(Example(record, f"{path}, row {row}", answer=record_answer(record)))
         elif skip_malformed:
             skipped.append(problem)
         else:
-            raise ValueError(problem)
+            raise InputError(problem)
     if skipped:
         logger.warning("%s: skipped %d malformed rows (data.skip_malformed); the first: %s", path, len(skipped),
                        skipped[0])
     if not examples:
-        raise ValueError(f"{path}: no examples" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
+        raise InputError(f"{path}: no examples" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
     return examples
 
 

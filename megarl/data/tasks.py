@@ -19,7 +19,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from megarl.data.dataset import load_prompt_file
+from megarl.data.dataset import Example, load_prompt_file
 
 SPLITS = ("train", "val")
 VAL_PERCENT = 10  # share of the example space held out for validation
@@ -126,8 +126,8 @@ def load_examples(data_cfg, seed: int) -> tuple[list[dict], list[dict]]:
     if data_cfg.task in TASKS:
         task = make_task(data_cfg.task, min_len=data_cfg.min_len, max_len=data_cfg.max_len)
         # a small task (2-digit products: 8100 prompts) gives half its prompts, all found by random draws
-        train = task.make_examples(min(TRAIN_POOL, (task.num_prompts() or 2 * TRAIN_POOL) // 2), seed, "train")
-        val = [] if data_cfg.val_task else task.make_examples(data_cfg.val_size, seed, "val")
+        train = task_examples(task, min(TRAIN_POOL, (task.num_prompts() or 2 * TRAIN_POOL) // 2), seed, "train")
+        val = [] if data_cfg.val_task else task_examples(task, data_cfg.val_size, seed, "val")
     elif data_cfg.task.endswith((".jsonl", ".parquet")):
         rows = load_prompt_file(data_cfg.task, skip)
         train = rows if data_cfg.val_task else [r for r in rows if split_of(prompt_key(r)) == "train"]
@@ -141,6 +141,12 @@ def load_examples(data_cfg, seed: int) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"data.task={data_cfg.task!r} gives {len(train)} training and {len(val)} validation "
                          f"examples; both must be non-empty (set data.val_task for a small prompt file)")
     return train, val
+
+
+def task_examples(task: SyntheticTask, n: int, seed: int, split: str) -> list[Example]:
+    """make_examples, each example named by task, split and index for errors found once it is tokenized."""
+    return [Example(ex, f"task '{task.name}' {split} example {i}")
+            for i, ex in enumerate(task.make_examples(n, seed, split))]
 
 
 def prompt_key(example: dict) -> str:

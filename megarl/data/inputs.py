@@ -1,0 +1,105 @@
+"""A run's inputs, checked before anything heavy starts: the model directory (config.json, tokenizer) and every
+prompt, rendered and tokenized. RLTrainer builds its prompt datasets here; `python -m megarl.train --dry-run`
+makes the same checks without loading weights or starting a worker. Each problem is an InputError naming
+the file (and row) or the config key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.data.dataset import PromptDataset, PromptLimit, load_prompt_file
+from megarl.data.files import InputError
+from megarl.data.tasks import load_examples
+
+
+def read_model_config(path: str | Path, key: str = "model.path") -> dict:
+    """The HF config.json of the model directory `path` (set by config key `key`), read and parsed."""
+    file = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise InputError(f"{key}={path}: no such model directory")
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{key}={path}: no config.json there") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{file}: not a readable JSON model config ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def prompt_limit(cfg, model_config: dict, where: str) -> PromptLimit | None:
+    """The longest prompt that leaves room for a full response in the model's positions:
+    max_position_embeddings minus the response budget (rollout.max_new_tokens; agent.max_response_tokens for
+    multi-turn rollouts). A longer prompt's samples would run past the positions the model was trained on
+    (or be cut by the engine), so it is refused at load time. None when the config gives no length."""
+    positions = model_config.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        return None
+    key, budget = (("agent.max_response_tokens", cfg.agent.max_response_tokens) if cfg.agent.enabled
+                   else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+    if budget >= positions:
+        raise InputError(f"{key}={budget} leaves no room for a prompt: the model ({where}) has "
+                         f"max_position_embeddings={positions}")
+    return PromptLimit(positions - budget, f"max_position_embeddings {positions} of {where} - {key} {budget}")
+
+
+@dataclass
+class PromptSets:
+    """The prompts of a run: RL training, the supervised warm start, and the held-out batch; `skipped`
+    counts the prompts data.skip_malformed left out of them."""
+    train: PromptDataset
+    sft: PromptDataset
+    val: list[dict]
+    skipped: int
+
+
+def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
+    """Every prompt of the run loaded, rendered, tokenized and checked (see PromptDataset)."""
+    train, val = load_examples(cfg.data, cfg.trainer.seed)
+    options = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt,
+               "max_prompt_tokens": limit, "skip_malformed": cfg.data.skip_malformed}
+    seed = cfg.trainer.seed
+    train_set = PromptDataset(train, tokenizer, cfg.data.prompts_per_step, seed, **options)
+    val_set = PromptDataset(val[:cfg.data.val_size], tokenizer, 1, 0, **options)  # taken whole, below
+    skipped = len(train_set.skipped) + len(val_set.skipped)
+    if cfg.sft.data:  # multi-turn traces
+        sft_set = PromptDataset(load_prompt_file(cfg.sft.data), tokenizer, cfg.sft.batch_size, seed + 1, **options)
+        skipped += len(sft_set.skipped)
+    else:  # the training prompts' reference answers, those that passed above
+        sft_examples = [ex for i, ex in enumerate(train) if i not in train_set.skipped]
+        sft_set = PromptDataset(sft_examples, tokenizer, cfg.sft.batch_size, seed + 1, **options)
+    return PromptSets(train_set, sft_set, val_set.next_batch(len(val_set)), skipped)
+
+
+def check_inputs(cfg) -> str:
+    """The dry run's checks: every model directory's config.json, the policy's tokenizer, and every prompt
+    (as RLTrainer will load them). Returns a one-line summary; raises InputError naming the problem."""
+    if cfg.model.path == "tiny":  # built offline on first use: its tokenizer and config, without writing it
+        from megarl.models.tiny import build_char_tokenizer, tiny_config
+
+        tokenizer = build_char_tokenizer()
+        model_config = tiny_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id).to_dict()
+        where = "the built-in tiny model"
+    else:
+        model_config = read_model_config(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
+        where = str(Path(cfg.model.path) / "config.json")
+    critic = cfg.critic.path if cfg.algorithm.advantage == "gae" else ""  # only GAE uses a critic
+    for key, path in (("critic.path", critic), ("reward_model.path", cfg.reward_model.path)):
+        if path:
+            read_model_config(path, key)
+    prompts = prompt_datasets(cfg, tokenizer, prompt_limit(cfg, model_config, where))
+    skipped = f", {prompts.skipped} skipped (data.skip_malformed)" if prompts.skipped else ""
+    return f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}"
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError ... for a missing or broken one
+        raise InputError(f"model.path={path}: its tokenizer does not load ({type(e).__name__}: {e})") from None
