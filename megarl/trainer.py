@@ -223,7 +223,7 @@ class RLTrainer:
             examples = self.sft_data.next_batch()
             m = self.actor.train(sft_batch(self.tokenizer, examples, self.renderer), loss="sft", lr=self.cfg.sft.lr)
             if step % max(1, self.cfg.sft.steps // 5) == 0 or step == self.cfg.sft.steps:
-                self.tracker.log({"sft/loss": m["loss"]}, step)
+                self.tracker.log({f"sft/{k}": m[k] for k in ("loss", "skipped_updates") if k in m}, step)
 
     def sample_batch(self) -> tuple[Batch, dict]:
         """A step's scored samples. With DAPO dynamic sampling, groups whose rewards are all equal are set aside

@@ -29,7 +29,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms import losses
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.engine import checkpoint, context_parallel, offload, weights
+from megarl.engine import checkpoint, context_parallel, finite, offload, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs
 from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
@@ -80,15 +80,17 @@ def _params_dtype(precision: str, device: str) -> torch.dtype:
 class MegatronEngine:
     def __init__(self, model_path: str, actor: ActorConfig, algorithm: AlgorithmConfig, device: str,
                  seed: int, total_steps: int, load_hf_weights: bool = True, head: str = "lm",
-                 trainable: bool = True):
+                 trainable: bool = True, skip_nonfinite_updates: bool = False):
         """load_hf_weights=False: model_path needs only config.json; the weights come from a megatron
         checkpoint loaded next (load_checkpoint), e.g. in megarl.convert.
         head='value': a scalar value head instead of the LM head (critic, reward model: value_head.py).
         trainable=False: no DDP, optimizer or gradients (a frozen reference or a scoring reward model).
-        `actor` is the role's section (ActorConfig, CriticConfig, RewardModelConfig)."""
+        `actor` is the role's section (ActorConfig, CriticConfig, RewardModelConfig).
+        skip_nonfinite_updates: an update with a NaN or infinite loss or gradient norm is skipped (counted in the
+        metrics) instead of raising FloatingPointError (trainer.skip_nonfinite_updates)."""
         if head not in ("lm", "value"):
             raise ValueError(f"head={head!r}: expected 'lm' or 'value'")
-        self.head, self.trainable = head, trainable
+        self.head, self.trainable, self.skip_nonfinite_updates = head, trainable, skip_nonfinite_updates
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronEngine needs megarl.parallel.state.init_parallel() first")
         self.actor, self.algorithm, self.model_path = actor, algorithm, model_path
@@ -356,7 +358,9 @@ class MegatronEngine:
     # Training
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
-        """Optimizer steps over this DP rank's share of the batch; metrics averaged over the steps."""
+        """Optimizer steps over this DP rank's share of the batch; metrics averaged over the steps applied, and
+        'skipped_updates': those skipped for a non-finite loss or gradient norm (skip_nonfinite_updates; the LR
+        schedule advances all the same: it counts RL steps)."""
         if loss not in LOSSES:
             raise ValueError(f"loss={loss!r}: expected one of {', '.join(LOSSES)}")
         if not self.trainable:
@@ -378,10 +382,17 @@ class MegatronEngine:
         if loss == "policy" and "old_logprobs" not in batch and updates > 1:
             raise ValueError(f"the batch has no 'old_logprobs' and makes {updates} optimizer updates: after the first, "
                              "the policy is no longer the old one (algorithm.recompute_old_logprobs=always)")
-        steps = [self._optimizer_step(mini_batch, loss) for _ in range(epochs) for mini_batch in batch.split(mini)]
-        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        step = f"RL step {self.scheduler.num_steps}, " if loss in ("policy", "value") else ""
+        mini_batches = [mini_batch for _ in range(epochs) for mini_batch in batch.split(mini)]
+        steps = [self._optimizer_step(mini_batch, loss, f"{step}update {i + 1} of {updates} of this call")
+                 for i, mini_batch in enumerate(mini_batches)]
+        applied = [s for s in steps if s is not None]
+        metrics = ({k: sum(s[k] for s in applied) / len(applied) for k in applied[0]} if applied
+                   else {"lr": self.optimizer.param_groups[0]["lr"]})
+        return metrics | {"skipped_updates": float(len(steps) - len(applied))}
 
-    def _optimizer_step(self, batch: Batch, loss: str) -> dict[str, float]:
+    def _optimizer_step(self, batch: Batch, loss: str, where: str) -> dict[str, float] | None:
+        """One update; None if skipped (a non-finite loss or gradient norm under skip_nonfinite_updates)."""
         dp_group = parallel_state.get_data_parallel_group()
         counts = torch.tensor([batch["loss_mask"].sum().item(), len(batch)], dtype=torch.float64,
                               device=self.device)
@@ -404,6 +415,7 @@ class MegatronEngine:
         # Each loss_fn returns its micro-batch's share of the global mean; megatron divides it by the
         # number of micro-batches and DDP averages gradients over DP, so undo both.
         scale = len(mbs) * dist.get_world_size(dp_group)
+        mb_losses = []  # this stage's micro-batch losses in order (the last stage's), checked after the schedule
 
         def loss_fn(mb, output):
             if loss == "value":
@@ -425,12 +437,24 @@ class MegatronEngine:
                 else:
                     value, metrics = losses.sft_loss(logprobs, mb["loss_mask"], total_tokens), {}
             metrics = {"loss": value} | metrics
+            mb_losses.append(value.detach())
             return value * scale, {k: v.detach().float().reshape(()) for k, v in metrics.items()}
 
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(mbs, loss_fn, forward_only=False)
+        found = finite.check_update(mb_losses, [g for m in self.models for g in offload.ddp_grad_buffers(m)],
+                                    self.device)
+        if found:
+            message = (f"{found.describe(len(mbs))}, in {loss} training ({where}; the engine's update "
+                       f"{self.step_count + 1})")
+            if not self.skip_nonfinite_updates:
+                raise FloatingPointError(f"{message}: the update was not applied and the run stops (set "
+                                         "trainer.skip_nonfinite_updates=true to skip such updates instead)")
+            if dist.get_rank() == 0:
+                print(f"megarl: skipped an optimizer update: {message}", flush=True)
+            return None
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("optimizer step skipped (non-finite gradients)")

@@ -52,7 +52,8 @@ class TrainWorker:
         init_parallel(self.rank, p.world_size, master_addr, master_port, p.tp, p.pp, self.device,
                       self.cfg.trainer.seed, ep=p.ep, cp=p.cp)
         self.engine = MegatronEngine(self.model_path, section, self.cfg.algorithm, self.device,
-                                     self.cfg.trainer.seed, total_steps, head=head, trainable=trainable)
+                                     self.cfg.trainer.seed, total_steps, head=head, trainable=trainable,
+                                     skip_nonfinite_updates=self.cfg.trainer.skip_nonfinite_updates)
         self.resharder = self._resharder() if self.role == "actor" else None
         return {"rank": self.rank, "dp_rank": mpu.get_data_parallel_rank(), "pid": os.getpid(),
                 "node": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()]}

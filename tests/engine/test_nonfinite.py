@@ -1,0 +1,73 @@
+"""A NaN loss or gradient never reaches the weights: the update stops with an error naming the step, the rank and
+the micro-batch, or (skip_nonfinite_updates) is skipped, counted, with weights and optimizer state untouched."""
+
+import math
+
+import pytest
+import torch
+
+from megarl.config import ActorConfig, AlgorithmConfig
+from tests.dist_utils import run_distributed
+from tests.engine.hf_models import make_qwen2_dir, padded_batch
+
+
+def _share(rank: int, nan_row: int | None):
+    """This DP rank's 4 rows; a NaN advantage on one real token of `nan_row` (rank 1 only)."""
+    batch = padded_batch(rows=8).chunk(2)[rank]
+    g = torch.Generator().manual_seed(3)
+    batch["advantages"] = torch.randn(batch["tokens"].shape, generator=g) * batch["loss_mask"]
+    if rank == 1 and nan_row is not None:
+        batch["advantages"][nan_row, 3] = float("nan")
+    return batch
+
+
+def _state(engine):
+    weights = [p.detach().clone() for p in engine._parameters()]
+    optimizer = [t.clone() for s in engine.optimizer.state_dict()["state"].values() for t in s.values()
+                 if torch.is_tensor(t)]
+    return weights, optimizer
+
+
+def _equal(a, b) -> bool:
+    return all(len(x) == len(y) and all(torch.equal(s, t) for s, t in zip(x, y)) for x, y in zip(a, b))
+
+
+def _errors_rank(rank, model_dir):
+    """DP=2, micro-batches of 2 rows: row 2 of rank 1 (12 tokens) is in its micro-batch 2 of 2."""
+    from megarl.engine import MegatronEngine
+
+    engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2), AlgorithmConfig(), "cpu", 1, 10)
+    engine.train(_share(rank, None))  # a clean update first: the optimizer has state to keep
+    errors = {}
+    with pytest.raises(FloatingPointError) as loss_error:
+        engine.train(_share(rank, nan_row=2))
+    errors["loss"] = str(loss_error.value)
+    # A finite loss whose gradient is NaN (one weight's gradient poisoned on rank 0).
+    hook = engine._parameters()[0].register_hook(lambda grad: grad * float("nan") if rank == 0 else grad)
+    with pytest.raises(FloatingPointError) as grad_error:
+        engine.train(_share(rank, None))
+    hook.remove()
+    errors["grad"] = str(grad_error.value)
+
+    engine.skip_nonfinite_updates = True
+    before = _state(engine)
+    skipped = engine.train(_share(rank, nan_row=2))
+    after_skip = _state(engine)
+    applied = engine.train(_share(rank, None))
+    return errors, skipped, applied, _equal(before, after_skip), _equal(before, _state(engine))
+
+
+def test_nonfinite_loss_or_grad_stops_the_update_naming_step_rank_micro_batch_or_is_skipped(tmp_path):
+    errors, skipped, applied, kept, moved_back = run_distributed(
+        _errors_rank, 2, make_qwen2_dir(tmp_path / "m", tied=False))
+    # Every rank raises the same agreed error: rank 0's names rank 1's micro-batch.
+    assert "non-finite loss" in errors["loss"]
+    assert "RL step 2" in errors["loss"] and "rank 1 (micro-batch 2 of 2" in errors["loss"]
+    assert "rank 0" not in errors["loss"] and "trainer.skip_nonfinite_updates" in errors["loss"]
+    assert "non-finite gradient norm" in errors["grad"] and "RL step 3" in errors["grad"]
+    # Skipped: counted, no loss metrics from the poisoned update, weights and Adam state equal bit for bit.
+    assert skipped["skipped_updates"] == 1 and "loss" not in skipped
+    assert kept
+    # The next clean update applies (its gradient buffers were cleared of the NaNs).
+    assert applied["skipped_updates"] == 0 and math.isfinite(applied["loss"]) and math.isfinite(applied["grad_norm"])
+    assert not moved_back
