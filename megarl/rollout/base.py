@@ -8,6 +8,7 @@ log-probability of each sampled token under the sampling distribution's logits a
 from __future__ import annotations
 
 import abc
+import hashlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -22,7 +23,17 @@ class SamplingParams:
     n: int = 1  # samples per prompt
     stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's EOS is a stop too, unless ignore_eos
     ignore_eos: bool = False  # fixed-length responses (benchmarks): EOS is sampled like any token
+    # The call's random draws follow from this seed and its prompts alone (an engine keeps no random state
+    # across calls), so a resumed run regenerates what the uninterrupted one drew; None: the engine's own
+    # random state, not reproducible. SGLang honours it only in deterministic mode (rollout.deterministic).
     seed: int | None = None
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A seed in [0, 2**31) that depends only on `parts`, the same in every process and run (Python's hash()
+    of a string is salted per process). 31 bits: SGLang holds a request's sampling_seed in an int32."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << 31)
 
 
 @dataclass
@@ -45,6 +56,13 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The weights as the engine holds them, by HF name (for verifying a sync)."""
+
+    def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
+        """server -> engine TP rank -> parameter -> [dtype, shape, sum 0, sum 1, is_buffer]: checksums
+        (megarl.utils.checksum) of every parameter and persistent buffer as the engine holds them, computed
+        where they live (for verifying a sync against megarl.rollout.weight_layout's expected checksums)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot checksum its weights: use "
+                                  "trainer.verify_weight_sync_deep=true")
 
     def release_memory(self) -> None:
         """Free weights and cache memory (colocated mode); a no-op where nothing is shared."""

@@ -14,6 +14,7 @@ import torch
 
 from megarl.engine import offload
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
+from megarl.utils.checksum import module_checksums
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -151,6 +152,9 @@ class HFRolloutEngine(RolloutEngine):
 
     def resident_bytes(self) -> int:
         return offload.resident_bytes(self.model.parameters())
+
+    def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
+        return {0: {0: module_checksums(self.model)}}
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in self.model.state_dict().items()

@@ -28,7 +28,9 @@ TP group, owned by this engine.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -55,7 +57,7 @@ except ImportError:  # a CPU install without SGLang
         return json.dumps(value).encode()
     json_loads = json.loads
 
-from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
+from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
 from megarl.rollout.transports import cuda_ipc
 
 SERVER_GUARD = str(Path(__file__).with_name("server_guard.py"))
@@ -79,7 +81,10 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 # The launch arguments megarl owns (where the server listens and on which GPUs, its share of memory, how weights
 # reach it); extra arguments may override the rest, such as the attention backend or CUDA-graph batch sizes.
 MANAGED_ARGS = ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--mem-fraction-static",
-                "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver")
+                "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver",
+                "--enable-deterministic-inference")
+# The attention backends sglang 0.5.17 runs deterministic inference with (its server_args refuses the others).
+DETERMINISTIC_ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
 # sglang 0.5.17 captures decode CUDA graphs up to 256 rows at TP < 4 on 80-160 GB GPUs (H100, H200); a larger
 # batch decodes without them, 4x slower for a 0.5B model on an H200 (docs/benchmarks.md, session 7). megarl
 # captures up to a server's share of the step's batch instead, to at most 1024 rows: past that, a step's GPU work
@@ -246,6 +251,17 @@ def managed_args(extra_args: Iterable) -> list[str]:
     return sorted({str(a).split("=")[0] for a in extra_args} & set(MANAGED_ARGS))
 
 
+def attention_backend(extra_args: Iterable) -> str:
+    """The attention backend a server launched with megarl's arguments and then `extra_args` uses."""
+    args, backend = [str(a) for a in extra_args], "triton"  # megarl's own choice, unless extra_args override it
+    for k, arg in enumerate(args):
+        if arg.startswith("--attention-backend="):
+            backend = arg.split("=", 1)[1]
+        elif arg == "--attention-backend" and k + 1 < len(args):
+            backend = args[k + 1]
+    return backend
+
+
 def decode_graph_rows(rows: int) -> int | None:
     """The largest decode batch to capture in a CUDA graph for a server that decodes `rows` rows at once;
     None while SGLang's own limit covers them."""
@@ -255,15 +271,19 @@ def decode_graph_rows(rows: int) -> int | None:
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
                   load_format: str | None = None, cuda_graph: bool = True, decode_rows: int = 0,
                   extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
-                  env: dict | None = None, **kwargs) -> SGLangServer:
+                  env: dict | None = None, deterministic: bool = False, **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
     `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_rows).
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
     GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs).
-    `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS."""
+    `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS.
+    `deterministic`: SGLang's deterministic inference (batch-invariant kernels; per-request sampling seeds count)."""
     managed = managed_args(extra_args)
     if managed:
         raise ValueError(f"extra SGLang arguments {', '.join(managed)}: megarl sets these itself")
+    if deterministic and attention_backend(extra_args) not in DETERMINISTIC_ATTENTION_BACKENDS:
+        raise ValueError(f"deterministic inference needs attention backend {' / '.join(DETERMINISTIC_ATTENTION_BACKENDS)}"
+                         f", the extra arguments ask for {attention_backend(extra_args)}")
     port, graph_rows = free_port(), decode_graph_rows(decode_rows)
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
@@ -271,6 +291,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
                *(["--enable-memory-saver"] if memory_saver else []),
+               *(["--enable-deterministic-inference"] if deterministic else []),
                *(["--load-format", load_format] if load_format else []),
                *([] if cuda_graph else ["--disable-cuda-graph"]),
                *(["--cuda-graph-max-bs-decode", str(graph_rows)] if cuda_graph and graph_rows else []),
@@ -293,14 +314,19 @@ class SGLangRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, num_servers: int = 1, tp: int = 1, colocated: bool = True,
                  verify_dir: str | None = None, sampling_overrides: dict | None = None,
                  weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
-                 gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0, **server_kwargs):
+                 gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0,
+                 serializer: Callable[[object], str] | None = None, deterministic: bool = False, **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
         place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
         `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
         rows (a prompt's n samples stay together); 0 = one request per server.
         `batch_rows`: the rows of a step's generate call (prompts x n), which sizes each server's decode CUDA
-        graphs (sglang_server's decode_rows); 0 = SGLang's own sizes."""
+        graphs (sglang_server's decode_rows); 0 = SGLang's own sizes.
+        `serializer`: how requests to megarl's loader inside SGLang carry tensors (default SGLang's CUDA IPC).
+        `deterministic`: servers in SGLang's deterministic-inference mode, and a sampling seed per response
+        (SGLang ignores seeds outside that mode), so the same call with the same params.seed samples the same."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
+        self.deterministic = deterministic
         if gpus:
             if len(gpus) % tp:
                 raise ValueError(f"{len(gpus)} GPUs ({','.join(gpus)}) cannot hold servers of tensor-parallel size {tp}")
@@ -308,7 +334,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks
         # SGLang's memory saver only where memory is released between phases (colocated): it is off in
         # sglang.Engine's defaults, and a disaggregated server has no use for it
-        server_kwargs = {"memory_saver": colocated} | server_kwargs
+        server_kwargs = {"memory_saver": colocated, "deterministic": deterministic} | server_kwargs
         if batch_rows:  # a server's share, rounded up to 32 rows: routing splits whole prompt groups unevenly
             share = -(-batch_rows // num_servers)
             server_kwargs.setdefault("decode_rows", -(-share // 32) * 32)
@@ -324,6 +350,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.syncing = False
         self.weight_format = weight_format
         self._sender: cuda_ipc.CudaIpcSender | None = None
+        self.serializer = serializer
+        self.checksum_dir: Path | None = None  # where SGLang's TP workers write their checksums
         self.verify_dir = Path(verify_dir) if verify_dir else None
         self.received: dict[str, torch.Tensor] = {}  # CPU copies of this sync's tensors, for verify_weights
         self.restarts = 0
@@ -386,8 +414,9 @@ class SGLangRolloutEngine(RolloutEngine):
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids),
                     "ignore_eos": params.ignore_eos, **self.sampling_overrides}
-        if params.seed is not None:
-            sampling["sampling_seed"] = params.seed
+        # deterministic mode: each response's seed from the call's seed, its prompt and its sample; without a seed,
+        # a fresh one (SGLang would give every request its default seed: a prompt's n samples all alike)
+        seed = (random.getrandbits(31) if params.seed is None else params.seed) if self.deterministic else None
         groups: dict[int, list[int]] = {}  # server -> prompt indices
         for i in range(len(prompts)):
             server = self._assign(conversations[i] if conversations else None, params.n)
@@ -396,8 +425,10 @@ class SGLangRolloutEngine(RolloutEngine):
 
         def run(index: int, prompt_ids: list[int]) -> None:
             rows = [prompts[i] for i in prompt_ids for _ in range(params.n)]
-            row_sampling = sampling if max_new_tokens is None else \
-                [sampling | {"max_new_tokens": limits[i]} for i in prompt_ids for _ in range(params.n)]
+            row_sampling = sampling if max_new_tokens is None and seed is None else \
+                [sampling | ({} if max_new_tokens is None else {"max_new_tokens": limits[i]})
+                 | ({} if seed is None else {"sampling_seed": derive_seed(seed, i, j)})
+                 for i in prompt_ids for j in range(params.n)]
 
             def to_generations(outputs) -> list[Generation]:
                 if not isinstance(outputs, list) or len(outputs) != len(rows):
@@ -487,6 +518,34 @@ class SGLangRolloutEngine(RolloutEngine):
         self._sender.send(bucket)()
         if self.verify_dir is not None:
             self.received.update((n, t.detach().to("cpu", copy=True)) for n, t in bucket)
+
+    def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
+        """Every server's TP workers checksum the parameters they hold, on their GPUs (megarl's loader inside
+        SGLang: cuda_ipc.inspect_weights), and write them to files read here."""
+        if self.checksum_dir is None:
+            self.checksum_dir = Path(tempfile.mkdtemp(prefix="megarl-checksums-"))
+        files = {(i, r): self.checksum_dir / f"server{i}_rank{r}.json"
+                 for i, s in enumerate(self.servers) for r in range(s.tp)}
+        for path in files.values():
+            path.unlink(missing_ok=True)
+        self._inspect(lambda i, r: {"checksums": str(files[i, r])})
+        held: dict[int, dict[int, dict[str, list]]] = {}
+        for (i, r), path in files.items():
+            held.setdefault(i, {})[r] = json.loads(path.read_text())
+        return held
+
+    def corrupt_weight(self, name: str, server: int = 0, rank: int = 0) -> None:
+        """Test hook: flip a bit of parameter `name` (SGLang's name) in one TP worker's memory."""
+        self._inspect(lambda i, r: {"flip_bit": name if r == rank else None}, servers=[server])
+
+    def _inspect(self, header: Callable[[int, int], dict], servers: list[int] | None = None) -> None:
+        """Post one request per server to megarl's loader inside SGLang with header(server, rank) for each TP
+        rank; the payload's tensor is a placeholder (SGLang moves it to the rank's device first)."""
+        serialize = self.serializer or cuda_ipc.sglang_serializer()
+        placeholder = torch.zeros(1, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
+        for i in servers if servers is not None else range(len(self.servers)):
+            payloads = [serialize([(json.dumps(header(i, r)), placeholder)]) for r in range(self.servers[i].tp)]
+            self.servers[i].post("/update_weights_from_tensor", cuda_ipc.persistent_request(payloads))
 
     def verify_weights(self) -> None:
         """SGLang checks itself: what it received against what its own loader reads from the exported file."""

@@ -33,7 +33,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
                                    mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    batch_rows=(cfg.data.prompts_per_step + cfg.agent.oversample_groups) * r.n_samples,
-                                   extra_args=tuple(r.sglang_args),
+                                   extra_args=tuple(r.sglang_args), deterministic=r.deterministic,
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")
@@ -91,6 +91,9 @@ class RolloutWorker:
             raise NotImplementedError(f"{type(self.engine).__name__} takes full HF tensors only "
                                       "(rollout.weight_delivery=full)")
         self.engine.update_weight_shards(bucket, gen_rank, gen_tp)
+
+    def weight_checksums(self) -> dict:
+        return self.engine.weight_checksums()
 
     def weight_digests(self, dtypes: dict) -> dict:
         return weight_sync.digests_of(self.engine.named_weights(), dtypes)

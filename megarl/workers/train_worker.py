@@ -11,8 +11,10 @@ import ray
 import torch
 
 from megarl.config import Config
+from megarl.parallel.inventory import hf_inventory
 from megarl.protocol import Batch
 from megarl.rollout.transports import cuda_ipc
+from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
 from megarl.workers import weight_sync
 
 
@@ -102,12 +104,13 @@ class TrainWorker:
         """Every rank loads the engine from `directory` (written at any layout)."""
         return self.engine.load_checkpoint(directory)
 
-    def push_weights(self, rollout, bucket_bytes: int, verify: bool) -> dict | None:
+    def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict | None:
         """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
         of the first generation TP group sends its own rows (rollout.sglang_tp of them). The rollout engine
         picks the transport (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC
-        (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, digests of what
-        was sent. Sharded into SGLang: the group's ranks pack their rows each on their own GPU, rank 0 posts
+        (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, the checksums the
+        rollout engine's parameters must have (weight_layout.ExpectedChecksums), or with `deep` too, digests of
+        what was sent and host copies for SGLang's reload check. Sharded into SGLang: the group's ranks pack their rows each on their own GPU, rank 0 posts
         (cuda_ipc.ShardedIpcSender). Returns this rank's report (None if it sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
         gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
@@ -128,13 +131,24 @@ class TrainWorker:
         sync = dict(begin=(lambda: ray.get(rollout.begin_weight_update.remote())) if talks else None,
                     end=(lambda received: ray.get(rollout.end_weight_update.remote(received))) if talks else None,
                     verify=verify, weight_format=self.cfg.rollout.sglang_weight_format, senders=self.weight_senders,
-                    master_address=ray.util.get_node_ip_address())
+                    master_address=ray.util.get_node_ip_address(),
+                    expected=self.expected_checksums(delivery, gen_tp) if verify and not deep else None)
         if delivery == "full":
             return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
                 ray.get, rollout.update_weights.remote(b)), **sync)
         return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
             ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)),
             key=weight_sync.shard_key(self.resharder.specs, gen_tp, self.rank), group=self.generation_group, **sync)
+
+    def expected_checksums(self, delivery: str, gen_tp: int) -> ExpectedChecksums:
+        """What this rank's part of a sync must make the rollout engine's parameters hash to: full delivery, every
+        engine TP rank's (rank 0 sends whole tensors, each SGLang rank keeps its shard); sharded, its own rank's."""
+        r = self.cfg.rollout
+        specs = self.resharder.specs if self.resharder is not None else hf_inventory(self.engine.hf_config)
+        layout = WeightLayout(specs, r.engine, r.sglang_tp)
+        if delivery == "full" or r.engine != "sglang":
+            return ExpectedChecksums(layout, list(range(layout.tp)))
+        return ExpectedChecksums(layout, [self.rank], presharded=True)
 
     def memory(self) -> dict[str, int]:
         """This rank's engine state on its device, and on GPU the allocator's and the whole device's use."""

@@ -8,10 +8,13 @@ on GPUs of their own (transports/nccl_broadcast.py); any other engine loads each
 (through Ray's object store: `RolloutEngine.update_weights`, or a generation TP rank's rows,
 `update_weight_shards`). Either way bucket k is in flight while bucket k+1 is gathered and converted.
 
-On a verified sync the rank records a digest of every tensor or shard sent, computed on its device
-(`checksums`); verification then asks the engine for the weights *as it holds them* (`named_weights`;
-SGLang checks those inside itself first) and digests them on its side: a mismatch anywhere (a dropped
-tensor, a wrong slice, one flipped element) fails loudly by name.
+Verification (trainer.verify_weight_sync_every), by default by checksums: the sending rank computes, bucket by
+bucket on its device, what every parameter the engine holds must hash to (megarl.rollout.weight_layout: SGLang's
+fused, sharded, padded parameters from the HF tensors sent), and the engine computes the same checksums of the
+parameters as it holds them, where they live (inside SGLang's TP workers); `verify_checksums` compares the two
+and names every parameter that differs, is missing, or was never sent. No copy of the weights leaves either GPU.
+The deep check (trainer.verify_weight_sync_deep) instead keeps host copies of what was sent, has SGLang reload
+them from a file with its own loader and compare, then digests the engine's weights against the sender's.
 """
 
 from __future__ import annotations
@@ -24,34 +27,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.transports import cuda_ipc, nccl_broadcast
+from megarl.rollout.weight_layout import ExpectedChecksums
+from megarl.utils.checksum import checksums
 
 
 class WeightSyncError(RuntimeError):
     """The rollout engine's weights differ from what the trainer sent."""
-
-
-# Integer views by element size: the digest reads a tensor's bits, not its values (-0.0 != 0.0, NaNs compare)
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Odd position weights w_i = (i * m mod 2^32) | 1, one sum per multiplier. Sums are int64 and wrap
-# (arithmetic mod 2^64), so they do not depend on reduction order (equal on CPU and GPU, any chunking); an
-# odd weight is invertible mod 2^64, so changing any single element always changes every sum.
-_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
-
-
-def checksums(tensors: Iterable[torch.Tensor], chunk: int = 1 << 24) -> list[torch.Tensor]:
-    """Per tensor, its position-weighted int64 sums ([2] on the tensor's device, no host sync: the caller
-    reads them all at once). Temporary memory: a few int64 copies of `chunk` elements."""
-    out = []
-    for t in tensors:
-        bits = t.detach().contiguous().view(-1).view(_BITS[t.element_size()])
-        sums = torch.zeros(len(_MULTIPLIERS), dtype=torch.int64, device=t.device)
-        for start in range(0, bits.numel(), chunk):
-            x = bits[start:start + chunk].to(torch.int64)
-            index = torch.arange(start, start + x.numel(), dtype=torch.int64, device=t.device) & 0x7FFFFFFF
-            for k, m in enumerate(_MULTIPLIERS):
-                sums[k] += (x * ((index * m) & 0xFFFFFFFF | 1)).sum()
-        out.append(sums)
-    return out
 
 
 def digests(tensors: list[torch.Tensor]) -> list[tuple]:
@@ -125,7 +106,8 @@ def close_senders(senders: dict) -> None:
 def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end: Callable[[dict | None], None],
                 load: Callable[[Bucket], Callable[[], None]], verify: bool, key: Callable[[str], Key] = lambda n: n,
                 weight_format: str = "persistent", senders: dict | None = None,
-                serializer: Callable | None = None, master_address: str = "127.0.0.1", group=None) -> dict:
+                serializer: Callable | None = None, master_address: str = "127.0.0.1", group=None,
+                expected: ExpectedChecksums | None = None) -> dict:
     """One sync from a sending rank. `begin()` starts it on the rollout engine and returns SGLang endpoints
     (the buckets are sent from here by the endpoints' transport, then `end(received)` closes the sync;
     `received` are host copies of what was sent, for SGLang's own check, on a verified sync) or None
@@ -144,7 +126,11 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     (`assemble`).
     To any other engine each rank loads its own buckets.
 
-    Returns what was sent (with `verify`: dtype and digest per tensor, by `key(name)`), the bf16/fp32 bytes
+    With `verify` and `expected`, the verification is by checksums: each tensor sent goes into `expected` (by
+    `key(name)`), and nothing else is kept; with `verify` alone, the deep check's host copies and digests.
+
+    Returns what was sent (deep check: dtype and digest per tensor, by `key(name)`; checksums: `expected`'s
+    result), the bf16/fp32 bytes
     sent, and seconds: total on this rank (begin to end), and its split (the wait for begin, gather/convert,
     pack, transfer wait, end, digests), and each bucket's post (posts_s)."""
     start = time.perf_counter()
@@ -177,7 +163,12 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
         nonlocal digest_s, deliver
         deliver = deliver or transport()
         post = deliver(bucket)
-        if verify:
+        if verify and expected is not None:  # queued on the device behind the pack
+            t = time.perf_counter()
+            for n, x in bucket:
+                expected.add(key(n), x)
+            digest_s += time.perf_counter() - t
+        elif verify:
             t = time.perf_counter()
             sent.extend((key(n), x.dtype, x.shape) for n, x in bucket)  # not the tensors: one bucket in memory
             sums.extend(checksums([x for _, x in bucket]))  # queued on the device behind the pack
@@ -198,7 +189,7 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     finally:
         pool.shutdown()
     t = time.perf_counter()
-    if endpoints is not None and group is not None and verify and first:
+    if endpoints is not None and group is not None and verify and expected is None and first:
         received = assemble(shards)
     if endpoints is not None and end is not None:
         end(received if verify else None)
@@ -208,6 +199,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
               "direct": endpoints is not None, "begin_s": begin_wait, "gather_convert_s": stats["produce_s"],
               "pack_s": stats["prepare_s"] - digest_s - begin_wait, "transfer_s": stats["wait_s"], "end_s": ended - t,
               "posts_s": stats["posts_s"]}
+    if verify and expected is not None:
+        report["expected"] = expected.result()
     report["digest_s"] = digest_s + time.perf_counter() - ended
     report["seconds"] = time.perf_counter() - start
     return report
@@ -243,3 +236,40 @@ def verify(sent: dict[Key, tuple[torch.dtype, tuple]], received: dict[Key, tuple
         raise WeightSyncError(
             f"rollout weights differ from the trained policy after sync: "
             f"{len(wrong)} tensor(s) differ {wrong[:8]}, {len(missing)} missing {missing[:8]}")
+
+
+def verify_checksums(expected: dict[tuple[int, str], tuple], held: dict[int, dict[int, dict[str, list]]],
+                     buffers: dict | None = None) -> dict:
+    """Raise WeightSyncError unless every server's every rank holds exactly the expected parameters.
+
+    `expected`: (engine rank, parameter) -> (dtype, sum 0, sum 1), from the senders (weight_layout.merge);
+    `held`: server -> rank -> parameter -> [dtype, shape, sum 0, sum 1, is_buffer], from the engine. A parameter
+    the sync did not cover is an error (the layout missed it: its values are not the policy's); a buffer it did
+    not cover (a persistent buffer that is no weight) must keep the checksum it had at the first verification,
+    `buffers` (returned, filled on the first call)."""
+    buffers = {} if buffers is None else buffers
+    wrong, missing, unsent = [], [], []
+    for server, ranks in sorted(held.items()):
+        for rank, params in sorted(ranks.items()):
+            where = f"server {server} rank {rank}"
+            for (r, name), (dtype, s0, s1) in expected.items():
+                if r != rank:
+                    continue
+                got = params.get(name)
+                if got is None:
+                    missing.append(f"{where}: {name}")
+                elif [got[0], *got[2:4]] != [dtype, s0, s1]:
+                    wrong.append(f"{where}: {name}" + (f" ({got[0]}, sent {dtype})" if got[0] != dtype else ""))
+            for name, (dtype, shape, s0, s1, buffer) in params.items():
+                if (rank, name) in expected:
+                    continue
+                if not buffer:
+                    unsent.append(f"{where}: {name}")
+                elif buffers.setdefault((server, rank, name), (dtype, shape, s0, s1)) != (dtype, shape, s0, s1):
+                    wrong.append(f"{where}: buffer {name} (changed since the first verification)")
+    if wrong or missing or unsent:
+        raise WeightSyncError(
+            f"rollout weights differ from the trained policy after sync (checksums computed where the engine holds "
+            f"them): {len(wrong)} differ {wrong[:8]}, {len(missing)} missing {missing[:8]}, {len(unsent)} held but "
+            f"never sent {unsent[:8]}")
+    return buffers

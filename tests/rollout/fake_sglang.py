@@ -48,6 +48,9 @@ class DictModel:
         for name, tensor in named:
             self.weights[name] = tensor.clone()
 
+    def named_parameters(self):
+        return iter(self.weights.items())
+
 
 def tp_model(hf: dict, rank: int, tp: int):
     """One TP rank of a fake TP server of a Qwen2-style model (--model-path with --tp): SGLang's weight loading
@@ -68,6 +71,24 @@ def tp_model(hf: dict, rank: int, tp: int):
             super().__init__()
             self.column, self.row, self.vocab = Layer(), Layer(), Layer()
             self.weights = {}
+
+        def named_parameters(self, *args, **kwargs):
+            """The parameters as SGLang's layers hold what was loaded: q/k/v and gate/up concatenated into
+            qkv_proj and gate_up_proj (QKVParallelLinear, MergedColumnParallelLinear), the vocabulary rows
+            padded with zero rows to the rank's share of a vocabulary padded to a multiple of 64."""
+            held, fused = dict(self.weights), {}
+            for name in list(held):
+                for parts, into in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+                    if parts[0] in name:
+                        names = [name.replace(parts[0], part) for part in parts]
+                        if all(n in held for n in names):
+                            fused[name.replace(parts[0], into)] = torch.cat([held.pop(n) for n in names])
+            for name, t in held.items():
+                if "embed_tokens" in name or "lm_head" in name:
+                    per = -(-SHAPES[name][0] // 64) * 64 // tp
+                    t = torch.cat([t, t.new_zeros(per - t.shape[0], *t.shape[1:])])
+                fused[name] = t
+            return iter(fused.items())
 
         def shard(self, name: str, length: int):
             """(layer, dim, lo, hi) of this rank's shard, None for a replicated tensor."""

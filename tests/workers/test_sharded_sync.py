@@ -56,6 +56,7 @@ def _rank(rank, model_dir, work):
     from megarl.parallel.reshard import TrainLayout, engine_resharder
     from megarl.plan import plan
     from megarl.rollout.sglang import Endpoint, SGLangError, SGLangRolloutEngine
+    from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, merge
     from tests.rollout.test_sglang_engine import configure, fake_server, log
 
     engine = MegatronEngine(model_dir, ActorConfig(), AlgorithmConfig(), "cpu", 1, 10)
@@ -66,20 +67,25 @@ def _rank(rank, model_dir, work):
     planned = plan(hf, TrainLayout(2, 1, 1, hf["num_hidden_layers"]), 2)["ranks"][rank]["gen_weights"] * itemsize // 2
     rollout = None
     if rank == 0:
-        rollout = SGLangRolloutEngine(model_dir, colocated=True, verify_dir=str(Path(work, "verify")), launch=lambda i:
+        rollout = SGLangRolloutEngine(model_dir, colocated=True, verify_dir=str(Path(work, "verify")),
+                                      serializer=cuda_ipc.plain_serializer, launch=lambda i:
                                       fake_server(Path(work), "--tp", "2", "--model-path", model_dir, tp=2))
     senders = {}
 
-    def sync(verify: bool) -> dict:
+    def sync(verify: bool, checksums: bool = False) -> dict:
+        """Deep check: what was sent, gathered on rank 0; checksums: the senders' expected checksums, merged."""
         talks = rank == 0
+        expected = ExpectedChecksums(WeightLayout(resharder.specs, "sglang", 2), [rank], True) if checksums else None
         report = weight_sync.push_policy(
             resharder.buckets(2, "sharded", BUCKET, engine.params_dtype), rollout.begin_weight_update if talks else None,
             rollout.end_weight_update if talks else None, _not_through_the_actor, verify,
             key=weight_sync.shard_key(resharder.specs, 2, rank), senders=senders,
-            serializer=cuda_ipc.plain_serializer, group=group)
+            serializer=cuda_ipc.plain_serializer, group=group, expected=expected)
         assert report["direct"] and report["bytes"] == planned, (rank, report["bytes"], planned)
         sent = [None, None] if talks else None
-        dist.gather_object(report["sent"], sent, group_dst=0)
+        dist.gather_object(report["expected" if checksums else "sent"], sent, group_dst=0)
+        if checksums:
+            return merge(sent) if talks else None
         return {k: v for part in sent for k, v in part.items()} if talks else None
 
     def policy() -> dict:  # megatron's own gather of the policy (collective)
@@ -119,6 +125,20 @@ def _rank(rank, model_dir, work):
             with pytest.raises(SGLangError, match=f"check tensor equality failed: \\['rank 1 {Q}'\\]"):
                 rollout.named_weights()
             assert _mapped(rollout.servers[0]) == [0, 1]
+        # the default verification: checksums inside SGLang's TP workers against the senders' (fused q/k/v, gate/up,
+        # padded vocabulary: the fake's SGLang view); the corrupted shard of rank 1 is named by SGLang's parameter
+        QKV = "model.layers.0.self_attn.qkv_proj.weight"
+        expected = sync(verify=True, checksums=True)
+        if rank == 0:
+            with pytest.raises(weight_sync.WeightSyncError, match=rf"1 differ \['server 0 rank 1: {QKV}'\]"):
+                weight_sync.verify_checksums(expected, rollout.weight_checksums())
+            configure(rollout.servers[0], corrupt=None)
+        expected = sync(verify=True, checksums=True)
+        if rank == 0:
+            weight_sync.verify_checksums(expected, rollout.weight_checksums())
+            rollout.corrupt_weight("model.norm.weight", rank=0)  # a bit flipped in SGLang's memory after loading
+            with pytest.raises(weight_sync.WeightSyncError, match=r"1 differ \['server 0 rank 0: model.norm.weight'\]"):
+                weight_sync.verify_checksums(expected, rollout.weight_checksums())
         weight_sync.close_senders(senders)  # on every rank: SGLang lets go of both ranks' buffers, then they are freed
         if rank == 0:
             assert _mapped(rollout.servers[0]) == []

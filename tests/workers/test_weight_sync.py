@@ -33,7 +33,7 @@ def test_device_digest_is_bitwise_and_dtype_aware():
     assert tensor_digest(torch.tensor([0.0])) != tensor_digest(torch.tensor([-0.0]))
     # sums do not depend on how the reduction is cut up (GPU and CPU agree), nor on memory layout
     t = torch.randn(1000, generator=g)
-    assert torch.equal(checksums([t], chunk=7)[0], checksums([t])[0])
+    assert torch.equal(checksums([t])[0], checksums([t.view(10, 100)])[0])
     m = torch.randn(20, 30, generator=g)
     assert tensor_digest(m.t()) == tensor_digest(m.t().contiguous())
 

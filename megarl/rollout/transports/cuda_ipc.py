@@ -98,6 +98,9 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
     if header.get("release"):  # the sender is closing (CudaIpcSender.close): let go of its buffers
         _MAPPED.clear()
         return
+    if "checksums" in header or "flip_bit" in header:  # not weights: a request about the weights held
+        inspect_weights(model, header)
+        return
     bucket = unpack(flat, header["layout"])
     if header.get("presharded"):
         load_presharded(model, bucket)
@@ -111,6 +114,27 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} "
               f"seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
+
+
+def inspect_weights(model, header: dict) -> None:
+    """Inside an SGLang TP worker, on its GPU: {"checksums": file} writes the checksums of every parameter and
+    persistent buffer this rank holds (megarl.utils.checksum.module_checksums) to `file`, atomically (the
+    caller reads it once the request returned); {"flip_bit": name} flips a bit of that parameter (a test hook
+    standing for memory corrupted after a load: the next verification must name it; None: on another rank)."""
+    from megarl.utils.checksum import flip_bit, module_checksums
+
+    if "flip_bit" in header:
+        if header["flip_bit"] is None:
+            return
+        params = dict(model.named_parameters())
+        if header["flip_bit"] not in params:
+            raise KeyError(f"no parameter {header['flip_bit']!r} (this rank holds {sorted(params)[:4]} ...)")
+        flip_bit(params[header["flip_bit"]])
+        return
+    staging = header["checksums"] + ".tmp"
+    with open(staging, "w") as f:
+        json.dump(module_checksums(model), f)
+    os.replace(staging, header["checksums"])
 
 
 def load_presharded(model, bucket: Bucket) -> None:

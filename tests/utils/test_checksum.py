@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from megarl.utils import checksum
+from megarl.utils.checksum import flip_bit, module_checksums, weighted_sums
+
+
+def test_sums_do_not_depend_on_chunking_or_layout(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(70, 30, generator=g).to(torch.bfloat16)
+    whole = weighted_sums(m)
+    monkeypatch.setattr(checksum, "_CHUNK", 7)  # chunks of one row (fewer than a row's elements)
+    assert torch.equal(weighted_sums(m), whole)
+    assert torch.equal(weighted_sums(m.view(-1)), whole)
+    assert torch.equal(weighted_sums(m.t().contiguous().t()), whole)  # column-major storage, same values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_pieces_sum_to_the_whole_at_their_positions(dtype):
+    """What a sender relies on to checksum SGLang's fused, sharded parameters without building them."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = ((torch.randn(n, 12, generator=g) * 40).to(dtype) for n in (8, 4, 4))
+    fused = torch.cat([q, k, v])
+    assert torch.equal(weighted_sums(fused),
+                       weighted_sums(q) + weighted_sums(k, q.numel()) + weighted_sums(v, q.numel() + k.numel()))
+    o = (torch.randn(6, 10, generator=g) * 40).to(dtype)  # a row-parallel weight: column blocks
+    assert torch.equal(weighted_sums(o), weighted_sums(o[:, :4], 0, 10) + weighted_sums(o[:, 4:], 4, 10))
+    assert torch.equal(weighted_sums(o[:, 4:]), weighted_sums(o[:, 4:].contiguous()))  # a shard, as held alone
+    padded = torch.cat([q, torch.zeros(5, 12, dtype=dtype)])  # vocabulary padding: zero rows add nothing
+    assert torch.equal(weighted_sums(padded), weighted_sums(q))
+
+
+def test_a_flipped_bit_anywhere_changes_both_sums():
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(9, 13, generator=g).to(torch.bfloat16)
+    for i in (0, 57, t.numel() - 1):
+        c = t.clone()
+        c.view(-1)[i:i + 1].view(torch.int16).bitwise_xor_(1 << (i % 16))
+        a, b = weighted_sums(t), weighted_sums(c)
+        assert (a != b).all(), i
+    assert not torch.equal(weighted_sums(torch.tensor([0.0])), weighted_sums(torch.tensor([-0.0])))
+
+
+def test_module_checksums_cover_parameters_and_persistent_buffers_only():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("cache", torch.ones(3), persistent=False)  # derived (as a rotary cache): left out
+    held = module_checksums(model)
+    assert sorted(held) == ["0.bias", "0.weight", "1.bias", "1.num_batches_tracked", "1.running_mean",
+                            "1.running_var", "1.weight"]
+    assert held["0.weight"][:2] == ["torch.float32", [4, 3]] and held["1.running_mean"][-1] is True
+    flip_bit(model[0].weight)
+    after = module_checksums(model)
+    assert after["0.weight"] != held["0.weight"] and after["0.bias"] == held["0.bias"]
