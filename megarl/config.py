@@ -185,6 +185,12 @@ class RolloutConfig:
                                 "come after megarl's own and override its defaults (triton attention, pytorch "
                                 "sampling, decode CUDA graphs up to each server's share of the step's batch when "
                                 "that passes SGLang's 256 rows); the ones megarl manages are refused")
+    deterministic: bool = opt(False, "SGLang: deterministic inference (--enable-deterministic-inference: batch-invariant "
+                                     "kernels, attention backend triton (megarl's), fa3 or flashinfer) and a sampling "
+                                     "seed per response from (trainer.seed, policy version, prompt, sample), so a "
+                                     "resumed run regenerates the uninterrupted run's responses; costs throughput. Off, "
+                                     "a resumed SGLang run is not reproducible (it samples other responses). The hf "
+                                     "engine is always reproducible")
     dump_dir: str = opt("", "write every training step's scored samples (tokens, masks, log-probs, rewards, tool "
                             "calls) to <dump_dir>/step_<N>.pt; empty = off")
     replay_dir: str = opt("", "train from the samples a run wrote with dump_dir (step N reads step_<N>.pt) "
@@ -423,11 +429,15 @@ class Config:
         if r.engine != "sglang":
             raise ConfigError(f"rollout.sglang_args={r.sglang_args}: extra SGLang arguments need rollout.engine=sglang "
                               f"(got {r.engine})")
-        from megarl.rollout.sglang import managed_args
+        from megarl.rollout.sglang import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
         managed = managed_args(r.sglang_args)
         if managed:
-            raise ConfigError(f"rollout.sglang_args: {', '.join(managed)} is set by megarl "
-                              f"(from rollout.sglang_tp, rollout.sglang_mem_fraction, the GPUs and the weight loader)")
+            raise ConfigError(f"rollout.sglang_args: {', '.join(managed)} is set by megarl (from rollout.sglang_tp, "
+                              f"rollout.sglang_mem_fraction, rollout.deterministic, the GPUs and the weight loader)")
+        backend = attention_backend(r.sglang_args)
+        if r.deterministic and backend not in DETERMINISTIC_ATTENTION_BACKENDS:
+            raise ConfigError(f"rollout.deterministic=true with rollout.sglang_args' --attention-backend {backend}: "
+                              f"SGLang's deterministic inference runs on {', '.join(DETERMINISTIC_ATTENTION_BACKENDS)}")
 
     def _validate_weight_delivery(self) -> None:
         r, p = self.rollout, self.actor.parallel

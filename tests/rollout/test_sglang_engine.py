@@ -69,8 +69,7 @@ def test_least_loaded_routing_n_samples_and_stickiness(three):
         assert all(rows[k] == rows[k - k % 3] for k in range(len(rows)))
         assert request["body"]["return_logprob"] is True
         assert request["body"]["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9,
-                                                      "stop_token_ids": [999], "ignore_eos": False,
-                                                      "sampling_seed": 4}
+                                                      "stop_token_ids": [999], "ignore_eos": False}
         rows_per_server.append(len(rows))
     assert rows_per_server == [6, 6, 6]  # least-loaded: the batch is spread evenly
     assert all(s.load == 0 for s in three.state)
