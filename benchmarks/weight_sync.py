@@ -195,6 +195,40 @@ def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
     return dict(verified=True, verify_s=time.perf_counter() - t)
 
 
+def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, weights: str) -> dict:
+    """The default verification (trainer.verify_weight_sync_every=1) after one more sync: the sender's expected
+    checksums of SGLang's parameters (computed bucket by bucket during the sync), SGLang's own checksums of what
+    its TP workers hold, the comparison. verify_s is what verification adds to a sync: the sender's checksum
+    work, then the engine's and the comparison. Then a bit flipped in SGLang's memory must fail, naming it."""
+    from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
+    from megarl.workers.weight_sync import WeightSyncError, push_policy, verify_checksums
+
+    tp = engine.servers[0].tp
+    expected = ExpectedChecksums(WeightLayout(policy.specs, "sglang", tp), list(range(tp)))
+    if weights == "released":
+        engine.release_memory()
+    t0 = _now()
+    report = push_policy(policy.buckets(bucket_mb), begin=engine.begin_weight_update, end=engine.end_weight_update,
+                         load=None, verify=True, weight_format=fmt, senders=senders, expected=expected)
+    t1 = _now()
+    held = engine.weight_checksums()
+    t2 = time.perf_counter()
+    verify_checksums(report["expected"], held)
+    t3 = time.perf_counter()
+    flipped = "model.layers.0.mlp.down_proj.weight"
+    engine.corrupt_weight(flipped)
+    try:
+        verify_checksums(report["expected"], engine.weight_checksums())
+        detected = False
+    except WeightSyncError as error:
+        detected = flipped in str(error)
+    engine.corrupt_weight(flipped)  # and back
+    engine.resume_kv_cache()
+    return dict(checksums_verified=True, checksum_sync_s=t1 - t0, sender_checksum_s=report["digest_s"],
+                engine_checksum_s=t2 - t1, compare_s=t3 - t2, verify_s=report["digest_s"] + t3 - t1,
+                parameters_checked=sum(len(r) for r in held[0].values()), flip_detected=detected)
+
+
 def _print_row(row: dict) -> None:
     print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "server_log")}), flush=True)
 
@@ -235,6 +269,8 @@ def part_sync(args) -> list[dict]:
                         row = dict(model=name, params=params, format=fmt, weights=weights, server_tp=args.server_tp,
                                    bucket_mb=bucket_mb, startup_s=startup, server_args=server.command[3:],
                                    trials_total_s=[r["total_s"] for r in trials], **best)
+                        if args.checksums:
+                            row |= checksummed(engine, policy, bucket_mb, fmt, senders, weights)
                         if args.verify:
                             row |= verified(server, policy, bucket_mb, model_dir)
                         senders.clear()
@@ -552,7 +588,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server-tp", type=int, default=1)
     parser.add_argument("--mem-fraction", type=float, default=0.35,
                         help="SGLang --mem-fraction-static (the GRPO run's: the KV cache the ready step resumes)")
-    parser.add_argument("--verify", action="store_true", help="SGLang checks what it received bit for bit")
+    parser.add_argument("--verify", action="store_true", help="SGLang checks what it received bit for bit (the deep "
+                        "check: reload from a file)")
+    parser.add_argument("--checksums", action="store_true", help="time the default verification (checksums inside "
+                        "SGLang against the sender's) after each format's syncs, and check a flipped bit is named")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)

@@ -1,10 +1,16 @@
 """A sandbox for untrusted Python code (the `python` tool, code rewards).
 
 Each run is a fresh process that executes one script in a private directory, under these limits:
-wall-clock time (the process tree is killed), address space (RLIMIT_AS), processes (RLIMIT_NPROC),
-file size (RLIMIT_FSIZE, which also bounds the captured stdout/stderr) and CPU time. Violations come
-back in the SandboxResult (non-zero exit code, MemoryError traceback, `timed_out`); nothing is raised,
-so a caller such as the agent loop passes them to the model as a tool error and goes on.
+wall-clock time (the process tree is killed), memory (below), processes (RLIMIT_NPROC), file size
+(RLIMIT_FSIZE, which also bounds the captured stdout/stderr) and CPU time. Violations come back in
+the SandboxResult (non-zero exit code, MemoryError traceback, `timed_out`); nothing is raised, so a
+caller such as the agent loop passes them to the model as a tool error and goes on.
+
+Memory is bounded per run, not per process: where this process may create memory cgroups (v2 or v1;
+root in most containers) each run gets one of `memory_mb` (plus the supervisor's own share), and may
+start up to `max_processes` more processes. Elsewhere a run may start no process or thread at all
+(a harness run: its one child), each process keeping RLIMIT_AS = memory_mb, so processes x limit
+stays within the budget. The log says which at start.
 
 Isolation, strongest first; mode="auto" takes the strongest the host offers and logs which at start:
 
@@ -14,12 +20,14 @@ Isolation, strongest first; mode="auto" takes the strongest the host offers and 
               fresh /proc of the sandbox's own pid namespace and a minimal /dev. No network (only a
               loopback of its own), no nested user namespaces, no capabilities.
   namespaces  util-linux `unshare` (no bubblewrap, user namespaces available): new user, pid, network,
-              ipc, uts and mount namespaces with a fresh /proc. WEAKER: the host file system is
-              visible; only file permissions protect it, so world-readable files can be read and
-              world-writable directories (/tmp, /dev/shm) written.
-  rlimits     no namespaces at all: rlimits, a private directory and (when started as root) a
-              dedicated uid. WEAKEST: the network is reachable and the file system is guarded by file
-              permissions only.
+              ipc, uts and mount namespaces with a fresh /proc; private tmpfs over /tmp, /var/tmp,
+              /dev/shm, the megarl checkout, the caller's working directory and home (the run's
+              directory and Python are bound back where they live); no capabilities. WEAKER: the rest
+              of the host file system is visible, protected only by file permissions.
+  rlimits     no namespaces at all: rlimits, a private directory and TMPDIR and (when started as root)
+              a dedicated uid. It cannot keep the code off the network (127.0.0.1 included), the host
+              file system (file permissions only) or, for a non-root caller, the caller itself (same
+              uid: its environment, its memory, signals). Never chosen by "auto": only by name.
 
 Started as root (as in CI), every run also drops to an unprivileged uid that no other run uses at
 the same time (from uid_base up; a lock file per uid in the temp directory makes this hold across
@@ -28,6 +36,11 @@ each other's process budget, and anything left by a run whose supervisor was kil
 uid. Started as an ordinary user, runs keep that user's uid; the process limit then counts the
 user's other processes too (it is set to their number plus the budget), and in rlimits mode a child
 that leaves the process group (setsid) can outlive the run.
+
+A run may also get a private input and output (`private_input`): an in-memory file and a pipe passed
+as inherited file descriptors (their numbers follow the run id in argv), that exist nowhere on any
+file system and that no wrapper process inside the sandbox keeps open. The test harness
+(harness.py) carries its secret and verdict on them.
 """
 
 from __future__ import annotations
@@ -49,34 +62,50 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megarl.sandbox.cgroup import MemoryCgroups
+
 logger = logging.getLogger(__name__)
 
 MODES = ("bwrap", "namespaces", "rlimits")
 SANDBOX_DIR = "/sandbox"  # where the run's directory appears inside the bwrap sandbox
 UID_RANGE = 4096  # as root, runs take uids uid_base ... uid_base + UID_RANGE - 1
+SUPERVISOR_MB = 32  # the supervisor's own memory, inside the run's cgroup beside the code's budget
+OPT_IN = ("mode='rlimits' (the code reward: reward.code_sandbox=rlimits; the python tool: "
+          "{\"name\": \"python\", \"mode\": \"rlimits\"}), knowing that it does not isolate the network or the "
+          "caller; or install bubblewrap (Debian package 'bubblewrap') for full isolation")
 
-# The supervisor of one run, a separate process started as the caller's user: it sets the limits,
-# drops to the sandbox uid, starts the sandbox command, enforces the wall-clock limit and, when the
-# command ends, kills and reaps everything the run started. It is a "child subreaper", so processes
-# the code daemonises come back to it rather than to the host's init (where, unreaped, they would
-# keep counting against the uid's process limit). A separate process rather than subprocess's
-# preexec_fn, which is unsafe in a multi-threaded parent (the agent loop runs tools in threads).
+# The supervisor of one run, a separate process started as the caller's user: it joins the run's
+# memory cgroup, sets the limits, drops to the sandbox uid, starts the sandbox command, enforces the
+# wall-clock limit and, when the command ends, kills and reaps everything the run started. It is a
+# "child subreaper", so processes the code daemonises come back to it rather than to the host's init
+# (where, unreaped, they would keep counting against the uid's process limit). A separate process
+# rather than subprocess's preexec_fn, which is unsafe in a multi-threaded parent (the agent loop
+# runs tools in threads). Not dumpable, and it closes the private channel once the command has it:
+# code of the same uid can read neither through /proc/<supervisor>/fd.
 _SUPERVISOR = r"""
 import ctypes, json, os, resource, signal, sys, time
 spec = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None)
+libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
 status = open(spec["status"], "w")  # opened before dropping privileges; not inherited by the run
+if spec["cgroup"]:
+    with open(spec["cgroup"], "w") as f:
+        f.write(str(os.getpid()))
 for name, value in spec["rlimits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
-ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 if spec["uid"] is not None:
     os.setgroups([])
     os.setgid(spec["uid"])
     os.setuid(spec["uid"])
+    libc.prctl(4, 0, 0, 0, 0)  # (a uid change resets it)
 os.chdir(spec["cwd"])
 child = os.fork()
 if child == 0:
     os.nice(10)  # below us: the code (a fork bomb, say) must never starve the process enforcing its limits
     os.execve(spec["argv"][0], spec["argv"], spec["env"])
+for fd in spec["private_fds"]:
+    os.close(fd)
 deadline, code, timed_out = time.monotonic() + spec["wall_s"], None, False
 while code is None:
     pid, wait_status = os.waitpid(child, os.WNOHANG)
@@ -113,14 +142,43 @@ while True:  # kill our children until none are left; orphaned descendants becom
 json.dump({"exit_code": code, "timed_out": timed_out}, status)
 """
 
+# namespaces mode, inside the new namespaces and as root of the new user namespace: private tmpfs over
+# what the code must not see or fill, the run's directory and Python bound back where they live, then
+# every capability given up for good (securebits: uid 0 gains none at exec) before the script starts.
+_NAMESPACE_SETUP = r"""
+import ctypes, json, os, sys
+spec = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+def mount(source, target, fstype, flags, data):
+    if libc.mount(source.encode(), target.encode(), fstype and fstype.encode(), flags, data and data.encode()):
+        raise OSError(ctypes.get_errno(), f"mount {target}")
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
+kept = {path: os.open(path, os.O_PATH) for path in spec["keep"]}
+for path in spec["hide"]:
+    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmpfs_mb']}m,mode=1777")
+for path, fd in kept.items():
+    os.makedirs(path, exist_ok=True)
+    mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+    if path != spec["cwd"]:
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    os.close(fd)
+os.chdir(spec["cwd"])
+for cap in range(64):
+    libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (fails past the last capability)
+if libc.prctl(28, 1 | 2 | 32 | 64 | 128, 0, 0, 0):  # PR_SET_SECUREBITS: NOROOT, KEEP_CAPS, NO_CAP_AMBIENT_RAISE, locked
+    raise OSError(ctypes.get_errno(), "securebits")
+libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+os.execv(spec["argv"][0], spec["argv"])
+"""
+
 
 @dataclass
 class SandboxLimits:
     wall_s: float = 5.0  # the whole process tree is killed after this long
-    memory_mb: int = 512  # address space per process (RLIMIT_AS)
-    max_processes: int = 16  # processes and threads the code may start, besides itself
+    memory_mb: int = 512  # memory of the whole run (module docstring), and the address space of each process
+    max_processes: int = 16  # processes and threads the code may start, besides itself (with a memory cgroup)
     max_file_mb: int = 16  # largest file the code may write; stdout and stderr count as files
-    max_output_bytes: int = 16384  # how much of stdout and of stderr comes back
+    max_output_bytes: int = 16384  # how much of stdout, of stderr and of the private output comes back
     max_open_files: int = 64
 
 
@@ -133,6 +191,7 @@ class SandboxResult:
     output_truncated: bool
     seconds: float
     run_id: str  # also the script's argv[1], so its processes can be found in /proc while it runs
+    private_output: bytes = b""  # what the script wrote on its private output (run(private_input=...))
 
     @property
     def ok(self) -> bool:
@@ -161,22 +220,37 @@ class Sandbox:
         self.root = Path(tempfile.mkdtemp(prefix="megarl-sandbox-"))
         self.root.chmod(0o711)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.cgroups, where = MemoryCgroups.find()
         self.python = self._find_python(python, extra_ro_paths)
         self.mode = self._choose_mode(mode)
         note = {"bwrap": "full isolation: namespaces, a minimal read-only file system, no network",
-                "namespaces": "WEAKER: the host file system is visible, protected only by file permissions; "
-                              "install the Debian package 'bubblewrap' for full isolation",
-                "rlimits": "WEAKEST: the network is reachable and the file system is protected only by file "
-                           "permissions"}[self.mode]
+                "namespaces": "WEAKER: the host file system outside /tmp, the checkout and home is visible, protected "
+                              "only by file permissions; install the Debian package 'bubblewrap' for full isolation",
+                "rlimits": "WEAKEST, chosen by name: the network and the caller are reachable, the file system is "
+                           "protected only by file permissions"}[self.mode]
         (logger.info if self.mode == "bwrap" else logger.warning)(
             "sandbox mode '%s' (%s), python %s, uid %s", self.mode, note, self.python.executable,
             f"{uid_base} and up" if self.as_root else f"{os.getuid()} (not root: runs keep the caller's uid)")
+        if self.cgroups:
+            logger.info("sandbox memory: %d MiB per run, all its processes together (%s)", self.limits.memory_mb,
+                        where)
+        else:
+            logger.warning("sandbox memory: %d MiB per process and no further process or thread per run (no "
+                           "memory cgroup: %s)", self.limits.memory_mb, where)
 
-    def run(self, code: str, stdin: str = "", wall_s: float | None = None) -> SandboxResult:
+    @property
+    def memory_bound(self) -> str:
+        """How a run's memory is bounded: 'cgroup' (all its processes together) or 'one process'."""
+        return "cgroup" if self.cgroups else "one process"
+
+    def run(self, code: str, stdin: str = "", wall_s: float | None = None, files: dict[str, str] | None = None,
+            private_input: bytes | None = None) -> SandboxResult:
         """Run `code` as a script; returns when it exits or when its wall-clock limit (`wall_s`, by
-        default limits.wall_s) kills it."""
+        default limits.wall_s) kills it. `files` are written into its directory beside it. With
+        `private_input`, the script is a trusted harness of two processes (the module docstring)."""
         with self._slots, self._dedicated_uid() as uid:
-            return self._run(code, stdin, uid, self.mode, self.python, wall_s or self.limits.wall_s)
+            return self._run(code, stdin, uid, self.mode, self.python, wall_s or self.limits.wall_s, files or {},
+                             private_input)
 
     def close(self) -> None:
         self._finalizer()
@@ -209,27 +283,47 @@ class Sandbox:
 
     # --- one run ---------------------------------------------------------------------------------
 
-    def _run(self, code: str, stdin: str, uid: int | None, mode: str, python: _Python,
-             wall_s: float) -> SandboxResult:
+    def _run(self, code: str, stdin: str, uid: int | None, mode: str, python: _Python, wall_s: float,
+             files: dict[str, str], private_input: bytes | None) -> SandboxResult:
         run_id = uuid.uuid4().hex
         work = self.root / run_id
         work.mkdir(mode=0o700)
         outputs = self.root / f"{run_id}.out"
         outputs.mkdir(mode=0o700)  # outside what the code can reach: it only holds the open files
+        cgroup = self.cgroups.create(run_id, (self.limits.memory_mb + SUPERVISOR_MB) << 20) if self.cgroups else None
+        private_fds, private_out = [], None
         try:
-            (work / "main.py").write_text(code)
+            for name, text in {**files, "main.py": code}.items():
+                (work / name).write_text(text)
             (outputs / "stdin").write_text(stdin)
             if uid is not None:
                 os.chown(work, uid, uid)
-            spec = {"rlimits": self._rlimits(mode, uid, wall_s), "uid": uid, "cwd": str(work), "wall_s": wall_s,
-                    "argv": self._command(mode, python, work, run_id), "status": str(outputs / "status"),
-                    "env": {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_DIR if mode == "bwrap" else str(work),
-                            "LANG": "C.UTF-8"}}
+            args = [run_id]
+            if private_input is not None:  # an in-memory file to read, a pipe to write: no path anywhere
+                private_in = os.memfd_create("megarl-sandbox-input")
+                os.write(private_in, private_input)
+                os.lseek(private_in, 0, os.SEEK_SET)
+                private_out, write_end = os.pipe()
+                private_fds = [private_in, write_end]
+                args += [str(fd) for fd in private_fds]
+            env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_DIR if mode == "bwrap" else str(work), "LANG": "C.UTF-8",
+                   # a pool per core would need processes or threads the run may not have
+                   "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            if mode == "rlimits":
+                env["TMPDIR"] = str(work)  # bwrap and namespaces have a private /tmp instead
+            spec = {"rlimits": self._rlimits(mode, uid, wall_s, harness=private_input is not None), "uid": uid,
+                    "cwd": str(work), "wall_s": wall_s, "argv": self._command(mode, python, work, args),
+                    "status": str(outputs / "status"), "env": env, "private_fds": private_fds,
+                    "cgroup": str(cgroup / "cgroup.procs") if cgroup else None}
             start = time.monotonic()
             with open(outputs / "stdin", "rb") as fin, open(outputs / "stdout", "wb") as fout, \
                     open(outputs / "stderr", "wb") as ferr:
                 proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _SUPERVISOR, json.dumps(spec)],
-                                        stdin=fin, stdout=fout, stderr=ferr, env={}, start_new_session=True)
+                                        stdin=fin, stdout=fout, stderr=ferr, env={}, start_new_session=True,
+                                        pass_fds=private_fds)
+                for fd in private_fds:  # ours; the write end must close here for the read to see its end
+                    os.close(fd)
+                private_fds = []
                 try:
                     proc.wait(timeout=wall_s + 10)
                 except subprocess.TimeoutExpired:  # only if the supervisor itself was stopped or killed
@@ -243,14 +337,19 @@ class Sandbox:
                 report = {"exit_code": proc.returncode, "timed_out": seconds > wall_s}
             stdout, cut_out = self._read(outputs / "stdout")
             stderr, cut_err = self._read(outputs / "stderr")
+            private = self._read_private(private_out) if private_out is not None else b""
             return SandboxResult(stdout, stderr, report["exit_code"], report["timed_out"], cut_out or cut_err, seconds,
-                                 run_id)
+                                 run_id, private)
         finally:
+            for fd in private_fds + ([private_out] if private_out is not None else []):
+                os.close(fd)
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(outputs, ignore_errors=True)
+            if cgroup:
+                self.cgroups.remove(cgroup)
 
-    def _command(self, mode: str, python: _Python, work: Path, run_id: str) -> list[str]:
-        script = [python.executable, "-I", "-B", "main.py", run_id]
+    def _command(self, mode: str, python: _Python, work: Path, args: list[str]) -> list[str]:
+        script = [python.executable, "-I", "-B", "main.py", *args]
         if mode == "bwrap":
             ro = [a for p in python.ro_paths for a in ("--ro-bind", p, p)]
             return [shutil.which("bwrap"), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
@@ -259,13 +358,19 @@ class Sandbox:
                     "--bind", str(work), SANDBOX_DIR, "--chdir", SANDBOX_DIR,
                     "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--", *script]
         if mode == "namespaces":
-            return [shutil.which("unshare"), "--user", "--map-current-user", "--net", "--pid", "--ipc", "--uts",
-                    "--mount", "--mount-proc", "--fork", "--kill-child", "--", *script]
+            hide = _private_paths()
+            keep = [str(work)] + [p for p in python.ro_paths if any(_inside(p, h) for h in hide)]
+            setup = {"hide": hide, "keep": keep, "cwd": str(work), "argv": script, "tmpfs_mb": self.limits.memory_mb}
+            return [shutil.which("unshare"), "--map-root-user", "--net", "--pid", "--ipc", "--uts", "--mount",
+                    "--mount-proc", "--fork", "--kill-child", "--",
+                    python.executable, "-I", "-S", "-c", _NAMESPACE_SETUP, json.dumps(setup)]
         return script
 
-    def _rlimits(self, mode: str, uid: int | None, wall_s: float) -> dict[str, int]:
+    def _rlimits(self, mode: str, uid: int | None, wall_s: float, harness: bool) -> dict[str, int]:
         supervisors = {"bwrap": 2, "namespaces": 1, "rlimits": 0}[mode]  # their own processes
-        nproc = 2 + self.limits.max_processes + supervisors  # + the script and our supervisor
+        # our supervisor, the script (a harness: and its child), and only with a cgroup to bound their
+        # memory together, the processes the code may start
+        nproc = 2 + harness + supervisors + (self.limits.max_processes if self.cgroups else 0)
         if uid is None:  # the caller's uid: its other processes count against the limit as well
             nproc += _count_processes(os.getuid())
         return {"RLIMIT_AS": self.limits.memory_mb << 20, "RLIMIT_NPROC": nproc,
@@ -277,6 +382,18 @@ class Sandbox:
             data = f.read(self.limits.max_output_bytes + 1)
         cut = len(data) > self.limits.max_output_bytes
         return data[:self.limits.max_output_bytes].decode("utf-8", "replace"), cut
+
+    def _read_private(self, fd: int) -> bytes:
+        """What is in the private output pipe now (every writer is gone), up to max_output_bytes."""
+        os.set_blocking(fd, False)
+        data = b""
+        with contextlib.suppress(BlockingIOError):
+            while len(data) <= self.limits.max_output_bytes:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                data += chunk
+        return data[:self.limits.max_output_bytes]
 
     def _kill_leftovers(self, uid: int | None) -> bool:
         """Kill what a run whose supervisor was killed left behind, found by its dedicated uid; False
@@ -302,7 +419,7 @@ class Sandbox:
     def _probe(self, mode: str, python: _Python) -> SandboxResult:
         with self._dedicated_uid() as uid:
             return self._run("import sys; print(sys.base_prefix); print(sys.base_exec_prefix)", "", uid, mode, python,
-                             max(self.limits.wall_s, 10.0))
+                             max(self.limits.wall_s, 10.0), {}, None)
 
     def _find_python(self, python: str | None, extra_ro_paths: tuple[str, ...]) -> _Python:
         """The first interpreter the sandbox uid can run (a venv under /root, for instance, it cannot)."""
@@ -317,7 +434,7 @@ class Sandbox:
                 ro = [*prefixes, str(Path(exe).parent), "/usr/lib", "/usr/lib64", *extra_ro_paths]
                 ro = [p for p in dict.fromkeys(os.path.realpath(p) for p in ro) if os.path.exists(p)]
                 # a path inside another bound path needs no bind of its own
-                ro = [p for p in ro if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in ro)]
+                ro = [p for p in ro if not any(p != q and _inside(p, q) for q in ro)]
                 return _Python(exe, ro)
             tried.append(f"{exe}: {(result.stderr.strip().splitlines() or [f'exit {result.exit_code}'])[-1]}")
         raise RuntimeError("no Python interpreter the sandbox user can run; tried " + "; ".join(tried)
@@ -326,7 +443,7 @@ class Sandbox:
     def _choose_mode(self, mode: str) -> str:
         tools = {"bwrap": "bwrap", "namespaces": "unshare"}
         failures = []
-        for candidate in (MODES if mode == "auto" else (mode,)):
+        for candidate in (("bwrap", "namespaces") if mode == "auto" else (mode,)):
             if candidate in tools and not shutil.which(tools[candidate]):
                 failures.append(f"{candidate}: '{tools[candidate]}' is not installed")
                 continue
@@ -336,7 +453,24 @@ class Sandbox:
                     logger.warning("sandbox: stronger modes unavailable: %s", "; ".join(failures))
                 return candidate
             failures.append(f"{candidate}: {result.stderr.strip()[-300:] or f'exit {result.exit_code}'}")
-        raise RuntimeError(f"sandbox mode '{mode}' does not work on this host: " + "; ".join(failures))
+        opt_in = f". The remaining mode must be chosen by name: {OPT_IN}" if mode == "auto" else ""
+        raise RuntimeError(f"sandbox mode '{mode}' does not work on this host: " + "; ".join(failures) + opt_in)
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _private_paths() -> list[str]:
+    """What namespaces mode covers with a private tmpfs: the shared temporary directories, the megarl
+    checkout (or installation), the caller's working directory and home. Never a directory that holds
+    the system itself (the working directory may be /)."""
+    system = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/sbin", "/proc", "/dev", "/sys")
+    candidates = ["/tmp", "/var/tmp", "/dev/shm", str(Path(__file__).resolve().parents[2]), os.getcwd(),
+                  str(Path.home())]
+    paths = [os.path.realpath(p) for p in candidates]
+    paths = [p for p in dict.fromkeys(paths) if os.path.isdir(p) and not any(_inside(s, p) for s in system)]
+    return [p for p in paths if not any(p != q and _inside(p, q) for q in paths)]  # outermost only
 
 
 def _merged_usr_links() -> list[str]:
@@ -376,4 +510,3 @@ def _count_processes(uid: int) -> int:
         except OSError:
             pass
     return total
-
