@@ -629,9 +629,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = Config()
     if path:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
         for key, value in _flatten(data).items():
@@ -640,8 +638,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         key, raw = item.split("=", 1)
-        _set(cfg, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)})") from None
+        _set(cfg, key.strip(), value)
     return cfg.validate()
+
+
+def _read_yaml(path: Path):
+    """The parsed recipe; a missing, unreadable or malformed file is a ConfigError naming it (and where in it)."""
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        line, column = e.object.count(b"\n", 0, e.start) + 1, e.start - e.object.rfind(b"\n", 0, e.start)
+        raise ConfigError(f"config file {path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at line {line}, "
+                          f"column {column})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: not valid YAML: {_yaml_problem(e)}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """YAML's own account of the error, with the 1-based line and column it reports."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return str(e).replace("\n", " ")
+    context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
+    return f"{e.problem} at {at(e.problem_mark)}{context}"
 
 
 def help_text() -> str:

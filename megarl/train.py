@@ -8,6 +8,7 @@ import signal
 import sys
 
 from megarl.config import ConfigError, help_text, load_config
+from megarl.data.files import InputError
 
 
 def parse_args(argv):
@@ -16,7 +17,12 @@ def parse_args(argv):
         description="Train a policy with RL (and an optional supervised warm start).",
         epilog="overrides: dotted config keys, e.g. actor.parallel.tp=2 trainer.steps=20\n\noptions:" + help_text())
     parser.add_argument("--config", help="YAML recipe (only what differs from the defaults)")
-    parser.add_argument("--dry-run", action="store_true", help="validate the config and layout, then exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config and layout, the model directory (config.json, tokenizer; no weights "
+                             "loaded) and every prompt, then exit")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the config and layout only, then exit: no model directory or prompt file "
+                             "needed (a recipe checked on a machine without them)")
     parser.add_argument("overrides", nargs="*", help="key=value")
     return parser.parse_args(argv)
 
@@ -30,8 +36,19 @@ def main(argv=None) -> int:
         return 2
     p = cfg.actor.parallel
     layout = f"world_size={p.world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}"
+    config_ok = f"config ok: {layout}; rollout={cfg.rollout.engine}; {cfg.trainer.steps} RL steps"
+    if args.check_config:
+        print(config_ok)
+        return 0
     if args.dry_run:
-        print(f"config ok: {layout}; rollout={cfg.rollout.engine}; {cfg.trainer.steps} RL steps")
+        from megarl.data.inputs import check_inputs
+
+        try:
+            inputs = check_inputs(cfg)
+        except InputError as e:
+            print(f"input error: {e}", file=sys.stderr)
+            return 2
+        print(f"{config_ok}; {inputs}")
         return 0
 
     if not cfg.trainer.ray_address:
@@ -54,7 +71,12 @@ def main(argv=None) -> int:
     print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
     # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    trainer = RLTrainer(cfg)
+    try:
+        trainer = RLTrainer(cfg)
+    except InputError as e:  # a model directory or prompt the run cannot use: found before any worker starts
+        ray.shutdown()
+        print(f"input error: {e}", file=sys.stderr)
+        return 2
     try:
         history = trainer.fit()
     finally:

@@ -67,6 +67,24 @@ def test_missing_recipe_and_section_misuse():
         load_config(None, ["actor=3"])
 
 
+def test_malformed_recipe_names_the_file_and_where_yaml_stopped(tmp_path, capsys):
+    from megarl.train import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  steps: 3\n   eval_every: 1\n")  # a stray indent
+    with pytest.raises(ConfigError, match=rf"config file {recipe}: not valid YAML: mapping values are not allowed "
+                                          r"here at line 3, column 14"):
+        load_config(recipe)
+    recipe.write_bytes(b"trainer:\n  output_dir: \"runs/\xff\"\n")
+    with pytest.raises(ConfigError, match=rf"config file {recipe}: not valid UTF-8 \(byte 0xff at line 2, column 21\)"):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match=r"override 'trainer.loggers=\[console,': the value is not valid YAML"):
+        load_config(None, ["trainer.loggers=[console,"])
+    assert main(["--config", str(recipe), "--check-config"]) == 2  # one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: config file {recipe}: not valid UTF-8") and err.count("\n") == 1
+
+
 def test_help_lists_every_key_with_its_default():
     text = help_text()
     for key in all_keys():

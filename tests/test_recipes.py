@@ -1,4 +1,4 @@
-"""Every recipe in configs/ loads and validates (`--dry-run`: no GPU, no model files), and the published
+"""Every recipe in configs/ loads and validates (`--check-config`: no GPU, no model files), and the published
 baselines' settings are what the recipes say they are."""
 
 import subprocess
@@ -17,13 +17,13 @@ BASELINES = ["ppo_gsm8k_qwen2.5_0.5b", "grpo_gsm8k_qwen2.5_0.5b", "grpo_math_qwe
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_dry_run(recipe, capsys):
-    assert main(["--config", str(recipe), "--dry-run"]) == 0
+    assert main(["--config", str(recipe), "--check-config"]) == 0
     assert "config ok" in capsys.readouterr().out
 
 
-def test_dry_run_from_the_command_line_needs_no_model_or_gpu():
+def test_config_check_from_the_command_line_needs_no_model_or_gpu():
     run = subprocess.run([sys.executable, "-m", "megarl.train", "--config", str(ROOT / "configs" /
-                          "dapo_math_qwen2.5_7b.yaml"), "--dry-run", "model.path=/nonexistent"],
+                          "dapo_math_qwen2.5_7b.yaml"), "--check-config", "model.path=/nonexistent"],
                          capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr
     assert "world_size=8 = tp 2 x pp 1 x cp 1 x dp 4" in run.stdout

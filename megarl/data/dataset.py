@@ -169,13 +169,14 @@ def record_answer(record: dict):
     return answer
 
 
-def load_prompt_file(path: str | Path, skip_malformed: bool = False) -> list[dict]:
+def load_prompt_file(path: str | Path, skip_malformed: bool = False, skipped: list[str] | None = None) -> list[dict]:
     """Examples {'prompt', 'answer', ...} from a .jsonl or .parquet prompt file (see prompt_problem).
 
     A malformed row (not valid UTF-8 or JSON, an empty prompt, no answer) raises an InputError naming the
-    file and row; with skip_malformed it is skipped, and the number skipped is logged. Each example is an
-    Example that keeps its file and row, for the checks PromptDataset makes once it is tokenized."""
-    examples, skipped = [], []
+    file and row; with skip_malformed it is skipped, the number skipped is logged, and each skipped row's
+    problem is added to `skipped` when given. Each example is an Example that keeps its file and row, for the
+    checks PromptDataset makes once it is tokenized."""
+    examples, problems = [], []
     for row, record in iter_records(path):
         problem = str(record) if isinstance(record, MalformedRow) else None
         if problem is None and (reason := prompt_problem(record)):
@@ -183,14 +184,16 @@ def load_prompt_file(path: str | Path, skip_malformed: bool = False) -> list[dic
         if problem is None:
             examples.append(Example(record, f"{path}, row {row}", answer=record_answer(record)))
         elif skip_malformed:
-            skipped.append(problem)
+            problems.append(problem)
         else:
             raise InputError(problem)
-    if skipped:
-        logger.warning("%s: skipped %d malformed rows (data.skip_malformed); the first: %s", path, len(skipped),
-                       skipped[0])
+    if problems:
+        logger.warning("%s: skipped %d malformed rows (data.skip_malformed); the first: %s", path, len(problems),
+                       problems[0])
+        if skipped is not None:
+            skipped.extend(problems)
     if not examples:
-        raise InputError(f"{path}: no examples" + (f" ({len(skipped)} malformed rows skipped)" if skipped else ""))
+        raise InputError(f"{path}: no examples" + (f" ({len(problems)} malformed rows skipped)" if problems else ""))
     return examples
 
 

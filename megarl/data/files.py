@@ -35,9 +35,9 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, dict | MalformedRow]]:
     them. A file that cannot be read at all (a truncated parquet file) raises InputError naming it."""
     path = Path(path)
     if path.suffix not in SUFFIXES:
-        raise ValueError(f"{path}: record files must be {', '.join(SUFFIXES)}")
+        raise InputError(f"{path}: record files must be {', '.join(SUFFIXES)}")
     if not path.exists():
-        raise FileNotFoundError(f"record file not found: {path}")
+        raise InputError(f"record file not found: {path}")
     if path.suffix == ".parquet":
         yield from _parquet_records(path)
     elif path.suffix == ".json":

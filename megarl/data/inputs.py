@@ -48,26 +48,28 @@ def prompt_limit(cfg, model_config: dict, where: str) -> PromptLimit | None:
 
 @dataclass
 class PromptSets:
-    """The prompts of a run: RL training, the supervised warm start, and the held-out batch; `skipped`
-    counts the prompts data.skip_malformed left out of them."""
+    """The prompts of a run: RL training, the supervised warm start, and the held-out batch; `skipped` says
+    what data.skip_malformed left out of them (file, row and problem), rows and tokenized prompts alike."""
     train: PromptDataset
     sft: PromptDataset
     val: list[dict]
-    skipped: int
+    skipped: list[str]
 
 
 def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
     """Every prompt of the run loaded, rendered, tokenized and checked (see PromptDataset)."""
-    train, val = load_examples(cfg.data, cfg.trainer.seed)
+    skipped: list[str] = []
+    train, val = load_examples(cfg.data, cfg.trainer.seed, skipped)
     options = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt,
                "max_prompt_tokens": limit, "skip_malformed": cfg.data.skip_malformed}
     seed = cfg.trainer.seed
     train_set = PromptDataset(train, tokenizer, cfg.data.prompts_per_step, seed, **options)
     val_set = PromptDataset(val[:cfg.data.val_size], tokenizer, 1, 0, **options)  # taken whole, below
-    skipped = len(train_set.skipped) + len(val_set.skipped)
+    skipped += [*train_set.skipped.values(), *val_set.skipped.values()]
     if cfg.sft.data:  # multi-turn traces
-        sft_set = PromptDataset(load_prompt_file(cfg.sft.data), tokenizer, cfg.sft.batch_size, seed + 1, **options)
-        skipped += len(sft_set.skipped)
+        traces = load_prompt_file(cfg.sft.data, cfg.data.skip_malformed, skipped)
+        sft_set = PromptDataset(traces, tokenizer, cfg.sft.batch_size, seed + 1, **options)
+        skipped += sft_set.skipped.values()
     else:  # the training prompts' reference answers, those that passed above
         sft_examples = [ex for i, ex in enumerate(train) if i not in train_set.skipped]
         sft_set = PromptDataset(sft_examples, tokenizer, cfg.sft.batch_size, seed + 1, **options)
@@ -76,7 +78,8 @@ def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
 
 def check_inputs(cfg) -> str:
     """The dry run's checks: every model directory's config.json, the policy's tokenizer, and every prompt
-    (as RLTrainer will load them). Returns a one-line summary; raises InputError naming the problem."""
+    (as RLTrainer will load them). Returns a summary (a line, then the first skipped prompts); raises
+    InputError naming the problem."""
     if cfg.model.path == "tiny":  # built offline on first use: its tokenizer and config, without writing it
         from megarl.models.tiny import build_char_tokenizer, tiny_config
 
@@ -92,8 +95,9 @@ def check_inputs(cfg) -> str:
         if path:
             read_model_config(path, key)
     prompts = prompt_datasets(cfg, tokenizer, prompt_limit(cfg, model_config, where))
-    skipped = f", {prompts.skipped} skipped (data.skip_malformed)" if prompts.skipped else ""
-    return f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}"
+    skipped = f", {len(prompts.skipped)} skipped (data.skip_malformed)" if prompts.skipped else ""
+    return "\n  skipped ".join([f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}",
+                                *prompts.skipped[:5]])
 
 
 def load_tokenizer(path: str):
@@ -102,4 +106,5 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError ... for a missing or broken one
-        raise InputError(f"model.path={path}: its tokenizer does not load ({type(e).__name__}: {e})") from None
+        reason = " ".join(str(e).split())  # transformers' messages run over several lines
+        raise InputError(f"model.path={path}: its tokenizer does not load ({type(e).__name__}: {reason})") from None
