@@ -123,3 +123,15 @@ def test_tokenizer_problems_name_the_file_row_or_are_skipped_and_counted(tmp_pat
         ds = PromptDataset(examples, tokenizer, batch_size=1, max_prompt_tokens=limit, skip_malformed=True)
     assert [e["prompt"] for e in ds.examples] == ["ab>"] and sorted(ds.skipped) == [1, 2]
     assert "skipped 2 of 3 prompts" in caplog.text
+
+
+def test_characters_mapped_to_the_unknown_token_are_named():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{c: i + 1 for i, c in enumerate("abc>")}}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    assert len(PromptDataset([{"prompt": "abc>", "answer": "x"}], tokenizer, batch_size=1)) == 1
+    with pytest.raises(ValueError, match=r"example 0: characters the tokenizer cannot encode .*: 'z'"):
+        PromptDataset([{"prompt": "abz>", "answer": "x"}], tokenizer, batch_size=1)
