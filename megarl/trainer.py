@@ -18,7 +18,7 @@ from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
 from megarl.data.dataset import sft_batch
 from megarl.data.evaluation import eval_metrics
-from megarl.data.inputs import prompt_datasets, prompt_limit, read_model_config
+from megarl.data.inputs import load_tokenizer, prompt_datasets, prompt_limit, read_model_config
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
@@ -57,12 +57,10 @@ def prepare_model(cfg: Config) -> str:
 
 class RLTrainer:
     def __init__(self, cfg: Config):
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         self.device = resolve_device(cfg)
         self.model_path = prepare_model(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         # every prompt checked now (empty, unencodable, longer than the model's positions leave), its row named
         limit = prompt_limit(cfg, read_model_config(self.model_path), str(Path(self.model_path) / "config.json"))
         prompts = prompt_datasets(cfg, self.tokenizer, limit)

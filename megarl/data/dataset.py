@@ -203,7 +203,7 @@ def render_prompt(tokenizer, prompt: str | list[dict], chat_template: bool, syst
     if isinstance(prompt, str) and not chat_template:
         return prompt
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"prompt {str(prompt)[:60]!r} needs a chat template (data.chat_template or a list of "
+        raise InputError(f"prompt {str(prompt)[:60]!r} needs a chat template (data.chat_template or a list of "
                          f"messages) but tokenizer {tokenizer.name_or_path!r} has none")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt and messages[0]["role"] != "system":
