@@ -247,7 +247,11 @@ class RewardConfig:
     remote_timeout_s: float = opt(10.0, "remote reward: timeout of one HTTP request")
     remote_retries: int = opt(3, "remote reward: retries after a connection error, a timeout or a 5xx/429 answer")
     code_timeout_s: float = opt(5.0, "code reward: wall-clock limit of one test run in the sandbox")
-    code_memory_mb: int = opt(1024, "code reward: address-space limit of one test run in the sandbox")
+    code_memory_mb: int = opt(1024, "code reward: memory of one test run in the sandbox, all its processes together "
+                                    "(a memory cgroup where the host allows one; else one process)")
+    code_sandbox: str = opt("auto", "code reward: sandbox mode: auto (bwrap, else namespaces; an error if neither "
+                                    "works), bwrap, namespaces, or rlimits (no network or caller isolation: only "
+                                    "when named here)")
 
 
 @dataclass
@@ -465,6 +469,8 @@ class Config:
             raise ConfigError(f"data.task={self.data.task!r} is a prompt file: set reward.name (e.g. gsm8k, math)")
         if r.name == "remote" and not r.remote_url:
             raise ConfigError("reward.name=remote needs reward.remote_url")
+        if r.code_sandbox not in ("auto", "bwrap", "namespaces", "rlimits"):
+            raise ConfigError(f"reward.code_sandbox={r.code_sandbox!r}: must be auto, bwrap, namespaces or rlimits")
         for key, value in (("reward.timeout_s", r.timeout_s), ("reward.remote_retries", r.remote_retries)):
             if value < 0:
                 raise ConfigError(f"{key}={value}: must be >= 0")

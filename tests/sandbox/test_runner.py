@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megarl.rollout.tools.python_interpreter import PythonInterpreter
-from megarl.rollout.tools.sandbox import Sandbox, SandboxLimits
+from megarl.sandbox.runner import Sandbox, SandboxLimits
 
 AS_ROOT = os.geteuid() == 0
 LIMITS = SandboxLimits(wall_s=10.0, memory_mb=256, max_processes=8)  # generous: the test machine may be busy

@@ -8,7 +8,7 @@ whose message is written for the model); the agent turns any exception into an "
 observation and the conversation goes on.
 
 Built-in tools, by registry name: `calculator` (calculator.py), `python` (python_interpreter.py, runs
-the code in sandbox.py), `retrieval` (retrieval.py, BM25 over a local corpus). A user tool is any
+the code in megarl/sandbox/), `retrieval` (retrieval.py, BM25 over a local corpus). A user tool is any
 such class given as `package.module:Class`. A recipe declares tools as a list of names or of
 {"name": ..., <constructor arguments>} dicts, e.g.
     ["calculator", {"name": "retrieval", "corpus": "data/wiki.jsonl", "top_k": 2}]

@@ -1,4 +1,4 @@
-"""`python`: runs the model's code in the sandbox (sandbox.py) and returns what it printed.
+"""`python`: runs the model's code in the sandbox (megarl/sandbox/runner.py) and returns what it printed.
 
 A limit hit (time, memory, processes, file size) or a failing script comes back as a ToolError
 whose message carries the exit status and the end of stderr (the traceback), so the model can
@@ -8,7 +8,7 @@ correct itself; the process is gone by then and the conversation continues.
 from __future__ import annotations
 
 from megarl.rollout.tools import TOOLS, Tool, ToolError
-from megarl.rollout.tools.sandbox import Sandbox, SandboxLimits
+from megarl.sandbox.runner import Sandbox, SandboxLimits
 
 
 @TOOLS.register("python")
