@@ -242,10 +242,27 @@ class RewardConfig:
     name: str = opt("", "reward function: registry name (gsm8k, gsm8k_flexible, math, countdown, code, remote, "
                         "...) or package.module:function; empty = the built-in task's own")
     timeout_s: float = opt(30.0, "a reward call running longer scores 0 and is counted as failed; 0 = no limit")
-    num_workers: int = opt(1, "reward calls run at once (threads; for remote and code rewards); 1 = one by one")
+    batch_timeout_s: float = opt(1800.0, "a batch's reward calls all together: calls not finished when it runs out "
+                                         "score 0 and are counted as failed; 0 = no limit")
+    num_workers: int = opt(1, "reward calls run at once (reward processes, or threads with isolation=none and for "
+                              "remote and code rewards); 1 = one by one")
+    isolation: str = opt("process", "where a reward function runs: process (the default, because only a process can "
+                                    "be killed: a reward stuck inside a C call, which no signal or thread timeout "
+                                    "interrupts, would hang the run; the call's process is killed and replaced at "
+                                    "timeout_s) or none (the driver's process: for rewards that cannot be pickled, "
+                                    "e.g. closures or objects holding locks); remote, code and reward-model rewards "
+                                    "bound their own calls and always run in the driver")
+    max_failure_rate: float = opt(0.5, "stop the run (with the reward's own first error and its sample) when more "
+                                       "than this fraction of reward calls failed over the last failure_window steps, "
+                                       "or in one evaluation: past half, the rewards say more about the reward than "
+                                       "the policy; 1 = never stop")
+    failure_window: int = opt(5, "steps over which reward.max_failure_rate is judged (fewer at the start of a run); "
+                                 "a longer window lets a short outage pass")
     remote_url: str = opt("", "remote reward: the URL that receives a JSON POST per sample")
     remote_timeout_s: float = opt(10.0, "remote reward: timeout of one HTTP request")
     remote_retries: int = opt(3, "remote reward: retries after a connection error, a timeout or a 5xx/429 answer")
+    remote_max_timeouts: int = opt(3, "remote reward: after this many requests in a row time out, the rest of the "
+                                      "batch fails at once (counted, the server named); the next batch tries again")
     code_timeout_s: float = opt(5.0, "code reward: wall-clock limit of one test run in the sandbox")
     code_memory_mb: int = opt(1024, "code reward: memory of one test run in the sandbox, all its processes together "
                                     "(a memory cgroup where the host allows one; else one process)")
@@ -471,11 +488,14 @@ class Config:
             raise ConfigError("reward.name=remote needs reward.remote_url")
         if r.code_sandbox not in ("auto", "bwrap", "namespaces", "rlimits"):
             raise ConfigError(f"reward.code_sandbox={r.code_sandbox!r}: must be auto, bwrap, namespaces or rlimits")
-        for key, value in (("reward.timeout_s", r.timeout_s), ("reward.remote_retries", r.remote_retries)):
+        for key, value in (("reward.timeout_s", r.timeout_s), ("reward.remote_retries", r.remote_retries),
+                           ("reward.batch_timeout_s", r.batch_timeout_s)):
             if value < 0:
                 raise ConfigError(f"{key}={value}: must be >= 0")
         for key, value in (("reward.num_workers", r.num_workers), ("reward.remote_timeout_s", r.remote_timeout_s),
-                           ("reward.code_timeout_s", r.code_timeout_s), ("reward.code_memory_mb", r.code_memory_mb)):
+                           ("reward.code_timeout_s", r.code_timeout_s), ("reward.code_memory_mb", r.code_memory_mb),
+                           ("reward.failure_window", r.failure_window),
+                           ("reward.remote_max_timeouts", r.remote_max_timeouts)):
             if value <= 0:
                 raise ConfigError(f"{key}={value}: must be > 0")
 
@@ -483,6 +503,10 @@ class Config:
         g = self.agent
         for key, value in (("agent.max_turns", g.max_turns), ("agent.max_response_tokens", g.max_response_tokens),
                            ("agent.max_new_tokens_per_turn", g.max_new_tokens_per_turn),
+        if not 0 <= r.max_failure_rate <= 1:
+            raise ConfigError(f"reward.max_failure_rate={r.max_failure_rate}: must be in [0, 1]")
+        if r.isolation not in ("process", "none"):
+            raise ConfigError(f"reward.isolation={r.isolation!r}: must be process or none")
                            ("agent.max_tool_calls_per_turn", g.max_tool_calls_per_turn),
                            ("agent.max_concurrent", g.max_concurrent), ("agent.tool_timeout_s", g.tool_timeout_s),
                            ("agent.max_observation_chars", g.max_observation_chars)):

@@ -22,6 +22,7 @@ from megarl.data.inputs import load_tokenizer, prompt_datasets, prompt_limit, re
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
+from megarl.rewards.failures import RewardFailureTracker
 from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.batching import generations_to_batch
@@ -72,6 +73,9 @@ class RLTrainer:
         self.timers = Timers()
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
+        # reward calls failing past reward.max_failure_rate stop the run: over steps, and per evaluation
+        self.reward_failures = RewardFailureTracker.from_config(cfg.reward)
+        self.val_reward_failures = RewardFailureTracker.from_config(cfg.reward, evaluation=True)
         self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, cfg.trainer.steps, "critic")
                        if cfg.algorithm.advantage == "gae" else None)
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
@@ -136,6 +140,7 @@ class RLTrainer:
             with self.timers("reward_model"):
                 metrics["train/rule_reward"] = batch["rewards"].mean().item()
                 batch["rewards"] = self.reward_model.compute_rewards(batch)["rewards"]
+            self.reward_failures.end_step(self.version + 1)  # a reward failing past its limit: stop, do not train
         a = cfg.algorithm
         if a.overlong_buffer_len:
             penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), cfg.rollout.max_new_tokens,
@@ -331,10 +336,12 @@ class RLTrainer:
         gens = ray.get(self.rollout.generate.remote([p["prompt_ids"] for p in prompts], params))
         return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
 
-    def score(self, batch: Batch) -> Batch:
-        rewards, failed = score(batch, self.reward_fn, self.cfg.reward.timeout_s or None, self.cfg.reward.num_workers)
-        batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
-        batch.meta["reward_failures"] = failed
+    def score(self, batch: Batch, evaluation: bool = False) -> Batch:
+        r = self.cfg.reward
+        scores = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers, r.batch_timeout_s or None)
+        (self.val_reward_failures if evaluation else self.reward_failures).add(scores)
+        batch["rewards"] = torch.tensor(scores.rewards, dtype=torch.float32)
+        batch.meta["reward_failures"] = scores.failed
         return batch
 
     def publish_policy(self) -> dict:
@@ -374,10 +381,12 @@ class RLTrainer:
     def validate(self) -> dict:
         """The held-out prompts, rollout.eval_n_samples = k each at rollout.eval_temperature: mean reward,
         exact-answer rate, mean@k and pass@k (megarl/data/evaluation.py)."""
-        batch = self.score(self.generate(self.val, evaluation=True))
+        batch = self.score(self.generate(self.val, evaluation=True), evaluation=True)
         if self.cfg.rollout.dump_dir:
             self.dump(batch, {}, Path(self.cfg.rollout.dump_dir) / f"val_{self.version:06d}.pt")
-        return eval_metrics(batch["rewards"], batch["group"]) | agent_metrics(batch, "val")
+        failures = self.val_reward_failures.end_step(self.version)  # past reward.max_failure_rate: stop
+        return (eval_metrics(batch["rewards"], batch["group"]) | agent_metrics(batch, "val")
+                | {"val/reward_failures": failures})
 
     def batch_metrics(self, batch: Batch, seconds: float) -> dict:
         mask = batch["loss_mask"]

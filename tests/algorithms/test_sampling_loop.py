@@ -7,6 +7,7 @@ from megarl.algorithms.kl import kl_controller
 from megarl.config import load_config
 from megarl.protocol import Batch
 from megarl.rewards import get_reward_fn
+from megarl.rewards.failures import RewardFailureTracker
 from megarl.trainer import RLTrainer
 from megarl.utils.timers import Timers
 
@@ -26,6 +27,7 @@ def scripted_trainer(responses_per_round, greedy_responses=None, *overrides):
     trainer.cfg = load_config(None, ["data.prompts_per_step=2", "rollout.n_samples=2", *overrides])
     trainer.data, trainer.timers = Prompts(), Timers()
     trainer.reward_fn = get_reward_fn("exact_match")
+    trainer.reward_failures = RewardFailureTracker.from_config(trainer.cfg.reward)
     trainer.kl_ctl = kl_controller(trainer.cfg.algorithm)
     rounds = iter(responses_per_round)
 

@@ -38,4 +38,5 @@ def test_score_counts_a_timed_out_math_check_as_failed(monkeypatch):
     monkeypatch.setattr(math_module, "MATH_TIMEOUT_S", 1.0)
     samples = [{"response": "\\boxed{9^{9^{9^{9}}}}", "answer": "2"}, {"response": "\\boxed{2}", "answer": "2"}]
     # the first check is killed at its own limit; the second waits for a fresh process, off its clock
-    assert score(samples, math_reward, timeout_s=30.0) == ([0.0, 1.0], 1)
+    scores = score(samples, math_reward, timeout_s=30.0)
+    assert (scores.rewards, scores.failed) == ([0.0, 1.0], 1)

@@ -1,4 +1,5 @@
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -70,6 +71,47 @@ def test_remote_reward_gives_up(url):
 def test_unreachable_server_fails_samples_not_the_run(url):
     closed = RemoteReward("http://127.0.0.1:9/score", timeout_s=0.2, retries=1, backoff_s=0.01)
     samples = [{"response": "abc", "answer": "x"}] * 3
-    assert score(samples, closed, timeout_s=5, num_workers=3) == ([0.0] * 3, 3)
+    scores = score(samples, closed, timeout_s=5, num_workers=3)
+    assert (scores.rewards, scores.failed) == ([0.0] * 3, 3)
     live = RemoteReward(url, timeout_s=0.3, retries=0)
-    assert score(samples + [{"response": "bad", "answer": "x"}], live, num_workers=2) == ([0.3] * 3 + [0.0], 1)
+    scores = score(samples + [{"response": "bad", "answer": "x"}], live, num_workers=2)
+    assert (scores.rewards, scores.failed) == ([0.3] * 3 + [0.0], 1)
+
+
+class SilentServer(BaseHTTPRequestHandler):
+    """Takes every request and never answers (until the test ends)."""
+    requests = 0
+    release = threading.Event()
+
+    def do_POST(self):
+        SilentServer.requests += 1
+        self.release.wait()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_never_answers_is_given_up_on_for_the_rest_of_the_batch():
+    SilentServer.requests, SilentServer.release = 0, threading.Event()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SilentServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    try:
+        reward = build_reward(RewardConfig(name="remote", remote_url=url, remote_timeout_s=0.5, remote_retries=2,
+                                           remote_max_timeouts=3))
+        samples = [{"response": "abc", "answer": "x"}] * 64
+        start = time.monotonic()
+        scores = score(samples, reward, timeout_s=30, num_workers=2)
+        # one by one at 3 tries x 0.5 s each, 64 samples would wait 48 s (at the defaults, ~2.5 hours)
+        assert time.monotonic() - start < 20
+        assert (scores.rewards, scores.failed) == ([0.0] * 64, 64)
+        assert SilentServer.requests <= 3 + 1  # the third timeout in a row ends the calls (2 were in flight)
+        assert re.fullmatch(rf"{url}: \d requests in a row timed out \(reward.remote_max_timeouts=3\); not called "
+                            "again in this batch", str(scores.failures[-1].error))
+        asked = SilentServer.requests
+        assert score(samples[:2], reward, timeout_s=30, num_workers=2).failed == 2
+        assert SilentServer.requests > asked  # the next batch tries the server again
+    finally:
+        SilentServer.release.set()
+        server.shutdown()
+        server.server_close()

@@ -20,16 +20,20 @@ def samples(*responses):
     return [{"response": r, "answer": "ok"} for r in responses]
 
 
+def outcome(scores):
+    return scores.rewards, scores.failed
+
+
 def test_timeout_interrupts_a_hung_reward_in_the_main_thread():
     start = time.monotonic()
-    assert score(samples("ok", "hang", "no", "ok"), spin_or_score, timeout_s=0.3) == ([1.0, 0.0, 0.0, 1.0], 1)
+    assert outcome(score(samples("ok", "hang", "no", "ok"), spin_or_score, timeout_s=0.3)) == ([1.0, 0.0, 0.0, 1.0], 1)
     assert time.monotonic() - start < 2
 
 
 def test_threads_abandon_a_call_past_its_limit_and_go_on():
     start = time.monotonic()
-    rewards, failed = score(samples("sleep", "ok", "sleep", "no", "ok"), spin_or_score, timeout_s=0.3, num_workers=2)
-    assert (rewards, failed) == ([0.0, 1.0, 0.0, 0.0, 1.0], 2)
+    scores = score(samples("sleep", "ok", "sleep", "no", "ok"), spin_or_score, timeout_s=0.3, num_workers=2)
+    assert outcome(scores) == ([0.0, 1.0, 0.0, 0.0, 1.0], 2)
     assert time.monotonic() - start < 2  # the sleeping calls did not hold up the others
 
 
@@ -39,7 +43,7 @@ def test_threads_run_calls_at_once_in_sample_order():
         return float(response)
 
     start = time.monotonic()
-    assert score(samples(*"01234567"), slow, num_workers=8) == ([float(i) for i in range(8)], 0)
+    assert outcome(score(samples(*"01234567"), slow, num_workers=8)) == ([float(i) for i in range(8)], 0)
     assert time.monotonic() - start < 1.0  # 8 x 0.2 s one by one would be 1.6 s
 
 
@@ -48,7 +52,7 @@ def test_off_the_main_thread_the_timeout_still_holds():
     thread = threading.Thread(target=lambda: out.update(r=score(samples("sleep", "ok"), spin_or_score, 2.0)))
     thread.start()
     thread.join(15)
-    assert out["r"] == ([0.0, 1.0], 1)
+    assert outcome(out["r"]) == ([0.0, 1.0], 1)
 
 
 class BatchReward:
@@ -65,14 +69,14 @@ class BatchReward:
 def test_batch_rewards_are_called_once_and_fail_as_a_whole():
     REWARD_BUILDERS.register("test_batch_reward")(lambda cfg: BatchReward())
     reward = build_reward(RewardConfig(name="test_batch_reward"))
-    assert score(samples("ab", "abc", "x"), reward) == ([2.0, 3.0, 0.0], 1)  # inf is a failure
-    assert score(samples("ab", "explode"), reward) == ([0.0, 0.0], 2)
+    assert outcome(score(samples("ab", "abc", "x"), reward)) == ([2.0, 3.0, 0.0], 1)  # inf is a failure
+    assert outcome(score(samples("ab", "explode"), reward)) == ([0.0, 0.0], 2)
     assert BatchReward.calls == 2
 
 
 def test_build_reward_by_name_default_and_path():
-    assert build_reward(RewardConfig(), "reverse") is get_reward_fn("reverse")
-    assert build_reward(RewardConfig(name=f"{__name__}:spin_or_score")) is spin_or_score
+    assert build_reward(RewardConfig(isolation="none"), "reverse") is get_reward_fn("reverse")
+    assert build_reward(RewardConfig(name=f"{__name__}:spin_or_score")).fn is spin_or_score  # in a RewardPool
     with pytest.raises(KeyError, match="did you mean 'gsm8k'"):
         build_reward(RewardConfig(name="gsm8"))
 
@@ -85,3 +89,27 @@ def test_reward_config_is_checked():
     with pytest.raises(ConfigError, match="reward.num_workers=0"):
         load_config(None, ["reward.num_workers=0"])
     assert load_config(None, ["data.task=a.parquet", "reward.name=gsm8k"]).reward.timeout_s == 30.0
+
+
+def sleep_for_response(response, answer, sample):
+    time.sleep(float(response))
+    return 1.0
+
+
+@pytest.mark.parametrize("isolation, num_workers", [("process", 2), ("none", 2), ("none", 1)])
+def test_a_batch_past_its_timeout_fails_what_is_unfinished(isolation, num_workers):
+    reward = build_reward(RewardConfig(name=f"{__name__}:sleep_for_response", isolation=isolation))
+    # two quick calls, then calls that would sleep 60 s each: the batch's 4 s are gone before they finish
+    responses = ["0", "0", "60", "60", "0", "0"] if num_workers == 2 else ["0", "60", "0"]
+    scores = score(samples(*responses), reward, timeout_s=120, num_workers=num_workers, batch_timeout_s=4)
+    assert scores.rewards == [1.0] * num_workers + [0.0] * (len(responses) - num_workers)
+    assert scores.failed == len(responses) - num_workers
+    assert all("reward.batch_timeout_s" in str(f.error) for f in scores.failures)
+
+
+def test_reward_config_keys_for_failures_are_checked():
+    for key, bad in (("isolation", "thread"), ("max_failure_rate", 1.5), ("failure_window", 0),
+                     ("batch_timeout_s", -1), ("remote_max_timeouts", 0)):
+        with pytest.raises(ConfigError, match=f"reward.{key}="):
+            load_config(None, [f"reward.{key}={bad}"])
+    assert load_config(None, []).reward.isolation == "process"

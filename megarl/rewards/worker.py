@@ -1,0 +1,63 @@
+"""A reward process (pool.py): `python -m megarl.rewards.worker FD`, FD a socket to the driver.
+
+It receives the driver's sys.path and the pickled reward function, answers None when the function is
+loaded (or the reason it is not), then for each (index, sample) answers (index, reward or exception),
+until the driver closes the socket. A reward's exception is sent as a RewardCallError with its text and
+where it was raised (the exception itself may not unpickle in the driver).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from megarl.rewards.scoring import RewardCallError, RewardTimeout, RewardValueError, call_reward
+
+
+def portable(error: Exception) -> Exception:
+    if isinstance(error, (RewardCallError, RewardTimeout, RewardValueError)):  # megarl's own: they unpickle
+        return error
+    where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+    at = f" (at {where.filename}:{where.lineno} in {where.name})" if where else ""
+    return RewardCallError(f"{type(error).__name__}: {error}{at}")
+
+
+def exit_with_the_driver(driver: int) -> None:
+    """Once the driver is gone (killed, so it could not kill us), end this process group: a call stuck in C
+    that releases the GIL (sleeps, ctypes, I/O) would otherwise keep it running."""
+    while os.getppid() == driver:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)
+
+
+def main(fd: int) -> None:
+    conn = Connection(fd)
+    path, payload = conn.recv()
+    sys.path[:] = path
+    threading.Thread(target=exit_with_the_driver, args=(os.getppid(),), daemon=True).start()
+    try:
+        fn = pickle.loads(payload)
+    except Exception as e:  # e.g. its module does not import here
+        conn.send(f"it does not unpickle in a fresh process ({type(e).__name__}: {e})")
+        return
+    conn.send(None)
+    while True:
+        try:
+            index, sample = conn.recv()
+        except EOFError:
+            return
+        try:
+            outcome = call_reward(fn, sample)
+        except Exception as e:  # the sample fails, the process goes on
+            outcome = portable(e)
+        conn.send((index, outcome))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

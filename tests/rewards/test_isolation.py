@@ -1,0 +1,84 @@
+"""Reward functions in reward processes (reward.isolation=process): a call past its limit has its process
+killed and replaced, so a reward stuck where no signal reaches costs a sample, not the run."""
+
+import os
+import threading
+
+import pytest
+
+from megarl.config import RewardConfig
+from megarl.rewards import build_reward, score
+from megarl.rewards.pool import RewardIsolationError
+
+
+def stuck_in_c(response, answer, sample):
+    """On 'stuck', one C call that holds the GIL and checks no signal for minutes (SIGALRM waits for it)."""
+    if response == "stuck":
+        with open(sample["pid_file"], "w") as f:
+            f.write(str(os.getpid()))
+        sum(range(3 * 10**9))
+    return float(response == answer)
+
+
+def test_a_reward_stuck_in_a_c_call_is_killed_and_the_batch_goes_on(tmp_path):
+    reward = build_reward(RewardConfig(name=f"{__name__}:stuck_in_c"))
+    pid_file = tmp_path / "pid"
+    batch = [{"response": r, "answer": "ok", "pid_file": str(pid_file)} for r in ("ok", "stuck", "no", "ok")]
+    scores = score(batch, reward, timeout_s=2.0)
+    assert scores.rewards == [1.0, 0.0, 0.0, 1.0] and scores.failed == 1
+    assert "reward.timeout_s=2" in str(scores.failures[0].error)
+    stuck = int(pid_file.read_text())
+    assert stuck != os.getpid()
+    with pytest.raises(ProcessLookupError):  # killed, not left running
+        os.kill(stuck, 0)
+    assert score(batch[:1], reward).rewards == [1.0]  # its replacement takes the next batch
+
+
+def exit_on_crash(response, answer, sample):
+    if response == "crash":
+        os._exit(3)  # as a segfault in an extension would end it
+    return 1.0
+
+
+def test_a_reward_that_ends_its_process_fails_its_sample_only():
+    reward = build_reward(RewardConfig(name=f"{__name__}:exit_on_crash", num_workers=2))
+    scores = score([{"response": r, "answer": ""} for r in ("a", "crash", "b", "crash", "c")], reward, num_workers=2)
+    assert scores.rewards == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert [str(f.error) for f in scores.failures] == ["the reward process exited with status 3 during the call"] * 2
+
+
+def make_closure_reward():
+    lock = threading.Lock()
+
+    def reward(response, answer, sample):
+        with lock:
+            return 0.5
+    return reward
+
+
+closure_reward = make_closure_reward()
+
+
+def test_a_reward_that_cannot_be_pickled_names_isolation_none():
+    with pytest.raises(RewardIsolationError, match=r"closure_reward.*cannot be pickled.*reward\.isolation=none"):
+        build_reward(RewardConfig(name=f"{__name__}:closure_reward"))
+    in_process = build_reward(RewardConfig(name=f"{__name__}:closure_reward", isolation="none"))
+    assert score([{"response": "", "answer": ""}], in_process).rewards == [0.5]
+
+
+def raise_value_error(response, answer, sample):
+    raise ValueError(f"cannot parse {answer!r}")
+
+
+def test_a_reward_error_comes_back_with_its_text_and_place():
+    scores = score([{"response": "r", "answer": "#### x"}], build_reward(RewardConfig(name=f"{__name__}:raise_value_error")))
+    assert scores.failed == 1
+    assert str(scores.failures[0].error).startswith("ValueError: cannot parse '#### x' (at ")
+    assert "test_isolation.py" in str(scores.failures[0].error)
+
+
+def test_the_math_reward_starts_its_checking_process_from_a_reward_process():
+    reward = build_reward(RewardConfig(name="math"))
+    batch = [{"response": "so \\boxed{\\frac{1}{2}}", "answer": "0.5"}, {"response": "\\boxed{3}", "answer": "2"}]
+    scores = score(batch, reward, timeout_s=60)
+    assert (scores.rewards, scores.failed) == ([1.0, 0.0], 0)
