@@ -498,15 +498,15 @@ class Config:
                            ("reward.remote_max_timeouts", r.remote_max_timeouts)):
             if value <= 0:
                 raise ConfigError(f"{key}={value}: must be > 0")
+        if not 0 <= r.max_failure_rate <= 1:
+            raise ConfigError(f"reward.max_failure_rate={r.max_failure_rate}: must be in [0, 1]")
+        if r.isolation not in ("process", "none"):
+            raise ConfigError(f"reward.isolation={r.isolation!r}: must be process or none")
 
     def _validate_agent(self) -> None:
         g = self.agent
         for key, value in (("agent.max_turns", g.max_turns), ("agent.max_response_tokens", g.max_response_tokens),
                            ("agent.max_new_tokens_per_turn", g.max_new_tokens_per_turn),
-        if not 0 <= r.max_failure_rate <= 1:
-            raise ConfigError(f"reward.max_failure_rate={r.max_failure_rate}: must be in [0, 1]")
-        if r.isolation not in ("process", "none"):
-            raise ConfigError(f"reward.isolation={r.isolation!r}: must be process or none")
                            ("agent.max_tool_calls_per_turn", g.max_tool_calls_per_turn),
                            ("agent.max_concurrent", g.max_concurrent), ("agent.tool_timeout_s", g.tool_timeout_s),
                            ("agent.max_observation_chars", g.max_observation_chars)):

@@ -134,13 +134,13 @@ class RLTrainer:
             batch, metrics = self.sample_batch()
             if cfg.rollout.dump_dir:
                 self.dump(batch, metrics, Path(cfg.rollout.dump_dir) / f"step_{self.version + 1:06d}.pt")
+            self.reward_failures.end_step(self.version + 1)  # a reward failing past its limit: stop, do not train
         with self.timers("onload"):
             metrics |= self.colocation.to_training()  # the rollout engine releases its memory, Megatron's is back
         if self.reward_model is not None:  # the model's score replaces the rule reward, which is logged
             with self.timers("reward_model"):
                 metrics["train/rule_reward"] = batch["rewards"].mean().item()
                 batch["rewards"] = self.reward_model.compute_rewards(batch)["rewards"]
-            self.reward_failures.end_step(self.version + 1)  # a reward failing past its limit: stop, do not train
         a = cfg.algorithm
         if a.overlong_buffer_len:
             penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), cfg.rollout.max_new_tokens,
