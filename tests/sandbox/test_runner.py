@@ -56,6 +56,11 @@ def sandbox_processes() -> list[int]:
     return pids
 
 
+def fork_budget(box) -> int:
+    """Processes a run may start: none where no memory cgroup bounds them together."""
+    return LIMITS.max_processes if box.memory_bound == "cgroup" else 0
+
+
 def assert_still_works(box):
     result = box.run("print(6 * 7)")
     assert result.ok and result.stdout == "42\n"
@@ -183,12 +188,14 @@ def test_fork_bomb_is_capped_and_leaves_nothing_behind(sandbox):
     done.set()
     watcher.join()
     assert result.timed_out and time.monotonic() - start < KILL_AFTER_S + 10  # the kill itself, on a loaded 2-core machine
-    assert 1 < max(counts) <= 1 + LIMITS.max_processes  # it forked, but only up to the budget
+    assert 1 + (fork_budget(sandbox) > 0) <= max(counts) <= 1 + fork_budget(sandbox)  # forked only up to the budget
     assert sandbox_processes() == []  # every process of the run is gone
     assert_still_works(sandbox)
 
 
 def test_a_daemonised_child_does_not_outlive_the_run(sandbox):
+    if not fork_budget(sandbox):
+        pytest.skip("without a memory cgroup a run may not fork")
     if sandbox.mode == "rlimits" and not AS_ROOT:
         pytest.skip("documented gap: without namespaces or root, a child that leaves the process group survives")
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n"
@@ -232,6 +239,8 @@ def test_output_is_bounded(sandbox):
 
 @pytest.mark.skipif(not AS_ROOT, reason="separate process budgets need a uid per run, which only root can assign")
 def test_concurrent_runs_each_get_their_own_process_budget(sandbox):
+    if not fork_budget(sandbox):
+        pytest.skip("without a memory cgroup a run may not fork")
     code = ("import os, time\nn = 0\nfor _ in range(%d):\n    try:\n        if os.fork() == 0:\n"
             "            time.sleep(1); os._exit(0)\n        n += 1\n    except OSError:\n        break\n"
             "print(n)\n") % (LIMITS.max_processes + 4)
@@ -286,5 +295,64 @@ def test_a_uid_left_with_unkillable_processes_is_not_used_again(monkeypatch):
             result = box.run("import os; print(os.getuid())")
             assert result.ok and result.stdout == "1600001\n"
         assert looked_at.count(1_600_000) == 1
+    finally:
+        box.close()
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += int(next((line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")), 0))
+    return total / 1024
+
+
+def test_the_run_as_a_whole_stays_within_its_memory(sandbox):
+    """Children that each fill part of the budget cannot add up to more than it (a cgroup holds them
+    together, or no child can start at all)."""
+    code = """
+import os, time
+for _ in range(6):
+    try:
+        if os.fork() == 0:
+            block = b"x" * (120 << 20)  # written: resident
+            time.sleep(2.5)
+            os._exit(0)
+    except OSError:
+        break
+time.sleep(2.5)
+"""
+    peak, done = [0.0], threading.Event()
+
+    def watch():
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], rss_mb(sandbox_processes()))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        sandbox.run(code)
+    finally:
+        done.set()
+        watcher.join()
+    # 6 x 120 MiB without a bound; resident pages shared after fork count once per process here
+    assert peak[0] < 1.5 * LIMITS.memory_mb
+    assert_still_works(sandbox)
+
+
+def test_without_a_memory_cgroup_a_run_is_one_process(monkeypatch, caplog):
+    from megarl.sandbox import runner
+
+    monkeypatch.setattr(runner.MemoryCgroups, "find", classmethod(lambda cls: (None, "not delegated here")))
+    with caplog.at_level("WARNING", logger=runner.__name__):
+        box = Sandbox(LIMITS, mode=NAMESPACED[0] if NAMESPACED else "rlimits")
+    try:
+        assert "no further process or thread per run (no memory cgroup: not delegated here)" in caplog.text
+        result = box.run("import os, threading\ntry:\n    os.fork()\nexcept OSError:\n    print('no fork')\n"
+                         "try:\n    threading.Thread(target=print).start()\nexcept RuntimeError:\n    print('no thread')\n")
+        assert result.stdout == "no fork\nno thread\n"
     finally:
         box.close()
