@@ -68,14 +68,14 @@ class RLTrainer:
         self.data, self.sft_data, self.val = prompts.train, prompts.sft, prompts.val
         self.renderer = observation_renderer(self.tokenizer, cfg.agent.observation_template)  # tool results
         self.reward_fn = build_reward(cfg.reward, cfg.data.task)
+        # reward calls failing past reward.max_failure_rate stop the run: over steps, and per evaluation
+        self.reward_failures = RewardFailureTracker.from_config(cfg.reward)
+        self.val_reward_failures = RewardFailureTracker.from_config(cfg.reward, evaluation=True)
         self.kl_ctl = kl_controller(cfg.algorithm)  # fixed, or adaptive towards algorithm.kl_target
         self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())
         self.timers = Timers()
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
-        # reward calls failing past reward.max_failure_rate stop the run: over steps, and per evaluation
-        self.reward_failures = RewardFailureTracker.from_config(cfg.reward)
-        self.val_reward_failures = RewardFailureTracker.from_config(cfg.reward, evaluation=True)
         self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, cfg.trainer.steps, "critic")
                        if cfg.algorithm.advantage == "gae" else None)
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
