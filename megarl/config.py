@@ -295,9 +295,14 @@ class TrainerConfig:
                                     "rank (plus SGLang's two persistent buffers of ~half a bucket each); fewer, "
                                     "larger buckets sync faster (7B into SGLang on an H200: 2048 MiB 0.18 s, "
                                     "8192 MiB 0.13 s; docs/benchmarks.md)")
-    verify_weight_sync_every: int = opt(1, "check the rollout engine's weights equal Megatron's bit for bit (SGLang: "
-                                           "inside SGLang too) after the first weight sync and every N-th one "
-                                           "after it; 1: every sync, 0: never")
+    verify_weight_sync_every: int = opt(1, "check the rollout engine's weights equal Megatron's bit for bit after the "
+                                           "first weight sync and every N-th one after it (checksums of every "
+                                           "parameter, computed inside SGLang's TP workers on their GPUs, against "
+                                           "the sender's: ~1% of a 0.5B GSM8K step, docs/benchmarks.md); 1: every "
+                                           "sync, 0: never")
+    verify_weight_sync_deep: bool = opt(False, "verification also has SGLang reload the sync from a safetensors file "
+                                               "with its own loader and compare (writes the whole model each time: "
+                                               "for debugging a weight layout, not for long runs)")
     offload_between_phases: str = opt("auto", "colocated memory cycle: during rollouts the training engines park "
                                               "weights, grads and optimizer state in host memory and the rollout "
                                               "engine releases its memory during training; auto (on for sglang on "

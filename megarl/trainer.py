@@ -26,6 +26,7 @@ from megarl.rewards.failures import RewardFailureTracker
 from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.batching import generations_to_batch
+from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker
 from megarl.workers import weight_sync
@@ -89,6 +90,7 @@ class RLTrainer:
                                      self.rollout, offload_enabled(cfg, self.device))
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.syncs = 0  # weight syncs done (trainer.verify_weight_sync_every counts them)
+        self.rollout_buffers = None  # the rollout engine's non-weight buffers' checksums at the first verification
         self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
@@ -359,11 +361,12 @@ class RLTrainer:
         trainer.verify_weight_sync_every-th after it, verify it arrived bit for bit."""
         every = self.cfg.trainer.verify_weight_sync_every
         verify, self.syncs = every > 0 and self.syncs % every == 0, self.syncs + 1
+        deep = self.cfg.trainer.verify_weight_sync_deep
         reports = [r for r in self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20,
-                                              verify) if r is not None]
+                                              verify, deep) if r is not None]
         start = time.perf_counter()
         if verify:
-            self.verify_rollout_weights({key: d for r in reports for key, d in r["sent"].items()})
+            self.verify_rollout_weights(reports, deep)
         # bytes: the weights as sent (bf16 on GPU); seconds: the slowest sender, begin to end, without verification
         nbytes = sum(r["bytes"] for r in reports)
         slowest = max(reports, key=lambda r: r["seconds"] - r["digest_s"])
@@ -373,8 +376,16 @@ class RLTrainer:
                         "sync/direct": float(slowest["direct"]), "sync/verified": float(verify),
                         "sync/verify_s": slowest["digest_s"] + time.perf_counter() - start}
 
-    def verify_rollout_weights(self, sent: dict) -> None:
-        """The rollout engine digests the weights (or TP shards) it holds; any difference from what was sent raises."""
+    def verify_rollout_weights(self, reports: list[dict], deep: bool) -> None:
+        """The rollout engine checksums every parameter it holds, where it holds it, against what the senders
+        computed from what they sent (the deep check: digests of the weights SGLang reloaded from a file);
+        any difference raises, naming the parameter."""
+        if not deep:
+            expected = merge_checksums([r["expected"] for r in reports])
+            self.rollout_buffers = weight_sync.verify_checksums(
+                expected, ray.get(self.rollout.weight_checksums.remote()), self.rollout_buffers)
+            return
+        sent = {key: d for r in reports for key, d in r["sent"].items()}
         dtypes = {key: dtype for key, (dtype, _) in sent.items()}
         weight_sync.verify(sent, ray.get(self.rollout.weight_digests.remote(dtypes)))
 

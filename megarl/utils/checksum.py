@@ -31,7 +31,9 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 if triton is not None:
-    @triton.jit
+    # Not specialised on its integer arguments' values (Triton's default compiles a variant per pattern of
+    # ==1 and %16 among them: a sync's pieces, at their many offsets, paid seconds of compilation)
+    @triton.jit(do_not_specialize=["cols", "row_stride", "offset", "target_stride", "col_blocks"])
     def _weighted_sums_kernel(x_ptr, out_ptr, cols, row_stride, offset, target_stride, col_blocks,
                               M0: tl.constexpr, M1: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(1).to(tl.int64)
