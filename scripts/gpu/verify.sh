@@ -77,7 +77,8 @@ if kernel.exists():
     print(f"kernel: Triton == torch on every case: {k.get('triton_equals_torch')}; 7.6B bf16 elements in "
           f"{k.get('checksum_7b_elements_s', float('nan')):.4f} s ({k.get('gb_per_s', 0):.0f} GB/s)")
 print("\n| model | sync s (GB/s) | sync with checksums s | sender checksum s | SGLang checksum s | compare s | "
-      "verify s | verify / sync | params checked | flipped bit named | deep check s |\n|" + " --- |" * 11)
+      "verify s | verify / sync | first verify s (compiles) | params checked | flipped bit named | deep check s |\n|"
+      + " --- |" * 12)
 for name in ("sync_7b", "sync_0.5b"):
     path = out / f"{name}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
@@ -89,7 +90,7 @@ for name in ("sync_7b", "sync_0.5b"):
         f = lambda k, p=4: f"{r[k]:.{p}f}" if isinstance(r.get(k), (int, float)) else str(r.get(k, ""))
         ratio = r["verify_s"] / r["total_s"] if "verify_s" in r and r.get("checksums_verified") else float("nan")
         print(f"| {r['model']} | {f('total_s')} ({f('gb_per_s', 1)}) | {f('checksum_sync_s')} | {f('sender_checksum_s')} | "
-              f"{f('engine_checksum_s')} | {f('compare_s')} | {f('verify_s')} | {ratio:.3f} | "
+              f"{f('engine_checksum_s')} | {f('compare_s')} | {f('verify_s')} | {ratio:.3f} | {f('first_verify_s')} | "
               f"{r.get('parameters_checked', '')} | {r.get('flip_detected', '')} | {f('verify_s') if r.get('verified') else ''} |")
 for name in ("grpo_default", "grpo_deep"):
     path = out / name / "grpo_metrics.jsonl"
