@@ -198,7 +198,7 @@ def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
 def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, weights: str) -> dict:
     """The default verification (trainer.verify_weight_sync_every=1) after one more sync: the sender's expected
     checksums of SGLang's parameters (computed bucket by bucket during the sync), SGLang's own checksums of what
-    its TP workers hold, the comparison. verify_s is what verification adds to a sync: the sender's checksum
+    its TP workers hold, the comparison. checksum_verify_s is what verification adds to a sync: the sender's checksum
     work, then the engine's and the comparison. Then a bit flipped in SGLang's memory must fail, naming it."""
     from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
     from megarl.workers.weight_sync import WeightSyncError, push_policy, verify_checksums
@@ -229,7 +229,7 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, weights
     engine.corrupt_weight(flipped)  # and back
     engine.resume_kv_cache()
     return dict(checksums_verified=True, checksum_sync_s=t1 - t0, sender_checksum_s=report["digest_s"],
-                engine_checksum_s=t2 - t1, compare_s=t3 - t2, verify_s=report["digest_s"] + t3 - t1, first_verify_s=first,
+                engine_checksum_s=t2 - t1, compare_s=t3 - t2, checksum_verify_s=report["digest_s"] + t3 - t1, first_verify_s=first,
                 parameters_checked=sum(len(r) for r in held[0].values()), flip_detected=detected)
 
 
