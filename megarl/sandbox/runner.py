@@ -16,7 +16,7 @@ Isolation, strongest first; mode="auto" takes the strongest the host offers and 
 
   bwrap       bubblewrap (Debian package `bubblewrap`): new user, mount, pid, network, ipc and uts
               namespaces. The file system is an empty root with read-only binds of only what Python
-              needs (its prefix, /usr/lib), a private tmpfs /tmp, the run's directory at /sandbox, a
+              needs (its prefix, /usr/lib), private tmpfs /tmp and /var/tmp, the run's directory at /sandbox, a
               fresh /proc of the sandbox's own pid namespace and a minimal /dev. No network (only a
               loopback of its own), no nested user namespaces, no capabilities.
   namespaces  util-linux `unshare` (no bubblewrap, user namespaces available): new user, pid, network,
@@ -354,7 +354,7 @@ class Sandbox:
             ro = [a for p in python.ro_paths for a in ("--ro-bind", p, p)]
             return [shutil.which("bwrap"), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
                     "--die-with-parent", "--new-session",
-                    "--tmpfs", "/tmp", *ro, *_merged_usr_links(),  # the tmpfs first: python may live under /tmp
+                    "--tmpfs", "/tmp", "--tmpfs", "/var/tmp", *ro, *_merged_usr_links(),  # tmpfs first: python may live there
                     "--bind", str(work), SANDBOX_DIR, "--chdir", SANDBOX_DIR,
                     "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--", *script]
         if mode == "namespaces":
