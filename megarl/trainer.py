@@ -24,7 +24,7 @@ from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
 from megarl.rewards.failures import RewardFailureTracker
 from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
-from megarl.rollout.base import SamplingParams
+from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch
 from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.utils.timers import Timers
@@ -55,6 +55,10 @@ def prepare_model(cfg: Config) -> str:
                                 intermediate_size=m.tiny_intermediate_size or None,
                                 vocab_multiple=m.tiny_vocab_multiple,
                                 seed=cfg.trainer.seed))
+
+
+# over-sampling's unfinished groups (RLTrainer.partial_groups) in a checkpoint, continued by the resumed run
+PARTIAL_GROUPS_FILE = "partial_groups.pt"
 
 
 class RLTrainer:
@@ -187,7 +191,9 @@ class RLTrainer:
             group.call("save_checkpoint", str(staging / role))
         state = {"step": step, "version": self.version, "data": self.data.state_dict(),
                  "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "history": self.history}
+                 "history": self.history, "syncs": self.syncs}
+        if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
+            torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
         return self.checkpoints.commit(staging, step, state)
 
     def resume(self) -> int:
@@ -215,7 +221,11 @@ class RLTrainer:
             self.actor.call("set_kl_coef", self.kl_ctl.value)
         self.history = {name: {int(step): v for step, v in by_step.items()}  # JSON keys are strings
                         for name, by_step in state["history"].items()}
-        self.publish_policy()
+        partial = path / PARTIAL_GROUPS_FILE
+        self.partial_groups = torch.load(partial, weights_only=False) if partial.exists() else []
+        self.publish_policy()  # verified: the first sync of this process
+        # then the count the run stopped at, so that the next verified syncs are the uninterrupted run's
+        self.syncs = state.get("syncs", self.syncs)  # (absent from checkpoints written before it was kept)
         self.timers.pop()  # the resumed policy's sync is no step's
         print(f"resumed from {path} after step {state['step']}", flush=True)
         return state["step"]
@@ -292,7 +302,7 @@ class RLTrainer:
     def generate_and_score(self, prompts: list[dict], first_group: int = 0) -> Batch:
         """Samples for `prompts` with rewards; groups numbered from `first_group` (distinct across rounds)."""
         with self.timers("generate"):
-            batch = self.generate(prompts)
+            batch = self.generate(prompts, first_group=first_group)
         with self.timers("reward"):
             batch = self.score(batch)
         if self.cfg.algorithm.advantage == "remax":  # ReMax's baseline: the reward of one greedy response
@@ -317,7 +327,7 @@ class RLTrainer:
             self.actor.call("set_kl_coef", self.kl_ctl.value)
         return {"algorithm/kl_coef": used} | ({"algorithm/kl": kl} if kl is not None else {})
 
-    def sampling_params(self, evaluation: bool = False, greedy: bool = False) -> SamplingParams:
+    def sampling_params(self, evaluation: bool = False, greedy: bool = False, first_group: int = 0) -> SamplingParams:
         r = self.cfg.rollout
         lengths = {"max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
         if greedy:  # ReMax's baseline
@@ -325,10 +335,14 @@ class RLTrainer:
         if evaluation:  # the same random draws at every evaluation: differences come from the policy
             return SamplingParams(**lengths, n=r.eval_n_samples, temperature=r.eval_temperature,
                                   seed=self.cfg.trainer.seed)
-        return SamplingParams(**lengths, n=r.n_samples, temperature=r.temperature, top_p=r.top_p)
+        # the draws follow from (trainer.seed, policy version, first group) alone, not from an engine's random
+        # state (which no checkpoint holds): a resumed run draws what the uninterrupted run drew
+        return SamplingParams(**lengths, n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
+                              seed=derive_seed(self.cfg.trainer.seed, self.version, first_group))
 
-    def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False) -> Batch:
-        params = self.sampling_params(evaluation, greedy)
+    def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False,
+                 first_group: int = 0) -> Batch:
+        params = self.sampling_params(evaluation, greedy, first_group)
         if self.cfg.agent.enabled:  # multi-turn conversations with tool calls, run next to the engine
             groups = [[Trajectory(i, p["prompt_ids"], policy_version=self.version) for _ in range(params.n)]
                       for i, p in enumerate(prompts)]

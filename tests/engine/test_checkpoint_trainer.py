@@ -6,8 +6,10 @@ import json
 import torch
 
 from megarl.config import load_config
-from megarl.engine.checkpoint import read_checkpoint_file
+from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
+from megarl.rollout.agent import Trajectory
 from megarl.trainer import RLTrainer
+from megarl.utils.timers import Timers
 
 from tests.conftest import QUICKSTART as RECIPE
 
@@ -51,3 +53,101 @@ def test_trainer_resumes_at_another_layout(tmp_path, ray_local):
     assert state["step"] == 3 and state["driver"]["version"] == 3 and state["roles"] == ["actor"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3]  # the resumed run did not redo 1-2
+
+
+def metric_rows(output_dir, after_step: int) -> dict[int, dict]:
+    """metrics.jsonl's rows of the steps after `after_step`, without wall-clock readings (timings, rates)."""
+    clock = ("timing/", "perf/", "sync/seconds", "sync/gb_per_s")
+    rows = {}
+    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] > after_step and "train/reward" in row:
+            rows[row["step"]] = {k: v for k, v in row.items()
+                                 if not k.startswith(clock) and not (k.startswith("sync/") and k.endswith("_s"))}
+    return rows
+
+
+def run(cfg) -> dict[str, torch.Tensor]:
+    """fit() to the end; the policy's final weights."""
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+        return trainer.actor.call("hf_state_dict")[0]
+    finally:
+        trainer.shutdown()
+
+
+def test_resumed_run_equals_the_uninterrupted_one_bitwise(tmp_path, ray_local):
+    """Stopped after step 1 (trainer.steps=1, then a run with steps=3), or killed after step 1's checkpoint
+    was committed, then resumed: every logged number of steps 2-3 and the final weights are those of the run
+    that was never interrupted. The killed case resumes from the uninterrupted run's own step-1 checkpoint
+    in a fresh process and directory: a SIGKILL after that commit leaves exactly that directory on disk
+    (later steps write only new checkpoints; keep_last=0 keeps it), and nothing else of a run is read back."""
+    def cfg(out, *overrides):  # sampled evaluation (as the quickstart's), an eval at step 2 only, syncs 0 and 2
+        return config(out, "trainer.keep_last=0", "rollout.eval_n_samples=2", "trainer.eval_every=2",  # verified
+                      "trainer.verify_weight_sync_every=2", *overrides)
+
+    whole = run(cfg(tmp_path / "whole", "trainer.steps=3"))
+    expected = metric_rows(tmp_path / "whole", 1)
+    assert sorted(expected) == [2, 3]
+
+    run(cfg(tmp_path / "stopped", "trainer.steps=1"))
+    after_stop = run(cfg(tmp_path / "stopped", "trainer.steps=3"))
+    after_kill = run(cfg(tmp_path / "killed", "trainer.steps=3",
+                         f"trainer.resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000001'}"))
+    for name, resumed_output, weights in (("stop", "stopped", after_stop), ("kill", "killed", after_kill)):
+        got = metric_rows(tmp_path / resumed_output, 1)
+        assert sorted(got) == [2, 3], name
+        differing = {(step, key): (got[step].get(key), value) for step, row in expected.items()
+                     for key, value in row.items() if got[step].get(key) != value}
+        assert not differing and got == expected, (name, differing)
+        assert weights.keys() == whole.keys()
+        for key in whole:
+            assert torch.equal(weights[key], whole[key]), (name, key)
+
+
+class Stateful:
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def driver_only(tmp_path) -> RLTrainer:
+    """An RLTrainer without engines or workers: its checkpoint methods over the driver's own state."""
+    trainer = object.__new__(RLTrainer)
+    trainer.cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0"])
+    trainer.checkpoints = Checkpoints(tmp_path / "checkpoints", keep_last=0)
+    trainer.trained_groups = dict
+    trainer.data, trainer.sft_data, trainer.kl_ctl = Stateful({}), Stateful({}), Stateful({})
+    trainer.version, trainer.syncs, trainer.partial_groups, trainer.history = 0, 0, [], {"val/reward": {}}
+    trainer.timers = Timers()
+    trainer.publish_policy = lambda: setattr(trainer, "syncs", trainer.syncs + 1)  # a sync, counted
+    return trainer
+
+
+def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
+    """Over-sampling's aborted groups (continued next step, with the turns they had) and the number of weight
+    syncs (which of the next ones are verified) come back from a checkpoint as they were saved."""
+    saved = driver_only(tmp_path)
+    group = [Trajectory(0, [5, 6], response_ids=[7, 8], loss_mask=[1, 1], logprobs=[-0.5, -0.25],
+                        turns=[{"role": "assistant", "text": "x", "span": [0, 2], "stopped": False, "tool_calls": []}],
+                        policy_version=1) for _ in range(2)]
+    prompt = {"prompt": "p", "answer": "a", "prompt_ids": [5, 6], "extra": {"id": 7}}  # any field of the data file
+    saved.version, saved.syncs, saved.partial_groups = 2, 3, [(prompt, group)]
+    saved.save_checkpoint(2)
+    saved.partial_groups = []
+    saved.save_checkpoint(3)  # none left unfinished: nothing to continue from this one
+
+    resumed = driver_only(tmp_path)
+    resumed.cfg.trainer.resume = str(tmp_path / "checkpoints" / "step_00000002")
+    assert resumed.resume() == 2 and resumed.version == 2
+    assert resumed.syncs == 3  # the resume's own sync (verified: the first of this process) is not counted
+    assert resumed.partial_groups == [(prompt, group)]
+    latest = driver_only(tmp_path)
+    assert latest.resume() == 3 and latest.partial_groups == []
+
