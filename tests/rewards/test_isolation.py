@@ -2,13 +2,19 @@
 killed and replaced, so a reward stuck where no signal reaches costs a sample, not the run."""
 
 import os
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from megarl.config import RewardConfig
 from megarl.rewards import build_reward, score
 from megarl.rewards.pool import RewardIsolationError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stuck_in_c(response, answer, sample):
@@ -82,3 +88,59 @@ def test_the_math_reward_starts_its_checking_process_from_a_reward_process():
     batch = [{"response": "so \\boxed{\\frac{1}{2}}", "answer": "0.5"}, {"response": "\\boxed{3}", "answer": "2"}]
     scores = score(batch, reward, timeout_s=60)
     assert (scores.rewards, scores.failed) == ([1.0, 0.0], 0)
+
+
+def _refuse_elsewhere(pid):
+    if os.getpid() != pid:
+        raise ImportError("No module named 'my_driver_script'")
+    return OnlyHere()
+
+
+class OnlyHere:
+    """Pickles, but unpickles only in this process (as a reward defined in a driver script's __main__)."""
+
+    def __reduce__(self):
+        return _refuse_elsewhere, (os.getpid(),)
+
+    def __call__(self, response, answer, sample):
+        return 1.0
+
+
+only_here = OnlyHere()
+
+
+def test_a_reward_that_does_not_load_in_a_reward_process_names_isolation_none():
+    reward = build_reward(RewardConfig(name=f"{__name__}:only_here"))
+    with pytest.raises(RewardIsolationError, match=r"does not unpickle in a fresh process \(ImportError: No module "
+                                                   r"named 'my_driver_script'\); set reward\.isolation=none"):
+        score([{"response": "", "answer": ""}], reward)
+
+
+DRIVER = """
+import sys, time
+from megarl.config import RewardConfig
+from megarl.rewards import build_reward, score
+score([{"response": "", "answer": ""}], build_reward(RewardConfig(name="tests.rewards.test_isolation:sleep_long")))
+"""
+
+
+def sleep_long(response, answer, sample):
+    print(os.getpid(), flush=True)
+    time.sleep(600)  # releases the GIL, as a stuck ctypes or socket call would
+    return 1.0
+
+
+def test_a_killed_driver_leaves_no_reward_process_running():
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    worker = int(driver.stdout.readline())
+    driver.kill()  # SIGKILL: no atexit, nothing of the driver's runs
+    driver.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(worker, 9)
+    pytest.fail(f"reward process {worker} still ran 30 s after its driver was killed")
