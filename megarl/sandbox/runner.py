@@ -290,9 +290,10 @@ class Sandbox:
         work.mkdir(mode=0o700)
         outputs = self.root / f"{run_id}.out"
         outputs.mkdir(mode=0o700)  # outside what the code can reach: it only holds the open files
-        cgroup = self.cgroups.create(run_id, (self.limits.memory_mb + SUPERVISOR_MB) << 20) if self.cgroups else None
-        private_fds, private_out = [], None
+        cgroup, private_fds, private_out = None, [], None
         try:
+            if self.cgroups:
+                cgroup = self.cgroups.create(run_id, (self.limits.memory_mb + SUPERVISOR_MB) << 20)
             for name, text in {**files, "main.py": code}.items():
                 (work / name).write_text(text)
             (outputs / "stdin").write_text(stdin)
