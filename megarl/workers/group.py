@@ -3,10 +3,18 @@
 The driver only sees Batches: `TrainGroup` splits one into equal chunks, one per data-parallel rank,
 hands every rank of a model-parallel group the same chunk, and returns the results of the first rank
 of each data-parallel group, concatenated in order.
+
+Every wait on a worker has a deadline (trainer.worker_timeout_s): a rank that stops responding (stopped, stuck
+in a collective, deadlocked) fails the call naming it and the call, instead of hanging the driver for good.
 """
 
 from __future__ import annotations
 
+import re
+import time
+from typing import Callable
+
+import psutil
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -18,21 +26,64 @@ from megarl.engine.packing import balanced_partition, sequence_lengths
 from megarl.workers.train_worker import ROLES, TrainWorker
 
 
-def get_all(refs: list) -> list:
-    """Every rank's result, in order; raises as soon as one rank fails. ray.get of the list would wait for every
-    rank first, and the other ranks of a failed one may wait for it in a collective (a resharding gather, a
-    gradient all-reduce) until NCCL's timeout, or forever on gloo."""
+class WorkerError(RuntimeError):
+    """A worker's call failed, or its worker died; the message names the worker and the call."""
+
+
+class WorkerTimeout(WorkerError):
+    """Workers did not answer a call within trainer.worker_timeout_s; `late`: their indices."""
+
+    def __init__(self, message: str, late: list[int]):
+        super().__init__(message)
+        self.late = late
+
+
+def get_all(refs: list, call: str = "the call", describe: Callable[[int], str] = "worker {}".format,
+            timeout: float = 0.0) -> list:
+    """Every worker's result, in order; raises as soon as one fails (WorkerError naming `describe(i)` and `call`),
+    or WorkerTimeout once `timeout` seconds (0: none) have passed with some not answered. ray.get of the list
+    would wait for every rank first, and the other ranks of a failed one may wait for it in a collective (a
+    resharding gather, a gradient all-reduce) until NCCL's timeout, or forever on gloo."""
+    deadline = time.monotonic() + timeout if timeout else None
+    index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            late = sorted(index[ref] for ref in pending)
+            raise WorkerTimeout(f"{', '.join(map(describe, late))} did not answer {call} within {timeout:g} s "
+                                "(trainer.worker_timeout_s)", late)
+        try:
+            ray.get(done)
+        except ray.exceptions.RayError as error:
+            remote = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Ray colours the remote traceback for terminals
+            raise WorkerError(f"{describe(index[done[0]])} failed in {call}: {remote}") from error
     return ray.get(refs)
+
+
+def call_rollout(rollout, method: str, *args, timeout: float = 0.0):
+    """rollout.method(*args) on the rollout actor, with the same deadline as the training ranks' calls."""
+    return get_all([getattr(rollout, method).remote(*args)], method, lambda _: "the rollout actor", timeout)[0]
+
+
+def process_state(pid: int, node: str) -> str:
+    """What the OS says of a worker's process, where the driver can look (its own node): 'stopped' for a SIGSTOP,
+    'sleeping' for one waiting (in a collective?), 'running' for one spinning."""
+    if node != ray.util.get_node_ip_address():
+        return f"pid {pid} on {node}"
+    try:
+        return f"pid {pid}, {psutil.Process(pid).status()}"
+    except psutil.NoSuchProcess:
+        return f"pid {pid}, gone"
 
 
 class TrainGroup:
     def __init__(self, cfg: Config, model_path: str, device: str, total_steps: int, role: str = "actor"):
         """role: actor, critic or reward_model (train_worker.ROLES), each on its own config section's layout."""
-        self.section = getattr(cfg, ROLES[role][0])
+        self.section, self.role = getattr(cfg, ROLES[role][0]), role
+        self.timeout = cfg.trainer.worker_timeout_s  # every wait on a rank (get_all)
+        self.killed = False  # after a rank missed its deadline: every actor killed
         n = self.section.parallel.world_size
         # On GPU the roles (actor, critic, reward model) share each GPU, and keep a sliver of it free for a
         # colocated rollout actor (see start_rollout).
@@ -46,8 +97,9 @@ class TrainGroup:
                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, cfg, model_path, device,
                                                                                      role)
             for i in range(n)]
-        addr, port = ray.get(self.workers[0].address.remote())
-        self.info = get_all([w.setup.remote(addr, port, total_steps) for w in self.workers])
+        self.info = []
+        addr, port = self._get_all([self.workers[0].address.remote()], "address")[0]
+        self.info = self._get_all([w.setup.remote(addr, port, total_steps) for w in self.workers], "setup")
         self.dp = self.section.parallel.dp
         # the first global rank of each data-parallel rank returns results for its chunk
         self.leaders = [min(i["rank"] for i in self.info if i["dp_rank"] == d) for d in range(self.dp)]
@@ -65,7 +117,7 @@ class TrainGroup:
         rows = self._rows_per_rank(batch)
         refs = [getattr(w, method).remote(batch.index(rows[info["dp_rank"]]), **kwargs)
                 for w, info in zip(self.workers, self.info)]
-        results = get_all(refs)
+        results = self._get_all(refs, method)
         return [results[r] for r in self.leaders]
 
     def _dispatch_rows(self, method: str, batch: Batch, **kwargs) -> Batch:
@@ -98,10 +150,27 @@ class TrainGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run a method on every rank (collectives need all of them); results in rank order."""
-        return get_all([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self._get_all([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method)
+
+    def _get_all(self, refs: list, method: str) -> list:
+        """get_all over every rank (or the first alone); past the deadline every rank is killed at once: the others
+        of a silent rank wait for it in collectives, and nothing the group holds can be used again."""
+        try:
+            return get_all(refs, method, self._describe, self.timeout)
+        except WorkerTimeout as error:
+            for w in self.workers:
+                ray.kill(w)
+            self.killed = True
+            raise WorkerTimeout(f"{error}; killed all {len(self.workers)} {self.role} ranks", error.late) from None
+
+    def _describe(self, rank: int) -> str:
+        if rank >= len(self.info):  # before setup has answered
+            return f"{self.role} rank {rank}"
+        return f"{self.role} rank {rank} ({process_state(self.info[rank]['pid'], self.info[rank]['node'])})"
 
     def shutdown(self) -> None:
-        stop_ranks(self.workers)
+        if not self.killed:
+            stop_ranks(self.workers)
         ray.util.remove_placement_group(self.pg)
 
 

@@ -1,11 +1,17 @@
-"""The driver's wait on the training ranks."""
+"""The driver's wait on the training ranks: it fails fast, names the rank and the call, and has a deadline."""
 
+import os
+import signal
 import time
 
+import psutil
 import pytest
 import ray
 
-from megarl.workers.group import get_all, stop_ranks
+from megarl.config import load_config
+from megarl.workers.group import TrainGroup, WorkerError, WorkerTimeout, get_all, stop_ranks
+from tests.conftest import QUICKSTART
+from tests.engine.hf_models import make_qwen2_dir, padded_batch
 
 
 @ray.remote
@@ -16,6 +22,9 @@ class Rank:
         time.sleep(wait)  # a rank waiting in a collective on the failed one
         return "done"
 
+    def die(self) -> None:
+        os._exit(1)
+
     def shutdown(self) -> None:
         pass
 
@@ -24,11 +33,17 @@ def test_get_all_fails_as_soon_as_one_rank_fails_while_others_still_wait(ray_loc
     ranks = [Rank.remote() for _ in range(3)]
     assert get_all([r.step.remote(False) for r in ranks]) == ["done"] * 3
     start = time.monotonic()
-    with pytest.raises(ray.exceptions.RayTaskError, match="server died mid-sync"):
-        get_all([ranks[0].step.remote(False, 60), ranks[1].step.remote(True), ranks[2].step.remote(False, 60)])
+    with pytest.raises(WorkerError, match="(?s)rank 1 failed in step: .*server died mid-sync"):
+        get_all([ranks[0].step.remote(False, 60), ranks[1].step.remote(True), ranks[2].step.remote(False, 60)],
+                "step", "rank {}".format)
     assert time.monotonic() - start < 30
     for r in ranks:
         ray.kill(r)
+    ranks = [Rank.remote() for _ in range(2)]
+    with pytest.raises(WorkerError, match="(?s)rank 1 failed in die: .*actor died"):  # died outright: named too
+        get_all([ranks[0].step.remote(False, 60), ranks[1].die.remote()], "die", "rank {}".format)
+    assert time.monotonic() - start < 60
+    ray.kill(ranks[0])
 
 
 def test_stop_ranks_kills_a_rank_stuck_after_a_failure(ray_local):
@@ -39,3 +54,30 @@ def test_stop_ranks_kills_a_rank_stuck_after_a_failure(ray_local):
     assert time.monotonic() - start < 20
     with pytest.raises(ray.exceptions.RayActorError):  # killed, not left running
         ray.get(stuck, timeout=20)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped by Ray
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_stopped_rank_fails_the_call_at_its_deadline_naming_it_and_every_rank_is_killed(tmp_path, ray_local):
+    cfg = load_config(QUICKSTART, [f"trainer.output_dir={tmp_path}", "actor.parallel.tp=1"])
+    model = make_qwen2_dir(tmp_path / "model", tied=False, layers=1)
+    group = TrainGroup(cfg, model, "cpu", total_steps=1)  # DP=2: train all-reduces across the two
+    pids = [info["pid"] for info in group.info]
+    group.timeout = 3.0  # trainer.worker_timeout_s, short for the test (set-up had the default)
+    os.kill(pids[1], signal.SIGSTOP)
+    batch = padded_batch(rows=4)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"actor rank 0 \(pid \d+, sleeping\), actor rank 1 \(pid \d+, stopped\) "
+                                           r"did not answer train within 3 s \(trainer.worker_timeout_s\); killed all 2"):
+        group.train(batch, loss="sft")
+    assert time.monotonic() - start < 20
+    deadline = time.monotonic() + 30
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(map(_gone, pids))
+    group.shutdown()  # the placement group; the killed ranks are not waited for
