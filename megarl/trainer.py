@@ -9,7 +9,6 @@ import dataclasses
 import time
 from pathlib import Path
 
-import ray
 import torch
 
 from megarl.algorithms.advantages import compute_advantages
@@ -31,7 +30,7 @@ from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker
 from megarl.workers import weight_sync
 from megarl.workers.colocation import Colocation, offload_enabled
-from megarl.workers.group import TrainGroup, start_rollout, stop_rollout
+from megarl.workers.group import TrainGroup, call_rollout, start_rollout, stop_rollout
 
 
 def resolve_device(cfg: Config) -> str:
@@ -91,7 +90,7 @@ class RLTrainer:
                                      self.actor.gpus() if colocated_sglang else None)
         # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
-                                     self.rollout, offload_enabled(cfg, self.device))
+                                     self.rollout, offload_enabled(cfg, self.device), cfg.trainer.worker_timeout_s)
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.syncs = 0  # weight syncs done (trainer.verify_weight_sync_every counts them)
         self.rollout_buffers = None  # the rollout engine's non-weight buffers' checksums at the first verification
@@ -274,8 +273,8 @@ class RLTrainer:
             for t in group:
                 t.prompt_index = i
         with self.timers("generate"):
-            finished, unfinished, rejected = ray.get(self.rollout.rollout_agent.remote(
-                prompts, groups, self.sampling_params(), want, self.cfg.algorithm.dynamic_sampling))
+            finished, unfinished, rejected = self.rollout_call(
+                "rollout_agent", prompts, groups, self.sampling_params(), want, self.cfg.algorithm.dynamic_sampling)
         trajectories = [t for group in finished[:want] for t in group]
         with self.timers("reward"):
             batch = self.score(trajectories_to_batch(prompts, trajectories, self.tokenizer.pad_token_id,
@@ -346,11 +345,15 @@ class RLTrainer:
         if self.cfg.agent.enabled:  # multi-turn conversations with tool calls, run next to the engine
             groups = [[Trajectory(i, p["prompt_ids"], policy_version=self.version) for _ in range(params.n)]
                       for i, p in enumerate(prompts)]
-            finished, _, _ = ray.get(self.rollout.rollout_agent.remote(prompts, groups, params))
+            finished, _, _ = self.rollout_call("rollout_agent", prompts, groups, params)
             return trajectories_to_batch(prompts, [t for group in finished for t in group],
                                          self.tokenizer.pad_token_id, self.tokenizer)
-        gens = ray.get(self.rollout.generate.remote([p["prompt_ids"] for p in prompts], params))
+        gens = self.rollout_call("generate", [p["prompt_ids"] for p in prompts], params)
         return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
+
+    def rollout_call(self, method: str, *args):
+        """A call on the rollout actor, with the deadline every wait on a worker has (trainer.worker_timeout_s)."""
+        return call_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s)
 
     def score(self, batch: Batch, evaluation: bool = False) -> Batch:
         r = self.cfg.reward
@@ -397,11 +400,11 @@ class RLTrainer:
         if not deep:
             expected = merge_checksums([r["expected"] for r in reports])
             self.rollout_buffers = weight_sync.verify_checksums(
-                expected, ray.get(self.rollout.weight_checksums.remote()), self.rollout_buffers)
+                expected, self.rollout_call("weight_checksums"), self.rollout_buffers)
             return
         sent = {key: d for r in reports for key, d in r["sent"].items()}
         dtypes = {key: dtype for key, (dtype, _) in sent.items()}
-        weight_sync.verify(sent, ray.get(self.rollout.weight_digests.remote(dtypes)))
+        weight_sync.verify(sent, self.rollout_call("weight_digests", dtypes))
 
     def validate(self) -> dict:
         """The held-out prompts, rollout.eval_n_samples = k each at rollout.eval_temperature: mean reward,

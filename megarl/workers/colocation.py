@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import time
 
-import ray
-
 from megarl.config import Config
+from megarl.workers.group import call_rollout, get_all
 
 
 def offload_enabled(cfg: Config, device: str) -> bool:
@@ -31,9 +30,10 @@ def offload_enabled(cfg: Config, device: str) -> bool:
 
 
 class Colocation:
-    def __init__(self, groups: list, rollout, enabled: bool):
-        """groups: the TrainGroups (policy, critic, reward model); rollout: the RolloutWorker actor."""
-        self.groups, self.rollout, self.enabled = groups, rollout, enabled
+    def __init__(self, groups: list, rollout, enabled: bool, timeout: float = 0.0):
+        """groups: the TrainGroups (policy, critic, reward model); rollout: the RolloutWorker actor; timeout: the
+        deadline of every call on the rollout actor (trainer.worker_timeout_s; the groups have their own)."""
+        self.groups, self.rollout, self.enabled, self.timeout = groups, rollout, enabled, timeout
         self.phase = "training"
 
     def to_rollout(self) -> dict:
@@ -43,7 +43,7 @@ class Colocation:
         moved = [report for group in self.groups for report in group.call("offload")]
         metrics = self.memory("offloaded")
         start = time.perf_counter()  # the last stretch to a rollout engine ready to generate, after a sync
-        ray.get(self.rollout.resume_kv_cache.remote())
+        call_rollout(self.rollout, "resume_kv_cache", timeout=self.timeout)
         metrics["timing/resume_kv_cache"] = time.perf_counter() - start
         self.phase = "rollout"
         # freed: all the engines' state; copied to the host and back: what cannot be re-made (offload.py)
@@ -54,7 +54,7 @@ class Colocation:
         """The rollout engine releases its memory, the training engines come back; memory metrics."""
         if not self.enabled or self.phase == "training":
             return {}
-        ray.get(self.rollout.release_memory.remote())
+        call_rollout(self.rollout, "release_memory", timeout=self.timeout)
         metrics = self.memory("released")
         for group in self.groups:
             group.call("onload")
@@ -66,7 +66,8 @@ class Colocation:
         can tell, and on GPU that rank's allocator and the whole device (SGLang's share is the rest)."""
         if not self.enabled:
             return {}
-        train, rollout = ray.get([self.groups[0].workers[0].memory.remote(), self.rollout.resident_bytes.remote()])
+        train, rollout = get_all([self.groups[0].workers[0].memory.remote(), self.rollout.resident_bytes.remote()],
+                                 "memory", ("policy rank 0", "the rollout actor").__getitem__, self.timeout)
         out = {f"memory/{label}/train_{k}_gb": v / 1e9 for k, v in train.items()}
         if rollout is not None:
             out[f"memory/{label}/rollout_resident_gb"] = rollout / 1e9
