@@ -30,8 +30,10 @@ def scripted_trainer(responses_per_round, greedy_responses=None, *overrides):
     trainer.reward_failures = RewardFailureTracker.from_config(trainer.cfg.reward)
     trainer.kl_ctl = kl_controller(trainer.cfg.algorithm)
     rounds = iter(responses_per_round)
+    trainer.first_groups = []  # each round's first group number (its sampling seed derives from it)
 
-    def generate(prompts, evaluation=False, greedy=False):
+    def generate(prompts, evaluation=False, greedy=False, first_group=0):
+        trainer.first_groups.append(first_group)
         responses = greedy_responses[:len(prompts)] if greedy else next(rounds)
         n = len(responses) // len(prompts)
         return Batch({"loss_mask": torch.ones(len(responses), 3)},
@@ -49,7 +51,7 @@ def test_dynamic_sampling_refills_from_later_rounds():
     batch, metrics = trainer.sample_batch()
     assert metrics == {"dapo/rounds": 2, "dapo/groups_dropped": 2, "dapo/filler_groups": 0}
     assert batch["group"] == [1, 1, 3, 3] and batch["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
-    assert trainer.data.served == 2
+    assert trainer.data.served == 2 and trainer.first_groups == [0, 2]  # each round samples with its own seed
 
 
 def test_dynamic_sampling_stops_at_max_rounds_and_fills():
