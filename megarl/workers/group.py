@@ -98,7 +98,7 @@ class TrainGroup:
                                                                                      role)
             for i in range(n)]
         self.info = []
-        addr, port = self._get_all([self.workers[0].address.remote()], "address")[0]
+        addr, port = self._get_all([self.workers[0].address.remote()], "address (the first call: the actor's start)")[0]
         self.info = self._get_all([w.setup.remote(addr, port, total_steps) for w in self.workers], "setup")
         self.dp = self.section.parallel.dp
         # the first global rank of each data-parallel rank returns results for its chunk
