@@ -1,12 +1,15 @@
 """The whole system on CPU: Ray actors, megatron-core at TP=2 over gloo, the transformers rollout engine."""
 
 import json
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 from megarl.config import load_config
+from megarl.parallel.inventory import hf_inventory
+from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
 from megarl.trainer import RLTrainer
 from megarl.workers import weight_sync
 
@@ -41,14 +44,22 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
             before = after
         assert metrics["sync/bytes"] == sum(t.numel() * t.element_size() for t in after.values())
 
-        # A transport that flips one element of one tensor on the way must not go unnoticed.
+        # A transport that flips one element of one tensor on the way must not go unnoticed: by the default check
+        # (the engine's checksums of what it holds against the sender's) and by the deep one (digests).
+        layout = WeightLayout(hf_inventory(json.loads((Path(trainer.model_path) / "config.json").read_text())), "hf")
+        expected = ExpectedChecksums(layout, [0])
+        for n, t in after.items():
+            expected.add(n, t)
+        trainer.verify_rollout_weights([{"expected": expected.result()}], deep=False)
         sent = {n: (t.dtype, weight_sync.tensor_digest(t)) for n, t in after.items()}
         name = sorted(after)[1]
         corrupted = after[name].clone()
         corrupted.view(-1)[3] += 1.0
         ray.get(trainer.rollout.update_weights.remote([(name, corrupted)]))
+        with pytest.raises(weight_sync.WeightSyncError, match=rf"1 differ \['server 0 rank 0: {name}'\]"):
+            trainer.verify_rollout_weights([{"expected": expected.result()}], deep=False)
         with pytest.raises(weight_sync.WeightSyncError, match=rf"1 tensor\(s\) differ \['{name}'\]"):
-            trainer.verify_rollout_weights(sent)
+            trainer.verify_rollout_weights([{"sent": sent}], deep=True)
     finally:
         trainer.shutdown()
 

@@ -24,7 +24,7 @@ import re
 
 import torch
 
-from megarl.utils.checksum import weighted_sums
+from megarl.utils.checksum import ChecksumTable
 
 SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE
 # HF name -> (SGLang's parameter, the part's place among the parameter's parts, all parts)
@@ -99,41 +99,40 @@ class WeightLayout:
 
 class ExpectedChecksums:
     """What the engine's parameters must hash to after a sync, accumulated bucket by bucket on the sender's
-    device (no host sync until `result`)."""
+    device into one table (no host sync until `result`)."""
 
     def __init__(self, layout: WeightLayout, ranks: list[int], presharded: bool = False):
         self.layout, self.ranks, self.presharded = layout, ranks, presharded
-        self.sums: dict[tuple[int, str], list[torch.Tensor]] = {}
+        params = dict.fromkeys((rank, layout.place(name, rank)[0] if layout.engine == "sglang" else name)
+                               for rank in ranks for name in layout.specs)
+        self.rows = {key: row for row, key in enumerate(params)}  # every parameter a sync can reach
+        self.table: ChecksumTable | None = None  # on the device of the first tensor sent
         self.dtypes: dict[tuple[int, str], torch.dtype] = {}
 
     def add(self, key: Key, tensor: torch.Tensor) -> None:
+        if self.table is None:
+            self.table = ChecksumTable(len(self.rows), tensor.device)
         for rank in self.ranks:
             for param, piece, offset, stride in self.layout.pieces(key, tensor, rank, self.presharded):
-                self.sums.setdefault((rank, param), []).append(weighted_sums(piece, offset, stride))
+                self.table.add(self.rows[(rank, param)], piece, offset, stride)
                 self.dtypes[(rank, param)] = tensor.dtype
 
     def result(self) -> dict[tuple[int, str], tuple[str, int, int]]:
-        """(engine rank, parameter) -> (dtype, sum 0, sum 1), read from the device at once."""
-        keys = list(self.sums)
-        if not keys:
+        """(engine rank, parameter) -> (dtype, sum 0, sum 1) of every parameter something was sent to."""
+        if self.table is None:
             return {}
-        totals = torch.stack([torch.stack(self.sums[k]).sum(0) for k in keys]).cpu().tolist()
-        return {k: (str(self.dtypes[k]), *v) for k, v in zip(keys, totals)}
+        values = self.table.values()
+        return {key: (str(dtype), *values[self.rows[key]]) for key, dtype in self.dtypes.items()}
 
 
 def merge(expected: list[dict]) -> dict:
     """Several senders' expected checksums (sharded delivery: one per engine rank) as one; a parameter two
-    senders both cover gets the sum of their pieces (mod 2^64, as the checksum itself)."""
+    senders both cover gets the sum of their pieces (mod 2^32, as the checksum itself)."""
     out: dict = {}
     for part in expected:
         for key, (dtype, s0, s1) in part.items():
             if key in out:
                 _, a0, a1 = out[key]
-                s0, s1 = _wrap(a0 + s0), _wrap(a1 + s1)
+                s0, s1 = (a0 + s0) & 0xFFFFFFFF, (a1 + s1) & 0xFFFFFFFF
             out[key] = (dtype, s0, s1)
     return out
-
-
-def _wrap(value: int) -> int:
-    """An int64 sum's wrap-around, for sums added on the host."""
-    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
