@@ -21,11 +21,16 @@ def _share(rank: int, nan_row: int | None):
     return batch
 
 
+def _tensors(tree) -> list:
+    if torch.is_tensor(tree):
+        return [tree.clone()]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else []
+    return [t for item in items for t in _tensors(item)]
+
+
 def _state(engine):
-    weights = [p.detach().clone() for p in engine._parameters()]
-    optimizer = [t.clone() for s in engine.optimizer.state_dict()["state"].values() for t in s.values()
-                 if torch.is_tensor(t)]
-    return weights, optimizer
+    """Weights, and every tensor of the optimizer's state (Adam's moments and steps; bf16: the fp32 master copies)."""
+    return [p.detach().clone() for p in engine._parameters()], _tensors(engine.optimizer.state_dict())
 
 
 def _equal(a, b) -> bool:
@@ -54,11 +59,21 @@ def _errors_rank(rank, model_dir):
     skipped = engine.train(_share(rank, nan_row=2))
     after_skip = _state(engine)
     applied = engine.train(_share(rank, None))
-    return errors, skipped, applied, _equal(before, after_skip), _equal(before, _state(engine))
+    kept = {"fp32": _equal(before, after_skip)}
+    moved = {"fp32": not _equal(before, _state(engine))}
+    # bf16 (as on GPU): megatron's mixed-precision optimizer, its fp32 master weights untouched too
+    engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2, precision="bf16"), AlgorithmConfig(), "cpu", 1,
+                            10, skip_nonfinite_updates=True)
+    engine.train(_share(rank, None))
+    before = _state(engine)
+    kept["bf16"] = engine.train(_share(rank, nan_row=2))["skipped_updates"] == 1 and _equal(before, _state(engine))
+    engine.train(_share(rank, None))
+    moved["bf16"] = not _equal(before, _state(engine))
+    return errors, skipped, applied, kept, moved
 
 
 def test_nonfinite_loss_or_grad_stops_the_update_naming_step_rank_micro_batch_or_is_skipped(tmp_path):
-    errors, skipped, applied, kept, moved_back = run_distributed(
+    errors, skipped, applied, kept, moved = run_distributed(
         _errors_rank, 2, make_qwen2_dir(tmp_path / "m", tied=False))
     # Every rank raises the same agreed error: rank 0's names rank 1's micro-batch.
     assert "non-finite loss" in errors["loss"]
@@ -67,7 +82,7 @@ def test_nonfinite_loss_or_grad_stops_the_update_naming_step_rank_micro_batch_or
     assert "non-finite gradient norm" in errors["grad"] and "RL step 3" in errors["grad"]
     # Skipped: counted, no loss metrics from the poisoned update, weights and Adam state equal bit for bit.
     assert skipped["skipped_updates"] == 1 and "loss" not in skipped
-    assert kept
+    assert kept == {"fp32": True, "bf16": True}
     # The next clean update applies (its gradient buffers were cleared of the NaNs).
     assert applied["skipped_updates"] == 0 and math.isfinite(applied["loss"]) and math.isfinite(applied["grad_norm"])
-    assert not moved_back
+    assert moved == {"fp32": True, "bf16": True}
