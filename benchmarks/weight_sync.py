@@ -219,6 +219,9 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, weights
         verify_checksums(report["expected"], held)
         t3 = time.perf_counter()
         first = first if first is not None else report["digest_s"] + t3 - t1
+    from megarl.rollout.transports.cuda_ipc import CHECKSUM_TIMING
+    inside = [float(line.split("seconds")[1]) for line in Path(engine.servers[0].log_path).read_text(errors="replace")
+              .splitlines() if CHECKSUM_TIMING in line]  # the checksums' own time in SGLang's TP worker
     flipped = "model.layers.0.mlp.down_proj.weight"
     engine.corrupt_weight(flipped)
     try:
@@ -230,6 +233,7 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, weights
     engine.resume_kv_cache()
     return dict(checksums_verified=True, checksum_sync_s=t1 - t0, sender_checksum_s=report["digest_s"],
                 engine_checksum_s=t2 - t1, compare_s=t3 - t2, checksum_verify_s=report["digest_s"] + t3 - t1, first_verify_s=first,
+                sglang_inside_s=inside[-1] if inside else None,
                 parameters_checked=sum(len(r) for r in held[0].values()), flip_detected=detected)
 
 

@@ -90,7 +90,7 @@ for name in ("sync_7b", "sync_0.5b"):
         f = lambda k, p=4: f"{r[k]:.{p}f}" if isinstance(r.get(k), (int, float)) else str(r.get(k, ""))
         ratio = r["checksum_verify_s"] / r["total_s"] if r.get("checksums_verified") else float("nan")
         print(f"| {r['model']} | {f('total_s')} ({f('gb_per_s', 1)}) | {f('checksum_sync_s')} | {f('sender_checksum_s')} | "
-              f"{f('engine_checksum_s')} | {f('compare_s')} | {f('checksum_verify_s')} | {ratio:.3f} | {f('first_verify_s')} | "
+              f"{f('engine_checksum_s')} ({f('sglang_inside_s')}) | {f('compare_s')} | {f('checksum_verify_s')} | {ratio:.3f} | {f('first_verify_s')} | "
               f"{r.get('parameters_checked', '')} | {r.get('flip_detected', '')} | {f('verify_s') if r.get('verified') else ''} |")
 for name in ("grpo_default", "grpo_deep"):
     path = out / name / "grpo_metrics.jsonl"

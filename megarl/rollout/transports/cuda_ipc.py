@@ -87,6 +87,7 @@ _MAPPED: dict[int, torch.Tensor] = {}  # inside SGLang: slot -> the sender's buf
 # (`LOAD_TIMING` lines), which splits a post's time into SGLang's load and the request's way there and back.
 TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
 LOAD_TIMING = "megarl weight load"
+CHECKSUM_TIMING = "megarl checksums"  # the same for a verification's checksums inside SGLang (inspect_weights)
 
 
 def load_flat_bucket(model, named_tensors: Bucket) -> None:
@@ -131,9 +132,14 @@ def inspect_weights(model, header: dict) -> None:
             raise KeyError(f"no parameter {header['flip_bit']!r} (this rank holds {sorted(params)[:4]} ...)")
         flip_bit(params[header["flip_bit"]])
         return
+    start = time.perf_counter()
+    held = module_checksums(model)
+    if TIME_LOADS:
+        print(f"{CHECKSUM_TIMING}: params {len(held)} seconds {time.perf_counter() - start:.6f}", file=sys.stderr,
+              flush=True)
     staging = header["checksums"] + ".tmp"
     with open(staging, "w") as f:
-        json.dump(module_checksums(model), f)
+        json.dump(held, f)
     os.replace(staging, header["checksums"])
 
 
