@@ -31,11 +31,7 @@ class WorkerError(RuntimeError):
 
 
 class WorkerTimeout(WorkerError):
-    """Workers did not answer a call within trainer.worker_timeout_s; `late`: their indices."""
-
-    def __init__(self, message: str, late: list[int]):
-        super().__init__(message)
-        self.late = late
+    """Workers did not answer a call within trainer.worker_timeout_s; the message names them and the call."""
 
 
 def get_all(refs: list, call: str = "the call", describe: Callable[[int], str] = "worker {}".format,
@@ -53,7 +49,7 @@ def get_all(refs: list, call: str = "the call", describe: Callable[[int], str] =
         if not done:
             late = sorted(index[ref] for ref in pending)
             raise WorkerTimeout(f"{', '.join(map(describe, late))} did not answer {call} within {timeout:g} s "
-                                "(trainer.worker_timeout_s)", late)
+                                "(trainer.worker_timeout_s)")
         try:
             ray.get(done)
         except ray.exceptions.RayError as error:
@@ -161,7 +157,7 @@ class TrainGroup:
             for w in self.workers:
                 ray.kill(w)
             self.killed = True
-            raise WorkerTimeout(f"{error}; killed all {len(self.workers)} {self.role} ranks", error.late) from None
+            raise WorkerTimeout(f"{error}; killed all {len(self.workers)} {self.role} ranks") from None
 
     def _describe(self, rank: int) -> str:
         if rank >= len(self.info):  # before setup has answered
