@@ -59,8 +59,14 @@ def get_all(refs: list, call: str = "the call", describe: Callable[[int], str] =
 
 
 def call_rollout(rollout, method: str, *args, timeout: float = 0.0):
-    """rollout.method(*args) on the rollout actor, with the same deadline as the training ranks' calls."""
-    return get_all([getattr(rollout, method).remote(*args)], method, lambda _: "the rollout actor", timeout)[0]
+    """rollout.method(*args) on the rollout actor, with the same deadline as the training ranks' calls; past it the
+    actor is killed at once (its SGLang servers' guards end them: megarl/rollout/server_guard.py), as a shutdown
+    call would only queue behind the hung one."""
+    try:
+        return get_all([getattr(rollout, method).remote(*args)], method, lambda _: "the rollout actor", timeout)[0]
+    except WorkerTimeout as error:
+        ray.kill(rollout)
+        raise WorkerTimeout(f"{error}; killed it (and so its servers)") from None
 
 
 def process_state(pid: int, node: str) -> str:

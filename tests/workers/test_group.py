@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from megarl.config import load_config
-from megarl.workers.group import TrainGroup, WorkerError, WorkerTimeout, get_all, stop_ranks
+from megarl.workers.group import TrainGroup, WorkerError, WorkerTimeout, call_rollout, get_all, stop_ranks
 from tests.conftest import QUICKSTART
 from tests.engine.hf_models import make_qwen2_dir, padded_batch
 
@@ -54,6 +54,18 @@ def test_stop_ranks_kills_a_rank_stuck_after_a_failure(ray_local):
     assert time.monotonic() - start < 20
     with pytest.raises(ray.exceptions.RayActorError):  # killed, not left running
         ray.get(stuck, timeout=20)
+
+
+def test_a_rollout_call_past_its_deadline_names_the_call_and_kills_the_actor(ray_local):
+    rollout = Rank.remote()
+    assert call_rollout(rollout, "step", False, timeout=30) == "done"
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"the rollout actor did not answer step within 1 s \(trainer.worker_timeout_s\); "
+                                           "killed it"):
+        call_rollout(rollout, "step", False, 600, timeout=1)
+    assert time.monotonic() - start < 20
+    with pytest.raises(ray.exceptions.RayActorError):  # killed: a shutdown call would have queued for 600 s
+        ray.get(rollout.step.remote(False), timeout=30)
 
 
 def _gone(pid: int) -> bool:
