@@ -101,8 +101,12 @@ class ExpectedChecksums:
     """What the engine's parameters must hash to after a sync, accumulated bucket by bucket on the sender's
     device into one table (no host sync until `result`)."""
 
-    def __init__(self, layout: WeightLayout, ranks: list[int], presharded: bool = False):
-        self.layout, self.ranks, self.presharded = layout, ranks, presharded
+    def __init__(self, layout: WeightLayout, ranks: list[int], presharded: bool = False,
+                 sender: tuple[int, int] | None = None):
+        """`sender` = (generation rank, generation TP) of a sharded delivery into an engine holding whole tensors:
+        every generation rank sends the replicated tensors (and K/V heads replicated above their count) and the
+        engine keeps one copy, so this sender counts only the rows no lower rank also sends."""
+        self.layout, self.ranks, self.presharded, self.sender = layout, ranks, presharded, sender
         params = dict.fromkeys((rank, layout.place(name, rank)[0] if layout.engine == "sglang" else name)
                                for rank in ranks for name in layout.specs)
         self.rows = {key: row for row, key in enumerate(params)}  # every parameter a sync can reach
@@ -110,12 +114,21 @@ class ExpectedChecksums:
         self.dtypes: dict[tuple[int, str], torch.dtype] = {}
 
     def add(self, key: Key, tensor: torch.Tensor) -> None:
+        if self.sender is not None and not self._first_to_send(key):
+            return
         if self.table is None:
             self.table = ChecksumTable(len(self.rows), tensor.device)
         for rank in self.ranks:
             for param, piece, offset, stride in self.layout.pieces(key, tensor, rank, self.presharded):
                 self.table.add(self.rows[(rank, param)], piece, offset, stride)
                 self.dtypes[(rank, param)] = tensor.dtype
+
+    def _first_to_send(self, key: Key) -> bool:
+        rank, tp = self.sender
+        if isinstance(key, str):
+            return rank == 0
+        spec = self.layout.specs[key[0]]
+        return rank == min(r for r in range(tp) if spec.rows(tp, r) == tuple(key[2:4]))
 
     def result(self) -> dict[tuple[int, str], tuple[str, int, int]]:
         """(engine rank, parameter) -> (dtype, sum 0, sum 1) of every parameter something was sent to."""

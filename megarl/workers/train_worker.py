@@ -146,8 +146,10 @@ class TrainWorker:
         r = self.cfg.rollout
         specs = self.resharder.specs if self.resharder is not None else hf_inventory(self.engine.hf_config)
         layout = WeightLayout(specs, r.engine, r.sglang_tp)
-        if delivery == "full" or r.engine != "sglang":
+        if delivery == "full":
             return ExpectedChecksums(layout, list(range(layout.tp)))
+        if r.engine != "sglang":  # the engine holds whole tensors: every rank's row blocks land in them
+            return ExpectedChecksums(layout, [0], sender=(self.rank, gen_tp))
         return ExpectedChecksums(layout, [self.rank], presharded=True)
 
     def memory(self) -> dict[str, int]:

@@ -87,3 +87,28 @@ def test_stacked_experts_checksum_as_fused_moe_holds_them():
         held = module_checksums(fused)
         for name in ("w13_weight", "w2_weight"):
             assert got[(rank, p + name)] == (held[name][0], *held[name][2:4]), (rank, name)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])  # at generation TP=4 K/V rows go to several ranks, whole (1) or in blocks
+def test_row_blocks_into_an_engine_of_whole_tensors_are_counted_once(kv_heads):
+    """Sharded delivery into the hf engine: every generation rank sends its rows, the replicated tensors and K/V
+    heads replicated above their count more than once; the engine holds one whole copy of each tensor."""
+    hf = dict(QWEN2, num_key_value_heads=kv_heads)
+    tp, full, specs = 4, _tensors(hf, torch.float32), hf_inventory(hf)
+    layout = WeightLayout(specs, "hf")
+    parts = []
+    for rank in range(tp):
+        expected = ExpectedChecksums(layout, [0], sender=(rank, tp))
+        for spec in specs:
+            lo, hi = spec.rows(tp, rank)
+            if spec.dim is None or (lo, hi) == (0, spec.length):
+                expected.add(spec.name, full[spec.name])
+            else:
+                expected.add((spec.name, spec.dim, lo, hi), full[spec.name].narrow(spec.dim, lo, hi - lo))
+        parts.append(expected.result())
+    engine = torch.nn.Module()
+    for i, (name, t) in enumerate(full.items()):
+        engine.register_parameter(f"p{i}", torch.nn.Parameter(t))
+    names = dict(zip((f"p{i}" for i in range(len(full))), full))
+    held = {0: {0: {names[n]: v for n, v in module_checksums(engine).items()}}}
+    verify_checksums(merge(parts), held)
