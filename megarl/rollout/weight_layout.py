@@ -123,6 +123,11 @@ class ExpectedChecksums:
                 self.table.add(self.rows[(rank, param)], piece, offset, stride)
                 self.dtypes[(rank, param)] = tensor.dtype
 
+    def flush(self) -> None:
+        """Queue the sums of what was added on the device (before the tensors' memory may be reused)."""
+        if self.table is not None:
+            self.table.flush()
+
     def _first_to_send(self, key: Key) -> bool:
         rank, tp = self.sender
         if isinstance(key, str):

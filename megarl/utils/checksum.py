@@ -12,8 +12,9 @@ nothing: padding filled with zeros needs no piece. All arithmetic is 32-bit on t
 with memory bandwidth (a 7B policy is 15 GB to read on each side of a verified sync).
 
 `ChecksumTable` accumulates the pieces of many tensors into one int32 table on their device (Triton: one
-kernel launch per piece, atomically added to its tensor's row), read back with one host sync; elsewhere the
-sums are computed with torch ops in chunks.
+kernel launch for all queued pieces of an integer width, each program atomically adding a block's sums to its
+tensor's row: a launch per piece cost more than the sums themselves), read back with one host sync; elsewhere
+the sums are computed with torch ops in chunks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
 _CHUNK = 1 << 24  # torch path: elements per chunk (a few int64 copies of it in temporary memory)
 _BLOCK = 4096  # Triton path: elements per loop iteration of a program
 _ITERS = 4  # iterations per program: 16k elements, then one atomic add per sum
-_MAX_GRID_ROWS = 65535  # CUDA's limit on a grid's second dimension
 
 try:  # Triton comes with CUDA builds of torch; CPU builds have none
     import triton
@@ -34,27 +34,35 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 if triton is not None:
-    # Not specialised on its integer arguments' values (Triton's default compiles a variant per pattern of
-    # ==1 and %16 among them: a sync's pieces, at their many offsets, paid seconds of compilation)
-    @triton.jit(do_not_specialize=["cols", "row_stride", "offset", "target_stride"])
-    def _weighted_sums_kernel(x_ptr, out_ptr, cols, row_stride, offset, target_stride,
-                              M0: tl.constexpr, M1: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        row = tl.program_id(1).to(tl.int64)
-        first = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
-        base = (offset + row * target_stride).to(tl.uint32)  # positions mod 2^32: all the weights depend on
+    @triton.jit(do_not_specialize=["segments"])
+    def _segment_sums_kernel(block_segment_ptr, meta_ptr, segments, out_ptr, DTYPE: tl.constexpr,
+                             M0: tl.constexpr, M1: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """One program: BLOCK * ITERS elements of one segment (a contiguous run of a piece, `meta` columns:
+        address, length, position of its first element in its tensor, first block, table row)."""
+        pid = tl.program_id(0).to(tl.int64)
+        segment = tl.load(block_segment_ptr + pid).to(tl.int64)
+        address = tl.load(meta_ptr + segment)
+        length = tl.load(meta_ptr + segments + segment)
+        position = tl.load(meta_ptr + 2 * segments + segment)
+        start = (pid - tl.load(meta_ptr + 3 * segments + segment)) * (BLOCK * ITERS)
+        row = tl.load(meta_ptr + 4 * segments + segment)
+        x_ptr = address.to(tl.pointer_type(DTYPE))
+        base = (position + start).to(tl.uint32)  # positions mod 2^32: all the weights depend on
         m0 = tl.full([BLOCK], M0, tl.uint32)  # 32-bit constants: a plain literal would promote the products to 64 bits
         m1 = tl.full([BLOCK], M1, tl.uint32)
         s0 = tl.zeros([BLOCK], dtype=tl.uint32)
         s1 = tl.zeros([BLOCK], dtype=tl.uint32)
         for k in range(ITERS):
-            col = first + k * BLOCK + tl.arange(0, BLOCK)
-            mask = col < cols
-            x = tl.load(x_ptr + row * row_stride + col, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
-            index = base + col.to(tl.uint32)
+            step = k * BLOCK + tl.arange(0, BLOCK)
+            mask = start + step < length
+            x = tl.load(x_ptr + start + step, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
+            index = base + step.to(tl.uint32)
             s0 += x * ((index * m0) | 1)
             s1 += x * ((index * m1) | 1)
-        tl.atomic_add(out_ptr, tl.sum(s0, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
-        tl.atomic_add(out_ptr + 1, tl.sum(s1, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_add(out_ptr + 2 * row, tl.sum(s0, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_add(out_ptr + 2 * row + 1, tl.sum(s1, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+
+    _TRITON_BITS = {torch.uint8: tl.uint8, torch.int16: tl.int16, torch.int32: tl.int32}
 
 
 def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -75,10 +83,13 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class ChecksumTable:
     """Checksums of `size` tensors, each accumulated from pieces (`add`) into its row of an int32 table on
-    `device`; `values()` reads them all at once."""
+    `device`; `values()` reads them all at once. On a GPU the pieces are queued and summed by one kernel launch
+    per integer width (`flush`, which must run before a queued piece's memory is reused: push_policy flushes
+    each bucket); elsewhere each piece is summed when added."""
 
     def __init__(self, size: int, device: torch.device | str):
         self.table = torch.zeros(size, len(MULTIPLIERS), dtype=torch.int32, device=device)
+        self.queued: dict[torch.dtype, list] = {}  # integer width -> [(bits, table row, first position, stride)]
 
     def add(self, row: int, t: torch.Tensor, offset: int = 0, target_stride: int | None = None) -> None:
         """Add `t` placed in tensor `row`: its element (r, c) (row-major over t viewed as 2-D, 1-D tensors one row)
@@ -87,23 +98,43 @@ class ChecksumTable:
         bits, words = _as_rows(t)
         rows, cols = bits.shape
         stride = cols if target_stride is None else target_stride * words
-        offset *= words
-        if stride == cols and bits.is_contiguous():  # one run of positions: a single row (few grid rows allowed)
-            bits, rows, cols = bits.view(1, -1), 1, rows * cols
-        if rows * cols == 0:
+        if stride == cols and bits.is_contiguous():  # one run of positions
+            bits = bits.view(1, -1)
+        if bits.numel() == 0:
             return
-        out = self.table[row]
         if triton is None or not bits.is_cuda:
-            out += _torch_sums(bits, offset, stride).to(out.device)
-            return
-        for first in range(0, rows, _MAX_GRID_ROWS):
-            part = bits[first:first + _MAX_GRID_ROWS]
-            grid = (triton.cdiv(cols, _BLOCK * _ITERS), part.shape[0])
-            _weighted_sums_kernel[grid](part, out, cols, part.stride(0), offset + first * stride, stride,
-                                        M0=MULTIPLIERS[0], M1=MULTIPLIERS[1], BLOCK=_BLOCK, ITERS=_ITERS)
+            self.table[row] += _torch_sums(bits, offset * words, stride).to(self.table.device)
+        else:
+            self.queued.setdefault(bits.dtype, []).append((bits, row, offset * words, stride))
+
+    def flush(self) -> None:
+        """Launch the sums of every queued piece (no host sync)."""
+        import numpy as np
+
+        for dtype, pieces in self.queued.items():
+            address, length, position, row = [], [], [], []
+            for bits, table_row, first, stride in pieces:
+                rows, cols = bits.shape
+                r = np.arange(rows, dtype=np.int64)
+                address.append(bits.data_ptr() + r * bits.stride(0) * bits.element_size())
+                length.append(np.full(rows, cols, dtype=np.int64))
+                position.append(first + r * stride)
+                row.append(np.full(rows, table_row, dtype=np.int64))
+            length = np.concatenate(length)
+            blocks = -(-length // (_BLOCK * _ITERS))
+            first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+            meta = np.concatenate([np.concatenate(address), length, np.concatenate(position), first_block,
+                                   np.concatenate(row)])
+            block_segment = np.repeat(np.arange(len(length), dtype=np.int32), blocks)
+            device = self.table.device
+            _segment_sums_kernel[(len(block_segment),)](
+                torch.from_numpy(block_segment).to(device), torch.from_numpy(meta).to(device), len(length),
+                self.table, DTYPE=_TRITON_BITS[dtype], M0=MULTIPLIERS[0], M1=MULTIPLIERS[1], BLOCK=_BLOCK, ITERS=_ITERS)
+        self.queued = {}
 
     def values(self) -> list[list[int]]:
         """Each tensor's sums as non-negative ints below 2^32 (one host sync)."""
+        self.flush()
         return (self.table.cpu().to(torch.int64) & 0xFFFFFFFF).tolist()
 
 
@@ -127,6 +158,7 @@ def weighted_sums(t: torch.Tensor, offset: int = 0, target_stride: int | None = 
     """One piece's sums ([2] int32 on t's device, no host sync), placed as ChecksumTable.add says."""
     table = ChecksumTable(1, t.device)
     table.add(0, t, offset, target_stride)
+    table.flush()
     return table.table[0]
 
 

@@ -34,6 +34,16 @@ for dtype in (torch.bfloat16, torch.float32, torch.uint8):
         gpu = weighted_sums(piece, offset, stride)
         cpu = weighted_sums(piece.cpu(), offset, stride)  # the torch path (a CPU tensor)
         cases.append((str(dtype), name, torch.equal(gpu.cpu(), cpu)))
+# many pieces of several widths in one table, flushed at once (as a sync's bucket and SGLang's parameters are)
+from megarl.utils.checksum import ChecksumTable
+pieces = [(torch.randn(n, 64, device="cuda", generator=g) * 50).to(d) for n, d in
+          ((5, torch.bfloat16), (300, torch.float32), (7, torch.uint8), (1000, torch.bfloat16), (3, torch.float64))]
+gpu, cpu = ChecksumTable(3, "cuda"), ChecksumTable(3, "cpu")
+for i, p in enumerate(pieces):
+    for table, q in ((gpu, p), (cpu, p.cpu())):
+        table.add(i % 3, q, offset=17 * i)
+        table.add(i % 3, q[:, 10:20], offset=3, target_stride=64)
+cases.append(("mixed", "table", gpu.values() == cpu.values()))
 ok = all(c[2] for c in cases)
 big = torch.empty(7_615_616_512 // 4, dtype=torch.bfloat16, device="cuda")  # a quarter of 7B at a time: 3.8 GB
 big.view(torch.int16).random_()
