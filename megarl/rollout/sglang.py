@@ -82,7 +82,7 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 # reach it); extra arguments may override the rest, such as the attention backend or CUDA-graph batch sizes.
 MANAGED_ARGS = ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--mem-fraction-static",
                 "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver",
-                "--enable-deterministic-inference")
+                "--enable-deterministic-inference", "--dtype")
 # The attention backends sglang 0.5.17 runs deterministic inference with (its server_args refuses the others).
 DETERMINISTIC_ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
 # sglang 0.5.17 captures decode CUDA graphs up to 256 rows at TP < 4 on 80-160 GB GPUs (H100, H200); a larger
@@ -271,13 +271,17 @@ def decode_graph_rows(rows: int) -> int | None:
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
                   load_format: str | None = None, cuda_graph: bool = True, decode_rows: int = 0,
                   extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
-                  env: dict | None = None, deterministic: bool = False, **kwargs) -> SGLangServer:
+                  env: dict | None = None, deterministic: bool = False, dtype: str = "bfloat16",
+                  **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
     `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_rows).
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
     GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs).
     `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS.
-    `deterministic`: SGLang's deterministic inference (batch-invariant kernels; per-request sampling seeds count)."""
+    `deterministic`: SGLang's deterministic inference (batch-invariant kernels; per-request sampling seeds count).
+    `dtype`: what the server holds its weights in: the policy's own (the trainer sends that). SGLang's default
+    follows the checkpoint's config and takes float16 for a float32 one, so a bf16 policy was silently converted
+    to fp16 on load (out of range above 65504); checksum verification found it."""
     managed = managed_args(extra_args)
     if managed:
         raise ValueError(f"extra SGLang arguments {', '.join(managed)}: megarl sets these itself")
@@ -287,7 +291,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
     port, graph_rows = free_port(), decode_graph_rows(decode_rows)
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
-               "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction),
+               "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction), "--dtype", dtype,
                "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
                *(["--enable-memory-saver"] if memory_saver else []),

@@ -344,6 +344,17 @@ def test_extra_arguments_come_last_and_cannot_take_over_megarls_own(tmp_path):
         sglang_server("model", extra_args=("--port=1", "--mem-fraction-static", "0.9"), log_dir=str(tmp_path))
 
 
+def test_servers_hold_weights_in_the_policys_dtype(tmp_path):
+    """SGLang's own choice follows the checkpoint (float16 for a float32 config): a bf16 policy would be converted
+    on every load. The server is told the policy's dtype, and no extra argument may change it."""
+    def dtype(server):
+        return server.command[server.command.index("--dtype") + 1]
+    assert dtype(sglang_server("model", log_dir=str(tmp_path))) == "bfloat16"
+    assert dtype(sglang_server("model", dtype="float32", log_dir=str(tmp_path))) == "float32"
+    with pytest.raises(ValueError, match=r"--dtype: megarl sets these itself"):
+        sglang_server("model", extra_args=("--dtype", "float16"), log_dir=str(tmp_path))
+
+
 def test_decode_graphs_cover_each_servers_share_of_the_batch(monkeypatch, tmp_path):
     def graph_rows(server):
         flag = "--cuda-graph-max-bs-decode"
