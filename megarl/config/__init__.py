@@ -1,0 +1,20 @@
+"""Typed configuration: every option is a dataclass field with a default and a one-line help.
+
+A run's config is built from the defaults (sections.py), then a YAML recipe, then dotted `key=value`
+overrides from the command line. Unknown keys, ill-typed values and inconsistent layouts are errors
+that name the key (and, for a typo, the closest valid key).
+
+sections.py     the typed sections (`opt`, `section`) and the root `Config` that holds them
+validation.py   `ConfigError` and `Config.validate`: the checks of one option against another
+loading.py      `load_config` (defaults <- YAML <- overrides), `all_keys`, `help_text`
+"""
+
+from megarl.config.loading import all_keys, help_text, load_config
+from megarl.config.sections import (ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig,
+                                    ModelConfig, OptimConfig, ParallelConfig, RewardConfig, RewardModelConfig,
+                                    RolloutConfig, SFTConfig, TrainerConfig, opt, section)
+from megarl.config.validation import ConfigError
+
+__all__ = ["ActorConfig", "AgentConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
+           "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
+           "SFTConfig", "TrainerConfig", "all_keys", "help_text", "load_config", "opt", "section"]

@@ -1,0 +1,174 @@
+"""Building a Config: defaults <- YAML recipe <- dotted `key=value` overrides, then validation; and the list
+of every key with its default and help (`--help`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megarl.config.sections import Config
+from megarl.config.validation import ConfigError
+
+
+def _fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _unknown(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def all_keys(obj=None, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config."""
+    obj = obj if obj is not None else Config()
+    keys = []
+    for name, f in _fields(obj).items():
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            keys += all_keys(value, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _coerce(key: str, value: Any, annotation) -> Any:
+    """Check (and gently convert) a value against a field's annotation."""
+    hint = typing.get_type_hints(annotation[0])[annotation[1]] if isinstance(annotation, tuple) else annotation
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        if value is None:
+            return None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif hint is list or typing.get_origin(hint) is list:
+        if isinstance(value, list):
+            return value
+        if isinstance(value, str):
+            return [v for v in value.split(",") if v]
+    else:
+        return value
+    raise ConfigError(f"config key '{key}' expects {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _set(cfg, key: str, value: Any) -> None:
+    parts = key.split(".")
+    obj = cfg
+    for i, part in enumerate(parts):
+        names = _fields(obj)
+        if part not in names:
+            raise _unknown(key, all_keys())
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(obj, part)):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config key '{key}' is a section; set its keys, e.g. {key}.<name>=...")
+                for sub, v in value.items():
+                    _set(cfg, f"{key}.{sub}", v)
+            else:
+                setattr(obj, part, _coerce(key, value, (type(obj), part)))
+        else:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"config key '{'.'.join(parts[:i + 1])}' is not a section")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- YAML recipe <- `key=value` overrides, then validation."""
+    cfg = Config()
+    if path:
+        path = Path(path)
+        data = _read_yaml(path) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
+        for key, value in _flatten(data).items():
+            _set(cfg, key, value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)})") from None
+        _set(cfg, key.strip(), value)
+    return cfg.validate()
+
+
+def _read_yaml(path: Path):
+    """The parsed recipe; a missing, unreadable or malformed file is a ConfigError naming it (and where in it)."""
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        line, column = e.object.count(b"\n", 0, e.start) + 1, e.start - e.object.rfind(b"\n", 0, e.start)
+        raise ConfigError(f"config file {path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at line {line}, "
+                          f"column {column})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: not valid YAML: {_yaml_problem(e)}") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """YAML's own account of the error, with the 1-based line and column it reports."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return str(e).replace("\n", " ")
+    context = f" ({e.context} at {at(e.context_mark)})" if e.context and e.context_mark else ""
+    return f"{e.problem} at {at(e.problem_mark)}{context}"
+
+
+def help_text() -> str:
+    """Every option with its default and help, for `--help`."""
+    lines = []
+
+    def walk(obj, prefix):
+        for name, f in _fields(obj).items():
+            value = getattr(obj, name)
+            if dataclasses.is_dataclass(value):
+                lines.append(f"\n[{prefix}{name}]  {f.metadata.get('help', '')}")
+                walk(value, f"{prefix}{name}.")
+            else:
+                lines.append(f"  {prefix}{name} = {value!r}\n      {f.metadata.get('help', '')}")
+
+    walk(Config(), "")
+    return "\n".join(lines)

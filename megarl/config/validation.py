@@ -1,0 +1,226 @@
+"""`ConfigError`, and the checks a whole config must pass: options against each other, across sections.
+
+`ConfigChecks` is mixed into `Config` (megarl/config/sections.py), so `self` below is the whole config;
+`load_config` runs `validate()` once the recipe and the overrides are set.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megarl.config.sections import Config
+
+
+class ConfigError(ValueError):
+    """A bad option: the message names the key."""
+
+
+class ConfigChecks:
+    """`Config.validate` and its helpers, one per concern; each raises a ConfigError that names the key."""
+
+    def validate(self) -> "Config":
+        self._validate_engine_options()
+        p = self.actor.parallel
+        for key, value in (("actor.parallel.world_size", p.world_size), ("actor.parallel.tp", p.tp),
+                           ("actor.parallel.pp", p.pp)):
+            if value < 1:
+                raise ConfigError(f"{key}={value}: must be >= 1")
+        if p.ep < 1 or p.dp % p.ep:
+            raise ConfigError(f"actor.parallel.ep={p.ep} must be >= 1 and divide the data-parallel size {p.dp}")
+        batch = self.data.prompts_per_step * self.rollout.n_samples
+        mini = self.actor.mini_batch_size or batch
+        if batch % mini:
+            raise ConfigError(f"actor.mini_batch_size={mini} does not divide the step's batch "
+                              f"(data.prompts_per_step * rollout.n_samples = {batch})")
+        if mini % p.dp:
+            raise ConfigError(f"actor.mini_batch_size={mini} is not divisible by the data-parallel size {p.dp}")
+        choices = {"actor.precision": (self.actor.precision, ("auto", "bf16", "fp32")),
+                   "trainer.device": (self.trainer.device, ("auto", "cpu", "cuda")),
+                   "trainer.placement": (self.trainer.placement, ("pack", "spread", "strict_spread")),
+                   "algorithm.kl_estimator": (self.algorithm.kl_estimator, ("k1", "k2", "k3")),
+                   "actor.optim.decay_style": (self.actor.optim.decay_style, ("constant", "linear", "cosine")),
+                   "rollout.engine": (self.rollout.engine, ("hf", "sglang")),
+                   "rollout.sglang_weight_format": (self.rollout.sglang_weight_format,
+                                                    ("tensors", "flattened_bucket", "persistent")),
+                   "rollout.weight_delivery": (self.rollout.weight_delivery, ("full", "sharded")),
+                   "trainer.offload_between_phases": (self.trainer.offload_between_phases,
+                                                      ("auto", "always", "never")),
+                   "algorithm.recompute_old_logprobs": (self.algorithm.recompute_old_logprobs,
+                                                        ("auto", "always", "never"))}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+        self._validate_weight_delivery()
+        self._validate_sglang_args()
+        self._validate_disaggregated()
+        a = self.algorithm
+        if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:
+            raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: must be > 1 for the dual_clip loss")
+        if a.loss_agg == "seq-mean-token-sum-norm" and a.loss_agg_norm_len < 1:
+            raise ConfigError("algorithm.loss_agg=seq-mean-token-sum-norm needs algorithm.loss_agg_norm_len >= 1 "
+                              "(e.g. rollout.max_new_tokens)")
+        if a.recompute_old_logprobs == "never" and not self.old_policy_is_the_trained_one():
+            raise ConfigError("algorithm.recompute_old_logprobs=never needs one optimizer update per step "
+                              f"(actor.ppo_epochs=1 and actor.mini_batch_size 0 or the step's batch; got "
+                              f"{self.actor.ppo_epochs} epoch(s) of mini-batches of {mini} from {batch} samples) "
+                              "and no algorithm.kl_in_reward (its KL reads the old log-probs before training)")
+        if a.tis and a.tis_cap <= 0:
+            raise ConfigError(f"algorithm.tis_cap={a.tis_cap}: must be > 0")
+        for key, value in (("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)):
+            if not 0 <= value <= 1:
+                raise ConfigError(f"{key}={value}: must be in [0, 1]")
+        if a.kl_target < 0 or a.kl_horizon < 1 or (a.kl_target > 0 and a.kl_coef <= 0):
+            raise ConfigError(f"adaptive KL needs algorithm.kl_target >= 0, kl_horizon >= 1 and, when kl_target > 0, "
+                              f"an initial kl_coef > 0; got {a.kl_target}, {a.kl_horizon}, {a.kl_coef}")
+        t = self.trainer
+        if t.save_every < 0 or t.keep_last < 0 or not t.resume:
+            raise ConfigError(f"trainer.save_every={t.save_every} and trainer.keep_last={t.keep_last} must be >= 0 "
+                              f"and trainer.resume={t.resume!r} one of auto, none or a path")
+        if t.worker_timeout_s < 0:
+            raise ConfigError(f"trainer.worker_timeout_s={t.worker_timeout_s}: must be >= 0 (0 = no deadline)")
+        if t.verify_weight_sync_every < 0:
+            raise ConfigError(f"trainer.verify_weight_sync_every={t.verify_weight_sync_every}: must be >= 0")
+        if a.max_sampling_rounds < 1:
+            raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
+        self._validate_data_and_reward()
+        self._validate_agent()
+        if not 0 <= a.overlong_buffer_len <= self.rollout.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
+                              f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
+        for key, value in (("rollout.n_samples", self.rollout.n_samples),
+                           ("rollout.max_new_tokens", self.rollout.max_new_tokens),
+                           ("data.prompts_per_step", self.data.prompts_per_step),
+                           ("actor.micro_batch_size", self.actor.micro_batch_size),
+                           ("model.tiny_vocab_multiple", self.model.tiny_vocab_multiple)):
+            if value < 1:
+                raise ConfigError(f"{key}={value}: must be >= 1")
+        return self
+
+    def _validate_disaggregated(self) -> None:
+        r = self.rollout
+        if r.sglang_gpus < 0:
+            raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus}: must be >= 0 (0 = colocated)")
+        if not r.sglang_gpus:
+            return
+        if r.engine != "sglang":
+            raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus} reserves GPUs for SGLang servers: it needs "
+                              f"rollout.engine=sglang (got {r.engine})")
+        if r.sglang_tp < 1 or r.sglang_gpus % r.sglang_tp:
+            raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus} must be a multiple of rollout.sglang_tp="
+                              f"{r.sglang_tp} (one server per rollout.sglang_tp GPUs)")
+        if self.trainer.offload_between_phases == "always":
+            raise ConfigError(f"trainer.offload_between_phases=always with rollout.sglang_gpus={r.sglang_gpus}: the "
+                              "servers have GPUs of their own, nothing shares memory to offload (use auto or never)")
+
+    def _validate_sglang_args(self) -> None:
+        r = self.rollout
+        if not r.sglang_args:
+            return
+        if r.engine != "sglang":
+            raise ConfigError(f"rollout.sglang_args={r.sglang_args}: extra SGLang arguments need rollout.engine=sglang "
+                              f"(got {r.engine})")
+        from megarl.rollout.sglang import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
+        managed = managed_args(r.sglang_args)
+        if managed:
+            raise ConfigError(f"rollout.sglang_args: {', '.join(managed)} is set by megarl (from rollout.sglang_tp, "
+                              f"rollout.sglang_mem_fraction, rollout.deterministic, actor.precision, the GPUs and the weight loader)")
+        backend = attention_backend(r.sglang_args)
+        if r.deterministic and backend not in DETERMINISTIC_ATTENTION_BACKENDS:
+            raise ConfigError(f"rollout.deterministic=true with rollout.sglang_args' --attention-backend {backend}: "
+                              f"SGLang's deterministic inference runs on {', '.join(DETERMINISTIC_ATTENTION_BACKENDS)}")
+
+    def _validate_weight_delivery(self) -> None:
+        r, p = self.rollout, self.actor.parallel
+        if r.weight_delivery != "sharded":
+            return
+        if r.engine == "sglang" and (r.sglang_gpus or r.sglang_tp != p.tp or p.pp > 1):
+            raise ConfigError(
+                f"rollout.weight_delivery=sharded with rollout.engine=sglang needs colocated servers "
+                f"(rollout.sglang_gpus=0, got {r.sglang_gpus}: the shards go by CUDA IPC from the training ranks' GPUs), "
+                f"rollout.sglang_tp = actor.parallel.tp (got {r.sglang_tp} and {p.tp}: each of the first TP group's "
+                f"ranks then holds exactly its SGLang rank's shard) and actor.parallel.pp=1 (got {p.pp}); "
+                f"otherwise use rollout.weight_delivery=full")
+        g = r.sglang_tp
+        if g < 1 or p.world_size % g or (p.tp % g and g % p.tp):
+            raise ConfigError(f"rollout.weight_delivery=sharded: rollout.sglang_tp={g} (the generation TP) must divide "
+                              f"actor.parallel.world_size={p.world_size} and divide or be a multiple of "
+                              f"actor.parallel.tp={p.tp}")
+        if p.vpp > 1 or p.ep > 1:
+            raise ConfigError("rollout.weight_delivery=sharded: the resharder models TP x PP x DP layouts; "
+                              "actor.parallel.vpp and actor.parallel.ep must be 1")
+
+    def _validate_data_and_reward(self) -> None:
+        r = self.reward
+        if not r.name and self.data.task.endswith((".jsonl", ".parquet")):
+            raise ConfigError(f"data.task={self.data.task!r} is a prompt file: set reward.name (e.g. gsm8k, math)")
+        if r.name == "remote" and not r.remote_url:
+            raise ConfigError("reward.name=remote needs reward.remote_url")
+        if r.code_sandbox not in ("auto", "bwrap", "namespaces", "rlimits"):
+            raise ConfigError(f"reward.code_sandbox={r.code_sandbox!r}: must be auto, bwrap, namespaces or rlimits")
+        for key, value in (("reward.timeout_s", r.timeout_s), ("reward.remote_retries", r.remote_retries),
+                           ("reward.batch_timeout_s", r.batch_timeout_s)):
+            if value < 0:
+                raise ConfigError(f"{key}={value}: must be >= 0")
+        for key, value in (("reward.num_workers", r.num_workers), ("reward.remote_timeout_s", r.remote_timeout_s),
+                           ("reward.code_timeout_s", r.code_timeout_s), ("reward.code_memory_mb", r.code_memory_mb),
+                           ("reward.failure_window", r.failure_window),
+                           ("reward.remote_max_timeouts", r.remote_max_timeouts)):
+            if value <= 0:
+                raise ConfigError(f"{key}={value}: must be > 0")
+        if not 0 <= r.max_failure_rate <= 1:
+            raise ConfigError(f"reward.max_failure_rate={r.max_failure_rate}: must be in [0, 1]")
+        if r.isolation not in ("process", "none"):
+            raise ConfigError(f"reward.isolation={r.isolation!r}: must be process or none")
+
+    def _validate_agent(self) -> None:
+        g = self.agent
+        for key, value in (("agent.max_turns", g.max_turns), ("agent.max_response_tokens", g.max_response_tokens),
+                           ("agent.max_new_tokens_per_turn", g.max_new_tokens_per_turn),
+                           ("agent.max_tool_calls_per_turn", g.max_tool_calls_per_turn),
+                           ("agent.max_concurrent", g.max_concurrent), ("agent.tool_timeout_s", g.tool_timeout_s),
+                           ("agent.max_observation_chars", g.max_observation_chars)):
+            if value <= 0:
+                raise ConfigError(f"{key}={value}: must be > 0")
+        for i, tool in enumerate(g.tools):
+            if not (isinstance(tool, str) or (isinstance(tool, dict) and isinstance(tool.get("name"), str))):
+                raise ConfigError(f"agent.tools[{i}]={tool!r}: must be a name or a dict with a 'name'")
+        if g.observation_template and "{result}" not in g.observation_template:
+            raise ConfigError(f"agent.observation_template={g.observation_template!r} has no {{result}} field")
+        if g.partial not in ("resume", "drop"):
+            raise ConfigError(f"agent.partial={g.partial!r}: must be resume or drop")
+        if g.oversample_groups < 0 or (g.oversample_groups and not g.enabled):
+            raise ConfigError(f"agent.oversample_groups={g.oversample_groups}: must be >= 0, and needs "
+                              "agent.enabled=true")
+        if g.oversample_groups and self.algorithm.advantage == "remax":
+            raise ConfigError("agent.oversample_groups does not combine with algorithm.advantage=remax")
+        if self.rollout.dump_dir and self.rollout.replay_dir:
+            raise ConfigError("rollout.dump_dir and rollout.replay_dir are exclusive: a replay writes no dump")
+
+    def _validate_engine_options(self) -> None:
+        """Each training role's layout and engine options (the actor's batch sizes are checked below)."""
+        roles = {"actor": self.actor, "critic": self.critic, "reward_model": self.reward_model}
+        for role, section_ in roles.items():
+            p = section_.parallel
+            for key, value in (("vpp", p.vpp), ("cp", p.cp), ("world_size", p.world_size), ("tp", p.tp),
+                               ("pp", p.pp)):
+                if value < 1:
+                    raise ConfigError(f"{role}.parallel.{key}={value}: must be >= 1")
+            if section_.max_tokens_per_micro_batch < 0:
+                raise ConfigError(f"{role}.max_tokens_per_micro_batch={section_.max_tokens_per_micro_batch}: "
+                                  "must be >= 0")
+            if p.vpp > 1 and p.pp < 2:
+                raise ConfigError(f"{role}.parallel.vpp={p.vpp} needs {role}.parallel.pp > 1")
+            if p.world_size % (p.tp * p.pp * p.cp):
+                raise ConfigError(f"{role}.parallel.world_size={p.world_size} is not divisible by {role}.parallel.tp "
+                                  f"* {role}.parallel.pp * {role}.parallel.cp = {p.tp}*{p.pp}*{p.cp}")
+            if p.cp > 1 and p.ep > 1:
+                raise ConfigError(f"{role}.parallel.cp={p.cp} with {role}.parallel.ep={p.ep}: context parallelism "
+                                  "with expert parallelism is not supported")
+            if p.cp > 1 and section_.attention not in ("auto", "sdpa"):
+                raise ConfigError(f"{role}.attention={section_.attention!r} does not run context parallelism "
+                                  f"({role}.parallel.cp={p.cp}): use sdpa or auto")
+            for key, allowed in (("recompute", ("none", "full", "selective")),
+                                 ("attention", ("auto", "varlen", "sdpa", "local"))):
+                if getattr(section_, key) not in allowed:
+                    raise ConfigError(f"{role}.{key}={getattr(section_, key)!r}: must be one of {', '.join(allowed)}")
