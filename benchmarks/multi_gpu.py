@@ -288,7 +288,8 @@ def _rollout_engine(args, device: str, model_dir: Path, tp: int, gpu: int):
     """A colocated SGLang server of TP=`tp` on GPUs [gpu, gpu + tp), dummy weights; on the CPU the fake SGLang
     server of the tests (tests/rollout/fake_sglang.py: TP ranks with SGLang's sharding, pickled tensors in place
     of CUDA IPC handles)."""
-    from megarl.rollout.sglang import SGLangRolloutEngine, SGLangServer, free_port, sglang_server
+    from megarl.rollout.sglang import SGLangRolloutEngine
+    from megarl.rollout.sglang_server import SGLangServer, free_port, sglang_server
 
     log_dir = args.log_dir or tempfile.gettempdir()
     if device == "cpu":
@@ -318,7 +319,7 @@ def part_disagg(args, device: str) -> list[dict]:
     sink = RecordingEngine() if rank == 0 else None  # what rank 0 sent, for SGLang's check (and the CPU run)
     try:
         if rank == 0 and device == "cuda":
-            from megarl.rollout.sglang import free_port, sglang_server
+            from megarl.rollout.sglang_server import free_port, sglang_server
             from megarl.rollout.transports.nccl_broadcast import NcclBroadcast
 
             t = time.perf_counter()

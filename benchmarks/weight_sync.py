@@ -242,7 +242,8 @@ def _print_row(row: dict) -> None:
 
 
 def part_sync(args) -> list[dict]:
-    from megarl.rollout.sglang import SGLangRolloutEngine, sglang_server
+    from megarl.rollout.sglang import SGLangRolloutEngine
+    from megarl.rollout.sglang_server import sglang_server
 
     rows = []
     for name in args.models:
@@ -316,7 +317,8 @@ def part_throughput(args) -> dict:
     contention: decode past SGLang's captured batch sizes is CPU-bound) falls on every path alike. Each path's
     tok/s is its median over --rounds rounds after a warm-up batch; ratios are against sglang.Engine's median."""
     from megarl.rollout.base import SamplingParams
-    from megarl.rollout.sglang import SGLangRolloutEngine, decode_graph_rows
+    from megarl.rollout.sglang import SGLangRolloutEngine
+    from megarl.rollout.sglang_server import decode_graph_rows
 
     name, n, new = args.models[0], args.n, args.new_tokens
     # decode CUDA graphs as megarl's servers size them for a batch (batch_rows), given to sglang.Engine too: past
@@ -438,7 +440,8 @@ def request_split(llm, engine, batch: list[list[int]], n: int, sampling: dict) -
     The same for sglang.Engine (its wall time beyond the inside: the in-process hand-over)."""
     import requests
 
-    from megarl.rollout.sglang import _to_generation, gc_paused, json_dumps, json_loads
+    from megarl.rollout.sglang import _to_generation
+    from megarl.rollout.sglang_server import gc_paused, json_dumps, json_loads
 
     rows = [p for p in batch for _ in range(n)]
     llm.flush_cache()
@@ -466,7 +469,7 @@ def request_split(llm, engine, batch: list[list[int]], n: int, sampling: dict) -
 
 
 def part_nccl(args) -> list[dict]:
-    from megarl.rollout.sglang import free_port, sglang_server
+    from megarl.rollout.sglang_server import free_port, sglang_server
     from megarl.rollout.transports.nccl_broadcast import NcclBroadcast
 
     rows = []
@@ -641,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
         part_throughput(args)
         return
     from megarl.parallel.state import destroy_parallel, init_parallel
-    from megarl.rollout.sglang import free_port
+    from megarl.rollout.sglang_server import free_port
 
     torch.cuda.set_device(0)
     init_parallel(0, 1, "127.0.0.1", free_port(), device="cuda")

@@ -1,8 +1,6 @@
 """Rollouts from real SGLang servers (GPU): one `python -m sglang.launch_server` process per generation
-TP group, owned by this engine.
+TP group, owned by this engine (the launch command, the server process and its HTTP client: sglang_server.py).
 
-- Start-up waits for /health with a deadline and fails with the tail of the server's log. Every HTTP
-  call has a timeout: a hung server raises SGLangError naming the server, the call and the limit.
 - generate(): token ids in, token ids and per-token log-probs out (SGLang's `output_token_logprobs`,
   under the raw logits as base.py requires at temperature 1), n samples per prompt, stop tokens.
   Prompts go to the least-loaded server (rows in flight), all n samples of a prompt to the same one
@@ -42,6 +40,9 @@ import torch
 
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
 from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, sglang_server
+# megarl/config's validation imports these three from here (config is being split by another hand: once its import
+# names sglang_server, this line goes)
+from megarl.rollout.sglang_server import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args  # noqa: F401
 from megarl.rollout.transports import cuda_ipc
 
 

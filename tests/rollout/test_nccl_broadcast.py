@@ -4,7 +4,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from megarl.rollout.sglang import SGLangError
+from megarl.rollout.sglang_server import SGLangError
 from megarl.rollout.transports.nccl_broadcast import NcclBroadcast
 
 

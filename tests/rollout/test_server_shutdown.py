@@ -114,7 +114,7 @@ def test_guard_ends_the_server_of_a_sigkilled_owner(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from megarl.rollout.sglang import SGLangServer, free_port
+        from megarl.rollout.sglang_server import SGLangServer, free_port
         port = free_port()
         SGLangServer([sys.executable, {str(FAKE)!r}, "--port", str(port)], port,
                      log_path={str(tmp_path / 'server.log')!r}, startup_timeout=30).start()

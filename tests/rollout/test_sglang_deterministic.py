@@ -7,7 +7,8 @@ import pytest
 from megarl.config import ConfigError, load_config
 from megarl.rollout import sglang as sglang_module
 from megarl.rollout.base import SamplingParams, derive_seed
-from megarl.rollout.sglang import SGLangRolloutEngine, sglang_server
+from megarl.rollout.sglang import SGLangRolloutEngine
+from megarl.rollout.sglang_server import sglang_server
 
 from tests.conftest import QUICKSTART
 from tests.rollout.test_sglang_engine import engine, fake_server, log

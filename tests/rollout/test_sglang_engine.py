@@ -16,7 +16,8 @@ import torch
 
 from megarl.rollout import sglang as sglang_module
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.sglang import SGLangError, SGLangRolloutEngine, SGLangServer, free_port, gc_paused, sglang_server
+from megarl.rollout.sglang import SGLangRolloutEngine
+from megarl.rollout.sglang_server import SGLangError, SGLangServer, free_port, gc_paused, sglang_server
 from megarl.rollout.transports import cuda_ipc
 from megarl.workers.weight_sync import tensor_digest
 

@@ -55,7 +55,8 @@ def _rank(rank, model_dir, work):
     from megarl.engine.weights import global_parameters
     from megarl.parallel.reshard import TrainLayout, engine_resharder
     from megarl.plan import plan
-    from megarl.rollout.sglang import Endpoint, SGLangError, SGLangRolloutEngine
+    from megarl.rollout.sglang import SGLangRolloutEngine
+    from megarl.rollout.sglang_server import Endpoint, SGLangError
     from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, merge
     from tests.rollout.test_sglang_engine import configure, fake_server, log
 

@@ -170,7 +170,7 @@ def load_presharded(model, bucket: Bucket) -> None:
 
 
 class CudaIpcSender:
-    """Posts buckets to SGLang endpoints (megarl.rollout.sglang.Endpoint) in one of FORMATS.
+    """Posts buckets to SGLang endpoints (megarl.rollout.sglang_server.Endpoint) in one of FORMATS.
 
     Lives in the process that holds the tensors (the training rank), so the weights never leave
     their GPU on the way: no Ray object store, no host copies.

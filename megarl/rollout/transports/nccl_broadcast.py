@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-from megarl.rollout.sglang import SGLangError, free_port
+from megarl.rollout.sglang_server import SGLangError, free_port
 from megarl.rollout.transports import cuda_ipc
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -112,7 +112,7 @@ class NcclBroadcast:
 
 
 class NcclSender:
-    """Sends buckets to a set of SGLang endpoints (megarl.rollout.sglang.Endpoint) over one group per server,
+    """Sends buckets to a set of SGLang endpoints (megarl.rollout.sglang_server.Endpoint) over one group per server,
     the groups built at the first bucket (NCCL for CUDA tensors, gloo for CPU ones) and kept across syncs."""
 
     def __init__(self, endpoints: list, master_address: str, flattened: bool = True):

@@ -1,0 +1,281 @@
+"""SGLang's server side (GPU): the `python -m sglang.launch_server` command megarl launches for one generation TP
+group (the arguments megarl manages and those a recipe may add), the server process (SGLangServer) and the HTTP
+client of a server (Endpoint). The rollout engine that owns the servers is sglang.py.
+
+- Start-up waits for /health with a deadline and fails with the tail of the server's log. Every HTTP
+  call has a timeout: a hung server raises SGLangError naming the server, the call and the limit.
+- A server runs in a session of its own under server_guard.py, without its launcher's process-group
+  variables (LAUNCHER_ENV), so shutdown() ends its whole tree and its owner's death ends it too.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable
+
+import requests
+
+try:  # SGLang's own dependency: parses a rollout's answer (MBs of log-probs) several times faster than json
+    from orjson import dumps as json_dumps, loads as json_loads
+except ImportError:  # a CPU install without SGLang
+    import json
+
+    def json_dumps(value) -> bytes:
+        return json.dumps(value).encode()
+    json_loads = json.loads
+
+from megarl.rollout.transports import cuda_ipc
+
+SERVER_GUARD = str(Path(__file__).with_name("server_guard.py"))
+
+
+class SGLangError(RuntimeError):
+    """A server failed to start, died, hung, or answered a request with an error."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# What a launcher (torchrun, torchelastic) sets for its own workers. A server started from such a worker must not
+# inherit it: with TORCHELASTIC_USE_AGENT_STORE set, every rank of SGLang's own process group joins its store as a
+# client and none serves it, so a TP>1 server waits at "Init torch distributed begin" until its start-up deadline.
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# The launch arguments megarl owns (where the server listens and on which GPUs, its share of memory, how weights
+# reach it); extra arguments may override the rest, such as the attention backend or CUDA-graph batch sizes.
+MANAGED_ARGS = ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--mem-fraction-static",
+                "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver",
+                "--enable-deterministic-inference", "--dtype")
+# The attention backends sglang 0.5.17 runs deterministic inference with (its server_args refuses the others).
+DETERMINISTIC_ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
+# sglang 0.5.17 captures decode CUDA graphs up to 256 rows at TP < 4 on 80-160 GB GPUs (H100, H200); a larger
+# batch decodes without them, 4x slower for a 0.5B model on an H200 (docs/benchmarks.md, session 7). megarl
+# captures up to a server's share of the step's batch instead, to at most 1024 rows: past that, a step's GPU work
+# hides most of the launch overhead graphs save, while capture time and memory keep growing (a judgment).
+SGLANG_DECODE_GRAPH_ROWS, MAX_DECODE_GRAPH_ROWS = 256, 1024
+TRANSPORTS = ("cuda_ipc", "nccl")  # how a training rank delivers weights to a server: transports/<name>.py
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+_gc_was_enabled = True
+
+
+@contextmanager
+def gc_paused():
+    """No garbage collection inside: parsing a rollout's answer allocates ~10^5 small lists (a [log-prob, id, text]
+    per token), enough to set off full collections of the driver's whole heap, inside rollout time: 0.4-0.55 s
+    beside a heap of 3.5M objects (measured on the CPU). The lists die with the conversion, so nothing is deferred
+    to the collector. Re-entrant across threads: collection resumes when the last one leaves."""
+    global _gc_pausers, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+class Endpoint:
+    """HTTP client of one SGLang server (picklable: a training rank can post weights itself). `transport`: how
+    weights reach it (TRANSPORTS); `instance`: which process serves `url` (a restarted server is another one:
+    its weight transfer state, such as a weight group, starts over)."""
+
+    def __init__(self, url: str, tp: int = 1, request_timeout: float = 600.0, transport: str = "cuda_ipc",
+                 instance: int | None = None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+        self.url, self.tp, self.request_timeout = url, tp, request_timeout
+        self.transport, self.instance = transport, instance
+
+    def diagnose(self) -> str:
+        """Extra context for an error message (the process's state and log, where known)."""
+        return ""
+
+    def post(self, path: str, payload: dict | None = None, timeout: float | None = None,
+             convert: Callable | None = None):
+        """The parsed answer, or what `convert` makes of it while the garbage collector is paused."""
+        timeout = timeout or self.request_timeout
+        try:
+            response = requests.post(self.url + path, data=json_dumps(payload or {}), timeout=timeout,
+                                     headers={"Content-Type": "application/json"})
+        except requests.Timeout as error:
+            raise SGLangError(f"{path} on {self.url}: no answer within {timeout:.0f} s (server hung?)"
+                              f"{self.diagnose()}") from error
+        except requests.RequestException as error:
+            raise SGLangError(f"{path} on {self.url} failed: {error}{self.diagnose()}") from error
+        if response.status_code != 200:
+            raise SGLangError(f"{path} on {self.url}: HTTP {response.status_code}: {response.text[:2000]}")
+        if not response.content:  # /abort_request answers with an empty 200
+            return None
+        with gc_paused():
+            try:
+                body = json_loads(response.content)
+            except ValueError:  # some endpoints (/flush_cache) answer in plain text
+                return response.text
+            if isinstance(body, dict) and body.get("success") is False:
+                raise SGLangError(f"{path} on {self.url}: {body.get('message')}")
+            return convert(body) if convert else body
+
+
+class SGLangServer(Endpoint):
+    """One server process, started by `command` (listening on `port`), in its own session."""
+
+    def __init__(self, command: list[str], port: int, tp: int = 1, log_path: str | None = None,
+                 startup_timeout: float = 900.0, request_timeout: float = 600.0, health_timeout: float = 5.0,
+                 env: dict[str, str] | None = None):
+        super().__init__(f"http://127.0.0.1:{port}", tp, request_timeout)
+        self.command, self.port = command, port
+        self.env = env  # extra environment of the server process (its visible GPUs)
+        self.startup_timeout, self.health_timeout = startup_timeout, health_timeout
+        self.log_path = Path(log_path or Path(tempfile.gettempdir()) / f"sglang_{port}.log")
+        self.process: subprocess.Popen | None = None
+
+    def endpoint(self, transport: str = "cuda_ipc") -> Endpoint:
+        return Endpoint(self.url, self.tp, self.request_timeout, transport, self.process.pid if self.process else None)
+
+    def start(self) -> "SGLangServer":
+        with open(self.log_path, "ab") as log:
+            # Its own session, so shutdown() can end the server's whole process tree and nothing else; under a
+            # guard (server_guard.py) that ends the server when this process dies without calling shutdown().
+            self.process = subprocess.Popen([sys.executable, SERVER_GUARD, str(os.getpid()), *self.command],
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=self.server_env())
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SGLangError(f"server {self.url} exited with code {self.process.returncode} during start-up:\n"
+                                  f"{self.log_tail()}")
+            if self.healthy():
+                # start-up objects (torch, the model's modules) out of the collector's reach in every process
+                # of the server: a full collection then skips them, ~10^6 objects, while answers are built
+                self.post("/freeze_gc")
+                return self
+            time.sleep(0.5)
+        self.shutdown()
+        raise SGLangError(f"server {self.url} not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def server_env(self) -> dict[str, str]:
+        """This process's environment without its launcher's variables, plus the server's own (`env`)."""
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
+        return inherited | (self.env or {})
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=self.health_timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def died(self, grace: float = 10.0) -> bool:
+        """After a failed call: has the process ended? A dying process may close its connections a
+        moment before it exits, so an unhealthy one gets `grace` seconds to finish dying."""
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            if self.healthy():
+                return False
+            time.sleep(0.1)
+        return not self.alive()
+
+    def restart(self) -> "SGLangServer":
+        self.shutdown()
+        return self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def diagnose(self) -> str:
+        return "" if self.alive() else f" (server died)\n{self.log_tail()}"
+
+    def shutdown(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+
+def managed_args(extra_args: Iterable) -> list[str]:
+    """Those of `extra_args` (as "--flag" or "--flag=value") that megarl sets itself."""
+    return sorted({str(a).split("=")[0] for a in extra_args} & set(MANAGED_ARGS))
+
+
+def attention_backend(extra_args: Iterable) -> str:
+    """The attention backend a server launched with megarl's arguments and then `extra_args` uses."""
+    args, backend = [str(a) for a in extra_args], "triton"  # megarl's own choice, unless extra_args override it
+    for k, arg in enumerate(args):
+        if arg.startswith("--attention-backend="):
+            backend = arg.split("=", 1)[1]
+        elif arg == "--attention-backend" and k + 1 < len(args):
+            backend = args[k + 1]
+    return backend
+
+
+def decode_graph_rows(rows: int) -> int | None:
+    """The largest decode batch to capture in a CUDA graph for a server that decodes `rows` rows at once;
+    None while SGLang's own limit covers them."""
+    return min(rows, MAX_DECODE_GRAPH_ROWS) if rows > SGLANG_DECODE_GRAPH_ROWS else None
+
+
+def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
+                  load_format: str | None = None, cuda_graph: bool = True, decode_rows: int = 0,
+                  extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
+                  env: dict | None = None, deterministic: bool = False, dtype: str = "bfloat16",
+                  **kwargs) -> SGLangServer:
+    """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
+    `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_rows).
+    `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
+    GPUs Ray gave it: a server launched from the rollout actor must be told the training ranks' GPUs).
+    `extra_args` come last, so they override megarl's defaults; none may be one of MANAGED_ARGS.
+    `deterministic`: SGLang's deterministic inference (batch-invariant kernels; per-request sampling seeds count).
+    `dtype`: what the server holds its weights in: the policy's own (the trainer sends that). SGLang's default
+    follows the checkpoint's config and takes float16 for a float32 one, so a bf16 policy was silently converted
+    to fp16 on load (out of range above 65504); checksum verification found it."""
+    managed = managed_args(extra_args)
+    if managed:
+        raise ValueError(f"extra SGLang arguments {', '.join(managed)}: megarl sets these itself")
+    if deterministic and attention_backend(extra_args) not in DETERMINISTIC_ATTENTION_BACKENDS:
+        raise ValueError(f"deterministic inference needs attention backend {' / '.join(DETERMINISTIC_ATTENTION_BACKENDS)}"
+                         f", the extra arguments ask for {attention_backend(extra_args)}")
+    port, graph_rows = free_port(), decode_graph_rows(decode_rows)
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
+               "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction), "--dtype", dtype,
+               "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+               "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
+               *(["--enable-memory-saver"] if memory_saver else []),
+               *(["--enable-deterministic-inference"] if deterministic else []),
+               *(["--load-format", load_format] if load_format else []),
+               *([] if cuda_graph else ["--disable-cuda-graph"]),
+               *(["--cuda-graph-max-bs-decode", str(graph_rows)] if cuda_graph and graph_rows else []),
+               *map(str, extra_args)]
+    log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
+    env = dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})
+    return SGLangServer(command, port, tp, str(log), env=env, **kwargs)
