@@ -120,11 +120,12 @@ class ConfigChecks:
         if r.engine != "sglang":
             raise ConfigError(f"rollout.sglang_args={r.sglang_args}: extra SGLang arguments need rollout.engine=sglang "
                               f"(got {r.engine})")
-        from megarl.rollout.sglang import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
+        from megarl.rollout.sglang_server import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
         managed = managed_args(r.sglang_args)
         if managed:
             raise ConfigError(f"rollout.sglang_args: {', '.join(managed)} is set by megarl (from rollout.sglang_tp, "
-                              f"rollout.sglang_mem_fraction, rollout.deterministic, actor.precision, the GPUs and the weight loader)")
+                              f"rollout.sglang_mem_fraction, rollout.deterministic, actor.precision, the GPUs and the "
+                              f"weight loader)")
         backend = attention_backend(r.sglang_args)
         if r.deterministic and backend not in DETERMINISTIC_ATTENTION_BACKENDS:
             raise ConfigError(f"rollout.deterministic=true with rollout.sglang_args' --attention-backend {backend}: "

@@ -40,9 +40,6 @@ import torch
 
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
 from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, sglang_server
-# megarl/config's validation imports these three from here (config is being split by another hand: once its import
-# names sglang_server, this line goes)
-from megarl.rollout.sglang_server import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args  # noqa: F401
 from megarl.rollout.transports import cuda_ipc
 
 
