@@ -41,4 +41,5 @@ def test_code_reward_runs_tests_in_the_sandbox(code_reward, response, answer, ex
 def test_malformed_reference_is_a_counted_failure(code_reward):
     samples = [{"response": "print(1)", "answer": json.dumps({"inputs": ["1"]})},
                {"response": "```python\ndef add(a, b): return a + b\n```", "answer": ADD_ASSERTS}]
-    assert score(samples, code_reward, timeout_s=10, num_workers=2) == ([0.0, 1.0], 1)
+    scores = score(samples, code_reward, timeout_s=10, num_workers=2)
+    assert (scores.rewards, scores.failed) == ([0.0, 1.0], 1)

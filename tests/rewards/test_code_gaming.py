@@ -1,6 +1,7 @@
 """Programs that try to score without solving the task, run through the real sandbox in every mode
 the host offers: each must score 0.0, while a correct solution scores 1.0."""
 
+import hashlib
 import json
 import re
 import shutil
@@ -77,8 +78,11 @@ def test_early_exit_fails_stdin_tests(reward):
     assert score(reward, "a, b = map(int, input().split())\nprint(a + b)\n", answer) == 1.0
 
 
+# {target}: the sha256 of the secret the test plants: the program compares every candidate it finds with it
+# and prints one verdict line (a list of every 64-digit hex string on the host would overflow the run's output)
 SEARCH = r"""
-import gc, os, re, sys
+import gc, hashlib, os, re, sys
+TARGET = "{target}"
 found, read = set(), []
 def look(data):
     if isinstance(data, str):
@@ -94,9 +98,11 @@ def try_read(path):
         pass
 look(open(__file__ if "__file__" in globals() else "program.py").read() if os.path.exists("program.py") else "")
 for top in (".", "/tmp", "/sandbox", "/dev/shm", "/var/tmp"):
-    for directory, _, files in os.walk(top):
-        for name in files:
-            try_read(os.path.join(directory, name))
+    # at most 2000 files a directory tree: rlimits mode sees the host's /tmp, which a test run fills (pytest's
+    # own directories), and the search must end within the run's time limit to show it found nothing
+    walked = (os.path.join(d, name) for d, _, files in os.walk(top) for name in files)
+    for path, _ in zip(walked, range(2000)):
+        try_read(path)
 pids = ["self", str(os.getppid())] + [p for p in os.listdir("/proc") if p.isdigit()]
 for pid in pids:
     for name in ("cmdline", "environ", "maps", "stat", "status", "comm"):
@@ -128,7 +134,8 @@ for obj in gc.get_objects():
 frame = sys._getframe()
 while frame:
     look(repr(frame.f_locals)[:100000]); frame = frame.f_back
-print("found", " ".join(sorted(found)))
+hit = any(hashlib.sha256(c.encode()).hexdigest() == TARGET for c in found)
+print("SECRET FOUND" if hit else f"secret not among {len(found)} candidates")
 print("read", len(read), "files, of them", " ".join(p for p in read if p.startswith("/proc/self/")))
 """
 
@@ -140,8 +147,9 @@ def test_the_secret_cannot_be_found(reward, monkeypatch):
 
     secret = "5ec2e7" * 10 + "abcd"
     monkeypatch.setattr(harness, "new_secret", lambda: secret)
-    report = harness.run_function_tests(reward.sandbox, SEARCH + WRONG, ["assert add(1, 2) == 3"])
+    search = SEARCH.replace("{target}", hashlib.sha256(secret.encode()).hexdigest())
+    report = harness.run_function_tests(reward.sandbox, search + WRONG, ["assert add(1, 2) == 3"])
     output = report.run.stdout + report.run.stderr
     assert re.search(r"^read .*/proc/self/cmdline", output, re.M), output[-2000:]  # the search ran to its end
-    assert secret not in output
+    assert "secret not among" in output and "SECRET FOUND" not in output and secret not in output
     assert not report.ok and report.failure.startswith("test 0: AssertionError")
