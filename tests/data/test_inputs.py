@@ -75,6 +75,11 @@ def test_a_run_stops_on_a_corrupt_prompt_file_before_any_worker(tmp_path, capsys
 
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)  # the run must stop before it needs a cluster
     monkeypatch.setattr(ray, "shutdown", lambda: None)
+    # what a run sets in its environment for Ray's workers, undone after the test: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    # (a local cluster on loopback) left in pytest's environment kept the launch tests' second Ray node out
+    for var in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.setenv(var, "")  # records the variable's state (set or not) for the undo ...
+        monkeypatch.delenv(var)  # ... and leaves it unset for the run, which sets its own
     task, val = prompt_file(tmp_path, PROMPTS, "p.parquet")
     path = tmp_path / "p.parquet"
     path.write_bytes(path.read_bytes()[:-20])  # truncated: no footer
