@@ -79,8 +79,8 @@ def test_recipe_spans_two_ray_nodes(short_tmp):
         try:
             worker = start_node(["worker", "--address", head_address], short_tmp / "w", log, env)
             wait = subprocess.run(["bash", "scripts/ray_cluster.sh", "wait", "--address", head_address,
-                                   "--nodes", "2", "--timeout", "150"], cwd=ROOT, env=env, capture_output=True,
-                                  text=True, timeout=200)
+                                   "--nodes", "2", "--timeout", "60"], cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=120)
             assert wait.returncode == 0, wait.stderr[-3000:]
             assert "2 nodes" in wait.stdout
 

@@ -34,7 +34,7 @@ def slurm(tmp_path_factory):
 def submit(slurm: LocalSlurm, out_dir, overrides: list[str]) -> str:
     # eth0 is each namespace's link to the others; gloo cannot find it from the node's name (not in DNS)
     env = script_env(MEGARL_CONTAINER="none", MEGARL_CPUS_PER_NODE=str(NODE_CPUS), MEGARL_IFNAME="eth0",
-                     MEGARL_WAIT_TIMEOUT="150", MEGARL_LOG_DIR=str(out_dir / "logs"),
+                     MEGARL_WAIT_TIMEOUT="60", MEGARL_LOG_DIR=str(out_dir / "logs"),
                      MEGARL_CKPT_DIR=str(out_dir / "ckpt"))
     return slurm.sbatch([f"--output={out_dir}/job-%j.out", "scripts/slurm/megarl.sbatch", *TINY_RUN, *SPREAD_RUN,
                          f"trainer.output_dir={out_dir / 'run'}", *overrides], env=env, cwd=ROOT)
