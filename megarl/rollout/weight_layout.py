@@ -54,7 +54,7 @@ class WeightLayout:
             return min(rank * per, spec.length), min((rank + 1) * per, spec.length)
         return spec.rows(self.tp, rank) if self.engine == "sglang" else (0, spec.length)
 
-    def pieces(self, key: Key, tensor: torch.Tensor, rank: int, presharded: bool):
+    def piece(self, key: Key, tensor: torch.Tensor, rank: int, presharded: bool):
         """(engine parameter, the piece of `tensor` it holds, the piece's offset in it, the parameter's row
         length for the piece (None: the piece is contiguous there)) for engine rank `rank`. `presharded`:
         `tensor` is already what this rank holds of the HF tensor (sharded delivery into SGLang)."""
@@ -62,17 +62,17 @@ class WeightLayout:
         spec = self.specs[name]
         if self.engine == "hf":
             if isinstance(key, str):
-                return [(name, tensor, 0, None)]
+                return name, tensor, 0, None
             _, dim, lo, _ = key
             if dim == 0:
-                return [(name, tensor, lo * spec.row_numel, None)]
-            return [(name, tensor, lo, spec.shape[1])]  # columns [lo, hi) of every row
+                return name, tensor, lo * spec.row_numel, None
+            return name, tensor, lo, spec.shape[1]  # columns [lo, hi) of every row
         piece = tensor
         if spec.dim is not None and not presharded:
             lo, hi = self.rows(name, rank)
             piece = tensor.narrow(spec.dim, lo, hi - lo)
         param, offset = self.place(name, rank)
-        return [(param, piece, offset, None)]
+        return param, piece, offset, None
 
     def place(self, name: str, rank: int) -> tuple[str, int]:
         """SGLang's parameter holding HF tensor `name` on rank `rank`, and the element offset of its piece there."""
@@ -119,9 +119,9 @@ class ExpectedChecksums:
         if self.table is None:
             self.table = ChecksumTable(len(self.rows), tensor.device)
         for rank in self.ranks:
-            for param, piece, offset, stride in self.layout.pieces(key, tensor, rank, self.presharded):
-                self.table.add(self.rows[(rank, param)], piece, offset, stride)
-                self.dtypes[(rank, param)] = tensor.dtype
+            param, piece, offset, stride = self.layout.piece(key, tensor, rank, self.presharded)
+            self.table.add(self.rows[(rank, param)], piece, offset, stride)
+            self.dtypes[(rank, param)] = tensor.dtype
 
     def flush(self) -> None:
         """Queue the sums of what was added on the device (before the tensors' memory may be reused)."""
