@@ -85,7 +85,7 @@ def word_tokenizer(vocab_size: int):
 def model_shape(name: str, smoke: bool) -> dict:
     if smoke:
         return dict(SMOKE_MODEL)
-    from megarl.plan import load_model_config
+    from megarl.reshard.plan import load_model_config
 
     return load_model_config(name)
 

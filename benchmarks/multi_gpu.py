@@ -6,7 +6,7 @@ NCCL broadcast, and MoE expert parallelism against EP=1. One process per GPU, la
   reshard  The policy (random Qwen2 shape, --size) at --tp x --pp (DP = the rest of the ranks) takes
            --train-steps optimizer steps; then for each --gen-tp g: world / g SGLang servers of TP=g on the
            same GPUs (dummy weights; generation TP=g x DP=world/g), and for each --delivery the sync as
-           TrainWorker.push_weights does it: every rank reshards (megarl.parallel.reshard, point-to-point over
+           TrainWorker.push_weights does it: every rank reshards (megarl.reshard, point-to-point over
            NCCL); "full": the first rank of each generation group posts whole tensors into its server by CUDA
            IPC (weight_sync.push_policy); "sharded" (g = --tp = world): each rank packs its own TP shard, rank 0
            posts one request per bucket with every rank's payload (cuda_ipc.ShardedIpcSender). The first
@@ -104,7 +104,7 @@ def _policy(args, device: str):
     from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
     from megarl.engine import MegatronEngine
     from megarl.engine.packing import balanced_partition, sequence_lengths
-    from megarl.parallel.reshard import engine_resharder
+    from megarl.reshard.resharder import engine_resharder
 
     hf = qwen2_config(args.size, args.seq)
     model_dir = _shared_dir(args, f"{args.part}-model")

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megarl.plan import load_model_config  # noqa: E402
+from megarl.reshard.plan import load_model_config  # noqa: E402
 from megarl.rollout.base import SamplingParams  # noqa: E402
 
 

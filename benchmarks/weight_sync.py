@@ -10,7 +10,7 @@ a time limit, loses nothing already measured):
               release) to SGLang ready to generate:
                 resume   - begin_weight_update: SGLang takes its weights memory back,
                 gather   - training-TP all-gathers (0 here: the policy is at TP=1),
-                convert  - megarl.parallel.reshard yields HF-named tensors (q/k/v, gate/up cut out of
+                convert  - megarl.reshard yields HF-named tensors (q/k/v, gate/up cut out of
                            the fused megatron weights), time the main thread spends producing buckets,
                 pack     - the format's copy into a flat buffer and the IPC handles' serialisation,
                 transfer - time the main thread waits on /update_weights_from_tensor (bucket k is posted
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.plan import load_model_config
+from megarl.reshard.plan import load_model_config
 from megarl.utils.provenance import source_commit
 
 # What a sync-only server skips: only generation needs CUDA graphs or the warm-up request. Without them no
@@ -97,8 +97,9 @@ class Policy:
     """A random bf16 megatron GPTModel at TP=1 and its resharder (full HF tensors per bucket)."""
 
     def __init__(self, name: str):
-        from megarl.parallel.inventory import hf_inventory
-        from megarl.parallel.reshard import Resharder, TrainLayout, held_rows
+        from megarl.reshard.inventory import hf_inventory
+        from megarl.reshard.resharder import Resharder, held_rows
+        from megarl.reshard.layout import TrainLayout
 
         hf = load_model_config(name)
         self.gpt, maps = build_policy(hf)
@@ -115,7 +116,7 @@ class Policy:
 
 def model_bytes(name: str) -> tuple[int, int]:
     """Parameters and bf16 bytes of a model config's HF tensors (what one full sync moves)."""
-    from megarl.parallel.inventory import hf_inventory
+    from megarl.reshard.inventory import hf_inventory
 
     params = sum(s.numel for s in hf_inventory(load_model_config(name)))
     return params, 2 * params

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from megarl.config import load_config
-from megarl.parallel.inventory import hf_inventory
+from megarl.reshard.inventory import hf_inventory
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
 from megarl.trainer import RLTrainer
 from megarl.workers import weight_sync

@@ -2,9 +2,9 @@
 
 import pytest
 
-from megarl.parallel.inventory import hf_inventory
-from megarl.parallel.reshard import TrainLayout
-from megarl.plan import kv_bytes_per_token, load_model_config, main, parse_layout, plan
+from megarl.reshard.inventory import hf_inventory
+from megarl.reshard.layout import TrainLayout
+from megarl.reshard.plan import kv_bytes_per_token, load_model_config, main, parse_layout, plan
 
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-7b", 7.616),

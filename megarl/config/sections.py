@@ -160,7 +160,7 @@ class RolloutConfig:
                               "one server per rollout.sglang_tp of them, weights broadcast over NCCL, no offload "
                               "cycle; rollout.sglang_mem_fraction may then take most of each GPU); 0 = the servers "
                               "share the training ranks' GPUs (colocated, weights by CUDA IPC)")
-    weight_delivery: str = opt("full", "weight sync through megarl.parallel.reshard: full (whole HF tensors per bucket "
+    weight_delivery: str = opt("full", "weight sync through megarl.reshard: full (whole HF tensors per bucket "
                                        "from one rank; the engine slices its own TP shard, as SGLang's "
                                        "update_weights_from_tensor does) or sharded (each generation TP rank sends only "
                                        "its rows into engines that load pre-sharded tensors: the hf engine, or "

@@ -104,11 +104,11 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def update_weight_shards(self, named_shards: Iterable[tuple[str, torch.Tensor]], gen_rank: int,
                              gen_tp: int) -> None:
-        """Sharded delivery (megarl.parallel.reshard): the rows of each HF tensor that generation TP rank
+        """Sharded delivery (megarl.reshard): the rows of each HF tensor that generation TP rank
         `gen_rank` of `gen_tp` holds, written where they belong (a CPU stand-in for an engine that loads
         pre-sharded tensors: a wrong row from the resharder lands in the wrong place and fails verification)."""
         from megarl.engine.weights import read_hf_config
-        from megarl.parallel.inventory import hf_inventory
+        from megarl.reshard.inventory import hf_inventory
 
         if self._specs is None:
             self._specs = {s.name: s for s in hf_inventory(read_hf_config(self.model_path))}

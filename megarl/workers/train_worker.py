@@ -11,7 +11,7 @@ import ray
 import torch
 
 from megarl.config import Config
-from megarl.parallel.inventory import hf_inventory
+from megarl.reshard.inventory import hf_inventory
 from megarl.protocol import Batch
 from megarl.rollout.transports import cuda_ipc
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
@@ -61,9 +61,9 @@ class TrainWorker:
                 "node": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def _resharder(self):
-        """The policy's weight sync (megarl.parallel.reshard) for the TP x PP x DP layouts it models; with
+        """The policy's weight sync (megarl.reshard) for the TP x PP x DP layouts it models; with
         virtual pipeline stages or expert parallelism the sync falls back to export_hf_weights."""
-        from megarl.parallel.reshard import engine_resharder
+        from megarl.reshard.resharder import engine_resharder
 
         p = self.cfg.actor.parallel
         if p.vpp > 1 or p.ep > 1:

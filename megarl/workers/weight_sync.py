@@ -1,6 +1,6 @@
 """Moving the policy from the training ranks into a rollout engine, and proving it arrived intact.
 
-A sending training rank streams buckets out of the resharder (megarl.parallel.reshard) with
+A sending training rank streams buckets out of the resharder (megarl.reshard) with
 `push_policy`. The rollout engine picks the transport when the sync begins: SGLang hands out its
 endpoints and the rank sends each bucket itself (this process owns the tensors, so they never leave the
 GPU on the way), by CUDA IPC to colocated servers (transports/cuda_ipc.py) or by NCCL broadcast to servers

@@ -7,7 +7,7 @@ reward model with a random head) gives transformers' token-classification values
 Qwen3 gives
 transformers' loss, grad norm and updated weights: the CP ranks' gradients sum to the whole rows' gradient
 once, neither CP times (an output gather whose backward sums over CP instead of slicing) nor partially.
-After the step the weight sync (megarl.parallel.reshard, CP ranks counted as replicas) delivers the trained
+After the step the weight sync (megarl.reshard, CP ranks counted as replicas) delivers the trained
 weights. Layouts: CP=2 on 2 ranks (rows padded to a multiple of 2 * CP = 4); CP=2 x TP=2 with sequence
 parallelism (rows padded from 12 to 16), CP=2 x DP=2, and CP=2 x PP=2 with virtual stages on 4 ranks.
 RL training over several steps (test_checkpoint.py's run: PPO epochs, KL, clipping, distributed optimizer) at
@@ -44,7 +44,7 @@ def _relayout(tp, pp, cp):
 
 def _synced(engine, rank) -> dict:
     """What the weight sync delivers to generation rank `rank` (full HF tensors, generation TP=2)."""
-    from megarl.parallel.reshard import engine_resharder
+    from megarl.reshard.resharder import engine_resharder
 
     buckets = engine_resharder(engine, rank).buckets(2, "full", 1 << 30, engine.params_dtype)
     return {name: t for bucket in buckets for name, t in bucket}

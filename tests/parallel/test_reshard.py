@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megarl.parallel.inventory import hf_inventory
-from megarl.parallel.reshard import TrainLayout, generation_ranks, transfer_bytes
+from megarl.reshard.inventory import hf_inventory
+from megarl.reshard.layout import TrainLayout, generation_ranks
+from megarl.reshard.transfers import transfer_bytes
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import make_distinct_qwen2_dir
 
@@ -80,7 +81,8 @@ def _check_rank(rank, model_dir):
 
     from megarl.config import ActorConfig, AlgorithmConfig
     from megarl.engine import MegatronEngine
-    from megarl.parallel.reshard import Resharder, held_rows, new_generation_group
+    from megarl.reshard.resharder import Resharder, held_rows
+    from megarl.reshard.layout import new_generation_group
 
     engine = MegatronEngine(model_dir, ActorConfig(), AlgorithmConfig(), "cpu", 1, 10)
     train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),

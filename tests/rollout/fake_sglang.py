@@ -126,7 +126,7 @@ def tp_model(hf: dict, rank: int, tp: int):
                 assert list(tensor.shape) == shape, f"param_data.shape={shape} loaded_weight.shape={tensor.shape}"
                 self.weights[name] = tensor.clone()
 
-    from megarl.parallel.inventory import hf_inventory  # the HF tensors' full shapes only
+    from megarl.reshard.inventory import hf_inventory  # the HF tensors' full shapes only
 
     SHAPES = {s.name: torch.Size(s.shape) for s in hf_inventory(hf)}
     return Model()

@@ -5,7 +5,7 @@ and vocabulary padding), and Qwen3-MoE's stacked experts written out here from F
 import pytest
 import torch
 
-from megarl.parallel.inventory import hf_inventory
+from megarl.reshard.inventory import hf_inventory
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, merge
 from megarl.utils.checksum import module_checksums
 from megarl.workers.weight_sync import WeightSyncError, verify_checksums

@@ -10,7 +10,7 @@ import pytest
 import requests
 import torch
 
-from megarl.parallel.inventory import hf_inventory
+from megarl.reshard.inventory import hf_inventory
 from megarl.rollout.transports import cuda_ipc
 from megarl.workers import weight_sync
 from tests.dist_utils import run_distributed
@@ -53,8 +53,9 @@ def _rank(rank, model_dir, work):
     from megarl.config import ActorConfig, AlgorithmConfig
     from megarl.engine import MegatronEngine
     from megarl.engine.weights import global_parameters
-    from megarl.parallel.reshard import TrainLayout, engine_resharder
-    from megarl.plan import plan
+    from megarl.reshard.layout import TrainLayout
+    from megarl.reshard.resharder import engine_resharder
+    from megarl.reshard.plan import plan
     from megarl.rollout.sglang import SGLangRolloutEngine
     from megarl.rollout.sglang_server import Endpoint, SGLangError
     from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, merge
@@ -191,7 +192,7 @@ def test_presharded_loader_switches_the_models_layers_and_restores_them(model_di
 
 
 def test_sglang_vocab_rows_are_checked_before_sending():
-    from megarl.parallel.inventory import TensorSpec
+    from megarl.reshard.inventory import TensorSpec
 
     for vocab in (256, 151936, 152064):  # multiples of 64 and of TP: megarl's rows are SGLang's
         cuda_ipc.check_presharded_vocab([TensorSpec("lm_head.weight", (vocab, 8), 0, None, pad_vocab=True)], 2)

@@ -1,143 +1,21 @@
-"""Training layout (TP_t, PP_t, DP_t) -> generation layout (TP_g, DP_g) on the same ranks, in buckets.
-
-Every rank of the job is also a generation rank: generation TP group k is ranks [k*TP_g, (k+1)*TP_g),
-i.e. a block of one training TP group (TP_g <= TP_t) or a run of whole training TP groups (TP_g a
-multiple of TP_t), since megatron numbers ranks tp fastest, then dp, then pp.
-
-What moves is planned per HF tensor (megarl.parallel.inventory gives its TP row blocks):
-- a training rank holds rows `spec.rows(TP_t, tp_rank)` of each tensor of its pipeline stage;
-- a generation rank needs rows `spec.rows(TP_g, gen_tp_rank)` ("sharded" delivery: only its TP
-  shard, HybridFlow's zero-redundancy idea) or all rows ("full" delivery: whole HF tensors that
-  the engine slices itself, the reference path);
-- it receives exactly what it needs minus what it holds, each missing row block from the training
-  rank of the owning stage that holds it, in the receiver's own DP replica (spreading the senders).
-The same plan gives the planner's byte counts (`transfer_bytes`) and drives the transfers
-(`Resharder.buckets`): point-to-point sends and receives, one batch per bucket. Buckets are cut on
-every rank at the same tensors, from the largest per-rank cost of each tensor (its delivered shard
-plus any staging copies), so extra memory on any rank stays within one bucket or one tensor's cost.
+"""Streams the policy of a megatron GPTModel into the generation layout, bucket by bucket, along the
+transfer plan (megarl.reshard.transfers): point-to-point sends and receives, one batch per bucket.
+Buckets are cut on every rank at the same tensors, from the largest per-rank cost of each tensor (its
+delivered shard plus any staging copies), so extra memory on any rank stays within one bucket or one
+tensor's cost.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megarl.parallel.inventory import TensorSpec
-
-DELIVERIES = ("full", "sharded")
-
-
-@dataclass(frozen=True)
-class TrainLayout:
-    tp: int
-    pp: int
-    dp: int
-    num_layers: int
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        """megatron's order: tp fastest, then dp, then pp (no CP/EP)."""
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, dp_rank, pp_rank) of a global rank."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
-
-    def stage(self, spec: TensorSpec) -> int:
-        if spec.layer is None:
-            return 0 if "embed_tokens" in spec.name else self.pp - 1
-        return spec.layer // (self.num_layers // self.pp)
-
-    def held(self, spec: TensorSpec, rank: int) -> tuple[int, int] | None:
-        t, _, p = self.coords(rank)
-        return spec.rows(self.tp, t) if p == self.stage(spec) else None
-
-
-def generation_ranks(train: TrainLayout, gen_tp: int) -> list[list[int]]:
-    """The generation TP groups, as blocks of the training TP groups or runs of whole ones."""
-    if train.world % gen_tp or (train.tp % gen_tp and gen_tp % train.tp):
-        raise ValueError(f"generation TP={gen_tp} must divide the world ({train.world}) and divide or be a "
-                         f"multiple of training TP={train.tp}")
-    return [list(range(k * gen_tp, (k + 1) * gen_tp)) for k in range(train.world // gen_tp)]
-
-
-def new_generation_group(train: TrainLayout, gen_tp: int):
-    """This rank's generation TP group (collective: every rank builds every group, as torch requires)."""
-    mine = None
-    for ranks in generation_ranks(train, gen_tp):
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
-
-
-def needed(spec: TensorSpec, gen_tp: int, rank: int, delivery: str) -> tuple[int, int]:
-    return (0, spec.length) if delivery == "full" else spec.rows(gen_tp, rank % gen_tp)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows [lo, hi) of one tensor, sent by training rank `src` to generation rank `dst`."""
-    src: int
-    dst: int
-    lo: int
-    hi: int
-
-
-def _minus(a: tuple[int, int], b: tuple[int, int] | None) -> list[tuple[int, int]]:
-    if b is None or b[1] <= a[0] or a[1] <= b[0]:
-        return [a] if a[1] > a[0] else []
-    return [r for r in ((a[0], b[0]), (b[1], a[1])) if r[1] > r[0]]
-
-
-def plan_tensor(spec: TensorSpec, train: TrainLayout, gen_tp: int, delivery: str) -> list[Piece]:
-    """Every transfer of one tensor, in the same order on every rank."""
-    if delivery not in DELIVERIES:
-        raise ValueError(f"delivery={delivery!r}: expected one of {DELIVERIES}")
-    stage = train.stage(spec)
-    pieces = []
-    for dst in range(train.world):
-        _, dp_rank, _ = train.coords(dst)
-        for lo, hi in _minus(needed(spec, gen_tp, dst, delivery), train.held(spec, dst)):
-            for t in range(train.tp):
-                h_lo, h_hi = spec.rows(train.tp, t)
-                if max(lo, h_lo) < min(hi, h_hi):
-                    pieces.append(Piece(train.rank(t, dp_rank, stage), dst, max(lo, h_lo), min(hi, h_hi)))
-    return pieces
-
-
-@functools.lru_cache(maxsize=None)
-def _tensor_bytes(spec: TensorSpec, train: TrainLayout, gen_tp: int, delivery: str, itemsize: int):
-    recv, sent = [0] * train.world, [0] * train.world
-    for p in plan_tensor(spec, train, gen_tp, delivery):
-        nbytes = (p.hi - p.lo) * spec.row_numel * itemsize
-        recv[p.dst] += nbytes
-        sent[p.src] += nbytes
-    return recv, sent
-
-
-def transfer_bytes(specs: list[TensorSpec], train: TrainLayout, gen_tp: int, delivery: str,
-                   itemsize: int) -> tuple[list[int], list[int]]:
-    """Bytes each rank receives and sends in one sync (the planner's numbers, and the resharder's)."""
-    generation_ranks(train, gen_tp)
-    recv, sent = [0] * train.world, [0] * train.world
-    per_stage = train.num_layers // train.pp
-    for spec in specs:
-        # A tensor's plan depends on its name only through its stage: plan one unnamed stand-in in
-        # the stage's first layer for all alike (the thousands of experts of a MoE model).
-        stand_in = dataclasses.replace(spec, name="", layer=train.stage(spec) * per_stage)
-        r, s = _tensor_bytes(stand_in, train, gen_tp, delivery, itemsize)
-        recv = [a + b for a, b in zip(recv, r)]
-        sent = [a + b for a, b in zip(sent, s)]
-    return recv, sent
+from megarl.reshard.inventory import TensorSpec
+from megarl.reshard.layout import TrainLayout, generation_ranks, needed
+from megarl.reshard.transfers import Piece, plan_tensor
 
 
 def _rows(t: torch.Tensor, dim: int | None, lo: int, hi: int) -> torch.Tensor:
@@ -252,7 +130,7 @@ def engine_resharder(engine, rank: int) -> Resharder:
     DP (tp-cp-dp-pp): the resharder counts CP x DP replicas as its DP."""
     from megatron.core import parallel_state as mpu
 
-    from megarl.parallel.inventory import hf_inventory
+    from megarl.reshard.inventory import hf_inventory
 
     specs = hf_inventory(engine.hf_config)
     train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
