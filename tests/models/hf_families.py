@@ -8,7 +8,8 @@ router choices are far from uniform.
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from tests.engine.hf_models import VOCAB
 
@@ -37,8 +38,45 @@ def qwen3_moe_config(tied: bool, norm_topk_prob: bool, num_experts: int = 4) -> 
                           tie_word_embeddings=tied, architectures=["Qwen3MoeForCausalLM"])
 
 
+# DeepSeek (multi-latent attention): qk_nope (12) != v_head_dim (10), rope dims 8 (4 frequencies). YaRN with
+# original_max_position_embeddings 128 and rope_theta 1e4 puts the 4 frequencies in all three YaRN regimes (kept,
+# blended half-way, divided by the factor). The MoE settings (A2's router) have topk (3) != 2 x topk_group (4).
+DEEPSEEK_MLA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                    num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+                    max_position_embeddings=512, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                    moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5)
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0}
+
+
+def deepseek_v3_config(layers: int = 2, first_k_dense_replace: int | None = None, tied: bool = False,
+                       **overrides) -> DeepseekV3Config:
+    """DeepSeek-V3 style: q_lora_rank set, sigmoid router with e_score_correction_bias (noaux_tc). YaRN with
+    mscale_all_dim 0.8 (!= mscale), so both the RoPE attention factor and the softmax scale differ from 1.
+    first_k_dense_replace defaults to `layers` (every layer dense)."""
+    dense = layers if first_k_dense_replace is None else first_k_dense_replace
+    params = dict(DEEPSEEK_MLA, num_hidden_layers=layers, q_lora_rank=24, first_k_dense_replace=dense,
+                  norm_topk_prob=True, topk_method="noaux_tc", tie_word_embeddings=tied,
+                  rope_parameters=dict(DEEPSEEK_YARN, mscale_all_dim=0.8), architectures=["DeepseekV3ForCausalLM"])
+    return DeepseekV3Config(**(params | overrides))
+
+
+def deepseek_v2_config(layers: int = 2, first_k_dense_replace: int | None = None, tied: bool = False,
+                       **overrides) -> DeepseekV2Config:
+    """DeepSeek-V2(-Lite) style: q_lora_rank null (a plain q_proj), softmax router, group_limited_greedy.
+    YaRN without mscale_all_dim: transformers' DeepseekV2Attention never multiplies the softmax scale by
+    mscale^2 (DeepSeek's own code and SGLang do when mscale_all_dim is set; megarl follows them), so the
+    two agree only there. first_k_dense_replace defaults to `layers` (every layer dense)."""
+    dense = layers if first_k_dense_replace is None else first_k_dense_replace
+    params = dict(DEEPSEEK_MLA, num_hidden_layers=layers, q_lora_rank=None, first_k_dense_replace=dense,
+                  norm_topk_prob=False, topk_method="group_limited_greedy", tie_word_embeddings=tied,
+                  rope_parameters=dict(DEEPSEEK_YARN), architectures=["DeepseekV2ForCausalLM"])
+    return DeepseekV2Config(**(params | overrides))
+
+
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
-                 "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
+                 "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+                 "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM}
 
 
 def save_random(config, path, seed: int = 0) -> str:
@@ -47,5 +85,8 @@ def save_random(config, path, seed: int = 0) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: random, non-zero
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     return str(path)
