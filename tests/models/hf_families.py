@@ -63,13 +63,14 @@ def deepseek_v3_config(layers: int = 2, first_k_dense_replace: int | None = None
 
 def deepseek_v2_config(layers: int = 2, first_k_dense_replace: int | None = None, tied: bool = False,
                        **overrides) -> DeepseekV2Config:
-    """DeepSeek-V2(-Lite) style: q_lora_rank null (a plain q_proj), softmax router, group_limited_greedy.
+    """DeepSeek-V2-Lite style: q_lora_rank null (a plain q_proj), softmax router, greedy top-k (transformers
+    5.12's group_limited_greedy, DeepSeek-V2's, raises AttributeError 'num_experts' in DeepseekV2Moe).
     YaRN without mscale_all_dim: transformers' DeepseekV2Attention never multiplies the softmax scale by
     mscale^2 (DeepSeek's own code and SGLang do when mscale_all_dim is set; megarl follows them), so the
     two agree only there. first_k_dense_replace defaults to `layers` (every layer dense)."""
     dense = layers if first_k_dense_replace is None else first_k_dense_replace
     params = dict(DEEPSEEK_MLA, num_hidden_layers=layers, q_lora_rank=None, first_k_dense_replace=dense,
-                  norm_topk_prob=False, topk_method="group_limited_greedy", tie_word_embeddings=tied,
+                  norm_topk_prob=False, topk_method="greedy", tie_word_embeddings=tied,
                   rope_parameters=dict(DEEPSEEK_YARN), architectures=["DeepseekV2ForCausalLM"])
     return DeepseekV2Config(**(params | overrides))
 
