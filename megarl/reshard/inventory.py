@@ -9,6 +9,9 @@ contiguous row blocks (rank r gets block r), or replicated:
 - embeddings and the output layer: dim 0, the vocabulary padded to a multiple of TP (pad rows
   belong to no HF tensor);
 - norms, routers and MLA's down-projections (q_a, kv_a): replicated.
+Routed experts carry their index: expert parallelism places whole experts (megarl.reshard.layout), and
+expert-TP (training) or SGLang's MoE TP (generation) cuts each as TP cuts a dense MLP. Shared experts are
+dense MLPs.
 Head-structured tensors are cut between heads. K/V projections with TP above their head count (and a
 multiple of it) give each rank the one head its query heads use, as SGLang does; megatron cannot
 train that way.
@@ -28,6 +31,8 @@ class TensorSpec:
     pad_vocab: bool = False
     units: int = 0  # attention heads the split dimension is made of (TP must cut between them); 0 = rows
     kv: bool = False  # K/V heads: TP above their count takes one head per rank (module docstring)
+    expert: int | None = None  # a routed expert's index in its layer (EP places it); None for other tensors
+    experts: int = 0  # routed experts of that layer
 
     @property
     def numel(self) -> int:
@@ -106,10 +111,10 @@ def _mla_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
                     TensorSpec(p + "o_proj.weight", (h, heads * v), 1, layer, units=heads)]
 
 
-def _mlp(p: str, h: int, inter: int, layer: int) -> list[TensorSpec]:
-    return [TensorSpec(p + "gate_proj.weight", (inter, h), 0, layer),
-            TensorSpec(p + "up_proj.weight", (inter, h), 0, layer),
-            TensorSpec(p + "down_proj.weight", (h, inter), 1, layer)]
+def _mlp(p: str, h: int, inter: int, layer: int, **expert) -> list[TensorSpec]:
+    return [TensorSpec(p + "gate_proj.weight", (inter, h), 0, layer, **expert),
+            TensorSpec(p + "up_proj.weight", (inter, h), 0, layer, **expert),
+            TensorSpec(p + "down_proj.weight", (h, inter), 1, layer, **expert)]
 
 
 def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
@@ -119,7 +124,7 @@ def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     if hf.get("topk_method") == "noaux_tc":  # DeepSeek-V3's load-balancing bias
         specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer))
     for e in range(experts):
-        specs += _mlp(f"{p}experts.{e}.", h, inter, layer)
+        specs += _mlp(f"{p}experts.{e}.", h, inter, layer, expert=e, experts=experts)
     if hf.get("n_shared_experts"):
         specs += _mlp(p + "shared_experts.", h, inter * hf["n_shared_experts"], layer)
     return specs
