@@ -88,3 +88,11 @@ def fused_gate_up() -> dict:
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
 
     return dict(to_shard=to_shard, from_shards=from_shards)
+
+
+def gated_mlp(megatron_prefix: str, hf_prefix: str) -> list[WeightMap]:
+    """A SwiGLU MLP's two megatron weights from HF's gate/up/down projections (a dense MLP, an expert, a shared
+    expert): linear_fc1 the fused gate and up rows, linear_fc2 row-parallel."""
+    m, h = megatron_prefix, hf_prefix
+    return [WeightMap(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), **fused_gate_up()),
+            WeightMap(m + "linear_fc2.weight", (h + "down_proj.weight",), **split_dim(1))]
