@@ -6,7 +6,11 @@
   python -m megarl.convert megatron-to-hf CHECKPOINT OUT [--role actor] [--dtype auto]
       CHECKPOINT is one checkpoint (step_<N>/, or an imported one) or a checkpoint root (its newest
       complete checkpoint). OUT becomes a HF directory: safetensors (sharded above --max-shard-gb, with
-      an index), config.json and the tokenizer files saved with the checkpoint; transformers loads it.
+      an index), config.json and the tokenizer files saved with the checkpoint; transformers and SGLang load it.
+
+Import reads block-wise FP8 checkpoints dequantized and leaves out the multi-token-prediction layers, which
+the checkpoint keeps as they were; export writes them back after the trained weights, in the export dtype, and
+a config.json without quantization_config and with the DeepSeek fields SGLang reads (models/hf_checkpoint.py).
 
 Both run as one rank (a gloo process group of one on the CPU): dist checkpoints are independent of
 the layout, so a checkpoint written at TP=2 x PP=2 converts the same. Output directories are
@@ -66,6 +70,7 @@ def _staging(out: Path) -> Path:
 
 def _check_hf_dir(hf_dir: Path) -> None:
     from megarl.models import get_family
+    from megarl.models.hf_checkpoint import BlockFP8
 
     if not hf_dir.is_dir():
         raise ConvertError(f"HF model directory {hf_dir} does not exist")
@@ -73,10 +78,15 @@ def _check_hf_dir(hf_dir: Path) -> None:
         raise ConvertError(f"{hf_dir} is not a HF model directory: no config.json")
     if not any(hf_dir.glob("*.safetensors")):
         raise ConvertError(f"{hf_dir} has no *.safetensors weights (other weight formats are not read)")
+    config = json.loads((hf_dir / "config.json").read_text())
     try:
-        get_family(json.loads((hf_dir / "config.json").read_text()))
+        get_family(config)
     except ValueError as e:
         raise ConvertError(f"{hf_dir}/config.json: {e}") from None
+    try:
+        BlockFP8.from_config(config, str(hf_dir / "config.json"))
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
 
 
 def _engine(model_dir: Path, device: str, precision: str, head: str = "lm", load_hf_weights: bool = True):
@@ -124,9 +134,9 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
     """Export one engine of a checkpoint as a HF model directory. Starts a process group: call it in a
     process that has none (the CLI does)."""
     import torch
-    from safetensors.torch import save_file
 
     from megarl.engine.checkpoint import publish_directory, read_engine_file
+    from megarl.models.hf_checkpoint import MTP_FILE, export_config, iter_mtp_copy
 
     if dtype not in FORMAT_DTYPES:
         raise ConvertError(f"dtype={dtype!r}: expected one of {', '.join(FORMAT_DTYPES)}")
@@ -135,29 +145,51 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
     meta = read_engine_file(role_dir)
     saved_dtype = meta["params_dtype"]
     target = getattr(torch, saved_dtype if dtype == "auto" else dtype)
+    max_shard_bytes = int(max_shard_gb * (1 << 30))
     with _single_rank(device):
         engine = _engine(role_dir / "hf", device, precision="bf16" if saved_dtype == "bfloat16" else "fp32",
                          head=meta.get("head", "lm"), load_hf_weights=False)
         engine.load_checkpoint(str(role_dir), optimizer=False)
         staging = _staging(out)
-        shards = []
-        for i, bucket in enumerate(engine.export_hf_weights(int(max_shard_gb * (1 << 30)))):
-            name = f"model-{i + 1:05d}.safetensors"
-            save_file({n: t.to(target).contiguous().cpu() for n, t in bucket}, str(staging / name),
-                      metadata={"format": "pt"})
-            shards.append((name, [n for n, _ in bucket], sum(t.numel() * target.itemsize for _, t in bucket)))
+        shards = [_save_shard(staging, i, bucket, target)
+                  for i, bucket in enumerate(engine.export_hf_weights(max_shard_bytes))]
+    # The multi-token-prediction layers megarl does not train: the source's own copy, after the trained weights.
+    mtp = iter_mtp_copy(role_dir / "hf")
+    shards += [_save_shard(staging, len(shards) + i, bucket, target)
+               for i, bucket in enumerate(_buckets(mtp, target, max_shard_bytes))]
     _name_shards(staging, shards)
     for path in sorted((role_dir / "hf").iterdir()):
-        shutil.copy2(path, staging / path.name)
-    config = json.loads((staging / "config.json").read_text())
-    config["dtype"] = str(target).removeprefix("torch.")
-    if "torch_dtype" in config:
-        config["torch_dtype"] = config["dtype"]
+        if path.name != MTP_FILE:
+            shutil.copy2(path, staging / path.name)
+    config = export_config(json.loads((staging / "config.json").read_text()), target)
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if out.exists():
         out.rmdir()  # empty (checked above)
     publish_directory(staging, out)
     return out
+
+
+def _save_shard(directory: Path, index: int, bucket: list, dtype) -> tuple[str, list[str], int]:
+    """One safetensors file of (name, tensor) pairs in `dtype`: its name, tensor names and bytes."""
+    from safetensors.torch import save_file
+
+    name = f"model-{index + 1:05d}.safetensors"
+    save_file({n: t.to(dtype).contiguous().cpu() for n, t in bucket}, str(directory / name), metadata={"format": "pt"})
+    return name, [n for n, _ in bucket], sum(t.numel() * dtype.itemsize for _, t in bucket)
+
+
+def _buckets(tensors, dtype, max_bytes: int):
+    """(name, tensor) pairs, consumed lazily, in runs of at most max_bytes in `dtype` (a larger tensor alone)."""
+    bucket, size = [], 0
+    for name, t in tensors:
+        nbytes = t.numel() * dtype.itemsize
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def _name_shards(directory: Path, shards: list[tuple[str, list[str], int]]) -> None:

@@ -8,7 +8,8 @@ One checkpoint is one directory under the checkpoint root:
     actor/                 one directory per engine, written by all of its ranks (save_engine):
       state/                 dist checkpoint: model, optimizer, LR scheduler, RNG of every rank
       reference/             dist checkpoint of the frozen KL reference weights (when there are any)
-      hf/                    the model's config.json and tokenizer files (export and rebuilds need them)
+      hf/                    the model's config.json and tokenizer files (export and rebuilds need them), and
+                             the source's multi-token-prediction layers if it has any (mtp.safetensors)
       engine.json            layout it was written at, what is inside, the engine's step counter
   latest                   the name of the newest complete checkpoint, replaced after each commit
 
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megarl.models.hf_checkpoint import save_mtp_copy
 
 FORMAT = 1
 CHECKPOINT_FILE = "checkpoint.json"
@@ -352,6 +355,7 @@ def save_engine(engine, directory: str | Path, weights_only: bool = False) -> No
     if dist.get_rank() == 0:
         for path in _hf_files(Path(engine.model_path)):
             shutil.copy2(path, directory / "hf" / path.name)
+        save_mtp_copy(engine.model_path, directory / "hf")  # untrained MTP layers, for export (hf_checkpoint.py)
         contents = list(state) + (["reference"] if has_reference else [])
         meta = {"format": FORMAT, "layout": _layout(), "contents": contents,
                 "step_count": 0 if weights_only else engine.step_count, "head": getattr(engine, "head", "lm"),

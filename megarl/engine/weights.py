@@ -16,34 +16,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from safetensors import safe_open
 
+from megarl.models.hf_checkpoint import SafetensorsCheckpoint  # the read path: FP8 dequant, MTP layers left out
 from megarl.models.sharding import WeightMap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
-class SafetensorsCheckpoint:
-    """Lazy, by-name access to the tensors of a HF model directory (one or several .safetensors)."""
-
-    def __init__(self, model_dir: str | Path):
-        self.files: dict[str, Path] = {}
-        paths = sorted(Path(model_dir).glob("*.safetensors"))
-        if not paths:
-            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for path in paths:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    self.files[name] = path
-                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
-
-    def read(self, name: str) -> torch.Tensor:
-        if name not in self.files:
-            raise KeyError(f"tensor '{name}' is not in the checkpoint ({len(self.files)} tensors)")
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name)
 
 
 def read_hf_config(model_dir: str | Path) -> dict:

@@ -1,0 +1,216 @@
+"""What a published HF checkpoint holds beyond the weights megarl trains, on the way in and on the way out.
+
+- Block-wise FP8 weights (DeepSeek-V3's release format, also Qwen3's *-FP8): a float8_e4m3fn `<name>` and a
+  float32 `<name>_scale_inv` of one inverse scale per weight_block_size block (the blocks at the right and
+  bottom edges may be partial). They are read dequantized: weight * scale_inv in float32, then cast to the
+  parameters' dtype by whoever stores them. Any other quantization_config is refused by key.
+- Multi-token-prediction layers (`num_nextn_predict_layers`, tensors `model.layers.{num_hidden_layers + i}.*`):
+  megarl does not train them. Import leaves them out (one logged line); every megarl checkpoint keeps the
+  source's own copy of them (MTP_FILE in its hf/ directory, bytes as read) and export writes it back.
+- config.json fields that SGLang's DeepSeek model reads and transformers' DeepseekV3Config / DeepseekV2Config do
+  not write (SGLang 0.5.17 fails to start without moe_layer_freq): added to every config.json megarl writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_KEY = "quantization_config"
+SCALE_SUFFIX = "_scale_inv"
+MTP_FILE = "mtp.safetensors"  # in a megarl checkpoint's <role>/hf/: the source's multi-token-prediction tensors
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_SUPPORTED_FP8 = "block-wise FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, cols], " \
+                 "activation_scheme 'dynamic')"
+
+# Published DeepSeek config.json fields SGLang reads, with the values that transformers'
+# own model of each model_type implies; a value the config already has is never replaced.
+SGLANG_DEEPSEEK_FIELDS = {
+    "deepseek_v3": {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1,
+                    "num_nextn_predict_layers": 0},
+    "deepseek_v2": {"moe_layer_freq": 1, "topk_method": "greedy", "scoring_func": "softmax", "ep_size": 1,
+                    "num_nextn_predict_layers": 0},
+}
+
+
+class SafetensorsCheckpoint:
+    """Lazy, by-name access to the tensors of a HF model directory (one or several .safetensors) as the model
+    uses them: FP8 weights dequantized (their scales are not listed), multi-token-prediction layers left out."""
+
+    def __init__(self, model_dir: str | Path):
+        config_path = Path(model_dir) / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.fp8 = BlockFP8.from_config(config, str(config_path))
+        self._all_files, shapes = _index(sorted(Path(model_dir).glob("*.safetensors")), str(model_dir))
+        mtp = [n for n in shapes if not is_scale(n) and is_mtp(n, config)]
+        log_dropped_mtp(mtp, config, model_dir)
+        self.shapes: dict[str, tuple[int, ...]] = {n: s for n, s in shapes.items() if not is_scale(n) and n not in mtp}
+        self.files: dict[str, Path] = {n: self._all_files[n] for n in self.shapes}
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype, or float32 for an FP8 weight (its dequantized values)."""
+        if name not in self.files:
+            raise KeyError(f"tensor '{name}' is not in the checkpoint ({len(self.files)} tensors)")
+        return read_dequantized(self._all_files, name, self.fp8)
+
+
+def _index(paths: list[Path], where: str) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+    """The tensors of some safetensors files: name -> file, name -> shape (headers only)."""
+    if not paths:
+        raise FileNotFoundError(f"no *.safetensors files in {where}")
+    files, shapes = {}, {}
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                files[name] = path
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return files, shapes
+
+
+def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+# -------------------------------------------------------------------------------------------------
+# Block-wise FP8
+
+
+@dataclass(frozen=True)
+class BlockFP8:
+    """A checkpoint's block-wise FP8 format: weight_block_size (rows, cols) of one inverse scale each."""
+    block: tuple[int, int]
+
+    @classmethod
+    def from_config(cls, config: dict, where: str) -> BlockFP8 | None:
+        """None for an unquantized checkpoint; `where` (the config.json path) names the file in errors."""
+        quant = config.get(QUANTIZATION_KEY)
+        if quant is None:
+            return None
+        quant = {"fmt": "e4m3", **quant}  # fmt may be left out: e4m3 is what fp8 means then
+        for key, value in {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}.items():
+            if quant.get(key) != value:
+                raise ValueError(f"{where}: {QUANTIZATION_KEY}.{key}={quant.get(key)!r} is not supported; megarl "
+                                 f"reads unquantized checkpoints and {_SUPPORTED_FP8}")
+        block = quant.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"{where}: {QUANTIZATION_KEY}.weight_block_size={block!r} is not supported; megarl "
+                             f"reads {_SUPPORTED_FP8}")
+        return cls(tuple(block))
+
+    def dequantize(self, weight: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
+        """weight * its block's scale_inv, in float32."""
+        rows, cols = self.block
+        if weight.dim() != 2:
+            raise ValueError(f"{name}: a block-wise FP8 weight must be 2-D, it has shape {tuple(weight.shape)}")
+        blocks = (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols))
+        if tuple(scale_inv.shape) != blocks:
+            raise ValueError(f"{name}{SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}; weight {tuple(weight.shape)} "
+                             f"in blocks of {list(self.block)} needs {blocks}")
+        scale = scale_inv.float().repeat_interleave(rows, 0)[:weight.shape[0]].repeat_interleave(cols, 1)[:, :weight.shape[1]]
+        return weight.float() * scale
+
+
+def read_dequantized(files: dict[str, Path], name: str, fp8: BlockFP8 | None) -> torch.Tensor:
+    """A tensor as the model uses it: an FP8 weight multiplied out by its inverse scales (float32)."""
+    tensor = read_tensor(files, name)
+    if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tensor
+    if fp8 is None:
+        raise ValueError(f"{name} in {files[name]} is {tensor.dtype} but the checkpoint's config.json has no "
+                         f"{QUANTIZATION_KEY}; megarl reads {_SUPPORTED_FP8}")
+    if tensor.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name} in {files[name]} is {tensor.dtype}; {QUANTIZATION_KEY} says e4m3")
+    if name + SCALE_SUFFIX not in files:
+        raise ValueError(f"{name} in {files[name]} is FP8 without its inverse scales {name}{SCALE_SUFFIX}")
+    return fp8.dequantize(tensor, read_tensor(files, name + SCALE_SUFFIX), name)
+
+
+def is_scale(name: str) -> bool:
+    return name.endswith(SCALE_SUFFIX)
+
+
+# -------------------------------------------------------------------------------------------------
+# Multi-token-prediction layers
+
+
+def mtp_layers(config: dict) -> range:
+    """The layer indices of the multi-token-prediction layers (after the num_hidden_layers trained ones)."""
+    first = config.get("num_hidden_layers", 0)
+    return range(first, first + (config.get("num_nextn_predict_layers") or 0))
+
+
+def is_mtp(name: str, config: dict) -> bool:
+    match = _LAYER_INDEX.match(name)
+    return match is not None and int(match.group(1)) in mtp_layers(config)
+
+
+def log_dropped_mtp(names: list[str], config: dict, model_dir: str | Path) -> None:
+    """The one line import logs for the MTP tensors it leaves out (on rank 0 of a job)."""
+    if not names or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    layers = mtp_layers(config)
+    prefixes = ", ".join(f"model.layers.{i}.*" for i in layers)
+    logger.warning("%s: not loading the %d tensors of the %d multi-token-prediction layer(s) %s "
+                   "(num_nextn_predict_layers=%d): megarl does not train them; its checkpoints keep this copy "
+                   "and export writes it back", model_dir, len(names), len(layers), prefixes, len(layers))
+
+
+def save_mtp_copy(model_dir: str | Path, out_dir: str | Path) -> int:
+    """Copy the MTP tensors of a HF model directory (with their FP8 scales, bytes as stored) into
+    out_dir/MTP_FILE; returns how many tensors (0: none, nothing written). model_dir may be a megarl
+    checkpoint's hf/ directory, whose MTP_FILE is copied on."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    paths = sorted(Path(model_dir).glob("*.safetensors"))
+    if not mtp_layers(config) or not paths:
+        return 0
+    files, _ = _index(paths, str(model_dir))
+    names = [n for n in files if is_mtp(n, config)]
+    if names:
+        save_file({n: read_tensor(files, n) for n in names}, str(Path(out_dir) / MTP_FILE), metadata={"format": "pt"})
+    return len(names)
+
+
+def iter_mtp_copy(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The MTP tensors a megarl checkpoint's hf/ directory keeps, one at a time, dequantized as its
+    config.json says (float32 where they are FP8); none when it keeps none."""
+    path = Path(hf_dir) / MTP_FILE
+    if not path.exists():
+        return
+    config_path = Path(hf_dir) / "config.json"
+    fp8 = BlockFP8.from_config(json.loads(config_path.read_text()), str(config_path))
+    files, _ = _index([path], str(hf_dir))
+    for name in files:
+        if not is_scale(name):
+            yield name, read_dequantized(files, name, fp8)
+
+
+# -------------------------------------------------------------------------------------------------
+# config.json
+
+
+def export_config(config: dict, dtype: torch.dtype) -> dict:
+    """The config.json of weights megarl writes in `dtype`: no quantization_config (the weights are not
+    quantized), the dtype, and for DeepSeek the fields SGLang reads (existing values kept)."""
+    config = {k: v for k, v in config.items() if k != QUANTIZATION_KEY}
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    return with_sglang_fields(config)
+
+
+def with_sglang_fields(config: dict) -> dict:
+    """A DeepSeek config.json with the published fields SGLang reads (SGLANG_DEEPSEEK_FIELDS) that it lacks;
+    other model types unchanged."""
+    return {**SGLANG_DEEPSEEK_FIELDS.get(config.get("model_type"), {}), **config}
