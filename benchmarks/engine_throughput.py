@@ -142,7 +142,7 @@ class BareLoop:
         config = family.transformer_config(hf, tp, pp, dtype, use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size())
         config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
-        spec = decoder_block_spec(with_core_attention(family.layer_spec(hf), attention), config)
+        spec = decoder_block_spec(lambda layer: with_core_attention(family.layer_spec(hf, layer), attention), config)
         gpt = GPTModel(config, spec, pre_process=parallel_state.is_pipeline_first_stage(),
                        post_process=parallel_state.is_pipeline_last_stage(), **family.gpt_model_kwargs(hf, tp))
         reset_rotary_positions(gpt)  # RoPE by the packed position ids, as the engine does

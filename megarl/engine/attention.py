@@ -42,7 +42,9 @@ class SDPAttention(MegatronModule):
     """Drop-in for megatron's DotProductAttention (same constructor and forward signature)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        # k_channels / v_channels: multi-latent attention's query-key and value head dims (they differ); the
+        # kernels read them from the tensors' shapes.
         super().__init__(config=config)
         tp = pg_collection.tp.size() if pg_collection is not None else \
             parallel_state.get_tensor_model_parallel_world_size()
@@ -121,12 +123,15 @@ def flash_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
         kwargs["scale"] = scale
     elif not math.isclose(scale, q.shape[-1] ** -0.5):
         raise ValueError(f"this torch's varlen_attn has no scale argument; the model needs {scale}")
+    v_dim = v.shape[-1]
+    if v_dim != q.shape[-1]:  # multi-latent attention: flash kernels take one head dim, so pad v and cut back
+        v = F.pad(v, (0, q.shape[-1] - v_dim))
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)[..., :v_dim]
 
 
 def segment_sdpa(q, k, v, cu_seqlens, max_seqlen: int, scale: float):

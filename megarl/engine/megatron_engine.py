@@ -106,7 +106,8 @@ class MegatronEngine:
                                            ep=parallel_state.get_expert_model_parallel_world_size())
         config = _with_engine_options(config, actor)
         self.core_attention = resolve_core_attention(actor.attention, device, config.context_parallel_size)
-        spec = with_core_attention(family.layer_spec(self.hf_config), self.core_attention)
+        def spec(layer: int):  # each layer's spec by its global index (DeepSeek: dense layers, then MoE)
+            return with_core_attention(family.layer_spec(self.hf_config, layer), self.core_attention)
         gpt_kwargs = family.gpt_model_kwargs(self.hf_config, tp)
         if head == "value":
             gpt_kwargs["share_embeddings_and_output_weights"] = False
@@ -164,7 +165,7 @@ class MegatronEngine:
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant")
 
-    def _build_chunks(self, config, spec, gpt_kwargs: dict) -> list[GPTModel]:
+    def _build_chunks(self, config, spec: Callable[[int], object], gpt_kwargs: dict) -> list[GPTModel]:
         """This rank's GPTModel, or its actor.parallel.vpp virtual-pipeline chunks (interleaved layers)."""
         vpp = self.actor.parallel.vpp
         # megatron's tied-embedding and grad-finalising code reads the virtual size from parallel_state.

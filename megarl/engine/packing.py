@@ -183,11 +183,14 @@ def reset_rotary_positions(gpt) -> None:
     one keeps the position_ids of the current forward call, the other indexes the rotary table with them
     ([L, 1, 1, d] -> [L, rows, 1, d], which megatron's RoPE application broadcasts as it is).
     Under context parallelism the position ids are this CP rank's (context_parallel.local): they index the
-    whole row's table, which megatron would otherwise cut to the rank's chunks itself."""
-    rotary = getattr(gpt, "rotary_pos_emb", None)
-    if rotary is None:
+    whole row's table, which megatron would otherwise cut to the rank's chunks itself.
+    Multi-latent attention (DeepSeek) has no model-level table: each MLA layer computes its own (a tuple with
+    YaRN's attention factor), and each is indexed the same way."""
+    rotaries = [gpt.rotary_pos_emb] if getattr(gpt, "rotary_pos_emb", None) is not None else [
+        layer.self_attention.rotary_pos_emb for layer in getattr(getattr(gpt, "decoder", None), "layers", [])
+        if getattr(layer.self_attention, "rotary_pos_emb", None) is not None]
+    if not rotaries:
         return
-    rotary.cp_group = None
     current = {}
 
     def keep_position_ids(module, args, kwargs):
@@ -202,7 +205,9 @@ def reset_rotary_positions(gpt) -> None:
         return (emb, *output[1:]) if isinstance(output, tuple) else emb
 
     gpt.register_forward_pre_hook(keep_position_ids, with_kwargs=True)
-    rotary.register_forward_hook(index_by_position)
+    for rotary in rotaries:
+        rotary.cp_group = None
+        rotary.register_forward_hook(index_by_position)
 
 
 def empty_micro_batch(like: dict) -> dict:

@@ -10,7 +10,8 @@ import importlib
 
 from megarl.models.decoder import DecoderFamily
 
-_MODULES = ("megarl.models.qwen2", "megarl.models.llama", "megarl.models.qwen3", "megarl.models.qwen3_moe")
+_MODULES = ("megarl.models.qwen2", "megarl.models.llama", "megarl.models.qwen3", "megarl.models.qwen3_moe",
+            "megarl.models.deepseek")
 
 
 def _get(hf_config, key: str):

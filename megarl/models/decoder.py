@@ -6,7 +6,8 @@ final norm).
 A family is a DecoderFamily subclass that switches on what it differs in (q/k/v biases, QK-norm, RoPE
 scaling, experts). Its four methods are what the engine calls:
   transformer_config(hf, tp, pp, params_dtype, use_cpu_initialization, ep=1) -> TransformerConfig
-  layer_spec(hf) -> megatron ModuleSpec of one decoder layer
+  layer_spec(hf, layer) -> megatron ModuleSpec of decoder layer `layer` (its GLOBAL 0-based index: layers may
+                           differ, e.g. DeepSeek's dense first layers before its mixture-of-experts ones)
   gpt_model_kwargs(hf, tp) -> keyword arguments of GPTModel (vocab, RoPE, tying)
   weight_maps(hf, tp) -> [WeightMap]: every megatron parameter, the HF tensors it is made of, and how to
                          cut its tensor-parallel shard from them and put the shards back
@@ -15,11 +16,14 @@ scaling, experts). Its four methods are what the engine calls:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.models.norm import HeadNorm, HiddenNorm
@@ -78,6 +82,20 @@ class DecoderFamily:
     def num_experts(self, hf: dict) -> int | None:
         return None
 
+    def attention_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
+        """Grouped-query attention: q/k/v fused into linear_qkv, optional biases and QK-norm."""
+        qkv = fused_qkv(hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf))
+        attn, hf_attn = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}.self_attn."
+        maps = [WeightMap(attn + "linear_qkv.weight", tuple(hf_attn + f"{p}_proj.weight" for p in "qkv"), **qkv),
+                WeightMap(attn + "linear_proj.weight", (hf_attn + "o_proj.weight",), **split_dim(1))]
+        if self.qkv_bias:
+            maps.append(WeightMap(attn + "linear_qkv.bias", tuple(hf_attn + f"{p}_proj.bias" for p in "qkv"), **qkv))
+        if self.qk_norm:
+            # Per-head RMSNorm over head_dim, the same weight for every head: replicated.
+            maps += [WeightMap(attn + "q_layernorm.weight", (hf_attn + "q_norm.weight",), **replicated()),
+                     WeightMap(attn + "k_layernorm.weight", (hf_attn + "k_norm.weight",), **replicated())]
+        return maps
+
     def mlp_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
         m, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
         return [WeightMap(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), **fused_gate_up()),
@@ -111,8 +129,8 @@ class DecoderFamily:
             apply_rope_fusion=False, gradient_accumulation_fusion=False,
             **self.moe_config(hf, ep))
 
-    def layer_spec(self, hf: dict) -> ModuleSpec:
-        """megatron's local spec with norms that also run under sequence parallelism (norm.py)."""
+    def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
+        """megatron's local spec with norms that also run under sequence parallelism (norm.py); every layer alike."""
         spec = get_gpt_layer_local_spec(num_experts=self.num_experts(hf), qk_layernorm=self.qk_norm,
                                         normalization="RMSNorm")
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenNorm
@@ -130,24 +148,12 @@ class DecoderFamily:
     def weight_maps(self, hf: dict, tp: int) -> list[WeightMap]:
         """Every megatron parameter (global layer and expert indices) with the HF tensors it is made of."""
         vocab = vocab_rows(hf["vocab_size"], tp)
-        qkv = fused_qkv(hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf))
         maps = [WeightMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), **vocab)]
         for i in range(hf["num_hidden_layers"]):
             m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-            attn, hf_attn = m + "self_attention.", h + "self_attn."
-            maps += [
-                WeightMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), **replicated()),
-                WeightMap(attn + "linear_qkv.weight", tuple(hf_attn + f"{p}_proj.weight" for p in "qkv"), **qkv),
-                WeightMap(attn + "linear_proj.weight", (hf_attn + "o_proj.weight",), **split_dim(1)),
-                WeightMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), **replicated()),
-            ]
-            if self.qkv_bias:
-                maps.append(WeightMap(attn + "linear_qkv.bias", tuple(hf_attn + f"{p}_proj.bias" for p in "qkv"),
-                                      **qkv))
-            if self.qk_norm:
-                # Per-head RMSNorm over head_dim, the same weight for every head: replicated.
-                maps += [WeightMap(attn + "q_layernorm.weight", (hf_attn + "q_norm.weight",), **replicated()),
-                         WeightMap(attn + "k_layernorm.weight", (hf_attn + "k_norm.weight",), **replicated())]
+            maps.append(WeightMap(m + "input_layernorm.weight", (h + "input_layernorm.weight",), **replicated()))
+            maps += self.attention_maps(hf, tp, i)
+            maps.append(WeightMap(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), **replicated()))
             maps += self.mlp_maps(hf, tp, i)
         maps.append(WeightMap("decoder.final_layernorm.weight", ("model.norm.weight",), **replicated()))
         if hf.get("tie_word_embeddings"):
@@ -158,8 +164,11 @@ class DecoderFamily:
         return maps
 
 
-def decoder_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None = None):
-    """GPTModel's decoder for this pipeline stage (or virtual stage): the layers of `layer_spec` and a final
-    norm that runs under sequence parallelism (given a layer spec, megatron picks WrappedTorchNorm)."""
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=HiddenNorm)
+def decoder_block_spec(layer_spec: Callable[[int], ModuleSpec], config: TransformerConfig,
+                       vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """GPTModel's decoder for this pipeline stage (or virtual stage): `layer_spec(global layer index)` for each of
+    its layers (megatron numbers them from the stage's offset, even or uneven stages alike) and a final norm
+    that runs under sequence parallelism (given a layer spec, megatron picks WrappedTorchNorm)."""
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(first + i) for i in range(count)], layer_norm=HiddenNorm)

@@ -51,11 +51,11 @@ class Qwen3Moe(DecoderFamily):
                     moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                     moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
 
-    def layer_spec(self, hf: dict) -> ModuleSpec:
+    def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         from megarl.parallel.compat import patch_moe_without_te
 
         patch_moe_without_te()
-        return super().layer_spec(hf)
+        return super().layer_spec(hf, layer)
 
     def mlp_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
         """The router and every expert, named by GLOBAL expert index (each EP rank holds a slice)."""
