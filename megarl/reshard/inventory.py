@@ -119,7 +119,7 @@ def _mlp(p: str, h: int, inter: int, layer: int, **expert) -> list[TensorSpec]:
 
 def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     h, inter = hf["hidden_size"], hf["moe_intermediate_size"]
-    experts = _get(hf, "n_routed_experts", "num_experts")
+    experts = _get(hf, "n_routed_experts", "num_experts", "num_local_experts")  # the last: transformers >= 5's
     specs = [TensorSpec(p + "gate.weight", (experts, h), None, layer)]
     if hf.get("topk_method") == "noaux_tc":  # DeepSeek-V3's load-balancing bias
         specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer))

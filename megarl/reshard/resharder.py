@@ -1,5 +1,7 @@
 """Streams the policy of a megatron GPTModel into the generation layout, bucket by bucket, along the
 transfer plan (megarl.reshard.transfers): point-to-point sends and receives, one batch per bucket.
+Routed experts move from the ranks of their owning EP rank only, to the generation ranks holding them
+(megarl.reshard.layout.GenLayout: all of them, or with generation EP those of the expert's EP slice).
 Buckets are cut on every rank at the same tensors, from the largest per-rank cost of each tensor (its
 delivered shard plus any staging copies), so extra memory on any rank stays within one bucket or one
 tensor's cost.
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.reshard.inventory import TensorSpec
-from megarl.reshard.layout import TrainLayout, generation_ranks, needed
+from megarl.reshard.layout import GenLayout, TrainLayout, as_generation, generation_ranks, needed
 from megarl.reshard.transfers import Piece, plan_tensor
 
 
@@ -51,14 +53,17 @@ class Resharder:
     def __init__(self, specs: list[TensorSpec], train: TrainLayout, local: dict[str, HeldRows], rank: int):
         self.specs, self.train, self.local, self.rank = specs, train, local, rank
 
-    def _cost(self, spec: TensorSpec, pieces: list[Piece], gen_tp: int, delivery: str, itemsize: int) -> int:
+    def _cost(self, spec: TensorSpec, pieces: list[Piece], gen: GenLayout, delivery: str, itemsize: int) -> int:
         """An upper bound of the extra bytes any rank allocates for this tensor: its delivered rows, a
         copy of the rows it holds itself, copies of what it sends, staging of what it receives."""
         row = spec.row_numel * itemsize
         cost = []
         for r in range(self.train.world):
-            lo, hi = needed(spec, gen_tp, r, delivery)
-            held = self.train.held(spec, r)
+            need, held = needed(spec, gen, r, delivery), self.train.held(spec, r)
+            if need is None:
+                cost.append(0)
+                continue
+            lo, hi = need
             own = max(0, min(hi, held[1]) - max(lo, held[0])) if held else 0
             cost.append((hi - lo + own) * row)
         for p in pieces:
@@ -66,33 +71,38 @@ class Resharder:
             cost[p.dst] += (p.hi - p.lo) * row
         return max(cost)
 
-    def buckets(self, gen_tp: int, delivery: str, bucket_bytes: int,
+    def buckets(self, gen: int | GenLayout, delivery: str, bucket_bytes: int,
                 dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Collective: every rank iterates to the end. Yields this rank's (HF name, tensor) per bucket:
-        whole tensors ("full") or the rows of its generation TP shard ("sharded")."""
-        generation_ranks(self.train, gen_tp)
+        whole tensors ("full") or the rows of its generation shard ("sharded"), of every tensor it holds in the
+        generation layout `gen` (a GenLayout, or a bare generation TP: no generation EP)."""
+        gen = as_generation(gen)
+        generation_ranks(self.train, gen)
         itemsize = torch.empty((), dtype=dtype).element_size()
         bucket, size = [], 0
         for spec in self.specs:
-            pieces = plan_tensor(spec, self.train, gen_tp, delivery)
-            cost = self._cost(spec, pieces, gen_tp, delivery, itemsize)
+            pieces = plan_tensor(spec, self.train, gen, delivery)
+            cost = self._cost(spec, pieces, gen, delivery, itemsize)
             if bucket and size + cost > bucket_bytes:
-                yield self._move(bucket, gen_tp, delivery, dtype)
+                yield self._move(bucket, gen, delivery, dtype)
                 bucket, size = [], 0
             bucket.append((spec, pieces))
             size += cost
         if bucket:
-            yield self._move(bucket, gen_tp, delivery, dtype)
+            yield self._move(bucket, gen, delivery, dtype)
 
-    def _move(self, bucket, gen_tp: int, delivery: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    def _move(self, bucket, gen: GenLayout, delivery: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         ops, staged, out = [], [], []
         for spec, pieces in bucket:
-            lo, hi = needed(spec, gen_tp, self.rank, delivery)
+            need = needed(spec, gen, self.rank, delivery)
             held = self.local.get(spec.name)
             for p in pieces:  # what this rank sends, whether or not it receives anything itself
                 if p.src == self.rank:
                     # Gloo matches by (peer, tag), and alike messages in posting order: the plan order on both sides.
                     ops.append(dist.P2POp(dist.isend, held.take(p.lo, p.hi).contiguous(), p.dst, tag=p.lo))
+            if need is None:  # a routed expert of another generation EP rank
+                continue
+            lo, hi = need
             if held is not None and held.lo <= lo and hi <= held.hi:
                 rows = held.take(lo, hi)
                 out.append((spec.name, rows if rows.is_contiguous() else rows.contiguous()))
@@ -125,9 +135,10 @@ def _device() -> torch.device:
 
 
 def engine_resharder(engine, rank: int) -> Resharder:
-    """The resharder of a MegatronEngine's policy on this rank, its TP x PP x DP layout from megatron's state.
-    Context-parallel ranks hold the same weights as data-parallel ones, and megatron numbers them between TP and
-    DP (tp-cp-dp-pp): the resharder counts CP x DP replicas as its DP."""
+    """The resharder of a MegatronEngine's policy on this rank, its layout from megatron's state: TP, PP with the
+    layers each stage actually built (uneven first/last stages included), EP and ETP. Context-parallel ranks hold
+    the same weights as data-parallel ones, and megatron numbers them between TP and DP (tp-cp-dp-pp): the
+    resharder counts CP x DP replicas as its DP."""
     from megatron.core import parallel_state as mpu
 
     from megarl.reshard.inventory import hf_inventory
@@ -135,8 +146,19 @@ def engine_resharder(engine, rank: int) -> Resharder:
     specs = hf_inventory(engine.hf_config)
     train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
                         mpu.get_data_parallel_world_size(with_context_parallel=True),
-                        engine.hf_config["num_hidden_layers"])
-    return Resharder(specs, train, held_rows(engine.gpt, engine.weight_maps, specs, train, rank), rank)
+                        engine.hf_config["num_hidden_layers"], stage_layers=_stage_layers(engine.layout.layer_stage),
+                        ep=mpu.get_expert_model_parallel_world_size(),
+                        etp=mpu.get_expert_tensor_parallel_world_size())
+    return Resharder(specs, train, held_rows(engine.gpts, engine.weight_maps, specs, train, rank), rank)
+
+
+def _stage_layers(layer_stage: dict[int, int]) -> tuple[int, ...]:
+    """Layers per pipeline stage from megatron's layer -> stage map; the resharder models contiguous stages
+    only (virtual pipeline chunks interleave them)."""
+    stages = [layer_stage[layer] for layer in sorted(layer_stage)]
+    if stages != sorted(stages):
+        raise ValueError("the resharder models contiguous pipeline stages; virtual pipeline stages interleave them")
+    return tuple(stages.count(stage) for stage in range(max(stages) + 1)) if stages else ()
 
 
 def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, rank: int) -> dict[str, HeldRows]:
@@ -144,13 +166,13 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
 
     Found by running the family's own `to_shard` on row-index probes: tensors shaped like the HF ones
     but 1 wide outside the split dimension, holding 1 + (row id across the map's HF tensors); 0 marks
-    padding. The rows found must be the block the inventory (and so the planner) assumes.
+    padding. Routed experts are cut by expert TP (TrainLayout.etp), everything else by TP. The rows found must
+    be the block the inventory (and so the planner) assumes.
     """
     from megarl.engine.weights import global_parameters
 
     params = global_parameters(gpt)
     by_name = {s.name: s for s in specs}
-    tp_rank = train.coords(rank)[0]
     local = {}
     for wm in weight_maps:
         if not wm.export or wm.megatron not in params:
@@ -161,19 +183,21 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
             (spec,) = hf_specs
             local[spec.name] = HeldRows(shard, None, None, 0, 1)
             continue
+        tp, tp_rank = (train.etp, train.expert_coords(rank)[0]) if hf_specs[0].expert is not None else \
+            (train.tp, train.coords(rank)[0])
         probes, offset = [], 0
         for s in hf_specs:
             shape = [1] * len(s.shape)
             shape[s.dim] = s.length
             probes.append((torch.arange(s.length) + offset + 1).reshape(shape))
             offset += s.length
-        ids = wm.to_shard(probes, tp_rank, train.tp).reshape(-1)
+        ids = wm.to_shard(probes, tp_rank, tp).reshape(-1)
         offset = 0
         for s in hf_specs:
             positions = ((ids > offset) & (ids <= offset + s.length)).nonzero().reshape(-1)
-            lo, hi = s.rows(train.tp, tp_rank)
+            lo, hi = s.rows(tp, tp_rank)
             if not torch.equal(ids[positions] - offset - 1, torch.arange(lo, hi)):
-                raise ValueError(f"{s.name}: TP rank {tp_rank} of {train.tp} does not hold the rows [{lo}, {hi}) "
+                raise ValueError(f"{s.name}: TP rank {tp_rank} of {tp} does not hold the rows [{lo}, {hi}) "
                                  f"the inventory expects")
             local[s.name] = HeldRows(shard, s.dim, positions, lo, hi)
             offset += s.length

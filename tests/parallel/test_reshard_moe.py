@@ -1,0 +1,149 @@
+"""Resharding a mixture-of-experts policy from expert-parallel training layouts into generation TP 1/2/4, with and
+without generation EP (SGLang's --ep-size), both deliveries, on 4 gloo ranks against the HF checkpoint.
+
+One launch changes megatron's layout in place (TP=2 x EP=2, PP=2 x EP=2, EP=4); per layout every rank checks, for every generation layout and delivery:
+- each tensor it receives is bitwise the checkpoint's (whole: full; its rows: sharded), and it receives exactly
+  the tensors it holds in generation: with generation EP only the routed experts of its EP slice, as SGLang
+  0.5.17 places them (FusedMoE: moe_tp = TP / EP fastest, contiguous blocks of num_experts / EP experts);
+- the bytes it received and sent on the wire (batch_isend_irecv, wrapped) equal the planner's transfer_bytes, and
+  what it received equals what it needs minus the rows megatron's own parameters give it (written out here from
+  SGLang's placement and megatron's expert ownership, not from the plan): nothing moves to a rank that does not
+  need it;
+- every expert row block moves from a rank whose megatron parameters hold that expert (EP owner, ETP block) to
+  a rank that holds it in generation.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.reshard.inventory import hf_inventory
+from megarl.reshard.layout import GenLayout
+from megarl.reshard.transfers import plan_tensor, transfer_bytes
+from tests.dist_utils import run_distributed
+from tests.models.hf_families import qwen3_moe_config, save_random
+from tests.parallel.test_reshard import _CountP2P, _PeakHeap
+
+BUCKET = 64 << 10
+SLACK = 4 << 10
+GENS = [GenLayout(1), GenLayout(2), GenLayout(2, 2), GenLayout(4), GenLayout(4, 2), GenLayout(4, 4)]
+EXPERTS = 4
+
+
+def _sglang_rows(spec, gen: GenLayout, rank: int):
+    """Rows SGLang 0.5.17's TP rank `rank % gen.tp` holds (None: none): FusedMoE's moe_ep_rank = tp_rank // moe_tp
+    holds experts [ep_rank * E / EP, (ep_rank + 1) * E / EP), each cut into moe_tp = TP / EP row blocks."""
+    t = rank % gen.tp
+    if spec.expert is None:
+        return spec.rows(gen.tp, t)
+    moe_tp = gen.tp // gen.ep
+    local = spec.experts // gen.ep
+    if not (t // moe_tp) * local <= spec.expert < (t // moe_tp + 1) * local:
+        return None
+    return spec.rows(moe_tp, t % moe_tp)
+
+
+def _relayout(tp, pp, ep, etp):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    model_parallel_cuda_manual_seed(1)
+
+
+def _check_rank(rank, model_dir, layouts):
+    import torch.distributed as dist
+
+    from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
+    from megarl.engine import MegatronEngine
+    from megarl.reshard.resharder import engine_resharder
+
+    checkpoint = load_file(f"{model_dir}/model.safetensors")
+    out = []
+    for tp, pp, ep, etp in layouts:
+        _relayout(tp, pp, ep, etp)
+        parallel = ParallelConfig(world_size=4, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
+        engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel), AlgorithmConfig(), "cpu", 1, 10)
+        resharder = engine_resharder(engine, rank)
+        train, specs = resharder.train, resharder.specs
+        assert (train.tp, train.pp, train.ep, train.etp) == (tp, pp, ep, etp or tp)
+        # what megatron's parameters give each rank: HF name -> rows (the resharder's HeldRows come from them)
+        held = [None] * 4
+        dist.all_gather_object(held, {n: (h.lo, h.hi) for n, h in resharder.local.items()})
+        by_name = {s.name: s for s in specs}
+        experts_held = {n for n in held[rank] if by_name[n].expert is not None}
+        assert len(experts_held) == 2 // pp * 3 * EXPERTS // ep  # this stage's layers x 3 tensors x this EP rank's experts
+        for name in held[rank]:  # and those are exactly what the layout says the rank holds
+            assert train.held(by_name[name], rank) == held[rank][name], name
+        for gen in GENS:
+            for delivery in ("full", "sharded"):
+                where = (tp, pp, ep, etp, gen, delivery)
+                want_recv, want_sent = transfer_bytes(specs, train, gen, delivery, itemsize=4)
+                need_bytes = 0
+                for spec in specs:
+                    rows = _sglang_rows(spec, gen, rank)
+                    if rows is None:
+                        continue
+                    lo, hi = rows if delivery == "sharded" else (0, spec.length)
+                    own = held[rank].get(spec.name)
+                    mine = max(0, min(hi, own[1]) - max(lo, own[0])) if own and spec.dim is not None else \
+                        (hi - lo if own else 0)
+                    need_bytes += (hi - lo - mine) * spec.row_numel * 4
+                    if spec.expert is not None:
+                        for p in plan_tensor(spec, train, gen, delivery):
+                            src = held[p.src].get(spec.name)
+                            assert src and src[0] <= p.lo and p.hi <= src[1], (where, spec.name, p)
+                            assert _sglang_rows(spec, gen, p.dst) is not None, (where, spec.name, p)
+                received, mode = set(), _PeakHeap()
+                with _CountP2P(dist) as count:
+                    buckets = resharder.buckets(gen, delivery, BUCKET, torch.float32)
+                    while True:
+                        with mode:
+                            bucket = next(buckets, None)
+                        if bucket is None:
+                            break
+                        for name, tensor in bucket:
+                            spec, expected = by_name[name], checkpoint[name]
+                            if delivery == "sharded" and spec.dim is not None:
+                                lo, hi = _sglang_rows(spec, gen, rank)
+                                expected = expected.narrow(spec.dim, lo, hi - lo)
+                            assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), (where, name)
+                            received.add(name)
+                        del bucket
+                assert received == {s.name for s in specs if _sglang_rows(s, gen, rank) is not None}, where
+                assert (count.recv, count.sent) == (want_recv[rank], want_sent[rank]), where
+                assert count.recv == need_bytes, (where, count.recv, need_bytes)
+                out.append((where, count.recv, count.sent, mode.peak))
+    gathered = [None] * 4
+    dist.all_gather_object(gathered, out)
+    return gathered
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    config = qwen3_moe_config(tied=False, norm_topk_prob=True, num_experts=EXPERTS)
+    return save_random(config, tmp_path_factory.mktemp("reshard_moe") / "qwen3_moe", seed=3)
+
+
+# (tp, pp, ep, etp) on 4 ranks: expert DP = 4 / (etp x ep x pp)
+LAYOUTS = ((2, 1, 2, None), (1, 2, 2, None), (1, 1, 4, None))
+
+
+def test_moe_reshard_from_ep_layouts_bitwise_bytes_and_placement(model_dir):
+    checkpoint = load_file(f"{model_dir}/model.safetensors")
+    largest = max(t.numel() * t.element_size() for t in checkpoint.values())
+    stats = run_distributed(_check_rank, 4, model_dir, LAYOUTS, timeout=300)
+    for rank, rows in enumerate(stats):
+        for where, recv, sent, peak in rows:
+            # within one bucket, plus a few KiB of gloo's and Python's own bookkeeping (P2P work objects)
+            assert peak <= max(BUCKET, largest) + SLACK, (rank, where, peak)
+    # whole tensors (full) of only its own experts: generation EP moves less than every rank taking every expert;
+    # sharded moves each expert's rows once either way (whole experts to one rank, or a quarter to each of four)
+    total = {}
+    for rows in stats:
+        for where, recv, _, _ in rows:
+            total[where] = total.get(where, 0) + recv
+    for layout in LAYOUTS:
+        assert total[(*layout, GenLayout(4, 4), "full")] < total[(*layout, GenLayout(4), "full")]
+        assert total[(*layout, GenLayout(4, 4), "sharded")] <= total[(*layout, GenLayout(4), "sharded")]
