@@ -11,40 +11,83 @@ without building any fused tensor: `ExpectedChecksums`.
 Layouts, by rollout engine:
 - `hf` (transformers, CPU): every HF tensor whole under its own name (one rank). Sharded delivery sends row
   blocks: each lands at its rows of the whole tensor.
-- `sglang`: SGLang 0.5.17's dense and MoE decoders (qwen2, llama, qwen3, qwen3_moe) at TP=tp: stacked
+- `sglang`: SGLang 0.5.17's decoders (qwen2, llama, qwen3, qwen3_moe, deepseek_v2/v3) at TP=tp: stacked
   parameters as its `stacked_params_mapping` and `FusedMoE.make_expert_params_mapping` name them; column-
   parallel rows and row-parallel columns as megarl's inventory cuts them (K/V heads replicated above their
   count); vocabulary rows as VocabParallelEmbedding cuts a vocabulary padded to a multiple of 64, its padding
   rows zero-filled (they add nothing to a checksum).
+  DeepSeek (models/deepseek_v2.py, deepseek_common/deepseek_weight_loader.py), bf16 without quantization:
+  - MLA with q_lora_rank: q_a_proj and kv_a_proj_with_mqa concatenated into fused_qkv_a_proj_with_mqa
+    (replicated); without it (V2-Lite) both stay as they are;
+  - shared experts' gate/up in shared_experts.gate_up_proj, TP-sharded as a dense MLP; where SGLang fuses the
+    shared expert into the routed ones (`sglang_fuses_shared_experts`: DeepSeek-V3/R1's 256 experts with one
+    shared expert) it is expert n_routed_experts of w13/w2;
+  - gate.e_score_correction_bias held in float32 whatever it is sent in (MoEGate creates it so; the
+    loader's copy converts);
+  - derived tensors, neither parameters nor buffers: post_load_weights splits each layer's kv_b_proj (this
+    rank's heads) into w_kc [heads, qk_nope, kv_lora] and w_vc [heads, kv_lora, v] (transposed), which the
+    absorbed MLA decode multiplies by instead of kv_b_proj. SGLang reruns it at the end of every load_weights
+    call for the layers whose kv_b_proj that call carried, so updates through any loader refresh them; they
+    are checksummed (in logical element order, as every tensor) like parameters, so a stale one is named.
+  - a load_weights call fuses the a-projections only when it carries both: `keep_fused_pairs`.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Iterable, Iterator
 
 import torch
 
 from megarl.utils.checksum import ChecksumTable
 
 SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE
-# HF name -> (SGLang's parameter, the part's place among the parameter's parts, all parts)
-_STACKED = (
-    (re.compile(r"(.*\.self_attn\.)(q|k|v)_proj\.(weight|bias)$"), "{0}qkv_proj.{2}", ("q", "k", "v")),
-    (re.compile(r"(.*\.mlp\.)(gate|up)_proj\.weight$"), "{0}gate_up_proj.weight", ("gate", "up")),
+# SGLang's fused parameters: HF tensor "<prefix><part>.<weight|bias>" -> "<prefix><fused>.<weight|bias>", the
+# parts concatenated along dim 0 in this order (each part's TP rows of the rank); only where every part exists
+# (DeepSeek-V2-Lite's MLA q_proj is no qkv_proj part: it has no k_proj)
+_FUSED = (
+    (re.compile(r"(.*\.self_attn\.)(q_proj|k_proj|v_proj)\.(weight|bias)$"), "qkv_proj",
+     ("q_proj", "k_proj", "v_proj")),
+    (re.compile(r"(.*\.mlp\.(?:shared_experts\.)?)(gate_proj|up_proj)\.(weight)$"), "gate_up_proj",
+     ("gate_proj", "up_proj")),
+    (re.compile(r"(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.(weight)$"), "fused_qkv_a_proj_with_mqa",
+     ("q_a_proj", "kv_a_proj_with_mqa")),
 )
 _EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+_SHARED_EXPERT = re.compile(r"(.*\.mlp\.)shared_experts\.(gate|up|down)_proj\.weight$")
+_KV_B = re.compile(r"(.*\.self_attn\.)kv_b_proj\.weight$")
+# parameters SGLang holds in another dtype than the policy's, whatever they are sent in
+_HELD_DTYPE = ((re.compile(r".*\.mlp\.gate\.e_score_correction_bias$"), torch.float32),)
+# tensor attributes SGLang's modules derive from their parameters after loading; checksummed as parameters
+DERIVED_ATTRIBUTES = ("w_kc", "w_vc")
 
 Key = str | tuple  # an HF name, or (name, dim, lo, hi): rows [lo, hi) of it along dim (weight_sync.Key)
 
 
-class WeightLayout:
-    """Where each HF tensor's rows land in the engine's parameters, per engine TP rank."""
+def sglang_fuses_shared_experts(hf: dict | None) -> bool:
+    """Whether SGLang 0.5.17 makes a DeepSeek model's shared expert one more routed expert (DeepseekV2ForCausalLM.
+    determine_num_fused_shared_experts): DeepseekV3ForCausalLM with 256 routed experts and one shared expert, on
+    an sm80+ GPU, without expert parallelism, DeepEP or two-batch overlap (megarl's servers use none; 384 experts
+    only for a quark checkpoint, which megarl never sends)."""
+    if not hf:
+        return False
+    architecture = (hf.get("architectures") or [None])[0]
+    return (architecture == "DeepseekV3ForCausalLM" and hf.get("n_routed_experts") == 256
+            and hf.get("n_shared_experts") == 1)
 
-    def __init__(self, specs: list, engine: str, tp: int = 1):
+
+class WeightLayout:
+    """Where each HF tensor's rows land in the engine's parameters, per engine TP rank. `hf`: the model's
+    config.json (what SGLang decides from it beyond the tensors' shapes: `sglang_fuses_shared_experts`)."""
+
+    def __init__(self, specs: list, engine: str, tp: int = 1, hf: dict | None = None):
         if engine not in ("hf", "sglang"):
             raise ValueError(f"no weight layout for rollout engine {engine!r}")
         self.specs = {s.name: s for s in specs}
         self.engine, self.tp = engine, tp if engine == "sglang" else 1
+        experts = [s.shape[0] for s in specs if s.name.endswith(".mlp.gate.weight")]
+        # the index of the shared expert among the routed ones in w13/w2, where SGLang fuses it
+        self.shared_expert = experts[0] if experts and sglang_fuses_shared_experts(hf) else None
 
     def rows(self, name: str, rank: int) -> tuple[int, int]:
         """[lo, hi) of HF tensor `name` along its split dimension that engine rank `rank` holds."""
@@ -76,25 +119,102 @@ class WeightLayout:
 
     def place(self, name: str, rank: int) -> tuple[str, int]:
         """SGLang's parameter holding HF tensor `name` on rank `rank`, and the element offset of its piece there."""
-        expert = _EXPERT.match(name)
+        expert = self._expert(name)
         if expert:
-            prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            gate = f"{prefix}{index}.gate_proj.weight"
+            prefix, index, part = expert
+            gate = name.replace(f"{part}_proj", "gate_proj")  # the same expert's gate: its shard's size
             lo, hi = self.rows(gate, rank)
             shard = (hi - lo) * self.specs[gate].row_numel  # one expert's gate (or up, or down) shard
             if part == "down":
                 return prefix + "w2_weight", index * shard
             return prefix + "w13_weight", (2 * index + (part == "up")) * shard
-        for pattern, fused, parts in _STACKED:
+        for pattern, fused, parts in _FUSED:
             match = pattern.match(name)
             if match:
+                prefix, part, suffix = match.groups()
+                siblings = [f"{prefix}{p}.{suffix}" for p in parts]
+                if not all(s in self.specs for s in siblings):
+                    break
                 offset = 0
-                for part in parts[:parts.index(match.group(2))]:
-                    sibling = name.replace(f"{match.group(2)}_proj", f"{part}_proj")
+                for sibling in siblings[:parts.index(part)]:
                     lo, hi = self.rows(sibling, rank)
                     offset += (hi - lo) * self.specs[sibling].row_numel
-                return fused.format(*match.groups()), offset
+                return f"{prefix}{fused}.{suffix}", offset
         return name, 0
+
+    def _expert(self, name: str) -> tuple[str, int, str] | None:
+        """(w13/w2's module prefix, expert index, gate/up/down) of a routed expert's tensor, or of the shared
+        expert's where SGLang fuses it into the routed ones."""
+        match = _EXPERT.match(name)
+        if match:
+            return match.group(1), int(match.group(2)), match.group(3)
+        match = _SHARED_EXPERT.match(name) if self.shared_expert is not None else None
+        if match:
+            return match.group(1) + "experts.", self.shared_expert, match.group(2)
+        return None
+
+    def parameters(self, rank: int) -> list[str]:
+        """Every parameter (and derived tensor) of the engine's rank `rank` that a sync reaches."""
+        if self.engine == "hf":
+            return list(self.specs)
+        names = dict.fromkeys(self.place(name, rank)[0] for name in self.specs)
+        for name in self.specs:
+            match = _KV_B.match(name)
+            if match:
+                names.update(dict.fromkeys(match.group(1) + a for a in DERIVED_ATTRIBUTES))
+        return list(names)
+
+    def as_held(self, param: str, piece: torch.Tensor) -> torch.Tensor:
+        """The piece in the dtype the engine holds `param` in."""
+        if self.engine == "sglang":
+            for pattern, dtype in _HELD_DTYPE:
+                if pattern.match(param) and piece.dtype != dtype:
+                    return piece.to(dtype)
+        return piece
+
+    def derived(self, name: str, piece: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors the engine derives from `piece`, its rank's rows of HF tensor `name`, each as a view (or
+        copy) in the derived tensor's logical element order: SGLang's MLA w_kc and w_vc from kv_b_proj
+        (DeepseekV2WeightLoaderMixin.post_load_weights)."""
+        match = _KV_B.match(name) if self.engine == "sglang" else None
+        if not match:
+            return []
+        prefix = match.group(1)
+        spec = self.specs[name]
+        v = self.specs[prefix + "o_proj.weight"].shape[1] // spec.units
+        nope = spec.shape[0] // spec.units - v
+        heads = piece.unflatten(0, (-1, nope + v))  # [heads of the rank, nope + v, kv_lora]
+        return [(prefix + "w_kc", heads[:, :nope]), (prefix + "w_vc", heads[:, nope:].transpose(1, 2))]
+
+
+def keep_fused_pairs(buckets: Iterable[list]) -> Iterator[list]:
+    """The buckets, but a DeepSeek q_a_proj never without its layer's kv_a_proj_with_mqa: it waits for the bucket
+    that carries it. SGLang's DeepSeek loader (do_load_weights) builds fused_qkv_a_proj_with_mqa only when one
+    load_weights call carries both (it caches the first in a dict local to the call): split by a bucket boundary,
+    both halves are dropped without a word and the fused parameter keeps its old values. Every transport loads a
+    bucket per call. megarl's buckets put q_a_proj first (the inventory's order); a q_a_proj arriving after its
+    kv_a_proj_with_mqa was sent is refused."""
+    waiting: list = []
+    sent: set[str] = set()  # the kv_a_proj_with_mqa sent so far
+    for bucket in buckets:
+        bucket = waiting + list(bucket)
+        names = {name for name, _ in bucket}
+        late = sorted(n for n in names if n.endswith(".q_a_proj.weight") and _partner(n) in sent)
+        if late:
+            raise ValueError(f"{late[0]} comes after {_partner(late[0])} was sent: SGLang fuses the two only when "
+                             "one load carries both")
+        lone = {n for n in names if n.endswith(".q_a_proj.weight") and _partner(n) not in names}
+        waiting = [(n, t) for n, t in bucket if n in lone]
+        sent.update(n for n in names if n.endswith(".kv_a_proj_with_mqa.weight"))
+        bucket = [(n, t) for n, t in bucket if n not in lone]
+        if bucket:
+            yield bucket
+    if waiting:
+        raise ValueError(f"{waiting[0][0]} without {_partner(waiting[0][0])}: SGLang cannot load one without the other")
+
+
+def _partner(q_a_proj: str) -> str:
+    return q_a_proj.replace(".q_a_proj.", ".kv_a_proj_with_mqa.")
 
 
 class ExpectedChecksums:
@@ -107,8 +227,7 @@ class ExpectedChecksums:
         every generation rank sends the replicated tensors (and K/V heads replicated above their count) and the
         engine keeps one copy, so this sender counts only the rows no lower rank also sends."""
         self.layout, self.ranks, self.presharded, self.sender = layout, ranks, presharded, sender
-        params = dict.fromkeys((rank, layout.place(name, rank)[0] if layout.engine == "sglang" else name)
-                               for rank in ranks for name in layout.specs)
+        params = [(rank, param) for rank in ranks for param in layout.parameters(rank)]
         self.rows = {key: row for row, key in enumerate(params)}  # every parameter a sync can reach
         self.table: ChecksumTable | None = None  # on the device of the first tensor sent
         self.dtypes: dict[tuple[int, str], torch.dtype] = {}
@@ -118,10 +237,16 @@ class ExpectedChecksums:
             return
         if self.table is None:
             self.table = ChecksumTable(len(self.rows), tensor.device)
+        name = key if isinstance(key, str) else key[0]
         for rank in self.ranks:
             param, piece, offset, stride = self.layout.piece(key, tensor, rank, self.presharded)
-            self.table.add(self.rows[(rank, param)], piece, offset, stride)
-            self.dtypes[(rank, param)] = tensor.dtype
+            self._add(rank, param, self.layout.as_held(param, piece), offset, stride)
+            for derived, value in self.layout.derived(name, piece):
+                self._add(rank, derived, value, 0, None)
+
+    def _add(self, rank: int, param: str, piece: torch.Tensor, offset: int, stride: int | None) -> None:
+        self.table.add(self.rows[(rank, param)], piece, offset, stride)
+        self.dtypes[(rank, param)] = piece.dtype
 
     def flush(self) -> None:
         """Queue the sums of what was added on the device (before the tensors' memory may be reused)."""

@@ -19,6 +19,8 @@ the sums are computed with torch ops in chunks.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # integer views by element size (8: two int32 words)
@@ -167,11 +169,14 @@ def checksums(tensors) -> list[torch.Tensor]:
     return [weighted_sums(t) for t in tensors]
 
 
-def module_checksums(model) -> dict[str, list]:
+def module_checksums(model, extra: Iterable[tuple[str, torch.Tensor]] = ()) -> dict[str, list]:
     """name -> [dtype, shape, sum 0, sum 1, is_buffer] of every parameter and persistent buffer `model` holds (a
-    torch module; or any object with named_parameters()), read from the device at once. Non-persistent buffers
-    (rotary caches) are derived from the config, not weights: left out, as SGLang's own weights checker does."""
+    torch module; or any object with named_parameters()), and of the `extra` tensors (counted as parameters: what
+    a model derives from its weights, such as SGLang's MLA w_kc/w_vc), read from the device at once. Non-persistent
+    buffers (rotary caches) are derived from the config, not weights: left out, as SGLang's own weights checker
+    does. A non-contiguous tensor is summed in its logical element order."""
     named = [(name, t, False) for name, t in model.named_parameters()]
+    named += [(name, t, False) for name, t in extra]
     if isinstance(model, torch.nn.Module):
         for prefix, module in model.named_modules():
             for name, t in module._buffers.items():
@@ -186,5 +191,6 @@ def module_checksums(model) -> dict[str, list]:
 
 
 def flip_bit(t: torch.Tensor) -> None:
-    """Flip the lowest bit of a tensor's first element in place (a test hook: memory corrupted after a load)."""
-    t.data.view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
+    """Flip the lowest bit of a tensor's first element in place (a test hook: memory corrupted after a load); any
+    strides (SGLang's w_kc is a transposed view)."""
+    t.data.as_strided((1,), (1,)).view(torch.uint8)[:1].bitwise_xor_(1)

@@ -145,7 +145,7 @@ class TrainWorker:
         engine TP rank's (rank 0 sends whole tensors, each SGLang rank keeps its shard); sharded, its own rank's."""
         r = self.cfg.rollout
         specs = self.resharder.specs if self.resharder is not None else hf_inventory(self.engine.hf_config)
-        layout = WeightLayout(specs, r.engine, r.sglang_tp)
+        layout = WeightLayout(specs, r.engine, r.sglang_tp, hf=self.engine.hf_config)
         if delivery == "full":
             return ExpectedChecksums(layout, list(range(layout.tp)))
         if r.engine != "sglang":  # the engine holds whole tensors: every rank's row blocks land in them

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.transports import cuda_ipc, nccl_broadcast
-from megarl.rollout.weight_layout import ExpectedChecksums
+from megarl.rollout.weight_layout import ExpectedChecksums, keep_fused_pairs
 from megarl.utils.checksum import checksums
 
 
@@ -134,6 +134,7 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     sent, and seconds: total on this rank (begin to end), and its split (the wait for begin, gather/convert,
     pack, transfer wait, end, digests), and each bucket's post (posts_s)."""
     start = time.perf_counter()
+    buckets = keep_fused_pairs(buckets)  # SGLang fuses DeepSeek's a-projections only when one load carries both
     pool = ThreadPoolExecutor(1)
     begun = pool.submit(begin) if begin is not None else None
     senders = {} if senders is None else senders

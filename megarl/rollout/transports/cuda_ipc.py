@@ -118,22 +118,23 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
 
 
 def inspect_weights(model, header: dict) -> None:
-    """Inside an SGLang TP worker, on its GPU: {"checksums": file} writes the checksums of every parameter and
-    persistent buffer this rank holds (megarl.utils.checksum.module_checksums) to `file`, atomically (the
-    caller reads it once the request returned); {"flip_bit": name} flips a bit of that parameter (a test hook
-    standing for memory corrupted after a load: the next verification must name it; None: on another rank)."""
+    """Inside an SGLang TP worker, on its GPU: {"checksums": file} writes the checksums of every parameter,
+    persistent buffer and derived tensor (`derived_tensors`) this rank holds (megarl.utils.checksum.module_checksums)
+    to `file`, atomically (the caller reads it once the request returned); {"flip_bit": name} flips a bit of that
+    tensor (a test hook standing for memory corrupted after a load: the next verification must name it; None: on
+    another rank)."""
     from megarl.utils.checksum import flip_bit, module_checksums
 
     if "flip_bit" in header:
         if header["flip_bit"] is None:
             return
-        params = dict(model.named_parameters())
-        if header["flip_bit"] not in params:
-            raise KeyError(f"no parameter {header['flip_bit']!r} (this rank holds {sorted(params)[:4]} ...)")
-        flip_bit(params[header["flip_bit"]])
+        held = dict(model.named_parameters()) | dict(derived_tensors(model))
+        if header["flip_bit"] not in held:
+            raise KeyError(f"no parameter {header['flip_bit']!r} (this rank holds {sorted(held)[:4]} ...)")
+        flip_bit(held[header["flip_bit"]])
         return
     start = time.perf_counter()
-    held = module_checksums(model)
+    held = module_checksums(model, extra=derived_tensors(model))
     if TIME_LOADS:
         print(f"{CHECKSUM_TIMING}: params {len(held)} seconds {time.perf_counter() - start:.6f}", file=sys.stderr,
               flush=True)
@@ -141,6 +142,23 @@ def inspect_weights(model, header: dict) -> None:
     with open(staging, "w") as f:
         json.dump(held, f)
     os.replace(staging, header["checksums"])
+
+
+def derived_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor attribute named in weight_layout.DERIVED_ATTRIBUTES (SGLang's MLA w_kc and
+    w_vc, which post_load_weights derives from kv_b_proj) that a module of `model` holds beside its parameters and
+    buffers: verification checks them as parameters."""
+    from megarl.rollout.weight_layout import DERIVED_ATTRIBUTES
+
+    if not isinstance(model, torch.nn.Module):
+        return []
+    found = []
+    for prefix, module in model.named_modules():
+        for attribute in DERIVED_ATTRIBUTES:
+            value = module.__dict__.get(attribute)
+            if isinstance(value, torch.Tensor):
+                found.append((f"{prefix}.{attribute}" if prefix else attribute, value))
+    return found
 
 
 def load_presharded(model, bucket: Bucket) -> None:

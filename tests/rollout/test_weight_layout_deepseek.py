@@ -1,0 +1,185 @@
+"""megarl's expected checksums of SGLang's DeepSeek parameters (megarl.rollout.weight_layout) against one TP rank of
+SGLang's DeepSeek model as its own source holds and loads weights (tests/rollout/fake_sglang_deepseek.py): fused
+a-projections, shared experts, fp32 routing bias, the MLA tensors post_load_weights derives from kv_b_proj, and the
+load-per-call semantics that drop an a-projection split from its partner by a bucket boundary. Checksums inside the
+"server" are taken by megarl's own inspect_weights, the function SGLang's TP workers run."""
+
+import json
+
+import pytest
+import torch
+
+from megarl.reshard.inventory import hf_inventory
+from megarl.rollout.transports.cuda_ipc import inspect_weights, load_presharded
+from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, keep_fused_pairs, merge
+from megarl.workers.weight_sync import WeightSyncError, verify_checksums
+from tests.rollout.fake_sglang_deepseek import DeepseekRank
+
+MLA = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=8, qk_nope_head_dim=6,
+           qk_rope_head_dim=4, v_head_dim=5, intermediate_size=24, moe_intermediate_size=8, n_routed_experts=4,
+           n_shared_experts=1, vocab_size=100, tie_word_embeddings=False, num_hidden_layers=2, first_k_dense_replace=1)
+V3 = dict(MLA, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], q_lora_rank=12, topk_method="noaux_tc")
+V2 = dict(MLA, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], q_lora_rank=None, topk_method="greedy")
+
+
+def _tensors(hf: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in hf_inventory(hf)}
+
+
+def _buckets(tensors: dict, size: int) -> list[list]:
+    items = list(tensors.items())
+    return [items[k:k + size] for k in range(0, len(items), size)]
+
+
+def _server(hf: dict, tp: int, **kwargs) -> list[DeepseekRank]:
+    return [DeepseekRank(hf, rank, tp, **kwargs) for rank in range(tp)]
+
+
+def _load(ranks: list[DeepseekRank], buckets) -> None:
+    for bucket in buckets:  # one load_weights call per bucket, as every transport does
+        for model in ranks:
+            model.load_weights(bucket)
+
+
+def _expected(hf: dict, tensors: dict, tp: int, layout_hf: dict | None = "same") -> dict:
+    layout = WeightLayout(hf_inventory(hf), "sglang", tp, hf=hf if layout_hf == "same" else layout_hf)
+    expected = ExpectedChecksums(layout, list(range(tp)))
+    for name, t in tensors.items():
+        expected.add(name, t)
+    return expected.result()
+
+
+def _held(ranks: list[DeepseekRank], tmp_path) -> dict:
+    """What megarl's loader inside SGLang reports for each rank (inspect_weights writes a file per rank)."""
+    held = {}
+    for rank, model in enumerate(ranks):
+        path = tmp_path / f"rank{rank}.json"
+        inspect_weights(model, {"checksums": str(path)})
+        held[rank] = json.loads(path.read_text())
+    return {0: held}
+
+
+@pytest.mark.parametrize("hf,tp", [(V3, 1), (V3, 2), (V2, 2)], ids=["v3-tp1", "v3-tp2", "v2-tp2"])
+def test_deepseek_checksums_as_sglang_holds_them(hf, tp, tmp_path):
+    """Two syncs in buckets of 5 tensors: after each, every parameter and derived tensor of every rank matches (the
+    second proves the derived w_kc/w_vc follow new kv_b_proj values through an update)."""
+    ranks = _server(hf, tp)
+    for seed in (0, 1):
+        tensors = _tensors(hf, seed)
+        _load(ranks, keep_fused_pairs(_buckets(tensors, 5)))
+        expected, held = _expected(hf, tensors, tp), _held(ranks, tmp_path)
+        verify_checksums(expected, held)
+    attn = "model.layers.1.self_attn."
+    names = held[0][tp - 1]
+    assert {attn + "w_kc", attn + "w_vc", attn + "kv_b_proj.weight"} <= set(names)
+    assert names[attn + "w_vc"][1] == [4 // tp, 8, 5]  # [heads of the rank, kv_lora, v]
+    assert (attn + "fused_qkv_a_proj_with_mqa.weight" in names) == bool(hf["q_lora_rank"])
+    assert "model.layers.1.mlp.shared_experts.gate_up_proj.weight" in names
+    bias = names.get("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert (bias is not None and bias[0] == "torch.float32") == (hf["topk_method"] == "noaux_tc")  # sent in bf16
+    assert len(expected) == sum(len(r) for r in held[0].values())  # everything held was sent
+
+
+def test_stale_derived_tensors_are_named(tmp_path):
+    """A loader that does not rerun SGLang's post-processing leaves w_kc/w_vc of the old kv_b_proj: every one of
+    them is named, while the parameters themselves all match."""
+    ranks = _server(V3, 2)
+    _load(ranks, keep_fused_pairs(_buckets(_tensors(V3, 0), 5)))
+    for model in ranks:
+        model.rederive = False
+    tensors = _tensors(V3, 1)
+    _load(ranks, keep_fused_pairs(_buckets(tensors, 5)))
+    with pytest.raises(WeightSyncError, match=r": 8 differ .*, 0 missing \[\], 0 held but never sent") as error:
+        verify_checksums(_expected(V3, tensors, 2), _held(ranks, tmp_path))
+    for rank in range(2):
+        for layer in range(2):
+            for derived in ("w_kc", "w_vc"):
+                assert f"server 0 rank {rank}: model.layers.{layer}.self_attn.{derived}" in str(error.value)
+
+
+def test_bit_flipped_in_a_derived_tensor_is_named(tmp_path):
+    tensors = _tensors(V3, 0)
+    ranks = _server(V3, 2)
+    _load(ranks, keep_fused_pairs(_buckets(tensors, 5)))
+    expected = _expected(V3, tensors, 2)
+    inspect_weights(ranks[1], {"flip_bit": "model.layers.1.self_attn.w_vc"})  # the test hook SGLang's workers run
+    with pytest.raises(WeightSyncError, match=r"1 differ \['server 0 rank 1: model.layers.1.self_attn.w_vc'\]"):
+        verify_checksums(expected, _held(ranks, tmp_path))
+
+
+def test_a_projections_split_by_a_bucket_boundary_are_kept_together(tmp_path):
+    """SGLang drops q_a_proj and kv_a_proj_with_mqa arriving in different loads: the fused parameter keeps the
+    previous sync's values, which verification names. keep_fused_pairs sends q_a_proj with its partner."""
+    names = list(_tensors(V3, 0))
+    cut = names.index("model.layers.0.self_attn.q_a_proj.weight") + 1  # a boundary right after q_a_proj
+    assert names[cut] != "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+
+    def sync(ranks, seed, keep):
+        tensors = _tensors(V3, seed)
+        items = list(tensors.items())
+        buckets = [items[:cut], items[cut:]]
+        _load(ranks, keep_fused_pairs(buckets) if keep else buckets)
+        return tensors
+
+    ranks = _server(V3, 1)
+    sync(ranks, 0, keep=True)
+    tensors = sync(ranks, 1, keep=False)
+    fused = "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"
+    with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank 0: {fused}'\]"):
+        verify_checksums(_expected(V3, tensors, 1), _held(ranks, tmp_path))
+    tensors = sync(ranks, 2, keep=True)
+    verify_checksums(_expected(V3, tensors, 1), _held(ranks, tmp_path))
+
+
+def test_keep_fused_pairs_moves_q_a_proj_to_its_partner_and_refuses_the_reverse_order():
+    q0, kv0 = "model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    t = torch.zeros(1)
+    out = list(keep_fused_pairs([[("a", t), (q0, t)], [(q0.replace("0", "1"), t), ("b", t)], [(kv0, t)],
+                                 [(kv0.replace("0", "1"), t)]]))
+    assert [[n for n, _ in b] for b in out] == [["a"], ["b"], [q0, kv0],
+                                                [q0.replace("0", "1"), kv0.replace("0", "1")]]
+    assert [[n for n, _ in b] for b in keep_fused_pairs([[(kv0, t)], [("x", t)]])] == [[kv0], ["x"]]  # V2: no q_a
+    with pytest.raises(ValueError, match=rf"{q0} comes after {kv0} was sent"):
+        list(keep_fused_pairs([[(kv0, t)], [(q0, t)]]))
+    with pytest.raises(ValueError, match=rf"{q0} without {kv0}"):
+        list(keep_fused_pairs([[(q0, t)], [("x", t)]]))
+
+
+@pytest.mark.parametrize("hf", [V3, V2], ids=["v3", "v2"])
+def test_presharded_deepseek_rows_checksum_as_sglang_holds_them(hf, tmp_path):
+    """Sharded delivery: each rank's rows loaded with SGLang's presharded switches (cuda_ipc.load_presharded); the
+    senders' merged checksums, derived tensors from each rank's kv_b_proj rows included, equal what SGLang holds."""
+    hf = dict(hf, vocab_size=128)  # presharded vocabulary rows: vocab // tp on each rank (check_presharded_vocab)
+    tp, tensors, specs = 2, _tensors(hf, 0), hf_inventory(hf)
+    layout = WeightLayout(specs, "sglang", tp, hf=hf)
+    ranks, parts = _server(hf, tp), []
+    for rank, model in enumerate(ranks):
+        expected = ExpectedChecksums(layout, [rank], presharded=True)
+        shard = {}
+        for spec in specs:
+            lo, hi = layout.rows(spec.name, rank)
+            piece = tensors[spec.name] if spec.dim is None else tensors[spec.name].narrow(spec.dim, lo, hi - lo)
+            shard[spec.name] = piece
+            expected.add(spec.name if spec.dim is None else (spec.name, spec.dim, lo, hi), piece)
+        for bucket in keep_fused_pairs(_buckets(shard, 7)):
+            load_presharded(model, bucket)
+        parts.append(expected.result())
+    verify_checksums(merge(parts), _held(ranks, tmp_path))
+
+
+def test_shared_expert_fused_into_the_routed_ones(tmp_path):
+    """DeepSeek-V3's 256 routed experts and one shared expert: SGLang makes the shared expert number 256 of w13/w2.
+    The layout follows the config; a layout not told the config expects shared_experts.* and is named wrong."""
+    hf = dict(V3, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=256,
+              moe_intermediate_size=2, num_hidden_layers=1, first_k_dense_replace=0)
+    tensors = _tensors(hf, 0)
+    ranks = _server(hf, 1, fuse_shared_experts=True)
+    _load(ranks, keep_fused_pairs(_buckets(tensors, 64)))
+    held = _held(ranks, tmp_path)
+    assert list(held[0][0]["model.layers.0.mlp.experts.w13_weight"][1]) == [257, 4, 8]
+    verify_checksums(_expected(hf, tensors, 1), held)
+    with pytest.raises(WeightSyncError, match=r"2 differ \['server 0 rank 0: model.layers.0.mlp.experts.w13_weight', "
+                                              r"'server 0 rank 0: model.layers.0.mlp.experts.w2_weight'\], "
+                                              r"2 missing \['server 0 rank 0: model.layers.0.mlp.shared_experts"):
+        verify_checksums(_expected(hf, tensors, 1, layout_hf=None), held)
