@@ -143,3 +143,18 @@ def test_deepseek_v3_groups_of_one_expert_are_refused():
     hf = _hf_dict(DeepseekV3Config(**SMALL, **settings)) | dict(n_group=8, topk_group=4)
     with pytest.raises(ValueError, match="top 2"):
         routing_rule(hf)
+
+
+@pytest.mark.parametrize("name, refused", [("v3-k3-groups4-keep2", False), ("v2-greedy", True)])
+def test_bias_update_needs_deepseek_v3_sigmoid_routing(name, refused):
+    from megarl.models.router import expert_bias_update_options
+
+    config_class, _, settings = SETTINGS[name]
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                               **moe_config(_hf_dict(config_class(**SMALL, **settings)), ep=1))
+    if refused:
+        with pytest.raises(ValueError, match="actor.moe_router_bias_update_rate"):
+            expert_bias_update_options(config, 1e-3)
+    else:
+        assert expert_bias_update_options(config, 1e-3) == dict(moe_router_enable_expert_bias=True,
+                                                                 moe_router_bias_update_rate=1e-3)
