@@ -87,6 +87,12 @@ class ActorConfig:
                                  "rows by flash attention over cu_seqlens, torch.nn.attention.varlen), sdpa "
                                  "(PyTorch SDPA; packed rows by a block-diagonal mask, no flash kernel) or local "
                                  "(megatron's unfused DotProductAttention)")
+    moe_router_bias_update_rate: float = opt(0.0, "DeepSeek-V3's aux-loss-free load balancing (megatron's "
+                                                  "moe_router_enable_expert_bias): after each optimizer update every "
+                                                  "MoE layer's e_score_correction_bias moves by this rate towards even "
+                                                  "expert load and is synced to the rollout engine like a weight; "
+                                                  "0 = off, the default for RL (routing keeps the checkpoint's bias; "
+                                                  "DeepSeek-V3's pre-training used 1e-3)")
 
 
 @dataclass

@@ -37,6 +37,7 @@ from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_toke
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
 from megarl.models import get_family
 from megarl.models.decoder import decoder_block_spec
+from megarl.models.router import expert_bias_update_options, expert_load_metrics, reset_expert_load
 from megarl.protocol import Batch
 
 
@@ -68,6 +69,8 @@ def _with_engine_options(config, actor: ActorConfig):
         options |= dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif actor.recompute != "none":
         raise ValueError(f"recompute={actor.recompute!r}: expected none, full or selective")
+    if actor.moe_router_bias_update_rate:
+        options |= expert_bias_update_options(config, actor.moe_router_bias_update_rate)
     return dataclasses.replace(config, **options) if options else config
 
 
@@ -368,6 +371,7 @@ class MegatronEngine:
             raise RuntimeError("this engine was built with trainable=False (no optimizer)")
         self._require_head(LOSSES[loss])
         self._set_mode(True)
+        reset_expert_load(self.models)
         if loss in ("policy", "value"):  # one RL step
             self.scheduler.step(increment=1)
         if lr is not None:
@@ -390,7 +394,9 @@ class MegatronEngine:
         applied = [s for s in steps if s is not None]
         metrics = ({k: sum(s[k] for s in applied) / len(applied) for k in applied[0]} if applied
                    else {"lr": self.optimizer.param_groups[0]["lr"]})
-        return metrics | {"skipped_updates": float(len(steps) - len(applied))}
+        # Per-expert load of DeepSeek's MoE layers (tokens routed in this call's training forwards), collective.
+        load = expert_load_metrics(self.models, self.gpt.config)
+        return metrics | {"skipped_updates": float(len(steps) - len(applied))} | load
 
     def _optimizer_step(self, batch: Batch, loss: str, where: str) -> dict[str, float] | None:
         """One update; None if skipped (a non-finite loss or gradient norm under skip_nonfinite_updates)."""
