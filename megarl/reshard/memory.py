@@ -1,0 +1,257 @@
+"""Per-GPU memory of a megatron-core training rank on paper: the planner's model (docs/planner.md).
+
+`rank_memory` / `predict_peak` give what `torch.cuda.max_memory_allocated()` should read during a policy train
+step of megarl's engine (megatron-core's local layer spec, no TransformerEngine). Bytes per parameter held
+on a rank (its TP shard of dense tensors, its EP block of routed experts cut over ETP):
+- weights: bf16, 2 (Float16Module); gradients: fp32, 4 (DDP's grad_reduce_in_fp32 buffer, never sharded);
+- Adam: fp32 master copy + two moments, 12, divided over the data-parallel replicas of that parameter with
+  the distributed optimizer (dense: CP x DP ranks; routed experts: the expert-DP group,
+  world / (ETP x EP x PP));
+- optimizer CPU offload (megatron's HybridDeviceOptimizer with the precision-aware optimizer, as megarl's
+  engine builds it): the offloaded fraction keeps nothing on the GPU; host memory holds fp32 master,
+  gradient copy and both moments, 16 per sharded parameter;
+- the optimizer step's transient: torch's foreach Adam makes one fp32 temporary per parameter it updates
+  on the GPU (4);
+- a reference snapshot (KL to the initial policy): another bf16 copy, 2.
+Activations (bf16 unless said) are counted tensor by tensor from what the local spec saves for backward,
+per token of one micro-batch (T = seq_len x micro_batch / CP tokens; tensors outside TP regions divide by TP
+only under sequence parallelism), with flash-style attention (no score matrix stored) and balanced routing:
+- norms: input and output of the input and pre-MLP RMSNorms, 2h each;
+- attention: the fused QKV output (kept alive by V), rotated Q and K, the output and fp32 log-sum-exp;
+  MLA: q/kv down-projections and their norms (replicated), Q and K (heads x (nope + rope)), the kv
+  up-projection output (kept alive by V), the output (heads x v);
+- dense SwiGLU MLP: fc1 output (2F), SiLU output and product (F each): 8F bytes;
+- MoE (allgather dispatcher, SequentialMLP): fp32 router input and three fp32 [T, E] score tensors; each of
+  the T x topk x ETP routed token copies this rank computes saves its input and output (2h each), fc1
+  output, SiLU and product (8F / ETP) and its fp32 probability; shared experts as a dense MLP;
+- the last stage: the fp32 vocab-parallel logits and their fp32 gradient, 8 bytes per logit (T x V / TP).
+Recompute (megatron's): full keeps each layer's input only; selective drops what its modules save
+(core_attn: the log-sum-exp; layernorm: norm outputs; mla_up_proj: Q, K, the kv up output; mlp: a dense
+MLP's; moe_act: the experts' SiLU and product; shared_experts: theirs; moe: the whole MoE block). Backward
+adds a working set of one layer (its activations' gradients, plus what it recomputes). 1F1B (no virtual
+stages) keeps min(PP - stage, micro-batches) micro-batches in flight on each stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+
+from megarl.reshard.inventory import TensorSpec, _is_moe_layer, hf_inventory
+from megarl.reshard.layout import TrainLayout
+
+BF16, FP32 = 2, 4
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "moe_act", "shared_experts")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What a run's memory depends on beside the model and the layout (defaults: megarl's actor defaults)."""
+    seq_len: int = 4096  # tokens per sequence (with packing: tokens per packed row)
+    micro_batch: int = 1  # sequences (rows) per micro-batch
+    micro_batches: int = 0  # micro-batches per step on each DP rank; 0 = enough to fill the 1F1B pipeline (PP)
+    sequence_parallel: bool | None = None  # None = on when TP > 1 (megatron needs it for MoE at TP > 1)
+    recompute: str = "none"  # none, selective (recompute_modules) or full (each layer's input kept)
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    distributed_optimizer: bool = False
+    optimizer_offload: bool = False  # megatron's optimizer CPU offload (needs distributed_optimizer)
+    offload_fraction: float = 1.0  # share of the optimizer's parameters whose state lives on the CPU
+    reference: bool = False  # a bf16 snapshot of the weights (KL to the reference policy)
+
+    def __post_init__(self):
+        for name in ("seq_len", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.micro_batches < 0:
+            raise ValueError(f"micro_batches={self.micro_batches}: must be >= 0 (0 = PP)")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+        unknown = set(self.recompute_modules) - set(RECOMPUTE_MODULES)
+        if unknown:
+            raise ValueError(f"recompute_modules: {sorted(unknown)} not among {', '.join(RECOMPUTE_MODULES)}")
+        if self.optimizer_offload and not self.distributed_optimizer:
+            raise ValueError("optimizer_offload needs distributed_optimizer (megatron offloads the distributed "
+                             "optimizer's shards)")
+        if not 0 < self.offload_fraction <= 1:
+            raise ValueError(f"offload_fraction={self.offload_fraction}: must be in (0, 1]")
+
+    def sp(self, tp: int) -> bool:
+        return tp > 1 if self.sequence_parallel is None else self.sequence_parallel and tp > 1
+
+    def recomputed(self, module: str) -> bool:
+        return self.recompute == "selective" and module in self.recompute_modules
+
+    def describe(self, tp: int, cp: int) -> list[str]:
+        """Every assumption, one line each (the planner prints them); tp=0: for layouts of any TP."""
+        tokens = self.seq_len * self.micro_batch
+        if tp:
+            sp = "on" if self.sp(tp) else "off"
+        else:
+            sp = "off" if self.sequence_parallel is False else "on when TP > 1"
+        modules = f" ({', '.join(self.recompute_modules)})" if self.recompute == "selective" else ""
+        opt = "sharded over data-parallel replicas (distributed optimizer)" if self.distributed_optimizer \
+            else "replicated on every data-parallel rank"
+        offload = (f"{self.offload_fraction:.0%} of it on the CPU (host: fp32 master, grad copy, 2 moments = 16 B)"
+                   if self.optimizer_offload else "on the GPU")
+        return [f"dtype: bf16 weights (2 B), fp32 grads (4 B), Adam fp32 master + 2 moments (12 B) {opt}, {offload}",
+                f"micro-batch: {self.micro_batch} x {self.seq_len} tokens = {tokens} (CP={cp}: {tokens // cp} per "
+                f"rank); micro-batches per step: {self.micro_batches or 'PP (pipeline full)'}",
+                f"recompute: {self.recompute}{modules}; sequence parallel: {sp}",
+                "attention: flash-style (no score matrix); MoE routing balanced; 1F1B without virtual stages",
+                f"reference snapshot: {'yes (+2 B/param)' if self.reference else 'no'}"]
+
+
+def _activations(hf: dict, layer: int, train: TrainLayout, s: MemorySettings, cp: int) -> tuple[float, float, float]:
+    """One decoder layer's saved activations for one micro-batch, in bytes: (kept until its backward, what
+    recompute re-materialises in its backward, all of it without recompute)."""
+    h, tp, etp = hf["hidden_size"], train.tp, train.etp
+    tokens = s.seq_len * s.micro_batch / cp
+    local = tokens / (tp if s.sp(tp) else 1)  # tokens of the tensors outside TP regions
+    parts: dict[str, float] = {"norm_in": 2 * BF16 * h * local, "norm_out": 2 * BF16 * h * local}
+    heads = hf["num_attention_heads"]
+    if "kv_lora_rank" in hf:  # MLA
+        nope, rope, v, kvl = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"], hf["kv_lora_rank"]
+        ql = hf.get("q_lora_rank") or 0
+        parts["attention"] = BF16 * tokens * (2 * ql + (kvl + rope) + kvl + heads * v / tp)
+        parts["attention_up"] = BF16 * tokens * heads * (2 * (nope + rope) + (nope + v)) / tp
+    else:
+        hd = hf.get("head_dim") or h // heads
+        q, kv = heads * hd, (hf.get("num_key_value_heads") or heads) * hd
+        parts["attention"] = BF16 * tokens * ((q + 2 * kv) + (q + kv) + q) / tp
+    parts["core_attn"] = FP32 * tokens * heads / tp  # flash attention's log-sum-exp
+    if _is_moe_layer(hf, layer):
+        experts = hf.get("n_routed_experts") or hf["num_experts"]
+        f, topk = hf["moe_intermediate_size"], hf["num_experts_per_tok"]
+        routed = local * topk * etp  # token copies this rank's experts compute (balanced routing)
+        parts["moe_router"] = FP32 * local * (h + 3 * experts)
+        parts["moe_tokens"] = routed * (2 * BF16 * h + FP32)
+        parts["moe_act"] = routed * BF16 * 2 * f / etp  # SiLU output and product
+        parts["moe_fc1"] = routed * BF16 * 2 * f / etp
+        parts["shared_experts"] = BF16 * tokens * 4 * f * hf.get("n_shared_experts", 0) / tp
+    else:
+        parts["mlp"] = BF16 * tokens * 4 * hf["intermediate_size"] / tp
+    full = sum(parts.values())
+    if s.recompute == "full":
+        return BF16 * h * local, full, full
+    dropped = {"norm_out"} if s.recomputed("layernorm") else set()
+    dropped |= {m for m in ("core_attn", "mlp", "shared_experts", "moe_act") if s.recomputed(m)}
+    if s.recomputed("mla_up_proj"):
+        dropped.add("attention_up")
+    if s.recomputed("moe"):
+        dropped |= {"moe_router", "moe_tokens", "moe_act", "moe_fc1", "shared_experts"}
+    remade = sum(v for k, v in parts.items() if k in dropped)
+    return full - remade, remade, full
+
+
+@dataclass(frozen=True)
+class _ParamIndex:
+    """A model's tensors by decoder layer, routed experts by one representative each (an EP rank holds
+    num_experts / EP identically shaped ones), so that planning a 671B model over hundreds of layouts is quick."""
+    first: tuple[TensorSpec, ...]  # the embedding (first stage)
+    last: tuple[TensorSpec, ...]  # final norm and output layer (last stage)
+    tied: tuple[TensorSpec, ...]  # a tied model's output-layer copy of the embedding (last stage when PP > 1)
+    dense: tuple[tuple[TensorSpec, ...], ...]  # per layer
+    experts: tuple[tuple[tuple[TensorSpec, ...], int], ...]  # per layer: expert 0's tensors, routed experts
+
+
+@functools.lru_cache(maxsize=16)
+def _index(model: str) -> _ParamIndex:
+    """`model`: the HF config as sorted JSON (a hashable cache key)."""
+    hf = json.loads(model)
+    layers = hf["num_hidden_layers"]
+    first, last, tied, dense = [], [], [], [[] for _ in range(layers)]
+    experts: list[tuple[list[TensorSpec], int]] = [([], 0) for _ in range(layers)]
+    for spec in hf_inventory(hf):
+        if spec.layer is None:
+            (first if "embed_tokens" in spec.name else last).append(spec)
+            if "embed_tokens" in spec.name and hf.get("tie_word_embeddings"):
+                tied.append(dataclasses.replace(spec, name="output_layer.weight"))
+        elif spec.expert is None:
+            dense[spec.layer].append(spec)
+        elif spec.expert == 0:
+            experts[spec.layer] = (experts[spec.layer][0] + [spec], spec.experts)
+    return _ParamIndex(tuple(first), tuple(last), tuple(tied), tuple(map(tuple, dense)),
+                       tuple((tuple(s), n) for s, n in experts))
+
+
+def _held(spec: TensorSpec, tp: int, rank: int) -> int:
+    lo, hi = spec.rows(tp, rank)
+    return (hi - lo) * spec.row_numel
+
+
+def stage_params(hf: dict, train: TrainLayout, stage: int, tp_rank: int = 0, etp_rank: int = 0) -> tuple[int, int]:
+    """(dense, routed-expert) parameters held by a rank of `stage` with these TP and ETP ranks."""
+    index = _index(json.dumps(hf, sort_keys=True))
+    dense_specs = [s for i in _stage_layers(train, stage) for s in index.dense[i]]
+    if stage == 0:
+        dense_specs += index.first
+    if stage == train.pp - 1:
+        dense_specs += index.last + (index.tied if train.pp > 1 else ())
+    expert = 0
+    for i in _stage_layers(train, stage):
+        specs, count = index.experts[i]
+        if count % train.ep:
+            raise ValueError(f"ep={train.ep} does not divide the {count} routed experts of layer {i}")
+        expert += count // train.ep * sum(_held(s, train.etp, etp_rank) for s in specs)
+    return sum(_held(s, train.tp, tp_rank) for s in dense_specs), expert
+
+
+def _stage_layers(train: TrainLayout, stage: int) -> range:
+    first = train.first_layer(stage)
+    return range(first, first + train.stage_layers[stage])
+
+
+def rank_memory(hf: dict, train: TrainLayout, stage: int, s: MemorySettings, cp: int = 1, tp_rank: int = 0,
+                etp_rank: int = 0) -> dict[str, float]:
+    """Bytes on one GPU of `stage` (TP rank tp_rank, ETP rank etp_rank): static state, activations, the peak;
+    and the host memory its optimizer offload takes. `train.dp` counts the CP x DP replicas."""
+    if train.dp % cp:
+        raise ValueError(f"cp={cp} must divide the {train.dp} data-parallel replicas (CP x DP)")
+    dense, expert = stage_params(hf, train, stage, tp_rank, etp_rank)
+    params = dense + expert
+    shards = dense / train.dp + expert / train.expert_dp if s.distributed_optimizer else params
+    on_cpu = s.offload_fraction * shards if s.optimizer_offload else 0.0
+    out = dict(params=params, weights=BF16 * params, grads=FP32 * params,
+               optimizer=3 * FP32 * (shards - on_cpu), reference=BF16 * params if s.reference else 0.0,
+               host=4 * FP32 * on_cpu)
+    out["static"] = out["weights"] + out["grads"] + out["optimizer"] + out["reference"]
+    layers = [_activations(hf, i, train, s, cp) for i in _stage_layers(train, stage)]
+    in_flight = train.pp - stage if not s.micro_batches else min(train.pp - stage, s.micro_batches)
+    out["activations"] = in_flight * sum(kept for kept, _, _ in layers)
+    out["logits"] = 0.0
+    if stage == train.pp - 1:
+        vocab = -(-hf["vocab_size"] // train.tp)
+        out["logits"] = 2 * FP32 * s.seq_len * s.micro_batch / cp * vocab
+    out["backward_working"] = max((full + remade for _, remade, full in layers), default=0.0)
+    # the optimizer step runs after the backward has freed the activations
+    out["step_transient"] = FP32 * (shards - on_cpu) if not s.optimizer_offload else 0.0
+    out["peak"] = out["static"] + max(out["activations"] + out["logits"] + out["backward_working"],
+                                      out["step_transient"])
+    return out
+
+
+def stage_memory(hf: dict, train: TrainLayout, s: MemorySettings, cp: int = 1) -> list[dict[str, float]]:
+    """Per pipeline stage, the memory of its most loaded rank (TP/ETP shards differ only by padding)."""
+    out = []
+    for stage in range(train.pp):
+        ranks = [rank_memory(hf, train, stage, s, cp, t, e) for t in range(train.tp) for e in range(train.etp)]
+        out.append(max(ranks, key=lambda r: r["peak"]))
+    return out
+
+
+def predict_peak(hf: dict, train: TrainLayout, s: MemorySettings, cp: int = 1) -> float:
+    """The per-GPU peak of a run, in bytes: the largest over its ranks (what the GPU runs compare with the
+    measured torch.cuda.max_memory_allocated())."""
+    return max(r["peak"] for r in stage_memory(hf, train, s, cp))
+
+
+def host_per_node(hf: dict, train: TrainLayout, s: MemorySettings, gpus_per_node: int, cp: int = 1) -> float:
+    """Host memory the optimizer offload takes on the most loaded node, in bytes (ranks numbered TP first,
+    then CP x DP, then PP, as megatron does: a node holds consecutive ranks)."""
+    per_stage = [rank_memory(hf, train, p, s, cp)["host"] for p in range(train.pp)]
+    per_rank = [per_stage[train.coords(r)[2]] for r in range(train.world)]
+    return max(sum(per_rank[n:n + gpus_per_node]) for n in range(0, train.world, gpus_per_node))
