@@ -98,6 +98,13 @@ class DeepSeekRouter(TopKRouter):
                                                               device=self.weight.device), persistent=False)
         self.last_topk_indices: Tensor | None = None
 
+    def _apply(self, fn, *args, **kwargs):
+        # Float16Module casts the whole model to bf16; the bias stays fp32 from then on (megatron restores it only
+        # at the first forward), so it is exported, synced and checksummed in one dtype, the checkpoint's.
+        super()._apply(fn, *args, **kwargs)
+        self._maintain_float32_expert_bias()
+        return self
+
     def _choose(self, scores: Tensor, topk: int, num_groups=None, group_topk=None) -> tuple[Tensor, Tensor]:
         # The signature of megatron's compute_topk, so its routing replay can stand in for it.
         return choose_experts(scores, self.rule, self.expert_bias)  # None without score_bias

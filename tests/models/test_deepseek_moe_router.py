@@ -158,3 +158,16 @@ def test_bias_update_needs_deepseek_v3_sigmoid_routing(name, refused):
     else:
         assert expert_bias_update_options(config, 1e-3) == dict(moe_router_enable_expert_bias=True,
                                                                  moe_router_bias_update_rate=1e-3)
+
+
+def test_bias_stays_fp32_when_the_model_is_cast_to_bf16():
+    """Float16Module casts the model to bf16: the routing bias keeps its fp32 values (exported, synced and
+    checksummed as the checkpoint holds it); the load counts stay integers."""
+    _, _, settings = SETTINGS["v3-k3-groups4-keep2"]
+    router = _megarl_router(_hf_dict(DeepseekV3Config(**SMALL, **settings)))
+    bias = torch.randn(8) / 3
+    router.expert_bias.data.copy_(bias)
+    router.bfloat16()
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, bias)
+    assert router.tokens_per_expert.dtype == torch.long
