@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.reshard.inventory import hf_inventory
-from megarl.reshard.layout import GenLayout
+from megarl.reshard.layout import GenLayout, TrainLayout
 from megarl.reshard.transfers import plan_tensor, transfer_bytes
 from tests.dist_utils import run_distributed
 from tests.models.hf_families import qwen3_moe_config, save_random
@@ -147,3 +147,32 @@ def test_moe_reshard_from_ep_layouts_bitwise_bytes_and_placement(model_dir):
     for layout in LAYOUTS:
         assert total[(*layout, GenLayout(4, 4), "full")] < total[(*layout, GenLayout(4), "full")]
         assert total[(*layout, GenLayout(4, 4), "sharded")] <= total[(*layout, GenLayout(4), "sharded")]
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp,world", [(2, 1, 2, 1, 4), (1, 1, 2, 2, 4), (2, 2, 2, 1, 8), (1, 2, 4, 2, 16),
+                                                (2, 1, 4, 2, 8)])
+def test_expert_ranks_follow_megatrons_rank_generator(tp, pp, ep, etp, world):
+    """TrainLayout's expert coordinates are megatron-core's (RankGenerator, order tp-ep-dp-pp with tp = ETP), and
+    the plan moves ETP blocks of an expert only from the ranks megatron gives that expert's EP rank."""
+    from megatron.core.parallel_state import RankGenerator
+
+    train = TrainLayout(tp, pp, world // (tp * pp), 4, ep=ep, etp=etp)
+    experts = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for name, index in (("tp", 0), ("ep", 1), ("dp", 2), ("pp", 3)):
+        for group in experts.get_ranks(name):
+            assert [train.expert_coords(r)[index] for r in group] == list(range(len(group))), (name, group)
+    for name, index in (("tp", 0), ("dp", 1), ("pp", 2)):
+        for group in dense.get_ranks(name):
+            assert [train.coords(r)[index] for r in group] == list(range(len(group))), (name, group)
+    specs = [s for s in hf_inventory(dict(qwen3_moe_config(False, True, num_experts=8).to_dict(), num_hidden_layers=4))
+             if s.expert is not None]
+    ep_groups = experts.get_ranks("ep")
+    for spec in specs:
+        owners = {g[train.expert_owner(spec)] for g in ep_groups}  # every (etp, dp, pp) replica's owning rank
+        for gen in (GenLayout(min(world, 4)), GenLayout(min(world, 4), 2)):
+            for delivery in ("full", "sharded"):
+                for p in plan_tensor(spec, train, gen, delivery):
+                    assert p.src in owners and train.held(spec, p.src) is not None, (spec.name, p)
+                    lo, hi = train.held(spec, p.src)
+                    assert lo <= p.lo and p.hi <= hi and gen.rows(spec, p.dst) is not None, (spec.name, p)
