@@ -99,10 +99,12 @@ class DeepSeekRouter(TopKRouter):
         self.last_topk_indices: Tensor | None = None
 
     def _apply(self, fn, *args, **kwargs):
-        # Float16Module casts the whole model to bf16; the bias stays fp32 from then on (megatron restores it only
-        # at the first forward), so it is exported, synced and checksummed in one dtype, the checkpoint's.
+        # Float16Module casts the whole model to bf16: the bias keeps its fp32 values (megatron casts it back only
+        # at the first forward, rounded), so it is exported, synced and checksummed as the checkpoint holds it.
+        kept = None if getattr(self, "expert_bias", None) is None else self.expert_bias.data
         super()._apply(fn, *args, **kwargs)
-        self._maintain_float32_expert_bias()
+        if kept is not None:
+            self.expert_bias.data = kept.to(self.expert_bias.device)  # a move, if fn was one; never a cast
         return self
 
     def _choose(self, scores: Tensor, topk: int, num_groups=None, group_topk=None) -> tuple[Tensor, Tensor]:
