@@ -5,6 +5,8 @@ of the model and written back on export, the DeepSeek config fields SGLang reads
 import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.convert import main
-from megarl.models.hf_checkpoint import MTP_FILE, BlockFP8, SafetensorsCheckpoint, export_config, save_mtp_copy
+from megarl.models.hf_checkpoint import MTP_FILE, SafetensorsCheckpoint, export_config, iter_mtp_copy, save_mtp_copy
+from tests.dist_utils import run_distributed
 
+REPO = Path(__file__).resolve().parents[1]
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
@@ -154,7 +158,167 @@ def test_mtp_layers_are_left_out_and_copied_as_stored(tmp_path, caplog):
     assert kept.keys() == mtp.keys()
     assert all(kept[n].dtype == t.dtype and torch.equal(kept[n].view(torch.uint8), t.view(torch.uint8))
                for n, t in mtp.items())
+    # Export reads the kept copy dequantized, as the checkpoint's config.json says; its config has no quantization.
+    shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "kept")
+    written = dict(iter_mtp_copy(tmp_path / "kept"))
+    assert written.keys() == {n for n in mtp if not n.endswith("_scale_inv")}
+    assert torch.equal(written["model.layers.1.eh_proj.weight"], dequantize_reference(q, scale_inv, block))
+    assert torch.equal(written["model.layers.1.enorm.weight"], tensors["model.layers.1.enorm.weight"])
+    exported = export_config(config, torch.bfloat16)
+    assert "quantization_config" not in exported and exported["dtype"] == "bfloat16"
+    assert exported["num_nextn_predict_layers"] == 1 and exported["scoring_func"] == "sigmoid"
+
     # Without num_nextn_predict_layers the layer after the last is nothing special: nothing copied.
     write_tensors(tmp_path / "plain", tensors, {**config, "num_nextn_predict_layers": 0})
     (tmp_path / "none").mkdir()
     assert save_mtp_copy(tmp_path / "plain", tmp_path / "none") == 0 and not any((tmp_path / "none").iterdir())
+
+
+# -------------------------------------------------------------------------------------------------
+# Tiny DeepSeek models: layer 0 dense, layer 1 MoE (8 routed experts, a shared one), DeepSeek-V3 with one MTP layer.
+
+
+def add_mtp_layer(model_dir: str | Path, seed: int = 5) -> list[str]:
+    """Give a DeepSeek-V3 directory (num_nextn_predict_layers=1) the MTP layer the published checkpoint has:
+    model.layers.{num_hidden_layers}.* = a decoder layer like the last one plus enorm, hnorm, eh_proj,
+    shared_head.{norm, head} and embed_tokens, all random. Returns their names."""
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(str(path))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    shapes = {n.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): t.shape
+              for n, t in tensors.items() if n.startswith(f"model.layers.{last}.")}
+    shapes |= {f"model.layers.{mtp}.{n}": s for n, s in
+               {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "eh_proj.weight": (hidden, 2 * hidden),
+                "shared_head.norm.weight": (hidden,), "shared_head.head.weight": (vocab, hidden),
+                "embed_tokens.weight": (vocab, hidden)}.items()}
+    added = {n: 0.3 * torch.randn(s, generator=g) for n, s in shapes.items()}
+    save_file(tensors | added, str(path), metadata={"format": "pt"})
+    return sorted(added)
+
+
+def deepseek_dir(path: Path, version: str) -> str:
+    from tests.models.hf_families import deepseek_v2_config, deepseek_v3_config, save_random
+
+    if version == "v3":
+        hf = save_random(deepseek_v3_config(layers=2, first_k_dense_replace=1, num_nextn_predict_layers=1), path)
+        add_mtp_layer(hf)
+        return hf
+    return save_random(deepseek_v2_config(layers=2, first_k_dense_replace=1), path)
+
+
+def _logprobs_rank(rank, model_dirs: list[str], precision: str):
+    from megarl.config import ActorConfig, AlgorithmConfig
+    from megarl.engine import MegatronEngine
+    from tests.engine.hf_models import padded_batch
+
+    out = []
+    for model_dir in model_dirs:
+        engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=4, precision=precision), AlgorithmConfig(),
+                                "cpu", 1, 10)
+        out.append(engine.compute_logprobs(padded_batch(rows=4))["logprobs"])
+    return out
+
+
+def test_deepseek_fp8_checkpoint_gives_the_logprobs_of_its_dequantized_copy(tmp_path):
+    """DeepSeek-V3 (MoE, MTP layer) with every projection in block-wise FP8, loaded at TP=2: the log-probs equal
+    those of the same model stored dequantized, in fp32 and (stored rounded to bf16 once) in bf16."""
+    source = deepseek_dir(tmp_path / "hf", "v3")
+    write_fp8_copy(source, tmp_path / "fp8", tmp_path / "dequantized")
+    shutil.copytree(tmp_path / "dequantized", tmp_path / "dequantized_bf16")
+    bf16 = {n: t.to(torch.bfloat16) for n, t in load_file(f"{tmp_path}/dequantized/model.safetensors").items()}
+    save_file(bf16, str(tmp_path / "dequantized_bf16" / "model.safetensors"))
+
+    fp8, dequantized, original = run_distributed(
+        _logprobs_rank, 2, [str(tmp_path / "fp8"), str(tmp_path / "dequantized"), source], "fp32", tp=2)
+    assert torch.equal(fp8, dequantized)
+    assert (fp8 - original).abs().max() > 1e-3  # the FP8 copy really is quantized: not the original's log-probs
+    fp8, dequantized = run_distributed(_logprobs_rank, 2, [str(tmp_path / "fp8"), str(tmp_path / "dequantized_bf16")],
+                                       "bf16", tp=2)
+    assert torch.equal(fp8, dequantized)
+
+
+
+def convert(*args) -> str:
+    """The CLI in its own process (it starts a process group, which pytest's process must not hold); its stderr."""
+    done = subprocess.run([sys.executable, "-m", "megarl.convert", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def _export_at_layout_rank(rank, source: str, imported: str, root: str, tp: int, pp: int, ep: int):
+    """The imported checkpoint loaded at TP x PP x EP (into an engine of the source's shapes whose weights are
+    zeroed first): its HF tensors as export yields them; saved again there."""
+    from megatron.core import parallel_state
+
+    from megarl.config import ActorConfig, AlgorithmConfig
+    from megarl.engine import MegatronEngine
+    from megarl.parallel.state import build_model_parallel
+    from tests.engine.test_checkpoint import save
+
+    if ep > 1:
+        parallel_state.destroy_model_parallel()
+        build_model_parallel(tp, pp, seed=1, ep=ep)
+    engine = MegatronEngine(source, ActorConfig(), AlgorithmConfig(), "cpu", 1, 10)
+    with torch.no_grad():
+        for gpt in engine.gpts:
+            for p in gpt.parameters():
+                p.zero_()
+    engine.load_checkpoint(f"{imported}/actor")
+    exported = {n: t.clone() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
+    save(engine, Path(root), 1)
+    return exported
+
+
+def read_all(model_dir: Path) -> dict:
+    return {n: t for path in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(str(path)).items()}
+
+
+def assert_bitwise_equal(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+@pytest.mark.parametrize("version, tp, pp, ep", [("v3", 1, 1, 2), ("v2", 2, 1, 1)])
+def test_deepseek_converts_both_ways_bitwise(tmp_path, version, tp, pp, ep):
+    """HF -> megarl checkpoint -> loaded at a TP x PP x EP layout and saved there -> HF: every tensor bitwise, the
+    MTP layer (V3) left out of the model and written back, the config SGLang needs."""
+    source = Path(deepseek_dir(tmp_path / "hf", version))
+    original = load_file(str(source / "model.safetensors"))
+    mtp = sorted(n for n in original if n.startswith("model.layers.2."))
+    assert bool(mtp) == (version == "v3")
+    log = convert("hf-to-megatron", source, tmp_path / "imported")
+    assert log.count("multi-token-prediction") == (version == "v3")
+    if mtp:
+        assert f"not loading the {len(mtp)} tensors of the 1 multi-token-prediction layer(s) model.layers.2.*" in log
+
+    exported = run_distributed(_export_at_layout_rank, 2, str(source), str(tmp_path / "imported"),
+                               str(tmp_path / "ckpt"), tp, pp, ep, tp=tp, pp=pp)
+    assert_bitwise_equal(exported, {n: t for n, t in original.items() if n not in mtp})
+
+    convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "out")
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"] if mtp else {}
+    assert {index[n] for n in mtp} == ({"model-00002-of-00002.safetensors"} if mtp else set())  # after the model
+    assert_bitwise_equal(read_all(tmp_path / "out"), original)
+    config, source_config = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "out", source))
+    assert {k: config[k] for k in source_config} == source_config  # nothing the source says is changed
+    expected = {"moe_layer_freq": 1, "scoring_func": "sigmoid" if version == "v3" else "softmax", "ep_size": 1,
+                "topk_method": "noaux_tc" if version == "v3" else "greedy",
+                "num_nextn_predict_layers": 1 if version == "v3" else 0}
+    assert {k: config[k] for k in expected} == expected
+
+
+def test_unsupported_architectures_fail_naming_the_model_type(tmp_path, capsys):
+    from tests.engine.hf_models import make_qwen2_dir
+
+    hf = Path(make_qwen2_dir(tmp_path / "hf", tied=False))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"],
+                                                         "model_type": "mixtral"}))
+    assert main(["hf-to-megatron", str(hf), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported model architecture ['MixtralForCausalLM', 'mixtral']" in err and "deepseek_v3" in err

@@ -173,12 +173,16 @@ class Deepseek(DecoderFamily):
     def moe_config(self, hf: dict, ep: int) -> dict:
         if not any(is_moe_layer(hf, i) for i in range(hf["num_hidden_layers"])):
             return super().moe_config(hf, ep)  # every layer dense (EP > 1 is refused there)
-        return _moe().moe_config(hf, ep)
+        # Which layers are MoE, as megatron spells it: its dist checkpoints then key every layer by its own
+        # index (dense and MoE layers hold different parameters; a stacked key over all layers cannot be saved).
+        return _moe().moe_config(hf, ep) | dict(moe_layer_freq=[int(is_moe_layer(hf, i))
+                                                                for i in range(hf["num_hidden_layers"])])
 
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         patch_mla_without_te()
         spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm")
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenNorm
+        spec.submodules.self_attention.module = DeepseekMLA
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.kv_layernorm = LatentNorm
         # megatron's replicated linear (the "local" one MLA accepts besides TE's): whole on every TP rank, its
