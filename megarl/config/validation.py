@@ -147,9 +147,9 @@ class ConfigChecks:
             raise ConfigError(f"rollout.weight_delivery=sharded: rollout.sglang_tp={g} (the generation TP) must divide "
                               f"actor.parallel.world_size={p.world_size} and divide or be a multiple of "
                               f"actor.parallel.tp={p.tp}")
-        if p.vpp > 1 or p.ep > 1:
-            raise ConfigError("rollout.weight_delivery=sharded: the resharder models TP x PP x DP layouts; "
-                              "actor.parallel.vpp and actor.parallel.ep must be 1")
+        if p.vpp > 1:
+            raise ConfigError("rollout.weight_delivery=sharded: the resharder models contiguous pipeline stages; "
+                              "actor.parallel.vpp must be 1")
 
     def _validate_data_and_reward(self) -> None:
         r = self.reward

@@ -174,3 +174,20 @@ def needed(spec: TensorSpec, gen: int | GenLayout, rank: int, delivery: str) -> 
     if rows is None or delivery == "sharded":
         return rows
     return 0, spec.length
+
+
+SGLANG_EP_FLAGS = ("--ep-size", "--expert-parallel-size", "--ep")  # sglang 0.5.17's names of its ep_size
+
+
+def sglang_generation(tp: int, extra_args) -> GenLayout:
+    """The generation layout of an SGLang server of TP `tp` launched with `extra_args` (rollout.sglang_args): its
+    expert parallelism is the last --ep-size (or alias) given, 1 if none."""
+    args, ep = [str(a) for a in extra_args], 1
+    for k, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag in SGLANG_EP_FLAGS:
+            value = value or (args[k + 1] if k + 1 < len(args) else "")
+            if not value.isdigit():
+                raise ValueError(f"rollout.sglang_args: {flag} needs a number, got {value!r}")
+            ep = int(value)
+    return GenLayout(tp, ep)

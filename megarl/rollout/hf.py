@@ -97,7 +97,7 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._resume_weights()
-        state = self.model.state_dict()  # shares storage with the parameters; a tied lm_head is the embedding
+        state = checkpoint_views(self.model)  # a tied lm_head is the embedding
         for name, tensor in named_tensors:
             self._copy_into(state, name, tensor, None)
 
@@ -113,7 +113,7 @@ class HFRolloutEngine(RolloutEngine):
         if self._specs is None:
             self._specs = {s.name: s for s in hf_inventory(read_hf_config(self.model_path))}
         self._resume_weights()
-        state = self.model.state_dict()
+        state = checkpoint_views(self.model)
         for name, shard in named_shards:
             spec = self._specs.get(name)
             rows = None if spec is None or spec.dim is None else (spec.dim, *spec.rows(gen_tp, gen_rank))
@@ -154,11 +154,48 @@ class HFRolloutEngine(RolloutEngine):
         return offload.resident_bytes(self.model.parameters())
 
     def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
-        return {0: {0: module_checksums(self.model)}}
+        """By checkpoint name, as the sender's (weight_layout's "hf" layout): each expert's own tensors."""
+        return {0: {0: module_checksums(_Named(self._held()))}}
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach().clone() for name, t in self.model.state_dict().items()
+        return {name: t.detach().clone() for name, t in self._held().items()}
+
+    def _held(self) -> dict[str, torch.Tensor]:
+        """Every weight (and persistent buffer) by checkpoint name, a tied lm_head once (as the embedding)."""
+        return {name: t for name, t in checkpoint_views(self.model).items()
                 if not (self.tied and name == "lm_head.weight")}
+
+
+class _Named:
+    """Tensors by name, as module_checksums reads a model."""
+
+    def __init__(self, named: dict[str, torch.Tensor]):
+        self.named = named
+
+    def named_parameters(self):
+        return iter(self.named.items())
+
+
+def checkpoint_views(model) -> dict[str, torch.Tensor]:
+    """The model's weights and persistent buffers under their checkpoint names, as views of its own storage.
+    transformers >= 5 holds a mixture-of-experts layer's experts fused (Qwen3-MoE, DeepSeek: experts.gate_up_proj
+    [experts, 2 x ffn, hidden], each expert's gate rows then its up rows; experts.down_proj [experts, hidden, ffn]) and
+    converts them from and to per-expert tensors on load and save: expert e's gate/up/down_proj.weight are views of
+    its slices here."""
+    views = {}
+    for name, t in model.state_dict().items():
+        prefix, _, fused = name.rpartition(".experts.")
+        if fused == "gate_up_proj" and t.dim() == 3:
+            ffn = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                views[f"{prefix}.experts.{e}.gate_proj.weight"] = t[e, :ffn]
+                views[f"{prefix}.experts.{e}.up_proj.weight"] = t[e, ffn:]
+        elif fused == "down_proj" and t.dim() == 3:
+            for e in range(t.shape[0]):
+                views[f"{prefix}.experts.{e}.down_proj.weight"] = t[e]
+        else:
+            views[name] = t
+    return views
 
 
 def _eos_ids(model) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 
 from megarl.config import Config
 from megarl.reshard.inventory import hf_inventory
+from megarl.reshard.layout import GenLayout, sglang_generation
 from megarl.protocol import Batch
 from megarl.rollout.transports import cuda_ipc
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
@@ -61,14 +62,20 @@ class TrainWorker:
                 "node": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def _resharder(self):
-        """The policy's weight sync (megarl.reshard) for the TP x PP x DP layouts it models; with
-        virtual pipeline stages or expert parallelism the sync falls back to export_hf_weights."""
+        """The policy's weight sync (megarl.reshard) for the layouts it models: TP x PP (contiguous stages, even
+        or not) x DP, with EP and ETP for the experts; with virtual pipeline stages (interleaved layers) the sync
+        falls back to export_hf_weights."""
         from megarl.reshard.resharder import engine_resharder
 
-        p = self.cfg.actor.parallel
-        if p.vpp > 1 or p.ep > 1:
+        if self.cfg.actor.parallel.vpp > 1:
             return None
         return engine_resharder(self.engine, self.rank)
+
+    def generation_layout(self) -> GenLayout:
+        """Sharded delivery's generation layout: rollout.sglang_tp ranks, and into SGLang the expert parallelism
+        rollout.sglang_args gives its servers (--ep-size: each rank then takes whole experts of its slice)."""
+        r = self.cfg.rollout
+        return sglang_generation(r.sglang_tp, r.sglang_args) if r.engine == "sglang" else GenLayout(r.sglang_tp)
 
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
         return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference)
@@ -113,11 +120,17 @@ class TrainWorker:
         what was sent and host copies for SGLang's reload check. Sharded into SGLang: the group's ranks pack their rows each on their own GPU, rank 0 posts
         (cuda_ipc.ShardedIpcSender). Returns this rank's report (None if it sent nothing)."""
         delivery = self.cfg.rollout.weight_delivery
-        gen_tp = self.cfg.rollout.sglang_tp if delivery == "sharded" else 1
+        gen = self.generation_layout() if delivery == "sharded" else GenLayout(1)
+        gen_tp = gen.tp
+        if gen.ep > 1 and verify and not deep:  # before any collective, by every rank alike
+            raise ValueError(f"rollout.weight_delivery=sharded into SGLang at --ep-size {gen.ep}: verification by "
+                             f"checksums needs the layout of SGLang's expert-parallel parameters, which "
+                             f"megarl.rollout.weight_layout does not model yet (use trainer.verify_weight_sync_deep, "
+                             f"or --ep-size 1)")
         if self.resharder is None:
             buckets = self.engine.export_hf_weights(bucket_bytes)
         else:
-            buckets = self.resharder.buckets(gen_tp, delivery, bucket_bytes, self.engine.params_dtype)
+            buckets = self.resharder.buckets(gen, delivery, bucket_bytes, self.engine.params_dtype)
         if delivery == "sharded" and self.generation_group is None:  # the first sync, on every rank alike
             if self.cfg.rollout.engine == "sglang":  # refused before any collective, by every rank
                 cuda_ipc.check_presharded_vocab(self.resharder.specs, gen_tp)
@@ -138,7 +151,7 @@ class TrainWorker:
                 ray.get, rollout.update_weights.remote(b)), **sync)
         return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
             ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)),
-            key=weight_sync.shard_key(self.resharder.specs, gen_tp, self.rank), group=self.generation_group, **sync)
+            key=weight_sync.shard_key(self.resharder.specs, gen, self.rank), group=self.generation_group, **sync)
 
     def expected_checksums(self, delivery: str, gen_tp: int) -> ExpectedChecksums:
         """What this rank's part of a sync must make the rollout engine's parameters hash to: full delivery, every

@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megarl.reshard.layout import as_generation
 from megarl.rollout.transports import cuda_ipc, nccl_broadcast
 from megarl.rollout.weight_layout import ExpectedChecksums, keep_fused_pairs
 from megarl.utils.checksum import checksums
@@ -54,14 +55,15 @@ def tensor_digest(t: torch.Tensor) -> tuple:
 Key = str | tuple[str, int, int, int]
 
 
-def shard_key(specs: list, gen_tp: int, rank: int) -> Callable[[str], Key]:
-    """Sharded delivery: the key of what generation TP rank `rank` of `gen_tp` sends of each HF tensor (megarl's
-    inventory TensorSpecs): its name where that is the whole tensor, else (name, dim, lo, hi)."""
-    by_name = {s.name: s for s in specs}
+def shard_key(specs: list, gen, rank: int) -> Callable[[str], Key]:
+    """Sharded delivery: the key of what generation rank `rank` of `gen` (a megarl.reshard GenLayout, or a bare
+    generation TP) sends of each HF tensor (megarl's inventory TensorSpecs) it holds: its name where that is the
+    whole tensor, else (name, dim, lo, hi)."""
+    by_name, gen = {s.name: s for s in specs}, as_generation(gen)
 
     def key(name: str) -> Key:
         spec = by_name[name]
-        lo, hi = spec.rows(gen_tp, rank)
+        lo, hi = gen.rows(spec, rank)
         return name if spec.dim is None or (lo, hi) == (0, spec.length) else (name, spec.dim, lo, hi)
 
     return key
