@@ -48,6 +48,9 @@ def main(argv=None) -> int:
         except InputError as e:
             print(f"input error: {e}", file=sys.stderr)
             return 2
+        except ConfigError as e:  # a layout the model cannot take (megarl/config/model_layout.py)
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         print(f"{config_ok}; {inputs}")
         return 0
 
@@ -73,9 +76,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         trainer = RLTrainer(cfg)
-    except InputError as e:  # a model directory or prompt the run cannot use: found before any worker starts
-        ray.shutdown()
-        print(f"input error: {e}", file=sys.stderr)
+    except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use: found
+        ray.shutdown()                        # before any worker starts
+        print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
         return 2
     try:
         history = trainer.fit()

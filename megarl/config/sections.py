@@ -43,6 +43,15 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel size")
     pp: int = opt(1, "pipeline-parallel size")
     ep: int = opt(1, "expert-parallel size (mixture-of-experts models): experts split over this many DP ranks")
+    etp: int = opt(0, "expert-tensor-parallel size (megatron's expert_tensor_parallel_size): each expert's weights "
+                      "split over this many ranks, independently of tp (e.g. 1: whole experts beside TP-split "
+                      "attention); ep * etp must divide the ranks of a pipeline stage (tp * cp * dp); 0 = tp")
+    pp_first_stage_layers: int = opt(0, "decoder layers on the first pipeline stage (megatron's "
+                                        "num_layers_in_first_pipeline_stage), for layer counts pp does not divide "
+                                        "(61 over pp=8: 5, with pp_last_stage_layers=8); the stages between "
+                                        "first and last split the rest evenly; 0 = an even share")
+    pp_last_stage_layers: int = opt(0, "decoder layers on the last pipeline stage (megatron's "
+                                       "num_layers_in_last_pipeline_stage); 0 = an even share")
     vpp: int = opt(1, "virtual pipeline stages per pipeline rank (interleaved 1F1B, needs pp > 1); 1 = off")
     cp: int = opt(1, "context-parallel size: every row split over this many ranks by sequence (2 * cp chunks, "
                      "row width padded to a multiple of 2 * cp), keys and values all-gathered for attention "
@@ -79,10 +88,20 @@ class ActorConfig:
     precision: str = opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
     use_distributed_optimizer: bool = opt(False, "megatron's distributed optimizer: optimizer state and fp32 main "
                                                  "weights sharded over data-parallel ranks")
+    optimizer_cpu_offload: bool = opt(False, "megatron's optimizer CPU offload: Adam's state and the fp32 main "
+                                             "weights (of optimizer_offload_fraction of the parameters) live in "
+                                             "host memory and their update runs on the CPU (torch AdamW); "
+                                             "needs use_distributed_optimizer")
+    optimizer_offload_fraction: float = opt(1.0, "with optimizer_cpu_offload: the fraction of the parameters "
+                                                 "(by size) whose optimizer state is on the CPU, in (0, 1]")
     max_tokens_per_micro_batch: int = opt(0, "pack whole sequences (no padding) into micro-batches of at most this "
                                              "many tokens, balanced over DP ranks; 0 = micro_batch_size padded rows")
     recompute: str = opt("none", "activation recompute: none, full (each layer's activations) or selective "
-                                 "(core attention only)")
+                                 "(the modules in recompute_modules)")
+    recompute_modules: list = opt([], "recompute=selective: megatron's modules to recompute in the backward pass: "
+                                      "core_attn, moe (the whole MoE layer), shared_experts, mlp (dense MLPs), "
+                                      "and with TransformerEngine installed mla_up_proj (MLA models) and layernorm; "
+                                      "empty = [core_attn]")
     attention: str = opt("auto", "core attention: auto (varlen on GPU, local on CPU), varlen (PyTorch SDPA; packed "
                                  "rows by flash attention over cu_seqlens, torch.nn.attention.varlen), sdpa "
                                  "(PyTorch SDPA; packed rows by a block-diagonal mask, no flash kernel) or local "

@@ -6,10 +6,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megarl.config.sections import Config
+
+
+# megatron's selective-recompute modules (moe_act, which needs grouped-GEMM experts, is not among them: megarl's
+# models do not use those); the ones megatron recomputes through CheckpointWithoutOutput need TransformerEngine
+RECOMPUTE_MODULES = ("core_attn", "moe", "shared_experts", "mlp", "mla_up_proj", "layernorm")
+RECOMPUTE_NEEDS_TE = ("mla_up_proj", "layernorm")
 
 
 class ConfigError(ValueError):
@@ -26,8 +33,6 @@ class ConfigChecks:
                            ("actor.parallel.pp", p.pp)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
-        if p.ep < 1 or p.dp % p.ep:
-            raise ConfigError(f"actor.parallel.ep={p.ep} must be >= 1 and divide the data-parallel size {p.dp}")
         batch = self.data.prompts_per_step * self.rollout.n_samples
         mini = self.actor.mini_batch_size or batch
         if batch % mini:
@@ -218,6 +223,8 @@ class ConfigChecks:
             if p.cp > 1 and p.ep > 1:
                 raise ConfigError(f"{role}.parallel.cp={p.cp} with {role}.parallel.ep={p.ep}: context parallelism "
                                   "with expert parallelism is not supported")
+            self._validate_experts_and_stages(role, p)
+            self._validate_optimizer_and_recompute(role, section_)
             if p.cp > 1 and section_.attention not in ("auto", "sdpa"):
                 raise ConfigError(f"{role}.attention={section_.attention!r} does not run context parallelism "
                                   f"({role}.parallel.cp={p.cp}): use sdpa or auto")
@@ -225,3 +232,49 @@ class ConfigChecks:
                                  ("attention", ("auto", "varlen", "sdpa", "local"))):
                 if getattr(section_, key) not in allowed:
                     raise ConfigError(f"{role}.{key}={getattr(section_, key)!r}: must be one of {', '.join(allowed)}")
+
+    @staticmethod
+    def _validate_experts_and_stages(role: str, p) -> None:
+        """Expert parallelism (ep x etp within a pipeline stage) and uneven pipeline stages, as far as they can
+        be judged without the model (megarl/config/model_layout.py checks them against its config.json)."""
+        if p.ep < 1 or p.etp < 0:
+            raise ConfigError(f"{role}.parallel.ep={p.ep} must be >= 1 and {role}.parallel.etp={p.etp} >= 0 "
+                              f"(0 = {role}.parallel.tp)")
+        etp = p.etp or p.tp
+        stage_ranks = p.tp * p.cp * p.dp
+        if stage_ranks % (p.ep * etp):
+            raise ConfigError(f"{role}.parallel.ep * {role}.parallel.etp = {p.ep} * {etp} must divide the {stage_ranks} "
+                              f"ranks of a pipeline stage ({role}.parallel.tp * cp * dp = {p.tp} * {p.cp} * {p.dp}): "
+                              f"experts are split over ep x etp ranks and replicated over the rest")
+        first, last = p.pp_first_stage_layers, p.pp_last_stage_layers
+        for key, value in (("pp_first_stage_layers", first), ("pp_last_stage_layers", last)):
+            if value < 0:
+                raise ConfigError(f"{role}.parallel.{key}={value}: must be >= 0 (0 = an even share)")
+            if value and p.pp < 2:
+                raise ConfigError(f"{role}.parallel.{key}={value}: uneven pipeline stages need {role}.parallel.pp > 1 "
+                                  f"(got {p.pp})")
+            if value % p.vpp:
+                raise ConfigError(f"{role}.parallel.{key}={value} is not divisible by {role}.parallel.vpp={p.vpp} "
+                                  "(each virtual stage of it holds an equal share)")
+
+    @staticmethod
+    def _validate_optimizer_and_recompute(role: str, section_) -> None:
+        if section_.optimizer_cpu_offload and not section_.use_distributed_optimizer:
+            raise ConfigError(f"{role}.optimizer_cpu_offload=true needs {role}.use_distributed_optimizer=true "
+                              "(megatron offloads the distributed optimizer's state)")
+        if not 0 < section_.optimizer_offload_fraction <= 1:
+            raise ConfigError(f"{role}.optimizer_offload_fraction={section_.optimizer_offload_fraction}: must be in "
+                              "(0, 1]")
+        modules = section_.recompute_modules
+        if modules and section_.recompute != "selective":
+            raise ConfigError(f"{role}.recompute_modules={modules} needs {role}.recompute=selective (got "
+                              f"{section_.recompute!r})")
+        for module in modules:
+            if module == "moe_act":
+                raise ConfigError(f"{role}.recompute_modules: moe_act needs megatron's grouped-GEMM experts, which "
+                                  "megarl's models do not use; recompute moe (the whole MoE layer) instead")
+            if module not in RECOMPUTE_MODULES:
+                raise ConfigError(f"{role}.recompute_modules: {module!r} is not one of {', '.join(RECOMPUTE_MODULES)}")
+            if module in RECOMPUTE_NEEDS_TE and importlib.util.find_spec("transformer_engine") is None:
+                raise ConfigError(f"{role}.recompute_modules: megatron recomputes {module} with TransformerEngine, "
+                                  "which is not installed here")

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.config.model_layout import check_model_layout
 from megarl.data.dataset import PromptDataset, PromptLimit, load_prompt_file
 from megarl.data.files import InputError
 from megarl.data.tasks import load_examples
@@ -90,10 +91,12 @@ def check_inputs(cfg) -> str:
         model_config = read_model_config(cfg.model.path)
         tokenizer = load_tokenizer(cfg.model.path)
         where = str(Path(cfg.model.path) / "config.json")
+    check_model_layout(cfg.actor, "actor", model_config, where)
     critic = cfg.critic.path if cfg.algorithm.advantage == "gae" else ""  # only GAE uses a critic
-    for key, path in (("critic.path", critic), ("reward_model.path", cfg.reward_model.path)):
+    for role, path in (("critic", critic), ("reward_model", cfg.reward_model.path)):
         if path:
-            read_model_config(path, key)
+            check_model_layout(getattr(cfg, role), role, read_model_config(path, f"{role}.path"),
+                               str(Path(path) / "config.json"))
     prompts = prompt_datasets(cfg, tokenizer, prompt_limit(cfg, model_config, where))
     skipped = f", {len(prompts.skipped)} skipped (data.skip_malformed)" if prompts.skipped else ""
     return "\n  skipped ".join([f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}",

@@ -238,6 +238,7 @@ def _layout() -> dict[str, int]:
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
             "dp": parallel_state.get_data_parallel_world_size(),
             "ep": parallel_state.get_expert_model_parallel_world_size(),
+            "etp": parallel_state.get_expert_tensor_parallel_world_size(),
             "cp": parallel_state.get_context_parallel_world_size()}
 
 
@@ -403,7 +404,8 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
             request["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=True,
                                                                        **_optimizer_metadata(engine))
             request["scheduler"] = engine.scheduler.state_dict()
-        if "rng" in contents and {"cp": 1, **meta["layout"]} == _layout():  # checkpoints before CP: no "cp"
+        # checkpoints written before CP and ETP have neither: cp was 1 and etp tp
+        if "rng" in contents and {"cp": 1, "etp": meta["layout"]["tp"], **meta["layout"]} == _layout():
             request["rng"] = _rng_object(None)
 
         loaded = dist_checkpointing.load(request, str(directory / "state"))
@@ -425,15 +427,15 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
 def hf_shapes_from_model(gpts, weight_maps, layout) -> dict[str, tuple[int, ...]]:
     """The HF tensor shapes of the whole model, worked out from the megatron parameters (collective
     over the pipeline group): for an engine built without HF weights, whose export needs them."""
-    from megarl.engine.weights import global_parameters
+    from megarl.engine.weights import global_parameters, tp_group_of
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     params = {name: p for gpt in gpts for name, p in global_parameters(gpt).items()}
     local = {}
     for wm in weight_maps:
         if wm.megatron in params:
             shard = torch.empty(params[wm.megatron].shape, device="meta")
-            for name, tensor in zip(wm.hf, wm.from_shards([shard] * tp)):
+            shards = [shard] * dist.get_world_size(tp_group_of(wm.megatron))  # experts: the expert-TP group
+            for name, tensor in zip(wm.hf, wm.from_shards(shards)):
                 local[name] = tuple(tensor.shape)
     per_stage: list = [None] * len(layout.ranks)
     dist.all_gather_object(per_stage, local, group=layout.group)

@@ -38,6 +38,7 @@ from megarl.engine.value_head import WithValueHead, attach_value_head, value_wei
 from megarl.models import get_family
 from megarl.models.decoder import decoder_block_spec
 from megarl.models.router import expert_bias_update_options, expert_load_metrics, reset_expert_load
+from megarl.parallel.stages import stage_layers
 from megarl.protocol import Batch
 
 
@@ -54,10 +55,8 @@ def _with_engine_options(config, actor: ActorConfig):
     if actor.parallel.sequence_parallel and config.tensor_model_parallel_size > 1:  # TP=1: nothing to split
         options["sequence_parallel"] = True
     if actor.parallel.vpp > 1:
-        layers_per_chunk = config.num_layers / (config.pipeline_model_parallel_size * actor.parallel.vpp)
-        if layers_per_chunk != int(layers_per_chunk):
-            raise ValueError(f"pp * vpp = {config.pipeline_model_parallel_size} * {actor.parallel.vpp} must divide "
-                             f"the {config.num_layers} layers")
+        p = actor.parallel
+        stage_layers(config.num_layers, p.pp, p.pp_first_stage_layers, p.pp_last_stage_layers, p.vpp)
         options["virtual_pipeline_model_parallel_size"] = actor.parallel.vpp
         # Measured: on gloo, the interleaved schedule's batched isend/irecv hands later micro-batches the
         # activations of earlier ones (training only); one-by-one p2p ops are correct. NCCL batches fine.
@@ -66,12 +65,28 @@ def _with_engine_options(config, actor: ActorConfig):
     if actor.recompute == "full":
         options |= dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif actor.recompute == "selective":
-        options |= dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+        options |= dict(recompute_granularity="selective", recompute_modules=actor.recompute_modules or ["core_attn"])
     elif actor.recompute != "none":
         raise ValueError(f"recompute={actor.recompute!r}: expected none, full or selective")
     if actor.moe_router_bias_update_rate:
         options |= expert_bias_update_options(config, actor.moe_router_bias_update_rate)
     return dataclasses.replace(config, **options) if options else config
+
+
+def _optimizer_config(actor: ActorConfig, params_dtype: torch.dtype, device: torch.device) -> OptimizerConfig:
+    """megatron's Adam (AdamW: decoupled weight decay) over the role's optim section, optionally distributed over
+    DP and with its state in host memory (actor.optimizer_cpu_offload)."""
+    o = actor.optim
+    if actor.optimizer_cpu_offload and not actor.use_distributed_optimizer:
+        raise ValueError("optimizer_cpu_offload needs use_distributed_optimizer (megatron offloads the distributed "
+                         "optimizer's state)")
+    # On the CPU the state is in host memory already (and megatron's HybridDeviceOptimizer moves GPU tensors only).
+    offload = actor.optimizer_cpu_offload and device.type == "cuda"
+    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                           clip_grad=o.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
+                           use_distributed_optimizer=actor.use_distributed_optimizer, optimizer_cpu_offload=offload,
+                           optimizer_offload_fraction=actor.optimizer_offload_fraction if offload else 0.0)
 
 
 def _params_dtype(precision: str, device: str) -> torch.dtype:
@@ -106,7 +121,10 @@ class MegatronEngine:
         self.params_dtype = _params_dtype(actor.precision, device)
         config = family.transformer_config(self.hf_config, tp, pp, self.params_dtype,
                                            use_cpu_initialization=device == "cpu",
-                                           ep=parallel_state.get_expert_model_parallel_world_size())
+                                           ep=parallel_state.get_expert_model_parallel_world_size(),
+                                           etp=parallel_state.get_expert_tensor_parallel_world_size(),
+                                           first_stage_layers=actor.parallel.pp_first_stage_layers,
+                                           last_stage_layers=actor.parallel.pp_last_stage_layers)
         config = _with_engine_options(config, actor)
         self.core_attention = resolve_core_attention(actor.attention, device, config.context_parallel_size)
         def spec(layer: int):  # each layer's spec by its global index (DeepSeek: dense layers, then MoE)
@@ -153,14 +171,8 @@ class MegatronEngine:
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = [m.no_sync for m in self.models] if len(self.models) > 1 else self.model.no_sync
 
+        self.optimizer = get_megatron_optimizer(_optimizer_config(actor, self.params_dtype, self.device), self.models)
         o = actor.optim
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                            clip_grad=o.clip_grad, bf16=self.params_dtype == torch.bfloat16,
-                            params_dtype=self.params_dtype,
-                            use_distributed_optimizer=actor.use_distributed_optimizer),
-            self.models)
         # Advanced once per policy train() call (one RL step), so warmup/decay count RL steps.
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
@@ -503,7 +515,9 @@ class MegatronEngine:
         remade += [p for p in params if id(p) in master_copied]
         kept = [p for p in params if id(p) not in master_copied] + (self._reference or [])
         kept += [t for m in self.models for t in offload.ddp_param_buffers(m)]
-        return kept + offload.optimizer_tensors(self.optimizer), remade
+        # State the optimizer keeps in host memory itself (actor.optimizer_cpu_offload) stays where it is.
+        kept += [t for t in offload.optimizer_tensors(self.optimizer) if t.device == self.device]
+        return kept, remade
 
     @property
     def offloaded(self) -> bool:

@@ -63,7 +63,7 @@ def _expert_owner(megatron_name: str, num_experts: int | None) -> int | None:
     return int(match.group(1)) // (num_experts // parallel_state.get_expert_model_parallel_world_size())
 
 
-def _tp_group_of(megatron_name: str):
+def tp_group_of(megatron_name: str):
     """Experts are sharded over megatron's expert-TP group, everything else over the TP group."""
     if _EXPERT.search(megatron_name):
         return parallel_state.get_expert_tensor_parallel_group()
@@ -79,7 +79,7 @@ def load_hf_weights(gpt, maps: list[WeightMap], checkpoint: SafetensorsCheckpoin
     with torch.no_grad():
         for name, param in params.items():
             wm = by_name[name]
-            group = _tp_group_of(name)
+            group = tp_group_of(name)
             shard = wm.to_shard([checkpoint.read(n) for n in wm.hf], dist.get_rank(group),
                                 dist.get_world_size(group))
             if shard.shape != param.shape:
@@ -125,7 +125,7 @@ def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_sha
         stage = layout.stage_of(wm.megatron)
         owner = _expert_owner(wm.megatron, num_experts)
         if stage == my_stage and owner in (None, my_ep_rank):
-            tp_group = _tp_group_of(wm.megatron)
+            tp_group = tp_group_of(wm.megatron)
             shard = params[wm.megatron].detach().contiguous()
             shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(shards, shard, group=tp_group)

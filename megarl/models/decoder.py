@@ -5,7 +5,8 @@ final norm).
 
 A family is a DecoderFamily subclass that switches on what it differs in (q/k/v biases, QK-norm, RoPE
 scaling, experts). Its four methods are what the engine calls:
-  transformer_config(hf, tp, pp, params_dtype, use_cpu_initialization, ep=1) -> TransformerConfig
+  transformer_config(hf, tp, pp, params_dtype, use_cpu_initialization, ep=1, etp=None, first_stage_layers=0,
+                     last_stage_layers=0) -> TransformerConfig
   layer_spec(hf, layer) -> megatron ModuleSpec of decoder layer `layer` (its GLOBAL 0-based index: layers may
                            differ, e.g. DeepSeek's dense first layers before its mixture-of-experts ones)
   gpt_model_kwargs(hf, tp) -> keyword arguments of GPTModel (vocab, RoPE, tying)
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megarl.models.norm import HeadNorm, HiddenNorm
 from megarl.models.sharding import (WeightMap, fused_gate_up, fused_qkv, padded_vocab_size, replicated,
                                     split_dim, vocab_rows)
+from megarl.parallel.stages import stage_layers
 
 
 def head_dim(hf: dict) -> int:
@@ -104,13 +106,15 @@ class DecoderFamily:
     # --- the engine's interface ----------------------------------------------------------------
 
     def transformer_config(self, hf: dict, tp: int, pp: int, params_dtype: torch.dtype,
-                           use_cpu_initialization: bool, ep: int = 1) -> TransformerConfig:
+                           use_cpu_initialization: bool, ep: int = 1, etp: int | None = None,
+                           first_stage_layers: int = 0, last_stage_layers: int = 0) -> TransformerConfig:
+        """etp: the experts' tensor-parallel size (None = tp); first/last_stage_layers: uneven pipeline stages
+        (0 = an even share; megarl/parallel/stages.py has the rule)."""
         self.check_supported(hf)
         if hf["num_key_value_heads"] % tp:
             raise ValueError(f"TP={tp} must divide num_key_value_heads={hf['num_key_value_heads']} "
                              f"(each TP rank holds whole query groups)")
-        if hf["num_hidden_layers"] % pp:
-            raise ValueError(f"PP={pp} must divide num_hidden_layers={hf['num_hidden_layers']}")
+        stage_layers(hf["num_hidden_layers"], pp, first_stage_layers, last_stage_layers)
         return TransformerConfig(
             num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
             num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
@@ -119,6 +123,9 @@ class DecoderFamily:
             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
             hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            num_layers_in_first_pipeline_stage=first_stage_layers or None,
+            num_layers_in_last_pipeline_stage=last_stage_layers or None,
             params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
             # The checkpoint overwrites megatron's random init, but keep it: megatron marks the
             # tensor-parallel attributes of weights only in its init functions, and the grad norm

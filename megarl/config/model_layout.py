@@ -1,0 +1,46 @@
+"""A training role's layout against its model's config.json: the checks that need the model (its layers, heads
+and experts), run by the dry run (`python -m megarl.train --dry-run`) before any worker starts, so a layout
+that cannot work is an error naming its key rather than a failure inside a training rank.
+"""
+
+from __future__ import annotations
+
+from megarl.config.validation import ConfigError
+from megarl.parallel.stages import stage_layers
+
+# config.json spellings of the routed-expert count: Qwen3-MoE, transformers >= 5, DeepSeek
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def num_routed_experts(hf: dict) -> int:
+    """The model's routed experts; 0 for a dense model."""
+    return next((hf[key] for key in _EXPERT_KEYS if hf.get(key)), 0)
+
+
+def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, ...]:
+    """Raise ConfigError naming the `role`'s key (e.g. actor.parallel.pp_first_stage_layers) whose layout the
+    model (its config.json `hf`, read from `where`) cannot take; returns the decoder layers of each stage."""
+    p, keys = section.parallel, f"{role}.parallel"
+    kv_heads = hf.get("num_key_value_heads") or hf.get("num_attention_heads", 1)
+    if kv_heads % p.tp:
+        raise ConfigError(f"{keys}.tp={p.tp} must divide num_key_value_heads={kv_heads} of {where} (each TP rank "
+                          "holds whole query groups)")
+    try:
+        stages = stage_layers(hf["num_hidden_layers"], p.pp, p.pp_first_stage_layers, p.pp_last_stage_layers,
+                              p.vpp, keys)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({where})") from None
+    experts = num_routed_experts(hf)
+    if not experts and (p.ep > 1 or p.etp > 1):
+        raise ConfigError(f"{keys}.ep={p.ep} and {keys}.etp={p.etp} split experts, and {where} has none (a dense "
+                          "model): leave them at 1 and 0")
+    if experts and experts % p.ep:
+        raise ConfigError(f"{keys}.ep={p.ep} must divide the {experts} routed experts of {where}")
+    expert_width = hf.get("moe_intermediate_size", 0)
+    if experts and expert_width % (p.etp or p.tp):
+        raise ConfigError(f"{keys}.etp={p.etp or p.tp} (0 = tp) must divide each expert's moe_intermediate_size="
+                          f"{expert_width} of {where}")
+    if "mla_up_proj" in section.recompute_modules and not hf.get("kv_lora_rank"):
+        raise ConfigError(f"{role}.recompute_modules: mla_up_proj needs multi-latent attention, which {where} "
+                          "does not have (no kv_lora_rank)")
+    return stages

@@ -1,0 +1,41 @@
+"""How many decoder layers each pipeline stage holds: megatron-core's uneven first/last stages.
+
+megatron-core's rule (TransformerConfig's num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage):
+the first and the last stage hold the counts given (each >= 1 when given), the stages between them split
+the remaining layers evenly, and every stage holds at least one layer; with virtual pipeline stages every
+stage's count is split evenly over its chunks. Nothing given: PP must divide the layers. 61 layers over PP 8,
+for example: first 5, last 8, six middle stages of 8; 94 over PP 16: first 5, last 5, fourteen of 6.
+
+Pure Python (no megatron import): the config check runs it before any model or process group exists.
+"""
+
+from __future__ import annotations
+
+
+def stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 0, vpp: int = 1,
+                 keys: str = "parallel") -> tuple[int, ...]:
+    """The decoder layers of each pipeline stage, in stage order. first/last: 0 = not set (an even share).
+    Raises ValueError naming the keys under `keys` (e.g. 'actor.parallel') that make the split impossible."""
+    given = f"{keys}.pp_first_stage_layers={first}, {keys}.pp_last_stage_layers={last}"
+    if first < 0 or last < 0:
+        raise ValueError(f"{given}: must be >= 0 (0 = an even share)")
+    if (first or last) and pp < 2:
+        raise ValueError(f"{given}: uneven pipeline stages need {keys}.pp > 1 (got {pp})")
+    middle = pp - bool(first) - bool(last)
+    rest = num_layers - first - last
+    if not (first or last):
+        if num_layers % pp:
+            raise ValueError(f"{keys}.pp={pp} does not divide num_hidden_layers={num_layers}: set "
+                             f"{keys}.pp_first_stage_layers and/or {keys}.pp_last_stage_layers (uneven stages)")
+        stages = (num_layers // pp,) * pp
+    elif middle == 0 and rest != 0 or middle > 0 and (rest < middle or rest % middle):
+        between = "no stage between them" if middle == 0 else f"{middle} stage(s) between them"
+        raise ValueError(f"{given} with {keys}.pp={pp}: the other {rest} of num_hidden_layers={num_layers} do not "
+                         f"split evenly into at least one layer per stage over the {between}")
+    else:
+        share = rest // middle if middle else 0
+        stages = (first or share,) + (share,) * (pp - 2) + (last or share,)
+    if vpp > 1 and any(count % vpp for count in stages):
+        raise ValueError(f"{keys}.vpp={vpp} must divide every stage's layers {stages} ({given}, {keys}.pp={pp}, "
+                         f"num_hidden_layers={num_layers})")
+    return stages
