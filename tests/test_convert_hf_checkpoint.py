@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from megarl.convert import main
 from megarl.models.hf_checkpoint import MTP_FILE, SafetensorsCheckpoint, export_config, iter_mtp_copy, save_mtp_copy
 from tests.dist_utils import run_distributed
+from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
 
 REPO = Path(__file__).resolve().parents[1]
 FP8_MAX = 448.0  # the largest float8_e4m3fn
@@ -122,8 +123,6 @@ def test_fp8_weights_read_as_their_blockwise_dequantized_values(tmp_path):
 @pytest.mark.parametrize("key, value", [("quant_method", "awq"), ("fmt", "e5m2"), ("activation_scheme", "static"),
                                         ("weight_block_size", None), ("weight_block_size", [128])])
 def test_other_quantization_configs_are_refused_by_key_and_file(tmp_path, capsys, key, value):
-    from tests.engine.hf_models import make_qwen2_dir
-
     hf = Path(make_qwen2_dir(tmp_path / "hf", tied=False))
     config = json.loads((hf / "config.json").read_text())
     config["quantization_config"] = {**fp8_config(), key: value}
@@ -212,7 +211,6 @@ def deepseek_dir(path: Path, version: str) -> str:
 def _logprobs_rank(rank, model_dirs: list[str], precision: str):
     from megarl.config import ActorConfig, AlgorithmConfig
     from megarl.engine import MegatronEngine
-    from tests.engine.hf_models import padded_batch
 
     out = []
     for model_dir in model_dirs:
@@ -310,11 +308,11 @@ def test_deepseek_converts_both_ways_bitwise(tmp_path, version, tp, pp, ep):
                 "topk_method": "noaux_tc" if version == "v3" else "greedy",
                 "num_nextn_predict_layers": 1 if version == "v3" else 0}
     assert {k: config[k] for k in expected} == expected
+    batch = padded_batch(rows=4)  # transformers reads the exported directory as it reads the source
+    assert torch.equal(hf_logprobs_entropy(str(tmp_path / "out"), batch)[0], hf_logprobs_entropy(str(source), batch)[0])
 
 
 def test_unsupported_architectures_fail_naming_the_model_type(tmp_path, capsys):
-    from tests.engine.hf_models import make_qwen2_dir
-
     hf = Path(make_qwen2_dir(tmp_path / "hf", tied=False))
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"],
