@@ -17,7 +17,8 @@ computes the same with these choices made here:
 - Down projections (q_a, kv_a) are replicated on every TP rank, as with TransformerEngine's "duplicated" linear
   (megatron's local spec makes them column-parallel and gathers their output back every forward); the up
   projections (q_b or q_proj, kv_b) are column-parallel by head and o_proj row-parallel. So TP must divide
-  num_attention_heads only.
+  num_attention_heads only. The rope key shared by all heads gets its gradient summed over TP (DeepseekMLA:
+  megatron does so only under sequence parallelism).
 - RoPE: DeepSeek's checkpoints keep each head's rope dims as interleaved pairs (x0, x1), (x2, x3) ...;
   transformers (V3's apply_rotary_pos_emb_interleave, V2's complex multiply) rotates each pair by one
   frequency. megatron's MLA does exactly that (its apply_rotary_pos_emb de-interleaves when
@@ -47,11 +48,13 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 from megatron.core.models.common.embeddings import _yarn_get_mscale
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -91,6 +94,42 @@ def patch_mla_without_te() -> None:
 
     if not transformer_engine.HAVE_TE:
         multi_latent_attention.HAVE_TE = False
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced over the TP group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class DeepseekMLA(MLASelfAttention):
+    """megatron's MLA with the shared rope key's gradient summed over TP also without sequence parallelism.
+
+    The rope key comes out of the replicated kv down projection whole on every TP rank, and each rank's heads
+    use it: its gradient is partial per rank. megatron sums it only through the sequence-parallel gather it applies
+    under SP (whose backward is a reduce-scatter); at TP > 1 without SP the down projection and everything before
+    it would get a partial gradient. Here the rope slice of the projection's output passes _SumGradOverTP in that
+    case (megatron's own copy-to-TP-region would not do: its all-reduce works on `grad.contiguous()` and returns
+    the original, so the slice's non-contiguous gradient comes back unreduced)."""
+
+    def __init__(self, config, submodules, layer_number, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        if self.tp_group.size() > 1 and not config.sequence_parallel:
+            self.linear_kv_down_proj.register_forward_hook(self._sum_rope_key_grad_over_tp)
+
+    def _sum_rope_key_grad_over_tp(self, module, args, output):
+        kv, bias = output
+        latent, rope_key = kv.split([self.config.kv_lora_rank, self.config.qk_pos_emb_head_dim], dim=-1)
+        return torch.cat([latent, _SumGradOverTP.apply(rope_key, self.tp_group)], -1), bias
 
 
 class MLADotProductAttention(DotProductAttention):
