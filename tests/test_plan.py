@@ -1,10 +1,18 @@
-"""The planner: published parameter totals, hand-computed traffic and memory, the CLI and its errors."""
+"""The planner: published parameter totals, hand-computed traffic and memory, uneven stages, EP/ETP, optimizer
+offload, the layouts that fit, agreement with recorded GPU peaks, the CLI and its errors."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 from megarl.reshard.inventory import hf_inventory
-from megarl.reshard.layout import TrainLayout
-from megarl.reshard.plan import kv_bytes_per_token, load_model_config, main, parse_layout, plan
+from megarl.reshard.layout import GenLayout, TrainLayout
+from megarl.reshard.memory import GiB, MemorySettings, predict_peak, rank_memory, stage_params
+from megarl.reshard.plan import (default_stage_split, fitting_layouts, kv_bytes_per_token, load_model_config, main,
+                                 parse_layout, plan, train_layout)
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-7b", 7.616),
@@ -20,38 +28,148 @@ def test_parameter_totals_match_the_published_sizes(name, billions):
 TINY = dict(model_type="llama", vocab_size=6, hidden_size=4, intermediate_size=8, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 SPLIT_PER_LAYER, NORMS_PER_LAYER = 16 + 8 + 8 + 16 + 32 * 3, 8
+# The same with 8 routed experts of FFN 2 in every layer (qwen3_moe: q/k norms of head_dim 1 beside them).
+TINY_MOE = dict(TINY, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=2,
+                head_dim=1)
+EXPERT = 3 * 2 * 4  # gate, up, down: 2 x 4 each
 
 
 def test_traffic_by_hand():
     # TP 2 -> 1: each rank lacks the other half of every split tensor (bf16: 2 bytes), norms it has.
-    r = plan(TINY, TrainLayout(2, 1, 1, 2), gen_tp=1)["ranks"]
+    r = plan(TINY, TrainLayout(2, 1, 1, 2), gen=1)["ranks"]
     split = 24 + 24 + 2 * SPLIT_PER_LAYER
     assert [x["sharded_recv"] for x in r] == [split // 2 * 2] * 2 == [x["sharded_send"] for x in r]
     # TP 2 -> 2: the generation shard is the training shard; full delivery still needs the other half.
-    r = plan(TINY, TrainLayout(2, 1, 1, 2), gen_tp=2)["ranks"]
+    r = plan(TINY, TrainLayout(2, 1, 1, 2), gen=2)["ranks"]
     assert [x["sharded_recv"] for x in r] == [0, 0] and [x["full_recv"] for x in r] == [split, split]
     # PP 2 -> TP 1: stage 0 (embedding + layer 0) lacks layer 1 + norm + head, stage 1 the rest.
-    r = plan(TINY, TrainLayout(1, 2, 1, 2), gen_tp=1)["ranks"]
+    r = plan(TINY, TrainLayout(1, 2, 1, 2), gen=1)["ranks"]
     stage0 = 24 + SPLIT_PER_LAYER + NORMS_PER_LAYER
     stage1 = SPLIT_PER_LAYER + NORMS_PER_LAYER + 4 + 24
     assert [x["full_recv"] for x in r] == [2 * stage1, 2 * stage0] == [x["full_send"] for x in r][::-1]
     # TP 1, DP 2 -> TP 2 sharded: every rank already holds everything.
-    r = plan(TINY, TrainLayout(1, 1, 2, 2), gen_tp=2)["ranks"]
+    r = plan(TINY, TrainLayout(1, 1, 2, 2), gen=2)["ranks"]
     assert [x["sharded_recv"] for x in r] == [0, 0] and [x["full_recv"] for x in r] == [0, 0]
 
 
 def test_memory_by_hand():
-    r = plan(TINY, TrainLayout(2, 1, 2, 2), gen_tp=4, seq_len=8, micro_batch=1, kv_tokens=10,
-             distributed_optimizer=True)["ranks"]
+    s = MemorySettings(seq_len=8, micro_batch=1, distributed_optimizer=True, sequence_parallel=False)
+    m = rank_memory(TINY, TrainLayout(2, 1, 2, 2), 0, s)
     params = (24 + 24 + 2 * SPLIT_PER_LAYER) // 2 + 2 * NORMS_PER_LAYER + 4
-    assert r[0]["params"] == params and r[0]["weights"] == 2 * params and r[0]["grads"] == 4 * params
-    assert r[0]["optimizer"] == 12 * params / 2
-    assert r[0]["activations"] == 8 * 4 * (10 + 24 / 2) * 2  # s*b*h*(10+24/TP) * layers
-    # CP 2 (of the 2 replicas): half of each sequence's activations per rank, the same weights and optimizer
-    cp = plan(TINY, TrainLayout(2, 1, 2, 2), gen_tp=4, seq_len=8, distributed_optimizer=True, cp=2)["ranks"]
-    assert cp[0]["activations"] == r[0]["activations"] / 2 and cp[0]["optimizer"] == r[0]["optimizer"]
+    assert m["params"] == params and m["weights"] == 2 * params and m["grads"] == 4 * params
+    assert m["optimizer"] == 12 * params / 2 and m["host"] == 0
+    # Per layer and token (h=4, q=4, kv=2, F=8, TP=2, bf16): two norms' inputs and outputs 4*2*4, QKV buffer +
+    # rotated Q, K + output 2*(8+6+4)/2, fp32 log-sum-exp 4*4/2, MLP 2*4*8/2: 32+18+8+32 = 90 bytes; 8 tokens.
+    layer = 8 * (32 + 18 + 8 + 32)
+    assert m["activations"] == 2 * layer
+    assert m["logits"] == 8 * 8 * 3  # fp32 logits and their gradient over 3 of the 6 vocabulary rows
+    assert m["backward_working"] == layer
+    assert m["peak"] == m["static"] + m["activations"] + m["logits"] + m["backward_working"]
+    # CP 2 (of the 2 replicas): half of each sequence's activations, the same weights and optimizer.
+    cp = rank_memory(TINY, TrainLayout(2, 1, 2, 2), 0, s, cp=2)
+    assert cp["activations"] == m["activations"] / 2 and cp["optimizer"] == m["optimizer"]
+    # Full recompute keeps each layer's input (2*4 bytes a token) and recomputes one layer in its backward.
+    full = rank_memory(TINY, TrainLayout(2, 1, 2, 2), 0, MemorySettings(seq_len=8, recompute="full",
+                                                                         sequence_parallel=False))
+    assert full["activations"] == 2 * 8 * 8 and full["backward_working"] == 2 * layer
     # K/V at generation TP 4 with 2 KV heads: each rank keeps one head (2 layers * K,V * head_dim 1 * bf16)
-    assert r[0]["kv_cache"] == 10 * 2 * 2 * 1 * 1 * 2
+    assert plan(TINY, TrainLayout(2, 1, 2, 2), 4, kv_tokens=10)["ranks"][0]["kv_cache"] == 10 * 2 * 2 * 1 * 1 * 2
+
+
+def test_pipeline_keeps_one_micro_batch_in_flight_per_later_stage():
+    s = MemorySettings(seq_len=8, sequence_parallel=False)
+    acts = [rank_memory(TINY, TrainLayout(1, 2, 1, 2), p, s)["activations"] for p in range(2)]
+    assert acts[0] == 2 * acts[1]  # 1F1B: stage 0 holds PP = 2 micro-batches, the last stage one
+    one = rank_memory(TINY, TrainLayout(1, 2, 1, 2), 0, MemorySettings(seq_len=8, micro_batches=1))
+    assert one["activations"] == acts[1]
+
+
+@pytest.mark.parametrize("model,pp,stages", [
+    ("deepseek-v3", 8, (7, 8, 8, 8, 8, 8, 8, 6)),
+    ("deepseek-v3", 16, (3,) + (4,) * 14 + (2,)),
+    ("qwen3-235b-a22b", 4, (23, 24, 24, 23)),
+    ("qwen3-235b-a22b", 16, (5,) + (6,) * 14 + (5,))])
+def test_uneven_stages_plan_with_the_split_shown(model, pp, stages, capsys):
+    hf = load_model_config(model)
+    assert train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=1, ep=1, etp=1)).stage_layers == stages
+    main(["--model", model, "--train", f"tp=1,pp={pp},dp=8,ep=8", "--gen", "tp=8,ep=8", "--distributed-optimizer"])
+    out = capsys.readouterr().out
+    assert f"pipeline stages (decoder layers): {','.join(map(str, stages))}" in out
+    assert f"pp_first_stage_layers={stages[0]} pp_last_stage_layers={stages[-1]}" in out
+    assert "recompute: none" in out and "micro-batch: 1 x 4096 tokens" in out and "dtype: bf16 weights" in out
+    per_gpu = float(out.split("per-GPU peak: ")[1].split()[0]) * GiB
+    # Each routed expert sits on one of the 8 EP ranks of its stage, not on all of them.
+    ep8, ep1 = (train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=8, ep=ep, etp=1)) for ep in (8, 1))
+    assert per_gpu == pytest.approx(predict_peak(hf, ep8, MemorySettings(distributed_optimizer=True)), rel=1e-3)
+    assert 8 * stage_params(hf, ep8, 1)[1] == stage_params(hf, ep1, 1)[1] > 0
+    # A split given by hand is the one planned; one megatron cannot build names the key.
+    given = train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=1, ep=1, etp=1), stages[0] - 1, stages[-1] + 1)
+    assert given.stage_layers == (stages[0] - 1,) + stages[1:-1] + (stages[-1] + 1,)
+    with pytest.raises(ValueError, match="--pp-first-stage-layers=1 --pp-last-stage-layers=2"):
+        train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=1, ep=1, etp=1), 1, 2)
+
+
+def test_default_split_rule():
+    assert default_stage_split(61, 8) == (7, 6) and default_stage_split(61, 16) == (3, 2)
+    assert default_stage_split(64, 8) == (0, 0) and default_stage_split(61, 2) == (31, 30)
+    assert default_stage_split(9, 8) == (2, 1)  # middle stages of one layer, first and last the rest
+
+
+def test_expert_parallelism_divides_expert_memory_by_hand():
+    # 4 ranks, TP 2 x DP 2; 2 layers of 8 experts of 24 parameters each.
+    dense_per_rank = (24 + 24 + 2 * (16 + 8 + 8 + 16)) // 2 + 2 * (NORMS_PER_LAYER + 2 + 8 * 4) + 4
+    for ep, etp, experts_held in [(4, 1, 2), (2, 2, 4), (2, 1, 4), (1, 2, 8)]:
+        train = TrainLayout(2, 1, 2, 2, ep=ep, etp=etp)
+        dense, expert = stage_params(TINY_MOE, train, 0)
+        assert dense == dense_per_rank, (ep, etp)
+        assert expert == 2 * experts_held * EXPERT // etp, (ep, etp)
+        # the distributed optimizer shards experts over the expert-DP group: world / (ETP x EP)
+        m = rank_memory(TINY_MOE, train, 0, MemorySettings(distributed_optimizer=True))
+        assert m["optimizer"] == 12 * (dense / 2 + expert / (4 // (etp * ep)))
+
+
+def test_offload_moves_exactly_the_optimizer_bytes_to_host():
+    train = TrainLayout(2, 1, 2, 2, ep=2, etp=1)
+    on_gpu = rank_memory(TINY_MOE, train, 0, MemorySettings(distributed_optimizer=True))
+    off = rank_memory(TINY_MOE, train, 0, MemorySettings(distributed_optimizer=True, optimizer_offload=True))
+    half = rank_memory(TINY_MOE, train, 0, MemorySettings(distributed_optimizer=True, optimizer_offload=True,
+                                                          offload_fraction=0.5))
+    assert off["optimizer"] == 0 and off["host"] == on_gpu["optimizer"] * 16 / 12  # + the fp32 grad copy
+    assert half["optimizer"] == on_gpu["optimizer"] / 2 and half["host"] == off["host"] / 2
+    assert (off["weights"], off["grads"], off["activations"]) == (on_gpu["weights"], on_gpu["grads"],
+                                                                  on_gpu["activations"])
+    assert off["step_transient"] == 0 < on_gpu["step_transient"]
+    with pytest.raises(ValueError, match="distributed_optimizer"):
+        MemorySettings(optimizer_offload=True)
+
+
+def test_gpus_and_memory_list_only_layouts_that_fit(capsys):
+    hf = load_model_config("qwen2.5-7b")
+    settings = MemorySettings(seq_len=2048, distributed_optimizer=True)
+    budget = 40 * GiB
+    found = fitting_layouts(hf, 8, budget, settings)
+    assert found and all(r["peak"] <= budget for r in found)
+    for r in found:  # the peak listed is the layout's own prediction
+        train = TrainLayout(r["tp"], r["pp"], r["dp"], 28, r["stage_layers"])
+        assert predict_peak(hf, train, settings) == r["peak"]
+    assert (1, 1) not in {(r["tp"], r["pp"]) for r in found}  # all on every GPU needs ~19 B x 7.6B
+    assert predict_peak(hf, TrainLayout(1, 1, 8, 28), settings) > budget
+    main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer"])
+    out = capsys.readouterr().out
+    assert f": {len(found)}, best first" in out and out.count("  --train tp=") == min(len(found), 10)
+
+
+@pytest.mark.parametrize("run", ["2026-11-22_engine_h200x2_dp2_sdpa", "2026-11-22_engine_h200x2_cp2_sdpa",
+                                 "2026-11-22_engine_h200x2_tp2_varlen"])
+def test_predicts_recorded_gpu_peaks_within_15_percent(run):
+    """benchmarks/engine_throughput.py's measured torch.cuda.max_memory_allocated() (docs/results)."""
+    d = json.loads((RESULTS / f"{run}.json").read_text())
+    layout, args = d["layout"], d["args"]
+    train = TrainLayout(layout["tp"], layout["pp"], layout["cp"] * layout["dp"], d["model"]["num_hidden_layers"])
+    settings = MemorySettings(seq_len=args["seq"], micro_batch=args["max_tokens"] // args["seq"],
+                              sequence_parallel=d["sequence_parallel"])
+    predicted = predict_peak(d["model"], train, settings, layout["cp"]) / GiB
+    assert predicted == pytest.approx(d["engine"]["peak_memory_gib"], rel=0.15)
 
 
 def test_kv_cache_per_token():
@@ -59,14 +177,23 @@ def test_kv_cache_per_token():
     assert kv_bytes_per_token(load_model_config("deepseek-v3"), 8) == 61 * (512 + 64) * 2
 
 
-def test_cli_prints_every_rank(capsys):
+def test_generation_expert_parallelism_holds_a_block_of_experts():
+    tp = plan(TINY_MOE, TrainLayout(2, 1, 2, 2), GenLayout(2, 1), traffic=False)["ranks"]
+    ep = plan(TINY_MOE, TrainLayout(2, 1, 2, 2), GenLayout(2, 2), traffic=False)["ranks"]
+    # TP 2 cuts each of the 8 experts in halves; EP 2 gives each rank 4 whole experts of each layer instead
+    assert tp[0]["gen_weights"] == ep[0]["gen_weights"] == ep[1]["gen_weights"]
+    dense = (24 + 24 + 2 * (16 + 8 + 8 + 16)) // 2 + 2 * (NORMS_PER_LAYER + 2 + 8 * 4) + 4
+    assert ep[0]["gen_weights"] == 2 * (dense + 2 * 4 * EXPERT)
+
+
+def test_cli_prints_every_stage(capsys):
     main(["--model", "qwen2.5-7b", "--train", "tp=2,pp=2,dp=1", "--gen", "tp=4"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("qwen2.5-7b: 7.62B parameters")
-    assert [line.split()[0] for line in lines[3:]] == ["0", "1", "2", "3"]
+    table = lines.index(next(x for x in lines if x.startswith("stage layers")))
+    assert [line.split()[:2] for line in lines[table + 1:table + 3]] == [["0", "14"], ["1", "14"]]
     main(["--model", "qwen2.5-7b", "--train", "tp=2,cp=2,dp=2", "--gen", "tp=4"])
-    lines = capsys.readouterr().out.splitlines()
-    assert "train TP=2 PP=1 CP=2 DP=2 (8 GPUs)" in lines[0] and len(lines) == 3 + 8
+    assert "train TP=2 PP=1 CP=2 DP=2 EP=1 ETP=2 (8 GPUs)" in capsys.readouterr().out
 
 
 def test_errors_name_the_problem():
@@ -75,6 +202,18 @@ def test_errors_name_the_problem():
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         load_model_config("no-such-model")
     with pytest.raises(ValueError, match="generation TP=3"):
-        plan(TINY, TrainLayout(2, 1, 2, 2), gen_tp=3)
+        plan(TINY, TrainLayout(2, 1, 2, 2), gen=3)
     with pytest.raises(ValueError, match="does not divide its 3 heads"):
         plan(dict(TINY, num_key_value_heads=3, num_attention_heads=3, hidden_size=6), TrainLayout(2, 1, 1, 2), 2)
+    with pytest.raises(ValueError, match="ep=3 does not divide the 8 routed experts"):
+        train_layout(TINY_MOE, dict(tp=1, pp=1, cp=1, dp=3, ep=3, etp=1))
+    with pytest.raises(ValueError, match="ep=2: model_type='llama' has no routed experts"):
+        train_layout(TINY, dict(tp=1, pp=1, cp=1, dp=2, ep=2, etp=1))
+    with pytest.raises(ValueError, match="ETP=2 x EP=4"):
+        train_layout(TINY_MOE, dict(tp=2, pp=1, cp=1, dp=2, ep=4, etp=2))
+    with pytest.raises(ValueError, match="generation EP=3"):
+        GenLayout(4, 3)
+    with pytest.raises(ValueError, match="recompute='some'"):
+        MemorySettings(recompute="some")
+    with pytest.raises(SystemExit, match="ep=3 does not divide"):
+        main(["--model", "deepseek-v3", "--train", "tp=1,pp=1,dp=3,ep=3"])

@@ -1,19 +1,19 @@
 """Layout planner: per-GPU memory and per-rank weight-sync traffic, on paper, before asking for GPUs.
 
-    python -m megarl.plan --model deepseek-v3 --train tp=8,pp=16,dp=2 --gen tp=8
+    python -m megarl.plan --model deepseek-v3 --train tp=1,pp=16,dp=8,ep=8 --gen tp=8,ep=8 \\
+        --distributed-optimizer --recompute full --seq-len 8192
+    python -m megarl.plan --model qwen3-235b-a22b --gpus 32 --gpu-mem 90 --optimizer-offload --recompute full
 
---train also takes cp=N (context parallelism): activations divided by CP; CP ranks hold the same weights as
-DP ones, so the distributed optimizer shards over CP x DP and the weight sync counts them as replicas.
-
---model takes a HF config.json path or a name in configs/models/. Memory per training rank: bf16
-weights, fp32 grads (megatron's grad_reduce_in_fp32), Adam (fp32 master copy + two moments: 12 B per
-parameter, divided over DP with --distributed-optimizer), and an activation estimate (Korthikanti et
-al. 2022, no recomputation, attention scores not stored: s*b*h*(10 + 24/TP) bytes per layer and
-micro-batch, with PP micro-batches in flight on the first stage of 1F1B; dense-MLP sizing, so MoE
-layers are rough). Per generation rank: its TP shard of the weights and the KV cache for --kv-tokens.
-Sync traffic comes from megarl.reshard's own transfer plan, for both deliveries: "full"
-(whole HF tensors to every rank, which the engine slices) and "sharded" (only the generation TP
-shard, minus the rows the rank already holds).
+--train takes tp, pp, dp, cp (context parallelism), ep (expert parallelism) and etp (each expert's TP;
+default tp); --gen takes tp and ep (SGLang's --tp-size/--ep-size). A layer count PP does not divide is
+split megatron's way (uneven first/last stages): give --pp-first-stage-layers/--pp-last-stage-layers, or
+the planner picks the stages between them with ceil(layers / PP) each and splits the rest over the first
+and the last (61 over PP 8: 7 + 6 x 8 + 6). With --gpus N --gpu-mem GiB it lists the layouts of N GPUs
+whose predicted per-GPU peak fits (and, with --host-mem, whose offloaded optimizer fits each node's host
+memory), best first. --model takes a HF config.json path or a name in configs/models/. The memory model
+and its assumptions are megarl/reshard/memory.py's (docs/planner.md); sync traffic comes from
+megarl.reshard's own transfer plan, for both deliveries ("full": whole HF tensors to every rank;
+"sharded": only the rank's generation shard, minus what it holds).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import json
 from pathlib import Path
 
 from megarl.reshard.inventory import TensorSpec, hf_inventory
-from megarl.reshard.layout import DELIVERIES, TrainLayout, generation_ranks
+from megarl.reshard.layout import DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks
+from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
-GiB = 1 << 30
+TRAIN_KEYS, GEN_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp"), ("tp", "ep")
 
 
 def load_model_config(model: str) -> dict:
@@ -43,22 +44,63 @@ def load_model_config(model: str) -> dict:
 
 
 def parse_layout(text: str, keys: tuple[str, ...]) -> dict[str, int]:
-    """'tp=2,pp=2,dp=4' -> {'tp': 2, 'pp': 2, 'dp': 4}; missing keys default to 1."""
+    """'tp=2,pp=2,dp=4' -> {'tp': 2, 'pp': 2, 'dp': 4, ...}; missing keys default to 1 (etp to tp)."""
     layout = dict.fromkeys(keys, 1)
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
         if key not in keys or not value.isdigit() or int(value) < 1:
             raise ValueError(f"bad layout entry {part!r} in {text!r}: expected {', '.join(k + '=N' for k in keys)}")
         layout[key] = int(value)
+    if "etp" in keys and "etp=" not in text:
+        layout["etp"] = layout["tp"]
     return layout
 
 
-def _shard_numel(specs: list[TensorSpec], tp: int, tp_rank: int) -> int:
-    total = 0
-    for s in specs:
-        lo, hi = s.rows(tp, tp_rank)
-        total += (hi - lo) * s.row_numel
-    return total
+def default_stage_split(num_layers: int, pp: int) -> tuple[int, int]:
+    """(first, last) stage layer counts for PP that does not divide the layers: the stages between get
+    ceil(layers / PP) each, the first and last the rest, the first the larger half (the last also holds the
+    output layer and the logits); (0, 0) when PP divides the layers."""
+    if num_layers % pp == 0:
+        return 0, 0
+    if pp == 2:
+        return num_layers - num_layers // 2, num_layers // 2
+    share = -(-num_layers // pp)
+    while num_layers - (pp - 2) * share < 2:
+        share -= 1
+    if share < 1:
+        raise ValueError(f"pp={pp} is more pipeline stages than num_hidden_layers={num_layers}")
+    rest = num_layers - (pp - 2) * share
+    return rest - rest // 2, rest // 2
+
+
+def stage_split(num_layers: int, pp: int, first: int = 0, last: int = 0) -> tuple[int, ...]:
+    """Decoder layers per stage by megatron's rule (num_layers_in_first/last_pipeline_stage): the first and
+    last as given (0: an even share), the stages between them equal; neither given: default_stage_split."""
+    if not (first or last):
+        first, last = default_stage_split(num_layers, pp)
+        if not first:
+            return (num_layers // pp,) * pp
+    middle, rest = pp - bool(first) - bool(last), num_layers - first - last
+    given = f"--pp-first-stage-layers={first} --pp-last-stage-layers={last}"
+    if pp < 2 or first < 0 or last < 0 or (rest if not middle else rest < middle or rest % middle):
+        raise ValueError(f"{given} (actor.parallel.pp_first_stage_layers / pp_last_stage_layers) with pp={pp}: the "
+                         f"other {rest} of num_hidden_layers={num_layers} do not split evenly over the {middle} "
+                         f"stage(s) between them, at least one layer each")
+    share = rest // middle if middle else 0
+    return (first or share,) + (share,) * (pp - 2) + (last or share,)
+
+
+def train_layout(hf: dict, t: dict[str, int], first: int = 0, last: int = 0) -> TrainLayout:
+    """The TrainLayout of a parsed --train (t['dp'] the DP size; TrainLayout.dp counts CP x DP), with its
+    stage split: first/last as given, else default_stage_split."""
+    layers = hf["num_hidden_layers"]
+    stages = stage_split(layers, t["pp"], first, last)
+    experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
+    if t["ep"] > 1 and not experts:
+        raise ValueError(f"ep={t['ep']}: model_type={hf.get('model_type')!r} has no routed experts")
+    if experts and experts % t["ep"]:
+        raise ValueError(f"ep={t['ep']} does not divide the {experts} routed experts")
+    return TrainLayout(t["tp"], t["pp"], t["cp"] * t["dp"], layers, stages, ep=t["ep"], etp=t["etp"])
 
 
 def kv_bytes_per_token(hf: dict, gen_tp: int, itemsize: int = 2) -> int:
@@ -72,69 +114,179 @@ def kv_bytes_per_token(hf: dict, gen_tp: int, itemsize: int = 2) -> int:
     return layers * 2 * max(1, kv // gen_tp) * head_dim * itemsize
 
 
-def plan(hf: dict, train: TrainLayout, gen_tp: int, seq_len: int = 4096, micro_batch: int = 1,
-         kv_tokens: int = 65536, distributed_optimizer: bool = False, cp: int = 1) -> dict:
-    """Per-rank memory (bytes) and sync traffic; everything main() prints. `train.dp` counts the CP x DP
-    replicas (as the resharder does); `cp` of them split each sequence."""
-    generation_ranks(train, gen_tp)
+def _gen_params(specs: list[TensorSpec], gen: GenLayout, rank: int) -> int:
+    total = 0
+    for spec in specs:
+        rows = gen.rows(spec, rank)
+        if rows is not None:
+            total += (rows[1] - rows[0]) * spec.row_numel
+    return total
+
+
+def plan(hf: dict, train: TrainLayout, gen: int | GenLayout, settings: MemorySettings = MemorySettings(),
+         kv_tokens: int = 65536, cp: int = 1, traffic: bool = True) -> dict:
+    """Everything main() prints: per-stage training memory (memory.stage_memory), and per rank its generation
+    weights, KV cache and sync traffic (bytes). `train.dp` counts the CP x DP replicas; `cp` of them split
+    each sequence."""
+    gen = as_generation(gen)
+    generation_ranks(train, gen)
     specs = hf_inventory(hf)
-    by_stage: dict[int, list[TensorSpec]] = {}
-    for s in specs:
-        by_stage.setdefault(train.stage(s), []).append(s)
-    h = hf["hidden_size"]
-    activations = (seq_len / cp * micro_batch * h * (10 + 24 / train.tp) * (train.num_layers // train.pp)
-                   * train.pp)
-    traffic = {d: transfer_bytes(specs, train, gen_tp, d, itemsize=2) for d in DELIVERIES}
+    stages = stage_memory(hf, train, settings, cp)
+    by_gen_rank = [_gen_params(specs, gen, t) for t in range(gen.tp)]
+    moved = {d: transfer_bytes(specs, train, gen, d, itemsize=2) for d in DELIVERIES} if traffic else {}
     ranks = []
     for rank in range(train.world):
-        t, _, p = train.coords(rank)
-        params = _shard_numel(by_stage.get(p, []), train.tp, t)
-        optimizer = 12 * params / (train.dp if distributed_optimizer else 1)
-        gen_params = _shard_numel(specs, gen_tp, rank % gen_tp)
-        ranks.append(dict(
-            rank=rank, tp=t, pp=p, params=params, weights=2 * params, grads=4 * params, optimizer=optimizer,
-            activations=activations if p == 0 else activations * (train.pp - p) / train.pp,
-            gen_weights=2 * gen_params, kv_cache=kv_bytes_per_token(hf, gen_tp) * kv_tokens,
-            **{f"{d}_recv": traffic[d][0][rank] for d in DELIVERIES},
-            **{f"{d}_send": traffic[d][1][rank] for d in DELIVERIES}))
-    return dict(total_params=sum(s.numel for s in specs), ranks=ranks)
+        row = dict(rank=rank, stage=train.coords(rank)[2], gen_weights=2 * by_gen_rank[rank % gen.tp],
+                   kv_cache=kv_bytes_per_token(hf, gen.tp) * kv_tokens)
+        for d, (recv, sent) in moved.items():
+            row |= {f"{d}_recv": recv[rank], f"{d}_send": sent[rank]}
+        ranks.append(row)
+    return dict(total_params=sum(s.numel for s in specs), stages=stages, ranks=ranks,
+                peak=max(s["peak"] for s in stages))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fitting_layouts(hf: dict, gpus: int, gpu_mem: float, settings: MemorySettings, host_mem: float = 0.0,
+                    gpus_per_node: int = 8, cp: int = 1) -> list[dict]:
+    """Layouts of `gpus` GPUs (TP within a node, default stage splits, ETP 1 or TP) whose predicted per-GPU
+    peak fits `gpu_mem` bytes (and whose offloaded optimizer fits `host_mem` bytes per node, when given), best
+    first: the least model parallelism (TP x PP x CP; more data parallelism), then fewer pipeline stages, then
+    the least expert parallelism, then the lowest peak."""
+    experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
+    found = []
+    for tp in [d for d in _divisors(gpus) if d <= gpus_per_node]:
+        for pp in [d for d in _divisors(gpus // tp) if d <= hf["num_hidden_layers"]]:
+            if (gpus // (tp * pp)) % cp:
+                continue
+            dp = gpus // (tp * pp * cp)
+            for ep in [d for d in _divisors(experts or 1) if (gpus // pp) % d == 0]:
+                for etp in sorted({1, tp}) if experts else [tp]:
+                    t = dict(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, etp=etp)
+                    try:
+                        train = train_layout(hf, t)
+                        peak = predict_peak(hf, train, settings, cp)
+                    except ValueError:  # a split this model cannot take (heads, experts, stages)
+                        continue
+                    host = host_per_node(hf, train, settings, gpus_per_node, cp) if settings.optimizer_offload else 0
+                    if peak <= gpu_mem and (not host_mem or host <= host_mem):
+                        found.append(dict(t, stage_layers=train.stage_layers, peak=peak, host_per_node=host))
+    return sorted(found, key=lambda r: (r["tp"] * r["pp"] * r["cp"], r["pp"], r["ep"], r["peak"]))
 
 
 def _gib(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
 
+def _print_assumptions(settings: MemorySettings, tp: int, cp: int, kv_tokens: int | None) -> None:
+    print("assumptions:")
+    for line in settings.describe(tp, cp) + ([f"generation KV cache: {kv_tokens} tokens per rank"]
+                                            if kv_tokens else []):
+        print(f"  - {line}")
+
+
+def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout, settings: MemorySettings,
+                kv_tokens: int, gpus_per_node: int) -> None:
+    result = plan(hf, train, gen, settings, kv_tokens, t["cp"])
+    print(f"{name}: {result['total_params'] / 1e9:.2f}B parameters; train TP={train.tp} PP={train.pp} CP={t['cp']} "
+          f"DP={t['dp']} EP={train.ep} ETP={train.etp} ({train.world} GPUs), generation TP={gen.tp} EP={gen.ep} "
+          f"DP={train.world // gen.tp}")
+    first, last = train.stage_layers[0], train.stage_layers[-1]
+    print(f"pipeline stages (decoder layers): {','.join(map(str, train.stage_layers))}"
+          + (f" (actor.parallel.pp_first_stage_layers={first} pp_last_stage_layers={last})"
+             if len(set(train.stage_layers)) > 1 else ""))
+    _print_assumptions(settings, train.tp, t["cp"], kv_tokens)
+    print("per-GPU training memory in GiB, the most loaded rank of each pipeline stage:")
+    print("stage layers  params(B) |  weights    grads optimizer reference activations   logits  working |"
+          "     peak | host (offload)")
+    for p, m in enumerate(result["stages"]):
+        print(f"{p:5d} {train.stage_layers[p]:6d} {m['params'] / 1e9:10.3f} |{_gib(m['weights'])} {_gib(m['grads'])} "
+              f"{_gib(m['optimizer'])}  {_gib(m['reference'])}    {_gib(m['activations'])} {_gib(m['logits'])} "
+              f"{_gib(m['backward_working'])} | {_gib(m['peak'])} | {_gib(m['host'])}")
+    print(f"per-GPU peak: {result['peak'] / GiB:.2f} GiB", end="")
+    if settings.optimizer_offload:
+        print(f"; host memory of the offloaded optimizer: {host_per_node(hf, train, settings, gpus_per_node, t['cp']) / GiB:.1f}"
+              f" GiB on the most loaded node of {gpus_per_node} GPUs", end="")
+    print()
+    r = result["ranks"]
+    gen_total = max(x["gen_weights"] + x["kv_cache"] for x in r)
+    print(f"generation per rank: weights {max(x['gen_weights'] for x in r) / GiB:.2f} GiB + KV cache "
+          f"{r[0]['kv_cache'] / GiB:.2f} GiB = {gen_total / GiB:.2f} GiB")
+    for d in DELIVERIES:
+        print(f"weight sync, {d} delivery: at most {max(x[f'{d}_recv'] for x in r) / GiB:.2f} GiB received and "
+              f"{max(x[f'{d}_send'] for x in r) / GiB:.2f} GiB sent by one rank, "
+              f"{sum(x[f'{d}_recv'] for x in r) / GiB:.1f} GiB in all")
+
+
+def _settings(args) -> MemorySettings:
+    return MemorySettings(
+        seq_len=args.seq_len, micro_batch=args.micro_batch, micro_batches=args.micro_batches,
+        sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+        recompute_modules=tuple(filter(None, args.recompute_modules.split(","))),
+        distributed_optimizer=args.distributed_optimizer or args.optimizer_offload,
+        optimizer_offload=args.optimizer_offload, offload_fraction=args.offload_fraction, reference=args.reference)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megarl.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json path or name in configs/models/")
-    parser.add_argument("--train", required=True, help="training layout, e.g. tp=2,pp=2,dp=2")
-    parser.add_argument("--gen", default="tp=1", help="generation layout, e.g. tp=4 (DP = world / TP)")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--train", default="", help="training layout, e.g. tp=1,pp=16,dp=8,ep=8[,etp=1][,cp=2]")
+    parser.add_argument("--pp-first-stage-layers", type=int, default=0, help="decoder layers on the first stage")
+    parser.add_argument("--pp-last-stage-layers", type=int, default=0, help="decoder layers on the last stage")
+    parser.add_argument("--gen", default="tp=1", help="generation layout, e.g. tp=8,ep=8 (DP = world / TP)")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (packed row)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step; 0 = PP")
     parser.add_argument("--kv-tokens", type=int, default=65536, help="tokens of KV cache per generation rank")
     parser.add_argument("--distributed-optimizer", action="store_true")
+    parser.add_argument("--optimizer-offload", action="store_true",
+                        help="megatron's optimizer CPU offload (implies --distributed-optimizer)")
+    parser.add_argument("--offload-fraction", type=float, default=1.0, help="share of the optimizer on the CPU")
+    parser.add_argument("--recompute", default="none", help="none, selective or full")
+    parser.add_argument("--recompute-modules", default="core_attn",
+                        help="with --recompute selective: core_attn,layernorm,mla_up_proj,mlp,moe,moe_act,"
+                             "shared_experts")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: on when TP > 1")
+    parser.add_argument("--reference", action="store_true", help="a bf16 reference snapshot on each GPU (KL)")
+    parser.add_argument("--gpus", type=int, default=0, help="list the layouts of this many GPUs that fit")
+    parser.add_argument("--gpu-mem", type=float, default=0.0, help="with --gpus: GiB per GPU the peak must fit")
+    parser.add_argument("--host-mem", type=float, default=0.0, help="with --gpus: host GiB per node (offload)")
+    parser.add_argument("--cp", type=int, default=1, help="with --gpus: the context-parallel size to plan with")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--top", type=int, default=10, help="with --gpus: how many layouts to list")
     args = parser.parse_args(argv)
     hf = load_model_config(args.model)
-    t = parse_layout(args.train, ("tp", "pp", "cp", "dp"))
-    gen_tp = parse_layout(args.gen, ("tp",))["tp"]
-    train = TrainLayout(t["tp"], t["pp"], t["cp"] * t["dp"], hf["num_hidden_layers"])
-    if hf["num_hidden_layers"] % train.pp:
-        raise SystemExit(f"PP={train.pp} does not divide num_hidden_layers={hf['num_hidden_layers']}")
-    result = plan(hf, train, gen_tp, args.seq_len, args.micro_batch, args.kv_tokens, args.distributed_optimizer,
-                  t["cp"])
-    print(f"{args.model}: {result['total_params'] / 1e9:.2f}B parameters; train TP={train.tp} PP={train.pp} "
-          f"CP={t['cp']} DP={t['dp']} ({train.world} GPUs), generation TP={gen_tp} DP={train.world // gen_tp}")
-    adam = "over CP x DP" if args.distributed_optimizer else "replicated"
-    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, Adam {adam}; "
-          f"activations at seq {args.seq_len} x micro-batch {args.micro_batch}; KV for {args.kv_tokens} tokens)")
-    print("rank tp pp |  weights    grads optimizer activations train_total | gen_weights kv_cache gen_total"
-          " | sync GiB: full recv/send   sharded recv/send")
-    for r in result["ranks"]:
-        train_total = r["weights"] + r["grads"] + r["optimizer"] + r["activations"]
-        print(f"{r['rank']:4d} {r['tp']:2d} {r['pp']:2d} |{_gib(r['weights'])} {_gib(r['grads'])} {_gib(r['optimizer'])}"
-              f"    {_gib(r['activations'])}    {_gib(train_total)} |    {_gib(r['gen_weights'])} {_gib(r['kv_cache'])}"
-              f"  {_gib(r['gen_weights'] + r['kv_cache'])} | {_gib(r['full_recv'])} {_gib(r['full_send'])}"
-              f"  {_gib(r['sharded_recv'])} {_gib(r['sharded_send'])}")
+    try:
+        settings = _settings(args)
+        if args.gpus:
+            if args.gpu_mem <= 0:
+                raise ValueError("--gpus needs --gpu-mem (GiB per GPU)")
+            _print_fitting(args, hf, settings)
+            return
+        if not args.train:
+            raise ValueError("give --train (a layout to plan) or --gpus/--gpu-mem (layouts that fit)")
+        t = parse_layout(args.train, TRAIN_KEYS)
+        gen = GenLayout(**parse_layout(args.gen, GEN_KEYS))
+        train = train_layout(hf, t, args.pp_first_stage_layers, args.pp_last_stage_layers)
+        _print_plan(args.model, hf, train, t, gen, settings, args.kv_tokens, args.gpus_per_node)
+    except ValueError as e:
+        raise SystemExit(f"python -m megarl.plan: {e}") from e
+
+
+def _print_fitting(args, hf: dict, settings: MemorySettings) -> None:
+    found = fitting_layouts(hf, args.gpus, args.gpu_mem * GiB, settings, args.host_mem * GiB, args.gpus_per_node,
+                            args.cp)
+    print(f"{args.model}: layouts of {args.gpus} GPUs whose predicted per-GPU peak fits {args.gpu_mem:g} GiB"
+          + (f" and whose offloaded optimizer fits {args.host_mem:g} GiB of host memory per node" if args.host_mem
+             else "") + f": {len(found)}, best first (least TP x PP x CP, then fewest stages, then least EP)")
+    _print_assumptions(settings, 0, args.cp, None)
+    for r in found[:args.top]:
+        layout = ",".join(f"{k}={r[k]}" for k in TRAIN_KEYS)
+        host = f"  host {r['host_per_node'] / GiB:7.1f} GiB/node" if settings.optimizer_offload else ""
+        print(f"  --train {layout:40s} peak {r['peak'] / GiB:7.2f} GiB{host}  stages {','.join(map(str, r['stage_layers']))}")
 
 
 if __name__ == "__main__":
