@@ -88,7 +88,8 @@ def test_fp8_weights_read_as_their_blockwise_dequantized_values(tmp_path):
     block = (16, 24)
     torch.manual_seed(0)
     # 37 x 50: partial edge blocks in both dimensions; 32 x 48: whole blocks only
-    weights = {"a.proj.weight": torch.randn(37, 50) * 3, "b.proj.weight": torch.randn(32, 48), "norm.weight": torch.rand(8)}
+    weights = {"a.proj.weight": torch.randn(37, 50) * 3, "b.proj.weight": torch.randn(32, 48),
+               "norm.weight": torch.rand(8)}
     stored = {"norm.weight": weights["norm.weight"]}
     for name in ("a.proj.weight", "b.proj.weight"):
         q, scale_inv = quantize(weights[name], block)
@@ -140,7 +141,8 @@ def test_mtp_layers_are_left_out_and_copied_as_stored(tmp_path, caplog):
     q, scale_inv = quantize(torch.randn(32, 64), block)
     tensors = {"model.layers.0.mlp.down_proj.weight": torch.randn(32, 48), "model.norm.weight": torch.ones(32),
                "model.layers.1.eh_proj.weight": q, "model.layers.1.eh_proj.weight_scale_inv": scale_inv,
-               "model.layers.1.enorm.weight": torch.rand(32), "model.layers.1.shared_head.head.weight": torch.randn(5, 32)}
+               "model.layers.1.enorm.weight": torch.rand(32),
+               "model.layers.1.shared_head.head.weight": torch.randn(5, 32)}
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 1, "num_nextn_predict_layers": 1,
               "quantization_config": fp8_config(block)}
     write_tensors(tmp_path / "hf", tensors, config)

@@ -118,8 +118,8 @@ class BlockFP8:
         if tuple(scale_inv.shape) != blocks:
             raise ValueError(f"{name}{SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}; weight {tuple(weight.shape)} "
                              f"in blocks of {list(self.block)} needs {blocks}")
-        scale = scale_inv.float().repeat_interleave(rows, 0)[:weight.shape[0]].repeat_interleave(cols, 1)[:, :weight.shape[1]]
-        return weight.float() * scale
+        scale = scale_inv.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)  # edge blocks: cut below
+        return weight.float() * scale[:weight.shape[0], :weight.shape[1]]
 
 
 def read_dequantized(files: dict[str, Path], name: str, fp8: BlockFP8 | None) -> torch.Tensor:
