@@ -207,8 +207,9 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
               f"{_gib(m['backward_working'])} | {_gib(m['peak'])} | {_gib(m['host'])}")
     print(f"per-GPU peak: {result['peak'] / GiB:.2f} GiB", end="")
     if settings.optimizer_offload:
-        print(f"; host memory of the offloaded optimizer: {host_per_node(hf, train, settings, gpus_per_node, t['cp']) / GiB:.1f}"
-              f" GiB on the most loaded node of {gpus_per_node} GPUs", end="")
+        host = host_per_node(hf, train, settings, gpus_per_node, t["cp"])
+        print(f"; host memory of the offloaded optimizer: {host / GiB:.1f} GiB on the most loaded node of "
+              f"{gpus_per_node} GPUs", end="")
     print()
     r = result["ranks"]
     gen_total = max(x["gen_weights"] + x["kv_cache"] for x in r)
@@ -286,7 +287,8 @@ def _print_fitting(args, hf: dict, settings: MemorySettings) -> None:
     for r in found[:args.top]:
         layout = ",".join(f"{k}={r[k]}" for k in TRAIN_KEYS)
         host = f"  host {r['host_per_node'] / GiB:7.1f} GiB/node" if settings.optimizer_offload else ""
-        print(f"  --train {layout:40s} peak {r['peak'] / GiB:7.2f} GiB{host}  stages {','.join(map(str, r['stage_layers']))}")
+        stages = ",".join(map(str, r["stage_layers"]))
+        print(f"  --train {layout:40s} peak {r['peak'] / GiB:7.2f} GiB{host}  stages {stages}")
 
 
 if __name__ == "__main__":
