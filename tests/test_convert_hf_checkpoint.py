@@ -210,12 +210,13 @@ def deepseek_dir(path: Path, version: str) -> str:
     return save_random(deepseek_v2_config(layers=2, first_k_dense_replace=1), path)
 
 
-def _logprobs_rank(rank, model_dirs: list[str], precision: str):
+def _logprobs_rank(rank, runs: list[tuple[str, str]]):
+    """The log-probs of each (model directory, precision)."""
     from megarl.config import ActorConfig, AlgorithmConfig
     from megarl.engine import MegatronEngine
 
     out = []
-    for model_dir in model_dirs:
+    for model_dir, precision in runs:
         engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=4, precision=precision), AlgorithmConfig(),
                                 "cpu", 1, 10)
         out.append(engine.compute_logprobs(padded_batch(rows=4))["logprobs"])
@@ -231,14 +232,12 @@ def test_deepseek_fp8_checkpoint_gives_the_logprobs_of_its_dequantized_copy(tmp_
     bf16 = {n: t.to(torch.bfloat16) for n, t in load_file(f"{tmp_path}/dequantized/model.safetensors").items()}
     save_file(bf16, str(tmp_path / "dequantized_bf16" / "model.safetensors"))
 
-    fp8, dequantized, original = run_distributed(
-        _logprobs_rank, 2, [str(tmp_path / "fp8"), str(tmp_path / "dequantized"), source], "fp32", tp=2)
+    fp8, dequantized, original, fp8_bf16, dequantized_bf16 = run_distributed(_logprobs_rank, 2, [
+        (str(tmp_path / "fp8"), "fp32"), (str(tmp_path / "dequantized"), "fp32"), (source, "fp32"),
+        (str(tmp_path / "fp8"), "bf16"), (str(tmp_path / "dequantized_bf16"), "bf16")], tp=2)
     assert torch.equal(fp8, dequantized)
+    assert torch.equal(fp8_bf16, dequantized_bf16)
     assert (fp8 - original).abs().max() > 1e-3  # the FP8 copy really is quantized: not the original's log-probs
-    fp8, dequantized = run_distributed(_logprobs_rank, 2, [str(tmp_path / "fp8"), str(tmp_path / "dequantized_bf16")],
-                                       "bf16", tp=2)
-    assert torch.equal(fp8, dequantized)
-
 
 
 def convert(*args) -> str:
