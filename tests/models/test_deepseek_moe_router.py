@@ -171,3 +171,31 @@ def test_bias_stays_fp32_when_the_model_is_cast_to_bf16():
     assert router.weight.dtype == torch.bfloat16
     assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, bias)
     assert router.tokens_per_expert.dtype == torch.long
+
+
+def test_megatron_routing_replay_records_and_replays_deepseek_choices():
+    """megatron's routing replay (moe_enable_routing_replay) stands in for DeepSeek's choice: recorded on one
+    forward, replayed on another whose scores would choose differently; the weights are the new scores'."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    _, _, settings = SETTINGS["v3-k3-groups4-keep2"]
+    hf = _hf_dict(DeepseekV3Config(**SMALL, **settings))
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+                               moe_enable_routing_replay=True, **moe_config(hf, ep=1))
+    router = moe_mlp_spec(hf).submodules.router(config=config, pg_collection=SimpleNamespace(
+        tp=None, cp=None, tp_cp=None, tp_dp_cp=None))
+    try:
+        recorded_logits, other_logits = 2.0 * torch.randn(2, TOKENS, 8)
+        router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+        with torch.no_grad():
+            _, recorded_map = router.routing(recorded_logits)
+            router.router_replay.set_target_indices(router.router_replay.get_recorded_indices())
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            probs, replayed_map = router.routing(other_logits)
+            router.router_replay.clear_router_replay_action()
+            _, own_map = router.routing(other_logits)
+        assert torch.equal(replayed_map, recorded_map) and not torch.equal(own_map, recorded_map)
+        chosen = torch.sigmoid(other_logits).masked_fill(~recorded_map, 0)
+        torch.testing.assert_close(probs, 2.5 * chosen / chosen.sum(-1, keepdim=True), rtol=0, atol=1e-6)
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
