@@ -3,9 +3,9 @@ random non-zero e_score_correction_bias, topk 3 != 2 x topk_group) and DeepSeek-
 dense first layer and MoE layers after it, at TP=1, EP=2, TP=2 and TP=2 x EP=2 with whole experts (ETP=1) on 2 gloo
 ranks (V2 at the last two): log-probs and entropy equal transformers' (fp32), exported weights bitwise the
 checkpoint's.
-And the aux-loss-free bias update (actor.moe_router_bias_update_rate): off, a training step leaves the bias as it
-was; on, it moves each expert's bias by the rate towards even load, as the logged per-expert loads say, and the
-exported e_score_correction_bias (what SGLang receives) carries it."""
+And the aux-loss-free bias update (actor.moe_router_bias_update_rate), at EP=2 and at TP=2 with sequence parallelism:
+off, a training step leaves the bias as it was; on, it moves each expert's bias by the rate towards even load, as
+the logged per-expert loads say, and the exported e_score_correction_bias (what SGLang receives) carries it."""
 
 import torch
 from safetensors.torch import load_file
@@ -31,12 +31,13 @@ def _relayout(tp, ep, etp):
     model_parallel_cuda_manual_seed(1)
 
 
-def _engine(model_dir, tp, ep, etp=None, **actor):
+def _engine(model_dir, tp, ep, etp=None, sequence_parallel=False, **actor):
     import torch.distributed as dist
 
     from megarl.engine import MegatronEngine
 
-    parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, ep=ep, etp=etp or 0)
+    parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, ep=ep, etp=etp or 0,
+                              sequence_parallel=sequence_parallel)
     return MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2, **actor), AlgorithmConfig(),
                           "cpu", 1, 10)
 
@@ -74,16 +75,18 @@ def test_deepseek_moe_matches_transformers_at_tp_ep_etp(tmp_path):
     run_distributed(_check_layouts, 2, cases, timeout=300)
 
 
-def _train_steps(rank, model_dir, rates):
-    """One SFT step at EP=2 from the checkpoint per rate: (metrics, exported weights)."""
+def _train_steps(rank, model_dir, runs):
+    """One SFT step from the checkpoint per (tp, ep, rate); TP=2 with sequence parallelism (each TP rank routes
+    its slice of the tokens): (metrics, exported weights)."""
     from megatron.core import parallel_state as ps
 
-    _relayout(1, 2, None)
-    batch = padded_batch(rows=8)
-    share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
     results = []
-    for rate in rates:
-        engine = _engine(model_dir, 1, 2, optim=OptimConfig(lr=1e-2, clip_grad=0.0), moe_router_bias_update_rate=rate)
+    for tp, ep, rate in runs:
+        _relayout(tp, ep, None)
+        batch = padded_batch(rows=8)
+        share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        engine = _engine(model_dir, tp, ep, optim=OptimConfig(lr=1e-2, clip_grad=0.0), moe_router_bias_update_rate=rate,
+                         sequence_parallel=tp > 1)
         results.append((engine.train(share, loss="sft"), _exported(engine)))
     return results
 
@@ -92,11 +95,11 @@ def test_expert_bias_moves_towards_even_load_only_when_the_update_is_on(tmp_path
     model_dir = save_random(deepseek_v3_config(layers=3, first_k_dense_replace=1), tmp_path / "v3", seed=3)
     checkpoint = load_file(f"{model_dir}/model.safetensors")
     experts = checkpoint[BIAS.format(1)].numel()
-    rates = (0.0, 0.01)
+    runs = ((1, 2, 0.0), (1, 2, 0.01), (2, 1, 0.01))  # (tp, ep, rate)
 
-    results = run_distributed(_train_steps, 2, model_dir, rates, timeout=240)
+    results = run_distributed(_train_steps, 2, model_dir, runs, timeout=300)
 
-    for rate, (metrics, exported) in zip(rates, results):
+    for (_, _, rate), (metrics, exported) in zip(runs, results):
         routed = None
         for layer in (1, 2):  # the MoE layers (layer 0 is dense)
             load = torch.tensor([metrics[f"expert_load/layer_{layer}/expert_{e}"] for e in range(experts)])
