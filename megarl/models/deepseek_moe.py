@@ -94,7 +94,9 @@ def moe_config(hf: dict, ep: int) -> dict:
     experts, width = hf["n_routed_experts"], _require(hf, "moe_intermediate_size")
     if experts % ep:
         raise ValueError(f"EP={ep} must divide the number of experts (n_routed_experts={experts})")
-    groups = dict(moe_router_num_groups=rule.num_groups, moe_router_group_topk=rule.group_topk) if rule.group_score else {}
+    groups = {}
+    if rule.group_score:
+        groups = dict(moe_router_num_groups=rule.num_groups, moe_router_group_topk=rule.group_topk)
     return dict(num_moe_experts=experts, moe_router_topk=rule.topk, moe_ffn_hidden_size=width,
                 moe_shared_expert_intermediate_size=width * hf["n_shared_experts"],
                 moe_router_score_function=rule.score_function, moe_router_pre_softmax=rule.score_function == "softmax",
