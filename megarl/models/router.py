@@ -135,6 +135,8 @@ class DeepSeekRouter(TopKRouter):
 
 def expert_bias_update_options(config, rate: float) -> dict:
     """TransformerConfig fields of the aux-loss-free bias update (actor.moe_router_bias_update_rate > 0)."""
+    if rate < 0:
+        raise ValueError(f"actor.moe_router_bias_update_rate={rate}: expected >= 0 (0 = off)")
     if not config.num_moe_experts or config.moe_router_score_function != "sigmoid":
         raise ValueError(f"actor.moe_router_bias_update_rate={rate} needs a mixture-of-experts model with sigmoid "
                          "routing scores and e_score_correction_bias (DeepSeek-V3); this model has "

@@ -156,6 +156,8 @@ def test_bias_update_needs_deepseek_v3_sigmoid_routing(name, refused):
         with pytest.raises(ValueError, match="actor.moe_router_bias_update_rate"):
             expert_bias_update_options(config, 1e-3)
     else:
+        with pytest.raises(ValueError, match="actor.moe_router_bias_update_rate=-0.001"):
+            expert_bias_update_options(config, -1e-3)
         assert expert_bias_update_options(config, 1e-3) == dict(moe_router_enable_expert_bias=True,
                                                                  moe_router_bias_update_rate=1e-3)
 
