@@ -88,10 +88,12 @@ class ActorConfig:
     precision: str = opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
     use_distributed_optimizer: bool = opt(False, "megatron's distributed optimizer: optimizer state and fp32 main "
                                                  "weights sharded over data-parallel ranks")
-    optimizer_cpu_offload: bool = opt(False, "megatron's optimizer CPU offload: Adam's state and the fp32 main "
-                                             "weights (of optimizer_offload_fraction of the parameters) live in "
-                                             "host memory and their update runs on the CPU (torch AdamW); "
-                                             "needs use_distributed_optimizer")
+    optimizer_cpu_offload: bool = opt(False, "megatron's optimizer CPU offload (HybridDeviceOptimizer): Adam's "
+                                             "moments (of optimizer_offload_fraction of the parameters) live in host "
+                                             "memory and the update runs there (torch AdamW); the fp32 main weights "
+                                             "stay on the GPU (megatron moves them too only through its "
+                                             "TransformerEngine path). Needs use_distributed_optimizer; no "
+                                             "checkpoints (trainer.save_every=0); on the CPU it changes nothing")
     optimizer_offload_fraction: float = opt(1.0, "with optimizer_cpu_offload: the fraction of the parameters "
                                                  "(by size) whose optimizer state is on the CPU, in (0, 1]")
     max_tokens_per_micro_batch: int = opt(0, "pack whole sequences (no padding) into micro-batches of at most this "

@@ -257,11 +257,14 @@ class ConfigChecks:
                 raise ConfigError(f"{role}.parallel.{key}={value} is not divisible by {role}.parallel.vpp={p.vpp} "
                                   "(each virtual stage of it holds an equal share)")
 
-    @staticmethod
-    def _validate_optimizer_and_recompute(role: str, section_) -> None:
+    def _validate_optimizer_and_recompute(self, role: str, section_) -> None:
         if section_.optimizer_cpu_offload and not section_.use_distributed_optimizer:
             raise ConfigError(f"{role}.optimizer_cpu_offload=true needs {role}.use_distributed_optimizer=true "
                               "(megatron offloads the distributed optimizer's state)")
+        if section_.optimizer_cpu_offload and self.trainer.save_every:
+            raise ConfigError(f"{role}.optimizer_cpu_offload=true with trainer.save_every={self.trainer.save_every}: "
+                              "megatron-core 0.16.1's offloading optimizer cannot write or load checkpoints "
+                              "(megarl/engine/checkpoint.py says why)")
         if not 0 < section_.optimizer_offload_fraction <= 1:
             raise ConfigError(f"{role}.optimizer_offload_fraction={section_.optimizer_offload_fraction}: must be in "
                               "(0, 1]")

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megarl.models.hf_checkpoint import save_mtp_copy
 
@@ -327,12 +328,25 @@ def _hf_files(model_dir: Path) -> list[Path]:
             if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith(".")]
 
 
+def _refuse_offloaded_optimizer(engine, directory: Path) -> None:
+    """megatron-core 0.16.1's HybridDeviceOptimizer (optimizer_cpu_offload) cannot go through a checkpoint, as
+    measured on a GPU: its param groups hold optimizer classes, which a checkpoint's weights-only unpickling
+    refuses; loading state into it raises KeyError (_update_fp32_params_by_new_state expects a bf16 param behind
+    every fp32 one; the distributed optimizer hands it fp32 main shards); and a weights-only reload leaves its
+    host copies of the main weights stale, so the next step would undo the load."""
+    if engine.optimizer is not None and any(isinstance(o, HybridDeviceOptimizer)
+                                            for o in _torch_optimizers(engine.optimizer)):
+        raise CheckpointError(f"{directory}: an engine with optimizer_cpu_offload=true (megatron-core 0.16.1's "
+                              "HybridDeviceOptimizer) can neither write nor load checkpoints")
+
+
 def save_engine(engine, directory: str | Path, weights_only: bool = False) -> None:
     """Write the engine into `directory` (collective: every rank of the engine calls it).
 
     weights_only=True (e.g. imported from HF) writes the weights alone: loading them starts a fresh
     optimizer."""
     directory = Path(directory)
+    _refuse_offloaded_optimizer(engine, directory)
     weights_only = weights_only or engine.optimizer is None
     has_reference = not weights_only and getattr(engine, "_reference", None) is not None
     if dist.get_rank() == 0:
@@ -385,6 +399,7 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
     directory = Path(directory)
     meta = read_engine_file(directory)
     contents = set(meta["contents"])
+    _refuse_offloaded_optimizer(engine, directory)
     with_optimizer = optimizer and "optimizer" in contents and engine.optimizer is not None
     if with_optimizer and meta["distributed_optimizer"] != bool(engine.actor.use_distributed_optimizer):
         raise CheckpointError(

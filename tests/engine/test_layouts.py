@@ -3,7 +3,8 @@
 
 Log-probs at 1+2 equal transformers'; two policy steps at 1+2 give PP=1's losses and weights; a dist checkpoint
 written at 1+2 after step 1 resumes at PP=1 (DP=2) and at 2+1 with the weights it was written with and step 2's
-loss (the Adam state came along).
+loss (the Adam state came along). A 3-layer DeepSeek-V3 (layer 0 dense, 1-2 mixture of experts) split 1+2,
+its dense layer alone on the first stage, gives transformers' log-probs and exports its checkpoint bitwise.
 """
 
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
+from tests.models.hf_families import deepseek_v3_config, save_random
 
 ALGO = AlgorithmConfig(kl_coef=0.0)
 # (pp, first, last) on 2 ranks
@@ -52,8 +54,14 @@ def exported(engine) -> dict:
     return {name: t for bucket in engine.export_hf_weights(1 << 30) for name, t in bucket}
 
 
-def _uneven_rank(rank, model_dir, checkpoint):
-    out = {}
+def _uneven_rank(rank, model_dir, checkpoint, deepseek_dir):
+    from safetensors.torch import load_file
+
+    engine = engine_at(deepseek_dir, FIRST_1)
+    exported_deepseek, checkpoint_deepseek = exported(engine), load_file(f"{deepseek_dir}/model.safetensors")
+    bitwise = sorted(exported_deepseek) == sorted(checkpoint_deepseek) and all(
+        torch.equal(exported_deepseek[k], t) for k, t in checkpoint_deepseek.items())
+    out = {"deepseek": (engine.compute_logprobs(padded_batch())["logprobs"], bitwise)}
     engine = engine_at(model_dir, FIRST_1)
     out["stages"] = [sorted(l for l, s in engine.layout.layer_stage.items() if s == stage) for stage in (0, 1)]
     out["logprobs"] = engine.compute_logprobs(padded_batch())["logprobs"]
@@ -76,10 +84,14 @@ def _uneven_rank(rank, model_dir, checkpoint):
 def test_uneven_pipeline_stages_train_and_resume_at_other_layouts(tmp_path):
     model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True, layers=3)
     ref_logprobs, _ = hf_logprobs_entropy(model_dir, padded_batch())
+    deepseek_dir = save_random(deepseek_v3_config(layers=3, first_k_dense_replace=1), tmp_path / "v3", seed=2)
+    deepseek_logprobs, _ = hf_logprobs_entropy(deepseek_dir, padded_batch())
 
-    out = run_distributed(_uneven_rank, 2, model_dir, str(tmp_path / "ckpt"), timeout=240)
+    out = run_distributed(_uneven_rank, 2, model_dir, str(tmp_path / "ckpt"), deepseek_dir, timeout=240)
 
     assert out["stages"] == [[0], [1, 2]]
+    torch.testing.assert_close(out["deepseek"][0], deepseek_logprobs, rtol=0, atol=1e-5)
+    assert out["deepseek"][1]
     torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5)
     (losses, weights), (ref_losses, ref_weights) = out[FIRST_1], out[PP1]
     assert losses[0] != losses[1]

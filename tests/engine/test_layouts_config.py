@@ -47,6 +47,8 @@ def test_stage_rule_splits_the_published_models():
     (["actor.optimizer_cpu_offload=true"], "actor.optimizer_cpu_offload=true needs actor.use_distributed_optimizer"),
     (["actor.use_distributed_optimizer=true", "actor.optimizer_cpu_offload=true",
       "actor.optimizer_offload_fraction=0"], "actor.optimizer_offload_fraction=0"),
+    (["actor.use_distributed_optimizer=true", "actor.optimizer_cpu_offload=true", "trainer.save_every=5"],
+     "actor.optimizer_cpu_offload=true with trainer.save_every=5: .* cannot write or load checkpoints"),
     (["actor.recompute_modules=[moe]"], "actor.recompute_modules=.*needs actor.recompute=selective"),
     (["actor.recompute=selective", "actor.recompute_modules=[moe_act]"], "moe_act needs megatron's grouped-GEMM"),
     (["actor.recompute=selective", "actor.recompute_modules=[experts]"], "'experts' is not one of"),
