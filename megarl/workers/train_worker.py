@@ -53,7 +53,7 @@ class TrainWorker:
         section = getattr(self.cfg, name)
         p = section.parallel
         init_parallel(self.rank, p.world_size, master_addr, master_port, p.tp, p.pp, self.device,
-                      self.cfg.trainer.seed, ep=p.ep, cp=p.cp)
+                      self.cfg.trainer.seed, ep=p.ep, cp=p.cp, etp=p.etp or None)
         self.engine = MegatronEngine(self.model_path, section, self.cfg.algorithm, self.device,
                                      self.cfg.trainer.seed, total_steps, head=head, trainable=trainable,
                                      skip_nonfinite_updates=self.cfg.trainer.skip_nonfinite_updates)
