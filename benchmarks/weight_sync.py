@@ -50,6 +50,7 @@ import itertools
 import json
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -158,12 +159,15 @@ def server_loads(server) -> dict:
     return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0))
 
 
-def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: str = "released") -> dict:
+def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: str = "released",
+               expected=None) -> dict:
     """One colocated sync as the trainer runs it: from the end of a train step through push_policy (resume
     the weights memory, stream the buckets) to resume_kv_cache. `weights`: "released", SGLang released its
     weights and KV cache during training (trainer.offload_between_phases on); "resident", it kept both
-    (offload off: nothing to resume, the ready step only drops the prefix cache)."""
-    from megarl.workers.weight_sync import push_policy
+    (offload off: nothing to resume, the ready step only drops the prefix cache). `expected`: a verified sync
+    (the default verification: weight_layout.ExpectedChecksums of the sender, SGLang's checksums, the comparison,
+    before the ready step, as the trainer verifies)."""
+    from megarl.workers.weight_sync import push_policy, verify_checksums
 
     if weights == "released":
         engine.release_memory()  # as during training
@@ -173,11 +177,19 @@ def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: s
     posts.clear()
     t0 = _now()
     report = push_policy(buckets, begin=engine.begin_weight_update, end=engine.end_weight_update, load=None,
-                         verify=False, weight_format=fmt, senders=senders)
+                         verify=expected is not None, weight_format=fmt, senders=senders, expected=expected)
+    t1 = time.perf_counter()
+    checked = {}
+    if expected is not None:
+        held = engine.weight_checksums()
+        t = time.perf_counter()
+        verify_checksums(report["expected"], held)
+        checked = dict(expected=report["expected"], sender_checksum_s=report["digest_s"], engine_checksum_s=t - t1,
+                       compare_s=time.perf_counter() - t, parameters_checked=sum(len(r) for r in held[0].values()))
     t1 = time.perf_counter()
     engine.resume_kv_cache()
     t2 = time.perf_counter()
-    return dict(bytes=report["bytes"], total_s=t2 - t0, resume_s=report["begin_s"], gather_s=0.0,
+    return checked | dict(bytes=report["bytes"], total_s=t2 - t0, resume_s=report["begin_s"], gather_s=0.0,
                 convert_s=report["gather_convert_s"], pack_s=report["pack_s"], transfer_s=report["transfer_s"],
                 end_s=report["end_s"], ready_s=t2 - t1, flush_s=posts.get("/flush_cache", 0.0),
                 kv_s=posts.get("/resume_memory_occupation kv_cache cuda_graph", 0.0),
@@ -196,46 +208,47 @@ def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
     return dict(verified=True, verify_s=time.perf_counter() - t)
 
 
-def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, weights: str) -> dict:
-    """The default verification (trainer.verify_weight_sync_every=1) after one more sync: the sender's expected
-    checksums of SGLang's parameters (computed bucket by bucket during the sync), SGLang's own checksums of what
-    its TP workers hold, the comparison. checksum_verify_s is what verification adds to a sync: the sender's checksum
-    work, then the engine's and the comparison. Then a bit flipped in SGLang's memory must fail, naming it."""
+def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: dict, weights: str,
+                rounds: int) -> dict:
+    """The default verification (trainer.verify_weight_sync_every=1): its cost is what a verified sync (the
+    sender's checksums during the sync, SGLang's, the comparison: timed_sync with `expected`) takes beyond an
+    unverified one, medians of `rounds` rounds of one of each (after one verified sync that compiles the
+    kernels, as the first verification of a run does). Then a bit flipped in SGLang's memory must fail the
+    next verification, naming the tensor."""
+    from megarl.rollout.transports.cuda_ipc import CHECKSUM_TIMING
     from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
-    from megarl.workers.weight_sync import WeightSyncError, push_policy, verify_checksums
+    from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 
     tp = engine.servers[0].tp
-    first = None
-    for _ in range(2):  # the first compiles the checksum kernel in both processes (once per run in training)
-        expected = ExpectedChecksums(WeightLayout(policy.specs, "sglang", tp), list(range(tp)))
-        if weights == "released":
-            engine.release_memory()
-        t0 = _now()
-        report = push_policy(policy.buckets(bucket_mb), begin=engine.begin_weight_update,
-                             end=engine.end_weight_update, load=None, verify=True, weight_format=fmt, senders=senders,
-                             expected=expected)
-        t1 = _now()
-        held = engine.weight_checksums()
-        t2 = time.perf_counter()
-        verify_checksums(report["expected"], held)
-        t3 = time.perf_counter()
-        first = first if first is not None else report["digest_s"] + t3 - t1
-    from megarl.rollout.transports.cuda_ipc import CHECKSUM_TIMING
+    layout = WeightLayout(policy.specs, "sglang", tp)
+    sync = lambda verified: timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts, weights,
+                                       ExpectedChecksums(layout, list(range(tp))) if verified else None)
+    first = sync(True)
+    plain, checked = [], []
+    for _ in range(rounds):
+        plain.append(sync(False))
+        checked.append(sync(True))
+    median = lambda rows, k: statistics.median(r[k] for r in rows)
     inside = [float(line.split("seconds")[1]) for line in Path(engine.servers[0].log_path).read_text(errors="replace")
               .splitlines() if CHECKSUM_TIMING in line]  # the checksums' own time in SGLang's TP worker
     flipped = "model.layers.0.mlp.down_proj.weight"
     engine.corrupt_weight(flipped)
     try:
-        verify_checksums(report["expected"], engine.weight_checksums())
+        verify_checksums(checked[-1]["expected"], engine.weight_checksums())
         detected = False
     except WeightSyncError as error:
         detected = flipped in str(error)
     engine.corrupt_weight(flipped)  # and back
     engine.resume_kv_cache()
-    return dict(checksums_verified=True, checksum_sync_s=t1 - t0, sender_checksum_s=report["digest_s"],
-                engine_checksum_s=t2 - t1, compare_s=t3 - t2, checksum_verify_s=report["digest_s"] + t3 - t1, first_verify_s=first,
-                sglang_inside_s=inside[-1] if inside else None,
-                parameters_checked=sum(len(r) for r in held[0].values()), flip_detected=detected)
+    unverified, verified = median(plain, "total_s"), median(checked, "total_s")
+    return dict(checksums_verified=True, unverified_sync_s=unverified, verified_sync_s=verified,
+                unverified_trials_s=[r["total_s"] for r in plain], verified_trials_s=[r["total_s"] for r in checked],
+                checksum_verify_s=verified - unverified, first_verify_s=first["total_s"] - unverified,
+                verified_posts_s=median(checked, "posts_s"), unverified_posts_s=median(plain, "posts_s"),
+                verified_pack_s=median(checked, "pack_s"), unverified_pack_s=median(plain, "pack_s"),
+                **{k: median(checked, k) for k in ("sender_checksum_s", "engine_checksum_s", "compare_s")},
+                sglang_inside_s=statistics.median(inside[-rounds:]) if inside else None,
+                parameters_checked=checked[-1]["parameters_checked"], flip_detected=detected)
 
 
 def _print_row(row: dict) -> None:
@@ -280,7 +293,8 @@ def part_sync(args) -> list[dict]:
                                    bucket_mb=bucket_mb, startup_s=startup, server_args=server.command[3:],
                                    trials_total_s=[r["total_s"] for r in trials], **best)
                         if args.checksums:
-                            row |= checksummed(engine, policy, bucket_mb, fmt, senders, weights)
+                            row |= checksummed(engine, policy, bucket_mb, fmt, senders, posts, weights,
+                                               args.verify_rounds)
                         if args.verify:
                             row |= verified(server, policy, bucket_mb, model_dir)
                         senders.clear()
@@ -604,6 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "check: reload from a file)")
     parser.add_argument("--checksums", action="store_true", help="time the default verification (checksums inside "
                         "SGLang against the sender's) after each format's syncs, and check a flipped bit is named")
+    parser.add_argument("--verify-rounds", type=int, default=5, help="with --checksums: rounds of one unverified "
+                        "and one verified sync, whose medians' difference is the verification's cost")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)

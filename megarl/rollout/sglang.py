@@ -243,7 +243,10 @@ class SGLangRolloutEngine(RolloutEngine):
                     server.post("/resume_memory_occupation", {"tags": ["weights"]})
                     state.weights_released = False
                 state.version, state.flush = self.version, True
-        return [s.endpoint("cuda_ipc" if self.colocated else "nccl") for s in self.servers]
+            for path in self._checksum_files().values():  # a verified sync's last bucket writes them anew
+                path.unlink(missing_ok=True)
+        return [s.endpoint("cuda_ipc" if self.colocated else "nccl", str(self.checksum_dir / f"server{i}"))
+                for i, s in enumerate(self.servers)]
 
     def end_weight_update(self, received: dict[str, torch.Tensor] | None = None) -> None:
         """A training rank finished posting a sync itself (after begin_weight_update). `received`: host copies
@@ -264,18 +267,26 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
         """Every server's TP workers checksum the parameters they hold, on their GPUs (megarl's loader inside
-        SGLang: cuda_ipc.inspect_weights), and write them to files read here."""
-        if self.checksum_dir is None:
-            self.checksum_dir = Path(tempfile.mkdtemp(prefix="megarl-checksums-"))
-        files = {(i, r): self.checksum_dir / f"server{i}_rank{r}.json"
-                 for i, s in enumerate(self.servers) for r in range(s.tp)}
-        for path in files.values():
-            path.unlink(missing_ok=True)
-        self._inspect(lambda i, r: {"checksums": str(files[i, r])})
+        SGLang: cuda_ipc.inspect_weights), and write them to files read here: the files the last bucket of the
+        sync wrote where it asked for them (CUDA IPC's persistent format, verified), else by a request now.
+        Read once: a second call checksums again."""
+        files = self._checksum_files()
+        if not all(path.exists() for path in files.values()):
+            for path in files.values():
+                path.unlink(missing_ok=True)
+            self._inspect(lambda i, r: {"checksums": str(files[i, r])})
         held: dict[int, dict[int, dict[str, list]]] = {}
         for (i, r), path in files.items():
             held.setdefault(i, {})[r] = json.loads(path.read_text())
+            path.unlink()
         return held
+
+    def _checksum_files(self) -> dict[tuple[int, int], Path]:
+        """(server, TP rank) -> the file its checksums go to (cuda_ipc.checksum_file of the server's prefix)."""
+        if self.checksum_dir is None:
+            self.checksum_dir = Path(tempfile.mkdtemp(prefix="megarl-checksums-"))
+        return {(i, r): Path(cuda_ipc.checksum_file(str(self.checksum_dir / f"server{i}"), r))
+                for i, s in enumerate(self.servers) for r in range(s.tp)}
 
     def corrupt_weight(self, name: str, server: int = 0, rank: int = 0) -> None:
         """Test hook: flip a bit of parameter `name` (SGLang's name) in one TP worker's memory."""

@@ -11,23 +11,27 @@ changes by less than 2^32, so changing any single element always changes both su
 nothing: padding filled with zeros needs no piece. All arithmetic is 32-bit on the GPU, so the kernel keeps up
 with memory bandwidth (a 7B policy is 15 GB to read on each side of a verified sync).
 
-`ChecksumTable` accumulates the pieces of many tensors into one int32 table on their device (Triton: one
-kernel launch for all queued pieces of an integer width, each program atomically adding a block's sums to its
-tensor's row: a launch per piece cost more than the sums themselves), read back with one host sync; elsewhere
-the sums are computed with torch ops in chunks.
+`ChecksumTable` accumulates the pieces of many tensors into one int32 table on their device, read back with one
+host sync. On a GPU the pieces are queued and summed by one Triton launch per integer width over a table of
+segments (contiguous runs of elements); a flush can also make copies of the pieces' memory in the same pass
+(`flush(copies)`: a sender packing a bucket reads each weight once, for the copy and its checksum alike).
+Elsewhere the sums are computed with torch ops in chunks.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
 import torch
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # integer views by element size (8: two int32 words)
 MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
 _CHUNK = 1 << 24  # torch path: elements per chunk (a few int64 copies of it in temporary memory)
 _BLOCK = 4096  # Triton path: elements per loop iteration of a program
-_ITERS = 4  # iterations per program: 16k elements, then one atomic add per sum
+_ITERS = 8  # iterations per program: 32k elements, then one atomic add per sum
+_WARPS = 8
+_ALIGN = 16  # bytes: the widest vector load; segments are read from 16-byte aligned addresses
 
 try:  # Triton comes with CUDA builds of torch; CPU builds have none
     import triton
@@ -36,35 +40,59 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 if triton is not None:
+    @triton.jit
+    def _weighted(x, index, s0, s1, m0, m1):
+        """The two sums plus the block's bits x (sign-extended to 32 bits) at positions `index`."""
+        x = x.to(tl.int32).to(tl.uint32, bitcast=True)
+        return s0 + x * ((index * m0) | 1), s1 + x * ((index * m1) | 1)
+
     @triton.jit(do_not_specialize=["segments"])
-    def _segment_sums_kernel(block_segment_ptr, meta_ptr, segments, out_ptr, DTYPE: tl.constexpr,
-                             M0: tl.constexpr, M1: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        """One program: BLOCK * ITERS elements of one segment (a contiguous run of a piece, `meta` columns:
-        address, length, position of its first element in its tensor, first block, table row)."""
-        pid = tl.program_id(0).to(tl.int64)
-        segment = tl.load(block_segment_ptr + pid).to(tl.int64)
-        address = tl.load(meta_ptr + segment)
-        length = tl.load(meta_ptr + segments + segment)
-        position = tl.load(meta_ptr + 2 * segments + segment)
-        start = (pid - tl.load(meta_ptr + 3 * segments + segment)) * (BLOCK * ITERS)
-        row = tl.load(meta_ptr + 4 * segments + segment)
-        x_ptr = address.to(tl.pointer_type(DTYPE))
-        base = (position + start).to(tl.uint32)  # positions mod 2^32: all the weights depend on
+    def _segment_sums_kernel(base, program_segment, meta, segments, out, M0: tl.constexpr, M1: tl.constexpr,
+                             BLOCK: tl.constexpr, ITERS: tl.constexpr, VEC: tl.constexpr, COPY: tl.constexpr):
+        """One program: BLOCK * ITERS elements of one segment. Addresses are element offsets from `base` (typed:
+        the integer width of this launch), each segment's rounded down to a multiple of VEC elements (16 bytes),
+        so the compiler can use vector loads; the `head` elements before the segment's own are masked off, as
+        is what lies past its end, in a segment's first and last programs only. `meta` columns: source, head,
+        end (head + length), position of the element at `source` (its first position - head, mod 2^32), table
+        row, first program, destination (COPY: the segment's elements are also written there), copy flag."""
+        pid = tl.program_id(0)
+        segment = tl.load(program_segment + pid).to(tl.int64)
+        source = tl.multiple_of(tl.load(meta + segment), VEC)
+        head = tl.load(meta + segments + segment)
+        end = tl.load(meta + 2 * segments + segment)
+        position = tl.load(meta + 3 * segments + segment)
+        row = tl.load(meta + 4 * segments + segment)
+        start = (pid - tl.load(meta + 5 * segments + segment)) * (BLOCK * ITERS)
+        first = (position + start).to(tl.uint32)  # positions mod 2^32: all the weights depend on
         m0 = tl.full([BLOCK], M0, tl.uint32)  # 32-bit constants: a plain literal would promote the products to 64 bits
         m1 = tl.full([BLOCK], M1, tl.uint32)
         s0 = tl.zeros([BLOCK], dtype=tl.uint32)
         s1 = tl.zeros([BLOCK], dtype=tl.uint32)
-        for k in range(ITERS):
-            step = k * BLOCK + tl.arange(0, BLOCK)
-            mask = start + step < length
-            x = tl.load(x_ptr + start + step, mask=mask, other=0).to(tl.int32).to(tl.uint32, bitcast=True)
-            index = base + step.to(tl.uint32)
-            s0 += x * ((index * m0) | 1)
-            s1 += x * ((index * m1) | 1)
-        tl.atomic_add(out_ptr + 2 * row, tl.sum(s0, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
-        tl.atomic_add(out_ptr + 2 * row + 1, tl.sum(s1, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
-
-    _TRITON_BITS = {torch.uint8: tl.uint8, torch.int16: tl.int16, torch.int32: tl.int32}
+        src = base + source + start
+        if COPY:
+            dst = base + tl.multiple_of(tl.load(meta + 6 * segments + segment), VEC) + start
+            copy = tl.load(meta + 7 * segments + segment) != 0
+        if (start >= head) & (start + BLOCK * ITERS <= end):  # inside the segment: no masks, vector loads
+            x = tl.load(src + tl.arange(0, BLOCK))
+            for k in tl.static_range(ITERS):
+                step = k * BLOCK + tl.arange(0, BLOCK)
+                if k + 1 < ITERS:  # the next block's load goes out before this one's store (which it may alias)
+                    following = tl.load(src + step + BLOCK)
+                if COPY:
+                    tl.store(dst + step, x, mask=copy)
+                s0, s1 = _weighted(x, first + step.to(tl.uint32), s0, s1, m0, m1)
+                if k + 1 < ITERS:
+                    x = following
+        else:
+            for k in tl.static_range(ITERS):
+                step = k * BLOCK + tl.arange(0, BLOCK)
+                inside = (start + step >= head) & (start + step < end)
+                x = tl.load(src + step, mask=inside, other=0)
+                if COPY:
+                    tl.store(dst + step, x, mask=inside & copy)
+                s0, s1 = _weighted(x, first + step.to(tl.uint32), s0, s1, m0, m1)
+        tl.atomic_add(out + 2 * row, tl.sum(s0, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_add(out + 2 * row + 1, tl.sum(s1, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
 
 
 def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -83,6 +111,11 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bits.view(_BITS[t.element_size()]), 1
 
 
+def _width(t: torch.Tensor) -> int:
+    """Bytes per integer word of t's bits (8-byte elements are two 4-byte words)."""
+    return min(t.element_size(), 4)
+
+
 class ChecksumTable:
     """Checksums of `size` tensors, each accumulated from pieces (`add`) into its row of an int32 table on
     `device`; `values()` reads them all at once. On a GPU the pieces are queued and summed by one kernel launch
@@ -91,53 +124,130 @@ class ChecksumTable:
 
     def __init__(self, size: int, device: torch.device | str):
         self.table = torch.zeros(size, len(MULTIPLIERS), dtype=torch.int32, device=device)
-        self.queued: dict[torch.dtype, list] = {}  # integer width -> [(bits, table row, first position, stride)]
+        # integer width -> runs of elements: [(address, rows, words per row, bytes from row to row, table row,
+        # position of the first word, positions from row to row, the tensor: alive until launched)]
+        self.queued: dict[int, list[tuple]] = {}
 
     def add(self, row: int, t: torch.Tensor, offset: int = 0, target_stride: int | None = None) -> None:
         """Add `t` placed in tensor `row`: its element (r, c) (row-major over t viewed as 2-D, 1-D tensors one row)
         sits at flat position offset + r * target_stride + c of that tensor (target_stride: the tensor's row
         length; default t's own, so a contiguous piece at `offset`)."""
-        bits, words = _as_rows(t)
-        rows, cols = bits.shape
-        stride = cols if target_stride is None else target_stride * words
-        if stride == cols and bits.is_contiguous():  # one run of positions
-            bits = bits.view(1, -1)
-        if bits.numel() == 0:
+        if t.numel() == 0:
             return
-        if triton is None or not bits.is_cuda:
+        if triton is None or not t.is_cuda:
+            bits, words = _as_rows(t)
+            stride = bits.shape[1] if target_stride is None else target_stride * words
             self.table[row] += _torch_sums(bits, offset * words, stride).to(self.table.device)
+            return
+        words = 2 if t.element_size() == 8 else 1
+        cols = t.shape[-1] if t.dim() else 1
+        if t.is_contiguous() and (target_stride is None or target_stride == cols or t.numel() == cols):
+            run = (t.data_ptr(), 1, t.numel() * words, 0, row, offset * words, 0, t)  # the common case: one run
         else:
-            self.queued.setdefault(bits.dtype, []).append((bits, row, offset * words, stride))
+            bits, words = _as_rows(t)
+            rows, cols = bits.shape
+            stride = cols if target_stride is None else target_stride * words
+            run = (bits.data_ptr(), rows, cols, bits.stride(0) * bits.element_size(), row, offset * words, stride, bits)
+        self.queued.setdefault(_width(t), []).append(run)
 
-    def flush(self) -> None:
-        """Launch the sums of every queued piece (no host sync)."""
-        import numpy as np
-
-        for dtype, pieces in self.queued.items():
-            address, length, position, row = [], [], [], []
-            for bits, table_row, first, stride in pieces:
-                rows, cols = bits.shape
-                r = np.arange(rows, dtype=np.int64)
-                address.append(bits.data_ptr() + r * bits.stride(0) * bits.element_size())
-                length.append(np.full(rows, cols, dtype=np.int64))
-                position.append(first + r * stride)
-                row.append(np.full(rows, table_row, dtype=np.int64))
-            length = np.concatenate(length)
-            blocks = -(-length // (_BLOCK * _ITERS))
-            first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]])
-            meta = np.concatenate([np.concatenate(address), length, np.concatenate(position), first_block,
-                                   np.concatenate(row)])
-            block_segment = np.repeat(np.arange(len(length), dtype=np.int32), blocks)
-            device = self.table.device
-            _segment_sums_kernel[(len(block_segment),)](
-                torch.from_numpy(block_segment).to(device), torch.from_numpy(meta).to(device), len(length),
-                self.table, DTYPE=_TRITON_BITS[dtype], M0=MULTIPLIERS[0], M1=MULTIPLIERS[1], BLOCK=_BLOCK, ITERS=_ITERS)
+    def flush(self, copies: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+        """Launch the sums of every queued piece (no host sync), and copy each (source, destination) of `copies`
+        (contiguous tensors of one shape and dtype). A copy whose source the queued pieces tile is made by the
+        kernel that sums them, in the same pass over the source; any other by torch."""
+        left = list(copies)
+        for width, runs in self.queued.items():
+            fusable = [(i, s, d) for i, (s, d) in enumerate(left) if _width(s) == width and d.is_cuda]
+            fused = self._launch(width, runs, fusable)
+            left = [c for i, c in enumerate(left) if i not in fused]
         self.queued = {}
+        for source, destination in left:
+            destination.copy_(source)
+
+    def _launch(self, width: int, runs: list[tuple], copies: list[tuple[int, torch.Tensor, torch.Tensor]]) -> set[int]:
+        """One kernel launch over the runs of one integer width; returns the indices of the copies it makes."""
+        address, length, position, row = _segments(runs)
+        destination, copy, fused = _fuse(address, length, width, copies)
+        base = self.table.view(_BITS[width])  # addresses as element offsets from the table's (aligned) address
+        vec = _ALIGN // width
+        offsets, misaligned = np.divmod(address - base.data_ptr(), width)
+        if misaligned.any():  # typed storage never is: a view of another width's storage at an odd offset
+            raise ValueError(f"checksum pieces of {width}-byte words at addresses that are not multiples of {width}")
+        head = offsets % vec
+        per = _BLOCK * _ITERS
+        programs = -(-(head + length) // per)
+        first_program = np.concatenate([[0], np.cumsum(programs)[:-1]])
+        columns = [offsets - head, head, head + length, position - head, row, first_program]
+        if fused:
+            columns += [np.where(copy, (destination - base.data_ptr()) // width - head, 0), copy]
+        meta = torch.from_numpy(np.stack(columns).astype(np.int64))
+        program_segment = torch.from_numpy(np.repeat(np.arange(len(length), dtype=np.int32), programs))
+        device = self.table.device
+        _segment_sums_kernel[(len(program_segment),)](
+            base, program_segment.pin_memory().to(device, non_blocking=True),
+            meta.pin_memory().to(device, non_blocking=True), len(length), self.table, M0=MULTIPLIERS[0],
+            M1=MULTIPLIERS[1], BLOCK=_BLOCK, ITERS=_ITERS, VEC=vec, COPY=bool(fused), num_warps=_WARPS)
+        return fused
 
     def values(self) -> list[list[int]]:
         """Each tensor's sums as non-negative ints below 2^32 (one host sync)."""
         self.flush()
         return (self.table.cpu().to(torch.int64) & 0xFFFFFFFF).tolist()
+
+
+def _segments(runs: list[tuple]) -> tuple[np.ndarray, ...]:
+    """Address, length (words), first position and table row of every contiguous segment of the queued runs."""
+    single = [r for r in runs if r[1] == 1]
+    address = [r[0] for r in single]
+    length = [r[2] for r in single]
+    position = [r[5] for r in single]
+    row = [r[4] for r in single]
+    parts = [tuple(np.asarray(c, dtype=np.int64) for c in (address, length, position, row))]
+    for a, rows, cols, pitch, table_row, first, stride, _ in (r for r in runs if r[1] > 1):
+        r = np.arange(rows, dtype=np.int64)
+        parts.append((a + r * pitch, np.full(rows, cols, np.int64), first + r * stride,
+                      np.full(rows, table_row, np.int64)))
+    return tuple(np.concatenate(column) for column in zip(*parts))
+
+
+def _fuse(address: np.ndarray, length: np.ndarray, width: int,
+          copies: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray, set[int]]:
+    """Which segments also copy their words (the copy flag and destination address per segment), and which
+    copies that makes whole. A copy is fused when the segments inside its source tile it exactly (a segment
+    repeated, such as a tensor every TP rank holds whole, counts once) and each segment's source and
+    destination have the same alignment (16 bytes); its segments then write it."""
+    n = len(address)
+    destination, copy = np.zeros(n, np.int64), np.zeros(n, bool)
+    ok = [(i, s, d) for i, s, d in copies if s.is_contiguous() and d.is_contiguous() and s.shape == d.shape
+          and s.dtype == d.dtype]
+    if not ok or n == 0:
+        return destination, copy, set()
+    src = np.array([s.data_ptr() for _, s, _ in ok], np.int64)
+    order = np.argsort(src)
+    src = src[order]
+    size = np.array([s.numel() * s.element_size() for _, s, _ in ok], np.int64)[order]
+    dst = np.array([d.data_ptr() for _, _, d in ok], np.int64)[order]
+    which = np.searchsorted(src, address, side="right") - 1  # the copy whose source starts at or before
+    inside = (which >= 0) & (address + length * width <= src[which] + size[which])
+    _, first = np.unique(np.stack([address, length], axis=1), axis=0, return_index=True)
+    candidate = np.zeros(n, bool)
+    candidate[first] = True
+    candidate &= inside
+    pick = np.flatnonzero(candidate)
+    pick = pick[np.lexsort((address[pick], which[pick]))]  # by copy, then by address
+    c, a = which[pick], address[pick]
+    e = a + length[pick] * width
+    target = dst[c] + (a - src[c])
+    opens = np.r_[True, c[1:] != c[:-1]]
+    closes = np.r_[c[1:] != c[:-1], True]
+    bad = ((opens & (a != src[c])) | (closes & (e != src[c] + size[c])) | (~opens & (a != np.r_[0, e[:-1]]))
+           | ((a - target) % _ALIGN != 0))
+    whole = np.zeros(len(ok), bool)
+    whole[c] = True
+    whole[c[bad]] = False
+    keep = whole[c]
+    copy[pick[keep]] = True
+    destination[pick[keep]] = target[keep]
+    return destination, copy, {ok[order[k]][0] for k in np.flatnonzero(whole)}
 
 
 def _torch_sums(bits: torch.Tensor, offset: int, stride: int) -> torch.Tensor:

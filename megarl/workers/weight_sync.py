@@ -10,9 +10,10 @@ on GPUs of their own (transports/nccl_broadcast.py); any other engine loads each
 
 Verification (trainer.verify_weight_sync_every), by default by checksums: the sending rank computes, bucket by
 bucket on its device, what every parameter the engine holds must hash to (megarl.rollout.weight_layout: SGLang's
-fused, sharded, padded parameters from the HF tensors sent), and the engine computes the same checksums of the
-parameters as it holds them, where they live (inside SGLang's TP workers); `verify_checksums` compares the two
-and names every parameter that differs, is missing, or was never sent. No copy of the weights leaves either GPU.
+fused, sharded, padded parameters from the HF tensors sent; by the same kernel pass that packs the bucket), and
+the engine computes the same checksums of the parameters as it holds them, where they live (inside SGLang's TP
+workers, after the last bucket's writes, in that bucket's request); `verify_checksums` compares the two and names
+every parameter that differs, is missing, or was never sent. No copy of the weights leaves either GPU.
 The deep check (trainer.verify_weight_sync_deep) instead keeps host copies of what was sent, has SGLang reload
 them from a file with its own loader and compare, then digests the engine's weights against the sender's.
 """
@@ -129,7 +130,9 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     To any other engine each rank loads its own buckets.
 
     With `verify` and `expected`, the verification is by checksums: each tensor sent goes into `expected` (by
-    `key(name)`), and nothing else is kept; with `verify` alone, the deep check's host copies and digests.
+    `key(name)`), summed where the sender packs the bucket by the pack's own copy (CUDA IPC), and nothing else is
+    kept; the last bucket's post asks SGLang's TP workers for their checksums (the persistent format: the
+    engine's weight_checksums then reads them); with `verify` alone, the deep check's host copies and digests.
 
     Returns what was sent (deep check: dtype and digest per tensor, by `key(name)`; checksums: `expected`'s
     result), the bf16/fp32 bytes
@@ -154,24 +157,31 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
             dist.broadcast_object_list(box, group_src=0, group=group)
             endpoints = box[0]
         begin_wait = time.perf_counter() - t
-        if endpoints is None:
-            return load
+        if endpoints is None:  # the rollout actor loads each bucket: its engine's checksums come when asked
+            def hand_over(bucket: Bucket, table) -> Callable[[bool], None]:
+                wait = load(bucket)
+                return lambda last: wait()
+
+            return hand_over
         servers = tuple((e.url, e.instance, e.transport) for e in endpoints)
         if servers not in senders:  # a new set of servers: what the old senders set up is gone with them
             close_senders(senders)
             senders[servers] = make_sender(endpoints, weight_format, serializer, master_address, group)
-        return senders[servers].send
+        return lambda bucket, table, sender=senders[servers]: sender.send(bucket, checksums=table)
 
-    def prepare(bucket: Bucket) -> Callable[[], None]:
+    def prepare(bucket: Bucket) -> Callable[[bool], None]:
         nonlocal digest_s, deliver
         deliver = deliver or transport()
-        post = deliver(bucket)
-        if verify and expected is not None:  # queued on the device behind the pack
+        table = None
+        if verify and expected is not None:  # queued here, summed by the sender's pack in its pass over the bucket
             t = time.perf_counter()
             for n, x in bucket:
                 expected.add(key(n), x)
-            expected.flush()  # the bucket's memory is reused once it is sent
+            table = expected.table
             digest_s += time.perf_counter() - t
+        post = deliver(bucket, table)
+        if table is not None:
+            expected.flush()  # what the sender did not sum: the bucket's memory is reused once it is sent
         elif verify:
             t = time.perf_counter()
             sent.extend((key(n), x.dtype, x.shape) for n, x in bucket)  # not the tensors: one bucket in memory

@@ -2,11 +2,13 @@
 # GPU run of issue 17's weight verification (one H100/H200), after the bundle's install.sh
 # (../shared/device/README.md). PARTS, in order (default "kernel sync"; "grpo" is a call of its own, ~5 min):
 #   kernel  the Triton checksum kernel against the torch path on the GPU: whole tensors, row blocks, column
-#           blocks (strided), offsets, bf16/fp32/uint8; and its time over 7.6B bf16 elements            (~30 s)
+#           blocks (strided), offsets, unaligned pieces, bf16/fp32/uint8, a bucket packed while summed (bytes
+#           and sums); its time over 7.6B bf16 elements, beside torch's copy and the copy-and-sum    (~30 s)
 #   sync    benchmarks/weight_sync.py sync --checksums: 7B (8 GiB buckets) and 0.5B (1 GiB) into a TP=1 server;
-#           after each format's timed syncs, one sync verified by checksums (sender during the sync, SGLang's
-#           TP worker on its GPU, comparison) and a bit flipped in SGLang's memory, which must be named; at 0.5B
-#           also the deep check (SGLang reloads a file) for comparison                                 (~3 min)
+#           after each format's timed syncs, rounds of one unverified and one verified sync (the sender's
+#           checksums summed by its pack copy, SGLang's computed inside the last bucket's load, the comparison):
+#           the verification's cost is the difference of their medians; then a bit flipped in SGLang's memory,
+#           which must be named; at 0.5B also the deep check (SGLang reloads a file) for comparison      (~3 min)
 #   grpo    GRPO colocated on the 0.5B shape of scripts/gpu/sglang.sh, twice: the defaults (every sync verified
 #           by checksums), and the deep check on every second sync (trainer.verify_weight_sync_deep=true,
 #           verify_weight_sync_every=2), whose other steps are unverified                             (~5 min)
@@ -20,22 +22,24 @@ PARTS=${PARTS:-kernel sync}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
 if [[ " $PARTS " == *" kernel "* ]]; then
-  timeout 120 python3 - > "$OUT/kernel.log" 2>&1 <<'PY'
+  timeout 180 python3 - > "$OUT/kernel.log" 2>&1 <<'PY'
 import json, time, torch
-from megarl.utils.checksum import weighted_sums
+from megarl.rollout.transports.cuda_ipc import flat_layout, pack
+from megarl.utils.checksum import ChecksumTable, weighted_sums
 
 g = torch.Generator(device="cuda").manual_seed(0)
 cases = []
 for dtype in (torch.bfloat16, torch.float32, torch.uint8):
     x = (torch.randn(3000, 777, device="cuda", generator=g) * 100).to(dtype)
+    flat = x.view(-1)
     for name, piece, offset, stride in (("whole", x, 0, None), ("rows", x[1000:2000], 12345, None),
                                         ("columns", x[:, 100:400], 7, 777), ("column shard", x[:, 400:], 0, None),
-                                        ("1-d", x[5], 99, None)):
+                                        ("1-d", x[5], 99, None), ("one program, unaligned", flat[3:3 + 32768], 0, None),
+                                        ("a program and one, aligned", flat[16:16 + 32769], 1, None)):
         gpu = weighted_sums(piece, offset, stride)
         cpu = weighted_sums(piece.cpu(), offset, stride)  # the torch path (a CPU tensor)
         cases.append((str(dtype), name, torch.equal(gpu.cpu(), cpu)))
 # many pieces of several widths in one table, flushed at once (as a sync's bucket and SGLang's parameters are)
-from megarl.utils.checksum import ChecksumTable
 pieces = [(torch.randn(n, 64, device="cuda", generator=g) * 50).to(d) for n, d in
           ((5, torch.bfloat16), (300, torch.float32), (7, torch.uint8), (1000, torch.bfloat16), (3, torch.float64))]
 gpu, cpu = ChecksumTable(3, "cuda"), ChecksumTable(3, "cpu")
@@ -44,19 +48,52 @@ for i, p in enumerate(pieces):
         table.add(i % 3, q, offset=17 * i)
         table.add(i % 3, q[:, 10:20], offset=3, target_stride=64)
 cases.append(("mixed", "table", gpu.values() == cpu.values()))
+# a bucket packed while it is summed (the sender's verified sync): whole tensors, TP=2 column blocks, a tensor every
+# rank holds; a 7-element tensor puts the one after it off the 16-byte alignment (torch copies that one)
+bucket = [(f"t{i}", p) for i, p in enumerate(pieces[:2] + [pieces[4], pieces[3][0, :7], pieces[3]])]
+out = torch.zeros(flat_layout(bucket)[1], dtype=torch.uint8, device="cuda")
+gpu, cpu = ChecksumTable(4, "cuda"), ChecksumTable(4, "cpu")
+for table, moved in ((gpu, bucket), (cpu, [(n, t.cpu()) for n, t in bucket])):
+    for i, (_, t) in enumerate(moved):
+        if i == 1:  # column blocks of two ranks
+            table.add(1, t[:, :32], 0, 64)
+            table.add(2, t[:, 32:], 0, 32)
+        else:
+            table.add(0 if i != 3 else 3, t, offset=100 * i)
+            if i == 0:
+                table.add(2, t)  # a second rank's copy
+reference = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+cases.append(("packed", "bytes", torch.equal(pack(bucket, out, gpu).cpu(), reference.cpu())))
+cases.append(("packed", "sums", gpu.values() == cpu.values()))
 ok = all(c[2] for c in cases)
 big = torch.empty(7_615_616_512 // 4, dtype=torch.bfloat16, device="cuda")  # a quarter of 7B at a time: 3.8 GB
 big.view(torch.int16).random_()
-for _ in range(2):
-    weighted_sums(big)
-torch.cuda.synchronize()
-t = time.perf_counter()
-for _ in range(4):  # 7.6B elements in all
-    weighted_sums(big)
-torch.cuda.synchronize()
-seconds = time.perf_counter() - t
+copy = torch.empty_like(big)
+
+
+def timed(step) -> float:
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(4):  # 7.6B elements in all
+        step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def fused():
+    table = ChecksumTable(1, "cuda")
+    table.add(0, big)
+    table.flush([(big, copy)])
+
+
+seconds = timed(lambda: weighted_sums(big))
+copy_s, fused_s = timed(lambda: copy.copy_(big)), timed(fused)
 print(json.dumps({"triton_equals_torch": ok, "cases": cases, "checksum_7b_elements_s": seconds,
-                  "gb_per_s": 4 * big.numel() * 2 / seconds / 1e9}))
+                  "gb_per_s": 4 * big.numel() * 2 / seconds / 1e9, "copy_7b_elements_s": copy_s,
+                  "copy_and_checksum_7b_elements_s": fused_s,
+                  "copied_bitwise": torch.equal(copy.view(torch.int16), big.view(torch.int16))}))
 PY
   rc=$?; status=$((status | rc)); tail -n 3 "$OUT/kernel.log"
 fi
@@ -85,10 +122,12 @@ if kernel.exists():
     lines = [l for l in kernel.read_text().splitlines() if l.startswith("{")]
     k = json.loads(lines[-1]) if lines else {}
     print(f"kernel: Triton == torch on every case: {k.get('triton_equals_torch')}; 7.6B bf16 elements in "
-          f"{k.get('checksum_7b_elements_s', float('nan')):.4f} s ({k.get('gb_per_s', 0):.0f} GB/s)")
-print("\n| model | sync s (GB/s) | sync with checksums s | sender checksum s | SGLang checksum s | compare s | "
-      "verify s | verify / sync | first verify s (compiles) | params checked | flipped bit named | deep check s |\n|"
-      + " --- |" * 12)
+          f"{k.get('checksum_7b_elements_s', float('nan')):.4f} s ({k.get('gb_per_s', 0):.0f} GB/s); copied by torch "
+          f"in {k.get('copy_7b_elements_s', float('nan')):.4f} s, copied and summed by one kernel in "
+          f"{k.get('copy_and_checksum_7b_elements_s', float('nan')):.4f} s (bitwise: {k.get('copied_bitwise')})")
+print("\n| model | sync s (GB/s) | verified sync s | verification s | / sync | sender checksums (host) s | "
+      "SGLang checksums (inside the last load) s | reading them s | compare s | first verification s (compiles) | "
+      "params checked | flipped bit named | deep check s |\n|" + " --- |" * 13)
 for name in ("sync_7b", "sync_0.5b"):
     path = out / f"{name}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
@@ -98,10 +137,12 @@ for name in ("sync_7b", "sync_0.5b"):
             print(f"| {r.get('model')} | ERROR {r['error'][:120]} |")
             continue
         f = lambda k, p=4: f"{r[k]:.{p}f}" if isinstance(r.get(k), (int, float)) else str(r.get(k, ""))
-        ratio = r["checksum_verify_s"] / r["total_s"] if r.get("checksums_verified") else float("nan")
-        print(f"| {r['model']} | {f('total_s')} ({f('gb_per_s', 1)}) | {f('checksum_sync_s')} | {f('sender_checksum_s')} | "
-              f"{f('engine_checksum_s')} ({f('sglang_inside_s')}) | {f('compare_s')} | {f('checksum_verify_s')} | {ratio:.3f} | {f('first_verify_s')} | "
-              f"{r.get('parameters_checked', '')} | {r.get('flip_detected', '')} | {f('verify_s') if r.get('verified') else ''} |")
+        ratio = r["checksum_verify_s"] / r["unverified_sync_s"] if r.get("checksums_verified") else float("nan")
+        print(f"| {r['model']} | {f('unverified_sync_s')} ({r['bytes'] / r.get('unverified_sync_s', 1) / 1e9:.1f}) | "
+              f"{f('verified_sync_s')} | {f('checksum_verify_s')} | {ratio:.3f} | {f('sender_checksum_s')} | "
+              f"{f('sglang_inside_s')} | {f('engine_checksum_s')} | {f('compare_s')} | {f('first_verify_s')} | "
+              f"{r.get('parameters_checked', '')} | {r.get('flip_detected', '')} | "
+              f"{f('verify_s') if r.get('verified') else ''} |")
 for name in ("grpo_default", "grpo_deep"):
     path = out / name / "grpo_metrics.jsonl"
     if not path.exists():

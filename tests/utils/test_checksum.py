@@ -51,3 +51,28 @@ def test_module_checksums_cover_parameters_and_persistent_buffers_only():
     flip_bit(model[0].weight)
     after = module_checksums(model)
     assert after["0.weight"] != held["0.weight"] and after["0.bias"] == held["0.bias"]
+
+
+def test_a_pack_copy_is_fused_only_where_the_pieces_tile_its_source_at_its_alignment():
+    """What the GPU kernel is told to copy while it sums (ChecksumTable.flush(copies)): a copy whose source the
+    queued pieces tile exactly, a repeated piece counted once, source and destination 16-byte congruent."""
+    src = torch.arange(64 * 10, dtype=torch.float32).view(64, 10)
+    out = torch.empty(2 * src.numel() + 8, dtype=torch.float32)
+    dst, shifted = out[:src.numel()].view(64, 10), out[src.numel() + 1:2 * src.numel() + 1].view(64, 10)
+
+    def plan(pieces, destination):
+        runs = [(p.data_ptr(), p.shape[0], p.shape[1], p.stride(0) * 4, 0, 0, 10, p) if not p.is_contiguous()
+                else (p.data_ptr(), 1, p.numel(), 0, 0, 0, 0, p) for p in pieces]
+        address, length, _, _ = checksum._segments(runs)
+        destinations, copy, fused = checksum._fuse(address, length, 4, [(7, src, destination)])
+        return copy, fused, destinations
+
+    copy, fused, destinations = plan([src[32:], src[:32]], dst)  # row blocks of two ranks
+    assert fused == {7} and copy.tolist() == [True, True]
+    assert destinations.tolist() == [dst.data_ptr() + 32 * 40, dst.data_ptr()]
+    assert plan([src[:32], src[32:], src], dst)[1] == set()  # overlapping pieces that are not the same: torch copies
+    copy, fused, destinations = plan([src[:, :4], src[:, 4:], src[:, :4]], dst)  # column blocks: a run per row
+    assert fused == {7} and copy.sum() == 128 and destinations[copy].min() == dst.data_ptr()
+    assert plan([src, src], dst)[1] == {7}  # replicated on two ranks: one copy
+    assert plan([src[:63]], dst)[1] == set()  # a row short
+    assert plan([src], shifted)[1] == set()  # destination 4 bytes off the source's alignment

@@ -148,3 +148,36 @@ def test_disaggregated_sync_broadcasts_to_every_server_over_one_group_each(tmp_p
         assert senders == {} and all(len(log(s, "/destroy_weights_update_group")) == 1 for s in e.servers)
     finally:
         e.shutdown()
+
+
+def test_verified_sync_brings_sglangs_checksums_with_its_last_bucket(tmp_path):
+    """The default verification into a colocated server (persistent format): SGLang's TP worker checksums what it
+    holds inside the last bucket's load, after every write, so verification needs no request of its own; a bit
+    flipped after that (or a sync that did not ask) is checksummed by a request then, and named."""
+    from megarl.reshard.inventory import TensorSpec
+    from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
+    from megarl.workers.weight_sync import verify_checksums
+
+    tensors = bucket_of(3)
+    layout = WeightLayout([TensorSpec(n, tuple(t.shape), None, None) for n, t in tensors], "hf")
+    e = engine(tmp_path, colocated=True, serializer=cuda_ipc.plain_serializer)
+    try:
+        server, senders = e.servers[0], {}
+        not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
+        report = push_policy(iter([[t] for t in tensors]), e.begin_weight_update, e.end_weight_update, not_here,
+                             True, weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer,
+                             expected=ExpectedChecksums(layout, [0]))
+        assert len(log(server, "/update_weights_from_tensor")) == 3  # one request per bucket, nothing more
+        verify_checksums(report["expected"], e.weight_checksums())
+        assert len(log(server, "/update_weights_from_tensor")) == 3
+        name = tensors[0][0]
+        e.corrupt_weight(name)  # after the sync: the checksums its last bucket brought are spent
+        with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank 0: {name}'\]"):
+            verify_checksums(report["expected"], e.weight_checksums())
+        assert len(log(server, "/update_weights_from_tensor")) == 5  # the flip, and a request for the checksums
+        push_policy(iter([tensors]), e.begin_weight_update, e.end_weight_update, not_here, False,
+                    weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer)
+        verify_checksums(report["expected"], e.weight_checksums())  # unverified: asked now, of the weights it loaded
+        close_senders(senders)
+    finally:
+        e.shutdown()

@@ -16,8 +16,8 @@ handles and copies what its model loader needs. Three payload formats (`FORMATS`
 `ShardedIpcSender` is the zero-redundancy form of "persistent" (rollout.weight_delivery=sharded): each SGLang
 TP rank's payload is the buffer of the training rank holding its TP shard, loaded as presharded weights.
 
-`send_overlapped` runs the HTTP call of bucket k in a thread while the caller gathers and converts
-bucket k+1. The sender's tensors (or buffer slot) stay untouched until their call returned: SGLang
+`send_overlapped` runs the HTTP call of bucket k in a thread while the caller packs bucket k+1 and gathers
+and converts bucket k+2. The sender's tensors (or buffer slot) stay untouched until their call returned: SGLang
 copies from our memory inside that call, and the "persistent" loader synchronises before returning.
 """
 
@@ -34,6 +34,8 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+
+from megarl.utils.checksum import ChecksumTable
 
 FORMATS = ("tensors", "flattened_bucket", "persistent")
 PERSISTENT_LOADER = "megarl.rollout.transports.cuda_ipc.load_flat_bucket"
@@ -67,13 +69,20 @@ def flat_layout(bucket: Bucket) -> tuple[list[list], int]:
     return layout, offset
 
 
-def pack(bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
-    """Copy the bucket's tensors into `out` (uint8) in flat_layout order; returns the used prefix."""
-    offset = 0
+def pack(bucket: Bucket, out: torch.Tensor, checksums: ChecksumTable | None = None) -> torch.Tensor:
+    """Copy the bucket's tensors into `out` (uint8) in flat_layout order; returns the used prefix. `checksums`:
+    a table with this bucket's pieces queued (a verified sync), whose flush makes the copies in the same pass
+    that sums them (each weight is read once)."""
+    copies, offset = [], 0
     for _, t in bucket:
         size = t.numel() * t.element_size()
-        out[offset:offset + size].view(t.dtype).view(t.shape).copy_(t)
+        copies.append((t, out[offset:offset + size].view(t.dtype).view(t.shape)))
         offset += size
+    if checksums is not None:
+        checksums.flush(copies)
+    else:
+        for source, destination in copies:
+            destination.copy_(source)
     return out[:offset]
 
 
@@ -92,14 +101,15 @@ CHECKSUM_TIMING = "megarl checksums"  # the same for a verification's checksums 
 
 def load_flat_bucket(model, named_tensors: Bucket) -> None:
     """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair. A
-    "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender)."""
+    "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender); a
+    "checksums" file (a verified sync's last bucket): once loaded, the checksums of everything held go there."""
     start = time.perf_counter()
     ((header, flat),) = named_tensors
     header = json.loads(header)
     if header.get("release"):  # the sender is closing (CudaIpcSender.close): let go of its buffers
         _MAPPED.clear()
         return
-    if "checksums" in header or "flip_bit" in header:  # not weights: a request about the weights held
+    if "layout" not in header:  # not weights: a request about the weights held
         inspect_weights(model, header)
         return
     bucket = unpack(flat, header["layout"])
@@ -115,6 +125,8 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} "
               f"seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
+    if "checksums" in header:  # a verified sync's last bucket: every parameter's checksum, after all the writes
+        inspect_weights(model, header)
 
 
 def inspect_weights(model, header: dict) -> None:
@@ -203,43 +215,47 @@ class CudaIpcSender:
         self.buffers: list[torch.Tensor | None] = [None] * slots
         self.count = 0  # buckets sent: picks the persistent slot
 
-    def payload(self, bucket: Bucket) -> tuple[dict, object]:
-        """The request body of one bucket (for every endpoint alike but the per-rank payloads) and the
-        object that must stay alive until the request returns."""
+    def payload(self, bucket: Bucket, checksums: ChecksumTable | None) -> tuple[str | None, Callable, object]:
+        """The load format of one bucket's request, the payload of SGLang TP rank r of an endpoint
+        (payload(endpoint, r, header): `header`, more for the persistent loader's header), and the object that
+        must stay alive until the request returns."""
         if self.fmt == "tensors":
             keep = [(n, t.detach()) for n, t in bucket]
-            return dict(load_format=None, payload=lambda: self.serialize(keep)), keep
+            return None, lambda endpoint, rank, header: self.serialize(keep), keep
         if self.fmt == "flattened_bucket":
             layout, size = flat_layout(bucket)
-            flat = pack(bucket, torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device))
+            flat = pack(bucket, torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device), checksums)
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
             meta = [FlattenedTensorMetadata(name=n, shape=torch.Size(s), dtype=getattr(torch, d), start_idx=a,
                                             end_idx=b, numel=b - a) for n, d, s, a, b in layout]
             obj = {"flattened_tensor": flat, "metadata": meta}
-            return dict(load_format="flattened_bucket", payload=lambda: self.serialize(obj)), flat
-        named, flat = self.persistent(bucket)
-        return dict(load_format=PERSISTENT_LOADER, payload=lambda: self.serialize(named)), flat
+            return "flattened_bucket", lambda endpoint, rank, header: self.serialize(obj), flat
+        header, flat = self.persistent(bucket, checksums)
+        return (PERSISTENT_LOADER, lambda endpoint, rank, more: self.serialize([(json.dumps(header | more), flat)]),
+                flat)
 
-    def persistent(self, bucket: Bucket, **header) -> tuple[Bucket, torch.Tensor]:
-        """The bucket packed into this bucket's slot buffer (grown when too small): the persistent loader's
-        (header JSON, buffer) payload and the buffer's used prefix."""
+    def persistent(self, bucket: Bucket, checksums: ChecksumTable | None = None, **header) -> tuple[dict, torch.Tensor]:
+        """The bucket packed into this bucket's slot buffer (grown when too small; with `checksums`, summed in
+        the same pass: `pack`): the persistent loader's header and the buffer's used prefix."""
         layout, size = flat_layout(bucket)
         device = bucket[0][1].device
         slot = self.count % self.slots
         buffer = self.buffers[slot]
         if buffer is None or buffer.numel() < size or buffer.device != device:
             buffer = self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
-        flat = pack(bucket, buffer)
-        return [(json.dumps({"slot": slot, "layout": layout, **header}), flat)], flat
+        flat = pack(bucket, buffer, checksums)
+        return {"slot": slot, "layout": layout, **header}, flat
 
-    def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
-        """Prepare the bucket now (copies on our GPU, handles serialised) and return the call that posts
-        it to every endpoint; run that call before changing the bucket's memory again."""
-        spec, keep = self.payload(bucket)
+    def send(self, bucket: Bucket, flush_cache: bool = False,
+             checksums: ChecksumTable | None = None) -> Callable[..., None]:
+        """Prepare the bucket now (copies on our GPU; with `checksums`, a verified sync's table holding this
+        bucket's queued pieces, summed by the copy) and return the call that posts it to every endpoint,
+        post(last): run it before changing the bucket's memory again. The last post of a verified sync in the
+        persistent format also asks each SGLang TP worker for the checksums of every parameter it then holds
+        (inspect_weights, into the file the endpoint names: no request of its own)."""
+        load_format, payload, keep = self.payload(bucket, checksums)
         self.count += 1
-        requests = [{"serialized_named_tensors": [spec["payload"]() for _ in range(e.tp)],
-                     "load_format": spec["load_format"], "flush_cache": flush_cache} for e in self.endpoints]
         # The pack (and the conversions before it) are queued on our stream, not done. A receiver that opens a
         # handle waits on the event torch's IPC sends along, but one that has it open already (SGLang keeps the
         # persistent buffers mapped: torch's rebuild_cuda_tensor then takes its cached storage) does not wait:
@@ -249,12 +265,16 @@ class CudaIpcSender:
         if packed is not None:
             packed.record(torch.cuda.current_stream(device))
 
-        def post() -> None:
+        def post(last: bool = False) -> None:
             nonlocal keep  # our tensors stay alive until every endpoint has copied from them
             if packed is not None:
                 packed.synchronize()
-            for endpoint, request in zip(self.endpoints, requests):
-                endpoint.post("/update_weights_from_tensor", request)
+            for endpoint in self.endpoints:
+                ask = last and checksums is not None and load_format == PERSISTENT_LOADER and endpoint.checksums
+                payloads = [payload(endpoint, r, {"checksums": checksum_file(endpoint.checksums, r)} if ask else {})
+                            for r in range(endpoint.tp)]  # serialised here: the handles are opened once each
+                endpoint.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
+                                                              "load_format": load_format, "flush_cache": flush_cache})
             keep = None
 
         return post
@@ -279,6 +299,11 @@ class CudaIpcSender:
         self.buffers = [None] * self.slots
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # the buffers SGLang let go of leave torch's IPC limbo
+
+
+def checksum_file(prefix: str, rank: int) -> str:
+    """Where SGLang TP rank `rank` of the server whose endpoint names `prefix` writes its checksums."""
+    return f"{prefix}_rank{rank}.json"
 
 
 def persistent_request(payloads: list[str], flush_cache: bool = False) -> dict:
@@ -333,21 +358,22 @@ class ShardedIpcSender(CudaIpcSender):
                                  f"{endpoint.transport}) cannot take the shards of a {self.size}-rank group by CUDA IPC: "
                                  f"it needs colocated servers of TP={self.size} (rollout.sglang_tp = actor TP)")
 
-    def send(self, bucket: Bucket, flush_cache: bool = False) -> Callable[[], None]:
+    def send(self, bucket: Bucket, flush_cache: bool = False,
+             checksums: ChecksumTable | None = None) -> Callable[..., None]:
         # This bucket's slot held bucket count - slots, which SGLang may read until rank 0's post of it returned.
         # Rank 0 gets here only after that (send_overlapped keeps one post in flight); the others wait for it here.
         dist.barrier(group=self.group)
-        named, flat = self.persistent(bucket, presharded=True)
+        header, flat = self.persistent(bucket, checksums, presharded=True)
         self.count += 1
         if flat.is_cuda:  # SGLang holds the buffer mapped: it does not wait on torch's IPC event for our pack
             torch.cuda.current_stream(flat.device).synchronize()
         payloads = [None] * self.size if self.first else None
-        dist.gather_object(self.serialize(named), payloads, group_dst=0, group=self.group)
+        dist.gather_object(self.serialize([(json.dumps(header), flat)]), payloads, group_dst=0, group=self.group)
         if not self.first:
-            return lambda: None
+            return lambda last=False: None
         request = persistent_request(payloads, flush_cache)
 
-        def post() -> None:
+        def post(last: bool = False) -> None:  # SGLang's checksums come by a request of their own (weight_checksums)
             for endpoint in self.endpoints:
                 endpoint.post("/update_weights_from_tensor", request)
 
@@ -366,37 +392,42 @@ class ShardedIpcSender(CudaIpcSender):
         self.free()
 
 
-def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
+def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[bool], None]]) -> dict:
     """For each bucket from `buckets` (whose production is the gather and convert work), `prepare(bucket)`
-    returns the post; the post of bucket k runs in a thread while bucket k+1 is produced and prepared.
-    Returns seconds spent producing, preparing and waiting on posts, each post's seconds, and the bytes sent."""
+    returns the post; the post of bucket k, post(last), runs in a thread while bucket k+1 is prepared and bucket
+    k+2 produced. Bucket k+1 is produced before bucket k is posted, so that the last post knows it is the last
+    (a verified sync's asks for SGLang's checksums). Returns seconds spent producing, preparing and waiting on
+    posts, each post's seconds, and the bytes sent."""
     stats = dict(produce_s=0.0, prepare_s=0.0, wait_s=0.0, bytes=0, buckets=0, posts_s=[])
 
-    def timed(post: Callable[[], None]) -> None:
+    def timed(post: Callable[[bool], None], last: bool) -> None:
         start = time.perf_counter()
-        post()
+        post(last)
         stats["posts_s"].append(time.perf_counter() - start)
+
+    def produce() -> Bucket | None:
+        t = time.perf_counter()
+        bucket = next(iterator, None)
+        stats["produce_s"] += time.perf_counter() - t
+        return bucket
 
     pending = None
     with ThreadPoolExecutor(1) as pool:
         iterator = iter(buckets)
-        while True:
-            t0 = time.perf_counter()
-            bucket = next(iterator, None)
-            t1 = time.perf_counter()
-            stats["produce_s"] += t1 - t0
-            if bucket is None:
-                break
+        bucket = produce()
+        while bucket is not None:
             stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
             stats["buckets"] += 1
+            t1 = time.perf_counter()
             post = prepare(bucket)
+            stats["prepare_s"] += time.perf_counter() - t1
+            del bucket  # packed (or held by its post): free for the next one
+            bucket = produce()
             t2 = time.perf_counter()
-            stats["prepare_s"] += t2 - t1
             if pending is not None:  # at most one post in flight: two buckets (or slots) in use
                 pending.result()
             stats["wait_s"] += time.perf_counter() - t2
-            pending = pool.submit(timed, post)
-            del bucket
+            pending = pool.submit(timed, post, bucket is None)
         t3 = time.perf_counter()
         if pending is not None:
             pending.result()
