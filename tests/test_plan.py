@@ -9,8 +9,9 @@ import pytest
 from megarl.reshard.inventory import hf_inventory
 from megarl.reshard.layout import GenLayout, TrainLayout
 from megarl.reshard.memory import GiB, MemorySettings, predict_peak, rank_memory, stage_params
-from megarl.reshard.plan import (default_stage_split, fitting_layouts, kv_bytes_per_token, load_model_config, main,
-                                 parse_layout, plan, train_layout)
+from megarl.parallel.stages import default_first_last, stage_layers
+from megarl.reshard.plan import (fitting_layouts, kv_bytes_per_token, load_model_config, main, parse_layout, plan,
+                                 train_layout)
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -95,24 +96,57 @@ def test_uneven_stages_plan_with_the_split_shown(model, pp, stages, capsys):
     main(["--model", model, "--train", f"tp=1,pp={pp},dp=8,ep=8", "--gen", "tp=8,ep=8", "--distributed-optimizer"])
     out = capsys.readouterr().out
     assert f"pipeline stages (decoder layers): {','.join(map(str, stages))}" in out
-    assert f"pp_first_stage_layers={stages[0]} pp_last_stage_layers={stages[-1]}" in out
+    assert (f"actor.parallel.pp_first_stage_layers={stages[0]} actor.parallel.pp_last_stage_layers={stages[-1]}"
+            in out)
     assert "recompute: none" in out and "micro-batch: 1 x 4096 tokens" in out and "dtype: bf16 weights" in out
     per_gpu = float(out.split("per-GPU peak: ")[1].split()[0]) * GiB
     # Each routed expert sits on one of the 8 EP ranks of its stage, not on all of them.
     ep8, ep1 = (train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=8, ep=ep, etp=1)) for ep in (8, 1))
     assert per_gpu == pytest.approx(predict_peak(hf, ep8, MemorySettings(distributed_optimizer=True)), rel=1e-3)
     assert 8 * stage_params(hf, ep8, 1)[1] == stage_params(hf, ep1, 1)[1] > 0
-    # A split given by hand is the one planned; one megatron cannot build names the key.
+    # A split given by hand is the one planned; one megatron cannot build names the flags and the engine's keys.
     given = train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=1, ep=1, etp=1), stages[0] - 1, stages[-1] + 1)
     assert given.stage_layers == (stages[0] - 1,) + stages[1:-1] + (stages[-1] + 1,)
-    with pytest.raises(ValueError, match="--pp-first-stage-layers=1 --pp-last-stage-layers=2"):
+    with pytest.raises(ValueError, match="--pp-first-stage-layers=1 --pp-last-stage-layers=2: actor.parallel.pp_"):
         train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=1, ep=1, etp=1), 1, 2)
 
 
+@pytest.mark.parametrize("model,pp", [("deepseek-v3", 8), ("deepseek-v3", 16), ("qwen3-235b-a22b", 4),
+                                      ("qwen3-235b-a22b", 16)])
+def test_default_split_is_what_megatron_builds_from_the_printed_keys(model, pp):
+    """The planner's split is megarl's engine's: the keys it prints, through the model family's TransformerConfig
+    (what MegatronEngine builds), give each stage the layers megatron builds there."""
+    import torch
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megarl.config import load_config
+    from megarl.config.model_layout import check_model_layout
+    from megarl.models import get_family
+
+    hf = load_model_config(model)
+    planned = train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=8, ep=8, etp=1)).stage_layers
+    first, last = default_first_last(hf["num_hidden_layers"], pp)
+    with pytest.raises(ValueError, match=f"actor.parallel.pp_first_stage_layers={first} "
+                                         f"actor.parallel.pp_last_stage_layers={last}"):
+        stage_layers(hf["num_hidden_layers"], pp, keys="actor.parallel")  # the engine's error suggests them
+    cfg = load_config(None, [f"actor.parallel.world_size={8 * pp}", f"actor.parallel.pp={pp}", "actor.parallel.ep=8",
+                             f"actor.parallel.pp_first_stage_layers={first}",
+                             f"actor.parallel.pp_last_stage_layers={last}"])
+    p = cfg.actor.parallel
+    assert check_model_layout(cfg.actor, "actor", hf, model) == planned  # the dry run's check
+    config = get_family(hf).transformer_config(hf, p.tp, p.pp, torch.bfloat16, True, ep=p.ep,
+                                               first_stage_layers=p.pp_first_stage_layers,
+                                               last_stage_layers=p.pp_last_stage_layers)
+    assert tuple(get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)) == planned
+
+
 def test_default_split_rule():
-    assert default_stage_split(61, 8) == (7, 6) and default_stage_split(61, 16) == (3, 2)
-    assert default_stage_split(64, 8) == (0, 0) and default_stage_split(61, 2) == (31, 30)
-    assert default_stage_split(9, 8) == (2, 1)  # middle stages of one layer, first and last the rest
+    assert default_first_last(61, 8) == (7, 6) and default_first_last(61, 16) == (3, 2)
+    assert default_first_last(64, 8) == (0, 0) and default_first_last(61, 2) == (31, 30)
+    assert default_first_last(9, 8) == (2, 1)  # middle stages of one layer, first and last the rest
+    assert stage_layers(9, 8, *default_first_last(9, 8)) == (2,) + (1,) * 7
+    with pytest.raises(ValueError, match="pp=9 is more pipeline stages than num_hidden_layers=8"):
+        default_first_last(8, 9)
 
 
 def test_expert_parallelism_divides_expert_memory_by_hand():
@@ -128,19 +162,43 @@ def test_expert_parallelism_divides_expert_memory_by_hand():
         assert m["optimizer"] == 12 * (dense / 2 + expert / (4 // (etp * ep)))
 
 
-def test_offload_moves_exactly_the_optimizer_bytes_to_host():
+def test_offload_moves_adams_moments_off_the_gpu_and_the_optimizer_to_host():
     train = TrainLayout(2, 1, 2, 2, ep=2, etp=1)
+    dist = dict(distributed_optimizer=True, optimizer_offload=True)
     on_gpu = rank_memory(TINY_MOE, train, 0, MemorySettings(distributed_optimizer=True))
-    off = rank_memory(TINY_MOE, train, 0, MemorySettings(distributed_optimizer=True, optimizer_offload=True))
-    half = rank_memory(TINY_MOE, train, 0, MemorySettings(distributed_optimizer=True, optimizer_offload=True,
-                                                          offload_fraction=0.5))
-    assert off["optimizer"] == 0 and off["host"] == on_gpu["optimizer"] * 16 / 12  # + the fp32 grad copy
-    assert half["optimizer"] == on_gpu["optimizer"] / 2 and half["host"] == off["host"] / 2
+    off = rank_memory(TINY_MOE, train, 0, MemorySettings(**dist))
+    half = rank_memory(TINY_MOE, train, 0, MemorySettings(**dist, offload_fraction=0.5))
+    te = rank_memory(TINY_MOE, train, 0, MemorySettings(**dist, te_precision_aware_optimizer=True))
+    # megarl's engine (no TransformerEngine): the 2 fp32 moments (8 of the 12 B) leave the GPU, the fp32 master
+    # copy (4 B) stays: the drop tests/engine/test_layouts_gpu.py measures on an H200 (8 B per parameter)
+    assert off["optimizer"] == on_gpu["optimizer"] / 3
+    assert half["optimizer"] == on_gpu["optimizer"] * 2 / 3  # (12 B + 4 B) / 2 of the 12 B
+    # TransformerEngine's precision-aware optimizer: the master copy leaves too
+    assert te["optimizer"] == 0
+    # the host holds fp32 master, grad copy and 2 moments, 16 B per offloaded sharded parameter, either way
+    assert off["host"] == te["host"] == on_gpu["optimizer"] * 16 / 12 and half["host"] == off["host"] / 2
     assert (off["weights"], off["grads"], off["activations"]) == (on_gpu["weights"], on_gpu["grads"],
                                                                   on_gpu["activations"])
-    assert off["step_transient"] == 0 < on_gpu["step_transient"]
+    # the CPU updates the offloaded part: torch's fp32 temporary only for what stays on the GPU's Adam
+    assert off["step_transient"] == 0 < half["step_transient"] == on_gpu["step_transient"] / 2
     with pytest.raises(ValueError, match="distributed_optimizer"):
         MemorySettings(optimizer_offload=True)
+    with pytest.raises(ValueError, match="te_precision_aware_optimizer: .* set optimizer_offload"):
+        MemorySettings(distributed_optimizer=True, te_precision_aware_optimizer=True)
+
+
+def test_cli_offload_assumption_is_printed_and_the_te_case_is_a_flag(capsys):
+    args = ["--model", "deepseek-v3", "--train", "tp=1,pp=16,dp=8,ep=8", "--gen", "tp=8", "--optimizer-offload",
+            "--recompute", "full"]
+    main(args)
+    megarl = capsys.readouterr().out
+    main(args + ["--te-precision-aware-optimizer"])
+    te = capsys.readouterr().out
+    assert "Adam's 2 moments leave the GPU (8 B), the fp32 master stays (megarl's engine" in megarl
+    assert "fp32 master and 2 moments leave the GPU (12 B: TransformerEngine's precision-aware" in te
+    peak = [float(out.split("per-GPU peak: ")[1].split()[0]) for out in (megarl, te)]
+    host = [out.split("host memory of the offloaded optimizer: ")[1].split()[0] for out in (megarl, te)]
+    assert peak[0] > peak[1] and host[0] == host[1]
 
 
 def test_gpus_and_memory_list_only_layouts_that_fit(capsys):

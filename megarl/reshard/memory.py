@@ -7,11 +7,15 @@ on a rank (its TP shard of dense tensors, its EP block of routed experts cut ove
 - Adam: fp32 master copy + two moments, 12, divided over the data-parallel replicas of that parameter with
   the distributed optimizer (dense: CP x DP ranks; routed experts: the expert-DP group,
   world / (ETP x EP x PP));
-- optimizer CPU offload (megatron's HybridDeviceOptimizer with the precision-aware optimizer, as megarl's
-  engine builds it): the offloaded fraction keeps nothing on the GPU; host memory holds fp32 master,
-  gradient copy and both moments, 16 per sharded parameter;
+- optimizer CPU offload (megatron's HybridDeviceOptimizer, actor.optimizer_cpu_offload): megarl's engine
+  runs without TransformerEngine, where the distributed optimizer keeps its fp32 master copy on the GPU and
+  only Adam's two moments of the offloaded fraction leave it (8; measured on an H200,
+  tests/engine/test_layouts_gpu.py); with TransformerEngine's precision-aware optimizer (what megarl does
+  not build; te_precision_aware_optimizer) the master copy leaves too (12). Host memory either way: the
+  fp32 master copy the CPU Adam updates, a pinned gradient copy and both moments, 16 per offloaded sharded
+  parameter;
 - the optimizer step's transient: torch's foreach Adam makes one fp32 temporary per parameter it updates
-  on the GPU (4);
+  on the GPU (4; none for the offloaded fraction, which the CPU updates);
 - a reference snapshot (KL to the initial policy): another bf16 copy, 2.
 Activations (bf16 unless said) are counted tensor by tensor from what the local spec saves for backward,
 per token of one micro-batch (T = seq_len x micro_batch / CP tokens; tensors outside TP regions divide by TP
@@ -60,6 +64,9 @@ class MemorySettings:
     distributed_optimizer: bool = False
     optimizer_offload: bool = False  # megatron's optimizer CPU offload (needs distributed_optimizer)
     offload_fraction: float = 1.0  # share of the optimizer's parameters whose state lives on the CPU
+    # Offload as megatron does it with TransformerEngine's precision-aware optimizer (fp32 master weights on the
+    # host too), as verl and slime run it; False: megarl's engine (no TE), whose master weights stay on the GPU.
+    te_precision_aware_optimizer: bool = False
     reference: bool = False  # a bf16 snapshot of the weights (KL to the reference policy)
 
     def __post_init__(self):
@@ -78,6 +85,9 @@ class MemorySettings:
                              "optimizer's shards)")
         if not 0 < self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction={self.offload_fraction}: must be in (0, 1]")
+        if self.te_precision_aware_optimizer and not self.optimizer_offload:
+            raise ValueError("te_precision_aware_optimizer: changes only what optimizer_offload moves to the host "
+                             "(the fp32 master weights too); set optimizer_offload")
 
     def sp(self, tp: int) -> bool:
         return tp > 1 if self.sequence_parallel is None else self.sequence_parallel and tp > 1
@@ -95,8 +105,16 @@ class MemorySettings:
         modules = f" ({', '.join(self.recompute_modules)})" if self.recompute == "selective" else ""
         opt = "sharded over data-parallel replicas (distributed optimizer)" if self.distributed_optimizer \
             else "replicated on every data-parallel rank"
-        offload = (f"{self.offload_fraction:.0%} of it on the CPU (host: fp32 master, grad copy, 2 moments = 16 B)"
-                   if self.optimizer_offload else "on the GPU")
+        if not self.optimizer_offload:
+            offload = "on the GPU"
+        elif self.te_precision_aware_optimizer:
+            offload = (f"{self.offload_fraction:.0%} of it on the CPU, fp32 master and 2 moments leave the GPU (12 B: "
+                       "TransformerEngine's precision-aware optimizer, not megarl's engine); host: fp32 master, "
+                       "grad copy, 2 moments = 16 B")
+        else:
+            offload = (f"{self.offload_fraction:.0%} of it on the CPU, Adam's 2 moments leave the GPU (8 B), the fp32 "
+                       "master stays (megarl's engine, no TransformerEngine); host: fp32 master copy, grad copy, "
+                       "2 moments = 16 B")
         return [f"dtype: bf16 weights (2 B), fp32 grads (4 B), Adam fp32 master + 2 moments (12 B) {opt}, {offload}",
                 f"micro-batch: {self.micro_batch} x {self.seq_len} tokens = {tokens} (CP={cp}: {tokens // cp} per "
                 f"rank); micro-batches per step: {self.micro_batches or 'PP (pipeline full)'}",
@@ -215,8 +233,11 @@ def rank_memory(hf: dict, train: TrainLayout, stage: int, s: MemorySettings, cp:
     params = dense + expert
     shards = dense / train.dp + expert / train.expert_dp if s.distributed_optimizer else params
     on_cpu = s.offload_fraction * shards if s.optimizer_offload else 0.0
+    # what leaves the GPU per offloaded parameter: Adam's two moments; the fp32 master copy too only with TE's
+    # precision-aware optimizer (megarl's engine keeps it on the GPU)
+    left_gpu = 3 * FP32 if s.te_precision_aware_optimizer else 2 * FP32
     out = dict(params=params, weights=BF16 * params, grads=FP32 * params,
-               optimizer=3 * FP32 * (shards - on_cpu), reference=BF16 * params if s.reference else 0.0,
+               optimizer=3 * FP32 * shards - left_gpu * on_cpu, reference=BF16 * params if s.reference else 0.0,
                host=4 * FP32 * on_cpu)
     out["static"] = out["weights"] + out["grads"] + out["optimizer"] + out["reference"]
     layers = [_activations(hf, i, train, s, cp) for i in _stage_layers(train, stage)]
@@ -227,8 +248,8 @@ def rank_memory(hf: dict, train: TrainLayout, stage: int, s: MemorySettings, cp:
         vocab = -(-hf["vocab_size"] // train.tp)
         out["logits"] = 2 * FP32 * s.seq_len * s.micro_batch / cp * vocab
     out["backward_working"] = max((full + remade for _, remade, full in layers), default=0.0)
-    # the optimizer step runs after the backward has freed the activations
-    out["step_transient"] = FP32 * (shards - on_cpu) if not s.optimizer_offload else 0.0
+    # the optimizer step runs after the backward has freed the activations; the CPU updates the offloaded part
+    out["step_transient"] = FP32 * (shards - on_cpu)
     out["peak"] = out["static"] + max(out["activations"] + out["logits"] + out["backward_working"],
                                       out["step_transient"])
     return out

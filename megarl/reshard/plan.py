@@ -6,9 +6,10 @@
 
 --train takes tp, pp, dp, cp (context parallelism), ep (expert parallelism) and etp (each expert's TP;
 default tp); --gen takes tp and ep (SGLang's --tp-size/--ep-size). A layer count PP does not divide is
-split megatron's way (uneven first/last stages): give --pp-first-stage-layers/--pp-last-stage-layers, or
-the planner picks the stages between them with ceil(layers / PP) each and splits the rest over the first
-and the last (61 over PP 8: 7 + 6 x 8 + 6). With --gpus N --gpu-mem GiB it lists the layouts of N GPUs
+split megatron's way (uneven first/last stages, megarl/parallel/stages.py: the engine's rule): give
+--pp-first-stage-layers/--pp-last-stage-layers, or the planner picks the stages between them with
+ceil(layers / PP) each and splits the rest over the first and the last (61 over PP 8: 7 + 6 x 8 + 6), and
+prints the actor.parallel keys that make the engine build that split. With --gpus N --gpu-mem GiB it lists the layouts of N GPUs
 whose predicted per-GPU peak fits (and, with --host-mem, whose offloaded optimizer fits each node's host
 memory), best first. --model takes a HF config.json path or a name in configs/models/. The memory model
 and its assumptions are megarl/reshard/memory.py's (docs/planner.md); sync traffic comes from
@@ -22,6 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
+from megarl.parallel.stages import default_first_last, stage_layers
 from megarl.reshard.inventory import TensorSpec, hf_inventory
 from megarl.reshard.layout import DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
@@ -56,43 +58,21 @@ def parse_layout(text: str, keys: tuple[str, ...]) -> dict[str, int]:
     return layout
 
 
-def default_stage_split(num_layers: int, pp: int) -> tuple[int, int]:
-    """(first, last) stage layer counts for PP that does not divide the layers: the stages between get
-    ceil(layers / PP) each, the first and last the rest, the first the larger half (the last also holds the
-    output layer and the logits); (0, 0) when PP divides the layers."""
-    if num_layers % pp == 0:
-        return 0, 0
-    if pp == 2:
-        return num_layers - num_layers // 2, num_layers // 2
-    share = -(-num_layers // pp)
-    while num_layers - (pp - 2) * share < 2:
-        share -= 1
-    if share < 1:
-        raise ValueError(f"pp={pp} is more pipeline stages than num_hidden_layers={num_layers}")
-    rest = num_layers - (pp - 2) * share
-    return rest - rest // 2, rest // 2
-
-
 def stage_split(num_layers: int, pp: int, first: int = 0, last: int = 0) -> tuple[int, ...]:
-    """Decoder layers per stage by megatron's rule (num_layers_in_first/last_pipeline_stage): the first and
-    last as given (0: an even share), the stages between them equal; neither given: default_stage_split."""
+    """Decoder layers per stage as megarl's engine builds them (megarl/parallel/stages.py, megatron's rule) for
+    the given first/last stage counts; neither given: stages.default_first_last's split. Errors name the
+    planner's flags and the engine's keys."""
     if not (first or last):
-        first, last = default_stage_split(num_layers, pp)
-        if not first:
-            return (num_layers // pp,) * pp
-    middle, rest = pp - bool(first) - bool(last), num_layers - first - last
-    given = f"--pp-first-stage-layers={first} --pp-last-stage-layers={last}"
-    if pp < 2 or first < 0 or last < 0 or (rest if not middle else rest < middle or rest % middle):
-        raise ValueError(f"{given} (actor.parallel.pp_first_stage_layers / pp_last_stage_layers) with pp={pp}: the "
-                         f"other {rest} of num_hidden_layers={num_layers} do not split evenly over the {middle} "
-                         f"stage(s) between them, at least one layer each")
-    share = rest // middle if middle else 0
-    return (first or share,) + (share,) * (pp - 2) + (last or share,)
+        first, last = default_first_last(num_layers, pp)
+    try:
+        return stage_layers(num_layers, pp, first, last, keys="actor.parallel")
+    except ValueError as e:
+        raise ValueError(f"--pp-first-stage-layers={first} --pp-last-stage-layers={last}: {e}") from None
 
 
 def train_layout(hf: dict, t: dict[str, int], first: int = 0, last: int = 0) -> TrainLayout:
     """The TrainLayout of a parsed --train (t['dp'] the DP size; TrainLayout.dp counts CP x DP), with its
-    stage split: first/last as given, else default_stage_split."""
+    stage split (stage_split)."""
     layers = hf["num_hidden_layers"]
     stages = stage_split(layers, t["pp"], first, last)
     experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
@@ -195,7 +175,7 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
           f"DP={train.world // gen.tp}")
     first, last = train.stage_layers[0], train.stage_layers[-1]
     print(f"pipeline stages (decoder layers): {','.join(map(str, train.stage_layers))}"
-          + (f" (actor.parallel.pp_first_stage_layers={first} pp_last_stage_layers={last})"
+          + (f" (actor.parallel.pp_first_stage_layers={first} actor.parallel.pp_last_stage_layers={last})"
              if len(set(train.stage_layers)) > 1 else ""))
     _print_assumptions(settings, train.tp, t["cp"], kv_tokens)
     print("per-GPU training memory in GiB, the most loaded rank of each pipeline stage:")
@@ -227,7 +207,8 @@ def _settings(args) -> MemorySettings:
         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
         recompute_modules=tuple(filter(None, args.recompute_modules.split(","))),
         distributed_optimizer=args.distributed_optimizer or args.optimizer_offload,
-        optimizer_offload=args.optimizer_offload, offload_fraction=args.offload_fraction, reference=args.reference)
+        optimizer_offload=args.optimizer_offload, offload_fraction=args.offload_fraction,
+        te_precision_aware_optimizer=args.te_precision_aware_optimizer, reference=args.reference)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer-offload", action="store_true",
                         help="megatron's optimizer CPU offload (implies --distributed-optimizer)")
     parser.add_argument("--offload-fraction", type=float, default=1.0, help="share of the optimizer on the CPU")
+    parser.add_argument("--te-precision-aware-optimizer", action="store_true",
+                        help="with --optimizer-offload: plan megatron with TransformerEngine's precision-aware "
+                             "optimizer, whose fp32 master weights leave the GPU too (verl's and slime's offload); "
+                             "default: megarl's engine (no TransformerEngine), where only Adam's moments do")
     parser.add_argument("--recompute", default="none", help="none, selective or full")
     parser.add_argument("--recompute-modules", default="core_attn",
                         help="with --recompute selective: core_attn,layernorm,mla_up_proj,mlp,moe,moe_act,"
