@@ -439,19 +439,24 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
     return meta
 
 
-def hf_shapes_from_model(gpts, weight_maps, layout) -> dict[str, tuple[int, ...]]:
-    """The HF tensor shapes of the whole model, worked out from the megatron parameters (collective
-    over the pipeline group): for an engine built without HF weights, whose export needs them."""
+def hf_tensors_from_model(gpts, weight_maps, layout) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every HF tensor of the whole model, worked out from the megatron parameters as they are
+    (collective over the expert-parallel and pipeline groups: a rank holds its EP rank's experts of its stage):
+    what the export allocates on the ranks that receive a tensor. The dtype is the parameter's: the model's, but
+    float32 for DeepSeek-V3's routing bias in a bf16 model."""
     from megarl.engine.weights import global_parameters, tp_group_of
 
     params = {name: p for gpt in gpts for name, p in global_parameters(gpt).items()}
     local = {}
     for wm in weight_maps:
         if wm.megatron in params:
-            shard = torch.empty(params[wm.megatron].shape, device="meta")
+            param = params[wm.megatron]
+            shard = torch.empty(param.shape, dtype=param.dtype, device="meta")
             shards = [shard] * dist.get_world_size(tp_group_of(wm.megatron))  # experts: the expert-TP group
             for name, tensor in zip(wm.hf, wm.from_shards(shards)):
-                local[name] = tuple(tensor.shape)
-    per_stage: list = [None] * len(layout.ranks)
-    dist.all_gather_object(per_stage, local, group=layout.group)
-    return {name: shape for stage in per_stage for name, shape in stage.items()}
+                local[name] = (tuple(tensor.shape), tensor.dtype)
+    for group in (parallel_state.get_expert_model_parallel_group(), layout.group):  # the whole stage, all stages
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, local, group=group)
+        local = {name: meta for part in parts for name, meta in part.items()}
+    return local

@@ -37,7 +37,8 @@ from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_toke
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
 from megarl.models import get_family
 from megarl.models.decoder import decoder_block_spec
-from megarl.models.router import expert_bias_update_options, expert_load_metrics, reset_expert_load
+from megarl.models.router import (expert_bias_update_options, expert_load_metrics, reset_expert_load,
+                                  restore_expert_biases, snapshot_expert_biases)
 from megarl.parallel.stages import stage_layers
 from megarl.protocol import Batch
 
@@ -144,13 +145,12 @@ class MegatronEngine:
                 hf_checkpoint = WithValueHead(hf_checkpoint, config.hidden_size)
             for gpt in self.gpts:
                 weights.load_hf_weights(gpt, self.weight_maps, hf_checkpoint)
-            self.hf_shapes = hf_checkpoint.shapes
-        else:
-            self.hf_shapes = checkpoint.hf_shapes_from_model(self.gpts, self.weight_maps, self.layout)
 
         # The local spec keeps norms in fp32; Float16Module casts the whole model to bf16 (as
         # Megatron's training loop does) and the outputs of the last stage back to fp32.
         modules = [Float16Module(config, gpt) if self.params_dtype == torch.bfloat16 else gpt for gpt in self.gpts]
+        # after the cast: each HF tensor's dtype is its parameter's (DeepSeek-V3's routing bias stays fp32)
+        self.hf_tensors = checkpoint.hf_tensors_from_model(self.gpts, self.weight_maps, self.layout)
         self._forward_backward = get_forward_backward_func(pp_size=pp, vp_size=actor.parallel.vpp
                                                            if actor.parallel.vpp > 1 else None)
         self._reference: list[torch.Tensor] | None = None
@@ -462,10 +462,12 @@ class MegatronEngine:
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        biases = snapshot_expert_biases(self.models)  # the schedule's finalize_model_grads moves them
         outputs = self._run_schedule(mbs, loss_fn, forward_only=False)
         found = finite.check_update(mb_losses, [g for m in self.models for g in offload.ddp_grad_buffers(m)],
                                     self.device)
         if found:
+            restore_expert_biases(biases)  # the update is not applied: neither is the routing bias's move
             message = (f"{found.describe(len(mbs))}, in {loss} training ({where}; the engine's update "
                        f"{self.step_count + 1})")
             if not self.skip_nonfinite_updates:
@@ -558,5 +560,5 @@ class MegatronEngine:
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of full HF-named tensors, the same on every rank; every rank must iterate to the end."""
-        return weights.export_hf_weights(self.gpts, self.weight_maps, self.layout, self.hf_shapes,
-                                         self.params_dtype, self.device, bucket_bytes)
+        return weights.export_hf_weights(self.gpts, self.weight_maps, self.layout, self.hf_tensors, self.device,
+                                         bucket_bytes)

@@ -110,9 +110,11 @@ class PipelineLayout:
         return 0 if megatron_name.startswith("embedding.") else len(self.ranks) - 1
 
 
-def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_shapes: dict[str, tuple],
-                      dtype: torch.dtype, device: torch.device, bucket_bytes: int) -> Iterator[list]:
-    """Collective over the whole job: every rank must consume the iterator to the end."""
+def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: dict[str, tuple],
+                      device: torch.device, bucket_bytes: int) -> Iterator[list]:
+    """Collective over the whole job: every rank must consume the iterator to the end. `hf_tensors`: each HF
+    tensor's (shape, dtype) as its owners produce it (checkpoint.hf_tensors_from_model), what the other ranks
+    receive it into."""
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()
     my_ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -131,7 +133,7 @@ def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_sha
             dist.all_gather(shards, shard, group=tp_group)
             tensors = [t.contiguous() for t in wm.from_shards(shards)]
         else:
-            tensors = [torch.empty(hf_shapes[n], dtype=dtype, device=device) for n in wm.hf]
+            tensors = [torch.empty(hf_tensors[n][0], dtype=hf_tensors[n][1], device=device) for n in wm.hf]
         if owner is not None and stage == my_stage and dist.get_world_size(ep_group) > 1:
             for t in tensors:  # from the EP rank holding the expert to the rest of the stage
                 dist.broadcast(t, src=dist.get_global_rank(ep_group, owner), group=ep_group)

@@ -84,7 +84,9 @@ def routing_rule(hf: dict) -> DeepSeekRouting:
                            group_score={"noaux_tc": "top2_sum", "group_limited_greedy": "max"}.get(method),
                            num_groups=num_groups, group_topk=group_topk, norm_topk_prob=norm_topk_prob,
                            scaling_factor=float(_require(hf, "routed_scaling_factor")),
-                           score_bias=method == "noaux_tc")
+                           # transformers' DeepseekV3 MoE always has e_score_correction_bias, whatever config.json
+                           # says of topk_method (reshard/inventory.py's has_routing_bias: the same test)
+                           score_bias=model_type == "deepseek_v3")
 
 
 def moe_config(hf: dict, ep: int) -> dict:

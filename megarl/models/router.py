@@ -144,6 +144,19 @@ def expert_bias_update_options(config, rate: float) -> dict:
     return dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=rate)
 
 
+def snapshot_expert_biases(models) -> list[tuple[Tensor, Tensor]]:
+    """(bias, a copy of it) of every router whose bias megatron's aux-loss-free update moves: finalize_model_grads
+    moves it at the end of the backward pass, before the update is judged finite, so a skipped update puts it
+    back (restore_expert_biases). Empty when the update is off."""
+    return [(r.expert_bias, r.expert_bias.detach().clone()) for r in _routers(models) if r.enable_expert_bias]
+
+
+def restore_expert_biases(snapshot: list[tuple[Tensor, Tensor]]) -> None:
+    with torch.no_grad():
+        for bias, kept in snapshot:
+            bias.copy_(kept)
+
+
 def reset_expert_load(models) -> None:
     for router in _routers(models):
         router.tokens_per_expert.zero_()

@@ -15,6 +15,8 @@ dense MLPs.
 Head-structured tensors are cut between heads. K/V projections with TP above their head count (and a
 multiple of it) give each rank the one head its query heads use, as SGLang does; megatron cannot
 train that way.
+Every tensor is in the model's dtype except DeepSeek-V3's routing bias (gate.e_score_correction_bias), which
+megatron (models/router.py), transformers and SGLang all keep in float32: `TensorSpec.fp32`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class TensorSpec:
     kv: bool = False  # K/V heads: TP above their count takes one head per rank (module docstring)
     expert: int | None = None  # a routed expert's index in its layer (EP places it); None for other tensors
     experts: int = 0  # routed experts of that layer
+    fp32: bool = False  # kept in float32 whatever the model's dtype (DeepSeek-V3's routing bias)
 
     @property
     def numel(self) -> int:
@@ -49,6 +52,10 @@ class TensorSpec:
     @property
     def row_numel(self) -> int:
         return self.numel // self.length
+
+    def itemsize(self, model_itemsize: int) -> int:
+        """Bytes per element of this tensor in a model whose weights take `model_itemsize`."""
+        return 4 if self.fp32 else model_itemsize
 
     def rows(self, tp: int, rank: int) -> tuple[int, int]:
         """[lo, hi) rows of this tensor that TP rank `rank` of `tp` holds (may be empty: lo == hi)."""
@@ -121,13 +128,20 @@ def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     h, inter = hf["hidden_size"], hf["moe_intermediate_size"]
     experts = _get(hf, "n_routed_experts", "num_experts", "num_local_experts")  # the last: transformers >= 5's
     specs = [TensorSpec(p + "gate.weight", (experts, h), None, layer)]
-    if hf.get("topk_method") == "noaux_tc":  # DeepSeek-V3's load-balancing bias
-        specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer))
+    if has_routing_bias(hf):
+        specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer, fp32=True))
     for e in range(experts):
         specs += _mlp(f"{p}experts.{e}.", h, inter, layer, expert=e, experts=experts)
     if hf.get("n_shared_experts"):
         specs += _mlp(p + "shared_experts.", h, inter * hf["n_shared_experts"], layer)
     return specs
+
+
+def has_routing_bias(hf: dict) -> bool:
+    """DeepSeek-V3's load-balancing bias: transformers' DeepseekV3 MoE layers always have it, and its noaux_tc
+    routing (topk_method, often absent from config.json) is the only one megarl runs for V3 (models/deepseek_moe.py
+    keys its router on the same test)."""
+    return hf.get("model_type") == "deepseek_v3"
 
 
 def _is_moe_layer(hf: dict, layer: int) -> bool:

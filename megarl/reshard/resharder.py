@@ -4,7 +4,8 @@ Routed experts move from the ranks of their owning EP rank only, to the generati
 (megarl.reshard.layout.GenLayout: all of them, or with generation EP those of the expert's EP slice).
 Buckets are cut on every rank at the same tensors, from the largest per-rank cost of each tensor (its
 delivered shard plus any staging copies), so extra memory on any rank stays within one bucket or one
-tensor's cost.
+tensor's cost. Tensors move in the model's dtype, those the inventory marks fp32 (DeepSeek-V3's routing bias,
+which megatron keeps in float32 in a bf16 model) in float32.
 """
 
 from __future__ import annotations
@@ -75,14 +76,15 @@ class Resharder:
                 dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Collective: every rank iterates to the end. Yields this rank's (HF name, tensor) per bucket:
         whole tensors ("full") or the rows of its generation shard ("sharded"), of every tensor it holds in the
-        generation layout `gen` (a GenLayout, or a bare generation TP: no generation EP)."""
+        generation layout `gen` (a GenLayout, or a bare generation TP: no generation EP). `dtype`: the model's
+        (its parameters'); fp32 tensors of the inventory come in float32."""
         gen = as_generation(gen)
         generation_ranks(self.train, gen)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         bucket, size = [], 0
         for spec in self.specs:
             pieces = plan_tensor(spec, self.train, gen, delivery)
-            cost = self._cost(spec, pieces, gen, delivery, itemsize)
+            cost = self._cost(spec, pieces, gen, delivery, spec.itemsize(itemsize))
             if bucket and size + cost > bucket_bytes:
                 yield self._move(bucket, gen, delivery, dtype)
                 bucket, size = [], 0
@@ -91,9 +93,10 @@ class Resharder:
         if bucket:
             yield self._move(bucket, gen, delivery, dtype)
 
-    def _move(self, bucket, gen: GenLayout, delivery: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    def _move(self, bucket, gen: GenLayout, delivery: str, model_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         ops, staged, out = [], [], []
         for spec, pieces in bucket:
+            dtype = torch.float32 if spec.fp32 else model_dtype
             need = needed(spec, gen, self.rank, delivery)
             held = self.local.get(spec.name)
             for p in pieces:  # what this rank sends, whether or not it receives anything itself

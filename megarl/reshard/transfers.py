@@ -72,7 +72,7 @@ def plan_tensor(spec: TensorSpec, train: TrainLayout, gen: int | GenLayout, deli
 def _tensor_bytes(spec: TensorSpec, train: TrainLayout, gen: GenLayout, delivery: str, itemsize: int):
     recv, sent = [0] * train.world, [0] * train.world
     for p in plan_tensor(spec, train, gen, delivery):
-        nbytes = (p.hi - p.lo) * spec.row_numel * itemsize
+        nbytes = (p.hi - p.lo) * spec.row_numel * spec.itemsize(itemsize)
         recv[p.dst] += nbytes
         sent[p.src] += nbytes
     return recv, sent
@@ -94,7 +94,7 @@ def _stand_in(spec: TensorSpec, train: TrainLayout, gen: GenLayout) -> TensorSpe
 def transfer_bytes(specs: list[TensorSpec], train: TrainLayout, gen: int | GenLayout, delivery: str,
                    itemsize: int) -> tuple[list[int], list[int]]:
     """Bytes each rank receives and sends in one sync (the planner's numbers, and the resharder's); `gen` is the
-    generation layout or a bare generation TP (no generation EP)."""
+    generation layout or a bare generation TP (no generation EP); `itemsize` the model's (fp32 tensors take 4)."""
     gen = as_generation(gen)
     generation_ranks(train, gen)
     recv, sent = [0] * train.world, [0] * train.world
