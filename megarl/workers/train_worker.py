@@ -122,11 +122,12 @@ class TrainWorker:
         delivery = self.cfg.rollout.weight_delivery
         gen = self.generation_layout() if delivery == "sharded" else GenLayout(1)
         gen_tp = gen.tp
-        if gen.ep > 1 and verify and not deep:  # before any collective, by every rank alike
-            raise ValueError(f"rollout.weight_delivery=sharded into SGLang at --ep-size {gen.ep}: verification by "
-                             f"checksums needs the layout of SGLang's expert-parallel parameters, which "
-                             f"megarl.rollout.weight_layout does not model yet (use trainer.verify_weight_sync_deep, "
-                             f"or --ep-size 1)")
+        served = self.generation_layout()  # how the engine holds the weights, whatever the delivery
+        if served.ep > 1 and verify and not deep:  # before any collective, by every rank alike
+            raise ValueError(f"rollout.weight_delivery={delivery} into SGLang at --ep-size {served.ep}: verification "
+                             f"by checksums needs the layout of SGLang's expert-parallel parameters (each rank whole "
+                             f"experts of its slice), which megarl.rollout.weight_layout does not model yet (use "
+                             f"trainer.verify_weight_sync_deep, or --ep-size 1)")
         if self.resharder is None:
             buckets = self.engine.export_hf_weights(bucket_bytes)
         else:

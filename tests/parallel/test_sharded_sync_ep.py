@@ -62,3 +62,27 @@ def test_sharded_sync_from_an_ep2_policy_into_the_hf_engine(tmp_path, ray_local)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     syncs = [r["sync/bytes"] for r in rows if "sync/bytes" in r]
     assert syncs and all(s == shards for s in syncs), (syncs, shards)
+
+
+def test_checksum_verification_into_sglang_at_ep_size_is_refused_for_both_deliveries():
+    """megarl.rollout.weight_layout models SGLang's TP placement of experts, not its --ep-size one (each rank whole
+    experts of its slice): checksums would fail a correct sync, so every rank refuses before any collective, full
+    delivery as sharded; the deep check (SGLang's own loader) is the way."""
+    import pytest
+    import torch
+
+    from megarl.workers.train_worker import TrainWorker
+
+    common = ["rollout.engine=sglang", "actor.parallel.world_size=2", "actor.parallel.tp=2", "rollout.sglang_tp=2",
+              "rollout.sglang_args=[--ep-size,2]"]
+    threads = torch.get_num_threads()  # TrainWorker sets the process's threads (its own process, in a run)
+    try:
+        for delivery in ("full", "sharded"):
+            # device "cuda", as SGLang's are: no engine is built (the refusal comes first), and no CPU patches for
+            # megatron go into the test process
+            worker = TrainWorker(0, load_config(RECIPE, common + [f"rollout.weight_delivery={delivery}"]), "-", "cuda")
+            with pytest.raises(ValueError, match=f"weight_delivery={delivery} into SGLang at --ep-size 2: .*"
+                                                 "trainer.verify_weight_sync_deep"):
+                worker.push_weights(None, 1 << 20, verify=True)
+    finally:
+        torch.set_num_threads(threads)
