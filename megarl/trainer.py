@@ -42,6 +42,12 @@ def resolve_device(cfg: Config) -> str:
     return cfg.trainer.device
 
 
+def evaluates_after(step: int, eval_every: int, steps: int) -> bool:
+    """Whether RL step `step` of `steps` ends with a held-out evaluation: every eval_every-th step and the last;
+    eval_every=0: the last only (fit also evaluates before RL, always)."""
+    return step == steps or (eval_every > 0 and step % eval_every == 0)
+
+
 def prepare_model(cfg: Config) -> str:
     """The policy's HF directory; the built-in tiny model is built offline on first use."""
     if cfg.model.path != "tiny":
@@ -116,7 +122,7 @@ class RLTrainer:
             self.history["val/reward"][0] = metrics["val/reward"]
         for step in range(done + 1, cfg.trainer.steps + 1):
             metrics = self.step()
-            if step % cfg.trainer.eval_every == 0 or step == cfg.trainer.steps:
+            if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
                 metrics |= self.validate()
                 self.history["val/reward"][step] = metrics["val/reward"]
             self.tracker.log(metrics, step)

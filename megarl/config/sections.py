@@ -300,7 +300,8 @@ class SFTConfig:
 @dataclass
 class TrainerConfig:
     steps: int = opt(10, "RL steps")
-    eval_every: int = opt(5, "evaluate on the held-out set every N steps (and before RL)")
+    eval_every: int = opt(5, "evaluate on the held-out set before RL, every N steps and after the last step; "
+                             "0 = before RL and after the last step only")
     output_dir: str = opt("runs/default", "where TensorBoard events, metrics.jsonl and the tiny model go")
     seed: int = opt(1, "random seed")
     device: str = opt("auto", "auto, cpu or cuda")

@@ -86,6 +86,9 @@ class ConfigChecks:
             raise ConfigError(f"trainer.worker_timeout_s={t.worker_timeout_s}: must be >= 0 (0 = no deadline)")
         if t.verify_weight_sync_every < 0:
             raise ConfigError(f"trainer.verify_weight_sync_every={t.verify_weight_sync_every}: must be >= 0")
+        if t.eval_every < 0:
+            raise ConfigError(f"trainer.eval_every={t.eval_every}: must be >= 0 (0 = before RL and after the last "
+                              "step only)")
         if a.max_sampling_rounds < 1:
             raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
         self._validate_data_and_reward()
