@@ -14,18 +14,40 @@
 #            broadcast; on 2 GPUs 1 + 1; verified, sync seconds and GB/s                 (~2-3 min)
 #   moe      benchmarks/multi_gpu.py moe: a random Qwen3-MoE with 8 experts at EP=N vs EP=1 (fp32, bf16) and
 #            transformers                                                               (~1 min)
+# Expert parallelism in GRPO (issue 18), `python -m megarl.train` on the quickstart task with a DeepSeek-V3-shaped
+# policy (benchmarks/deepseek_sglang.py build, EP_SHAPE "layers hidden heads experts moe_intermediate intermediate
+# dense": MLA with DeepSeek-V3's own head dimensions, EP_SHAPE's routed experts, a shared one, dense first layers),
+# a short SFT then GRPO steps, colocated SGLang, every sync verified; on EP = min(GPUs, 4) GPUs:
+#   ep       the policy at EP=N (TP=1: each GPU holds 1/N of the routed experts), N SGLang servers of TP=1, full
+#            delivery, verified by checksums inside SGLang after every sync      (not run on GPUs yet; ~4 min?)
+#   sglang_ep  SGLang's own expert parallelism: the policy at TP=N x EP=N (ETP=1, sequence parallel), one SGLang
+#            server of TP=N launched with --ep-size N (rollout.sglang_args), for each of EP_DELIVERIES (default
+#            "full sharded": whole HF tensors, then each rank its own generation shard with experts cut by
+#            SGLang's EP placement), verified by the deep check (trainer.verify_weight_sync_deep: SGLang reloads
+#            what was sent with its own loader and compares). Not by checksums: megarl.rollout.weight_layout places
+#            experts TP-split, as SGLang does at --ep-size 1, so TrainWorker refuses checksums into SGLang at
+#            --ep-size > 1 for either delivery                 (not run on GPUs yet; ~4 min a delivery?)
+#            Run them as their own call: PHASES="ep sglang_ep" EP_DELIVERIES=full, then PHASES=sglang_ep
+#            EP_DELIVERIES=sharded (the first SGLang start of a DeepSeek shape on a fresh machine JIT-compiles).
 # PHASES: default "train reshard disagg moe" on 4+ GPUs, which is two calls' worth: run PHASES="train moe"
 # then PHASES="reshard disagg" (each <= ~9 min). Default on 2 GPUs: "train disagg moe" (PHASES=reshard: a
 # second call). Each phase has its own time limit, cut to what is left of BUDGET seconds (default 560);
 # a phase that no longer fits is skipped and says so (then run it alone: PHASES=disagg).
-# DEVICE=cpu: the same phases through gloo at tiny sizes, GPUS processes (default 4): the smoke test.
+# DEVICE=cpu: the same phases through gloo at tiny sizes, GPUS processes (default 4): the smoke test. There the
+# SGLang servers are stand-ins: the reshard and disagg phases use the tests' fake SGLang server, and the GRPO
+# phases (ep, sglang_ep) megarl's transformers rollout engine (rollout.engine=hf: no --ep-size, the same
+# deliveries into generation TP=N, the same verification), with a tiny DeepSeek-V3 (EP_SHAPE "2 64 4 8 32 128 1").
+# The smoke run of the EP phases on 2 cores (~2 min):
+#   DEVICE=cpu GPUS=2 PHASES="ep sglang_ep" OUT=/tmp/multi-gpu-smoke scripts/gpu/multi_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 NCCL_CUMEM_ENABLE=0 OMP_NUM_THREADS=1
+export RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-/tmp/megarl-multi-gpu}; mkdir -p "$OUT/server_logs"
 BUDGET=${BUDGET:-560}
+EP_DELIVERIES=${EP_DELIVERIES:-full sharded}
 if [ "$DEVICE" = cpu ]; then
   export PYTHONPATH=$PWD
   GPUS=${GPUS:-4}
@@ -33,6 +55,11 @@ if [ "$DEVICE" = cpu ]; then
   TINY="--device cpu --size tiny --seq 64"
   TRAIN_ARGS="--device cpu --size tiny --seq 64 --sequences 8 --max-tokens 128 --steps 1 --warmup 1"
   MOE_ARGS="--device cpu"
+  EP_SHAPE=${EP_SHAPE:-"2 64 4 8 32 128 1"}
+  ROLLOUT="rollout.engine=hf"  # no SGLang on the CPU: the transformers engine in its place
+  SERVERS="the transformers engine in SGLang's place"; SERVER_EP="$SERVERS (generation TP=EP)"
+  GRPO_ARGS="sft.steps=2 sft.batch_size=4 data.prompts_per_step=2 rollout.n_samples=2 data.val_size=2
+    actor.micro_batch_size=8 trainer.steps=2 trainer.eval_every=2"
 else
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -41,20 +68,29 @@ else
   TINY=""
   TRAIN_ARGS=""
   MOE_ARGS=""
+  EP_SHAPE=${EP_SHAPE:-"4 1024 16 16 512 2816 1"}
+  ROLLOUT="rollout.engine=sglang"
+  SERVERS="EP SGLang servers TP=1"; SERVER_EP="1 SGLang server TP=EP --ep-size EP"
+  GRPO_ARGS="sft.steps=10 sft.lr=1e-4 sft.batch_size=16 data.prompts_per_step=8 rollout.n_samples=4 data.val_size=8
+    actor.micro_batch_size=16 actor.optim.lr=2e-5 trainer.steps=3 trainer.eval_every=3 trainer.sync_bucket_mb=256
+    trainer.cpus_per_rank=1"
 fi
+EP=$(( GPUS < 4 ? GPUS : 4 ))
 if [ "$GPUS" -ge 4 ]; then PHASES=${PHASES:-train reshard disagg moe}; else PHASES=${PHASES:-train disagg moe}; fi
 if [ "$GPUS" -lt 2 ]; then echo "multi_gpu.sh needs 2, 4 or 8 GPUs (found $GPUS)"; exit 2; fi
 M="benchmarks/multi_gpu.py"
 LOGS="--log-dir $OUT/server_logs"
 status=0
 phase() { [[ " $PHASES " == *" $1 "* ]]; }
-launch() {  # name, limit in seconds, processes, script and arguments...
-  local name=$1 limit=$2 procs=$3; shift 3
+fits() {  # name, limit in seconds: sets LIMIT to the limit cut to what is left of BUDGET; false if under 45 s
   local left=$(( BUDGET - SECONDS - 10 ))
-  [ "$limit" -gt "$left" ] && limit=$left
-  if [ "$limit" -lt 45 ]; then
-    echo "== $name: SKIPPED, ${left}s left of BUDGET=$BUDGET"; status=1; return
+  LIMIT=$2; [ "$LIMIT" -gt "$left" ] && LIMIT=$left
+  if [ "$LIMIT" -lt 45 ]; then
+    echo "== $1: SKIPPED, ${left}s left of BUDGET=$BUDGET"; status=1; return 1
   fi
+}
+launch() {  # name, limit in seconds, processes, script and arguments...
+  local name=$1 procs=$3 limit; fits "$1" "$2" || return; limit=$LIMIT; shift 3
   echo "== $name ($procs processes, limit ${limit}s, at ${SECONDS}s)"
   local start=$SECONDS
   timeout -k 15 "$limit" $PY -m torch.distributed.run --standalone --nproc-per-node "$procs" "$@" \
@@ -69,6 +105,49 @@ launch() {  # name, limit in seconds, processes, script and arguments...
   echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4
   status=$(( status | (rc != 0) ))
 }
+grpo() {  # name, limit in seconds, what it runs (for the table), megarl.train overrides...: GRPO with EP_MODEL
+  local name=$1 about=$3 limit run=/tmp/megarl-multi-gpu-$1-$$; fits "$1" "$2" || return; limit=$LIMIT; shift 3
+  echo "== $name (python -m megarl.train, limit ${limit}s, at ${SECONDS}s): $about"
+  echo "$about" > "$OUT/$name.about"
+  rm -rf "$run"
+  # shellcheck disable=SC2086  # GRPO_ARGS: one override a word
+  timeout -k 30 "$limit" $PY -m megarl.train --config configs/quickstart.yaml model.path="$EP_MODEL" \
+    trainer.device="$DEVICE" trainer.output_dir="$run" trainer.loggers=jsonl trainer.verify_weight_sync_every=1 \
+    $GRPO_ARGS "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  cp "$run/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  for f in "$run"/sglang_*.log; do [ -f "$f" ] && tail -n 60 "$f" > "$OUT/server_logs/${name}_$(basename "$f").tail"; done
+  rm -rf "$run"
+  echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4
+  status=$(( status | (rc != 0) ))
+}
+if phase ep || phase sglang_ep; then  # the DeepSeek-V3-shaped policy both GRPO phases train
+  EP_MODEL=/tmp/megarl-multi-gpu-ep-model-$$
+  read -r layers hidden heads experts moe inter dense <<< "$EP_SHAPE"
+  if ! $PY benchmarks/deepseek_sglang.py build --out "$OUT/ep_model.json" --model-dir "$EP_MODEL" --layers "$layers" \
+      --hidden "$hidden" --heads "$heads" --experts "$experts" --moe-intermediate "$moe" --intermediate "$inter" \
+      --dense "$dense" > "$OUT/ep_model.log" 2>&1; then
+    echo "== building the EP policy ($EP_SHAPE) failed: no GRPO phases"; tail -n 20 "$OUT/ep_model.log"; status=1
+    EP_MODEL=""
+  fi
+fi
+if phase ep && [ -n "$EP_MODEL" ]; then
+  grpo "ep_grpo_ep$EP" 300 "policy TP=1 EP=$EP; ${SERVERS//EP/$EP}; full delivery; checksums" \
+    actor.parallel.world_size=$EP actor.parallel.tp=1 actor.parallel.ep=$EP $ROLLOUT rollout.sglang_tp=1 \
+    rollout.weight_delivery=full
+fi
+if phase sglang_ep && [ -n "$EP_MODEL" ]; then
+  # SGLang's --ep-size on the GPU; the CPU's transformers engine takes no SGLang arguments
+  [ "$DEVICE" = cpu ] && SGLANG_EP="" || SGLANG_EP="rollout.sglang_args=[--ep-size,$EP]"
+  for delivery in $EP_DELIVERIES; do
+    grpo "sglang_ep_tp${EP}_ep${EP}_$delivery" 300 \
+      "policy TP=$EP EP=$EP ETP=1; ${SERVER_EP//EP/$EP}; $delivery delivery; deep check" \
+      actor.parallel.world_size=$EP actor.parallel.tp=$EP actor.parallel.ep=$EP actor.parallel.etp=1 \
+      actor.parallel.sequence_parallel=true $ROLLOUT rollout.sglang_tp=$EP $SGLANG_EP \
+      rollout.weight_delivery="$delivery" trainer.verify_weight_sync_deep=true
+  done
+fi
+[ -n "${EP_MODEL:-}" ] && rm -rf "$EP_MODEL"
 T=benchmarks/engine_throughput.py
 if phase train; then
   launch "train_tp1_dp$GPUS" 210 "$GPUS" $T --tp 1 $TRAIN_ARGS --out "$OUT/train_tp1_dp$GPUS.json"
@@ -138,6 +217,24 @@ if sync:
         print(f"| {r['part']} | {train} | {gen} | {nbytes / 1e9:.2f} | {r['total_s']:.3f} ({trials}) "
               f"| {nbytes / r['total_s'] / 1e9:.1f} | {r.get('gb_per_s_total', r.get('gb_per_s')):.1f} "
               f"| {r['verified']} {'; '.join(r.get('failures', []))[:200]} |")
+grpo = sorted(out.glob("*_metrics.jsonl"))
+if grpo:
+    print("\n| GRPO run | what | RL steps | syncs verified | GB a sync | best sync s (GB/s) | expert load max/mean |"
+          " held-out reward |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for p in grpo:
+        name = p.name[:-len("_metrics.jsonl")]
+        about = (out / f"{name}.about").read_text().strip() if (out / f"{name}.about").exists() else ""
+        steps = [r for r in map(json.loads, p.read_text().splitlines()) if "train/loss" in r]
+        evals = [r["val/reward"] for r in map(json.loads, p.read_text().splitlines()) if "val/reward" in r]
+        syncs = [r for r in steps if "sync/seconds" in r]
+        best = min(syncs, key=lambda r: r["sync/seconds"], default=None)
+        load = max((r.get("train/expert_load/max_over_mean", 0) for r in steps), default=0)
+        verified = f"{sum(r.get('sync/verified') == 1.0 for r in syncs)}/{len(syncs)}"
+        sync = (f"{best['sync/bytes'] / 1e9:.3f} | {best['sync/seconds']:.3f} ({best['sync/gb_per_s']:.1f})" if best
+                else "- | -")
+        print(f"| {name} | {about} | {len(steps)} | {verified} | {sync} | {load:.2f} "
+              f"| {' -> '.join(f'{v:.3f}' for v in evals)} |")
 moe = [r for r in rows if r["part"] == "moe"]
 if moe:
     print("\n| MoE | experts | EP | max abs diff vs EP=1 | EP=1 vs transformers | tolerance | ok |")
