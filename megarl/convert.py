@@ -9,8 +9,11 @@
       an index), config.json and the tokenizer files saved with the checkpoint; transformers and SGLang load it.
 
 Import reads block-wise FP8 checkpoints dequantized and leaves out the multi-token-prediction layers, which
-the checkpoint keeps as they were; export writes them back after the trained weights, in the export dtype, and
-a config.json without quantization_config and with the DeepSeek fields SGLang reads (models/hf_checkpoint.py).
+the checkpoint keeps as they were; export writes them back after the trained weights, in the export dtype
+(DeepSeek-V3's routing bias always in float32), and a config.json without quantization_config and with the
+DeepSeek fields SGLang reads (models/hf_checkpoint.py). An FP8 checkpoint becomes a bf16 one SGLang can start
+from (the train dry run names these for an FP8 model.path): hf-to-megatron FP8_DIR CKPT, then megatron-to-hf
+CKPT BF16_DIR --dtype bfloat16.
 
 Both run as one rank (a gloo process group of one on the CPU): dist checkpoints are independent of
 the layout, so a checkpoint written at TP=2 x PP=2 converts the same. Output directories are
@@ -170,12 +173,16 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
 
 
 def _save_shard(directory: Path, index: int, bucket: list, dtype) -> tuple[str, list[str], int]:
-    """One safetensors file of (name, tensor) pairs in `dtype`: its name, tensor names and bytes."""
+    """One safetensors file of (name, tensor) pairs in `dtype` (DeepSeek-V3's routing bias in float32:
+    hf_checkpoint.written_dtype): its name, tensor names and bytes."""
     from safetensors.torch import save_file
 
+    from megarl.models.hf_checkpoint import written_dtype
+
     name = f"model-{index + 1:05d}.safetensors"
-    save_file({n: t.to(dtype).contiguous().cpu() for n, t in bucket}, str(directory / name), metadata={"format": "pt"})
-    return name, [n for n, _ in bucket], sum(t.numel() * dtype.itemsize for _, t in bucket)
+    tensors = {n: t.to(written_dtype(n, dtype)).contiguous().cpu() for n, t in bucket}
+    save_file(tensors, str(directory / name), metadata={"format": "pt"})
+    return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _buckets(tensors, dtype, max_bytes: int):

@@ -15,7 +15,7 @@ from megarl.algorithms.advantages import compute_advantages
 from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
 from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
-from megarl.config.model_layout import check_model_layout
+from megarl.config.model_layout import check_model_layout, check_rollout_model
 from megarl.data.dataset import sft_batch
 from megarl.data.evaluation import eval_metrics
 from megarl.data.inputs import load_tokenizer, prompt_datasets, prompt_limit, read_model_config
@@ -76,6 +76,7 @@ class RLTrainer:
         # every prompt checked now (empty, unencodable, longer than the model's positions leave), its row named
         model_config, where = read_model_config(self.model_path), str(Path(self.model_path) / "config.json")
         check_model_layout(cfg.actor, "actor", model_config, where)  # a ConfigError naming the key, before workers
+        check_rollout_model(cfg, model_config, where)  # SGLang cannot start from a quantized checkpoint
         limit = prompt_limit(cfg, model_config, where)
         prompts = prompt_datasets(cfg, self.tokenizer, limit)
         self.data, self.sft_data, self.val = prompts.train, prompts.sft, prompts.val

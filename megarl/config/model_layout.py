@@ -1,9 +1,14 @@
 """A training role's layout against its model's config.json: the checks that need the model (its layers, heads
 and experts), run by the dry run (`python -m megarl.train --dry-run`) before any worker starts, so a layout
-that cannot work is an error naming its key rather than a failure inside a training rank.
+that cannot work is an error naming its key rather than a failure inside a training rank. And the policy's
+checkpoint against the rollout engine that starts from it (check_rollout_model).
 """
 
 from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
 
 from megarl.config.validation import ConfigError
 from megarl.parallel.stages import stage_layers
@@ -44,3 +49,23 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
         raise ConfigError(f"{role}.recompute_modules: mla_up_proj needs multi-latent attention, which {where} "
                           "does not have (no kv_lora_rank)")
     return stages
+
+
+def check_rollout_model(cfg, hf: dict, where: str) -> None:
+    """Raise ConfigError for a quantized model.path with rollout.engine=sglang: SGLang starts from the checkpoint as
+    stored, so it would serve a quantized model (DeepSeek-V3's release is block-wise FP8) and then take the
+    policy's unquantized weights into it. The error names the conversion to a bf16 directory (megarl.convert
+    reads block-wise FP8 dequantized)."""
+    quantization = hf.get("quantization_config")
+    if cfg.rollout.engine != "sglang" or not quantization:
+        return
+    source = Path(cfg.model.path)
+    imported, bf16 = source.with_name(source.name + "-megarl"), source.with_name(source.name + "-bf16")
+    commands = [f"python -m megarl.convert hf-to-megatron {shlex.quote(str(source))} {shlex.quote(str(imported))}",
+                f"python -m megarl.convert megatron-to-hf {shlex.quote(str(imported))} {shlex.quote(str(bf16))} "
+                "--dtype bfloat16"]
+    raise ConfigError(f"model.path={cfg.model.path} is a quantized checkpoint ({where} has quantization_config="
+                      f"{json.dumps(quantization)}): rollout.engine=sglang would start it as a quantized model and "
+                      "then receive the policy's bf16 weights into it. Convert it to bf16 first (block-wise FP8 is "
+                      "read dequantized) and set model.path to the result:\n  " + "\n  ".join(commands) +
+                      f"\nthen model.path={bf16}")

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.config.model_layout import check_model_layout
+from megarl.config.model_layout import check_model_layout, check_rollout_model
 from megarl.data.dataset import PromptDataset, PromptLimit, load_prompt_file
 from megarl.data.files import InputError
 from megarl.data.tasks import load_examples
@@ -92,6 +92,7 @@ def check_inputs(cfg) -> str:
         tokenizer = load_tokenizer(cfg.model.path)
         where = str(Path(cfg.model.path) / "config.json")
     check_model_layout(cfg.actor, "actor", model_config, where)
+    check_rollout_model(cfg, model_config, where)  # SGLang cannot start from a quantized checkpoint
     critic = cfg.critic.path if cfg.algorithm.advantage == "gae" else ""  # only GAE uses a critic
     for role, path in (("critic", critic), ("reward_model", cfg.reward_model.path)):
         if path:

@@ -9,6 +9,8 @@
   source's own copy of them (MTP_FILE in its hf/ directory, bytes as read) and export writes it back.
 - config.json fields that SGLang's DeepSeek model reads and transformers' DeepseekV3Config / DeepseekV2Config do
   not write (SGLang 0.5.17 fails to start without moe_layer_freq): added to every config.json megarl writes.
+- DeepSeek-V3's routing bias (e_score_correction_bias), which transformers and SGLang keep in float32 whatever
+  the model's dtype: written in float32 whatever dtype the rest is written in (written_dtype).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ QUANTIZATION_KEY = "quantization_config"
 SCALE_SUFFIX = "_scale_inv"
 MTP_FILE = "mtp.safetensors"  # in a megarl checkpoint's <role>/hf/: the source's multi-token-prediction tensors
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_FLOAT32_TENSORS = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")  # MTP layers' too
 _SUPPORTED_FP8 = "block-wise FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, cols], " \
                  "activation_scheme 'dynamic')"
 
@@ -194,6 +197,12 @@ def iter_mtp_copy(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         if not is_scale(name):
             yield name, read_dequantized(files, name, fp8)
+
+
+def written_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` is written in when megarl writes weights in `dtype`: float32 for DeepSeek-V3's routing
+    bias (transformers keeps it in float32 in any model dtype, SGLang too), else `dtype`."""
+    return torch.float32 if _FLOAT32_TENSORS.search(name) else dtype
 
 
 # -------------------------------------------------------------------------------------------------
