@@ -9,12 +9,14 @@ default tp); --gen takes tp and ep (SGLang's --tp-size/--ep-size). A layer count
 split megatron's way (uneven first/last stages, megarl/parallel/stages.py: the engine's rule): give
 --pp-first-stage-layers/--pp-last-stage-layers, or the planner picks the stages between them with
 ceil(layers / PP) each and splits the rest over the first and the last (61 over PP 8: 7 + 6 x 8 + 6), and
-prints the actor.parallel keys that make the engine build that split. With --gpus N --gpu-mem GiB it lists the layouts of N GPUs
-whose predicted per-GPU peak fits (and, with --host-mem, whose offloaded optimizer fits each node's host
-memory), best first. --model takes a HF config.json path or a name in configs/models/. The memory model
-and its assumptions are megarl/reshard/memory.py's (docs/planner.md); sync traffic comes from
-megarl.reshard's own transfer plan, for both deliveries ("full": whole HF tensors to every rank;
-"sharded": only the rank's generation shard, minus what it holds).
+prints the actor.parallel keys that make the engine build that split. With --gpus N --gpu-mem GiB it lists
+the layouts of N GPUs whose predicted per-GPU peak fits (and, with --host-mem, whose offloaded optimizer fits
+each node's host memory), best first. --optimizer-offload is megarl's engine's (actor.optimizer_cpu_offload:
+Adam's moments leave the GPU, the fp32 master weights stay); --te-precision-aware-optimizer plans megatron's
+TransformerEngine offload instead (the master weights leave too). --model takes a HF config.json path or a
+name in configs/models/. The memory model and its assumptions are megarl/reshard/memory.py's
+(docs/planner.md); sync traffic comes from megarl.reshard's own transfer plan, for both deliveries ("full":
+whole HF tensors to every rank; "sharded": only the rank's generation shard, minus what it holds).
 """
 
 from __future__ import annotations
@@ -224,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-tokens", type=int, default=65536, help="tokens of KV cache per generation rank")
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--optimizer-offload", action="store_true",
-                        help="megatron's optimizer CPU offload (implies --distributed-optimizer)")
+                        help="megatron's optimizer CPU offload as megarl's engine runs it (actor.optimizer_cpu_"
+                             "offload: Adam's moments on the host, fp32 master weights on the GPU; implies "
+                             "--distributed-optimizer)")
     parser.add_argument("--offload-fraction", type=float, default=1.0, help="share of the optimizer on the CPU")
     parser.add_argument("--te-precision-aware-optimizer", action="store_true",
                         help="with --optimizer-offload: plan megatron with TransformerEngine's precision-aware "
