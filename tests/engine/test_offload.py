@@ -3,6 +3,7 @@ master weights, Adam's states and the KL reference are copied to the host; gradi
 weights are freed and re-made. Training through offload cycles must stay bit for bit the run without them,
 and the host buffer is allocated once."""
 
+import pytest
 import torch
 
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
@@ -58,3 +59,21 @@ def test_bf16_offload_copies_only_what_cannot_be_remade(tmp_path):
         assert moved["copied"] == fp32_masters + adam + sizes["bf16"], (step, moved, sizes)
         assert moved["freed"] - moved["copied"] == sizes["bf16"] + sizes["grads"]
     assert hosts[1] == hosts[2]  # grown once (Adam's states), then reused
+
+
+def test_offload_falls_back_to_pageable_memory_when_pinning_fails(monkeypatch):
+    """Pinned host memory ran out on a GPU host (4.4B policy beside SGLang): the offload goes on in pageable memory,
+    with a warning."""
+    from megarl.engine import offload
+
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(offload.torch, "empty", empty)
+    with pytest.warns(UserWarning, match="pinned host memory could not be allocated"):
+        buffer = offload._host_buffer(64, pinned=True)
+    assert buffer.numel() == 64 and not buffer.is_pinned()
