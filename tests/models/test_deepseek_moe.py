@@ -1,6 +1,6 @@
 """DeepSeekMoE in the whole model on megatron against transformers: tiny random DeepSeek-V3 (sigmoid router with a
 random non-zero e_score_correction_bias, topk 3 != 2 x topk_group) and DeepSeek-V2 (softmax, greedy) checkpoints, a
-dense first layer and MoE layers after it, at TP=1, EP=2, TP=2 and TP=2 x EP=2 with whole experts (ETP=1) on 2 gloo
+dense first layer and MoE layers after it, at TP=1, EP=2, ETP=2 (DP=2), TP=2 and TP=2 x EP=2 with whole experts (ETP=1) on 2 gloo
 ranks (V2 at the last two): log-probs and entropy equal transformers' (fp32), exported weights bitwise the
 checkpoint's.
 And the aux-loss-free bias update (actor.moe_router_bias_update_rate), at EP=2 and at TP=2 with sequence parallelism:
@@ -15,9 +15,10 @@ from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import deepseek_v2_config, deepseek_v3_config, save_random
 
-# (tp, ep, etp) on 2 ranks; etp None = tp. DeepSeek-V2 (its MoE differs only in the routing rule) at the last two.
-LAYOUTS = ((1, 1, None), (1, 2, None), (2, 1, None), (2, 2, 1))
-V2_LAYOUTS = LAYOUTS[2:]
+# (tp, ep, etp) on 2 ranks; etp None = tp; (1, 1, 2): experts split over the expert-TP group of two data-parallel
+# ranks. DeepSeek-V2 (its MoE differs only in the routing rule) at the last two.
+LAYOUTS = ((1, 1, None), (1, 2, None), (1, 1, 2), (2, 1, None), (2, 2, 1))
+V2_LAYOUTS = LAYOUTS[3:]
 TOPK = 3  # num_experts_per_tok of hf_families' DeepSeek configs
 BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
 
