@@ -85,6 +85,15 @@ if want optimizer; then
       --cpu-offload "$offload" --out "$OUT/optimizer_$offload.json" > "$OUT/optimizer_$offload.log" 2>&1
     rc=$?; status=$((status | rc)); tail -n 3 "$OUT/optimizer_$offload.log"
   done
+  # The bf16 MoE forward on the GPU is not bitwise repeatable (atomics in the token unpermute): a second on-GPU run
+  # sizes that noise, the yardstick for the offloaded run's difference.
+  timeout 280 python3 benchmarks/deepseek_optimizer.py --model-dir "$dir" --steps "$OPT_STEPS" --cpu-offload false \
+    --out "$OUT/optimizer_repeat.json" > "$OUT/optimizer_repeat.log" 2>&1 && python3 - "$OUT" <<'PY'
+import json, sys
+runs = {k: json.load(open(f"{sys.argv[1]}/optimizer_{k}.json"))["losses"] for k in ("false", "repeat", "true")}
+gap = lambda a, b: max(abs(x - y) for x, y in zip(runs[a], runs[b]))
+print(f"max |loss diff|: GPU vs GPU repeat {gap('false', 'repeat'):.3e}, GPU vs CPU offload {gap('false', 'true'):.3e}")
+PY
 fi
 python3 benchmarks/deepseek_sglang.py table --out "$OUT/table.md" --results "$OUT"
 echo "== deepseek.sh [$PARTS] exit $status"
