@@ -56,6 +56,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -209,25 +210,32 @@ def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
 
 
 def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: dict, weights: str,
-                rounds: int) -> dict:
+                rounds: int, profile: Path | None = None) -> dict:
     """The default verification (trainer.verify_weight_sync_every=1): its cost is what a verified sync (the
     sender's checksums during the sync, SGLang's, the comparison: timed_sync with `expected`) takes beyond an
     unverified one, medians of `rounds` rounds of one of each (after one verified sync that compiles the
-    kernels, as the first verification of a run does). Then a bit flipped in SGLang's memory must fail the
-    next verification, naming the tensor."""
+    kernels and plans the layout's pieces, as the first verification of a run does; one ExpectedChecksums
+    serves every sync, as TrainWorker keeps it). `profile`: then one more verified sync under torch.profiler
+    (`profiled`). Then a bit flipped in SGLang's memory must fail the next verification, naming the tensor."""
     from megarl.rollout.transports.cuda_ipc import CHECKSUM_TIMING
     from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
     from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 
     tp = engine.servers[0].tp
-    layout = WeightLayout(policy.specs, "sglang", tp)
+    expected = ExpectedChecksums(WeightLayout(policy.specs, "sglang", tp), list(range(tp)))
     sync = lambda verified: timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts, weights,
-                                       ExpectedChecksums(layout, list(range(tp))) if verified else None)
+                                       expected if verified else None)
     first = sync(True)
     plain, checked = [], []
     for _ in range(rounds):
         plain.append(sync(False))
         checked.append(sync(True))
+    profiled_s = {}
+    if profile is not None:
+        try:
+            profiled_s = profiled(lambda: sync(True), profile)
+        except Exception as error:  # the profile is a diagnosis: its failure must not lose the measurements
+            profiled_s = dict(profile_error=repr(error))
     median = lambda rows, k: statistics.median(r[k] for r in rows)
     inside = [float(line.split("seconds")[1]) for line in Path(engine.servers[0].log_path).read_text(errors="replace")
               .splitlines() if CHECKSUM_TIMING in line]  # the checksums' own time in SGLang's TP worker
@@ -248,7 +256,41 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
                 verified_pack_s=median(checked, "pack_s"), unverified_pack_s=median(plain, "pack_s"),
                 **{k: median(checked, k) for k in ("sender_checksum_s", "engine_checksum_s", "compare_s")},
                 sglang_inside_s=statistics.median(inside[-rounds:]) if inside else None,
-                parameters_checked=checked[-1]["parameters_checked"], flip_detected=detected)
+                parameters_checked=checked[-1]["parameters_checked"], flip_detected=detected, **profiled_s)
+
+
+# CUDA runtime calls that make the host wait for the GPU or allocate: what a verified sync's host time must not hold
+WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc", "cudaMallocHost",
+         "cudaFreeHost", "cudaMalloc", "cudaFree", "cudaMemcpy", "cudaHostRegister")
+
+
+def profiled(sync: Callable[[], dict], out: Path) -> dict:
+    """One verified sync under torch.profiler (CPU and CUDA, every thread): its chrome trace (gzipped) and a table
+    of the ops and CUDA runtime calls by host time to `out` (profile_trace.json.gz, profile_ops.txt), the sync's
+    own phase split (timed_sync's row) to profile_sync.json; returns the host seconds of each runtime call in
+    WAITS (the calls that wait for the GPU or allocate) and of megarl's phase ranges (record_function
+    "megarl.sync.*"), for the JSON row. The profiler's overhead makes this sync slower than the timed ones."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        row = sync()
+    (out / "profile_sync.json").write_text(json.dumps({k: v for k, v in row.items() if k != "expected"}, indent=1))
+    averages = prof.key_averages()
+    (out / "profile_ops.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=60,
+                                                        max_name_column_width=80))
+    trace = out / "profile_trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(str(trace) + ".gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    found = {}
+    for event in averages:
+        if event.key.startswith(WAITS) or event.key.startswith("megarl.sync."):
+            found[event.key] = dict(calls=event.count, host_s=event.cpu_time_total / 1e6)
+    return dict(profiled_sync_s=row["total_s"], profiled_host_calls=found)
 
 
 def _print_row(row: dict) -> None:
@@ -294,7 +336,7 @@ def part_sync(args) -> list[dict]:
                                    trials_total_s=[r["total_s"] for r in trials], **best)
                         if args.checksums:
                             row |= checksummed(engine, policy, bucket_mb, fmt, senders, posts, weights,
-                                               args.verify_rounds)
+                                               args.verify_rounds, Path(args.profile_dir) if args.profile_dir else None)
                         if args.verify:
                             row |= verified(server, policy, bucket_mb, model_dir)
                         senders.clear()
@@ -620,6 +662,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "SGLang against the sender's) after each format's syncs, and check a flipped bit is named")
     parser.add_argument("--verify-rounds", type=int, default=5, help="with --checksums: rounds of one unverified "
                         "and one verified sync, whose medians' difference is the verification's cost")
+    parser.add_argument("--profile-dir", default="", help="with --checksums: one more verified sync under "
+                        "torch.profiler, its trace and op table written here (`profiled`)")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)

@@ -219,7 +219,12 @@ def _partner(q_a_proj: str) -> str:
 
 class ExpectedChecksums:
     """What the engine's parameters must hash to after a sync, accumulated bucket by bucket on the sender's
-    device into one table (no host sync until `result`)."""
+    device into one table (no host sync until `result`; `fetch` queues its read-back first).
+
+    One instance serves every sync of a run, each started by `begin`: where each tensor's pieces go in the engine's
+    parameters (the layout's lookups, ~17 us a tensor) is worked out at a key's first sync and kept as views of
+    the tensor sent (`plans`: sizes, strides, storage offset); later syncs take the same views of the new tensor
+    of the same shape, strides and dtype."""
 
     def __init__(self, layout: WeightLayout, ranks: list[int], presharded: bool = False,
                  sender: tuple[int, int] | None = None):
@@ -231,27 +236,69 @@ class ExpectedChecksums:
         self.rows = {key: row for row, key in enumerate(params)}  # every parameter a sync can reach
         self.table: ChecksumTable | None = None  # on the device of the first tensor sent
         self.dtypes: dict[tuple[int, str], torch.dtype] = {}
+        # key -> ((shape, strides, dtype) of the tensor planned for, [(table row, (rank, parameter), view of the
+        # tensor as (size, stride, storage offset from the tensor's) or None for the tensor itself, dtype held in
+        # or None, offset, row length)], or None where a piece is no view of the tensor: the layout every sync)
+        self.plans: dict[Key, tuple] = {}
+
+    def begin(self) -> None:
+        """Start a sync: the last one's sums and dtypes go (queued on the device: no host sync); the table and the
+        plans stay."""
+        if self.table is not None:
+            self.table.reset()
+        self.dtypes = {}
 
     def add(self, key: Key, tensor: torch.Tensor) -> None:
-        if self.sender is not None and not self._first_to_send(key):
-            return
         if self.table is None:
             self.table = ChecksumTable(len(self.rows), tensor.device)
+        geometry = (tensor.shape, tensor.stride(), tensor.dtype)
+        plan = self.plans.get(key)
+        if plan is None or plan[0] != geometry:
+            plan = self.plans[key] = (geometry, self._plan(key, tensor))
+        steps = plan[1] if plan[1] is not None else self._pieces(key, tensor)
+        base = tensor.storage_offset()
+        for row, param, view, held, offset, stride in steps:
+            if not isinstance(view, torch.Tensor):
+                view = tensor if view is None else tensor.as_strided(view[0], view[1], base + view[2])
+            piece = view if held is None else view.to(held)
+            self.table.add(row, piece, offset, stride)
+            self.dtypes[param] = piece.dtype
+
+    def _pieces(self, key: Key, tensor: torch.Tensor):
+        """(table row, (engine rank, parameter), piece as sent, dtype the engine holds it in if another, offset,
+        row length) of every piece of `tensor` in the engine's parameters and derived tensors, from the layout."""
+        if self.sender is not None and not self._first_to_send(key):
+            return
         name = key if isinstance(key, str) else key[0]
         for rank in self.ranks:
             param, piece, offset, stride = self.layout.piece(key, tensor, rank, self.presharded)
-            self._add(rank, param, self.layout.as_held(param, piece), offset, stride)
+            held = self.layout.as_held(param, piece).dtype  # the planning's one conversion (a few small tensors)
+            yield self.rows[(rank, param)], (rank, param), piece, held if held != piece.dtype else None, offset, stride
             for derived, value in self.layout.derived(name, piece):
-                self._add(rank, derived, value, 0, None)
+                yield self.rows[(rank, derived)], (rank, derived), value, None, 0, None
 
-    def _add(self, rank: int, param: str, piece: torch.Tensor, offset: int, stride: int | None) -> None:
-        self.table.add(self.rows[(rank, param)], piece, offset, stride)
-        self.dtypes[(rank, param)] = piece.dtype
+    def _plan(self, key: Key, tensor: torch.Tensor) -> list[tuple] | None:
+        """`_pieces` with each piece as a view of `tensor` (None: the tensor itself); None if one is not a view."""
+        storage, steps = tensor.untyped_storage().data_ptr(), []
+        for row, param, piece, held, offset, stride in self._pieces(key, tensor):
+            if piece.dtype != tensor.dtype or piece.untyped_storage().data_ptr() != storage:
+                return None
+            same = (piece.shape == tensor.shape and piece.stride() == tensor.stride()
+                    and piece.storage_offset() == tensor.storage_offset())
+            shift = piece.storage_offset() - tensor.storage_offset()
+            steps.append((row, param, None if same else (tuple(piece.shape), piece.stride(), shift), held, offset,
+                          stride))
+        return steps
 
     def flush(self) -> None:
         """Queue the sums of what was added on the device (before the tensors' memory may be reused)."""
         if self.table is not None:
             self.table.flush()
+
+    def fetch(self) -> None:
+        """Queue the sums' read-back (no host sync): a sync calls it once its last bucket is sent."""
+        if self.table is not None:
+            self.table.fetch()
 
     def _first_to_send(self, key: Key) -> bool:
         rank, tp = self.sender

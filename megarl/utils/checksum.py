@@ -16,10 +16,18 @@ host sync. On a GPU the pieces are queued and summed by one Triton launch per in
 segments (contiguous runs of elements); a flush can also make copies of the pieces' memory in the same pass
 (`flush(copies)`: a sender packing a bucket reads each weight once, for the copy and its checksum alike).
 Elsewhere the sums are computed with torch ops in chunks.
+
+Nothing on a flush waits for the GPU or allocates once the first sync is done: a launch's segment table goes to
+the device through pinned buffers kept per device and reused (`_Staging`; a fresh pinned allocation, cudaHostAlloc,
+can stall for milliseconds while the GPU is busy), and `fetch` queues the read-back into a pinned buffer that
+`values` waits for.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections import deque
 from typing import Iterable
 
 import numpy as np
@@ -32,6 +40,8 @@ _BLOCK = 4096  # Triton path: elements per loop iteration of a program
 _ITERS = 8  # iterations per program: 32k elements, then one atomic add per sum
 _WARPS = 8
 _ALIGN = 16  # bytes: the widest vector load; segments are read from 16-byte aligned addresses
+_STAGING_MIN = 1 << 12  # int64 words of a staging buffer at least (32 KiB); grown by powers of two
+_STAGING_SLOTS = 64  # staging buffers per device at most: past that a launch waits for the oldest one's to finish
 
 try:  # Triton comes with CUDA builds of torch; CPU builds have none
     import triton
@@ -116,17 +126,89 @@ def _width(t: torch.Tensor) -> int:
     return min(t.element_size(), 4)
 
 
+class _Staging:
+    """Segment tables of one device's launches on their way to it, without allocating or waiting in steady state:
+    pinned host buffers and their device twins, reused in launch order once the launch that last read one has
+    finished on the GPU (its event; `query` does not wait). While every buffer is still in use another is added
+    (the first sync of a run, or more launches in flight than before), up to _STAGING_SLOTS; buffers grow (by
+    powers of two) only when a launch needs more than the one it gets holds."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slots: deque[list] = deque()  # [host buffer, device buffer, event of the last launch that read them]
+        self.lock = threading.Lock()  # a flush in another thread must not take the slot being written
+        self.allocations = 0  # buffers allocated so far (tests: none after the first sync)
+
+    @contextlib.contextmanager
+    def stage(self, meta: np.ndarray, programs: np.ndarray):
+        """Yields (meta as int64 [n], programs as int32 [p]) on the device: views of one buffer, both starting at
+        16-byte aligned addresses (as a fresh allocation does: Triton specialises on pointer alignment, so it
+        compiles nothing new), copied there without a host sync. The launch that reads them goes inside the
+        block; its completion is recorded on leaving it."""
+        head = meta.size + meta.size % 2  # int64 words before the programs, an even count: 16-byte aligned
+        words = head + -(-programs.size // 2)
+        with self.lock:
+            slot = self._free_slot()
+            if slot[0] is None or slot[0].numel() < words:
+                slot[0], slot[1] = self._buffers(words)
+            host, on_device = slot[0], slot[1]
+            staged = host.numpy()
+            staged[:meta.size] = meta.reshape(-1)
+            staged[head:words].view(np.int32)[:programs.size] = programs
+            on_device[:words].copy_(host[:words], non_blocking=True)
+            yield on_device[:meta.size], on_device[head:words].view(torch.int32)[:programs.size]
+            if self.device.type == "cuda":
+                if slot[2] is None:
+                    slot[2] = torch.cuda.Event()
+                slot[2].record(torch.cuda.current_stream(self.device))
+            self.slots.append(slot)
+
+    def _free_slot(self) -> list:
+        """The oldest slot if its last launch is done, else a new one (the oldest's wait: at the limit only)."""
+        if self.slots:
+            event = self.slots[0][2]
+            if event is None or event.query() or len(self.slots) >= _STAGING_SLOTS:
+                if event is not None:
+                    event.synchronize()  # done already, but at the limit
+                return self.slots.popleft()
+        return [None, None, None]
+
+    def _buffers(self, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+        size = max(_STAGING_MIN, 1 << (words - 1).bit_length())
+        self.allocations += 1
+        return (torch.empty(size, dtype=torch.int64, pin_memory=self.device.type == "cuda"),
+                torch.empty(size, dtype=torch.int64, device=self.device))
+
+
+_STAGINGS: dict[torch.device, _Staging] = {}
+
+
+def _staging(device: torch.device) -> _Staging:
+    """The device's staging buffers (shared by every table: SGLang's checksums build a table per request)."""
+    if device not in _STAGINGS:
+        _STAGINGS[device] = _Staging(device)
+    return _STAGINGS[device]
+
+
 class ChecksumTable:
     """Checksums of `size` tensors, each accumulated from pieces (`add`) into its row of an int32 table on
     `device`; `values()` reads them all at once. On a GPU the pieces are queued and summed by one kernel launch
     per integer width (`flush`, which must run before a queued piece's memory is reused: push_policy flushes
-    each bucket); elsewhere each piece is summed when added."""
+    each bucket); elsewhere each piece is summed when added. `reset` zeroes it for the next sync (a sender keeps
+    one table across syncs: its pinned read-back buffer is allocated once)."""
 
     def __init__(self, size: int, device: torch.device | str):
         self.table = torch.zeros(size, len(MULTIPLIERS), dtype=torch.int32, device=device)
         # integer width -> runs of elements: [(address, rows, words per row, bytes from row to row, table row,
         # position of the first word, positions from row to row, the tensor: alive until launched)]
         self.queued: dict[int, list[tuple]] = {}
+        self.host: torch.Tensor | None = None  # pinned: where `fetch` copies the table
+        self.fetched: torch.cuda.Event | None = None  # that copy's completion; None: no copy of the current sums
+
+    def reset(self) -> None:
+        """Zero every sum (queued on the device, no host sync) and drop what is queued."""
+        self.table.zero_()
+        self.queued, self.fetched = {}, None
 
     def add(self, row: int, t: torch.Tensor, offset: int = 0, target_stride: int | None = None) -> None:
         """Add `t` placed in tensor `row`: its element (r, c) (row-major over t viewed as 2-D, 1-D tensors one row)
@@ -138,6 +220,7 @@ class ChecksumTable:
             bits, words = _as_rows(t)
             stride = bits.shape[1] if target_stride is None else target_stride * words
             self.table[row] += _torch_sums(bits, offset * words, stride).to(self.table.device)
+            self.fetched = None
             return
         words = 2 if t.element_size() == 8 else 1
         cols = t.shape[-1] if t.dim() else 1
@@ -155,6 +238,8 @@ class ChecksumTable:
         (contiguous tensors of one shape and dtype). A copy whose source the queued pieces tile is made by the
         kernel that sums them, in the same pass over the source; any other by torch."""
         left = list(copies)
+        if self.queued:
+            self.fetched = None
         for width, runs in self.queued.items():
             fusable = [(i, s, d) for i, (s, d) in enumerate(left) if _width(s) == width and d.is_cuda]
             fused = self._launch(width, runs, fusable)
@@ -179,19 +264,36 @@ class ChecksumTable:
         columns = [offsets - head, head, head + length, position - head, row, first_program]
         if fused:
             columns += [np.where(copy, (destination - base.data_ptr()) // width - head, 0), copy]
-        meta = torch.from_numpy(np.stack(columns).astype(np.int64))
-        program_segment = torch.from_numpy(np.repeat(np.arange(len(length), dtype=np.int32), programs))
-        device = self.table.device
-        _segment_sums_kernel[(len(program_segment),)](
-            base, program_segment.pin_memory().to(device, non_blocking=True),
-            meta.pin_memory().to(device, non_blocking=True), len(length), self.table, M0=MULTIPLIERS[0],
-            M1=MULTIPLIERS[1], BLOCK=_BLOCK, ITERS=_ITERS, VEC=vec, COPY=bool(fused), num_warps=_WARPS)
+        meta = np.stack(columns).astype(np.int64)
+        program_segment = np.repeat(np.arange(len(length), dtype=np.int32), programs)
+        with _staging(self.table.device).stage(meta, program_segment) as (meta, program_segment):
+            _segment_sums_kernel[(len(program_segment),)](
+                base, program_segment, meta, len(length), self.table, M0=MULTIPLIERS[0], M1=MULTIPLIERS[1],
+                BLOCK=_BLOCK, ITERS=_ITERS, VEC=vec, COPY=bool(fused), num_warps=_WARPS)
         return fused
 
-    def values(self) -> list[list[int]]:
-        """Each tensor's sums as non-negative ints below 2^32 (one host sync)."""
+    def fetch(self) -> None:
+        """Queue the sums' copy to the host (a pinned buffer of this table's, non-blocking) after everything queued:
+        `values` then waits for that copy only. Elsewhere than on a GPU there is nothing to queue."""
         self.flush()
-        return (self.table.cpu().to(torch.int64) & 0xFFFFFFFF).tolist()
+        if not self.table.is_cuda:
+            return
+        if self.host is None:
+            self.host = torch.empty(self.table.shape, dtype=self.table.dtype, pin_memory=True)
+        self.host.copy_(self.table, non_blocking=True)
+        self.fetched = torch.cuda.Event()
+        self.fetched.record(torch.cuda.current_stream(self.table.device))
+
+    def values(self) -> list[list[int]]:
+        """Each tensor's sums as non-negative ints below 2^32: the copy `fetch` queued once it is done, else read
+        now (one host sync)."""
+        self.flush()
+        if self.fetched is not None:
+            self.fetched.synchronize()
+            host = self.host
+        else:
+            host = self.table.cpu()
+        return (host.to(torch.int64) & 0xFFFFFFFF).tolist()
 
 
 def _segments(runs: list[tuple]) -> tuple[np.ndarray, ...]:

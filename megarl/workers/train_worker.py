@@ -35,6 +35,7 @@ class TrainWorker:
             install_cpu_compat()
         self.engine = None
         self.weight_senders = {}  # weight_sync.push_policy's senders (CUDA IPC or NCCL), kept across syncs
+        self.expected = {}  # (delivery, generation TP) -> weight_layout.ExpectedChecksums, kept across syncs
         self.generation_group = None  # sharded delivery: the first generation TP group's CPU (gloo) group
 
     def address(self) -> tuple[str, int]:
@@ -156,7 +157,13 @@ class TrainWorker:
 
     def expected_checksums(self, delivery: str, gen_tp: int) -> ExpectedChecksums:
         """What this rank's part of a sync must make the rollout engine's parameters hash to: full delivery, every
-        engine TP rank's (rank 0 sends whole tensors, each SGLang rank keeps its shard); sharded, its own rank's."""
+        engine TP rank's (rank 0 sends whole tensors, each SGLang rank keeps its shard); sharded, its own rank's.
+        One per delivery, kept across syncs (its plans of where each tensor's pieces go are worked out once)."""
+        if (delivery, gen_tp) not in self.expected:
+            self.expected[(delivery, gen_tp)] = self._new_expected_checksums(delivery, gen_tp)
+        return self.expected[(delivery, gen_tp)]
+
+    def _new_expected_checksums(self, delivery: str, gen_tp: int) -> ExpectedChecksums:
         r = self.cfg.rollout
         specs = self.resharder.specs if self.resharder is not None else hf_inventory(self.engine.hf_config)
         layout = WeightLayout(specs, r.engine, r.sglang_tp, hf=self.engine.hf_config)

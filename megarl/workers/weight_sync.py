@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megarl.reshard.layout import as_generation
 from megarl.rollout.transports import cuda_ipc, nccl_broadcast
@@ -133,12 +134,16 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     `key(name)`), summed where the sender packs the bucket by the pack's own copy (CUDA IPC), and nothing else is
     kept; the last bucket's post asks SGLang's TP workers for their checksums (the persistent format: the
     engine's weight_checksums then reads them); with `verify` alone, the deep check's host copies and digests.
+    `expected` is kept across syncs (its plans and table): each sync begins it, and queues its read-back once the
+    last bucket is sent, so the host waits for the sums only in its result, after `end`.
 
     Returns what was sent (deep check: dtype and digest per tensor, by `key(name)`; checksums: `expected`'s
     result), the bf16/fp32 bytes
     sent, and seconds: total on this rank (begin to end), and its split (the wait for begin, gather/convert,
     pack, transfer wait, end, digests), and each bucket's post (posts_s)."""
     start = time.perf_counter()
+    if verify and expected is not None:
+        expected.begin()  # one ExpectedChecksums serves every sync (its plans and table are kept)
     buckets = keep_fused_pairs(buckets)  # SGLang fuses DeepSeek's a-projections only when one load carries both
     pool = ThreadPoolExecutor(1)
     begun = pool.submit(begin) if begin is not None else None
@@ -175,11 +180,13 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
         table = None
         if verify and expected is not None:  # queued here, summed by the sender's pack in its pass over the bucket
             t = time.perf_counter()
-            for n, x in bucket:
-                expected.add(key(n), x)
+            with record_function("megarl.sync.expected_add"):
+                for n, x in bucket:
+                    expected.add(key(n), x)
             table = expected.table
             digest_s += time.perf_counter() - t
-        post = deliver(bucket, table)
+        with record_function("megarl.sync.pack"):
+            post = deliver(bucket, table)
         if table is not None:
             expected.flush()  # what the sender did not sum: the bucket's memory is reused once it is sent
         elif verify:
@@ -202,11 +209,14 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
         deliver = deliver or transport()  # a sync of no buckets still begins and ends
     finally:
         pool.shutdown()
+    if verify and expected is not None:
+        expected.fetch()  # the sums' read-back is queued now and waited for in result(), after `end`
     t = time.perf_counter()
     if endpoints is not None and group is not None and verify and expected is None and first:
         received = assemble(shards)
     if endpoints is not None and end is not None:
-        end(received if verify else None)
+        with record_function("megarl.sync.end"):
+            end(received if verify else None)
     ended = time.perf_counter()
     done = fingerprints([(dtype, shape) for _, dtype, shape in sent], sums)
     report = {"sent": {k: (dtype, d) for (k, dtype, _), d in zip(sent, done)}, "bytes": stats["bytes"],
@@ -214,7 +224,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
               "pack_s": stats["prepare_s"] - digest_s - begin_wait, "transfer_s": stats["wait_s"], "end_s": ended - t,
               "posts_s": stats["posts_s"]}
     if verify and expected is not None:
-        report["expected"] = expected.result()
+        with record_function("megarl.sync.expected_result"):
+            report["expected"] = expected.result()
     report["digest_s"] = digest_s + time.perf_counter() - ended
     report["seconds"] = time.perf_counter() - start
     return report

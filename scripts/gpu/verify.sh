@@ -8,7 +8,9 @@
 #           after each format's timed syncs, rounds of one unverified and one verified sync (the sender's
 #           checksums summed by its pack copy, SGLang's computed inside the last bucket's load, the comparison):
 #           the verification's cost is the difference of their medians; then a bit flipped in SGLang's memory,
-#           which must be named; at 0.5B also the deep check (SGLang reloads a file) for comparison      (~3 min)
+#           which must be named; at 0.5B also the deep check (SGLang reloads a file) for comparison; at 7B one
+#           more verified sync under torch.profiler: $OUT/profile_7b/ (op table, trace, the host seconds of every
+#           CUDA call that waits for the GPU or allocates, and of megarl's phases, also in sync_7b.json)  (~3 min)
 #   grpo    GRPO colocated on the 0.5B shape of scripts/gpu/sglang.sh, twice: the defaults (every sync verified
 #           by checksums), and the deep check on every second sync (trainer.verify_weight_sync_deep=true,
 #           verify_weight_sync_every=2), whose other steps are unverified                             (~5 min)
@@ -98,8 +100,9 @@ PY
   rc=$?; status=$((status | rc)); tail -n 3 "$OUT/kernel.log"
 fi
 if [[ " $PARTS " == *" sync "* ]]; then
-  timeout 240 python3 benchmarks/weight_sync.py sync --models qwen2.5-7b --formats persistent --bucket-mb 8192 \
-    --weights released --trials 2 --checksums --out "$OUT/sync_7b.json" --log-dir "$OUT" > "$OUT/sync_7b.log" 2>&1
+  timeout 260 python3 benchmarks/weight_sync.py sync --models qwen2.5-7b --formats persistent --bucket-mb 8192 \
+    --weights released --trials 2 --checksums --profile-dir "$OUT/profile_7b" --out "$OUT/sync_7b.json" \
+    --log-dir "$OUT" > "$OUT/sync_7b.log" 2>&1
   status=$((status | $?)); tail -n 3 "$OUT/sync_7b.log"
   timeout 200 python3 benchmarks/weight_sync.py sync --models qwen2.5-0.5b --formats persistent --bucket-mb 1024 \
     --weights released --trials 2 --checksums --verify --out "$OUT/sync_0.5b.json" --log-dir "$OUT" \
@@ -143,6 +146,19 @@ for name in ("sync_7b", "sync_0.5b"):
               f"{f('sglang_inside_s')} | {f('engine_checksum_s')} | {f('compare_s')} | {f('first_verify_s')} | "
               f"{r.get('parameters_checked', '')} | {r.get('flip_detected', '')} | "
               f"{f('verify_s') if r.get('verified') else ''} |")
+for name in ("sync_7b", "sync_0.5b"):  # where a verified sync's extra time goes, and what the profile saw
+    path = out / f"{name}.json"
+    rows = json.loads(path.read_text()).get("results", []) if path.exists() else []
+    for r in (r for r in rows if r.get("checksums_verified")):
+        print(f"{r['model']}: pack s verified {r['verified_pack_s']:.4f} / not {r['unverified_pack_s']:.4f}; posts s "
+              f"verified {r['verified_posts_s']:.4f} / not {r['unverified_posts_s']:.4f}; sender's host checksum "
+              f"bookkeeping {r['sender_checksum_s']:.4f}; trials s unverified {r['unverified_trials_s']}, verified "
+              f"{r['verified_trials_s']}")
+        if "profiled_sync_s" in r or "profile_error" in r:
+            print(f"  profiled verified sync {r.get('profiled_sync_s', float('nan')):.4f} s "
+                  f"{r.get('profile_error', '')}; host s (calls) of waits, allocations and phases:")
+            for key, v in sorted(r.get("profiled_host_calls", {}).items(), key=lambda kv: -kv[1]["host_s"]):
+                print(f"    {key}: {v['host_s']:.4f} ({v['calls']})")
 for name in ("grpo_default", "grpo_deep"):
     path = out / name / "grpo_metrics.jsonl"
     if not path.exists():

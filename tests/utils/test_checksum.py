@@ -1,8 +1,9 @@
+import numpy as np
 import pytest
 import torch
 
 from megarl.utils import checksum
-from megarl.utils.checksum import flip_bit, module_checksums, weighted_sums
+from megarl.utils.checksum import ChecksumTable, flip_bit, module_checksums, weighted_sums
 
 
 def test_sums_do_not_depend_on_chunking_or_layout(monkeypatch):
@@ -76,3 +77,43 @@ def test_a_pack_copy_is_fused_only_where_the_pieces_tile_its_source_at_its_align
     assert plan([src, src], dst)[1] == {7}  # replicated on two ranks: one copy
     assert plan([src[:63]], dst)[1] == set()  # a row short
     assert plan([src], shifted)[1] == set()  # destination 4 bytes off the source's alignment
+
+
+def test_staging_reuses_its_buffers_and_keeps_both_tables_aligned():
+    """A launch's segment table (int64 meta, int32 programs) goes to the device through buffers kept per device:
+    after the first launch of a size none is allocated (a pinned allocation can stall on a busy GPU), both views
+    start 16-byte aligned (Triton specialises on it), and each launch gets its own values."""
+    staging = checksum._Staging(torch.device("cpu"))
+    for rows, programs in ((3, 5), (7, 1), (3, 9)):  # odd meta sizes: the programs must still start aligned
+        meta = np.arange(8 * rows, dtype=np.int64).reshape(8, rows) * 1000 + rows
+        segment = np.arange(programs, dtype=np.int32) + rows
+        with staging.stage(meta, segment) as (on_device, per_program):
+            assert on_device.tolist() == meta.reshape(-1).tolist() and per_program.tolist() == segment.tolist()
+            assert on_device.data_ptr() % 16 == 0 and per_program.data_ptr() % 16 == 0
+            assert per_program.dtype == torch.int32
+    assert staging.allocations == 1
+    with staging.stage(np.zeros((8, 2), np.int64), np.ones(1 << 14, np.int32)) as (_, per_program):  # grows
+        assert per_program.sum().item() == 1 << 14
+    with staging.stage(np.ones((8, 2), np.int64), np.zeros(3, np.int32)) as (on_device, _):
+        assert on_device.sum().item() == 16
+    assert staging.allocations == 2
+
+
+def test_a_reset_table_sums_the_next_sync_alone():
+    """A sender keeps one table across syncs: reset zeroes it, and fetch (the read-back queued before the sync's
+    end) leaves values equal to a fresh table's."""
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    kept, alone = ChecksumTable(2, "cpu"), ChecksumTable(1, "cpu")
+    kept.add(0, first)
+    alone.add(0, first)
+    kept.fetch()
+    assert kept.values()[0] == alone.values()[0] != [0, 0]
+    kept.reset()
+    assert kept.values() == [[0, 0], [0, 0]]
+    kept.add(1, second[:3], offset=0)
+    kept.add(1, second[3:], offset=15)
+    kept.fetch()
+    fresh = ChecksumTable(2, "cpu")
+    fresh.add(1, second)
+    assert kept.values() == fresh.values() and fresh.values()[1] != [0, 0]

@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megarl.utils.checksum import ChecksumTable
 
@@ -268,13 +269,17 @@ class CudaIpcSender:
         def post(last: bool = False) -> None:
             nonlocal keep  # our tensors stay alive until every endpoint has copied from them
             if packed is not None:
-                packed.synchronize()
+                with record_function("megarl.sync.post_waits_for_pack"):  # in the post's thread, by design
+                    packed.synchronize()
             for endpoint in self.endpoints:
                 ask = last and checksums is not None and load_format == PERSISTENT_LOADER and endpoint.checksums
-                payloads = [payload(endpoint, r, {"checksums": checksum_file(endpoint.checksums, r)} if ask else {})
-                            for r in range(endpoint.tp)]  # serialised here: the handles are opened once each
-                endpoint.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
-                                                              "load_format": load_format, "flush_cache": flush_cache})
+                with record_function("megarl.sync.post_serialize"):  # here: each handle is opened once
+                    payloads = [payload(endpoint, r, {"checksums": checksum_file(endpoint.checksums, r)} if ask
+                                        else {}) for r in range(endpoint.tp)]
+                with record_function("megarl.sync.post_request" + (" (asks for SGLang's checksums)" if ask else "")):
+                    endpoint.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
+                                                                  "load_format": load_format,
+                                                                  "flush_cache": flush_cache})
             keep = None
 
         return post
