@@ -144,7 +144,7 @@ def has_routing_bias(hf: dict) -> bool:
     return hf.get("model_type") == "deepseek_v3"
 
 
-def _is_moe_layer(hf: dict, layer: int) -> bool:
+def is_moe_layer(hf: dict, layer: int) -> bool:
     if hf.get("model_type", "").startswith("deepseek"):
         return layer >= hf.get("first_k_dense_replace", 0) and layer % hf.get("moe_layer_freq", 1) == 0
     if hf.get("model_type") == "qwen3_moe":
@@ -171,7 +171,7 @@ def hf_inventory(hf: dict) -> list[TensorSpec]:
         else:
             specs += _attention(hf, p + "self_attn.", i)
         specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), None, i))
-        if _is_moe_layer(hf, i):
+        if is_moe_layer(hf, i):
             specs += _moe(hf, p + "mlp.", i)
         else:
             specs += _mlp(p + "mlp.", h, hf["intermediate_size"], i)
