@@ -282,7 +282,9 @@ def assert_bitwise_equal(got: dict, expected: dict) -> None:
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
 
-@pytest.mark.parametrize("version, tp, pp, ep", [("v3", 1, 1, 2), ("v2", 2, 1, 1)])
+# V3 only (through EP=2, an MTP layer in the source): V2's HF <-> megatron weights are checked bitwise at TP=2 in
+# tests/models/test_deepseek.py, and the CLI path is the same; the suite's time on 2 cores is the budget.
+@pytest.mark.parametrize("version, tp, pp, ep", [("v3", 1, 1, 2)])
 def test_deepseek_converts_both_ways_bitwise(tmp_path, version, tp, pp, ep):
     """HF -> megarl checkpoint -> loaded at a TP x PP x EP layout and saved there -> HF: every tensor bitwise, the
     MTP layer (V3) left out of the model and written back, the config SGLang needs."""
