@@ -91,3 +91,18 @@ def save_random(config, path, seed: int = 0) -> str:
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     return str(path)
+
+
+def save_random_for_recipe(config, path, seed: int = 0) -> str:
+    """save_random with the character tokenizer and the generation config of the recipes' tasks (vocabulary 128)."""
+    from transformers import GenerationConfig
+
+    from megarl.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config.vocab_size, config.pad_token_id, config.eos_token_id = 128, tokenizer.pad_token_id, tokenizer.eos_token_id
+    save_random(config, path, seed=seed)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     do_sample=True).save_pretrained(path)
+    return str(path)

@@ -8,28 +8,19 @@ import json
 
 import torch
 from safetensors.torch import load_file
-from transformers import GenerationConfig
 
 from megarl.config import load_config
-from megarl.models.tiny import build_char_tokenizer
 from megarl.trainer import RLTrainer
 from megarl.workers import weight_sync
 from tests.conftest import QUICKSTART as RECIPE
-from tests.models.hf_families import deepseek_v3_config, save_random
+from tests.models.hf_families import deepseek_v3_config, save_random_for_recipe
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
 
 def _deepseek_model(path) -> str:
     """A tiny random DeepSeek-V3 with the character tokenizer the recipe's task uses."""
-    tokenizer = build_char_tokenizer()
-    config = deepseek_v3_config(layers=2, first_k_dense_replace=1)
-    config.vocab_size, config.pad_token_id, config.eos_token_id = 128, tokenizer.pad_token_id, tokenizer.eos_token_id
-    save_random(config, path, seed=11)
-    tokenizer.save_pretrained(path)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     do_sample=True).save_pretrained(path)
-    return str(path)
+    return save_random_for_recipe(deepseek_v3_config(layers=2, first_k_dense_replace=1), path, seed=11)
 
 
 def test_grpo_with_a_deepseek_v3_policy_at_ep2(tmp_path, ray_local):

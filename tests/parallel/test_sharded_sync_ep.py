@@ -6,30 +6,21 @@ every step, and the rollout engine ends up holding exactly the trained policy.""
 
 import json
 
-from transformers import GenerationConfig
 
 from megarl.config import load_config
 from megarl.engine.weights import read_hf_config
-from megarl.models.tiny import build_char_tokenizer
 from megarl.reshard.inventory import hf_inventory
 from megarl.reshard.layout import GenLayout, TrainLayout
 from megarl.reshard.transfers import transfer_bytes
 from megarl.trainer import RLTrainer
 from megarl.workers import weight_sync
 from tests.conftest import QUICKSTART as RECIPE
-from tests.models.hf_families import qwen3_moe_config, save_random
+from tests.models.hf_families import qwen3_moe_config, save_random_for_recipe
 
 
 def _moe_model(path) -> str:
     """A tiny random Qwen3-MoE (4 experts) with the character tokenizer the recipe's task uses."""
-    tokenizer = build_char_tokenizer()
-    config = qwen3_moe_config(tied=False, norm_topk_prob=True, num_experts=4)
-    config.vocab_size, config.pad_token_id, config.eos_token_id = 128, tokenizer.pad_token_id, tokenizer.eos_token_id
-    save_random(config, path, seed=5)
-    tokenizer.save_pretrained(path)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     do_sample=True).save_pretrained(path)
-    return str(path)
+    return save_random_for_recipe(qwen3_moe_config(tied=False, norm_topk_prob=True, num_experts=4), path, seed=5)
 
 
 def test_sharded_sync_from_an_ep2_policy_into_the_hf_engine(tmp_path, ray_local):
