@@ -27,6 +27,9 @@ class SamplingParams:
     # across calls), so a resumed run regenerates what the uninterrupted one drew; None: the engine's own
     # random state, not reproducible. SGLang honours it only in deterministic mode (rollout.deterministic).
     seed: int | None = None
+    # partial rollouts (megarl.rollout.partial): a response interrupted by more weight updates than this ends there,
+    # with finish_reason "abort" and its tokens so far, so a generate() call returns after at most this many updates
+    max_interruptions: int = 4
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -41,7 +44,11 @@ class Generation:
     prompt_index: int  # which prompt of the request this answers
     token_ids: list[int]  # response tokens, ending with the stop token when one was produced
     logprobs: list[float]  # one per response token
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "abort" (cancelled, or interrupted past max_interruptions)
+    # one per response token: the policy version that produced it (engine.resume_generation's); None where the
+    # engine was never told a version (the caller knows it: the synchronous loop)
+    versions: list[int] | None = None
+    interruptions: int = 0  # weight updates that interrupted it (megarl.rollout.partial)
 
 
 class RolloutEngine(abc.ABC):
@@ -63,6 +70,17 @@ class RolloutEngine(abc.ABC):
         where they live (for verifying a sync against megarl.rollout.weight_layout's expected checksums)."""
         raise NotImplementedError(f"{type(self).__name__} cannot checksum its weights: use "
                                   "trainer.verify_weight_sync_deep=true")
+
+    def pause_generation(self, partial: str = "resume") -> dict:
+        """Before a weight update, from another thread than a running generate(): new requests wait, and with
+        partial resume or restart the running ones stop, keeping their tokens so far (finish: they run to their
+        end). Returns once nothing generates (megarl.rollout.partial), with what the pause did."""
+        raise NotImplementedError(f"{type(self).__name__} has no partial rollouts")
+
+    def resume_generation(self, version: int) -> None:
+        """After a weight update: the engine holds policy `version`, which the tokens generated from now on carry;
+        the paused requests go on (resume: from their tokens; restart: from their prompt)."""
+        raise NotImplementedError(f"{type(self).__name__} has no partial rollouts")
 
     def release_memory(self) -> None:
         """Free weights and cache memory (colocated mode); a no-op where nothing is shared."""

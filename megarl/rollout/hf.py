@@ -8,12 +8,15 @@ throughput machinery (no continuous batching, paged attention or CUDA graphs); u
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from typing import Iterable
 
 import torch
 
 from megarl.engine import offload
-from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
+from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
+from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.utils.checksum import module_checksums
 
 
@@ -31,46 +34,72 @@ class HFRolloutEngine(RolloutEngine):
         self.tied = bool(self.model.config.tie_word_embeddings)
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos_ids[0]
-        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # the responses' seeds of unseeded calls
+        self.gate = GenerationGate()  # pauses generation at weight updates (partial rollouts)
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_memory
         self._specs = None  # HF tensor specs, for sharded weight delivery
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Rows in segments between weight updates (megarl.rollout.partial): pause_generation from another thread
+        stops a running segment between two decode steps."""
         if self.released:
             raise RuntimeError("the rollout engine's weights were released and not pushed again; sync before generating")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if params.max_new_tokens < 1 or params.n < 1:
             raise ValueError(f"max_new_tokens and n must be >= 1, got {params.max_new_tokens} and {params.n}")
-        rows = [p for p in prompts for _ in range(params.n)]  # grouped by prompt, in order
-        generator = self.generator
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        eos = set() if params.ignore_eos else set(self.eos_ids)
-        stop = torch.tensor(sorted(eos | set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+        # a seed per response: its draws follow from it and the positions alone (not from the batch it runs in)
+        seeds = [derive_seed(params.seed, i, j) if params.seed is not None
+                 else int(torch.randint(1 << 31, (1,), generator=self.generator)) for i in range(len(prompts))
+                 for j in range(params.n)]
+        rows = [Row(list(p), params.max_new_tokens, seed) for p, seed in zip(
+            (p for p in prompts for _ in range(params.n)), seeds)]
+        generate_rows(rows, self.gate, functools.partial(self._segment, params=params), params.max_interruptions)
+        return [row.generation(k // params.n) for k, row in enumerate(rows)]
 
+    def pause_generation(self, partial: str = "resume") -> dict:
+        return self.gate.pause(partial, abort=None)  # a running segment polls gate.stop between decode steps
+
+    def resume_generation(self, version: int) -> None:
+        self.gate.resume(version)
+
+    def abort(self) -> None:
+        """Cancel the running segments (over-sampling): their rows end with finish_reason "abort"."""
+        self.gate.cancel()
+
+    @torch.inference_mode()
+    def _segment(self, rows: list[list[int]], limits: list[int], seeds: list[int], segment: Segment,
+                 params: SamplingParams) -> list[Generation]:
+        """One segment: every row up to its limit or stop token, all in one left-padded batch; rows still going when
+        the gate says stop end with finish_reason "abort"."""
+        eos = set() if params.ignore_eos else set(self.eos_ids)
+        stop_ids = set(params.stop_token_ids) | eos
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
         tokens, mask = self._left_pad(rows)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
         next_positions = positions[:, -1] + 1
-
+        limit = torch.tensor(limits, device=self.device)
         sampled, logprobs = [], []
         finished = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        for step in range(params.max_new_tokens):
+        out = None
+        while not finished.all():
+            if self.gate.stopping(segment):
+                break
+            if out is None:
+                out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
+            else:
+                mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                out = self.model(input_ids=sampled[-1][:, None], attention_mask=mask,
+                                 position_ids=(next_positions - 1)[:, None], past_key_values=out.past_key_values,
+                                 use_cache=True)
             logits = out.logits[:, -1].float()
-            token = _sample(logits, params.temperature, params.top_p, generator)
+            token = _sample(logits, params.temperature, params.top_p, seeds, next_positions.tolist())
             token = torch.where(finished, self.pad_id, token)  # finished rows idle on padding
             sampled.append(token)
             logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0])
-            finished |= torch.isin(token, stop)
-            if finished.all() or step == params.max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_positions[:, None],
-                             past_key_values=out.past_key_values, use_cache=True)
+            finished |= torch.isin(token, stop) | (len(sampled) >= limit)
             next_positions = next_positions + 1
-        return self._collect(sampled, logprobs, stop, params.n)
+        return self._collect(sampled, logprobs, stop_ids, limits)
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)
@@ -82,20 +111,21 @@ class HFRolloutEngine(RolloutEngine):
         return tokens.to(self.device), mask.to(self.device)
 
     @staticmethod
-    def _collect(sampled, logprobs, stop, n) -> list[Generation]:
-        """Cut each row at its first stop token (kept) into a Generation."""
-        tokens = torch.stack(sampled, 1).tolist()
-        lps = torch.stack(logprobs, 1).tolist()
-        stop_ids = set(stop.tolist())
+    def _collect(sampled, logprobs, stop_ids: set[int], limits: list[int]) -> list[Generation]:
+        """Cut each row at its first stop token (kept) or its limit; a row that reached neither was stopped."""
+        tokens = torch.stack(sampled, 1).tolist() if sampled else [[] for _ in limits]
+        lps = torch.stack(logprobs, 1).tolist() if logprobs else [[] for _ in limits]
         gens = []
-        for i, (row, lp) in enumerate(zip(tokens, lps)):
-            end = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), None)
-            gens.append(Generation(prompt_index=i // n, token_ids=row[:end], logprobs=lp[:end],
-                                   finish_reason="length" if end is None else "stop"))
+        for row, lp, limit in zip(tokens, lps, limits):
+            end = next((t + 1 for t, tok in enumerate(row[:limit]) if tok in stop_ids), None)
+            reason = "stop" if end is not None else "length" if len(row) >= limit else "abort"
+            end = end or min(len(row), limit)
+            gens.append(Generation(prompt_index=0, token_ids=row[:end], logprobs=lp[:end], finish_reason=reason))
         return gens
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._check_idle()
         self._resume_weights()
         state = checkpoint_views(self.model)  # a tied lm_head is the embedding
         for name, tensor in named_tensors:
@@ -112,12 +142,18 @@ class HFRolloutEngine(RolloutEngine):
 
         if self._specs is None:
             self._specs = {s.name: s for s in hf_inventory(read_hf_config(self.model_path))}
+        self._check_idle()
         self._resume_weights()
         state = checkpoint_views(self.model)
         for name, shard in named_shards:
             spec = self._specs.get(name)
             rows = None if spec is None or spec.dim is None else (spec.dim, *spec.rows(gen_tp, gen_rank))
             self._copy_into(state, name, shard, rows)
+
+    def _check_idle(self) -> None:
+        """Weights change only while no generation runs (or it is paused): its tokens would mix two policies."""
+        if not self.gate.idle():
+            raise RuntimeError("weights updated while a generation is running: pause_generation first")
 
     @staticmethod
     def _copy_into(state: dict, name: str, tensor: torch.Tensor, rows: tuple[int, int, int] | None) -> None:
@@ -207,8 +243,12 @@ def _eos_ids(model) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token per row: argmax at temperature 0, else sampled from the tempered, top-p-truncated logits."""
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, seeds: list[int],
+            positions: list[int]) -> torch.Tensor:
+    """One token per row: argmax at temperature 0, else drawn from the tempered, top-p-truncated distribution by
+    inverting its CDF at a uniform that follows from the row's seed and the token's position alone, so a row's
+    draws do not depend on the other rows of the batch, and a continued row (prompt + its tokens so far) draws
+    what it would have drawn uninterrupted (as SGLang's seeded sampler, by position)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, -1)
@@ -218,4 +258,13 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    cdf = probs.double().cumsum(-1)
+    u = torch.tensor([_uniform(s, p) for s, p in zip(seeds, positions)], dtype=torch.float64, device=cdf.device)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return token.clamp(max=probs.shape[-1] - 1)
+
+
+def _uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) from (seed, position): 53 bits of a hash."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)

@@ -1,0 +1,147 @@
+"""Partial rollouts on the transformers engine (megarl.rollout.partial): a generation interrupted by a weight update
+and continued keeps, per token, the version and the log-probs of the policy that produced it, and continues with
+the draws the uninterrupted generation would have made."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from megarl.models.tiny import build_tiny_model
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.hf import HFRolloutEngine
+
+PROMPTS = ["abcd>", "x>", "hello world>"]
+PARAMS = SamplingParams(max_new_tokens=10, temperature=1.0, n=2, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=1))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def new_weights(model_dir):
+    engine = HFRolloutEngine(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    return {n: t + 0.3 * torch.randn(t.shape, generator=gen) for n, t in engine.named_weights().items()}
+
+
+def interrupted(engine, prompts, params, after_forwards, partial, weights=None):
+    """generate() in a thread; at its `after_forwards`-th model forward, the test pauses the engine (partial),
+    loads `weights` (if any) and resumes as version 1. Returns the generations and the pause's report."""
+    reached, calls = threading.Event(), [0]
+    forward = engine.model.forward
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == after_forwards:
+            reached.set()
+            if partial != "finish":  # the decode loop sees the stop flag right after this step's token
+                assert engine.gate.stop.wait(10)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = counting
+    engine.resume_generation(0)
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(engine.generate, prompts, params)
+        assert reached.wait(10)
+        report = engine.pause_generation(partial)
+        if weights is not None:
+            engine.update_weights(list(weights.items()))
+        engine.resume_generation(1)
+        return result.result(timeout=30), report
+
+
+def teacher_forced(engine, prompt, response):
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_resume_with_the_same_weights_equals_the_uninterrupted_generation(model_dir, prompts, temperature):
+    params = SamplingParams(**vars(PARAMS) | {"temperature": temperature})
+    whole = HFRolloutEngine(model_dir).generate(prompts, params)
+    engine = HFRolloutEngine(model_dir)
+    gens, report = interrupted(engine, prompts, params, after_forwards=4, partial="resume",
+                               weights=engine.named_weights())
+    assert report["rollout/interrupted_rows"] == 6
+    for g, w in zip(gens, whole):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5, rtol=0)
+        assert g.versions == [0] * 4 + [1] * 6 and g.interruptions == 1
+
+
+def test_resume_with_new_weights_keeps_each_tokens_policy(model_dir, prompts, new_weights):
+    params = SamplingParams(**vars(PARAMS) | {"n": 1})
+    old = HFRolloutEngine(model_dir)
+    engine = HFRolloutEngine(model_dir)
+    gens, _ = interrupted(engine, prompts, params, after_forwards=3, partial="resume", weights=new_weights)
+    uninterrupted = old.generate(prompts, params)
+    # what the new policy draws after each row's first 3 tokens (row k keeps its seed: prompt k's)
+    continued = engine.generate([prompts[k] + g.token_ids[:3] for k, g in enumerate(gens)],
+                                SamplingParams(**vars(params) | {"max_new_tokens": 7}))
+    for k, g in enumerate(gens):
+        prompt = prompts[g.prompt_index]
+        assert g.versions == [0] * 3 + [1] * 7
+        assert g.token_ids[:3] == uninterrupted[k].token_ids[:3]
+        assert g.token_ids[3:] == continued[k].token_ids
+        assert g.token_ids != uninterrupted[k].token_ids  # the new policy did write the rest
+        # log-probs: the old policy's on its tokens, the new policy's on the rest
+        torch.testing.assert_close(torch.tensor(g.logprobs[:3]), teacher_forced(old, prompt, g.token_ids)[:3],
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(g.logprobs[3:]), teacher_forced(engine, prompt, g.token_ids)[3:],
+                                   atol=1e-5, rtol=0)
+
+
+def test_restart_finish_and_the_interruption_bound(model_dir, prompts, new_weights):
+    fresh = HFRolloutEngine(model_dir)
+    fresh.update_weights(list(new_weights.items()))
+    new_policy = fresh.generate(prompts, PARAMS)
+    old_policy = HFRolloutEngine(model_dir).generate(prompts, PARAMS)
+
+    restarted, _ = interrupted(HFRolloutEngine(model_dir), prompts, PARAMS, 3, "restart", new_weights)
+    assert [g.token_ids for g in restarted] == [g.token_ids for g in new_policy]
+    assert all(g.versions == [1] * 10 and g.interruptions == 1 for g in restarted)
+
+    finished, report = interrupted(HFRolloutEngine(model_dir), prompts, PARAMS, 3, "finish", new_weights)
+    assert report["rollout/interrupted_rows"] == 0  # the pause waited for the rows to end
+    assert [g.token_ids for g in finished] == [g.token_ids for g in old_policy]
+    assert all(g.versions == [0] * 10 and g.interruptions == 0 for g in finished)
+
+    bounded, _ = interrupted(HFRolloutEngine(model_dir), prompts,
+                             SamplingParams(**vars(PARAMS) | {"max_interruptions": 0}), 3, "resume", new_weights)
+    assert all(g.finish_reason == "abort" and g.versions == [0] * 3 and g.interruptions == 1 for g in bounded)
+
+
+def test_cancelled_rows_end_and_are_not_continued(model_dir, prompts):
+    engine = HFRolloutEngine(model_dir)
+    forward = engine.model.forward
+
+    def cancelling(*args, **kwargs):  # over-sampling's abort, arriving during the third decode step
+        if engine.gate.running and forward_calls.append(1) is None and len(forward_calls) == 3:
+            engine.abort()
+        return forward(*args, **kwargs)
+
+    forward_calls = []
+    engine.model.forward = cancelling
+    gens = engine.generate(prompts, PARAMS)
+    assert all(g.finish_reason == "abort" and len(g.token_ids) == 3 and g.interruptions == 0 for g in gens)
+
+
+def test_weights_cannot_change_under_a_running_generation(model_dir, prompts):
+    engine = HFRolloutEngine(model_dir)
+    engine.gate.enter(1)  # as a generate() call does while it runs
+    with pytest.raises(RuntimeError, match="pause_generation first"):
+        engine.update_weights(list(engine.named_weights().items()))
+    engine.gate.leave(1)
+    engine.update_weights(list(engine.named_weights().items()))  # idle: fine
