@@ -241,6 +241,14 @@ def attention_backend(extra_args: Iterable) -> str:
     return backend
 
 
+def allreduce_fusion_args(tp: int, extra_args: Iterable) -> list[str]:
+    """SGLang turns FlashInfer's all-reduce fusion on by itself for DeepSeek-V3 at TP > 1 on H100/H200; on the
+    bundle's flashinfer (JIT, no prebuilt comm kernels) the server then printed nothing for minutes after its
+    workspace set-up and never came up (2 x H200, TP=2). Off unless `extra_args` choose a fusion backend."""
+    chosen = any(str(a).startswith("--flashinfer-allreduce-fusion-backend") for a in extra_args)
+    return ["--enforce-disable-flashinfer-allreduce-fusion"] if tp > 1 and not chosen else []
+
+
 def decode_graph_rows(rows: int) -> int | None:
     """The largest decode batch to capture in a CUDA graph for a server that decodes `rows` rows at once;
     None while SGLang's own limit covers them."""
@@ -278,6 +286,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                *(["--load-format", load_format] if load_format else []),
                *([] if cuda_graph else ["--disable-cuda-graph"]),
                *(["--cuda-graph-max-bs-decode", str(graph_rows)] if cuda_graph and graph_rows else []),
+               *allreduce_fusion_args(tp, extra_args),
                *map(str, extra_args)]
     log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
     env = dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})

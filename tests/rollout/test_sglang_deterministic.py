@@ -78,3 +78,12 @@ def test_each_response_gets_a_seed_of_its_own_prompt_and_sample_however_rows_are
     finally:
         for e in (two, split, plain):
             e.shutdown()
+
+
+def test_servers_over_several_gpus_launch_without_flashinfers_allreduce_fusion_unless_asked(tmp_path):
+    fusion_off = "--enforce-disable-flashinfer-allreduce-fusion"
+    assert fusion_off not in sglang_server("model", tp=1, log_dir=str(tmp_path)).command  # nothing to fuse
+    assert fusion_off in sglang_server("model", tp=2, log_dir=str(tmp_path)).command
+    asked = sglang_server("model", tp=2, extra_args=("--flashinfer-allreduce-fusion-backend", "trtllm"),
+                          log_dir=str(tmp_path)).command
+    assert fusion_off not in asked and asked[-2:] == ["--flashinfer-allreduce-fusion-backend", "trtllm"]
