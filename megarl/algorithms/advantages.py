@@ -31,7 +31,9 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> Batch:
     """Run the configured estimator and store its result as batch['advantages'].
 
     The token-level estimators also leave batch.meta['reward_kl'] (mean KL per response token, for logs and
-    the adaptive KL controller) when the KL is in the reward; gae leaves batch['returns'] (value targets)."""
+    the adaptive KL controller) when the KL is in the reward; gae leaves batch['returns'] (value targets).
+    With cfg.positive_lm_coef > 0 it also stores batch['lm_mask']: loss_mask on the rows whose reward is at
+    least cfg.positive_lm_threshold (the rewards as the estimator saw them: after reward shaping)."""
     batch.meta.pop("reward_kl", None)
     advantages = ADVANTAGES.get(cfg.advantage)(batch, cfg)
     if cfg.kl_in_reward and cfg.kl_coef > 0 and "reward_kl" not in batch.meta:
@@ -45,6 +47,9 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> Batch:
     if not torch.isfinite(advantages).all():
         raise ValueError(f"advantage estimator '{cfg.advantage}' returned non-finite values")
     batch["advantages"] = advantages
+    if cfg.positive_lm_coef > 0:  # VAPO's positive-example LM loss trains on these tokens (losses.actor_loss)
+        positive = batch["rewards"].float() >= cfg.positive_lm_threshold
+        batch["lm_mask"] = torch.where(positive[:, None], batch["loss_mask"].float(), 0.0)
     return batch
 
 
@@ -87,6 +92,67 @@ def rloo(batch: Batch, cfg: AlgorithmConfig) -> torch.Tensor:
     return scores[:, None] * mask.float()
 
 
+@ADVANTAGES.register("gpg")
+def gpg(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """GPG (Chu et al. 2025): alpha * (r - group mean) / F_norm, F_norm = 1 (or the group's std + eps with
+    cfg.gpg_norm_by_std), alpha = B / (B - M) where M counts the samples of groups whose rewards are all equal
+    (their advantage is 0): the batch-mean gradient is rescaled to the samples that carry one. Pair it with
+    policy_loss=gpg (plain policy gradient, no ratio).
+
+    Convention: the paper's alpha; verl divides B by the number of samples whose *reward* is non-zero. A
+    sample alone in its group gets 0 (verl gives it alpha * r)."""
+    rewards, mask = batch["rewards"].float(), batch["loss_mask"]
+    count, mean, std = group_statistics(rewards, batch["group"])
+    informative = ((count > 1) & (std > 0)).sum().item()
+    scores = (rewards - mean) * len(rewards) / max(informative, 1)
+    if cfg.gpg_norm_by_std:
+        scores = scores / (std + STD_EPS)
+    return scores[:, None] * mask.float()
+
+
+@ADVANTAGES.register("opo")
+def opo(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """OPO (Hao et al. 2025, on-policy RL with the optimal reward baseline): r minus the length-weighted mean
+    reward of its group, b = sum_j l_j r_j / sum_j l_j with l_j the trained response tokens of sample j; no
+    std normalisation. Meant for exact on-policy training (one update per step).
+
+    Convention: a sample alone in its group is its own baseline (advantage 0); verl gives it baseline 0."""
+    rewards, mask = batch["rewards"].float(), batch["loss_mask"]
+    lengths = (mask > 0).sum(-1).float()
+    ids = {}
+    index = torch.tensor([ids.setdefault(g, len(ids)) for g in batch["group"]], device=rewards.device)
+    weighted = torch.zeros(len(ids), device=rewards.device).index_add_(0, index, lengths * rewards)
+    total = torch.zeros(len(ids), device=rewards.device).index_add_(0, index, lengths)
+    baseline = weighted / total.clamp(min=1)
+    return (rewards - baseline[index])[:, None] * mask.float()
+
+
+@ADVANTAGES.register("grpo_passk")
+def grpo_passk(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """Pass@k training as verl's grpo_passk implements it (citing arXiv 2503.19595): in each group only the best
+    response learns, with advantage r_max - r_second (divided by the group's std + eps when
+    cfg.norm_adv_by_std); the others get 0. Ties: the first best in batch order; equal top rewards give 0.
+
+    Convention: verl's estimator; the general pass@k reward transforms of PKPO (Walder & Karkhanis 2025) are not
+    implemented."""
+    rewards, mask = batch["rewards"].float(), batch["loss_mask"]
+    rows: dict = {}
+    for row, g in enumerate(batch["group"]):
+        rows.setdefault(g, []).append(row)
+    _, _, std = group_statistics(rewards, batch["group"])
+    scores = torch.zeros_like(rewards)
+    for g, members in rows.items():
+        if len(members) < 2:
+            raise ValueError(f"advantage estimator 'grpo_passk' needs at least 2 samples per group "
+                             f"(rollout.n_samples); group {g!r} has 1")
+        group_rewards = rewards[members]
+        best = int(group_rewards.argmax())
+        second = group_rewards[torch.arange(len(members)) != best].max()
+        score = group_rewards[best] - second
+        scores[members[best]] = score / (std[members[best]] + STD_EPS) if cfg.norm_adv_by_std else score
+    return scores[:, None] * mask.float()
+
+
 # ---------------------------------------------------------------------------------------------
 # Token-level building blocks
 
@@ -119,7 +185,7 @@ def token_level_rewards(batch: Batch, cfg: AlgorithmConfig, sequence_rewards: Te
         if "ref_logprobs" not in batch:
             raise KeyError("algorithm.kl_in_reward with kl_coef > 0 but the batch has no 'ref_logprobs'")
         token_rewards, kl = kl_in_reward(token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
-                                         cfg.kl_coef, cfg.kl_estimator)
+                                         cfg.kl_coef, cfg.kl_estimator, cfg.kl_clamp)
         batch.meta["reward_kl"] = (kl.sum() / valid.sum().clamp(min=1)).item()
     return token_rewards
 
@@ -135,15 +201,18 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     return returns
 
 
-def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+        lam: float | Tensor) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over each row's response tokens:
     delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, with V_next = A_next = 0
     after the last response token. Returns (advantages, returns = advantages + values), 0 outside mask.
+    `lam` is one number or one per row ([B], VAPO's length-adaptive lambda).
 
     Convention: positions outside mask are skipped, so V_next is the value at the next *trained* token
     (verl's multi-turn handling); OpenRLHF instead zeroes values and rewards there."""
     valid = mask > 0
     values = values.float()
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=values.device)
     advantages = torch.zeros(values.shape, device=values.device)
     next_value = torch.zeros(values.shape[0], device=values.device)
     next_advantage = torch.zeros_like(next_value)
@@ -161,16 +230,35 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
 # Token-level estimators
 
 
+def length_adaptive_lambda(mask: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive GAE lambda per row, 1 - 1 / (alpha * l) with l the row's trained response tokens,
+    so that the TD errors' weights sum alike over short and long responses.
+
+    Convention: clamped to [0, 1] (below l = 1 / alpha the formula goes negative; VAPO's responses are
+    thousands of tokens long, alpha = 0.05 reaches 0 at 20 tokens)."""
+    length = (mask > 0).sum(-1).clamp(min=1).float()
+    return (1 - 1 / (alpha * length)).clamp(0.0, 1.0)
+
+
 @ADVANTAGES.register("gae")
 def gae_estimator(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
     """PPO with a critic: GAE (cfg.gamma, cfg.lam) over token_level_rewards and batch['values'], whitened over
     the batch's response tokens. Also stores batch['returns'] (the critic's targets, not whitened).
 
+    VAPO's decoupled GAE: the returns come from a GAE pass with cfg.critic_lam (1.0: Monte-Carlo returns,
+    unbiased targets) and the advantages from one with the policy's lambda, cfg.lam or, with
+    cfg.lam_length_alpha > 0, length_adaptive_lambda per response.
+
     Convention: advantages are whitened here, as verl does (OpenRLHF normalises them in its replay buffer)."""
     if "values" not in batch:
         raise KeyError("advantage estimator 'gae' needs batch['values'] (a critic's per-token values)")
-    mask = batch["loss_mask"]
-    advantages, returns = gae(token_level_rewards(batch, cfg), batch["values"], mask, cfg.gamma, cfg.lam)
+    mask, values = batch["loss_mask"], batch["values"]
+    rewards = token_level_rewards(batch, cfg)
+    policy_lam = length_adaptive_lambda(mask, cfg.lam_length_alpha) if cfg.lam_length_alpha > 0 else cfg.lam
+    advantages, returns = gae(rewards, values, mask, cfg.gamma, policy_lam)
+    critic_lam = cfg.lam if cfg.critic_lam < 0 else cfg.critic_lam
+    if cfg.lam_length_alpha > 0 or critic_lam != cfg.lam:
+        returns = gae(rewards, values, mask, cfg.gamma, critic_lam)[1]
     batch["returns"] = returns
     return masked_whiten(advantages, mask)
 
@@ -207,3 +295,43 @@ def remax(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
     reward_to_go = discounted_returns(token_level_rewards(batch, cfg), mask, 1.0)
     baseline = batch["baseline_rewards"].float()[:, None]
     return torch.where(mask > 0, reward_to_go - baseline, torch.zeros_like(reward_to_go))
+
+
+@ADVANTAGES.register("optimal_token_baseline")
+def optimal_token_baseline(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
+    """The optimal token baseline (verl's OTB): G_t - B_t, with G_t the reward-to-go of token_level_rewards
+    and a baseline per response position and group, B_t = sum_i G_i,t W_i,t / sum_i W_i,t over the group's
+    responses that reach position t. W_t = sum_{j<=t} (1 - 2 p_j + sum_v p(v)^2) accumulates the squared norm
+    of the log-prob gradient w.r.t. the logits along the response (p_j: the sampled token's probability under
+    the old policy, batch['old_logprobs']; sum_v p(v)^2: batch['sum_pi_squared'], from the trainer's forward).
+    Not whitened. With cfg.otb_zero_tail, the positions of a group's (unique) longest response past the end
+    of the second longest get baseline 0 (there it would be its own return: advantage 0).
+
+    Conventions: positions are columns (rows of one group share their prompt, so a column is the same response
+    position in each), and a response's end is its last trained token; a sample alone in its group is its own
+    baseline (advantage 0), where verl gives it none."""
+    for key in ("old_logprobs", "sum_pi_squared"):
+        if key not in batch:
+            raise KeyError(f"advantage estimator 'optimal_token_baseline' needs batch['{key}']")
+    mask = batch["loss_mask"]
+    valid = mask > 0
+    returns = discounted_returns(token_level_rewards(batch, cfg), mask, 1.0)
+    energy = 1 - 2 * batch["old_logprobs"].float().exp() + batch["sum_pi_squared"].float()
+    cumulative = torch.where(valid, energy, torch.zeros_like(energy)).cumsum(-1)
+    weights = torch.where(valid, cumulative, torch.zeros_like(cumulative))
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    ends = torch.where(valid, positions + 1, 0).max(-1).values  # one past each response's last trained token
+    rows: dict = {}
+    for row, g in enumerate(batch["group"]):
+        rows.setdefault(g, []).append(row)
+    baselines = torch.zeros_like(returns)
+    for members in rows.values():
+        index = torch.tensor(members, device=mask.device)
+        baseline = (returns[index] * weights[index]).sum(0) / (weights[index].sum(0) + WHITEN_EPS)
+        baselines[index] = baseline.expand(len(members), -1)
+        if cfg.otb_zero_tail and len(members) > 1:
+            group_ends = ends[index].sort(descending=True).values
+            if group_ends[0] > group_ends[1]:
+                longest = members[int(ends[index].argmax())]
+                baselines[longest, int(group_ends[1]):] = 0.0
+    return torch.where(valid, returns - baselines, torch.zeros_like(returns))

@@ -11,34 +11,56 @@ import torch
 from torch import Tensor
 
 from megarl.config import AlgorithmConfig
+from megarl.config.correction_checks import KL_ESTIMATORS
 
 # exp() of a log-ratio above ~88 overflows float32; past 20 the ratio is already 5e8, far outside any
 # clip range, so clamping there changes nothing but keeps inf (and then NaN gradients) out.
 MAX_LOG_RATIO = 20.0
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's estimators):
-    k1 = lp - ref (unbiased, high variance, can be negative); k2 = (lp - ref)^2 / 2;
-    k3 = exp(ref - lp) - (ref - lp) - 1 (unbiased, always >= 0, low variance)."""
-    log_ratio = (logprobs.float() - ref_logprobs.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.exp(-log_ratio) + log_ratio - 1
-    raise ValueError(f"unknown KL estimator '{estimator}': must be one of k1, k2, k3")
+# verl's estimator names beside Schulman's: kl = k1, mse = k2, low_var_kl = k3 ("full" needs the whole vocabulary)
+KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, clamp: float) -> Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's estimators), with
+    x = lp - ref: k1 = x (unbiased, high variance, can be negative); abs = |x|; k2 = x^2 / 2;
+    k3 = exp(-x) + x - 1 (unbiased, always >= 0, low variance), capped at `clamp` (verl's low_var_kl caps at
+    10; 0 = no cap): k3 grows like exp(-x), and one token far below the reference would otherwise dominate
+    the loss. verl's names kl, mse and low_var_kl are k1, k2 and k3.
+
+    A trailing '+' (k1+, k3+, abs+ ...) is verl's straight-through variant: the value of the named estimator,
+    the gradient of k2, (lp - ref) * grad lp, whose expectation is the gradient of KL(policy || reference);
+    k1's and k3's expected gradients are not (Schulman 2020). k2+ is k2."""
+    straight_through = estimator.endswith("+")
+    name = KL_ALIASES.get(estimator.removesuffix("+"), estimator.removesuffix("+"))
+    x = (logprobs.float() - ref_logprobs.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if name == "k1":
+        value = x
+    elif name == "abs":
+        value = x.abs()
+    elif name == "k2":
+        value = 0.5 * x**2
+    elif name == "k3":
+        value = torch.exp(-x) + x - 1
+        value = value.clamp(max=clamp) if clamp > 0 else value
+    else:
+        raise ValueError(f"unknown KL estimator '{estimator}': must be one of {', '.join(KL_ESTIMATORS)}, "
+                         "each optionally with a trailing '+'")
+    if not straight_through or name == "k2":
+        return value
+    k2 = 0.5 * x**2
+    return k2 - k2.detach() + value.detach()
 
 
 def kl_in_reward(token_rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kl_coef: float,
-                 estimator: str) -> tuple[Tensor, Tensor]:
+                 estimator: str, clamp: float) -> tuple[Tensor, Tensor]:
     """token_rewards - kl_coef * KL per response token; returns (penalised rewards, the per-token KL),
     both 0 outside `mask`.
 
     Convention: `logprobs` are the behaviour policy's log-probs recomputed by the trainer ('old_logprobs',
     as verl does), not the rollout engine's."""
-    kl = torch.where(mask > 0, kl_penalty(logprobs, ref_logprobs, estimator), torch.zeros_like(token_rewards))
+    kl = torch.where(mask > 0, kl_penalty(logprobs, ref_logprobs, estimator, clamp), torch.zeros_like(token_rewards))
     return torch.where(mask > 0, token_rewards.float() - kl_coef * kl, torch.zeros_like(kl)), kl
 
 

@@ -16,12 +16,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megarl.algorithms import rollout_correction
 from megarl.algorithms.kl import MAX_LOG_RATIO, kl_penalty
 from megarl.config import AlgorithmConfig
 from megarl.utils.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
 AGGREGATIONS = Registry("loss aggregation")
+
+
+# GSPO's cap on log s (verl's): s = exp(10) = 22026 is far outside any clip range
+GSPO_MAX_LOG_RATIO = 10.0
 
 
 def _masked(values: Tensor, mask: Tensor) -> Tensor:
@@ -82,7 +87,7 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, total_tokens: float, tota
 # Policy losses
 
 
-def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
                        dual_clip_c: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)); with dual_clip_c > 0, negative-advantage
     terms are further capped at -A * dual_clip_c, so a huge ratio cannot blow up the loss."""
@@ -98,7 +103,7 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_hi
     return loss, metrics
 
 
-def _token_log_ratio(logprobs: Tensor, mb: dict[str, Tensor]) -> Tensor:
+def token_log_ratio(logprobs: Tensor, mb: dict[str, Tensor]) -> Tensor:
     return (logprobs.float() - mb["old_logprobs"].float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
@@ -127,9 +132,9 @@ def dual_clip(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> 
 
 def _ppo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig,
          dual_clip_c: float) -> tuple[Tensor, dict[str, Tensor]]:
-    log_ratio = _token_log_ratio(logprobs, mb)
+    log_ratio = token_log_ratio(logprobs, mb)
     ratio = torch.exp(log_ratio)
-    loss, metrics = _clipped_surrogate(ratio, mb["advantages"].float(), cfg.clip_eps,
+    loss, metrics = clipped_surrogate(ratio, mb["advantages"].float(), cfg.clip_eps,
                                        cfg.clip_eps_high or cfg.clip_eps, dual_clip_c)
     return loss, metrics | {"approx_kl": -log_ratio.detach(), "ratio": ratio.detach()}
 
@@ -139,48 +144,50 @@ def gspo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple
     """GSPO (Zheng et al. 2025): one importance ratio per sequence, s = exp(mean over its response tokens of
     new - old log-prob), clipped with its own narrow range (cfg.gspo_clip_eps / gspo_clip_eps_high).
 
-    Each response token carries its sequence's loss max(-A * s, -A * clip(s)), so with
-    loss_agg=seq-mean-token-mean the reduction is the paper's mean over sequences. The gradient through s
-    reaches every token of the sequence (d s / d logprob_t = s / |y|), as in the paper; verl's token-level
-    rewrite sg(s) * exp(lp - sg(lp)) gives the same values and gradients. Uses the advantage of each token
-    (constant per sequence for outcome-reward estimators)."""
+    Each response token t carries max(-A_t * s_t, -A_t * clip(s_t)) with s_t = sg(s) * p_t / sg(p_t), the
+    paper's GSPO-token and verl's compute_policy_loss_gspo: s_t's value is s, and its gradient reaches token t
+    only, so token t's gradient is -A_t * s * grad log p_t where unclipped, each token with its *own*
+    advantage (GAE, REINFORCE++ with gamma < 1). With an advantage constant over the sequence (outcome
+    estimators: grpo, rloo ...) and loss_agg=seq-mean-token-mean this equals the paper's sequence-level GSPO,
+    -A * s averaged over sequences. log s is capped at GSPO_MAX_LOG_RATIO (as verl; no gradient past it)."""
     valid = mb["loss_mask"] > 0
-    log_ratio = _token_log_ratio(logprobs, mb)
+    log_ratio = token_log_ratio(logprobs, mb)
     mean_log_ratio = torch.where(valid, log_ratio, torch.zeros_like(log_ratio)).sum(-1) / valid.sum(-1).clamp(min=1)
-    seq_ratio = torch.exp(mean_log_ratio)[:, None].expand_as(log_ratio)
-    loss, metrics = _clipped_surrogate(seq_ratio, mb["advantages"].float(), cfg.gspo_clip_eps,
+    current = logprobs.float()
+    seq_log_ratio = (mean_log_ratio.detach()[:, None] + current - current.detach()).clamp(max=GSPO_MAX_LOG_RATIO)
+    seq_ratio = torch.exp(seq_log_ratio)
+    loss, metrics = clipped_surrogate(seq_ratio, mb["advantages"].float(), cfg.gspo_clip_eps,
                                        cfg.gspo_clip_eps_high)
     return loss, metrics | {"approx_kl": -log_ratio.detach(), "ratio": seq_ratio.detach()}
-
-
-def truncated_is_weight(mb: dict[str, Tensor], cap: float) -> Tensor:
-    """Truncated importance sampling (TIS, Yao et al. 2025): min(exp(old - rollout log-prob), cap), detached.
-    The rollout engine sampled from a slightly different distribution than the trainer computes (kernels,
-    precision); the weight corrects the policy gradient for that mismatch.
-
-    Convention: the ratio is trainer-old / rollout (as verl's tis_imp_ratio_cap and slime), capped from
-    above only (no lower bound)."""
-    if "rollout_logprobs" not in mb:
-        raise KeyError("algorithm.tis is on but the micro-batch has no 'rollout_logprobs'")
-    log_ratio = (mb["old_logprobs"].float() - mb["rollout_logprobs"].float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
 # ---------------------------------------------------------------------------------------------
 # The actor loss (policy loss, KL, entropy), SFT
 
 
+def policy_batch_keys(cfg: AlgorithmConfig) -> list[str]:
+    """The batch's [B, T] tensors that actor_loss reads beyond 'loss_mask', 'advantages', 'old_logprobs',
+    'ref_logprobs' and 'rollout_logprobs' (the engine puts them in every micro-batch)."""
+    return (["lm_mask"] if cfg.positive_lm_coef > 0 else []) + rollout_correction.batch_keys(cfg)
+
+
 def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, mb: dict[str, Tensor],
-               total_tokens: float, total_seqs: float) -> tuple[Tensor, dict[str, Tensor]]:
+               total_tokens: float, total_seqs: float,
+               total_lm_tokens: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's contribution to the mini-batch loss, and its metrics (same convention).
 
     loss = pg_loss + kl_coef * kl - entropy_coef * entropy, each reduced with cfg.loss_agg; the metrics
-    'pg_loss', 'kl' and 'entropy' are exactly those reduced terms. With cfg.tis the per-token policy loss is
-    multiplied by the truncated importance weight first (metric 'tis_weight'). With cfg.kl_in_reward the
+    'pg_loss', 'kl' and 'entropy' are exactly those reduced terms. The per-token policy loss is first
+    multiplied by the weights of rollout_correction.correct_policy_loss (cfg.tis: metric 'tis_weight'; the
+    decoupled objective; the rollout correction's importance weights and rejection). With cfg.kl_in_reward the
     KL is already in the advantages and no KL term is added here. The policy loss's own diagnostics
     ('clipfrac', 'approx_kl', 'ratio' for ppo_clip) are token means whatever cfg.loss_agg is.
-    mb holds 'loss_mask', 'old_logprobs', 'advantages', 'ref_logprobs' when the KL loss is on, and
-    'rollout_logprobs' when cfg.tis is on.
+    With cfg.positive_lm_coef = mu > 0 (VAPO's positive-example LM loss) the loss also has
+    mu * positive_lm_nll, the negative log-likelihood of the tokens in mb['lm_mask'] (the response tokens of
+    samples whose reward reached cfg.positive_lm_threshold) averaged over the mini-batch's
+    `total_lm_tokens` of them; a mini-batch without any contributes 0.
+    mb holds 'loss_mask', 'old_logprobs', 'advantages', 'ref_logprobs' when the KL loss is on,
+    'rollout_logprobs' when cfg.tis is on, and the keys of policy_batch_keys(cfg).
     """
     mask = mb["loss_mask"]
 
@@ -188,10 +195,9 @@ def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, m
         return aggregate(values, mask, cfg.loss_agg, total_tokens, total_seqs, cfg)
 
     per_token_loss, per_token_metrics = POLICY_LOSSES.get(cfg.policy_loss)(logprobs, mb, cfg)
-    if cfg.tis:
-        weight = truncated_is_weight(mb, cfg.tis_cap)
-        per_token_loss = per_token_loss * weight
-        per_token_metrics = per_token_metrics | {"tis_weight": weight}
+    # algorithm.tis, the decoupled objective, the rollout correction's weights (megarl/algorithms/rollout_correction.py)
+    per_token_loss, correction_metrics = rollout_correction.correct_policy_loss(per_token_loss, logprobs, mb, cfg)
+    per_token_metrics = per_token_metrics | correction_metrics
     loss = pg_loss = reduce(per_token_loss)
     metrics = {"pg_loss": pg_loss.detach()}
     for name, values in per_token_metrics.items():
@@ -200,9 +206,16 @@ def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, m
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:
         if "ref_logprobs" not in mb:
             raise KeyError("algorithm.kl_coef > 0 but the micro-batch has no 'ref_logprobs'")
-        kl = reduce(kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator))
+        kl = reduce(kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator, cfg.kl_clamp))
         loss = loss + cfg.kl_coef * kl
         metrics["kl"] = kl.detach()
+
+    if cfg.positive_lm_coef > 0:
+        if "lm_mask" not in mb:
+            raise KeyError("algorithm.positive_lm_coef > 0 but the micro-batch has no 'lm_mask'")
+        nll = -_masked(logprobs.float(), mb["lm_mask"]).sum() / max(total_lm_tokens, 1)
+        loss = loss + cfg.positive_lm_coef * nll
+        metrics["positive_lm_nll"] = nll.detach()
 
     if entropy is not None:
         mean_entropy = reduce(entropy.float())

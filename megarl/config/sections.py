@@ -131,6 +131,43 @@ class RewardModelConfig(ActorConfig):
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """The rollout engine's log-probs against the trainer's (megarl/algorithms/rollout_correction.py, verl's
+    algorithm.rollout_correction keys), and the decoupled PPO objective."""
+    rollout_is: str = opt("none", "importance weights pi_old / pi_rollout on the policy loss: none, token (one per "
+                                  "token) or sequence (the product over the response, on all its tokens)")
+    rollout_is_threshold: float = opt(2.0, "rollout_is: upper bound of the weight")
+    rollout_is_mode: str = opt("truncate", "rollout_is: truncate (min(w, threshold): TIS) or mask (weights outside "
+                                           "[rollout_is_threshold_lower, rollout_is_threshold] become 0: IcePop)")
+    rollout_is_threshold_lower: float = opt(0.0, "rollout_is_mode=mask: lower bound of the weight; 0 = 1 / "
+                                                 "rollout_is_threshold")
+    rollout_is_batch_normalize: bool = opt(False, "rollout_is: divide the weights by their mean over the step's "
+                                                  "batch (tokens, or sequences for sequence weights), so they "
+                                                  "average 1")
+    rollout_rs: str = opt("none", "rejection: drop from the loss the tokens or sequences whose ratio pi_old / "
+                                  "pi_rollout leaves [rollout_rs_threshold_lower, rollout_rs_threshold]: none, "
+                                  "token_k1 (each token's ratio), seq_sum_k1 (the sequence's product of ratios) "
+                                  "or seq_mean_k1 (their geometric mean)")
+    rollout_rs_threshold: float = opt(2.0, "rollout_rs: upper bound of the ratio")
+    rollout_rs_threshold_lower: float = opt(0.0, "rollout_rs: lower bound of the ratio; 0 = 1 / rollout_rs_threshold")
+    bypass_mode: bool = opt(False, "the rollout engine's log-probs are the old log-probs (no forward pass for them): "
+                                   "a ratio loss (ppo_clip ...) then clips pi / pi_rollout; with policy_loss=reinforce "
+                                   "rollout_is weights pi / pi_rollout, and rollout_rs, are computed in the loss")
+    decoupled: bool = opt(False, "the decoupled PPO objective (Hilton et al. 2022, AReaL): the ratio loss clips "
+                                 "pi / pi_prox (pi_prox: the old log-probs, the trainer's weights before the update) "
+                                 "and each token's loss is weighted by pi_prox / pi_rollout, capped by decoupled_cap "
+                                 "(async.decoupled_ppo turns it on in the asynchronous modes)")
+    decoupled_cap: float = opt(5.0, "decoupled objective: bound of the weight pi_prox / pi_rollout (AReaL's "
+                                    "behav_imp_weight_cap)")
+    decoupled_cap_mode: str = opt("truncate", "decoupled objective: truncate (min(w, decoupled_cap)) or mask (a "
+                                              "token whose weight exceeds the cap gets weight 0, as AReaL)")
+    perturb_rollout_logprobs: float = opt(0.0, "testing: added to the rollout log-prob of every other response "
+                                               "token (the 1st, 3rd, ... of each) of every other sample (rows 0, 2, "
+                                               "... of the step's batch), so the mismatch metrics and the rejection "
+                                               "have known values; 0 = off")
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: str = opt("grpo", "advantage estimator (registry name in megarl.algorithms.advantages)")
     policy_loss: str = opt("ppo_clip", "policy loss (registry name in megarl.algorithms.losses)")
@@ -153,7 +190,8 @@ class AlgorithmConfig:
     kl_coef: float = opt(0.0, "coefficient of the KL to the reference policy; 0 = no reference model")
     kl_in_reward: bool = opt(False, "apply the KL as a per-token reward penalty (gae, reinforce_plus_plus, "
                                     "remax) instead of a loss term")
-    kl_estimator: str = opt("k3", "KL estimator: k1, k2 or k3")
+    kl_estimator: str = opt("k3", "KL estimator: k1, k2, k3 or abs (verl's kl, mse, low_var_kl: k1, k2, k3); a "
+                                  "trailing '+' (k3+ ...) takes the gradient of k2 (straight through, as verl)")
     kl_target: float = opt(0.0, "adaptive KL coefficient: the per-token KL to steer towards; 0 = fixed kl_coef")
     kl_horizon: int = opt(10000, "adaptive KL coefficient: horizon of the update, in samples")
     entropy_coef: float = opt(0.0, "entropy bonus coefficient")
@@ -166,6 +204,51 @@ class AlgorithmConfig:
     overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalty ramp over the last N tokens of "
                                       "rollout.max_new_tokens; 0 = off")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: penalty at the full length")
+    # VAPO (Yue et al. 2025) on top of gae: decoupled and length-adaptive GAE, value pretraining, positive LM loss
+    critic_lam: float = opt(-1.0, "GAE lambda of the critic's targets (VAPO's decoupled GAE: 1.0, Monte-Carlo "
+                                  "returns); -1 = algorithm.lam, the policy's")
+    lam_length_alpha: float = opt(0.0, "VAPO's length-adaptive GAE: the policy's lambda per sequence is "
+                                       "1 - 1 / (alpha * response length), clamped to [0, 1] (VAPO: alpha 0.05); "
+                                       "0 = algorithm.lam for every sequence")
+    critic_warmup_steps: int = opt(0, "VAPO's value pretraining: steps before RL that sample from the frozen policy "
+                                      "and train only the critic on the returns (algorithm.critic_lam); 0 = none")
+    positive_lm_coef: float = opt(0.0, "VAPO's positive-example LM loss: coefficient of the NLL of the response "
+                                       "tokens of samples whose reward >= positive_lm_threshold (VAPO: 0.1); 0 = off")
+    positive_lm_threshold: float = opt(1.0, "positive-example LM loss: the reward at which a sample counts as correct")
+    # estimators and losses beyond PPO/GRPO (docs/configuration.md names each paper and formula)
+    gpg_norm_by_std: bool = opt(False, "gpg advantage: divide by the group's std (F_norm = std) instead of 1")
+    otb_zero_tail: bool = opt(True, "optimal_token_baseline: the part of a group's longest response past its "
+                                    "second longest gets no baseline (verl's handle_zero_tail)")
+    gmpo_clip_eps: float = opt(0.4, "gmpo loss: each token's log-ratio is clipped to [-eps, eps] (the paper's 0.4)")
+    cispo_clip_eps_low: float = opt(1.0, "cispo loss: the IS weight's lower bound is 1 - eps (1 = none, MiniMax-M1)")
+    cispo_clip_eps_high: float = opt(0.2, "cispo loss: the IS weight's upper bound is 1 + eps")
+    sapo_tau_pos: float = opt(1.0, "sapo loss: gate temperature of tokens with a positive advantage")
+    sapo_tau_neg: float = opt(1.05, "sapo loss: gate temperature of tokens with a negative or zero advantage")
+    clip_cov_ratio: float = opt(2e-4, "clip_cov loss: fraction of a micro-batch's tokens whose gradient is cut")
+    clip_cov_lb: float = opt(1.0, "clip_cov loss: tokens are drawn among those with covariance above this")
+    clip_cov_ub: float = opt(5.0, "clip_cov loss: tokens are drawn among those with covariance below this")
+    kl_cov_ratio: float = opt(2e-4, "kl_cov loss: fraction of a micro-batch's tokens (highest covariance) that get "
+                                    "the |log-ratio| penalty")
+    kl_cov_coef: float = opt(0.1, "kl_cov loss: coefficient of the |log-ratio| penalty (verl's ppo_kl_coef)")
+    # PF-PPO (Shen et al. 2024): policy filtration by reward before the update
+    pf_ppo: str = opt("none", "PF-PPO: weight samples by reward before the update: none, pow (|r|^weight_pow), "
+                              "max_min (the highest and lowest rewards) or max_random (0.4 for the highest, 0.1 else)")
+    pf_ppo_weight_pow: float = opt(2.0, "PF-PPO pow: the exponent of |r|")
+    pf_ppo_scope: str = opt("batch", "PF-PPO: where max_min / max_random take the highest and lowest reward: batch "
+                                     "(verl) or group (the paper: among the responses to one prompt)")
+    pf_ppo_resample: bool = opt(True, "PF-PPO: draw the step's batch again, as many rows with replacement, in "
+                                      "proportion to the weights (verl); false: keep every row and scale its "
+                                      "advantages by its weight over the mean weight")
+    pf_ppo_replay: int = opt(0, "PF-PPO with resample: the highest-reward samples of earlier steps kept (with the "
+                                "advantages and log-probs of their step) and drawn from beside the step's own; "
+                                "0 = none")
+    # issue 20's traps and rollout correction (megarl/algorithms/kl.py, rollout_correction.py)
+    kl_clamp: float = opt(10.0, "upper bound of the k3 (low_var_kl) KL estimate per token, as verl; 0 = none")
+    allow_single_sample_groups: bool = opt(False, "allow rollout.n_samples=1 with a group estimator (grpo, rloo, "
+                                                  "...): every advantage is then 0 and nothing is learned")
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "the rollout engine's log-probs "
+                                                          "against the trainer's: importance weights, rejection, "
+                                                          "bypass mode, the decoupled PPO objective")
 
 
 @dataclass
@@ -367,9 +450,14 @@ class Config(ConfigChecks):
         return one_update and not (self.algorithm.kl_coef > 0 and self.algorithm.kl_in_reward)
 
     def recompute_old_logprobs(self) -> bool:
-        """Whether the step runs a forward pass of its own for the old log-probs (algorithm.recompute_old_logprobs)."""
-        mode = self.algorithm.recompute_old_logprobs
-        return mode == "always" or (mode == "auto" and not self.old_policy_is_the_trained_one())
+        """Whether the step runs a forward pass of its own for the old log-probs (algorithm.recompute_old_logprobs).
+        Never in the rollout correction's bypass mode (the rollout's are the old ones); always for its weights and
+        rejection otherwise (computed on the whole batch before training)."""
+        mode, rc = self.algorithm.recompute_old_logprobs, self.algorithm.rollout_correction
+        if rc.bypass_mode:
+            return False
+        needed = not self.old_policy_is_the_trained_one() or rc.rollout_is != "none" or rc.rollout_rs != "none"
+        return mode == "always" or (mode == "auto" and needed)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -43,7 +43,6 @@ class ConfigChecks:
         choices = {"actor.precision": (self.actor.precision, ("auto", "bf16", "fp32")),
                    "trainer.device": (self.trainer.device, ("auto", "cpu", "cuda")),
                    "trainer.placement": (self.trainer.placement, ("pack", "spread", "strict_spread")),
-                   "algorithm.kl_estimator": (self.algorithm.kl_estimator, ("k1", "k2", "k3")),
                    "actor.optim.decay_style": (self.actor.optim.decay_style, ("constant", "linear", "cosine")),
                    "rollout.engine": (self.rollout.engine, ("hf", "sglang")),
                    "rollout.sglang_weight_format": (self.rollout.sglang_weight_format,
@@ -93,6 +92,11 @@ class ConfigChecks:
             raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
         self._validate_data_and_reward()
         self._validate_agent()
+        from megarl.config.algorithm_checks import check_algorithm_extras  # imports ConfigError from here
+        check_algorithm_extras(self)
+        from megarl.config.correction_checks import check_kl_and_groups, check_rollout_correction
+        check_kl_and_groups(self)
+        check_rollout_correction(self)
         if not 0 <= a.overlong_buffer_len <= self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
                               f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")

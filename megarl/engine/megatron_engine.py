@@ -27,7 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megarl.algorithms import losses
+from megarl.algorithms import losses, rollout_correction
 from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.engine import checkpoint, context_parallel, finite, offload, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
@@ -413,10 +413,12 @@ class MegatronEngine:
     def _optimizer_step(self, batch: Batch, loss: str, where: str) -> dict[str, float] | None:
         """One update; None if skipped (a non-finite loss or gradient norm under skip_nonfinite_updates)."""
         dp_group = parallel_state.get_data_parallel_group()
-        counts = torch.tensor([batch["loss_mask"].sum().item(), len(batch)], dtype=torch.float64,
+        # the response tokens of VAPO's positive-example LM loss (algorithm.positive_lm_coef) are a count of their own
+        lm_tokens = batch["lm_mask"].sum().item() if loss == "policy" and "lm_mask" in batch else 0.0
+        counts = torch.tensor([batch["loss_mask"].sum().item(), len(batch), lm_tokens], dtype=torch.float64,
                               device=self.device)
         dist.all_reduce(counts, group=dp_group)
-        total_tokens, total_seqs = counts.tolist()
+        total_tokens, total_seqs, total_lm_tokens = counts.tolist()
         keys = ["loss_mask"]
         # Without 'old_logprobs' this one update starts from the old policy: its forward gives them (detached),
         # and the rollout engine's log-prob gap is measured on it.
@@ -424,7 +426,8 @@ class MegatronEngine:
         if loss == "policy":
             keys += ["advantages"] + ([] if on_policy else ["old_logprobs"])
             keys += ["ref_logprobs"] if self.algorithm.kl_coef > 0 else []
-            keys += ["rollout_logprobs"] if self.algorithm.tis or (on_policy and "rollout_logprobs" in batch) else []
+            keys += ["rollout_logprobs"] if on_policy and "rollout_logprobs" in batch else []
+            keys += [k for k in losses.policy_batch_keys(self.algorithm) if k not in keys]
         elif loss == "value":
             keys += ["values", "returns"]
         pairs = loss == "bradley_terry"
@@ -449,10 +452,14 @@ class MegatronEngine:
                     if on_policy:
                         mb = dict(mb, old_logprobs=logprobs.detach())
                     value, metrics = losses.actor_loss(self.algorithm, logprobs, entropy, mb, total_tokens,
-                                                       total_seqs)
+                                                       total_seqs, total_lm_tokens)
                     if on_policy and "rollout_logprobs" in mb:
                         metrics["rollout_logprob_abs_diff"] = losses.token_mean(
                             (logprobs.detach() - mb["rollout_logprobs"]).abs(), mb["loss_mask"], total_tokens, total_seqs)
+                    # the policy trained against the rollout's: the old one (on_policy), or the moving one (bypass)
+                    if "rollout_logprobs" in mb and (on_policy or self.algorithm.rollout_correction.bypass_mode):
+                        metrics |= rollout_correction.mismatch_metrics(logprobs, mb["rollout_logprobs"], mb["loss_mask"],
+                                                                       total_tokens, total_seqs)
                 else:
                     value, metrics = losses.sft_loss(logprobs, mb["loss_mask"], total_tokens), {}
             metrics = {"loss": value} | metrics

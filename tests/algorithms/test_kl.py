@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -9,12 +11,12 @@ def test_kl_estimators_hand_values():
     x = torch.tensor([0.0, 1.0, -1.0, 2.0])  # logprob - ref_logprob
     ref = torch.tensor([-1.0, -2.0, -0.5, -3.0])
     lp = ref + x
-    assert kl_penalty(lp, ref, "k1").tolist() == pytest.approx([0.0, 1.0, -1.0, 2.0])
-    assert kl_penalty(lp, ref, "k2").tolist() == pytest.approx([0.0, 0.5, 0.5, 2.0])
+    assert kl_penalty(lp, ref, "k1", clamp=10.0).tolist() == pytest.approx([0.0, 1.0, -1.0, 2.0])
+    assert kl_penalty(lp, ref, "k2", clamp=10.0).tolist() == pytest.approx([0.0, 0.5, 0.5, 2.0])
     # k3 = exp(-x) + x - 1: 0; e^-1 = 0.367879; e - 2 = 0.718282; e^-2 + 1 = 1.135335
-    assert kl_penalty(lp, ref, "k3").tolist() == pytest.approx([0.0, 0.367879, 0.718282, 1.135335], abs=1e-6)
+    assert kl_penalty(lp, ref, "k3", clamp=10.0).tolist() == pytest.approx([0.0, 0.367879, 0.718282, 1.135335], abs=1e-6)
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
-        kl_penalty(lp, ref, "k4")
+        kl_penalty(lp, ref, "k4", clamp=10.0)
 
 
 def test_k1_and_k3_are_unbiased_estimates_of_kl():
@@ -23,7 +25,7 @@ def test_k1_and_k3_are_unbiased_estimates_of_kl():
     ref = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2], dtype=torch.float64)
     kl = (p * (p / ref).log()).sum().item()
     for estimator in ("k1", "k3"):
-        estimate = (p * kl_penalty(p.log(), ref.log(), estimator).double()).sum().item()
+        estimate = (p * kl_penalty(p.log(), ref.log(), estimator, clamp=0.0).double()).sum().item()
         assert estimate == pytest.approx(kl, rel=1e-5)
 
 
@@ -32,7 +34,7 @@ def test_kl_in_reward_subtracts_the_penalty_on_response_tokens_only():
     rewards = torch.tensor([[0.0, 1.0, 5.0]])
     ref = torch.tensor([[-1.0, -1.0, -1.0]])
     logprobs = ref + torch.tensor([[1.0, -2.0, 3.0]])
-    shaped, kl = kl_in_reward(rewards, logprobs, ref, torch.tensor([[1.0, 1.0, 0.0]]), 0.1, "k2")
+    shaped, kl = kl_in_reward(rewards, logprobs, ref, torch.tensor([[1.0, 1.0, 0.0]]), 0.1, "k2", 10.0)
     assert shaped.tolist() == [pytest.approx([-0.05, 1.0 - 0.2, 0.0])]
     assert kl.tolist() == [[0.5, 2.0, 0.0]]
 
@@ -62,3 +64,29 @@ def test_kl_controller_from_config():
     assert isinstance(adaptive, AdaptiveKLController)
     # KL 0.05 is half the target: error -0.2 (clipped from -0.5); 0.05 * (1 - 0.2 * 100 / 1000) = 0.049
     assert adaptive.update(0.05, 100) == pytest.approx(0.049)
+
+
+def test_k3_is_clamped_by_default_and_abs_and_verl_names():
+    # x = lp - ref = -20: k3 = e^20 - 21 = 4.85e8 (issue 20's drifted token); capped at 10 it has no gradient
+    lp = torch.tensor([-21.0, -1.5], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0])
+    k3 = kl_penalty(lp, ref, "k3", clamp=10.0)
+    assert k3.tolist() == pytest.approx([10.0, math.exp(0.5) - 0.5 - 1])
+    assert kl_penalty(lp, ref, "k3", clamp=0.0)[0].item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
+    k3.sum().backward()
+    assert lp.grad.tolist() == pytest.approx([0.0, 1 - math.exp(0.5)])  # d/dx (e^-x + x - 1) = 1 - e^-x
+    assert kl_penalty(lp, ref, "abs", clamp=10.0).tolist() == pytest.approx([20.0, 0.5])
+    for verl_name, name in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")):
+        assert torch.equal(kl_penalty(lp, ref, verl_name, clamp=10.0), kl_penalty(lp, ref, name, clamp=10.0))
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "k3+", "abs+", "low_var_kl+"])
+def test_straight_through_variants_have_the_value_of_their_estimator_and_the_gradient_of_k2(estimator):
+    x = torch.tensor([0.7, -1.2, 0.0, 2.5])
+    ref = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    lp = (ref + x).requires_grad_()
+    value = kl_penalty(lp, ref, estimator, clamp=10.0)
+    assert torch.allclose(value, kl_penalty(ref + x, ref, estimator[:-1], clamp=10.0))
+    value.sum().backward()
+    assert torch.allclose(lp.grad, x)  # d/dlp of (lp - ref)^2 / 2
+    assert torch.equal(kl_penalty(lp, ref, "k2+", clamp=10.0), kl_penalty(lp, ref, "k2", clamp=10.0))
