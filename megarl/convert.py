@@ -7,6 +7,7 @@
       CHECKPOINT is one checkpoint (step_<N>/, or an imported one) or a checkpoint root (its newest
       complete checkpoint). OUT becomes a HF directory: safetensors (sharded above --max-shard-gb, with
       an index), config.json and the tokenizer files saved with the checkpoint; transformers and SGLang load it.
+      A value-head role (critic, reward_model) is written as transformers' *ForSequenceClassification (score.weight).
 
 Import reads block-wise FP8 checkpoints dequantized and leaves out the multi-token-prediction layers, which
 the checkpoint keeps as they were; export writes them back after the trained weights, in the export dtype
@@ -139,7 +140,7 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
     import torch
 
     from megarl.engine.checkpoint import publish_directory, read_engine_file
-    from megarl.models.hf_checkpoint import MTP_FILE, export_config, iter_mtp_copy
+    from megarl.models.hf_checkpoint import MTP_FILE, export_config, iter_mtp_copy, value_model_config
 
     if dtype not in FORMAT_DTYPES:
         raise ConvertError(f"dtype={dtype!r}: expected one of {', '.join(FORMAT_DTYPES)}")
@@ -165,6 +166,8 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
         if path.name != MTP_FILE:
             shutil.copy2(path, staging / path.name)
     config = export_config(json.loads((staging / "config.json").read_text()), target)
+    if meta.get("head") == "value":  # a critic or reward model: transformers loads it as a sequence classifier
+        config = value_model_config(config)
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if out.exists():
         out.rmdir()  # empty (checked above)
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="dtype of the written weights; auto = the checkpoint's")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     for p in (imp, exp):
-        p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic)")
+        p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic, reward_model)")
         p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
     try:

@@ -27,6 +27,25 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def start_ray(cfg, cpus_needed: float):
+    """Join trainer.ray_address, or start a local Ray with at least `cpus_needed` logical CPUs; returns ray."""
+    if not cfg.trainer.ray_address:
+        # A local cluster stays on loopback: without this Ray swaps 127.0.0.1 for the host's address.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    # Ray workers inherit this: keep them from oversubscribing the CPU and from reaching any hub.
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.trainer.threads_per_rank))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.trainer.ray_address:
+        ray.init(address=cfg.trainer.ray_address)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)), include_dashboard=False,
+                 log_to_driver=True)
+    return ray
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -54,23 +73,9 @@ def main(argv=None) -> int:
         print(f"{config_ok}; {inputs}")
         return 0
 
-    if not cfg.trainer.ray_address:
-        # A local cluster stays on loopback: without this Ray swaps 127.0.0.1 for the host's address.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
+    ray = start_ray(cfg, p.world_size * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
     from megarl.trainer import RLTrainer
 
-    # Ray workers inherit this: keep them from oversubscribing the CPU and from reaching any hub.
-    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.trainer.threads_per_rank))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cfg.trainer.ray_address:
-        ray.init(address=cfg.trainer.ray_address)
-    else:
-        needed = p.world_size * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False,
-                 log_to_driver=True)
     print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
     # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

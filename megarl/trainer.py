@@ -23,6 +23,7 @@ from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
 from megarl.rewards.failures import RewardFailureTracker
+from megarl.rewards.mixing import ScoreMixer
 from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch
@@ -94,6 +95,7 @@ class RLTrainer:
                        if cfg.algorithm.advantage == "gae" else None)
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
                              if cfg.reward_model.path else None)
+        self.score_mixer = ScoreMixer.from_config(cfg.reward_model)  # its scores normalised, mixed with the rule's
         # colocated SGLang servers go on the policy's GPUs; disaggregated ones on GPUs of their own
         colocated_sglang = cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_gpus
         self.rollout = start_rollout(cfg, self.model_path, self.device,
@@ -152,10 +154,11 @@ class RLTrainer:
             self.reward_failures.end_step(self.version + 1)  # a reward failing past its limit: stop, do not train
         with self.timers("onload"):
             metrics |= self.colocation.to_training()  # the rollout engine releases its memory, Megatron's is back
-        if self.reward_model is not None:  # the model's score replaces the rule reward, which is logged
+        if self.reward_model is not None:  # the model's score, mixed with the rule reward (which is logged)
             with self.timers("reward_model"):
-                metrics["train/rule_reward"] = batch["rewards"].mean().item()
-                batch["rewards"] = self.reward_model.compute_rewards(batch)["rewards"]
+                scores = self.reward_model.compute_rewards(batch)["rewards"]
+                batch["rewards"], mixed = self.score_mixer(scores, batch["rewards"], batch["group"])
+                metrics |= mixed
         a = cfg.algorithm
         if a.overlong_buffer_len:
             penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), cfg.rollout.max_new_tokens,
@@ -200,7 +203,7 @@ class RLTrainer:
             group.call("save_checkpoint", str(staging / role))
         state = {"step": step, "version": self.version, "data": self.data.state_dict(),
                  "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "history": self.history, "syncs": self.syncs}
+                 "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict()}
         if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
             torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
         return self.checkpoints.commit(staging, step, state)
@@ -226,6 +229,8 @@ class RLTrainer:
         self.data.load_state_dict(state["data"])
         self.sft_data.load_state_dict(state["sft_data"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if "score_mixer" in state:  # (absent from checkpoints written before reward-model normalisation)
+            self.score_mixer.load_state_dict(state["score_mixer"])
         if self.cfg.algorithm.kl_coef > 0 and not self.cfg.algorithm.kl_in_reward:
             self.actor.call("set_kl_coef", self.kl_ctl.value)
         self.history = {name: {int(step): v for step, v in by_step.items()}  # JSON keys are strings

@@ -157,12 +157,14 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{e.problem} at {at(e.problem_mark)}{context}"
 
 
-def help_text() -> str:
-    """Every option with its default and help, for `--help`."""
+def help_text(sections: tuple[str, ...] = ()) -> str:
+    """Every option with its default and help, for `--help`; only those of the named top-level sections if any."""
     lines = []
 
     def walk(obj, prefix):
         for name, f in _fields(obj).items():
+            if sections and not prefix and name not in sections:
+                continue
             value = getattr(obj, name)
             if dataclasses.is_dataclass(value):
                 lines.append(f"\n[{prefix}{name}]  {f.metadata.get('help', '')}")

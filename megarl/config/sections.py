@@ -127,7 +127,15 @@ class CriticConfig(ActorConfig):
 @dataclass
 class RewardModelConfig(ActorConfig):
     path: str = opt("", "reward model HF directory (a value head, score.weight, read at the last token); empty = "
-                        "the rule reward (reward.name)")
+                        "the rule reward (reward.name). python -m megarl.train_rm writes the model it trains here "
+                        "(empty: <trainer.output_dir>/reward_model)")
+    normalize: str = opt("none", "RL: the reward model's scores before mixing: none, running (minus the running mean, "
+                                 "over the running std, of every score so far; kept in checkpoints) or group (minus "
+                                 "the mean, over the std, of the prompt's group of samples)")
+    weight: float = opt(1.0, "RL: a sample's reward = weight * its (normalised) reward-model score + rule_weight * "
+                             "its rule reward")
+    rule_weight: float = opt(0.0, "RL: weight of the rule reward (reward.name, or the task's own) mixed in; 0 = the "
+                                  "reward model's score alone (the rule reward is still logged: train/rule_reward)")
 
 
 @dataclass
@@ -371,6 +379,27 @@ class RewardConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """Preference pairs for reward-model training (python -m megarl.train_rm; megarl/data/preferences.py)."""
+    train: str = opt("reverse", "training pairs: a .jsonl/.parquet/.json file (chosen, rejected and optionally prompt: "
+                                "strings or chat messages, docs/reward_model.md) or a built-in task (reverse, add, "
+                                "mul; operands of data.min_len..data.max_len): chosen its answer, rejected a "
+                                "corrupted one")
+    val: str = opt("", "held-out pairs file; empty = a held-out split of preference.train (by a hash of the prompt)")
+    val_size: int = opt(256, "held-out pairs scored at each evaluation (at most this many)")
+    task_pairs: int = opt(5000, "a built-in task in preference.train: how many training pairs are built from it")
+    pairs_per_step: int = opt(32, "preference pairs per optimizer step")
+    max_length: int = opt(0, "most tokens of one side of a pair (prompt and response); a longer one is a malformed "
+                             "row; 0 = the model's max_position_embeddings")
+    chat_template: bool = opt(False, "render a string prompt and response as a user turn and an assistant turn with "
+                                     "the tokenizer's chat template (fields of chat messages always are)")
+    append_eos: bool = opt(True, "end each side with the tokenizer's EOS token unless it ends so (as RL responses "
+                                 "end; the score is read at the last token)")
+    skip_malformed: bool = opt(False, "skip malformed rows (counted: data/skipped_pairs) instead of stopping with an "
+                                      "error that names the file, row and field")
+
+
+@dataclass
 class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps before RL (0 = none)")
     batch_size: int = opt(32, "sequences per SFT step")
@@ -440,6 +469,8 @@ class Config(ConfigChecks):
     reward_model: RewardModelConfig = section(RewardModelConfig, "a reward model (used when reward_model.path is set)")
     agent: AgentConfig = section(AgentConfig, "multi-turn, tool-using rollouts")
     sft: SFTConfig = section(SFTConfig, "supervised warm start")
+    preference: PreferenceConfig = section(PreferenceConfig, "preference pairs for reward-model training "
+                                                             "(python -m megarl.train_rm)")
     trainer: TrainerConfig = section(TrainerConfig, "the loop")
 
     def old_policy_is_the_trained_one(self) -> bool:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class ConfigChecks:
         if a.max_sampling_rounds < 1:
             raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
         self._validate_data_and_reward()
+        self._validate_reward_model_and_preference()
         self._validate_agent()
         from megarl.config.algorithm_checks import check_algorithm_extras  # imports ConfigError from here
         check_algorithm_extras(self)
@@ -185,6 +187,23 @@ class ConfigChecks:
             raise ConfigError(f"reward.max_failure_rate={r.max_failure_rate}: must be in [0, 1]")
         if r.isolation not in ("process", "none"):
             raise ConfigError(f"reward.isolation={r.isolation!r}: must be process or none")
+
+    def _validate_reward_model_and_preference(self) -> None:
+        """The reward model's score in RL, and the preference pairs of python -m megarl.train_rm (which checks its
+        layout against them: megarl/rm_trainer.py)."""
+        m = self.reward_model
+        if m.normalize not in ("none", "running", "group"):
+            raise ConfigError(f"reward_model.normalize={m.normalize!r}: must be one of none, running, group")
+        for key, value in (("reward_model.weight", m.weight), ("reward_model.rule_weight", m.rule_weight)):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}={value}: must be a finite number")
+        p = self.preference
+        for key, value in (("preference.val_size", p.val_size), ("preference.task_pairs", p.task_pairs),
+                           ("preference.pairs_per_step", p.pairs_per_step)):
+            if value < 1:
+                raise ConfigError(f"{key}={value}: must be >= 1")
+        if p.max_length < 0:
+            raise ConfigError(f"preference.max_length={p.max_length}: must be >= 0 (0 = the model's positions)")
 
     def _validate_agent(self) -> None:
         g = self.agent

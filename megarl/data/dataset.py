@@ -39,12 +39,47 @@ class PromptLimit:
     why: str
 
 
-class PromptDataset:
-    """Endless batches of prompts, reshuffled every epoch (the order depends only on seed and epoch).
+class EpochOrder:
+    """Endless draws of indices into `size` items, reshuffled every epoch (the order depends only on seed and
+    epoch). A draw may span two epochs, so it always has the number of indices asked for. `state_dict()`
+    captures where the order is; loading it into an order over the same items resumes with the same next draw."""
 
-    A batch may span two epochs, so every batch has exactly `batch_size` prompts. `state_dict()`
-    captures where the iterator is; loading it into a dataset built from the same examples resumes
-    with the same next batch.
+    def __init__(self, size: int, seed: int = 0):
+        self.size, self.seed = size, seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(self.size))
+        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+        return order
+
+    def next_indices(self, size: int) -> list[int]:
+        indices = []
+        while len(indices) < size:
+            if self.position == len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order()
+            indices.append(self._order[self.position])
+            self.position += 1
+        return indices
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not 0 <= state["position"] <= self.size:
+            raise ValueError(f"dataset state position {state['position']} is outside 0..{self.size}; "
+                             f"was it saved for a different prompt set?")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self._order = self._epoch_order()
+
+
+class PromptDataset(EpochOrder):
+    """Endless batches of prompts, reshuffled every epoch (EpochOrder: every batch has exactly `batch_size`
+    prompts, and `state_dict()` resumes it).
 
     Each prompt is rendered and tokenized here, once; one that has no tokens, holds characters the
     tokenizer cannot encode, or is longer than `max_prompt_tokens` raises an InputError naming its row,
@@ -77,40 +112,14 @@ class PromptDataset:
         if not self.examples:
             raise InputError(f"no usable prompts: all {len(examples)} were skipped; the first: {first}")
         self.batch_size = batch_size
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order()
-
-    def _epoch_order(self) -> list[int]:
-        order = list(range(len(self.examples)))
-        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
-        return order
+        super().__init__(len(self.examples), seed)
 
     def next_batch(self, size: int | None = None) -> list[dict]:
         """The next `size` prompts (default: batch_size)."""
-        batch = []
-        while len(batch) < (size or self.batch_size):
-            if self.position == len(self._order):
-                self.epoch += 1
-                self.position = 0
-                self._order = self._epoch_order()
-            batch.append(dict(self.examples[self._order[self.position]]))
-            self.position += 1
-        return batch
+        return [dict(self.examples[i]) for i in self.next_indices(size or self.batch_size)]
 
     def __len__(self) -> int:
         return len(self.examples)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if not 0 <= state["position"] <= len(self.examples):
-            raise ValueError(f"dataset state position {state['position']} is outside 0..{len(self.examples)}; "
-                             f"was it saved for a different prompt set?")
-        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
-        self._order = self._epoch_order()
 
 
 def token_problem(tokenizer, text: str, ids: list[int], limit: PromptLimit | None) -> str | None:

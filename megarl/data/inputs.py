@@ -77,20 +77,24 @@ def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
     return PromptSets(train_set, sft_set, val_set.next_batch(len(val_set)), skipped)
 
 
+def model_inputs(cfg) -> tuple[object, dict, str]:
+    """model.path's tokenizer and config.json, and where that config is (the built-in tiny model's without writing
+    it: it is built offline on first use)."""
+    if cfg.model.path == "tiny":
+        from megarl.models.tiny import build_char_tokenizer, tiny_config
+
+        tokenizer = build_char_tokenizer()
+        return (tokenizer, tiny_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id).to_dict(),
+                "the built-in tiny model")
+    model_config = read_model_config(cfg.model.path)  # first: it names a missing directory
+    return load_tokenizer(cfg.model.path), model_config, str(Path(cfg.model.path) / "config.json")
+
+
 def check_inputs(cfg) -> str:
     """The dry run's checks: every model directory's config.json, the policy's tokenizer, and every prompt
     (as RLTrainer will load them). Returns a summary (a line, then the first skipped prompts); raises
     InputError naming the problem."""
-    if cfg.model.path == "tiny":  # built offline on first use: its tokenizer and config, without writing it
-        from megarl.models.tiny import build_char_tokenizer, tiny_config
-
-        tokenizer = build_char_tokenizer()
-        model_config = tiny_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id).to_dict()
-        where = "the built-in tiny model"
-    else:
-        model_config = read_model_config(cfg.model.path)
-        tokenizer = load_tokenizer(cfg.model.path)
-        where = str(Path(cfg.model.path) / "config.json")
+    tokenizer, model_config, where = model_inputs(cfg)
     check_model_layout(cfg.actor, "actor", model_config, where)
     check_rollout_model(cfg, model_config, where)  # SGLang cannot start from a quantized checkpoint
     critic = cfg.critic.path if cfg.algorithm.advantage == "gae" else ""  # only GAE uses a critic

@@ -384,7 +384,7 @@ class MegatronEngine:
         self._require_head(LOSSES[loss])
         self._set_mode(True)
         reset_expert_load(self.models)
-        if loss in ("policy", "value"):  # one RL step
+        if loss in ("policy", "value", "bradley_terry"):  # one RL step, or one step of reward-model training
             self.scheduler.step(increment=1)
         if lr is not None:
             for group in self.optimizer.param_groups:

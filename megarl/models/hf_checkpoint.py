@@ -219,6 +219,15 @@ def export_config(config: dict, dtype: torch.dtype) -> dict:
     return with_sglang_fields(config)
 
 
+def value_model_config(config: dict) -> dict:
+    """The config.json of a model with megarl's value head (a critic or reward model: `score.weight`, one output):
+    transformers' *ForSequenceClassification of the family with one label, which reads `score` at the last
+    token that is not padding (pad_token_id), as megarl reads a reward model's score at the last token."""
+    architectures = [name.replace("ForCausalLM", "ForSequenceClassification")
+                     for name in config.get("architectures") or []]
+    return config | {"architectures": architectures, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+
+
 def with_sglang_fields(config: dict) -> dict:
     """A DeepSeek config.json with the published fields SGLang reads (SGLANG_DEEPSEEK_FIELDS) that it lacks;
     other model types unchanged."""

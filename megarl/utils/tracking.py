@@ -27,6 +27,8 @@ class ConsoleLogger:
     FIELDS = [("sft/loss", "sft loss", "{:.4g}"), ("train/reward", "reward", "{:.4g}"),
               ("val/reward", "val", "{:.4g}"), ("val/accuracy", "val exact", "{:.3g}"), ("train/kl", "kl", "{:.4g}"),
               ("train/entropy", "entropy", "{:.4g}"), ("train/response_length", "len", "{:.4g}"),
+              ("rm/loss", "rm loss", "{:.4g}"), ("rm/accuracy", "acc", "{:.3g}"),
+              ("val/pair_accuracy", "val acc", "{:.3g}"), ("val/margin", "val margin", "{:.3g}"),
               ("timing/step", "", "{:.3g}s"), ("perf/tokens_per_s", "", "{:.0f} tok/s")]
 
     def __init__(self, output_dir: str, config: dict | None):

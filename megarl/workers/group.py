@@ -82,7 +82,8 @@ def process_state(pid: int, node: str) -> str:
 
 class TrainGroup:
     def __init__(self, cfg: Config, model_path: str, device: str, total_steps: int, role: str = "actor"):
-        """role: actor, critic or reward_model (train_worker.ROLES), each on its own config section's layout."""
+        """role: actor, critic, reward_model or reward_model_training (train_worker.ROLES), each on its own config
+        section's layout."""
         self.section, self.role = getattr(cfg, ROLES[role][0]), role
         self.timeout = cfg.trainer.worker_timeout_s  # every wait on a rank (get_all)
         self.killed = False  # after a rank missed its deadline: every actor killed
@@ -106,17 +107,19 @@ class TrainGroup:
         # the first global rank of each data-parallel rank returns results for its chunk
         self.leaders = [min(i["rank"] for i in self.info if i["dp_rank"] == d) for d in range(self.dp)]
 
-    def _rows_per_rank(self, batch: Batch) -> list[list[int]]:
-        """Equal consecutive chunks; with packing, equal row counts of near-equal token totals."""
+    def _rows_per_rank(self, batch: Batch, group_size: int = 1) -> list[list[int]]:
+        """Equal consecutive chunks; with packing, equal row counts of near-equal token totals. Groups of
+        `group_size` consecutive rows (preference pairs) stay together."""
         if self.section.max_tokens_per_micro_batch > 0:
-            return balanced_partition(sequence_lengths(batch["attention_mask"]), self.dp)
+            return balanced_partition(sequence_lengths(batch["attention_mask"]), self.dp, group_size)
         size = len(batch) // self.dp
-        if size * self.dp != len(batch):
-            raise ValueError(f"cannot split a batch of {len(batch)} into {self.dp} equal chunks")
+        if size * self.dp != len(batch) or size % group_size:
+            raise ValueError(f"cannot split a batch of {len(batch)} into {self.dp} equal chunks of whole groups of "
+                             f"{group_size} rows")
         return [list(range(d * size, (d + 1) * size)) for d in range(self.dp)]
 
-    def _dispatch(self, method: str, batch: Batch, **kwargs) -> list:
-        rows = self._rows_per_rank(batch)
+    def _dispatch(self, method: str, batch: Batch, group_size: int = 1, **kwargs) -> list:
+        rows = self._rows_per_rank(batch, group_size)
         refs = [getattr(w, method).remote(batch.index(rows[info["dp_rank"]]), **kwargs)
                 for w, info in zip(self.workers, self.info)]
         results = self._get_all(refs, method)
@@ -139,7 +142,8 @@ class TrainGroup:
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
         # metrics are already reduced over data-parallel ranks inside the engine
-        return self._dispatch("train", batch, loss=loss, lr=lr)[0]
+        # a preference pair's two rows go to one rank (the engine keeps them in one micro-batch)
+        return self._dispatch("train", batch, group_size=2 if loss == "bradley_terry" else 1, loss=loss, lr=lr)[0]
 
     def gpus(self) -> list[str]:
         """The GPUs of the ranks, in rank order (GPU ids as Ray names them), for colocated rollout servers:

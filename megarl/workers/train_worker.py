@@ -19,9 +19,10 @@ from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
 from megarl.workers import weight_sync
 
 
-# role -> (config section, engine head, trainable): the critic and the reward model are value heads
+# role -> (config section, engine head, trainable): the critic and the reward model are value heads; the reward
+# model is frozen in RL and trained by python -m megarl.train_rm (reward_model_training)
 ROLES = {"actor": ("actor", "lm", True), "critic": ("critic", "value", True),
-         "reward_model": ("reward_model", "value", False)}
+         "reward_model": ("reward_model", "value", False), "reward_model_training": ("reward_model", "value", True)}
 
 
 class TrainWorker:

@@ -1,0 +1,92 @@
+"""Entry point: python -m megarl.train_rm --config configs/rm_quickstart.yaml [key=value ...]
+
+Trains a Bradley-Terry reward model on preference pairs (megarl/rm_trainer.py) and writes it as a HF directory
+at reward_model.path, which RL takes as reward_model.path (docs/reward_model.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from megarl.config import ConfigError, help_text, load_config
+from megarl.data.files import InputError
+
+SECTIONS = ("model", "reward_model", "preference", "trainer")  # what train_rm reads (and data.min_len/max_len)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m megarl.train_rm", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a Bradley-Terry reward model on preference pairs, in the Megatron engine, and write it "
+                    "as a HF directory (reward_model.path) for RL.",
+        epilog="overrides: dotted config keys, e.g. reward_model.parallel.tp=2 trainer.steps=200\n\n"
+               "the model: model.* (its base); its layout and optimizer: reward_model.*; the pairs: preference.*; the "
+               "loop: trainer.steps, eval_every, output_dir, seed, device, save_every, resume, loggers, ... (the "
+               "weight-sync and rollout keys do not apply)\n\noptions:" + help_text(SECTIONS))
+    parser.add_argument("--config", help="YAML recipe (only what differs from the defaults)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config and layout, the model directory (config.json, tokenizer; no weights "
+                             "loaded), the export path and every preference pair, then exit")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the config and layout only, then exit: no model directory or pair file needed")
+    parser.add_argument("overrides", nargs="*", help="key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from megarl.rm_trainer import RMTrainer, check_rm_config, check_rm_inputs
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_rm_config(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    p = cfg.reward_model.parallel
+    layout = f"world_size={p.world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}"
+    config_ok = (f"config ok: {layout}; {cfg.trainer.steps} steps of {cfg.preference.pairs_per_step} preference "
+                 f"pairs")
+    if args.check_config:
+        print(config_ok)
+        return 0
+    if args.dry_run:
+        try:
+            print(f"{config_ok}; {check_rm_inputs(cfg)}")
+        except (InputError, ConfigError) as e:
+            print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    from megarl.train import start_ray
+
+    ray = start_ray(cfg, p.world_size * cfg.trainer.cpus_per_rank)
+    print(f"megarl reward model: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, a scheduler: the ranks go down too
+    try:
+        trainer = RMTrainer(cfg)
+    except (InputError, ConfigError) as e:  # found before any worker starts
+        ray.shutdown()
+        print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
+        return 2
+    try:
+        history = trainer.fit()
+        exported = trainer.export()
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    accuracy = history["val/pair_accuracy"]
+    first, last = min(accuracy), max(accuracy)
+    print(f"\nTensorBoard events: {os.path.abspath(cfg.trainer.output_dir)}  "
+          f"(tensorboard --logdir {cfg.trainer.output_dir})")
+    print(f"held-out pair accuracy: {accuracy[first]:.3f} before training -> {accuracy[last]:.3f} after {last} steps "
+          f"(margin {history['val/margin'][last]:.3f})")
+    print(f"reward model: {exported}  (RL: reward_model.path={exported})")
+    return 0
+
+
+if __name__ == "__main__":  # required: megatron's checkpoint writer starts a spawn-context process
+    sys.exit(main())
