@@ -394,8 +394,8 @@ class RLTrainer:
         every = self.cfg.trainer.verify_weight_sync_every
         verify, self.syncs = every > 0 and self.syncs % every == 0, self.syncs + 1
         deep = self.cfg.trainer.verify_weight_sync_deep
-        reports = [r for r in self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20,
-                                              verify, deep) if r is not None]
+        ranks = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20, verify, deep)
+        reports = [r for r in ranks if "seconds" in r]  # the senders'
         start = time.perf_counter()
         if verify:
             self.verify_rollout_weights(reports, deep)
@@ -406,7 +406,8 @@ class RLTrainer:
         split = {f"sync/{k}": slowest[k] for k in ("begin_s", "gather_convert_s", "pack_s", "transfer_s", "end_s")}
         return split | {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
                         "sync/direct": float(slowest["direct"]), "sync/verified": float(verify),
-                        "sync/verify_s": slowest["digest_s"] + time.perf_counter() - start}
+                        "sync/verify_s": slowest["digest_s"] + time.perf_counter() - start} | \
+            weight_sync.traffic_metrics([r["traffic"] for r in ranks])
 
     def verify_rollout_weights(self, reports: list[dict], deep: bool) -> None:
         """The rollout engine checksums every parameter it holds, where it holds it, against what the senders

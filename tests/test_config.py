@@ -102,11 +102,21 @@ def test_recipes_in_configs_validate():
 
 def test_weight_delivery_and_offload_options_are_checked():
     sharded_sglang = ["rollout.engine=sglang", "rollout.weight_delivery=sharded", "actor.parallel.world_size=2"]
-    with pytest.raises(ConfigError, match=r"rollout.sglang_tp = actor.parallel.tp \(got 2 and 1: each of the first"):
-        load_config(None, sharded_sglang + ["rollout.sglang_tp=2"])
-    with pytest.raises(ConfigError, match=r"and actor.parallel.pp=1 \(got 2\)"):
-        load_config(None, sharded_sglang + ["actor.parallel.pp=2"])
-    assert load_config(None, sharded_sglang + ["actor.parallel.tp=2", "rollout.sglang_tp=2"]).rollout.engine == "sglang"
+    # a generation TP other than the training TP, pipeline stages, SGLang's expert parallelism: the resharder's layouts
+    for more in (["rollout.sglang_tp=2"], ["actor.parallel.pp=2"], ["actor.parallel.tp=2", "rollout.sglang_tp=2"],
+                 ["actor.parallel.ep=2", "rollout.sglang_tp=2", "rollout.sglang_args=[--ep-size,2]"]):
+        assert load_config(None, sharded_sglang + more).rollout.weight_delivery == "sharded"
+    # an SGLang setting that places weights otherwise: refused by name where the placement matters (sharded delivery,
+    # checksums), free for full delivery verified by the deep check
+    deepep = ["rollout.sglang_tp=2", "rollout.sglang_args=[--ep-size,2,--moe-a2a-backend,deepep]"]
+    with pytest.raises(ConfigError, match=r"rollout.sglang_args: --moe-a2a-backend deepep places SGLang's weights "
+                                          r"otherwise than megarl models them .*rollout.weight_delivery=sharded"):
+        load_config(None, sharded_sglang + deepep)
+    with pytest.raises(ConfigError, match=r"--enable-dp-attention places SGLang's weights otherwise.*"
+                                          r"weight_delivery=full, trainer.verify_weight_sync_every=1\)"):
+        load_config(None, ["rollout.engine=sglang", "trainer.verify_weight_sync_every=1",
+                           "rollout.sglang_args=[--enable-dp-attention,--dp-size=1]"])
+    assert load_config(None, ["rollout.engine=sglang", "trainer.verify_weight_sync_deep=true"] + deepep)
     with pytest.raises(ConfigError, match=r"rollout.sglang_tp=3 \(the generation TP\) must divide actor.parallel.world_size=2"):
         load_config(None, ["actor.parallel.world_size=2", "rollout.weight_delivery=sharded", "rollout.sglang_tp=3"])
     with pytest.raises(ConfigError, match=r"trainer.offload_between_phases='sometimes': must be one of auto, always, never"):

@@ -146,16 +146,22 @@ class ConfigChecks:
                               f"SGLang's deterministic inference runs on {', '.join(DETERMINISTIC_ATTENTION_BACKENDS)}")
 
     def _validate_weight_delivery(self) -> None:
-        r, p = self.rollout, self.actor.parallel
+        r, p, t = self.rollout, self.actor.parallel, self.trainer
+        if r.engine == "sglang" and (r.weight_delivery == "sharded" or (t.verify_weight_sync_every > 0
+                                                                       and not t.verify_weight_sync_deep)):
+            from megarl.reshard.layout import sglang_generation
+            try:  # both need SGLang's placement of the weights: a setting megarl does not model is refused by name
+                sglang_generation(r.sglang_tp, r.sglang_args)
+            except ValueError as e:
+                raise ConfigError(f"{e} (rollout.weight_delivery={r.weight_delivery}, trainer.verify_weight_sync_every="
+                                  f"{t.verify_weight_sync_every})") from None
         if r.weight_delivery != "sharded":
             return
-        if r.engine == "sglang" and (r.sglang_gpus or r.sglang_tp != p.tp or p.pp > 1):
+        if r.engine == "sglang" and r.sglang_gpus:
             raise ConfigError(
                 f"rollout.weight_delivery=sharded with rollout.engine=sglang needs colocated servers "
-                f"(rollout.sglang_gpus=0, got {r.sglang_gpus}: the shards go by CUDA IPC from the training ranks' GPUs), "
-                f"rollout.sglang_tp = actor.parallel.tp (got {r.sglang_tp} and {p.tp}: each of the first TP group's "
-                f"ranks then holds exactly its SGLang rank's shard) and actor.parallel.pp=1 (got {p.pp}); "
-                f"otherwise use rollout.weight_delivery=full")
+                f"(rollout.sglang_gpus=0, got {r.sglang_gpus}: each rank of the first generation TP group posts its "
+                f"SGLang rank's shard by CUDA IPC from its own GPU); otherwise use rollout.weight_delivery=full")
         g = r.sglang_tp
         if g < 1 or p.world_size % g or (p.tp % g and g % p.tp):
             raise ConfigError(f"rollout.weight_delivery=sharded: rollout.sglang_tp={g} (the generation TP) must divide "

@@ -124,9 +124,14 @@ def _mlp(p: str, h: int, inter: int, layer: int, **expert) -> list[TensorSpec]:
             TensorSpec(p + "down_proj.weight", (h, inter), 1, layer, **expert)]
 
 
+def routed_experts(hf: dict) -> int:
+    """Routed experts per MoE layer (0 for a dense model), under any of the configs' names for them."""
+    return _get(hf, "n_routed_experts", "num_experts", "num_local_experts", default=0)  # the last: transformers >= 5's
+
+
 def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     h, inter = hf["hidden_size"], hf["moe_intermediate_size"]
-    experts = _get(hf, "n_routed_experts", "num_experts", "num_local_experts")  # the last: transformers >= 5's
+    experts = routed_experts(hf)
     specs = [TensorSpec(p + "gate.weight", (experts, h), None, layer)]
     if has_routing_bias(hf):
         specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer, fp32=True))

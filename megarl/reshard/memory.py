@@ -43,7 +43,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer
+from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, routed_experts
 from megarl.reshard.layout import TrainLayout
 
 BF16, FP32 = 2, 4
@@ -142,7 +142,7 @@ def _activations(hf: dict, layer: int, train: TrainLayout, s: MemorySettings, cp
         parts["attention"] = BF16 * tokens * ((q + 2 * kv) + (q + kv) + q) / tp
     parts["core_attn"] = FP32 * tokens * heads / tp  # flash attention's log-sum-exp
     if is_moe_layer(hf, layer):
-        experts = hf.get("n_routed_experts") or hf["num_experts"]
+        experts = routed_experts(hf)
         f, topk = hf["moe_intermediate_size"], hf["num_experts_per_tok"]
         routed = local * topk * etp  # token copies this rank's experts compute (balanced routing)
         parts["moe_router"] = FP32 * local * (h + 3 * experts)

@@ -26,8 +26,9 @@ import json
 from pathlib import Path
 
 from megarl.parallel.stages import default_first_last, stage_layers
-from megarl.reshard.inventory import TensorSpec, hf_inventory
-from megarl.reshard.layout import DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks
+from megarl.reshard.inventory import TensorSpec, hf_inventory, routed_experts
+from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks,
+                                   resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
 
@@ -77,7 +78,7 @@ def train_layout(hf: dict, t: dict[str, int], first: int = 0, last: int = 0) -> 
     stage split (stage_split)."""
     layers = hf["num_hidden_layers"]
     stages = stage_split(layers, t["pp"], first, last)
-    experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
+    experts = routed_experts(hf)
     if t["ep"] > 1 and not experts:
         raise ValueError(f"ep={t['ep']}: model_type={hf.get('model_type')!r} has no routed experts")
     if experts and experts % t["ep"]:
@@ -96,32 +97,44 @@ def kv_bytes_per_token(hf: dict, gen_tp: int, itemsize: int = 2) -> int:
     return layers * 2 * max(1, kv // gen_tp) * head_dim * itemsize
 
 
-def _gen_params(specs: list[TensorSpec], gen: GenLayout, rank: int) -> int:
+def generation_bytes(specs: list[TensorSpec], gen: GenLayout, rank: int, itemsize: int = 2) -> int:
+    """Bytes of the weights generation rank `rank` holds (its rows of each tensor; fp32 tensors at 4 bytes)."""
     total = 0
     for spec in specs:
         rows = gen.rows(spec, rank)
         if rows is not None:
-            total += (rows[1] - rows[0]) * spec.row_numel
+            total += (rows[1] - rows[0]) * spec.row_numel * spec.itemsize(itemsize)
     return total
+
+
+def server_bytes(specs: list[TensorSpec], gen: GenLayout, rank: int, delivery: str, itemsize: int = 2) -> int:
+    """Bytes engine rank `rank % gen.tp` receives in one sync: its own rows ("sharded"), or every HF tensor whole
+    ("full": the engine slices them, dropping what it does not hold)."""
+    if delivery == "sharded":
+        return generation_bytes(specs, gen, rank, itemsize)
+    return sum(spec.numel * spec.itemsize(itemsize) for spec in specs)
 
 
 def plan(hf: dict, train: TrainLayout, gen: int | GenLayout, settings: MemorySettings = MemorySettings(),
          kv_tokens: int = 65536, cp: int = 1, traffic: bool = True) -> dict:
     """Everything main() prints: per-stage training memory (memory.stage_memory), and per rank its generation
-    weights, KV cache and sync traffic (bytes). `train.dp` counts the CP x DP replicas; `cp` of them split
-    each sequence."""
+    weights, KV cache and sync traffic (bytes): what it receives and sends among the training ranks (the
+    resharder, in the layout each delivery runs: layout.resharded_layout) and what its engine rank receives.
+    `train.dp` counts the CP x DP replicas; `cp` of them split each sequence."""
     gen = as_generation(gen)
     generation_ranks(train, gen)
     specs = hf_inventory(hf)
     stages = stage_memory(hf, train, settings, cp)
-    by_gen_rank = [_gen_params(specs, gen, t) for t in range(gen.tp)]
-    moved = {d: transfer_bytes(specs, train, gen, d, itemsize=2) for d in DELIVERIES} if traffic else {}
+    held = [generation_bytes(specs, gen, t) for t in range(gen.tp)]
+    moved = {d: transfer_bytes(specs, train, resharded_layout(gen, d), d, itemsize=2)
+             for d in DELIVERIES} if traffic else {}
+    served = {d: [server_bytes(specs, gen, t, d) for t in range(gen.tp)] for d in moved}
     ranks = []
     for rank in range(train.world):
-        row = dict(rank=rank, stage=train.coords(rank)[2], gen_weights=2 * by_gen_rank[rank % gen.tp],
+        row = dict(rank=rank, stage=train.coords(rank)[2], gen_weights=held[rank % gen.tp],
                    kv_cache=kv_bytes_per_token(hf, gen.tp) * kv_tokens)
         for d, (recv, sent) in moved.items():
-            row |= {f"{d}_recv": recv[rank], f"{d}_send": sent[rank]}
+            row |= {f"{d}_recv": recv[rank], f"{d}_send": sent[rank], f"{d}_server_recv": served[d][rank % gen.tp]}
         ranks.append(row)
     return dict(total_params=sum(s.numel for s in specs), stages=stages, ranks=ranks,
                 peak=max(s["peak"] for s in stages))
@@ -137,7 +150,7 @@ def fitting_layouts(hf: dict, gpus: int, gpu_mem: float, settings: MemorySetting
     peak fits `gpu_mem` bytes (and whose offloaded optimizer fits `host_mem` bytes per node, when given), best
     first: the least model parallelism (TP x PP x CP; more data parallelism), then fewer pipeline stages, then
     the least expert parallelism, then the lowest peak."""
-    experts = hf.get("n_routed_experts") or hf.get("num_experts") or 0
+    experts = routed_experts(hf)
     found = []
     for tp in [d for d in _divisors(gpus) if d <= gpus_per_node]:
         for pp in [d for d in _divisors(gpus // tp) if d <= hf["num_hidden_layers"]]:
@@ -199,8 +212,14 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
           f"{r[0]['kv_cache'] / GiB:.2f} GiB = {gen_total / GiB:.2f} GiB")
     for d in DELIVERIES:
         print(f"weight sync, {d} delivery: at most {max(x[f'{d}_recv'] for x in r) / GiB:.2f} GiB received and "
-              f"{max(x[f'{d}_send'] for x in r) / GiB:.2f} GiB sent by one rank, "
-              f"{sum(x[f'{d}_recv'] for x in r) / GiB:.1f} GiB in all")
+              f"{max(x[f'{d}_send'] for x in r) / GiB:.2f} GiB sent by one training rank, "
+              f"{sum(x[f'{d}_recv'] for x in r) / GiB:.1f} GiB in all; each engine rank receives "
+              f"{_span([x[f'{d}_server_recv'] for x in r[:gen.tp]])} GiB")
+
+
+def _span(values: list[int]) -> str:
+    low, high = min(values) / GiB, max(values) / GiB
+    return f"{high:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f} to {high:.2f}"
 
 
 def _settings(args) -> MemorySettings:

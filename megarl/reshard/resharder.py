@@ -53,6 +53,9 @@ class Resharder:
 
     def __init__(self, specs: list[TensorSpec], train: TrainLayout, local: dict[str, HeldRows], rank: int):
         self.specs, self.train, self.local, self.rank = specs, train, local, rank
+        # bytes this rank received from and sent to other ranks in the last `buckets` run, counted from the tensors
+        # that went on the wire (the planner's transfer_bytes must predict them)
+        self.received_bytes = self.sent_bytes = 0
 
     def _cost(self, spec: TensorSpec, pieces: list[Piece], gen: GenLayout, delivery: str, itemsize: int) -> int:
         """An upper bound of the extra bytes any rank allocates for this tensor: its delivered rows, a
@@ -80,6 +83,7 @@ class Resharder:
         (its parameters'); fp32 tensors of the inventory come in float32."""
         gen = as_generation(gen)
         generation_ranks(self.train, gen)
+        self.received_bytes = self.sent_bytes = 0
         itemsize = dtype.itemsize
         bucket, size = [], 0
         for spec in self.specs:
@@ -126,6 +130,12 @@ class Resharder:
                     ops.append(dist.P2POp(dist.irecv, target, p.src, tag=p.lo))
             out.append((spec.name, result))
         if ops:
+            for op in ops:
+                nbytes = op.tensor.numel() * op.tensor.element_size()
+                if op.op is dist.isend:
+                    self.sent_bytes += nbytes
+                else:
+                    self.received_bytes += nbytes
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         for target, buffer in staged:

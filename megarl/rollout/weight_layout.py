@@ -16,12 +16,21 @@ Layouts, by rollout engine:
   parallel rows and row-parallel columns as megarl's inventory cuts them (K/V heads replicated above their
   count); vocabulary rows as VocabParallelEmbedding cuts a vocabulary padded to a multiple of 64, its padding
   rows zero-filled (they add nothing to a checksum).
+  With --ep-size EP (rollout.sglang_args), as FusedMoE holds routed experts with no DeepEP-class all-to-all and
+  the trivial expert location (layers/moe/fused_moe_triton/layer.py: num_local_experts, weight_loader's
+  _map_global_expert_id_to_local_expert_id; distributed/parallel_state.py's MoE groups, MoE TP fastest): TP
+  rank t holds experts [e * E / EP, (e + 1) * E / EP) of each layer for e = t // (TP / EP), at local indices
+  0..E / EP - 1 of w13/w2, each cut into TP / EP row blocks (block t % (TP / EP)); loads of the other experts are
+  dropped. Everything else (attention, dense MLPs, shared experts, the router) stays TP-cut over all TP ranks.
+  Settings that place weights otherwise (DeepEP, redundant experts, EPLB, DP attention ...) are refused by
+  megarl.reshard.layout.sglang_generation, naming them.
   DeepSeek (models/deepseek_v2.py, deepseek_common/deepseek_weight_loader.py), bf16 without quantization:
   - MLA with q_lora_rank: q_a_proj and kv_a_proj_with_mqa concatenated into fused_qkv_a_proj_with_mqa
     (replicated); without it (V2-Lite) both stay as they are;
   - shared experts' gate/up in shared_experts.gate_up_proj, TP-sharded as a dense MLP; where SGLang fuses the
     shared expert into the routed ones (`sglang_fuses_shared_experts`: DeepSeek-V3/R1's 256 experts with one
-    shared expert) it is expert n_routed_experts of w13/w2;
+    shared expert, at --ep-size 1 without --disable-shared-experts-fusion) it is expert n_routed_experts of
+    w13/w2;
   - gate.e_score_correction_bias held in float32 whatever it is sent in (MoEGate creates it so; the
     loader's copy converts);
   - derived tensors, neither parameters nor buffers: post_load_weights splits each layer's kv_b_proj (this
@@ -39,6 +48,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megarl.reshard.layout import GenLayout, sglang_flags, sglang_generation
 from megarl.utils.checksum import ChecksumTable
 
 SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE
@@ -64,12 +74,13 @@ DERIVED_ATTRIBUTES = ("w_kc", "w_vc")
 Key = str | tuple  # an HF name, or (name, dim, lo, hi): rows [lo, hi) of it along dim (weight_sync.Key)
 
 
-def sglang_fuses_shared_experts(hf: dict | None) -> bool:
+def sglang_fuses_shared_experts(hf: dict | None, ep: int = 1, sglang_args=()) -> bool:
     """Whether SGLang 0.5.17 makes a DeepSeek model's shared expert one more routed expert (DeepseekV2ForCausalLM.
     determine_num_fused_shared_experts): DeepseekV3ForCausalLM with 256 routed experts and one shared expert, on
-    an sm80+ GPU, without expert parallelism, DeepEP or two-batch overlap (megarl's servers use none; 384 experts
-    only for a quark checkpoint, which megarl never sends)."""
-    if not hf:
+    an sm80+ NVIDIA GPU, at --ep-size 1 (on NVIDIA it fuses under expert parallelism only when enforced, which
+    megarl.reshard.layout refuses), without --disable-shared-experts-fusion, DeepEP or two-batch overlap (384
+    experts only for a quark checkpoint, which megarl never sends)."""
+    if not hf or ep > 1 or "--disable-shared-experts-fusion" in sglang_flags(sglang_args):
         return False
     architecture = (hf.get("architectures") or [None])[0]
     return (architecture == "DeepseekV3ForCausalLM" and hf.get("n_routed_experts") == 256
@@ -78,29 +89,39 @@ def sglang_fuses_shared_experts(hf: dict | None) -> bool:
 
 class WeightLayout:
     """Where each HF tensor's rows land in the engine's parameters, per engine TP rank. `hf`: the model's
-    config.json (what SGLang decides from it beyond the tensors' shapes: `sglang_fuses_shared_experts`)."""
+    config.json (what SGLang decides from it beyond the tensors' shapes: `sglang_fuses_shared_experts`);
+    `sglang_args`: the servers' extra arguments (rollout.sglang_args: --ep-size places whole experts, and settings
+    that place weights otherwise are refused by megarl.reshard.layout.sglang_generation)."""
 
-    def __init__(self, specs: list, engine: str, tp: int = 1, hf: dict | None = None):
+    def __init__(self, specs: list, engine: str, tp: int = 1, hf: dict | None = None, sglang_args=()):
         if engine not in ("hf", "sglang"):
             raise ValueError(f"no weight layout for rollout engine {engine!r}")
         self.specs = {s.name: s for s in specs}
-        self.engine, self.tp = engine, tp if engine == "sglang" else 1
+        self.engine = engine
+        # SGLang's placement: TP rows, and with --ep-size whole experts (FusedMoE's contiguous blocks, MoE TP rows)
+        self.gen = sglang_generation(tp, sglang_args) if engine == "sglang" else GenLayout(1)
+        self.tp = self.gen.tp
         experts = [s.shape[0] for s in specs if s.name.endswith(".mlp.gate.weight")]
         # the index of the shared expert among the routed ones in w13/w2, where SGLang fuses it
-        self.shared_expert = experts[0] if experts and sglang_fuses_shared_experts(hf) else None
+        fused = engine == "sglang" and sglang_fuses_shared_experts(hf, self.gen.ep, sglang_args)
+        self.shared_expert = experts[0] if experts and fused else None
 
-    def rows(self, name: str, rank: int) -> tuple[int, int]:
-        """[lo, hi) of HF tensor `name` along its split dimension that engine rank `rank` holds."""
+    def rows(self, name: str, rank: int) -> tuple[int, int] | None:
+        """[lo, hi) of HF tensor `name` along its split dimension that engine rank `rank` holds; None: it holds
+        none of it (a routed expert of another EP rank)."""
         spec = self.specs[name]
-        if spec.pad_vocab and self.engine == "sglang":
+        if self.engine == "hf":
+            return 0, spec.length
+        if spec.pad_vocab:
             per = -(-spec.length // SGLANG_VOCAB_PADDING) * SGLANG_VOCAB_PADDING // self.tp
             return min(rank * per, spec.length), min((rank + 1) * per, spec.length)
-        return spec.rows(self.tp, rank) if self.engine == "sglang" else (0, spec.length)
+        return self.gen.rows(spec, rank)
 
     def piece(self, key: Key, tensor: torch.Tensor, rank: int, presharded: bool):
         """(engine parameter, the piece of `tensor` it holds, the piece's offset in it, the parameter's row
-        length for the piece (None: the piece is contiguous there)) for engine rank `rank`. `presharded`:
-        `tensor` is already what this rank holds of the HF tensor (sharded delivery into SGLang)."""
+        length for the piece (None: the piece is contiguous there)) for engine rank `rank`, or None where that rank
+        holds none of it. `presharded`: `tensor` is already what this rank holds of the HF tensor (sharded
+        delivery into SGLang)."""
         name = key if isinstance(key, str) else key[0]
         spec = self.specs[name]
         if self.engine == "hf":
@@ -110,21 +131,27 @@ class WeightLayout:
             if dim == 0:
                 return name, tensor, lo * spec.row_numel, None
             return name, tensor, lo, spec.shape[1]  # columns [lo, hi) of every row
+        rows = self.rows(name, rank)
+        if rows is None:
+            return None
         piece = tensor
         if spec.dim is not None and not presharded:
-            lo, hi = self.rows(name, rank)
-            piece = tensor.narrow(spec.dim, lo, hi - lo)
+            piece = tensor.narrow(spec.dim, rows[0], rows[1] - rows[0])
         param, offset = self.place(name, rank)
         return param, piece, offset, None
 
     def place(self, name: str, rank: int) -> tuple[str, int]:
-        """SGLang's parameter holding HF tensor `name` on rank `rank`, and the element offset of its piece there."""
+        """SGLang's parameter holding HF tensor `name` on rank `rank` (which holds some of it), and the element
+        offset of its piece there."""
         expert = self._expert(name)
         if expert:
             prefix, index, part = expert
             gate = name.replace(f"{part}_proj", "gate_proj")  # the same expert's gate: its shard's size
             lo, hi = self.rows(gate, rank)
             shard = (hi - lo) * self.specs[gate].row_numel  # one expert's gate (or up, or down) shard
+            spec = self.specs[name]
+            if spec.expert is not None:  # FusedMoE's local index: the expert's place in its EP rank's block
+                index -= self.gen.expert_owner(spec) * (spec.experts // self.gen.ep)
             if part == "down":
                 return prefix + "w2_weight", index * shard
             return prefix + "w13_weight", (2 * index + (part == "up")) * shard
@@ -157,7 +184,7 @@ class WeightLayout:
         """Every parameter (and derived tensor) of the engine's rank `rank` that a sync reaches."""
         if self.engine == "hf":
             return list(self.specs)
-        names = dict.fromkeys(self.place(name, rank)[0] for name in self.specs)
+        names = dict.fromkeys(self.place(name, rank)[0] for name in self.specs if self.rows(name, rank) is not None)
         for name in self.specs:
             match = _KV_B.match(name)
             if match:
@@ -271,7 +298,10 @@ class ExpectedChecksums:
             return
         name = key if isinstance(key, str) else key[0]
         for rank in self.ranks:
-            param, piece, offset, stride = self.layout.piece(key, tensor, rank, self.presharded)
+            placed = self.layout.piece(key, tensor, rank, self.presharded)
+            if placed is None:  # a routed expert another EP rank holds
+                continue
+            param, piece, offset, stride = placed
             held = self.layout.as_held(param, piece).dtype  # the planning's one conversion (a few small tensors)
             yield self.rows[(rank, param)], (rank, param), piece, held if held != piece.dtype else None, offset, stride
             for derived, value in self.layout.derived(name, piece):

@@ -12,7 +12,9 @@ import torch
 
 from megarl.config import Config
 from megarl.reshard.inventory import hf_inventory
-from megarl.reshard.layout import GenLayout, sglang_generation
+from megarl.reshard.layout import GenLayout, resharded_layout, sglang_generation
+from megarl.reshard.plan import server_bytes
+from megarl.reshard.transfers import transfer_bytes
 from megarl.protocol import Batch
 from megarl.rollout.transports import cuda_ipc
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
@@ -38,6 +40,7 @@ class TrainWorker:
         self.weight_senders = {}  # weight_sync.push_policy's senders (CUDA IPC or NCCL), kept across syncs
         self.expected = {}  # (delivery, generation TP) -> weight_layout.ExpectedChecksums, kept across syncs
         self.generation_group = None  # sharded delivery: the first generation TP group's CPU (gloo) group
+        self.planned_traffic = {}  # delivery -> this rank's bytes of a sync as the planner predicts them (`traffic`)
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for torch.distributed's rendezvous."""
@@ -73,11 +76,15 @@ class TrainWorker:
             return None
         return engine_resharder(self.engine, self.rank)
 
-    def generation_layout(self) -> GenLayout:
-        """Sharded delivery's generation layout: rollout.sglang_tp ranks, and into SGLang the expert parallelism
-        rollout.sglang_args gives its servers (--ep-size: each rank then takes whole experts of its slice)."""
+    def served_layout(self, delivery: str) -> GenLayout:
+        """How each engine holds the weights, as far as `delivery` needs it: for "sharded", rollout.sglang_tp ranks
+        and into SGLang the expert parallelism rollout.sglang_args gives its servers (--ep-size: each rank whole
+        experts of its slice; settings that place weights otherwise are refused, naming them); for "full", the TP
+        alone (every engine rank receives whole tensors and keeps its own part)."""
         r = self.cfg.rollout
-        return sglang_generation(r.sglang_tp, r.sglang_args) if r.engine == "sglang" else GenLayout(r.sglang_tp)
+        if delivery == "sharded" and r.engine == "sglang":
+            return sglang_generation(r.sglang_tp, r.sglang_args)
+        return GenLayout(r.sglang_tp)
 
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
         return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference)
@@ -113,23 +120,19 @@ class TrainWorker:
         """Every rank loads the engine from `directory` (written at any layout)."""
         return self.engine.load_checkpoint(directory)
 
-    def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict | None:
+    def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict:
         """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
-        of the first generation TP group sends its own rows (rollout.sglang_tp of them). The rollout engine
-        picks the transport (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC
-        (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, the checksums the
-        rollout engine's parameters must have (weight_layout.ExpectedChecksums), or with `deep` too, digests of
-        what was sent and host copies for SGLang's reload check. Sharded into SGLang: the group's ranks pack their rows each on their own GPU, rank 0 posts
-        (cuda_ipc.ShardedIpcSender). Returns this rank's report (None if it sent nothing)."""
+        of the first generation TP group sends its own rows (rollout.sglang_tp of them; into SGLang at --ep-size,
+        only the routed experts of its EP slice). The rollout engine picks the transport
+        (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC (colocated) or NCCL broadcast
+        (disaggregated), or the rollout actor. With `verify`, the checksums the rollout engine's parameters must
+        have (weight_layout.ExpectedChecksums), or with `deep` too, digests of what was sent and host copies for
+        SGLang's reload check. Sharded into SGLang: the group's ranks pack their rows each on their own GPU, rank 0
+        posts (cuda_ipc.ShardedIpcSender). Returns this rank's report (a sender's: push_policy's) with its
+        "traffic" beside the planner's (`traffic`)."""
         delivery = self.cfg.rollout.weight_delivery
-        gen = self.generation_layout() if delivery == "sharded" else GenLayout(1)
+        gen = resharded_layout(self.served_layout(delivery), delivery)
         gen_tp = gen.tp
-        served = self.generation_layout()  # how the engine holds the weights, whatever the delivery
-        if served.ep > 1 and verify and not deep:  # before any collective, by every rank alike
-            raise ValueError(f"rollout.weight_delivery={delivery} into SGLang at --ep-size {served.ep}: verification "
-                             f"by checksums needs the layout of SGLang's expert-parallel parameters (each rank whole "
-                             f"experts of its slice), which megarl.rollout.weight_layout does not model yet (use "
-                             f"trainer.verify_weight_sync_deep, or --ep-size 1)")
         if self.resharder is None:
             buckets = self.engine.export_hf_weights(bucket_bytes)
         else:
@@ -141,7 +144,7 @@ class TrainWorker:
         if self.rank >= gen_tp:  # not a sender: take part in the collectives only
             for _ in buckets:
                 pass
-            return None
+            return {"traffic": self.traffic(delivery, None)}
         # Sharded: rank 0 alone starts and ends the sync, and tells its group the endpoints (push_policy's `group`)
         talks = delivery == "full" or self.rank == 0
         sync = dict(begin=(lambda: ray.get(rollout.begin_weight_update.remote())) if talks else None,
@@ -150,11 +153,34 @@ class TrainWorker:
                     master_address=ray.util.get_node_ip_address(),
                     expected=self.expected_checksums(delivery, gen_tp) if verify and not deep else None)
         if delivery == "full":
-            return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
+            report = weight_sync.push_policy(buckets, load=lambda b: functools.partial(
                 ray.get, rollout.update_weights.remote(b)), **sync)
-        return weight_sync.push_policy(buckets, load=lambda b: functools.partial(
-            ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)),
-            key=weight_sync.shard_key(self.resharder.specs, gen, self.rank), group=self.generation_group, **sync)
+        else:
+            report = weight_sync.push_policy(buckets, load=lambda b: functools.partial(
+                ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)),
+                key=weight_sync.shard_key(self.resharder.specs, gen, self.rank), group=self.generation_group, **sync)
+        return report | {"traffic": self.traffic(delivery, report["bytes"])}
+
+    def traffic(self, delivery: str, sent: int | None) -> dict | None:
+        """This rank's bytes of the last sync beside the planner's for the same layouts (megarl.reshard.plan):
+        received and sent resharding among the training ranks, and what it sent (`sent`) to each engine rank it
+        feeds (sharded: its own rank's; full, rank 0: every rank of a server gets the whole tensors). None without
+        the resharder (virtual pipeline stages: megatron's export)."""
+        if self.resharder is None:
+            return None
+        specs, train = self.resharder.specs, self.resharder.train
+        if delivery not in self.planned_traffic:
+            served, itemsize = self.served_layout(delivery), self.engine.params_dtype.itemsize
+            recv, send = transfer_bytes(specs, train, resharded_layout(served, delivery), delivery, itemsize)
+            if delivery == "sharded":
+                fed = [self.rank] if self.rank < served.tp else []
+            else:
+                fed = list(range(served.tp)) if self.rank == 0 else []
+            self.planned_traffic[delivery] = dict(plan_recv=recv[self.rank], plan_send=send[self.rank], plan_server=[
+                server_bytes(specs, served, t, delivery, itemsize) for t in fed])
+        planned = self.planned_traffic[delivery]
+        return planned | dict(recv=self.resharder.received_bytes, send=self.resharder.sent_bytes,
+                              server=[sent] * len(planned["plan_server"]))
 
     def expected_checksums(self, delivery: str, gen_tp: int) -> ExpectedChecksums:
         """What this rank's part of a sync must make the rollout engine's parameters hash to: full delivery, every
@@ -167,7 +193,7 @@ class TrainWorker:
     def _new_expected_checksums(self, delivery: str, gen_tp: int) -> ExpectedChecksums:
         r = self.cfg.rollout
         specs = self.resharder.specs if self.resharder is not None else hf_inventory(self.engine.hf_config)
-        layout = WeightLayout(specs, r.engine, r.sglang_tp, hf=self.engine.hf_config)
+        layout = WeightLayout(specs, r.engine, r.sglang_tp, hf=self.engine.hf_config, sglang_args=r.sglang_args)
         if delivery == "full":
             return ExpectedChecksums(layout, list(range(layout.tp)))
         if r.engine != "sglang":  # the engine holds whole tensors: every rank's row blocks land in them

@@ -298,3 +298,24 @@ def verify_checksums(expected: dict[tuple[int, str], tuple], held: dict[int, dic
             f"them): {len(wrong)} differ {wrong[:8]}, {len(missing)} missing {missing[:8]}, {len(unsent)} held but "
             f"never sent {unsent[:8]}")
     return buffers
+
+
+def traffic_metrics(traffic: list[dict | None]) -> dict[str, float]:
+    """One sync's bytes per rank (TrainWorker.traffic, in rank order) beside the planner's for the same layouts
+    (megarl.reshard.plan, `python -m megarl.plan`), as the planner reports them: the most any training rank received
+    and sent resharding and the total received, the most and least any engine rank received; and
+    sync/traffic_as_planned, 1 when every rank's every count is the planner's. Empty without the resharder."""
+    if not traffic or any(t is None for t in traffic):
+        return {}
+    server = [b for t in traffic for b in t["server"]]
+    planned_server = [b for t in traffic for b in t["plan_server"]]
+    out = {}
+    for prefix, recv, send, served in (("sync/", "recv", "send", server), ("sync/plan_", "plan_recv", "plan_send",
+                                                                            planned_server)):
+        out |= {f"{prefix}reshard_recv_max": max(t[recv] for t in traffic),
+                f"{prefix}reshard_send_max": max(t[send] for t in traffic),
+                f"{prefix}reshard_recv_total": sum(t[recv] for t in traffic),
+                f"{prefix}server_recv_max": max(served, default=0), f"{prefix}server_recv_min": min(served, default=0)}
+    as_planned = server == planned_server and all(t["recv"] == t["plan_recv"] and t["send"] == t["plan_send"]
+                                                  for t in traffic)
+    return out | {"sync/traffic_as_planned": float(as_planned)}

@@ -347,11 +347,13 @@ def check_presharded_vocab(specs: list, tp: int) -> None:
 
 class ShardedIpcSender(CudaIpcSender):
     """Zero-redundancy delivery into SGLang servers of TP=g: each rank of the trainer's first generation TP group
-    (`group`, ranks 0..g-1) packs its own rows of each HF tensor (the resharder's "sharded" buckets) into persistent
-    buffers on its own GPU; group rank 0 gathers every rank's serialised payload and posts one request per bucket,
-    payload r for SGLang TP rank r (colocated, on that rank's GPU), loaded with SGLang's presharded weight loading
-    (`load_presharded`). Every rank calls `send` for every bucket (collectives on `group`, a CPU/gloo group); only
-    rank 0's post does anything, and only rank 0 needs the endpoints."""
+    (`group`, ranks 0..g-1) packs its own rows of each HF tensor (the resharder's "sharded" buckets, whatever the
+    training TP and EP: the resharder moved the rows it lacked to it; with --ep-size only the routed experts of its
+    SGLang rank's EP slice) into persistent buffers on its own GPU; group rank 0 gathers every rank's serialised
+    payload and posts one request per bucket, payload r for SGLang TP rank r (colocated, on that rank's GPU), loaded
+    with SGLang's presharded weight loading (`load_presharded`). Every rank calls `send` for every bucket
+    (collectives on `group`, a CPU/gloo group); only rank 0's post does anything, and only rank 0 needs the
+    endpoints."""
 
     def __init__(self, endpoints: list, group, serializer: Callable[[object], str] | None = None, slots: int = 2):
         super().__init__(endpoints, "persistent", serializer, slots)
@@ -361,7 +363,7 @@ class ShardedIpcSender(CudaIpcSender):
             if endpoint.tp != self.size or endpoint.transport != "cuda_ipc":
                 raise ValueError(f"sharded weight delivery: server {endpoint.url} (TP={endpoint.tp}, weights by "
                                  f"{endpoint.transport}) cannot take the shards of a {self.size}-rank group by CUDA IPC: "
-                                 f"it needs colocated servers of TP={self.size} (rollout.sglang_tp = actor TP)")
+                                 f"it needs colocated servers of TP={self.size} (rollout.sglang_tp)")
 
     def send(self, bucket: Bucket, flush_cache: bool = False,
              checksums: ChecksumTable | None = None) -> Callable[..., None]:
