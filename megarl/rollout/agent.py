@@ -18,13 +18,18 @@ tool holds up only its own conversation.
 
 Finish reasons: "stop" (an answer: a turn without tool calls that ended with a stop token),
 "length" (the token budget ran out, or a turn without tool calls hit the per-turn limit),
-"max_turns" (the last allowed turn still asked for tools).
+"max_turns" (the last allowed turn still asked for tools), "abort" (a turn interrupted by more weight updates
+than SamplingParams.max_interruptions: partial rollouts, megarl/rollout/partial.py).
 
 Over-sampling (`run_groups` with `needed`): more groups (a prompt's n conversations) are started than
 the step needs; once `needed` groups are complete (and accepted, e.g. rewards that differ), the rest
 are cancelled and the engine's requests in flight aborted. A cancelled conversation keeps every turn
 it completed (the turn being generated is lost), so it can be continued later by passing it in again;
-its `policy_version` stays the one it started under.
+its `policy_version` stays the one it started under (its oldest token's, where the engine reports versions).
+
+Weight updates during a rollout (asynchronous training): the engine's generate() blocks while generation is
+paused and continues an interrupted turn from its tokens (megarl/rollout/partial.py); each model token keeps the
+policy version that produced it (Trajectory.versions), and `policy_version` is the oldest of them.
 """
 
 from __future__ import annotations
@@ -62,15 +67,22 @@ class Trajectory:
     turns: list[dict] = field(default_factory=list)
     finish_reason: str = ""  # empty while the conversation goes on (or after it was aborted)
     seconds: float = 0.0
-    policy_version: int = 0  # the policy that generated its first tokens (later turns may be newer)
+    # the oldest policy that generated any of its tokens (later turns, and a partial rollout's continued tokens, may
+    # be newer): the version it started under until its model tokens say (their engine's versions)
+    policy_version: int = 0
+    versions: list = field(default_factory=list)  # per response token: the policy version of a model token, else None
     conversation: str = field(default_factory=lambda: uuid.uuid4().hex)  # engines keep it on one server
 
-    def append(self, token_ids: list[int], logprobs: list[float] | None) -> list[int]:
-        """Model tokens (with their log-probs) or observation tokens (None); returns their span."""
+    def append(self, token_ids: list[int], logprobs: list[float] | None, versions: list[int] | None = None) -> list[int]:
+        """Model tokens (with their log-probs and, where the engine knows them, their policy versions) or
+        observation tokens (logprobs None); returns their span."""
         start = len(self.response_ids)
+        if versions:
+            self.policy_version = min(self.policy_version, *versions) if any(self.loss_mask) else min(versions)
         self.response_ids += token_ids
         self.loss_mask += [1 if logprobs is not None else 0] * len(token_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
+        self.versions += list(versions) if versions is not None else [None] * len(token_ids)
         return [start, len(self.response_ids)]
 
     def summary(self) -> dict:
@@ -214,10 +226,12 @@ class AgentLoop:
         turns = sum(t["role"] == "assistant" for t in traj.turns) + 1
         room -= len(gen.token_ids)
         traj.turns.append({"role": "assistant", "text": text, "stopped": stopped,
-                           "span": traj.append(gen.token_ids, gen.logprobs),
+                           "span": traj.append(gen.token_ids, gen.logprobs, gen.versions),
                            "tool_calls": [{"name": c.name, "arguments": c.arguments, "error": c.error}
                                           for c in calls]})
-        if not calls:
+        if gen.finish_reason == "abort":  # interrupted by more weight updates than the bound (partial rollouts)
+            traj.finish_reason = "abort"
+        elif not calls:
             traj.finish_reason = "stop" if stopped else "length"
         elif room <= 0:
             traj.finish_reason = "length"
@@ -307,8 +321,8 @@ class _GenerationBatcher:
         self.calls = 0
 
     def abort(self) -> None:
-        """Drop the turns waiting for a call, and cut the engine's call in flight short where the engine
-        can (SGLang's abort; a call to the HF engine runs to its end, and its results are dropped)."""
+        """Drop the turns waiting for a call, and cut the engine's call in flight short (its rows end with
+        finish_reason "abort"; their conversations were cancelled, so the results are dropped)."""
         self.pending = []
         if self.inflight is not None and not self.inflight.done() and hasattr(self.engine, "abort"):
             self.engine.abort()
@@ -350,7 +364,9 @@ class _GenerationBatcher:
                 if future.done():  # its conversation was cancelled
                     continue
                 if len(gen.token_ids) > limit:
-                    gen = Generation(gen.prompt_index, gen.token_ids[:limit], gen.logprobs[:limit], "length")
+                    gen = replace(gen, token_ids=gen.token_ids[:limit], logprobs=gen.logprobs[:limit],
+                                  versions=None if gen.versions is None else gen.versions[:limit],
+                                  finish_reason="length")
                 future.set_result(gen)
 
 

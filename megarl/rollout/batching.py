@@ -15,6 +15,7 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
     `prompts[i]` has `prompt_ids`, `prompt` and `answer`; `generations[j].prompt_index` points into it.
     loss_mask and rollout_logprobs are set at exactly the response positions (rollout_logprobs[t] is
     the engine's log p(tokens[t] | tokens[<t])). `response` is the decoded text without the stop token.
+    policy_version per row: its oldest token's version where the generation has versions, else `policy_version`.
     """
     responses = []
     for i, g in enumerate(generations):
@@ -25,8 +26,10 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
     tensors = rows_to_tensors([prompts[g.prompt_index]["prompt_ids"] for g in generations],
                               [g.token_ids for g in generations], [[1.0] * len(g.token_ids) for g in generations],
                               [g.logprobs for g in generations], pad_id)
+    # the oldest policy that wrote a row's tokens, where the engine reports versions (partial rollouts span several)
+    versions = [min(g.versions) if g.versions else policy_version for g in generations]
     return Batch(
-        tensors | {"policy_version": torch.full((len(generations),), policy_version, dtype=torch.long)},
+        tensors | {"policy_version": torch.tensor(versions, dtype=torch.long)},
         {"group": [g.prompt_index for g in generations],
          "prompt": [prompts[g.prompt_index]["prompt"] for g in generations],
          "response": responses,

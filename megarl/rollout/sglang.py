@@ -5,6 +5,10 @@ TP group, owned by this engine (the launch command, the server process and its H
   under the raw logits as base.py requires at temperature 1), n samples per prompt, stop tokens.
   Prompts go to the least-loaded server (rows in flight), all n samples of a prompt to the same one
   (they share its prefix cache); a conversation id keeps a multi-turn conversation on one server.
+- Partial rollouts (megarl/rollout/partial.py): pause_generation aborts the requests in flight (SGLang answers each
+  with the tokens and log-probs it has so far) and holds new ones here, so the weight update finds no request
+  holding SGLang's model-update lock; resume_generation re-submits them as prompt + tokens so far, with what is
+  left of their budget and their own sampling seeds, and each token carries the policy version that produced it.
 - A server that dies is restarted (by the injectable `launch`) and its requests retried: on another
   server holding the current policy when there is one; on the restarted server only while no policy
   was pushed (a restarted server holds its checkpoint weights: generating from them after a sync would
@@ -25,6 +29,7 @@ TP group, owned by this engine (the launch command, the server process and its H
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -39,6 +44,7 @@ from typing import Callable, Iterable
 import torch
 
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
+from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, sglang_server
 from megarl.rollout.transports import cuda_ipc
 
@@ -98,6 +104,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.verify_dir = Path(verify_dir) if verify_dir else None
         self.received: dict[str, torch.Tensor] = {}  # CPU copies of this sync's tensors, for verify_weights
         self.restarts = 0
+        self.gate = GenerationGate()  # pauses generation at weight updates (partial rollouts)
 
     # ---- routing ----------------------------------------------------------------------------------
 
@@ -167,24 +174,24 @@ class SGLangRolloutEngine(RolloutEngine):
         results: list[Generation | None] = [None] * (len(prompts) * params.n)
 
         def run(index: int, prompt_ids: list[int]) -> None:
-            rows = [prompts[i] for i in prompt_ids for _ in range(params.n)]
-            row_sampling = sampling if max_new_tokens is None and seed is None else \
-                [sampling | ({} if max_new_tokens is None else {"max_new_tokens": limits[i]})
-                 | ({} if seed is None else {"sampling_seed": derive_seed(seed, i, j)})
-                 for i in prompt_ids for j in range(params.n)]
+            budget = (lambda i: limits[i]) if max_new_tokens is not None else (lambda i: sampling["max_new_tokens"])
+            rows = [Row(list(prompts[i]), budget(i), None if seed is None else derive_seed(seed, i, j))
+                    for i in prompt_ids for j in range(params.n)]
 
-            def to_generations(outputs) -> list[Generation]:
-                if not isinstance(outputs, list) or len(outputs) != len(rows):
-                    raise SGLangError(f"/generate on {self.servers[index].url}: expected {len(rows)} outputs, got "
-                                      f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}")
-                return [_to_generation(prompt_ids[k // params.n], out) for k, out in enumerate(outputs)]
+            def segment(inputs: list[list[int]], budgets: list[int], seeds: list, _: Segment) -> list[Generation]:
+                """One request: the rows as they stand (prompt + tokens so far), with what is left of each budget
+                and each row's own seed (SGLang's seeded draws follow from the seed and the position)."""
+                per_row = [sampling | {"max_new_tokens": b} | ({} if s is None else {"sampling_seed": s})
+                           for b, s in zip(budgets, seeds)]
+                return self._generate_on(index, inputs, per_row[0] if all(r == per_row[0] for r in per_row)
+                                         else per_row, functools.partial(_to_generations, inputs, self.servers[index]))
 
             try:
-                generations = self._generate_on(index, rows, row_sampling, to_generations)
+                generate_rows(rows, self.gate, segment, params.max_interruptions)
             finally:
                 self._done(index, len(rows))
-            for k, generation in enumerate(generations):
-                results[generation.prompt_index * params.n + k % params.n] = generation
+            for k, row in enumerate(rows):
+                results[prompt_ids[k // params.n] * params.n + k % params.n] = row.generation(prompt_ids[k // params.n])
 
         per = max(1, self.rows_per_request // params.n) if self.rows_per_request else len(prompts)
         requests = [(s, ids[k:k + per]) for s, ids in groups.items() for k in range(0, len(ids), per)]
@@ -223,9 +230,22 @@ class SGLangRolloutEngine(RolloutEngine):
                               f"holds the current policy (version {self.version}): push the weights again")
 
     def abort(self) -> None:
-        """Abort every request in flight (e.g. over-sampled work); they finish with reason 'abort'."""
+        """Cancel every request in flight (e.g. over-sampled work); they finish with reason 'abort', for good."""
+        self.gate.cancel()
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        """SGLang answers an aborted request with the tokens and log-probs it generated so far."""
         for server in self.servers:
             server.post("/abort_request", {"abort_all": True})
+
+    def pause_generation(self, partial: str = "resume") -> dict:
+        """Requests in flight aborted (resume / restart) or run to their end (finish), new ones held here, so
+        that the weight update that follows finds no request holding SGLang's model-update lock."""
+        return self.gate.pause(partial, abort=self._abort_all)
+
+    def resume_generation(self, version: int) -> None:
+        self.gate.resume(version)
 
     # ---- weights ----------------------------------------------------------------------------------
 
@@ -365,6 +385,13 @@ def verify_inside_sglang(endpoints: list[Endpoint], received: dict[str, torch.Te
 
 
 _LOGPROB, _TOKEN_ID = itemgetter(0), itemgetter(1)
+
+
+def _to_generations(rows: list[list[int]], server: SGLangServer, outputs) -> list[Generation]:
+    if not isinstance(outputs, list) or len(outputs) != len(rows):
+        raise SGLangError(f"/generate on {server.url}: expected {len(rows)} outputs, got "
+                          f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}")
+    return [_to_generation(0, out) for out in outputs]
 
 
 def _to_generation(prompt_index: int, out: dict) -> Generation:

@@ -6,7 +6,10 @@ so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoi
   row (HTTP 400 with sglang's message for a row whose prompt + max_new_tokens passes --context-length),
   {"output_ids", "meta_info": {"finish_reason": {"type": "stop", "matched"} | {"type": "length", "length"}
   | {"type": "abort", ...}, "output_token_logprobs": [[logprob, token, None], ...], ...}}.
-  Tokens are a deterministic function of the prompt and a per-process row counter (so n samples differ).
+  Tokens are a deterministic function of the prompt and a per-process row counter (so n samples differ); with a
+  sampling_seed, of the seed and the token's position alone (as SGLang's seeded sampler: a request continued
+  from prompt + its tokens so far draws what it would have drawn uninterrupted). An aborted request answers with
+  half of its max_new_tokens.
 - POST /abort_request {abort_all}: empty 200; requests waiting in a slow /generate finish as aborted.
 - /release_memory_occupation, /resume_memory_occupation {tags}: null; /flush_cache: plain text.
 - POST /update_weights_from_tensor {serialized_named_tensors, load_format, flush_cache}: each payload
@@ -176,13 +179,13 @@ def generate(body: dict) -> list[dict]:
         time.sleep(0.01)
     outputs = []
     for row, sp in zip(rows, per_row):
-        max_new, stops = sp.get("max_new_tokens", 128), set(sp.get("stop_token_ids") or [])
+        max_new, stops, seed = sp.get("max_new_tokens", 128), set(sp.get("stop_token_ids") or []), sp.get("sampling_seed")
         with STATE.lock:
             STATE.rows += 1
             counter = STATE.rows
         tokens, reason = [], {"type": "length", "length": max_new}
         for j in range(max_new // 2 if aborted else max_new):
-            token = (sum(row) + 31 * counter + 13 * j) % VOCAB
+            token = (sum(row) + 31 * counter + 13 * j) % VOCAB if seed is None else (7 * seed + 13 * (len(row) + j)) % VOCAB
             tokens.append(token)
             if token in stops and not sp.get("ignore_eos"):
                 reason = {"type": "stop", "matched": token}

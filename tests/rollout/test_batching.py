@@ -66,3 +66,12 @@ def test_rollout_logprobs_match_a_training_style_forward_over_the_batch(tmp_path
     mask = batch["loss_mask"][:, 1:].bool()
     assert mask.sum() == sum(len(g.token_ids) for g in gens)
     torch.testing.assert_close(lp[mask], batch["rollout_logprobs"][:, 1:][mask], atol=1e-5, rtol=0)
+
+
+def test_policy_version_is_the_oldest_tokens_where_the_engine_reports_versions(tok):
+    prompts = [{"prompt": "a>", "prompt_ids": ids(tok, "a>"), "answer": ""}]
+    gens = [Generation(0, ids(tok, "bcd"), [-1.0] * 3, "length", versions=[4, 5, 5]),  # a partial rollout
+            Generation(0, ids(tok, "bc"), [-1.0] * 2, "length", versions=[5, 5]),
+            Generation(0, ids(tok, "b"), [-1.0], "length")]  # no versions reported: the caller's
+    batch = generations_to_batch(prompts, gens, tok.pad_token_id, policy_version=5, tokenizer=tok)
+    assert batch["policy_version"].tolist() == [4, 5, 5]

@@ -145,3 +145,37 @@ def test_weights_cannot_change_under_a_running_generation(model_dir, prompts):
         engine.update_weights(list(engine.named_weights().items()))
     engine.gate.leave(1)
     engine.update_weights(list(engine.named_weights().items()))  # idle: fine
+
+
+# ---- SGLang: the same partial rollouts against fake_sglang.py (real HTTP, sglang 0.5.17's abort answers) ----------
+
+def test_sglang_pause_aborts_and_resumes_from_the_tokens_so_far(tmp_path):
+    from tests.rollout.test_sglang_engine import configure, engine as sglang_engine, log
+
+    e = sglang_engine(tmp_path, deterministic=True)
+    params = SamplingParams(max_new_tokens=8, n=2, seed=5)
+    try:
+        whole = e.generate([[1, 2, 3]], params)
+        server = e.servers[0]
+        configure(server, generate_delay=30.0)  # a long generation, which the pause aborts
+        e.resume_generation(0)
+        with ThreadPoolExecutor(1) as pool:
+            result = pool.submit(e.generate, [[1, 2, 3]], params)
+            while not log(server, "/generate")[1:]:
+                threading.Event().wait(0.02)
+            report = e.pause_generation("resume")
+            configure(server, generate_delay=0.0)
+            posted = len(log(server, "/generate"))
+            assert posted == 2 and log(server)[-1]["path"] == "/abort_request"  # nothing re-sent while paused
+            e.resume_generation(1)
+            gens = result.result(timeout=30)
+        first, again = log(server, "/generate")[1:]  # aborted after 4 tokens: re-sent from them, with the rest
+    finally:
+        e.shutdown()
+    assert report["rollout/interrupted_rows"] == 2
+    assert [g.token_ids for g in gens] == [g.token_ids for g in whole]
+    assert all(g.versions == [0] * 4 + [1] * 4 and g.interruptions == 1 and g.finish_reason == "length" for g in gens)
+    assert again["body"]["input_ids"] == [[1, 2, 3] + g.token_ids[:4] for g in gens]
+    assert [sp["max_new_tokens"] for sp in again["body"]["sampling_params"]] == [4, 4]
+    assert [sp["sampling_seed"] for sp in again["body"]["sampling_params"]] == \
+        [sp["sampling_seed"] for sp in first["body"]["sampling_params"]]
