@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.algorithms import rollout_correction
 from megarl.algorithms.advantages import compute_advantages
 from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
 from megarl.algorithms.kl import kl_controller
@@ -165,12 +166,18 @@ class RLTrainer:
                                               a.overlong_buffer_len, a.overlong_penalty_factor)
             batch["rewards"] = batch["rewards"] + penalty
             metrics["train/overlong_penalty"] = penalty.mean().item()
+        correction = a.rollout_correction  # megarl/algorithms/rollout_correction.py
+        rollout_correction.perturb_rollout_logprobs(batch, correction.perturb_rollout_logprobs)  # a test hook; 0: off
+        if correction.bypass_mode:  # the rollout engine's log-probs are the old ones
+            batch["old_logprobs"] = batch["rollout_logprobs"]
         if cfg.recompute_old_logprobs():  # else the update's own forward gives them (algorithm.recompute_old_logprobs)
             with self.timers("old_logprobs"):
                 batch["old_logprobs"] = self.actor.compute_logprobs(batch)["logprobs"]
                 # how far the rollout engine's log-probs are from Megatron's on the same tokens
                 real = batch["loss_mask"] > 0
                 metrics["rollout/logprob_abs_diff"] = (batch["old_logprobs"] - batch["rollout_logprobs"])[real].abs().mean().item()
+                # the mismatch metrics; importance weights and rejection when configured (before the advantages)
+                metrics |= rollout_correction.apply_rollout_correction(batch, correction)
         if cfg.algorithm.kl_coef > 0:
             with self.timers("ref_logprobs"):
                 batch.update(self.actor.compute_logprobs(batch, reference=True))  # ref_logprobs
@@ -184,6 +191,7 @@ class RLTrainer:
             trained = self.actor.train(batch)
             if "rollout_logprob_abs_diff" in trained:  # measured by the update's forward
                 metrics["rollout/logprob_abs_diff"] = trained.pop("rollout_logprob_abs_diff")
+            metrics |= {k: trained.pop(k) for k in list(trained) if k.startswith(rollout_correction.PREFIX)}
             metrics |= {f"train/{k}": v for k, v in trained.items()}
         metrics |= self.update_kl_coef(batch, metrics)
         self.version += 1
