@@ -1,8 +1,18 @@
 """One TP rank of SGLang 0.5.17's DeepseekV2ForCausalLM / DeepseekV3ForCausalLM as it holds and loads weights
-(bf16, no quantization, no expert parallelism), written here from SGLang's source, not from megarl's layout:
-models/deepseek_v2.py (the modules and their parameters), deepseek_common/deepseek_weight_loader.py
-(do_load_weights, post_load_weights), layers/linear.py, layers/moe/fused_moe_triton/layer.py (_load_w13,
-_load_w2) and layers/vocab_parallel_embedding.py.
+(bf16, no quantization; --ep-size with no all-to-all backend and the trivial expert location), written here from
+SGLang's source, not from megarl's layout: models/deepseek_v2.py (the modules and their parameters),
+deepseek_common/deepseek_weight_loader.py (do_load_weights, post_load_weights), layers/linear.py,
+layers/moe/fused_moe_triton/layer.py (_load_w13, _load_w2, weight_loader) and layers/vocab_parallel_embedding.py.
+
+Expert parallelism (`ep`, SGLang's --ep-size): distributed/parallel_state.py builds the MoE EP groups as
+range(start, start + ep * moe_tp, moe_tp) and the MoE TP groups as runs of moe_tp = tp / ep consecutive ranks, so
+TP rank r is MoE EP rank r // moe_tp and MoE TP rank r % moe_tp. FusedMoE.__init__ then holds num_local_experts =
+n_routed_experts / ep experts, each intermediate_size / moe_tp wide; weight_loader (through
+ExpertLocationMetadata.init_trivial: physical expert = logical expert) keeps expert e at local index
+e - ep_rank * num_local_experts when _map_global_expert_id_to_local_expert_id finds it in the rank's block and
+drops it otherwise; _load_w13/_load_w2 narrow by the MoE TP rank. DeepseekV2MoE keeps the router and the shared
+experts TP-cut over all TP ranks, and determine_num_fused_shared_experts fuses no shared expert under expert
+parallelism on NVIDIA GPUs.
 
 - Parameters: embed_tokens / lm_head rows of the vocabulary padded to a multiple of 64 (padding rows zero);
   per layer the norms; MLA: fused_qkv_a_proj_with_mqa (q_a_proj rows then kv_a_proj_with_mqa's, replicated) with
@@ -85,41 +95,46 @@ class MLP(nn.Module):  # DeepseekV2MLP
 
 
 class MoE(nn.Module):  # DeepseekV2MoE
-    def __init__(self, hf: dict, tp: int, fuse_shared_experts: bool):
+    def __init__(self, hf: dict, tp: int, fuse_shared_experts: bool, ep: int):
         super().__init__()
         h, experts, inter = hf["hidden_size"], hf["n_routed_experts"], hf["moe_intermediate_size"]
         self.gate = Gate(experts, h, hf.get("topk_method") == "noaux_tc")
-        self.experts = Experts(experts + fuse_shared_experts, h, inter // tp)
+        self.experts = Experts(experts // ep + fuse_shared_experts, h, inter // (tp // ep))
         if hf.get("n_shared_experts") and not fuse_shared_experts:
             self.shared_experts = MLP(h, inter * hf["n_shared_experts"], tp)
 
 
 class Decoder(nn.Module):
-    def __init__(self, hf: dict, layer: int, tp: int, fuse_shared_experts: bool):
+    def __init__(self, hf: dict, layer: int, tp: int, fuse_shared_experts: bool, ep: int):
         super().__init__()
         h = hf["hidden_size"]
         self.self_attn = Attention(hf, tp)
         moe = hf.get("n_routed_experts") and layer >= hf.get("first_k_dense_replace", 0) \
             and layer % hf.get("moe_layer_freq", 1) == 0
-        self.mlp = MoE(hf, tp, fuse_shared_experts) if moe else MLP(h, hf["intermediate_size"], tp)
+        self.mlp = MoE(hf, tp, fuse_shared_experts, ep) if moe else MLP(h, hf["intermediate_size"], tp)
         self.input_layernorm = Linear((h,), None)
         self.post_attention_layernorm = Linear((h,), None)
 
 
 class Body(nn.Module):
-    def __init__(self, hf: dict, tp: int, fuse_shared_experts: bool):
+    def __init__(self, hf: dict, tp: int, fuse_shared_experts: bool, ep: int):
         super().__init__()
         padded = -(-hf["vocab_size"] // PADDING) * PADDING
         self.embed_tokens = Linear((padded // tp, hf["hidden_size"]), "vocab")
-        self.layers = nn.ModuleList(Decoder(hf, i, tp, fuse_shared_experts) for i in range(hf["num_hidden_layers"]))
+        self.layers = nn.ModuleList(Decoder(hf, i, tp, fuse_shared_experts, ep)
+                                    for i in range(hf["num_hidden_layers"]))
         self.norm = Linear((hf["hidden_size"],), None)
 
 
 class DeepseekRank(nn.Module):
-    def __init__(self, hf: dict, rank: int, tp: int, fuse_shared_experts: bool = False):
+    def __init__(self, hf: dict, rank: int, tp: int, fuse_shared_experts: bool = False, ep: int = 1):
         super().__init__()
+        assert not (fuse_shared_experts and ep > 1), "SGLang fuses no shared expert under EP on NVIDIA GPUs"
         self.hf, self.rank, self.tp, self.fuse_shared_experts = hf, rank, tp, fuse_shared_experts
-        self.model = Body(hf, tp, fuse_shared_experts)
+        moe_tp = tp // ep
+        self.moe_ep_rank, self.moe_tp_rank = rank // moe_tp, rank % moe_tp
+        self.local_experts = hf["n_routed_experts"] // ep
+        self.model = Body(hf, tp, fuse_shared_experts, ep)
         padded = -(-hf["vocab_size"] // PADDING) * PADDING
         self.lm_head = Linear((padded // tp, hf["hidden_size"]), "vocab")
         self.rederive = True
@@ -179,16 +194,26 @@ class DeepseekRank(nn.Module):
         param.data.copy_(loaded)
 
     def _load_expert(self, experts: Experts, index: int, part: str, loaded) -> None:
+        routed = self.hf["n_routed_experts"]
+        if index >= routed:  # the fused shared expert: after the rank's routed ones
+            index = index - routed + self.local_experts
+        elif self.moe_ep_rank * self.local_experts <= index < (self.moe_ep_rank + 1) * self.local_experts:
+            index -= self.moe_ep_rank * self.local_experts
+        else:  # another EP rank's expert: FusedMoE drops it
+            return
         if part == "down":
             shard = experts.w2_weight.shape[2]
             if not experts.use_presharded_weights:
-                loaded = loaded.narrow(1, self.rank * shard, shard)
+                loaded = loaded.narrow(1, self.moe_tp_rank * shard, shard)
+            assert experts.w2_weight.data[index].shape == loaded.shape
             experts.w2_weight.data[index].copy_(loaded)
             return
         shard = experts.w13_weight.shape[1] // 2
         if not experts.use_presharded_weights:
-            loaded = loaded.narrow(0, self.rank * shard, shard)
-        experts.w13_weight.data[index, (part == "up") * shard:][:shard].copy_(loaded)
+            loaded = loaded.narrow(0, self.moe_tp_rank * shard, shard)
+        part_data = experts.w13_weight.data[index, (part == "up") * shard:][:shard]
+        assert part_data.shape == loaded.shape, f"expert_data.shape={part_data.shape} loaded_weight.shape={loaded.shape}"
+        part_data.copy_(loaded)
 
     def post_load_weights(self, weight_names) -> None:
         layers = {int(n.split(".")[2]) for n in weight_names if "kv_b_proj" in n}

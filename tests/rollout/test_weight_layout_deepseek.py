@@ -1,8 +1,9 @@
 """megarl's expected checksums of SGLang's DeepSeek parameters (megarl.rollout.weight_layout) against one TP rank of
 SGLang's DeepSeek model as its own source holds and loads weights (tests/rollout/fake_sglang_deepseek.py): fused
-a-projections, shared experts, fp32 routing bias, the MLA tensors post_load_weights derives from kv_b_proj, and the
-load-per-call semantics that drop an a-projection split from its partner by a bucket boundary. Checksums inside the
-"server" are taken by megarl's own inspect_weights, the function SGLang's TP workers run."""
+a-projections, shared experts, fp32 routing bias, the MLA tensors post_load_weights derives from kv_b_proj, routed
+experts placed by --ep-size (whole experts of the rank's EP slice, MoE-TP rows), and the load-per-call semantics
+that drop an a-projection split from its partner by a bucket boundary. Checksums inside the "server" are taken by
+megarl's own inspect_weights, the function SGLang's TP workers run."""
 
 import json
 
@@ -11,7 +12,8 @@ import torch
 
 from megarl.reshard.inventory import hf_inventory
 from megarl.rollout.transports.cuda_ipc import inspect_weights, load_presharded
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, keep_fused_pairs, merge
+from megarl.rollout.weight_layout import (ExpectedChecksums, WeightLayout, keep_fused_pairs, merge,
+                                          sglang_fuses_shared_experts)
 from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 from tests.rollout.fake_sglang_deepseek import DeepseekRank
 
@@ -36,14 +38,19 @@ def _server(hf: dict, tp: int, **kwargs) -> list[DeepseekRank]:
     return [DeepseekRank(hf, rank, tp, **kwargs) for rank in range(tp)]
 
 
+def _ep_args(ep: int) -> list[str]:
+    return ["--ep-size", str(ep)] if ep > 1 else []
+
+
 def _load(ranks: list[DeepseekRank], buckets) -> None:
     for bucket in buckets:  # one load_weights call per bucket, as every transport does
         for model in ranks:
             model.load_weights(bucket)
 
 
-def _expected(hf: dict, tensors: dict, tp: int, layout_hf: dict | None = "same") -> dict:
-    layout = WeightLayout(hf_inventory(hf), "sglang", tp, hf=hf if layout_hf == "same" else layout_hf)
+def _expected(hf: dict, tensors: dict, tp: int, layout_hf: dict | None = "same", ep: int = 1) -> dict:
+    layout = WeightLayout(hf_inventory(hf), "sglang", tp, hf=hf if layout_hf == "same" else layout_hf,
+                          sglang_args=_ep_args(ep))
     expected = ExpectedChecksums(layout, list(range(tp)))
     for name, t in tensors.items():
         expected.add(name, t)
@@ -60,16 +67,20 @@ def _held(ranks: list[DeepseekRank], tmp_path) -> dict:
     return {0: held}
 
 
-@pytest.mark.parametrize("hf,tp", [(V3, 1), (V3, 2), (V2, 2)], ids=["v3-tp1", "v3-tp2", "v2-tp2"])
-def test_deepseek_checksums_as_sglang_holds_them(hf, tp, tmp_path):
+@pytest.mark.parametrize("hf,tp,ep", [(V3, 1, 1), (V3, 2, 1), (V2, 2, 1), (V3, 2, 2), (V3, 4, 2)],
+                         ids=["v3-tp1", "v3-tp2", "v2-tp2", "v3-tp2-ep2", "v3-tp4-ep2"])
+def test_deepseek_checksums_as_sglang_holds_them(hf, tp, ep, tmp_path):
     """Two syncs in buckets of 5 tensors: after each, every parameter and derived tensor of every rank matches (the
-    second proves the derived w_kc/w_vc follow new kv_b_proj values through an update)."""
-    ranks = _server(hf, tp)
+    second proves the derived w_kc/w_vc follow new kv_b_proj values through an update). With --ep-size (`ep`) each
+    rank holds whole experts of its EP slice (TP=2) or their MoE-TP rows (TP=4: 2 x 2)."""
+    ranks = _server(hf, tp, ep=ep)
     for seed in (0, 1):
         tensors = _tensors(hf, seed)
         _load(ranks, keep_fused_pairs(_buckets(tensors, 5)))
-        expected, held = _expected(hf, tensors, tp), _held(ranks, tmp_path)
+        expected, held = _expected(hf, tensors, tp, ep=ep), _held(ranks, tmp_path)
         verify_checksums(expected, held)
+    w13 = held[0][tp - 1]["model.layers.1.mlp.experts.w13_weight"][1]
+    assert w13 == [4 // ep, 2 * 8 // (tp // ep), 16]  # [experts of the rank, 2 x MoE-TP rows, hidden]
     attn = "model.layers.1.self_attn."
     names = held[0][tp - 1]
     assert {attn + "w_kc", attn + "w_vc", attn + "kv_b_proj.weight"} <= set(names)
@@ -146,26 +157,55 @@ def test_keep_fused_pairs_moves_q_a_proj_to_its_partner_and_refuses_the_reverse_
         list(keep_fused_pairs([[(q0, t)], [("x", t)]]))
 
 
-@pytest.mark.parametrize("hf", [V3, V2], ids=["v3", "v2"])
-def test_presharded_deepseek_rows_checksum_as_sglang_holds_them(hf, tmp_path):
+@pytest.mark.parametrize("hf,ep", [(V3, 1), (V2, 1), (V3, 2)], ids=["v3", "v2", "v3-ep2"])
+def test_presharded_deepseek_rows_checksum_as_sglang_holds_them(hf, ep, tmp_path):
     """Sharded delivery: each rank's rows loaded with SGLang's presharded switches (cuda_ipc.load_presharded); the
-    senders' merged checksums, derived tensors from each rank's kv_b_proj rows included, equal what SGLang holds."""
+    senders' merged checksums, derived tensors from each rank's kv_b_proj rows included, equal what SGLang holds.
+    At --ep-size 2 a rank is sent the routed experts of its EP slice only, whole (the resharder's GenLayout rows,
+    which the layout uses), and holds what SGLang's own loader keeps of the full tensors."""
     hf = dict(hf, vocab_size=128)  # presharded vocabulary rows: vocab // tp on each rank (check_presharded_vocab)
     tp, tensors, specs = 2, _tensors(hf, 0), hf_inventory(hf)
-    layout = WeightLayout(specs, "sglang", tp, hf=hf)
-    ranks, parts = _server(hf, tp), []
+    layout = WeightLayout(specs, "sglang", tp, hf=hf, sglang_args=_ep_args(ep))
+    ranks, parts = _server(hf, tp, ep=ep), []
     for rank, model in enumerate(ranks):
         expected = ExpectedChecksums(layout, [rank], presharded=True)
         shard = {}
         for spec in specs:
-            lo, hi = layout.rows(spec.name, rank)
+            rows = layout.rows(spec.name, rank)
+            if rows is None:  # another EP rank's expert
+                continue
+            lo, hi = rows
             piece = tensors[spec.name] if spec.dim is None else tensors[spec.name].narrow(spec.dim, lo, hi - lo)
             shard[spec.name] = piece
-            expected.add(spec.name if spec.dim is None else (spec.name, spec.dim, lo, hi), piece)
+            whole = spec.dim is None or rows == (0, spec.length)
+            expected.add(spec.name if whole else (spec.name, spec.dim, lo, hi), piece)
+        sent_experts = {int(n.split(".")[5]) for n in shard if ".mlp.experts." in n}
+        assert sent_experts == (set(range(4)) if ep == 1 else {2 * rank, 2 * rank + 1})
         for bucket in keep_fused_pairs(_buckets(shard, 7)):
             load_presharded(model, bucket)
         parts.append(expected.result())
-    verify_checksums(merge(parts), _held(ranks, tmp_path))
+    held = _held(ranks, tmp_path)
+    verify_checksums(merge(parts), held)
+    reference = _server(hf, tp, ep=ep)  # SGLang's own loading of the full tensors: the same parameters, bitwise
+    _load(reference, keep_fused_pairs(_buckets(tensors, 7)))
+    assert _held(reference, tmp_path) == held
+
+
+def test_expert_parallel_layout_names_a_flipped_expert_bit_and_a_wrong_ep_size(tmp_path):
+    """At --ep-size 2 a bit flipped in rank 1's w13 after loading is named; a layout told no --ep-size (experts
+    TP-cut on every rank) names every rank's w13 and w2 of the MoE layer, as the checksum refusal used to fear."""
+    tensors = _tensors(V3, 0)
+    ranks = _server(V3, 2, ep=2)
+    _load(ranks, keep_fused_pairs(_buckets(tensors, 5)))
+    expected = _expected(V3, tensors, 2, ep=2)
+    verify_checksums(expected, _held(ranks, tmp_path))
+    w13 = "model.layers.1.mlp.experts.w13_weight"
+    with pytest.raises(WeightSyncError, match=r"4 differ \['server 0 rank 0: model.layers.1.mlp.experts.w13_weight', "
+                                              r"'server 0 rank 0: model.layers.1.mlp.experts.w2_weight', 'server 0 rank 1"):
+        verify_checksums(_expected(V3, tensors, 2), _held(ranks, tmp_path))
+    inspect_weights(ranks[1], {"flip_bit": w13})
+    with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank 1: {w13}'\]"):
+        verify_checksums(expected, _held(ranks, tmp_path))
 
 
 def test_shared_expert_fused_into_the_routed_ones(tmp_path):
@@ -178,6 +218,9 @@ def test_shared_expert_fused_into_the_routed_ones(tmp_path):
     _load(ranks, keep_fused_pairs(_buckets(tensors, 64)))
     held = _held(ranks, tmp_path)
     assert list(held[0][0]["model.layers.0.mlp.experts.w13_weight"][1]) == [257, 4, 8]
+    # not under expert parallelism (NVIDIA) nor with --disable-shared-experts-fusion
+    assert sglang_fuses_shared_experts(hf) and not sglang_fuses_shared_experts(hf, ep=2)
+    assert not sglang_fuses_shared_experts(hf, sglang_args=["--disable-shared-experts-fusion"])
     verify_checksums(_expected(hf, tensors, 1), held)
     with pytest.raises(WeightSyncError, match=r"2 differ \['server 0 rank 0: model.layers.0.mlp.experts.w13_weight', "
                                               r"'server 0 rank 0: model.layers.0.mlp.experts.w2_weight'\], "
