@@ -74,13 +74,13 @@ def main(argv=None) -> int:
         return 0
 
     ray = start_ray(cfg, p.world_size * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
-    from megarl.trainer import RLTrainer
+    from megarl.async_trainer import build_trainer
 
     print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
     # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        trainer = RLTrainer(cfg)
+        trainer = build_trainer(cfg)  # trainer.mode: the synchronous loop, or an asynchronous one
     except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use: found
         ray.shutdown()                        # before any worker starts
         print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)

@@ -153,6 +153,12 @@ class RLTrainer:
             if cfg.rollout.dump_dir:
                 self.dump(batch, metrics, Path(cfg.rollout.dump_dir) / f"step_{self.version + 1:06d}.pt")
             self.reward_failures.end_step(self.version + 1)  # a reward failing past its limit: stop, do not train
+        return self.train_step(batch, metrics, start)
+
+    def train_step(self, batch: Batch, metrics: dict, start: float) -> dict:
+        """The step's stages after sampling, up to the new policy in the rollout engine (the asynchronous modes
+        run them on batches their rollout thread generated: megarl/async_trainer.py)."""
+        cfg = self.cfg
         with self.timers("onload"):
             metrics |= self.colocation.to_training()  # the rollout engine releases its memory, Megatron's is back
         if self.reward_model is not None:  # the model's score, mixed with the rule reward (which is logged)
@@ -214,7 +220,12 @@ class RLTrainer:
                  "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict()}
         if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
             torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
+        self.save_beside(staging)
         return self.checkpoints.commit(staging, step, state)
+
+    def save_beside(self, staging: Path) -> None:
+        """Driver state of a subclass's own into a checkpoint's staging directory (the asynchronous modes' rollout
+        buffer: megarl/async_trainer.py); the synchronous loop has none."""
 
     def resume(self) -> int:
         """Load the checkpoint trainer.resume names (auto: the newest complete one, if any) into the
@@ -444,11 +455,14 @@ class RLTrainer:
         mask = batch["loss_mask"]
         lengths = mask.sum(1)
         tokens = batch["attention_mask"].sum().item()
+        # NeMo-RL's count: every token of the step over every GPU the run holds (colocated servers: the policy's)
+        gpus = self.cfg.actor.parallel.world_size + self.cfg.rollout.sglang_gpus
         return {"train/reward": batch["rewards"].mean().item(),
                 "train/response_length": lengths.mean().item(),
                 "train/reward_failures": batch.meta["reward_failures"],
                 "timing/step": seconds,
-                "perf/tokens_per_s": tokens / seconds} | agent_metrics(batch, "agent")
+                "perf/tokens_per_s": tokens / seconds,
+                "perf/tokens_per_s_per_gpu": tokens / seconds / gpus} | agent_metrics(batch, "agent")
 
     def shutdown(self) -> None:
         self.actor.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from pathlib import Path
@@ -17,8 +18,14 @@ from megarl.config.sections import Config
 from megarl.config.validation import ConfigError
 
 
+def _key(name: str) -> str:
+    """A field's config key: its name, less the underscore a Python keyword needs as a name (async_ -> async)."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
 def _fields(obj) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(obj)}
+    """Fields by config key."""
+    return {_key(f.name): f for f in dataclasses.fields(obj)}
 
 
 def _unknown(key: str, valid: list[str]) -> ConfigError:
@@ -32,7 +39,7 @@ def all_keys(obj=None, prefix: str = "") -> list[str]:
     obj = obj if obj is not None else Config()
     keys = []
     for name, f in _fields(obj).items():
-        value = getattr(obj, name)
+        value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             keys += all_keys(value, f"{prefix}{name}.")
         else:
@@ -84,16 +91,17 @@ def _set(cfg, key: str, value: Any) -> None:
         names = _fields(obj)
         if part not in names:
             raise _unknown(key, all_keys())
+        attr = names[part].name
         if i == len(parts) - 1:
-            if dataclasses.is_dataclass(getattr(obj, part)):
+            if dataclasses.is_dataclass(getattr(obj, attr)):
                 if not isinstance(value, dict):
                     raise ConfigError(f"config key '{key}' is a section; set its keys, e.g. {key}.<name>=...")
                 for sub, v in value.items():
                     _set(cfg, f"{key}.{sub}", v)
             else:
-                setattr(obj, part, _coerce(key, value, (type(obj), part)))
+                setattr(obj, attr, _coerce(key, value, (type(obj), attr)))
         else:
-            obj = getattr(obj, part)
+            obj = getattr(obj, attr)
             if not dataclasses.is_dataclass(obj):
                 raise ConfigError(f"config key '{'.'.join(parts[:i + 1])}' is not a section")
 
@@ -165,7 +173,7 @@ def help_text(sections: tuple[str, ...] = ()) -> str:
         for name, f in _fields(obj).items():
             if sections and not prefix and name not in sections:
                 continue
-            value = getattr(obj, name)
+            value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
                 lines.append(f"\n[{prefix}{name}]  {f.metadata.get('help', '')}")
                 walk(value, f"{prefix}{name}.")

@@ -410,7 +410,34 @@ class SFTConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """Asynchronous training (trainer.mode one_step_off or async; megarl/async_trainer.py, docs/async.md)."""
+    max_staleness: int = opt(1, "most policy versions a trained sample may lag the trainer (trainer version minus the "
+                                "version of the sample's oldest token); one_step_off needs >= 1; 0 = on-policy (the "
+                                "async mode then reproduces trainer.mode=sync)")
+    stale: str = opt("drop", "a sample group found over max_staleness when the trainer takes it: drop (skipped; the "
+                             "next groups fill the batch) or regenerate (its prompt goes back to the rollout, first "
+                             "in line); both are counted (async/stale_dropped, async/stale_regenerated)")
+    partial: str = opt("finish", "generation in flight at a weight update: finish (the update waits for it), resume "
+                                 "(stopped, the new weights loaded, continued from its tokens: each token keeps the "
+                                 "version that made it) or restart (stopped and begun again under the new weights); "
+                                 "one_step_off needs finish")
+    buffer_batches: int = opt(0, "step-batches the rollout may have generated or be generating ahead of the trainer's "
+                                 "next one; 0 = all that max_staleness allows (max_staleness + 1); one_step_off: 1")
+    decoupled_ppo: str = opt("auto", "the objective on samples from an older policy: decoupled PPO "
+                                     "(algorithm.rollout_correction.decoupled: the PPO ratio against the trainer's "
+                                     "weights before the update, the proximal policy, times the capped weight "
+                                     "proximal / rollout policy, as AReaL): on, off, or auto (on from max_staleness 1 "
+                                     "unless algorithm.tis, rollout_correction.rollout_is or bypass_mode already "
+                                     "correct; off at 0, where async is the synchronous loop)")
+
+
+@dataclass
 class TrainerConfig:
+    mode: str = opt("sync", "sync (generate, then train, then sync weights, in turn), one_step_off (the rollout of "
+                            "step t+1 runs while step t trains, from the policy one version older) or async (the "
+                            "rollout keeps generating into a buffer; the trainer takes a batch whenever one is "
+                            "ready; bounded by async.max_staleness); docs/async.md")
     steps: int = opt(10, "RL steps")
     eval_every: int = opt(5, "evaluate on the held-out set before RL, every N steps and after the last step; "
                              "0 = before RL and after the last step only")
@@ -472,6 +499,8 @@ class Config(ConfigChecks):
     preference: PreferenceConfig = section(PreferenceConfig, "preference pairs for reward-model training "
                                                              "(python -m megarl.train_rm)")
     trainer: TrainerConfig = section(TrainerConfig, "the loop")
+    # `async` is a Python keyword: the field is async_, its key in recipes and overrides `async` (loading.py)
+    async_: AsyncConfig = section(AsyncConfig, "asynchronous training (trainer.mode one_step_off or async)")
 
     def old_policy_is_the_trained_one(self) -> bool:
         """One optimizer update per step and nothing reading the old log-probs before it: the policy the
@@ -491,4 +520,4 @@ class Config(ConfigChecks):
         return mode == "always" or (mode == "auto" and needed)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name.rstrip("_"): value for name, value in dataclasses.asdict(self).items()}

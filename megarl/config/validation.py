@@ -99,6 +99,7 @@ class ConfigChecks:
         from megarl.config.correction_checks import check_kl_and_groups, check_rollout_correction
         check_kl_and_groups(self)
         check_rollout_correction(self)
+        self._validate_async()
         if not 0 <= a.overlong_buffer_len <= self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
                               f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
@@ -234,6 +235,41 @@ class ConfigChecks:
             raise ConfigError("agent.oversample_groups does not combine with algorithm.advantage=remax")
         if self.rollout.dump_dir and self.rollout.replay_dir:
             raise ConfigError("rollout.dump_dir and rollout.replay_dir are exclusive: a replay writes no dump")
+
+    def _validate_async(self) -> None:
+        """trainer.mode and the `async` section (megarl/async_trainer.py)."""
+        mode, a = self.trainer.mode, self.async_
+        choices = {"trainer.mode": (mode, ("sync", "one_step_off", "async")),
+                   "async.stale": (a.stale, ("drop", "regenerate")),
+                   "async.partial": (a.partial, ("finish", "resume", "restart")),
+                   "async.decoupled_ppo": (a.decoupled_ppo, ("auto", "on", "off"))}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+        if a.max_staleness < 0 or a.buffer_batches < 0:
+            raise ConfigError(f"async.max_staleness={a.max_staleness} and async.buffer_batches={a.buffer_batches} must "
+                              "be >= 0")
+        if mode == "one_step_off" and (a.max_staleness < 1 or a.partial != "finish" or a.buffer_batches > 1):
+            raise ConfigError(f"trainer.mode=one_step_off generates step t+1's batch whole from the policy one version "
+                              f"older while step t trains: it needs async.max_staleness >= 1 (got {a.max_staleness}), "
+                              f"async.partial=finish (got {a.partial}) and async.buffer_batches 0 or 1 (got "
+                              f"{a.buffer_batches}); trainer.mode=async has the others")
+        correction = self.algorithm.rollout_correction
+        corrects = self.algorithm.tis or correction.rollout_is != "none" or correction.bypass_mode
+        if a.decoupled_ppo == "on" and corrects:
+            raise ConfigError("async.decoupled_ppo=on weights each token by proximal / rollout policy, which "
+                              "algorithm.tis, algorithm.rollout_correction.rollout_is or bypass_mode already do: "
+                              "use async.decoupled_ppo=auto (leaves them) or turn those off")
+        if mode == "sync":
+            return
+        if self.trainer.offload_between_phases == "always":
+            raise ConfigError(f"trainer.mode={mode} keeps the training and rollout engines resident side by side: "
+                              "trainer.offload_between_phases=always cannot be (use auto or never)")
+        r = self.rollout
+        for key, value in (("rollout.replay_dir", r.replay_dir), ("rollout.dump_dir", r.dump_dir)):
+            if value:
+                raise ConfigError(f"{key}={value!r} names files by step, which trainer.mode={mode} does not generate "
+                                  "in step order: use trainer.mode=sync")
 
     def _validate_engine_options(self) -> None:
         """Each training role's layout and engine options (the actor's batch sizes are checked below)."""

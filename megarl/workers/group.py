@@ -206,7 +206,10 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | N
     if cfg.rollout.sglang_gpus > int(left):
         raise RuntimeError(f"rollout.sglang_gpus={cfg.rollout.sglang_gpus}: Ray has {left:g} GPU(s) left beside the "
                            "training ranks; SGLang servers need whole GPUs of their own")
-    return ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.num_cpus, num_gpus=gpus_wanted).remote(
+    # the asynchronous modes pause and resume the engine, and evaluate, while the rollout thread's generate runs
+    concurrency = 1 if cfg.trainer.mode == "sync" else 4
+    return ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.num_cpus, num_gpus=gpus_wanted,
+                                             max_concurrency=concurrency).remote(
         cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)), gpus)
 
 

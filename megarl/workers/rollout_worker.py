@@ -99,6 +99,14 @@ class RolloutWorker:
     def weight_digests(self, dtypes: dict) -> dict:
         return weight_sync.digests_of(self.engine.named_weights(), dtypes)
 
+    # partial rollouts around a weight update (megarl.rollout.partial), called while a generate runs (the
+    # asynchronous modes' actor is threaded: megarl.workers.group.start_rollout)
+    def pause_generation(self, partial: str) -> dict:
+        return self.engine.pause_generation(partial)
+
+    def resume_generation(self, version: int) -> None:
+        self.engine.resume_generation(version)
+
     # colocated phases (megarl.workers.colocation)
     def release_memory(self) -> None:
         self.engine.release_memory()

@@ -1,0 +1,205 @@
+"""The asynchronous modes (trainer.mode one_step_off and async): rollouts for the next steps are generated while
+the trainer trains, with bounded staleness. docs/async.md tells the whole story; in short:
+
+  rollout thread (RolloutSide.run)               trainer (AsyncRLTrainer.step, the main thread)
+    wait for admission (rollout_buffer.py)         take data.prompts_per_step groups from the buffer
+    sample_batch(): generate, score, DAPO ...      RLTrainer.train_step: log-probs, advantages, update, and
+    put its groups in the buffer                   publish: pause the rollout engine, sync, resume it
+
+Both sides run the synchronous loop's own stage helpers, so async with async.max_staleness=0 is the sync loop,
+bit for bit. The rollout engine stamps every token with the policy version that produced it
+(resume_generation), and pauses itself around a weight update (pause_generation: async.partial), so no lock is
+held across an update. one_step_off is the deterministic special case: step t+1's batch is generated whole from
+the policy one version older while step t trains, and the update to the next version waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.config import Config
+from megarl.protocol import Batch
+from megarl.rewards import build_reward
+from megarl.rewards.failures import RewardFailureTracker
+from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
+from megarl.trainer import RLTrainer
+from megarl.utils.timers import Timers
+
+ASYNC_BUFFER_FILE = "async_buffer.pt"  # the rollout buffer in a checkpoint (RolloutBuffer.state_dict)
+
+
+def build_trainer(cfg: Config) -> RLTrainer:
+    """The trainer for trainer.mode."""
+    return RLTrainer(cfg) if cfg.trainer.mode == "sync" else AsyncRLTrainer(cfg)
+
+
+def with_async_objective(cfg: Config) -> Config:
+    """The config the training engines get: async.decoupled_ppo turns on the decoupled PPO objective
+    (algorithm.rollout_correction.decoupled: the PPO ratio against the proximal policy, the weights before the
+    update, times the capped weight proximal / rollout policy per token, as AReaL). auto: on from max_staleness 1
+    (at 0 every sample is on-policy and the objective is the synchronous loop's), unless the algorithm already
+    corrects with the rollout's log-probs (algorithm.tis, rollout_correction.rollout_is or bypass_mode: the same
+    weight twice; async.decoupled_ppo=on with those is refused by validation)."""
+    a, correction = cfg.async_, cfg.algorithm.rollout_correction
+    corrects = cfg.algorithm.tis or correction.rollout_is != "none" or correction.bypass_mode
+    if a.decoupled_ppo == "off" or (a.decoupled_ppo == "auto" and (a.max_staleness == 0 or corrects)):
+        return cfg
+    decoupled = dataclasses.replace(correction, decoupled=True)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, rollout_correction=decoupled))
+
+
+class PromptSource:
+    """The rollout thread's prompts: requeued ones (async.stale=regenerate) first, then the data loader's."""
+
+    def __init__(self, data, buffer: RolloutBuffer):
+        self.data, self.buffer = data, buffer
+
+    def next_batch(self, size: int | None = None) -> list[dict]:
+        size = size or self.data.batch_size
+        again = self.buffer.take_requeued(size)
+        return again + (self.data.next_batch(size - len(again)) if len(again) < size else [])
+
+
+class RolloutSide:
+    """The rollout thread's half of the trainer: the synchronous loop's sampling helpers, named here one by one,
+    over state of its own (the policy version the rollout engine held when the batch began, timers, a reward
+    function and its failure counts, over-sampling's unfinished groups), so that it shares nothing mutable with
+    the trainer but the buffer and the data loader, which only this thread draws from while the trainer runs."""
+
+    sample_batch = RLTrainer.sample_batch
+    sample_oversampled = RLTrainer.sample_oversampled
+    generate_and_score = RLTrainer.generate_and_score
+    generate = RLTrainer.generate
+    rollout_call = RLTrainer.rollout_call
+    score = RLTrainer.score
+
+    def __init__(self, trainer: RLTrainer, buffer: RolloutBuffer, origin: float):
+        self.cfg, self.tokenizer, self.rollout, self.buffer = trainer.cfg, trainer.tokenizer, trainer.rollout, buffer
+        self.data = PromptSource(trainer.data, buffer)
+        self.reward_fn = build_reward(self.cfg.reward, self.cfg.data.task)  # the trainer's evaluates meanwhile
+        self.reward_failures = RewardFailureTracker.from_config(self.cfg.reward)
+        self.timers = Timers(origin)
+        self.version = 0
+        self.partial_groups = []
+
+    def sampling_params(self, *args, **kwargs):
+        # a response interrupted by more weight updates than the bound would be too stale to train on: it ends there
+        params = RLTrainer.sampling_params(self, *args, **kwargs)
+        return dataclasses.replace(params, max_interruptions=self.cfg.async_.max_staleness)
+
+    def run(self) -> None:
+        """Rollout batches, one after another, as the buffer admits them, until it is closed."""
+        try:
+            while (begun := self.buffer.begin_batch()) is not None:
+                number, self.version, waited = begun
+                with self.timers("rollout"):
+                    batch, metrics = self.sample_batch()
+                self.reward_failures.end_step(number)  # a reward failing past its limit: the trainer stops
+                metrics |= self.timers.pop() | {"async/rollout_wait_s": waited, "async/rollout_version": self.version,
+                                                "train/reward_failures": batch.meta["reward_failures"]}
+                self.buffer.put_batch(number, batch, metrics)
+        except BaseException as error:  # noqa: B036  (raised in the trainer, at its next take)
+            self.buffer.fail(error)
+
+
+def merge_rollout_metrics(metrics: list[dict]) -> dict:
+    """The rollout metrics of the batches a step's groups came from: a phase from its first start to its last end,
+    counts (train/reward_failures) summed, everything else averaged."""
+    merged = {}
+    for key in dict.fromkeys(k for m in metrics for k in m):
+        values = [m[key] for m in metrics if key in m]
+        merged[key] = (min(values) if key.endswith("/start") else max(values) if key.endswith("/end")
+                       else sum(values) if key == "train/reward_failures" else sum(values) / len(values))
+    return merged
+
+
+class AsyncRLTrainer(RLTrainer):
+    def __init__(self, cfg: Config):
+        origin = time.perf_counter()  # phase times (phase/<name>/start|end) count from here, on both threads
+        super().__init__(with_async_objective(cfg))
+        a = self.cfg.async_
+        self.timers = Timers(origin)
+        self.buffer = RolloutBuffer(cfg.data.prompts_per_step, a.max_staleness, a.buffer_batches, a.stale,
+                                    cfg.trainer.steps)
+        self.rollout_side = RolloutSide(self, self.buffer, origin)
+        self.rollout_thread: threading.Thread | None = None
+
+    def fit(self) -> dict:
+        try:
+            return super().fit()
+        finally:
+            self.stop_rollout_thread()
+
+    def step(self) -> dict:
+        """One RL step on groups the rollout thread generated (RLTrainer.train_step does the rest)."""
+        start = time.perf_counter()
+        if self.rollout_thread is None:
+            self.rollout_thread = threading.Thread(target=self.rollout_side.run, name="megarl-rollout", daemon=True)
+            self.rollout_thread.start()
+        with self.timers("wait"):
+            taken = self.buffer.take(self.version)
+        batch = Batch.concat([g.batch for g in taken.groups])
+        batch["group"] = [i for i, g in enumerate(taken.groups) for _ in range(len(g.batch))]  # distinct per step
+        rollout = merge_rollout_metrics(list({id(g.metrics): g.metrics for g in taken.groups}.values()))
+        batch.meta["reward_failures"] = rollout.pop("train/reward_failures")
+        metrics = rollout | self.take_metrics(taken) | staleness_metrics(batch, self.version,
+                                                                         self.cfg.async_.max_staleness)
+        return self.train_step(batch, metrics, start)
+
+    def take_metrics(self, taken: Taken) -> dict:
+        return {"async/trainer_wait_s": taken.waited_s, "async/stale_dropped": taken.dropped,
+                "async/stale_regenerated": taken.regenerated, "async/buffer_groups": taken.ready,
+                "async/policy_version": self.version}
+
+    def publish_policy(self) -> dict:
+        """The rollout engine pauses (async.partial: in-flight generation stopped keeping its tokens, begun again,
+        or finished first), the policy goes in, and generation goes on stamped with the new version."""
+        if self.cfg.trainer.mode == "one_step_off" and self.rollout_thread is not None:
+            with self.timers("wait_rollout"):  # the next step's batch, whole from the policy before this update
+                self.buffer.wait_finished(min(self.version + 1, self.cfg.trainer.steps))
+        with self.timers("pause"):
+            metrics = self.rollout_call("pause_generation", self.cfg.async_.partial)
+        metrics |= super().publish_policy()
+        self.rollout_call("resume_generation", self.version)
+        self.buffer.publish(self.version)
+        return metrics
+
+    def validate(self) -> dict:
+        """Evaluation on the policy the trainer holds (the rollout engine holds it too, from the sync before)."""
+        return super().validate() | {"val/policy_version": self.version}
+
+    # ---- checkpoints: the buffer is saved with them (docs/async.md) -----------------------------------
+
+    def save_checkpoint(self, step: int) -> Path:
+        with self.buffer.paused_between_batches():  # the prompts drawn and the buffer agree
+            return super().save_checkpoint(step)
+
+    def save_beside(self, staging: Path) -> None:
+        torch.save(self.buffer.state_dict() | {"partial_groups": self.rollout_side.partial_groups},
+                   staging / ASYNC_BUFFER_FILE)
+
+    def resume(self) -> int:
+        """RLTrainer.resume, then the buffer as the checkpoint saved it: its groups are trained on next, those over
+        async.max_staleness (a smaller bound than the saved run's) dropped or regenerated at the take."""
+        done = super().resume()
+        path = self.checkpoints.resolve(self.cfg.trainer.resume)
+        saved = path / ASYNC_BUFFER_FILE if path is not None else None
+        if saved is not None and saved.exists():
+            state = torch.load(saved, weights_only=False)
+            self.buffer.load_state_dict(state)
+            self.rollout_side.partial_groups = state["partial_groups"]
+        else:
+            self.buffer.start_at(done)
+        return done
+
+    def stop_rollout_thread(self) -> None:
+        """Close the buffer; the rollout thread ends after the batch it is making, if any (a daemon: a run
+        stopped by an error does not wait for it)."""
+        self.buffer.close()
+        if self.rollout_thread is not None:
+            self.rollout_thread.join(timeout=60)
