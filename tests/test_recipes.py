@@ -38,6 +38,8 @@ def test_baseline_settings():
         cfg = recipe(name)
         assert cfg.actor.parallel.world_size == 8 and cfg.trainer.device == "cuda", name  # one 8-GPU node
         assert cfg.actor.optim.lr == 1e-6 and cfg.data.chat_template, name
+        # verl's default policy loss ("vanilla") always applies the dual clip, at c = 3
+        assert (cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio_c) == ("dual_clip", 3.0), name
     ppo, grpo = recipe("ppo_gsm8k_qwen2.5_0.5b"), recipe("grpo_gsm8k_qwen2.5_0.5b")
     assert (ppo.algorithm.advantage, ppo.algorithm.kl_in_reward, ppo.rollout.n_samples) == ("gae", True, 1)
     assert (ppo.data.prompts_per_step, ppo.actor.mini_batch_size, ppo.rollout.max_new_tokens) == (256, 64, 256)

@@ -22,3 +22,23 @@ def test_consistent_algorithm_options_load():
                              "algorithm.loss_agg_norm_len=16", "algorithm.tis=true", "algorithm.kl_coef=0.01",
                              "algorithm.kl_target=0.05", "algorithm.overlong_buffer_len=4"])
     assert cfg.algorithm.loss_agg_norm_len == 16 and cfg.algorithm.kl_target == 0.05
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.pf_ppo=best"], "algorithm.pf_ppo='best': must be one of none, pow, max_min, max_random"),
+    (["algorithm.pf_ppo=pow", "algorithm.pf_ppo_scope=prompt"], "algorithm.pf_ppo_scope='prompt'"),
+    (["algorithm.pf_ppo_replay=4"], "algorithm.pf_ppo_replay > 0 needs algorithm.pf_ppo set"),
+    (["algorithm.pf_ppo=pow", "algorithm.pf_ppo_replay=4"], "needs algorithm.recompute_old_logprobs=always"),
+    (["algorithm.critic_warmup_steps=2"], "critic_warmup_steps=2 needs a critic"),
+    (["algorithm.advantage=gae", "algorithm.critic_lam=1.5"], r"algorithm.critic_lam=1.5: must be in \[0, 1\]"),
+    (["algorithm.positive_lm_coef=-0.1"], "algorithm.positive_lm_coef=-0.1: must be >= 0"),
+    (["algorithm.clip_cov_lb=6"], "algorithm.clip_cov_lb=6.0 must be below algorithm.clip_cov_ub=5.0"),
+    (["algorithm.kl_cov_ratio=0"], r"algorithm.kl_cov_ratio=0.0: must be in \(0, 1\]"),
+    (["algorithm.cispo_clip_eps_low=1.5"], "algorithm.cispo_clip_eps_low=1.5 must be in"),
+    (["algorithm.sapo_tau_neg=0"], "algorithm.sapo_tau_neg=0.0: must be > 0"),
+    (["algorithm.advantage=grpo_passk", "rollout.n_samples=1", "algorithm.allow_single_sample_groups=true"],
+     "grpo_passk needs rollout.n_samples >= 2"),
+])
+def test_inconsistent_issue_20_options_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

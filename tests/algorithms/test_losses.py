@@ -107,6 +107,45 @@ def test_gspo_sequence_ratio_loss_and_gradient():
     assert torch.allclose(logprobs.grad, expected, atol=1e-6)
 
 
+def test_gspo_gradient_uses_each_tokens_own_advantage():
+    # per-token advantages (GAE, REINFORCE++ with gamma < 1), clip 0.2, seq-mean-token-mean over 2 sequences:
+    #   row 0: ratios 1.21, 1 -> s = 1.1 (inside); A = +2, -1 -> losses -2.2, 1.1, sequence mean -0.55
+    #   row 1: ratios 2, 2    -> s = 2 (above 1.2); A = +1 -> max(-2, -1.2) = -1.2 clipped, A = -1 -> 2 kept;
+    #          sequence mean 0.4
+    # verl's per-token GSPO: token t's gradient is -A_t * s / |y| / (2 sequences) where unclipped:
+    #   row 0: -2 * 1.1 / 2 / 2 = -0.55 and +1 * 1.1 / 2 / 2 = 0.275; row 1: 0 and +1 * 2 / 2 / 2 = 0.5
+    # (a sequence-mean advantage would give row 0 -0.5 * 1.1 / 2 / 2 = -0.1375 on both tokens)
+    logprobs = torch.tensor([[1.21, 1.0], [2.0, 2.0]]).log().requires_grad_()
+    batch = {"loss_mask": torch.ones(2, 2), "old_logprobs": torch.zeros(2, 2),
+             "advantages": torch.tensor([[2.0, -1.0], [1.0, -1.0]])}
+    cfg = AlgorithmConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean", gspo_clip_eps=0.2,
+                          gspo_clip_eps_high=0.2)
+    loss, metrics = actor_loss(cfg, logprobs, None, batch, total_tokens=4, total_seqs=2)
+    assert loss.item() == pytest.approx((-0.55 + 0.4) / 2, abs=1e-6)
+    assert metrics["clipfrac"].item() == pytest.approx(1 / 4)
+    loss.backward()
+    assert logprobs.grad.tolist() == [pytest.approx([-0.55, 0.275], abs=1e-6), pytest.approx([0.0, 0.5], abs=1e-6)]
+
+
+def test_positive_example_lm_loss_adds_the_nll_of_correct_samples():
+    # VAPO, mu = 0.1: row 0 is the correct sample (lm_mask), its 3 response tokens have log-probs
+    # ln 1.1, -1 + ln 1.5, -2 + ln 0.5; NLL = -(their sum) / 3 positive tokens; PPO's part is -2.2 / 6 (above)
+    lm_mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    nll = -(LN(1.1) - 1 + LN(1.5) - 2 + LN(0.5)) / 3
+    logprobs = NEW.clone().requires_grad_()
+    cfg = AlgorithmConfig(clip_eps=0.2, positive_lm_coef=0.1)
+    loss, metrics = actor_loss(cfg, logprobs, None, mb(lm_mask=lm_mask), 6, 2, total_lm_tokens=3)
+    assert metrics["positive_lm_nll"].item() == pytest.approx(nll, abs=1e-5)
+    assert loss.item() == pytest.approx(-2.2 / 6 + 0.1 * nll, abs=1e-5)
+    loss.backward()
+    # PPO's gradient (test above) plus -mu / 3 on each positive token
+    expected = torch.tensor([[-2 * 1.1, 0.0, -2 * 0.5, 0.0], [1.1, 1.5, 0.0, 0.0]]) / 6
+    expected[0, :3] -= 0.1 / 3
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+    with pytest.raises(KeyError, match="lm_mask"):
+        actor_loss(cfg, NEW, None, mb(), 6, 2, total_lm_tokens=3)
+
+
 def test_gspo_uses_its_own_narrow_clip_range():
     # defaults 3e-4 / 4e-4, not clip_eps: s = 1.1 with A = +1 is clipped to 1.0004; s = 0.9 with A = -1 to 0.9997
     logprobs = torch.tensor([[1.1, 1.1], [0.9, 0.9]]).log()
