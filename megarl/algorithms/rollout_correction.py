@@ -177,7 +177,7 @@ def apply_rollout_correction(batch: Batch, rc: RolloutCorrectionConfig) -> dict[
         metrics |= {"rollout_is_mean": mean,
                     "rollout_is_eff_sample_size": 1.0 / (_sum((weights / mean.clamp(min=1e-8)) ** 2, valid) / n_tokens)}
         if rc.rollout_is_batch_normalize:
-            # the mean over what carries one weight each: tokens, or sequences (a row's first token holds its weight)
+            # the mean over what carries one weight each: tokens, or sequences (every token of a row holds its weight)
             norm = mean if rc.rollout_is == "token" else weights.max(-1).values[valid.any(-1)].mean()
             weights = weights / norm if norm > 1e-8 else weights
             metrics["rollout_is_batch_norm_factor"] = norm
@@ -233,7 +233,7 @@ def correct_policy_loss(per_token_loss: Tensor, logprobs: Tensor, mb: dict[str, 
     (a ratio loss's ratio already is pi / pi_rollout), and rejected tokens ('rollout_rs_rejected') contribute 0
     (the loss's token counts were taken before the update and still count them, as in verl's bypass mode)."""
     rc = cfg.rollout_correction
-    weights, metrics = {}, {}
+    weights, metrics, kept = {}, {}, None
     if cfg.tis:
         weights["tis_weight"] = truncated_is_weight(mb, cfg.tis_cap)
     if rc.decoupled:
@@ -246,13 +246,13 @@ def correct_policy_loss(per_token_loss: Tensor, logprobs: Tensor, mb: dict[str, 
         if rc.rollout_is != "none" and cfg.policy_loss == "reinforce":
             weights["rollout_is_weight"] = importance_weights(log_ratio, valid, rc)[0]
         if rc.rollout_rs != "none":
-            keep = rejection_keep(log_ratio, valid, rc)
-            weights["rollout_rs_kept"] = keep.float()
-            metrics["rollout_rs_rejected"] = (~keep).float()
+            kept = rejection_keep(log_ratio, valid, rc)
+            metrics["rollout_rs_rejected"] = (~kept).float()
     for name, weight in weights.items():
         per_token_loss = per_token_loss * weight
-        if name != "rollout_rs_kept":
-            metrics[name] = weight
+        metrics[name] = weight
+    if kept is not None:  # where, not a product: a rejected token's loss may be far out of range
+        per_token_loss = torch.where(kept, per_token_loss, torch.zeros_like(per_token_loss))
     return per_token_loss, metrics
 
 
