@@ -1,0 +1,350 @@
+"""Asynchronous GRPO on one GPU (issue 19): the synchronous loop against one_step_off and async, same workload.
+
+    python -m benchmarks.async_grpo --model qwen2.5-0.5b --out-dir OUT     # one H200: every run, ~9 min
+    python -m benchmarks.async_grpo --smoke --out-dir OUT                  # CPU: tiny shapes, the transformers engine
+    python -m benchmarks.async_grpo --report OUT1/async_grpo.json ...      # one table from several calls' results
+
+The workload of benchmarks/e2e_vs_trl.py: a random-initialised Qwen2 of the shape in configs/models/<--model>.json
+with an offline tokenizer of exactly its vocabulary, prompts of exactly --prompt-len tokens, completions forced to
+--completion-len tokens (rollout.ignore_eos), --n-samples per prompt, the cheap rule reward vowel_share, no KL, one
+optimizer step per batch, colocated SGLang (one GPU). Runs (--runs), each `python -m megarl.train` in its own
+process under a deadline (warm-up steps left out of the numbers):
+
+  sync_offload    trainer.mode=sync, the offload cycle (Megatron's state in host memory during rollouts, SGLang's
+                  memory released during training: trainer.offload_between_phases=always)
+  sync_resident   trainer.mode=sync, both engines resident side by side (offload never)
+  one_step_off    trainer.mode=one_step_off (the rollout of step t+1 beside the training of step t), resident
+  async_s1        trainer.mode=async, async.max_staleness=1, partial rollouts resumed at each update, resident
+  async_s4        the same with async.max_staleness=4
+
+Per run: step time and tokens/s/GPU over the measured steps' wall clock (every token of a step, prompt and
+completion, over the GPUs and the time from the end of the last warm-up step to the end of the last measured step,
+as NeMo-RL counts), the trainer's own perf/tokens_per_s_per_gpu beside it, the staleness histogram, the mean time
+of each phase, and the GPU busy fraction (NVML's utilization.gpu, the share of time a kernel ran, sampled by
+nvidia-smi every 100 ms over the measured steps). For the sync runs, the bound an overlap could reach:
+(T_gen + T_train) / max(T_gen, T_train), T_gen = generate + reward, T_train = the rest of the step. Each run's
+phase intervals go into the JSON; benchmarks/plot_timeline.py draws them. Writes OUT/async_grpo.json; prints a
+table last. A run that no longer fits in --budget-s is skipped and says so: run it in a second call (--runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchmarks.e2e_vs_trl import (ROOT, build_model, end_sglang_servers, environment, megarl_command, model_shape,
+                                   run_process, write_prompts)
+
+RUNS = {  # run -> megarl.train overrides beside the workload's
+    "sync_offload": {"trainer.mode": "sync", "trainer.offload_between_phases": "always"},
+    "sync_resident": {"trainer.mode": "sync", "trainer.offload_between_phases": "never"},
+    "one_step_off": {"trainer.mode": "one_step_off", "async.partial": "finish",
+                     "trainer.offload_between_phases": "never"},
+    "async_s1": {"trainer.mode": "async", "async.max_staleness": 1, "async.partial": "resume",
+                 "trainer.offload_between_phases": "never"},
+    "async_s4": {"trainer.mode": "async", "async.max_staleness": 4, "async.partial": "resume",
+                 "trainer.offload_between_phases": "never"},
+}
+ROLLOUT_PHASES = ("generate", "reward", "generate_baseline")  # the rollout side's lane; the rest are the trainer's
+CONTAINERS = ("rollout",)  # phases made of others (the rollout thread's whole batch): left out of timelines
+
+
+def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, run_dir: Path, device: str) -> list[str]:
+    """The megarl.train command of run `name`: e2e_vs_trl's workload overrides, then the run's own."""
+    # one step more than measured: the last step's metrics appear only after the final held-out evaluation
+    workload = SimpleNamespace(**vars(args), megarl_warmup=args.warmup, megarl_steps=args.steps + 1, offload="never")
+    cmd = megarl_command(workload, model_dir, prompts, val, args.completions, run_dir, device)
+    return cmd + [f"{k}={v}" for k, v in RUNS[name].items()]
+
+
+# ---- watching a run: when each step ended, and the GPU's utilisation ------------------------------------------
+
+
+@contextmanager
+def watch(metrics_file: Path, gpu: bool):
+    """While the run goes: the wall-clock time at which each step's metrics line appeared (polled every 0.1 s) and,
+    on a GPU, nvidia-smi's utilization.gpu every 100 ms. Yields a dict filled with "step_end" {step: unix s} and
+    "gpu" [(unix s, percent)]."""
+    seen: dict = {"step_end": {}, "gpu": []}
+    stop = threading.Event()
+
+    def follow_metrics():
+        offset = 0
+        while not stop.wait(0.1):
+            if not metrics_file.exists():
+                continue
+            with metrics_file.open() as f:
+                f.seek(offset)
+                chunk = f.read()
+            complete = chunk[:chunk.rfind("\n") + 1]
+            offset += len(complete.encode())
+            for line in complete.splitlines():
+                row = json.loads(line)
+                if "timing/step" in row:
+                    seen["step_end"].setdefault(row["step"], time.time())
+
+    smi = None
+    if gpu:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu", "--format=csv,noheader,nounits",
+                                "-lms", "100", *(["-i", os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]]
+                                                 if os.environ.get("CUDA_VISIBLE_DEVICES") else [])],
+                               stdout=subprocess.PIPE, text=True)
+
+        def follow_gpu():
+            for line in smi.stdout:
+                sample = parse_smi(line)
+                if sample is not None:
+                    seen["gpu"].append(sample)
+        threading.Thread(target=follow_gpu, daemon=True).start()
+    follower = threading.Thread(target=follow_metrics, daemon=True)
+    follower.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        follower.join()
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
+
+
+def parse_smi(line: str) -> tuple[float, float] | None:
+    """'2026/11/24 07:25:00.123, 87' (nvidia-smi's local time) -> (unix seconds, percent); None if unreadable."""
+    try:
+        stamp, percent = (p.strip() for p in line.split(","))
+        whole, _, millis = stamp.partition(".")
+        return time.mktime(time.strptime(whole, "%Y/%m/%d %H:%M:%S")) + float(f"0.{millis or 0}"), float(percent)
+    except ValueError:
+        return None
+
+
+# ---- the numbers of one run -------------------------------------------------------------------------------
+
+
+def step_rows(metrics_file: Path) -> list[dict]:
+    if not metrics_file.exists():
+        return []
+    return [r for r in map(json.loads, metrics_file.read_text().splitlines()) if "timing/step" in r]
+
+
+def phase_intervals(row: dict, end: float | None = None) -> list[tuple[str, float, float]]:
+    """A step's phases as (name, start, end): the trainer's marks phase/<name>/start|end where it logs them (the
+    asynchronous modes, seconds since the run's start); else (the synchronous loop) its timing/<name> durations laid
+    end to end, back from the step's end (`end`, default the step's own length: the step then starts at 0)."""
+    marks = sorted((row[k], k[6:-6], row[k[:-6] + "/end"]) for k in row
+                   if k.startswith("phase/") and k.endswith("/start") and k[:-6] + "/end" in row)
+    if marks:
+        return [(name, start, stop) for start, name, stop in marks if name not in CONTAINERS]
+    durations = [(name, v) for name, v in durations_of(row).items() if name not in CONTAINERS and v > 0]
+    t = (row["timing/step"] if end is None else end) - sum(v for _, v in durations)
+    intervals = []
+    for name, seconds in durations:
+        intervals.append((name, t, t + seconds))
+        t += seconds
+    return intervals
+
+
+def durations_of(row: dict) -> dict[str, float]:
+    """A step's timing/<name> seconds by name, in the order the trainer logged them (timing/step left out)."""
+    return {k[7:]: v for k, v in row.items() if k.startswith("timing/") and k.count("/") == 1 and k != "timing/step"}
+
+
+def side_seconds(row: dict) -> tuple[float, float]:
+    """(T_gen, T_train) of a synchronous step: generation and reward, and the rest of the step."""
+    gen = sum(v for name, v in durations_of(row).items() if name in ROLLOUT_PHASES)
+    return gen, row["timing/step"] - gen
+
+
+def summarize_run(rows: list[dict], step_end: dict, gpu: list, warmup: int, steps: int, completions: int,
+                  prompt_len: int, gpus: int, synchronous: bool) -> dict:
+    """The measured steps (`steps` after `warmup`) of a run: wall-clock throughput between the end of the last warm-up
+    step and the end of the last measured step (step_end: unix seconds each step's metrics appeared), the trainer's
+    own numbers, staleness, phases, with `gpu` samples the busy fraction over that window, and for a `synchronous`
+    run the bound an overlap of its two sides could reach."""
+    measured = rows[warmup:warmup + steps]
+    out = {"steps": len(rows), "measured_steps": len(measured)}
+    if not measured:
+        return out
+    response = statistics.mean(r.get("train/response_length", 0.0) for r in measured)
+    tokens = completions * (prompt_len + response)
+    out |= {"mean_step_s": round(statistics.mean(r["timing/step"] for r in measured), 3),
+            "response_length": round(response, 1), "tokens_per_step": tokens}
+    first = step_end.get(rows[warmup - 1]["step"]) if warmup else None
+    last = step_end.get(measured[-1]["step"])
+    if first is not None and last is not None and last > first:
+        window = last - first
+        out |= {"measured_s": round(window, 3), "wall_step_s": round(window / len(measured), 3),
+                "tokens_per_s_per_gpu": round(tokens * len(measured) / window / gpus, 1)}
+        busy = [p for t, p in gpu if first <= t <= last]
+        if busy:
+            out["gpu_busy"] = round(statistics.mean(busy) / 100, 3)
+    reported = [r["perf/tokens_per_s_per_gpu"] for r in measured if "perf/tokens_per_s_per_gpu" in r]
+    if reported:
+        out["trainer_tokens_per_s_per_gpu"] = round(statistics.mean(reported), 1)
+    histogram = {}
+    for r in measured:
+        for k, v in r.items():
+            if k.startswith("async/staleness_") and k[16:].isdigit():
+                histogram[int(k[16:])] = histogram.get(int(k[16:]), 0) + v
+    if histogram:
+        out["staleness_histogram"] = {str(k): histogram[k] for k in sorted(histogram)}
+    phases = {}
+    for r in measured:
+        for name, seconds in durations_of(r).items():
+            phases[name] = phases.get(name, 0.0) + seconds / len(measured)
+    out["phase_s"] = {k: round(v, 4) for k, v in phases.items()}
+    if synchronous:
+        gen, train = (statistics.mean(s) for s in zip(*map(side_seconds, measured)))
+        out |= {"t_gen_s": round(gen, 3), "t_train_s": round(train, 3),
+                "overlap_bound": round((gen + train) / max(gen, train, 1e-9), 3)}
+    out["timeline"] = timeline(measured, step_end)
+    return out
+
+
+def timeline(rows: list[dict], step_end: dict) -> list[dict]:
+    """Every phase of `rows` as {"step", "phase", "lane", "start", "end"}, seconds from the first one's start. With
+    the trainer's marks, their own clock; without (synchronous), each step laid back from when its metrics appeared."""
+    marked = any(k.startswith("phase/") for k in rows[0])
+    spans = []
+    for r in rows:
+        end = None if marked else step_end.get(r["step"])
+        if not marked and end is None:
+            continue
+        for name, start, stop in phase_intervals(r, end):
+            spans.append({"step": r["step"], "phase": name, "start": start, "end": stop,
+                          "lane": "rollout" if name in ROLLOUT_PHASES else "trainer"})
+    origin = min((s["start"] for s in spans), default=0.0)
+    return [s | {"start": round(s["start"] - origin, 4), "end": round(s["end"] - origin, 4)} for s in spans]
+
+
+# ---- the table ----------------------------------------------------------------------------------------------
+
+
+def table(runs: dict) -> str:
+    """One row per run; the speed-up is against the best synchronous run's tokens/s/GPU."""
+    sync = [r["tokens_per_s_per_gpu"] for n, r in runs.items() if n.startswith("sync") and r.get("tokens_per_s_per_gpu")]
+    best = max(sync, default=None)
+    lines = ["| run | status | measured steps | step s | tokens/s/GPU | vs best sync | trainer's tok/s/GPU | GPU busy "
+             "| staleness (rows by k) | bound | phases (mean s) |", "|" + " --- |" * 11]
+    for name, r in runs.items():
+        tps = r.get("tokens_per_s_per_gpu")
+        f = lambda k, fmt="{:.3g}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
+        staleness = " ".join(f"{k}:{v:g}" for k, v in r.get("staleness_histogram", {}).items()) or "-"
+        phases = ", ".join(f"{k} {v:.3g}" for k, v in r.get("phase_s", {}).items())
+        lines.append(f"| {name} | {r.get('status', '-')} | {r.get('measured_steps', 0)} | {f('wall_step_s')} "
+                     f"| {f('tokens_per_s_per_gpu', '{:,.0f}')} | {f'{tps / best:.2f}x' if tps and best else '-'} "
+                     f"| {f('trainer_tokens_per_s_per_gpu', '{:,.0f}')} | {f('gpu_busy', '{:.0%}')} | {staleness} "
+                     f"| {f('overlap_bound', '{:.2f}x')} | {phases} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out-dir", help="results JSON and logs go here")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="print one table from these results files and exit")
+    p.add_argument("--work-dir", default="", help="the model, prompts and run directories (default OUT/work)")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny model and lengths, the transformers engine")
+    p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=512)
+    p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
+    p.add_argument("--completions", type=int, default=256, help="completions per step")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the numbers")
+    p.add_argument("--steps", type=int, default=4, help="measured steps")
+    p.add_argument("--val-size", type=int, default=8, help="held-out prompts, scored before and after")
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.35)
+    p.add_argument("--budget-s", type=float, default=520, help="deadline for everything, from the start")
+    p.add_argument("--run-cap-s", type=float, default=150, help="most seconds one run may take (the last: what is left)")
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):  # tiny sizes, unless given explicitly
+        p.set_defaults(prompt_len=8, completion_len=8, n_samples=2, completions=8, micro_batch=4, warmup=1, steps=2,
+                       val_size=2, run_cap_s=240, budget_s=1500)
+    args = p.parse_args(argv)
+    if not args.report and not args.out_dir:
+        p.error("--out-dir is required (or --report)")
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in args.runs if r not in RUNS]
+    if unknown:
+        p.error(f"--runs: unknown {', '.join(unknown)}; the runs are {', '.join(RUNS)}")
+    if args.completions % args.n_samples or args.completions % args.micro_batch:
+        p.error(f"--completions ({args.completions}) must be a multiple of --n-samples ({args.n_samples}) and "
+                f"--micro-batch ({args.micro_batch})")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        runs = {}
+        for path in args.report:
+            runs |= json.loads(Path(path).read_text())["runs"]
+        print(table(runs))
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: exit through run_process's finally
+    deadline = time.monotonic() + args.budget_s
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    work = Path(args.work_dir).resolve() if args.work_dir else out / "work"
+    model_dir, prompts, val = work / "model", work / "prompts.jsonl", work / "val.jsonl"
+    shape = model_shape(args.model, args.smoke)
+    words = build_model(model_dir, shape, device)
+    write_prompts(prompts, words, 4096, args.prompt_len, seed=1)
+    write_prompts(val, words, args.val_size, args.prompt_len, seed=2)
+    report = {"issue": 19, **environment(device), "device": device,
+              "setup": {"model": "smoke" if args.smoke else args.model, "shape": shape, "prompt_len": args.prompt_len,
+                        "completion_len": args.completion_len, "n_samples": args.n_samples,
+                        "completions_per_step": args.completions, "micro_batch": args.micro_batch,
+                        "warmup": args.warmup, "sglang_mem_fraction": args.sglang_mem_fraction,
+                        "reward": "vowel_share", "gpus": 1},
+              "runs": {}}
+    result_file = out / "async_grpo.json"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               RAY_USAGE_STATS_ENABLED="0", NCCL_NVLS_ENABLE="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    for i, name in enumerate(args.runs):
+        left = deadline - time.monotonic()
+        cap = left if i == len(args.runs) - 1 else min(left, args.run_cap_s)
+        if cap < 60:
+            report["runs"][name] = {"status": f"skipped: {left:.0f} s left of --budget-s (run it alone: --runs {name})"}
+            continue
+        run_dir = work / name
+        metrics = run_dir / "metrics.jsonl"
+        print(f"== {name}: up to {cap:.0f} s", flush=True)
+        with watch(metrics, gpu=device == "cuda") as seen:
+            record = run_process(run_overrides(args, name, model_dir, prompts, val, run_dir, device),
+                                 out / f"{name}.log", cap, env, leftovers=str(model_dir))
+        if metrics.exists():
+            (out / f"{name}_metrics.jsonl").write_text(metrics.read_text())
+        record |= {"overrides": RUNS[name]} | summarize_run(
+            step_rows(metrics), seen["step_end"], seen["gpu"], args.warmup, args.steps, args.completions,
+            args.prompt_len, gpus=1, synchronous=RUNS[name]["trainer.mode"] == "sync")
+        report["runs"][name] = record
+        result_file.write_text(json.dumps(report, indent=1))
+        print(f"   {record['status']} in {record['wall_s']} s: {record.get('measured_steps', 0)} measured steps, "
+              f"tokens/s/GPU {record.get('tokens_per_s_per_gpu')}", flush=True)
+        if record["status"] != "ok":
+            print("   | " + "\n   | ".join((out / record["log"]).read_text(errors="replace").splitlines()[-15:]))
+    end_sglang_servers(str(model_dir))
+    result_file.write_text(json.dumps(report, indent=1))
+    print(f"\nresults: {result_file}\n{report['gpu']}; {report['setup']['model']}, prompt {args.prompt_len} + "
+          f"completion {args.completion_len} tokens, {args.completions} completions/step ({args.n_samples} per prompt)\n")
+    print(table(report["runs"]))
+    return 0 if all(r.get("status") == "ok" for r in report["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU run of issue 19 on one GPU (one H200), after the bundle's install.sh (../shared/device/README.md):
+# benchmarks/async_grpo.py on a random Qwen2.5 shape (SIZE=0.5b or 1.5b; one call per size, ~9 min each),
+# 128-token prompts, 512-token completions (ignore_eos), 8 per prompt, COMPLETIONS per step (default 256),
+# colocated SGLang; one `python -m megarl.train` each, 1 warm-up + 4 measured steps:
+#   sync_offload   synchronous, with the offload cycle (trainer.offload_between_phases=always)
+#   sync_resident  synchronous, both engines resident (offload never)
+#   one_step_off   trainer.mode=one_step_off (async.partial=finish), resident
+#   async_s1       trainer.mode=async, async.max_staleness=1, partial rollouts resumed, resident
+#   async_s4       the same at async.max_staleness=4
+# tokens/s/GPU and step time from the measured steps' wall clock, the trainer's own perf/tokens_per_s_per_gpu,
+# staleness histograms, the sync runs' GPU busy fraction (nvidia-smi utilization.gpu every 100 ms) and overlap
+# bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the
+# call's budget is skipped and says so: run it in a second call (RUNS=async_s4). Results: $OUT/async_grpo.json
+# (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where matplotlib imports, else run
+#   python benchmarks/plot_timeline.py OUT/async_grpo.json docs/timeline.png    (on a machine that has it)
+# DEVICE=cpu: the smoke run (tiny shape, the transformers engine in SGLang's place, every run; ~4-8 min on 2 cores):
+#   DEVICE=cpu OUT=/tmp/async-smoke bash scripts/gpu/async.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+DEVICE=${DEVICE:-cuda}
+SIZE=${SIZE:-0.5b}
+RUNS=${RUNS:-sync_offload,sync_resident,one_step_off,async_s1,async_s4}
+OUT=${OUT:-/tmp/megarl-async}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
+if [ "$DEVICE" = cpu ]; then
+  export PYTHONPATH=$PWD
+  ARGS="--smoke"
+else
+  export PYTHONPATH=/tmp/site:$PWD
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
+  ARGS="--model qwen2.5-$SIZE --completions ${COMPLETIONS:-256} --budget-s ${BUDGET:-520}"
+fi
+# the model and run directories outside $OUT (what comes back is limited)
+# shellcheck disable=SC2086  # ARGS: one argument a word
+python3 -m benchmarks.async_grpo $ARGS --runs "$RUNS" --out-dir "$OUT" --work-dir "/tmp/megarl-async-work-$$"
+status=$?
+rm -rf "/tmp/megarl-async-work-$$"
+if python3 -c "import matplotlib" 2>/dev/null; then
+  python3 benchmarks/plot_timeline.py "$OUT/async_grpo.json" "$OUT/timeline_$SIZE.png"
+else
+  echo "no matplotlib here: python benchmarks/plot_timeline.py OUT/async_grpo.json timeline_$SIZE.png elsewhere"
+fi
+echo "== issue 19, $SIZE, on $(head -1 "$OUT/gpu.txt" 2>/dev/null || echo cpu): exit $status"
+python3 -m benchmarks.async_grpo --report "$OUT/async_grpo.json"
+exit $status

@@ -1,0 +1,73 @@
+"""benchmarks/async_grpo.py's own logic on the CPU: every run's overrides make a valid config of its mode, and the
+numbers (wall-clock tokens/s/GPU, GPU busy fraction, staleness histogram, overlap bound, timeline) come out of a
+metrics file as computed by hand."""
+
+import json
+
+import pytest
+
+from benchmarks.async_grpo import RUNS, main, parse_args, parse_smi, run_overrides, summarize_run, table
+from benchmarks.plot_timeline import spans_of
+from megarl.config import load_config
+
+
+def test_every_run_is_a_valid_config_of_its_mode(tmp_path):
+    args = parse_args(["--out-dir", str(tmp_path)])
+    for name, overrides in RUNS.items():
+        cmd = run_overrides(args, name, tmp_path / "m", tmp_path / "p.jsonl", tmp_path / "v.jsonl", tmp_path / name,
+                            "cuda")
+        cfg = load_config(None, cmd[3:])
+        assert cfg.trainer.mode == overrides["trainer.mode"] and cfg.rollout.engine == "sglang"
+        assert cfg.trainer.steps == 1 + 4 + 1  # warm-up, measured, and one whose metrics wait for the evaluation
+        assert cfg.data.prompts_per_step * cfg.rollout.n_samples == 256 and cfg.rollout.max_new_tokens == 512
+        assert cfg.trainer.offload_between_phases == ("always" if name == "sync_offload" else "never")
+        if cfg.trainer.mode == "async":
+            assert (cfg.async_.max_staleness, cfg.async_.partial) == (int(name[-1]), "resume")
+    with pytest.raises(SystemExit):
+        parse_args(["--out-dir", str(tmp_path), "--runs", "sync,async"])
+
+
+def test_numbers_of_a_synchronous_and_an_asynchronous_run():
+    # synchronous: 1 warm-up step, 2 measured, 1 more; the steps' metrics appeared at t = 100, 110, 118, 130
+    sync = [{"step": s, "timing/step": 8.0, "timing/generate": 5.0, "timing/reward": 1.0, "timing/train": 2.0,
+             "train/response_length": 32.0} for s in (1, 2, 3, 4)]
+    gpu = [(t, 50.0 if t <= 110 else 80.0) for t in range(95, 131)]
+    out = summarize_run(sync, {1: 100.0, 2: 110.0, 3: 118.0, 4: 130.0}, gpu, warmup=1, steps=2, completions=4,
+                        prompt_len=16, gpus=1, synchronous=True)
+    assert out["measured_steps"] == 2 and out["measured_s"] == 18.0 and out["wall_step_s"] == 9.0
+    assert out["tokens_per_s_per_gpu"] == round(4 * (16 + 32) * 2 / 18.0, 1)
+    assert out["gpu_busy"] == round((50 * 11 + 80 * 8) / 19 / 100, 3)  # the samples at 100..118 s
+    assert (out["t_gen_s"], out["t_train_s"], out["overlap_bound"]) == (6.0, 2.0, round(8 / 6, 3))
+    steps = sorted({s["step"] for s in out["timeline"]})
+    assert steps == [2, 3] and [(s["phase"], s["start"], s["end"]) for s in out["timeline"][:3]] == \
+        [("generate", 0.0, 5.0), ("reward", 5.0, 6.0), ("train", 6.0, 8.0)]  # step 2 laid back from t = 110
+    assert out["timeline"][3]["start"] == 8.0  # step 3 starts at 118 - 8 = 110
+
+    # asynchronous: the trainer's phase marks, staleness counts per step
+    rows = [{"step": s, "timing/step": 3.0, "timing/rollout": 4.0, "timing/generate": 3.5, "timing/train": 2.0,
+             "phase/rollout/start": 3.0 * s - 1, "phase/rollout/end": 3.0 * s + 3,
+             "phase/generate/start": 3.0 * s - 1, "phase/generate/end": 3.0 * s + 2.5,
+             "phase/train/start": 3.0 * s, "phase/train/end": 3.0 * s + 2, "async/staleness_0": 2, "async/staleness_1": s,
+             "perf/tokens_per_s_per_gpu": 50.0} for s in (1, 2, 3)]
+    out = summarize_run(rows, {1: 10.0, 2: 13.0, 3: 16.0}, [], warmup=1, steps=2, completions=4, prompt_len=16,
+                        gpus=1, synchronous=False)
+    assert out["staleness_histogram"] == {"0": 4, "1": 5} and out["trainer_tokens_per_s_per_gpu"] == 50.0
+    assert "overlap_bound" not in out and "gpu_busy" not in out
+    lanes = {(s["phase"], s["lane"]) for s in out["timeline"]}
+    assert lanes == {("generate", "rollout"), ("train", "trainer")}  # the rollout container left out
+    assert min(s["start"] for s in out["timeline"]) == 0.0
+    assert [(s["phase"], s["start"]) for s in spans_of({"timeline": out["timeline"]}, steps=1)] == \
+        [("generate", 0.0), ("train", 1.0)]
+
+
+def test_smi_samples_and_the_merged_report(tmp_path, capsys):
+    assert parse_smi("2026/11/24 07:25:00.250, 87\n")[1] == 87.0
+    assert parse_smi("2026/11/24 07:25:00.250, 87")[0] % 1 == 0.25
+    assert parse_smi("[Not Supported]") is None
+    for name, tps in (("sync_resident", 100.0), ("async_s1", 150.0)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"runs": {name: {"status": "ok", "tokens_per_s_per_gpu": tps}}}))
+    assert main(["--report", str(tmp_path / "sync_resident.json"), str(tmp_path / "async_s1.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("| async_s1 | ok |") and "| 1.50x |" in lines[-1]
+    assert "| 1.00x |" in lines[-2]
+    assert table({}).count("\n") == 1
