@@ -22,7 +22,8 @@ so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoi
 - POST /destroy_weights_update_group {group_name}.
 - POST /weights_checker {action: snapshot | reset_tensors | compare}, /update_weights_from_disk {model_path}:
   what megarl.rollout.sglang.verify_inside_sglang uses (per TP rank).
-With --tp N --model-path DIR the server has N TP ranks (`tp_model`: SGLang's sharding and presharded loading),
+With --tp N --model-path DIR the server has N TP ranks (`tp_model`: SGLang's sharding and presharded loading;
+a DeepSeek config.json: fake_sglang_deepseek.DeepseekRank, with --ep-size E SGLang's expert-parallel placement),
 payload r of a weight update loads into rank r. Test controls: POST /fake/config {"generate_delay", "hang",
 "die_on_generate", "corrupt": [rank, name] (after each weight update, one element of that rank's tensor is off)}; GET /fake/log (the requests received); GET /fake/weights[?rank=r] (name -> [dtype, shape,
 sha1 of the bytes]).
@@ -337,7 +338,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.startswith("/fake/weights"):  # ?rank=r: TP rank r's
             rank = int(self.path.partition("rank=")[2] or 0)
             model = STATE.ranks[rank] if STATE.ranks else STATE.model
-            return self.reply(200, {n: digest(t) for n, t in model.weights.items()})
+            held = model.weights if hasattr(model, "weights") else dict(model.named_parameters())
+            return self.reply(200, {n: digest(t) for n, t in held.items()})
         self.reply(404, {"detail": "Not Found"})
 
     def do_POST(self):
@@ -375,12 +377,17 @@ def main():
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--context-length", type=int, default=STATE.context_length)
     parser.add_argument("--tp", type=int, default=1, help="with --model-path: a TP server (tp_model per rank)")
-    parser.add_argument("--model-path", default=None, help="a Qwen2-style HF directory (its config.json)")
+    parser.add_argument("--model-path", default=None, help="a Qwen2-style or DeepSeek HF directory (its config.json)")
+    parser.add_argument("--ep-size", type=int, default=1, help="with a DeepSeek --model-path: SGLang's expert parallelism")
     args = parser.parse_args()
     if args.model_path:
         with open(os.path.join(args.model_path, "config.json")) as f:
             hf = json.load(f)
-        STATE.ranks = [tp_model(hf, r, args.tp) for r in range(args.tp)]
+        if hf["model_type"].startswith("deepseek"):
+            from tests.rollout.fake_sglang_deepseek import DeepseekRank
+            STATE.ranks = [DeepseekRank(hf, r, args.tp, ep=args.ep_size) for r in range(args.tp)]
+        else:
+            STATE.ranks = [tp_model(hf, r, args.tp) for r in range(args.tp)]
     Handler.never_healthy = args.never_healthy
     STATE.context_length = args.context_length
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
