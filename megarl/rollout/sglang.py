@@ -20,7 +20,7 @@ TP group, owned by this engine (the launch command, the server process and its H
   `end_weight_update`: CUDA IPC when colocated (transports/cuda_ipc.py), NCCL broadcast when
   disaggregated (transports/nccl_broadcast.py: the rank is rank 0 of a weight group with each server).
 - Colocated memory: when a server has no rows in flight its KV cache is released (the trainer gets
-  that memory back); the next generate resumes it first and flushes the prefix cache if weights
+  that memory back; `release_kv`: not in the asynchronous modes, which generate beside training); the next generate resumes it first and flushes the prefix cache if weights
   changed. release_memory() also drops the weights (SGLang keeps no copy): they must be pushed again.
 - Verification inside SGLang (`verify_weights`): the weights SGLang received are snapshotted by its
   own weights checker, reset to noise, reloaded by SGLang's own loader from a file of the exported
@@ -64,7 +64,8 @@ class SGLangRolloutEngine(RolloutEngine):
                  verify_dir: str | None = None, sampling_overrides: dict | None = None,
                  weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
                  gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0,
-                 serializer: Callable[[object], str] | None = None, deterministic: bool = False, **server_kwargs):
+                 serializer: Callable[[object], str] | None = None, deterministic: bool = False,
+                 release_kv: bool | None = None, **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
         place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
         `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
@@ -73,8 +74,11 @@ class SGLangRolloutEngine(RolloutEngine):
         graphs (sglang_server's decode_rows); 0 = SGLang's own sizes.
         `serializer`: how requests to megarl's loader inside SGLang carry tensors (default SGLang's CUDA IPC).
         `deterministic`: servers in SGLang's deterministic-inference mode, and a sampling seed per response
-        (SGLang ignores seeds outside that mode), so the same call with the same params.seed samples the same."""
+        (SGLang ignores seeds outside that mode), so the same call with the same params.seed samples the same.
+        `release_kv`: a server with no rows in flight gives its KV cache back (to the trainer) until the next
+        generate; default: when colocated (the asynchronous modes, generating beside training, keep it)."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
+        self.release_kv = colocated if release_kv is None else release_kv
         self.deterministic = deterministic
         if gpus:
             if len(gpus) % tp:
@@ -128,7 +132,7 @@ class SGLangRolloutEngine(RolloutEngine):
         with self.lock:
             state = self.state[index]
             state.load -= rows
-            if self.colocated and state.load == 0 and not state.kv_released and self.servers[index].alive():
+            if self.release_kv and state.load == 0 and not state.kv_released and self.servers[index].alive():
                 # nothing in flight: give the KV cache's memory back to the trainer until the next rollout
                 self.servers[index].post("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
                 state.kv_released = True

@@ -34,6 +34,8 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    batch_rows=(cfg.data.prompts_per_step + cfg.agent.oversample_groups) * r.n_samples,
                                    extra_args=tuple(r.sglang_args), deterministic=r.deterministic,
+                                   # the asynchronous modes generate beside training: the KV cache stays
+                                   release_kv=colocated and cfg.trainer.mode == "sync",
                                    dtype="float32" if cfg.actor.precision == "fp32" else "bfloat16",
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
