@@ -1,7 +1,9 @@
-"""Asynchronous GRPO on one GPU (issue 19): the synchronous loop against one_step_off and async, same workload.
+"""Asynchronous GRPO: the synchronous loop against one_step_off and async on the same workload, on one GPU
+(issue 19) or disaggregated over several (issue 25).
 
-    python -m benchmarks.async_grpo --model qwen2.5-0.5b --out-dir OUT     # one H200: every run, ~9 min
-    python -m benchmarks.async_grpo --smoke --out-dir OUT                  # CPU: tiny shapes, the transformers engine
+    python -m benchmarks.async_grpo --model qwen2.5-0.5b --out-dir OUT     # issue 19, one H200: every run, ~9 min
+    python -m benchmarks.async_grpo --issue 25 --lengths fixed --runs disagg_sync,disagg_async_s1 --out-dir OUT
+    python -m benchmarks.async_grpo --smoke [--issue 25] --out-dir OUT     # CPU: tiny shapes, the transformers engine
     python -m benchmarks.async_grpo --report OUT1/async_grpo.json ...      # one table from several calls' results
 
 The workload of benchmarks/e2e_vs_trl.py: a random-initialised Qwen2 of the shape in configs/models/<--model>.json
@@ -16,6 +18,17 @@ process under a deadline (warm-up steps left out of the numbers):
   one_step_off    trainer.mode=one_step_off (the rollout of step t+1 beside the training of step t), resident
   async_s1        trainer.mode=async, async.max_staleness=1, partial rollouts resumed at each update, resident
   async_s4        the same with async.max_staleness=4
+
+Issue 25 (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64 prompts
+per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: the
+random model's vocabulary has --tail-share x ... stop tokens, so that about 10% of its near-uniform samples run to
+4096 and the rest end geometrically before: partial rollouts matter); runs named <run>_<lengths>:
+  colocated_sync        trainer.mode=sync on all --gpus, a colocated SGLang server on each, the offload cycle
+  disagg_sync           the trainer on --gpus minus --server-gpus GPUs, SGLang servers on --server-gpus of their
+                        own (rollout.sglang_gpus: weights broadcast over NCCL), synchronous
+  disagg_one_step_off   the same placement, trainer.mode=one_step_off
+  disagg_async_s1/_s4   the same placement, trainer.mode=async at async.max_staleness 1 / 4, partial rollouts resumed
+Their speed-ups are against disagg_sync of the same lengths, beside its bound.
 
 Per run: step time and tokens/s/GPU over the measured steps' wall clock (every token of a step, prompt and
 completion, over the GPUs and the time from the end of the last warm-up step to the end of the last measured step,
@@ -45,26 +58,56 @@ from types import SimpleNamespace
 from benchmarks.e2e_vs_trl import (ROOT, build_model, end_sglang_servers, environment, megarl_command, model_shape,
                                    run_process, write_prompts)
 
-RUNS = {  # run -> megarl.train overrides beside the workload's
-    "sync_offload": {"trainer.mode": "sync", "trainer.offload_between_phases": "always"},
-    "sync_resident": {"trainer.mode": "sync", "trainer.offload_between_phases": "never"},
-    "one_step_off": {"trainer.mode": "one_step_off", "async.partial": "finish",
-                     "trainer.offload_between_phases": "never"},
-    "async_s1": {"trainer.mode": "async", "async.max_staleness": 1, "async.partial": "resume",
-                 "trainer.offload_between_phases": "never"},
-    "async_s4": {"trainer.mode": "async", "async.max_staleness": 4, "async.partial": "resume",
-                 "trainer.offload_between_phases": "never"},
+ONE_STEP_OFF = {"trainer.mode": "one_step_off", "async.partial": "finish"}
+ASYNC = {"trainer.mode": "async", "async.partial": "resume"}
+RUNS = {  # run -> (placement, megarl.train overrides beside the workload's)
+    "sync_offload": ("colocated", {"trainer.mode": "sync", "trainer.offload_between_phases": "always"}),
+    "sync_resident": ("colocated", {"trainer.mode": "sync", "trainer.offload_between_phases": "never"}),
+    "one_step_off": ("colocated", ONE_STEP_OFF),
+    "async_s1": ("colocated", ASYNC | {"async.max_staleness": 1}),
+    "async_s4": ("colocated", ASYNC | {"async.max_staleness": 4}),
+    "colocated_sync": ("colocated", {"trainer.mode": "sync", "trainer.offload_between_phases": "auto"}),
+    "disagg_sync": ("disaggregated", {"trainer.mode": "sync"}),
+    "disagg_one_step_off": ("disaggregated", ONE_STEP_OFF),
+    "disagg_async_s1": ("disaggregated", ASYNC | {"async.max_staleness": 1}),
+    "disagg_async_s4": ("disaggregated", ASYNC | {"async.max_staleness": 4}),
 }
+SUITES = {19: ["sync_offload", "sync_resident", "one_step_off", "async_s1", "async_s4"],
+          25: ["colocated_sync", "disagg_sync", "disagg_one_step_off", "disagg_async_s1", "disagg_async_s4"]}
 ROLLOUT_PHASES = ("generate", "reward", "generate_baseline")  # the rollout side's lane; the rest are the trainer's
 CONTAINERS = ("rollout",)  # phases made of others (the rollout thread's whole batch): left out of timelines
 
 
 def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, run_dir: Path, device: str) -> list[str]:
-    """The megarl.train command of run `name`: e2e_vs_trl's workload overrides, then the run's own."""
+    """The megarl.train command of run `name`: e2e_vs_trl's workload overrides, the placement's, then the run's."""
     # one step more than measured: the last step's metrics appear only after the final held-out evaluation
     workload = SimpleNamespace(**vars(args), megarl_warmup=args.warmup, megarl_steps=args.steps + 1, offload="never")
     cmd = megarl_command(workload, model_dir, prompts, val, args.completions, run_dir, device)
-    return cmd + [f"{k}={v}" for k, v in RUNS[name].items()]
+    placement, overrides = RUNS[name]
+    if placement == "colocated":
+        cmd.append(f"actor.parallel.world_size={args.gpus}")
+    else:  # servers on GPUs of their own (on the CPU, the transformers engine in its own actor stands in)
+        cmd.append(f"actor.parallel.world_size={args.gpus - args.server_gpus}")
+        if not args.smoke:
+            cmd += [f"rollout.sglang_gpus={args.server_gpus}", f"rollout.sglang_mem_fraction={args.server_mem_fraction}"]
+    if args.lengths == "tail":  # the stop tokens end rows (build_model's long_tail_stops)
+        cmd.append("rollout.ignore_eos=false")
+    return cmd + [f"{k}={v}" for k, v in overrides.items()]
+
+
+def long_tail_stops(model_dir: Path, cap: int, share: float) -> int:
+    """Make enough of the model's vocabulary stop tokens (its EOS ids, in config.json and generation_config.json) that
+    a row sampled near-uniformly (a random model's) runs to `cap` tokens with probability `share`: each token stops it
+    with p = 1 - share^(1/cap), so k = p x vocab ids, spread over the vocabulary. Returns k."""
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    k = max(1, round(vocab * (1 - share ** (1 / cap))))
+    stops = [config["eos_token_id"]] + list(range(2, vocab, max(1, (vocab - 2) // k)))[:k - 1]
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((model_dir / name).read_text())
+        data["eos_token_id"] = stops
+        (model_dir / name).write_text(json.dumps(data, indent=1))
+    return k
 
 
 # ---- watching a run: when each step ended, and the GPU's utilisation ------------------------------------------
@@ -73,7 +116,7 @@ def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, ru
 @contextmanager
 def watch(metrics_file: Path, gpu: bool):
     """While the run goes: the wall-clock time at which each step's metrics line appeared (polled every 0.1 s) and,
-    on a GPU, nvidia-smi's utilization.gpu every 100 ms. Yields a dict filled with "step_end" {step: unix s} and
+    on GPUs, nvidia-smi's utilization.gpu of each every 100 ms. Yields a dict filled with "step_end" {step: unix s} and
     "gpu" [(unix s, percent)]."""
     seen: dict = {"step_end": {}, "gpu": []}
     stop = threading.Event()
@@ -95,9 +138,9 @@ def watch(metrics_file: Path, gpu: bool):
 
     smi = None
     if gpu:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu", "--format=csv,noheader,nounits",
-                                "-lms", "100", *(["-i", os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]]
-                                                 if os.environ.get("CUDA_VISIBLE_DEVICES") else [])],
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # every GPU of the run: its samples are averaged
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,index,utilization.gpu",
+                                "--format=csv,noheader,nounits", "-lms", "100", *(["-i", visible] if visible else [])],
                                stdout=subprocess.PIPE, text=True)
 
         def follow_gpu():
@@ -119,9 +162,11 @@ def watch(metrics_file: Path, gpu: bool):
 
 
 def parse_smi(line: str) -> tuple[float, float] | None:
-    """'2026/11/24 07:25:00.123, 87' (nvidia-smi's local time) -> (unix seconds, percent); None if unreadable."""
+    """'2026/11/24 07:25:00.123, 0, 87' (nvidia-smi's local time, GPU, utilization) -> (unix seconds, percent);
+    None if unreadable."""
     try:
-        stamp, percent = (p.strip() for p in line.split(","))
+        fields = [p.strip() for p in line.split(",")]
+        stamp, percent = fields[0], fields[-1]
         whole, _, millis = stamp.partition(".")
         return time.mktime(time.strptime(whole, "%Y/%m/%d %H:%M:%S")) + float(f"0.{millis or 0}"), float(percent)
     except ValueError:
@@ -231,20 +276,24 @@ def timeline(rows: list[dict], step_end: dict) -> list[dict]:
 
 
 def table(runs: dict) -> str:
-    """One row per run; the speed-up is against the best synchronous run's tokens/s/GPU."""
-    sync = [r["tokens_per_s_per_gpu"] for n, r in runs.items() if n.startswith("sync") and r.get("tokens_per_s_per_gpu")]
-    best = max(sync, default=None)
-    lines = ["| run | status | measured steps | step s | tokens/s/GPU | vs best sync | trainer's tok/s/GPU | GPU busy "
-             "| staleness (rows by k) | bound | phases (mean s) |", "|" + " --- |" * 11]
+    """One row per run. The speed-up is against the run's `baseline` (issue 25: disagg_sync of the same lengths),
+    else against the best synchronous run's tokens/s/GPU; the bound beside it is that baseline's (sync runs: their own)."""
+    sync = [r for r in runs.values() if r.get("synchronous") and r.get("tokens_per_s_per_gpu")]
+    best = max(sync, key=lambda r: r["tokens_per_s_per_gpu"], default={})
+    lines = ["| run | status | measured steps | step s | tokens/s/GPU | speed-up (baseline) | bound | trainer's "
+             "tok/s/GPU | GPU busy | staleness (rows by k) | phases (mean s) |", "|" + " --- |" * 11]
     for name, r in runs.items():
-        tps = r.get("tokens_per_s_per_gpu")
+        base = runs.get(r.get("baseline"), best)
+        tps, base_tps = r.get("tokens_per_s_per_gpu"), base.get("tokens_per_s_per_gpu")
+        bound = (r if r.get("synchronous") else base).get("overlap_bound")
         f = lambda k, fmt="{:.3g}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
         staleness = " ".join(f"{k}:{v:g}" for k, v in r.get("staleness_histogram", {}).items()) or "-"
         phases = ", ".join(f"{k} {v:.3g}" for k, v in r.get("phase_s", {}).items())
+        speedup = f"{tps / base_tps:.2f}x ({base.get('name')})" if tps and base_tps else "-"
         lines.append(f"| {name} | {r.get('status', '-')} | {r.get('measured_steps', 0)} | {f('wall_step_s')} "
-                     f"| {f('tokens_per_s_per_gpu', '{:,.0f}')} | {f'{tps / best:.2f}x' if tps and best else '-'} "
+                     f"| {f('tokens_per_s_per_gpu', '{:,.0f}')} | {speedup} | {'-' if bound is None else f'{bound:.2f}x'} "
                      f"| {f('trainer_tokens_per_s_per_gpu', '{:,.0f}')} | {f('gpu_busy', '{:.0%}')} | {staleness} "
-                     f"| {f('overlap_bound', '{:.2f}x')} | {phases} |")
+                     f"| {phases} |")
     return "\n".join(lines)
 
 
@@ -254,8 +303,17 @@ def parse_args(argv=None):
     p.add_argument("--report", nargs="+", metavar="JSON", help="print one table from these results files and exit")
     p.add_argument("--work-dir", default="", help="the model, prompts and run directories (default OUT/work)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model and lengths, the transformers engine")
+    p.add_argument("--issue", type=int, choices=sorted(SUITES), default=19, help="the runs and workload of issue 19 "
+                   "(one GPU) or 25 (several, disaggregated)")
     p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--runs", default="", help=f"comma-separated, of {', '.join(RUNS)} (default: the issue's)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of every run (tokens/s/GPU divides by them)")
+    p.add_argument("--server-gpus", type=int, default=0, help="disaggregated runs: the SGLang servers' GPUs "
+                                                              "(default half of --gpus)")
+    p.add_argument("--lengths", choices=("fixed", "tail"), default="fixed", help="fixed: every completion "
+                   "--completion-len tokens (ignore_eos); tail: natural lengths up to --completion-len, --tail-share of "
+                   "them at that cap (long_tail_stops)")
+    p.add_argument("--tail-share", type=float, default=0.1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=512)
     p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
@@ -264,19 +322,28 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the numbers")
     p.add_argument("--steps", type=int, default=4, help="measured steps")
     p.add_argument("--val-size", type=int, default=8, help="held-out prompts, scored before and after")
-    p.add_argument("--sglang-mem-fraction", type=float, default=0.35)
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="colocated runs")
+    p.add_argument("--server-mem-fraction", type=float, default=0.85, help="disaggregated runs' servers")
     p.add_argument("--budget-s", type=float, default=520, help="deadline for everything, from the start")
     p.add_argument("--run-cap-s", type=float, default=150, help="most seconds one run may take (the last: what is left)")
-    if "--smoke" in (sys.argv[1:] if argv is None else argv):  # tiny sizes, unless given explicitly
+    given = sys.argv[1:] if argv is None else argv
+    if "25" in given and given[given.index("25") - 1] == "--issue":  # its workload, unless given explicitly
+        tail = "tail" in given and given[given.index("tail") - 1] == "--lengths"
+        p.set_defaults(model="qwen2.5-1.5b", gpus=2, completion_len=4096 if tail else 1024, completions=512,
+                       run_cap_s=400)
+    if "--smoke" in given:  # tiny sizes
         p.set_defaults(prompt_len=8, completion_len=8, n_samples=2, completions=8, micro_batch=4, warmup=1, steps=2,
-                       val_size=2, run_cap_s=240, budget_s=1500)
+                       val_size=2, run_cap_s=300, budget_s=2400)
     args = p.parse_args(argv)
     if not args.report and not args.out_dir:
         p.error("--out-dir is required (or --report)")
-    args.runs = [r for r in args.runs.split(",") if r]
+    args.runs = [r for r in args.runs.split(",") if r] or SUITES[args.issue]
     unknown = [r for r in args.runs if r not in RUNS]
     if unknown:
         p.error(f"--runs: unknown {', '.join(unknown)}; the runs are {', '.join(RUNS)}")
+    args.server_gpus = args.server_gpus or args.gpus // 2
+    if any(RUNS[r][0] == "disaggregated" for r in args.runs) and not 0 < args.server_gpus < args.gpus:
+        p.error(f"disaggregated runs need --gpus >= 2 with --server-gpus below it (got {args.gpus}, {args.server_gpus})")
     if args.completions % args.n_samples or args.completions % args.micro_batch:
         p.error(f"--completions ({args.completions}) must be a multiple of --n-samples ({args.n_samples}) and "
                 f"--micro-batch ({args.micro_batch})")
@@ -302,37 +369,44 @@ def main(argv=None) -> int:
     model_dir, prompts, val = work / "model", work / "prompts.jsonl", work / "val.jsonl"
     shape = model_shape(args.model, args.smoke)
     words = build_model(model_dir, shape, device)
+    stops = long_tail_stops(model_dir, args.completion_len, args.tail_share) if args.lengths == "tail" else 1
     write_prompts(prompts, words, 4096, args.prompt_len, seed=1)
     write_prompts(val, words, args.val_size, args.prompt_len, seed=2)
-    report = {"issue": 19, **environment(device), "device": device,
+    report = {"issue": args.issue, **environment(device), "device": device,
               "setup": {"model": "smoke" if args.smoke else args.model, "shape": shape, "prompt_len": args.prompt_len,
-                        "completion_len": args.completion_len, "n_samples": args.n_samples,
-                        "completions_per_step": args.completions, "micro_batch": args.micro_batch,
-                        "warmup": args.warmup, "sglang_mem_fraction": args.sglang_mem_fraction,
-                        "reward": "vowel_share", "gpus": 1},
+                        "completion_len": args.completion_len, "lengths": args.lengths, "stop_tokens": stops,
+                        "n_samples": args.n_samples, "completions_per_step": args.completions,
+                        "micro_batch": args.micro_batch, "warmup": args.warmup, "gpus": args.gpus,
+                        "server_gpus": args.server_gpus, "sglang_mem_fraction": args.sglang_mem_fraction,
+                        "server_mem_fraction": args.server_mem_fraction, "reward": "vowel_share"},
               "runs": {}}
     result_file = out / "async_grpo.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                RAY_USAGE_STATS_ENABLED="0", NCCL_NVLS_ENABLE="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    tag = (lambda name: f"{name}_{args.lengths}") if args.issue == 25 else (lambda name: name)
     for i, name in enumerate(args.runs):
         left = deadline - time.monotonic()
         cap = left if i == len(args.runs) - 1 else min(left, args.run_cap_s)
         if cap < 60:
-            report["runs"][name] = {"status": f"skipped: {left:.0f} s left of --budget-s (run it alone: --runs {name})"}
+            report["runs"][tag(name)] = {"status": f"skipped: {left:.0f} s left of --budget-s (run it alone: "
+                                                   f"--runs {name})"}
             continue
         run_dir = work / name
         metrics = run_dir / "metrics.jsonl"
-        print(f"== {name}: up to {cap:.0f} s", flush=True)
+        print(f"== {tag(name)}: up to {cap:.0f} s", flush=True)
         with watch(metrics, gpu=device == "cuda") as seen:
             record = run_process(run_overrides(args, name, model_dir, prompts, val, run_dir, device),
-                                 out / f"{name}.log", cap, env, leftovers=str(model_dir))
+                                 out / f"{tag(name)}.log", cap, env, leftovers=str(model_dir))
         if metrics.exists():
-            (out / f"{name}_metrics.jsonl").write_text(metrics.read_text())
-        record |= {"overrides": RUNS[name]} | summarize_run(
+            (out / f"{tag(name)}_metrics.jsonl").write_text(metrics.read_text())
+        placement, overrides = RUNS[name]
+        synchronous = overrides["trainer.mode"] == "sync"
+        record |= {"name": tag(name), "placement": placement, "overrides": overrides, "synchronous": synchronous,
+                   "baseline": tag("disagg_sync") if args.issue == 25 else None} | summarize_run(
             step_rows(metrics), seen["step_end"], seen["gpu"], args.warmup, args.steps, args.completions,
-            args.prompt_len, gpus=1, synchronous=RUNS[name]["trainer.mode"] == "sync")
-        report["runs"][name] = record
+            args.prompt_len, args.gpus, synchronous)
+        report["runs"][tag(name)] = record
         result_file.write_text(json.dumps(report, indent=1))
         print(f"   {record['status']} in {record['wall_s']} s: {record.get('measured_steps', 0)} measured steps, "
               f"tokens/s/GPU {record.get('tokens_per_s_per_gpu')}", flush=True)
@@ -340,8 +414,9 @@ def main(argv=None) -> int:
             print("   | " + "\n   | ".join((out / record["log"]).read_text(errors="replace").splitlines()[-15:]))
     end_sglang_servers(str(model_dir))
     result_file.write_text(json.dumps(report, indent=1))
-    print(f"\nresults: {result_file}\n{report['gpu']}; {report['setup']['model']}, prompt {args.prompt_len} + "
-          f"completion {args.completion_len} tokens, {args.completions} completions/step ({args.n_samples} per prompt)\n")
+    print(f"\nresults: {result_file}\n{report['gpu']} x {args.gpus}; {report['setup']['model']}, prompt "
+          f"{args.prompt_len} + completion {args.completion_len} tokens ({args.lengths}), {args.completions} "
+          f"completions/step ({args.n_samples} per prompt)\n")
     print(table(report["runs"]))
     return 0 if all(r.get("status") == "ok" for r in report["runs"].values()) else 1
 

@@ -6,25 +6,47 @@ import json
 
 import pytest
 
-from benchmarks.async_grpo import RUNS, main, parse_args, parse_smi, run_overrides, summarize_run, table
+from benchmarks.async_grpo import (RUNS, long_tail_stops, main, parse_args, parse_smi, run_overrides, summarize_run,
+                                   table)
 from benchmarks.plot_timeline import spans_of
 from megarl.config import load_config
 
 
-def test_every_run_is_a_valid_config_of_its_mode(tmp_path):
-    args = parse_args(["--out-dir", str(tmp_path)])
-    for name, overrides in RUNS.items():
-        cmd = run_overrides(args, name, tmp_path / "m", tmp_path / "p.jsonl", tmp_path / "v.jsonl", tmp_path / name,
-                            "cuda")
-        cfg = load_config(None, cmd[3:])
-        assert cfg.trainer.mode == overrides["trainer.mode"] and cfg.rollout.engine == "sglang"
-        assert cfg.trainer.steps == 1 + 4 + 1  # warm-up, measured, and one whose metrics wait for the evaluation
-        assert cfg.data.prompts_per_step * cfg.rollout.n_samples == 256 and cfg.rollout.max_new_tokens == 512
-        assert cfg.trainer.offload_between_phases == ("always" if name == "sync_offload" else "never")
-        if cfg.trainer.mode == "async":
-            assert (cfg.async_.max_staleness, cfg.async_.partial) == (int(name[-1]), "resume")
+def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
+    for issue in (19, 25):
+        args = parse_args(["--out-dir", str(tmp_path), "--issue", str(issue), "--gpus", "4" if issue == 25 else "1"])
+        for name in args.runs:
+            placement, overrides = RUNS[name]
+            cmd = run_overrides(args, name, tmp_path / "m", tmp_path / "p.jsonl", tmp_path / "v.jsonl",
+                                tmp_path / name, "cuda")
+            cfg = load_config(None, cmd[3:])
+            assert cfg.trainer.mode == overrides["trainer.mode"] and cfg.rollout.engine == "sglang"
+            assert cfg.trainer.steps == 1 + 4 + 1  # warm-up, measured, and one whose metrics wait for the evaluation
+            assert cfg.rollout.ignore_eos and cfg.rollout.n_samples == 8 and cfg.data.prompts_per_step == \
+                (32 if issue == 19 else 64)
+            assert cfg.rollout.max_new_tokens == (512 if issue == 19 else 1024)
+            disaggregated = placement == "disaggregated"
+            assert (cfg.actor.parallel.world_size, cfg.rollout.sglang_gpus) == ((2, 2) if disaggregated else
+                                                                                (args.gpus, 0))
+            if name in ("sync_offload", "sync_resident"):
+                assert cfg.trainer.offload_between_phases == ("always" if name == "sync_offload" else "never")
+            if cfg.trainer.mode == "async":
+                assert (cfg.async_.max_staleness, cfg.async_.partial) == (int(name[-1]), "resume")
+    assert parse_args(["--out-dir", "o", "--issue", "25", "--lengths", "tail"]).completion_len == 4096
     with pytest.raises(SystemExit):
         parse_args(["--out-dir", str(tmp_path), "--runs", "sync,async"])
+    with pytest.raises(SystemExit):  # disaggregated on one GPU
+        parse_args(["--out-dir", str(tmp_path), "--runs", "disagg_sync"])
+
+
+def test_long_tail_stops_make_about_the_share_run_to_the_cap(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1024, "eos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    k = long_tail_stops(tmp_path, cap=8, share=0.1)
+    stops = json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"]
+    assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == stops
+    assert len(set(stops)) == k == 256 and stops[0] == 1 and 0 not in stops and max(stops) < 1024
+    assert abs((1 - k / 1024) ** 8 - 0.1) < 0.005  # uniform samples: the share that reaches the cap
 
 
 def test_numbers_of_a_synchronous_and_an_asynchronous_run():
@@ -61,13 +83,14 @@ def test_numbers_of_a_synchronous_and_an_asynchronous_run():
 
 
 def test_smi_samples_and_the_merged_report(tmp_path, capsys):
-    assert parse_smi("2026/11/24 07:25:00.250, 87\n")[1] == 87.0
-    assert parse_smi("2026/11/24 07:25:00.250, 87")[0] % 1 == 0.25
+    assert parse_smi("2026/11/24 07:25:00.250, 1, 87\n")[1] == 87.0
+    assert parse_smi("2026/11/24 07:25:00.250, 0, 87")[0] % 1 == 0.25
     assert parse_smi("[Not Supported]") is None
     for name, tps in (("sync_resident", 100.0), ("async_s1", 150.0)):
-        (tmp_path / f"{name}.json").write_text(json.dumps({"runs": {name: {"status": "ok", "tokens_per_s_per_gpu": tps}}}))
+        record = {"name": name, "status": "ok", "tokens_per_s_per_gpu": tps, "synchronous": name.startswith("sync")}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"runs": {name: record | {"overlap_bound": 1.6}}}))
     assert main(["--report", str(tmp_path / "sync_resident.json"), str(tmp_path / "async_s1.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].startswith("| async_s1 | ok |") and "| 1.50x |" in lines[-1]
-    assert "| 1.00x |" in lines[-2]
+    assert lines[-1].startswith("| async_s1 | ok |") and "| 1.50x (sync_resident) | 1.60x |" in lines[-1]
+    assert "| 1.00x (sync_resident) |" in lines[-2]
     assert table({}).count("\n") == 1
