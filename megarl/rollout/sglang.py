@@ -9,6 +9,8 @@ TP group, owned by this engine (the launch command, the server process and its H
   with the tokens and log-probs it has so far) and holds new ones here, so the weight update finds no request
   holding SGLang's model-update lock; resume_generation re-submits them as prompt + tokens so far, with what is
   left of their budget and their own sampling seeds, and each token carries the policy version that produced it.
+  (Not SGLang's own /pause_generation: its abort mode waits for the requests in 1 s polls, and its retract and
+  in_place modes go on inside the server under the new weights without saying which tokens each version wrote.)
 - A server that dies is restarted (by the injectable `launch`) and its requests retried: on another
   server holding the current policy when there is one; on the restarted server only while no policy
   was pushed (a restarted server holds its checkpoint weights: generating from them after a sync would
@@ -45,7 +47,7 @@ import torch
 
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
-from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, sglang_server
+from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, json_loads, sglang_server
 from megarl.rollout.transports import cuda_ipc
 
 
@@ -301,7 +303,7 @@ class SGLangRolloutEngine(RolloutEngine):
             self._inspect(lambda i, r: {"checksums": str(files[i, r])})
         held: dict[int, dict[int, dict[str, list]]] = {}
         for (i, r), path in files.items():
-            held.setdefault(i, {})[r] = json.loads(path.read_text())
+            held.setdefault(i, {})[r] = json_loads(path.read_bytes())  # orjson where SGLang is
             path.unlink()
         return held
 
