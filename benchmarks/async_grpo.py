@@ -20,9 +20,9 @@ process under a deadline (warm-up steps left out of the numbers):
   async_s4        the same with async.max_staleness=4
 
 Issue 25 (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64 prompts
-per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: the
-random model's vocabulary has --tail-share x ... stop tokens, so that about 10% of its near-uniform samples run to
-4096 and the rest end geometrically before: partial rollouts matter); runs named <run>_<lengths>:
+per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: so
+many of the random model's vocabulary are stop tokens that --tail-share (10%) of its near-uniform samples run to
+4096 and the rest end before, geometrically: partial rollouts matter; long_tail_stops); runs named <run>_<lengths>:
   colocated_sync        trainer.mode=sync on all --gpus, a colocated SGLang server on each, the offload cycle
   disagg_sync           the trainer on --gpus minus --server-gpus GPUs, SGLang servers on --server-gpus of their
                         own (rollout.sglang_gpus: weights broadcast over NCCL), synchronous
@@ -89,7 +89,8 @@ def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, ru
     else:  # servers on GPUs of their own (on the CPU, the transformers engine in its own actor stands in)
         cmd.append(f"actor.parallel.world_size={args.gpus - args.server_gpus}")
         if not args.smoke:
-            cmd += [f"rollout.sglang_gpus={args.server_gpus}", f"rollout.sglang_mem_fraction={args.server_mem_fraction}"]
+            cmd += [f"rollout.sglang_gpus={args.server_gpus}",
+                    f"rollout.sglang_mem_fraction={args.server_mem_fraction}"]
     if args.lengths == "tail":  # the stop tokens end rows (build_model's long_tail_stops)
         cmd.append("rollout.ignore_eos=false")
     return cmd + [f"{k}={v}" for k, v in overrides.items()]
@@ -277,7 +278,8 @@ def timeline(rows: list[dict], step_end: dict) -> list[dict]:
 
 def table(runs: dict) -> str:
     """One row per run. The speed-up is against the run's `baseline` (issue 25: disagg_sync of the same lengths),
-    else against the best synchronous run's tokens/s/GPU; the bound beside it is that baseline's (sync runs: their own)."""
+    else against the best synchronous run's tokens/s/GPU; the bound beside it is that baseline's (a synchronous run's:
+    its own)."""
     sync = [r for r in runs.values() if r.get("synchronous") and r.get("tokens_per_s_per_gpu")]
     best = max(sync, key=lambda r: r["tokens_per_s_per_gpu"], default={})
     lines = ["| run | status | measured steps | step s | tokens/s/GPU | speed-up (baseline) | bound | trainer's "
@@ -291,7 +293,8 @@ def table(runs: dict) -> str:
         phases = ", ".join(f"{k} {v:.3g}" for k, v in r.get("phase_s", {}).items())
         speedup = f"{tps / base_tps:.2f}x ({base.get('name')})" if tps and base_tps else "-"
         lines.append(f"| {name} | {r.get('status', '-')} | {r.get('measured_steps', 0)} | {f('wall_step_s')} "
-                     f"| {f('tokens_per_s_per_gpu', '{:,.0f}')} | {speedup} | {'-' if bound is None else f'{bound:.2f}x'} "
+                     f"| {f('tokens_per_s_per_gpu', '{:,.0f}')} | {speedup} "
+                     f"| {'-' if bound is None else f'{bound:.2f}x'} "
                      f"| {f('trainer_tokens_per_s_per_gpu', '{:,.0f}')} | {f('gpu_busy', '{:.0%}')} | {staleness} "
                      f"| {phases} |")
     return "\n".join(lines)
@@ -311,8 +314,8 @@ def parse_args(argv=None):
     p.add_argument("--server-gpus", type=int, default=0, help="disaggregated runs: the SGLang servers' GPUs "
                                                               "(default half of --gpus)")
     p.add_argument("--lengths", choices=("fixed", "tail"), default="fixed", help="fixed: every completion "
-                   "--completion-len tokens (ignore_eos); tail: natural lengths up to --completion-len, --tail-share of "
-                   "them at that cap (long_tail_stops)")
+                   "--completion-len tokens (ignore_eos); tail: natural lengths up to --completion-len, "
+                   "--tail-share of them at that cap (long_tail_stops)")
     p.add_argument("--tail-share", type=float, default=0.1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=512)
@@ -325,7 +328,8 @@ def parse_args(argv=None):
     p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="colocated runs")
     p.add_argument("--server-mem-fraction", type=float, default=0.85, help="disaggregated runs' servers")
     p.add_argument("--budget-s", type=float, default=520, help="deadline for everything, from the start")
-    p.add_argument("--run-cap-s", type=float, default=150, help="most seconds one run may take (the last: what is left)")
+    p.add_argument("--run-cap-s", type=float, default=150,
+                   help="most seconds one run may take (the last: what is left)")
     given = sys.argv[1:] if argv is None else argv
     if "25" in given and given[given.index("25") - 1] == "--issue":  # its workload, unless given explicitly
         tail = "tail" in given and given[given.index("tail") - 1] == "--lengths"
@@ -343,7 +347,8 @@ def parse_args(argv=None):
         p.error(f"--runs: unknown {', '.join(unknown)}; the runs are {', '.join(RUNS)}")
     args.server_gpus = args.server_gpus or args.gpus // 2
     if any(RUNS[r][0] == "disaggregated" for r in args.runs) and not 0 < args.server_gpus < args.gpus:
-        p.error(f"disaggregated runs need --gpus >= 2 with --server-gpus below it (got {args.gpus}, {args.server_gpus})")
+        p.error(f"disaggregated runs need --gpus >= 2 with --server-gpus below it "
+                f"(got {args.gpus}, {args.server_gpus})")
     if args.completions % args.n_samples or args.completions % args.micro_batch:
         p.error(f"--completions ({args.completions}) must be a multiple of --n-samples ({args.n_samples}) and "
                 f"--micro-batch ({args.micro_batch})")

@@ -73,7 +73,8 @@ class Trajectory:
     versions: list = field(default_factory=list)  # per response token: the policy version of a model token, else None
     conversation: str = field(default_factory=lambda: uuid.uuid4().hex)  # engines keep it on one server
 
-    def append(self, token_ids: list[int], logprobs: list[float] | None, versions: list[int] | None = None) -> list[int]:
+    def append(self, token_ids: list[int], logprobs: list[float] | None,
+               versions: list[int] | None = None) -> list[int]:
         """Model tokens (with their log-probs and, where the engine knows them, their policy versions) or
         observation tokens (logprobs None); returns their span."""
         start = len(self.response_ids)

@@ -22,8 +22,8 @@ TP group, owned by this engine (the launch command, the server process and its H
   `end_weight_update`: CUDA IPC when colocated (transports/cuda_ipc.py), NCCL broadcast when
   disaggregated (transports/nccl_broadcast.py: the rank is rank 0 of a weight group with each server).
 - Colocated memory: when a server has no rows in flight its KV cache is released (the trainer gets
-  that memory back; `release_kv`: not in the asynchronous modes, which generate beside training); the next generate resumes it first and flushes the prefix cache if weights
-  changed. release_memory() also drops the weights (SGLang keeps no copy): they must be pushed again.
+  that memory back; `release_kv`: not in the asynchronous modes, which generate beside training); the next
+  generate resumes it first and flushes the prefix cache if weights changed. release_memory() also drops the weights (SGLang keeps no copy): they must be pushed again.
 - Verification inside SGLang (`verify_weights`): the weights SGLang received are snapshotted by its
   own weights checker, reset to noise, reloaded by SGLang's own loader from a file of the exported
   tensors, and compared by the checker; any difference fails with SGLang's message.

@@ -11,30 +11,39 @@
 # tokens/s/GPU and step time from the measured steps' wall clock, the trainer's own perf/tokens_per_s_per_gpu,
 # staleness histograms, the sync runs' GPU busy fraction (nvidia-smi utilization.gpu every 100 ms) and overlap
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the
-# call's budget is skipped and says so: run it in a second call (RUNS=async_s4). Results: $OUT/async_grpo.json
-# (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where matplotlib imports, else run
+# call's budget (BUDGET seconds, default 520) is skipped and says so: run it in a second call (RUNS=async_s4).
+# ISSUE=25: issue 25's runs on several GPUs instead (scripts/gpu/async_disagg.sh says which; LENGTHS, SERVER_GPUS).
+# Results: $OUT/async_grpo.json (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where
+# matplotlib imports, else run
 #   python benchmarks/plot_timeline.py OUT/async_grpo.json docs/timeline.png    (on a machine that has it)
 # DEVICE=cpu: the smoke run (tiny shape, the transformers engine in SGLang's place, every run; ~4-8 min on 2 cores):
 #   DEVICE=cpu OUT=/tmp/async-smoke bash scripts/gpu/async.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEVICE=${DEVICE:-cuda}
+ISSUE=${ISSUE:-19}  # 25: scripts/gpu/async_disagg.sh's runs (it sets this)
 SIZE=${SIZE:-0.5b}
-RUNS=${RUNS:-sync_offload,sync_resident,one_step_off,async_s1,async_s4}
+LENGTHS=${LENGTHS:-fixed}
 OUT=${OUT:-/tmp/megarl-async}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 if [ "$DEVICE" = cpu ]; then
   export PYTHONPATH=$PWD
-  ARGS="--smoke"
+  GPUS=${GPUS:-$(( ISSUE == 25 ? 2 : 1 ))}
+  ARGS="--smoke ${BUDGET:+--budget-s $BUDGET}"
+  echo "cpu (gloo), $GPUS processes" > "$OUT/gpu.txt"
 else
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
-  ARGS="--model qwen2.5-$SIZE --completions ${COMPLETIONS:-256} --budget-s ${BUDGET:-520}"
+  GPUS=${GPUS:-$(( ISSUE == 25 ? $(nvidia-smi -L | wc -l) : 1 ))}
+  ARGS="--budget-s ${BUDGET:-520}"
+  [ "$ISSUE" = 19 ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256}"
 fi
+[ "$ISSUE" = 25 ] && ARGS="$ARGS --lengths $LENGTHS ${SERVER_GPUS:+--server-gpus $SERVER_GPUS}" && SIZE="25_$LENGTHS"
 # the model and run directories outside $OUT (what comes back is limited)
 # shellcheck disable=SC2086  # ARGS: one argument a word
-python3 -m benchmarks.async_grpo $ARGS --runs "$RUNS" --out-dir "$OUT" --work-dir "/tmp/megarl-async-work-$$"
+python3 -m benchmarks.async_grpo --issue "$ISSUE" $ARGS --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} --out-dir "$OUT" \
+  --work-dir "/tmp/megarl-async-work-$$"
 status=$?
 rm -rf "/tmp/megarl-async-work-$$"
 if python3 -c "import matplotlib" 2>/dev/null; then
@@ -42,6 +51,6 @@ if python3 -c "import matplotlib" 2>/dev/null; then
 else
   echo "no matplotlib here: python benchmarks/plot_timeline.py OUT/async_grpo.json timeline_$SIZE.png elsewhere"
 fi
-echo "== issue 19, $SIZE, on $(head -1 "$OUT/gpu.txt" 2>/dev/null || echo cpu): exit $status"
+echo "== issue $ISSUE ($SIZE) on $GPUS x $(head -1 "$OUT/gpu.txt"): exit $status"
 python3 -m benchmarks.async_grpo --report "$OUT/async_grpo.json"
 exit $status
