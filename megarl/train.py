@@ -46,6 +46,29 @@ def start_ray(cfg, cpus_needed: float):
     return ray
 
 
+def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
+    """Build the run's trainer, fit it and call `after(trainer)` (e.g. an export); its workers and Ray always go down
+    after, and where the TensorBoard events are is printed. Returns (history, what `after` returned), or None when
+    an input or config error (printed) stopped the build: found before any worker starts."""
+    # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        trainer = build(cfg)
+    except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use
+        ray.shutdown()
+        print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
+        return None
+    try:
+        history = trainer.fit()
+        result = after(trainer) if after is not None else None
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    print(f"\nTensorBoard events: {os.path.abspath(cfg.trainer.output_dir)}  "
+          f"(tensorboard --logdir {cfg.trainer.output_dir})")
+    return history, result
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -77,23 +100,11 @@ def main(argv=None) -> int:
     from megarl.async_trainer import build_trainer
 
     print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
-    # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        trainer = build_trainer(cfg)  # trainer.mode: the synchronous loop, or an asynchronous one
-    except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use: found
-        ray.shutdown()                        # before any worker starts
-        print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
+    done = run_trainer(cfg, ray, build_trainer)  # trainer.mode: the synchronous loop, or an asynchronous one
+    if done is None:
         return 2
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.shutdown()
-        ray.shutdown()
-    val = history["val/reward"]
+    val = done[0]["val/reward"]
     first, last = min(val), max(val)
-    print(f"\nTensorBoard events: {os.path.abspath(cfg.trainer.output_dir)}  "
-          f"(tensorboard --logdir {cfg.trainer.output_dir})")
     print(f"held-out reward: {val[first]:.3f} before RL -> {val[last]:.3f} after {last} RL steps")
     return 0
 

@@ -7,8 +7,6 @@ at reward_model.path, which RL takes as reward_model.path (docs/reward_model.md)
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 
 from megarl.config import ConfigError, help_text, load_config
@@ -61,27 +59,16 @@ def main(argv=None) -> int:
             return 2
         return 0
 
-    from megarl.train import start_ray
+    from megarl.train import run_trainer, start_ray
 
     ray = start_ray(cfg, p.world_size * cfg.trainer.cpus_per_rank)
     print(f"megarl reward model: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`, a scheduler: the ranks go down too
-    try:
-        trainer = RMTrainer(cfg)
-    except (InputError, ConfigError) as e:  # found before any worker starts
-        ray.shutdown()
-        print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
+    done = run_trainer(cfg, ray, RMTrainer, RMTrainer.export)
+    if done is None:
         return 2
-    try:
-        history = trainer.fit()
-        exported = trainer.export()
-    finally:
-        trainer.shutdown()
-        ray.shutdown()
+    history, exported = done
     accuracy = history["val/pair_accuracy"]
     first, last = min(accuracy), max(accuracy)
-    print(f"\nTensorBoard events: {os.path.abspath(cfg.trainer.output_dir)}  "
-          f"(tensorboard --logdir {cfg.trainer.output_dir})")
     print(f"held-out pair accuracy: {accuracy[first]:.3f} before training -> {accuracy[last]:.3f} after {last} steps "
           f"(margin {history['val/margin'][last]:.3f})")
     print(f"reward model: {exported}  (RL: reward_model.path={exported})")

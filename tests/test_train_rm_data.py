@@ -143,3 +143,21 @@ def test_score_normalisation_and_mixing():
     # none, weight 1, rule weight 0: the model's score as it is (what RL did before mixing existed)
     rewards, _ = ScoreMixer()(scores, torch.ones(6), groups)
     assert torch.equal(rewards, scores)
+
+
+def test_a_pair_stays_on_one_data_parallel_rank():
+    from types import SimpleNamespace
+
+    from megarl.protocol import Batch
+    from megarl.workers.group import TrainGroup
+
+    lengths = [3, 9, 4, 4, 8, 2, 5, 7]  # rows 2k, 2k+1: one pair
+    mask = (torch.arange(10)[None] < torch.tensor(lengths)[:, None]).long()
+    batch = Batch({"tokens": mask, "attention_mask": mask})
+    for packed in (0, 64):  # equal consecutive chunks; packing's token-balanced split
+        group = SimpleNamespace(section=SimpleNamespace(max_tokens_per_micro_batch=packed), dp=2)
+        for rows in TrainGroup._rows_per_rank(group, batch, 2):
+            assert len(rows) == 4 and all(rows[i] % 2 == 0 and rows[i + 1] == rows[i] + 1 for i in (0, 2)), rows
+    group = SimpleNamespace(section=SimpleNamespace(max_tokens_per_micro_batch=0), dp=8)  # a row each
+    with pytest.raises(ValueError, match="whole groups of 2 rows"):
+        TrainGroup._rows_per_rank(group, batch, 2)

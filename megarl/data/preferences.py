@@ -29,6 +29,7 @@ import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -156,31 +157,36 @@ def record_pair(record: dict, origin: str, tokenizer, options: PairOptions) -> P
 
 def load_preference_file(path: str | Path, tokenizer, options: PairOptions,
                          skipped: list[str] | None = None) -> list[PreferencePair]:
-    """Every usable row of a .jsonl/.parquet/.json preference file. A malformed row raises an InputError naming
-    file, row and field, or with options.skip_malformed is skipped: logged, and added to `skipped`."""
+    """Every usable row of a .jsonl/.parquet/.json preference file (tokenized_pairs)."""
+    return tokenized_pairs(((f"{path}, row {row}", record) for row, record in iter_records(path)), str(path),
+                           tokenizer, options, skipped)
+
+
+def tokenized_pairs(records: Iterable[tuple[str, dict | MalformedRow]], where: str, tokenizer, options: PairOptions,
+                    skipped: list[str] | None = None) -> list[PreferencePair]:
+    """(origin, row) -> pairs. A malformed row raises an InputError naming its origin (file and row) and field, or
+    with options.skip_malformed is skipped: logged, and added to `skipped`."""
     pairs, problems = [], []
-    for row, record in iter_records(path):
-        try:
-            if isinstance(record, MalformedRow):
-                raise record
-            pairs.append(record_pair(record, f"{path}, row {row}", tokenizer, options))
-        except FieldProblem as e:
-            problem = str(MalformedRow(path, row, str(e)))
-        except MalformedRow as e:
-            problem = str(e)
+    for origin, record in records:
+        if isinstance(record, MalformedRow):
+            problem = str(record)
         else:
-            continue
+            try:
+                pairs.append(record_pair(record, origin, tokenizer, options))
+                continue
+            except FieldProblem as e:
+                problem = f"{origin}: {e}"
         if not options.skip_malformed:
             raise InputError(problem)
         problems.append(problem)
     if problems:
-        logger.warning("%s: skipped %d malformed preference rows (preference.skip_malformed); the first: %s", path,
+        logger.warning("%s: skipped %d malformed preference rows (preference.skip_malformed); the first: %s", where,
                        len(problems), problems[0])
         if skipped is not None:
             skipped.extend(problems)
     if not pairs:
-        raise InputError(f"{path}: no usable preference pairs" + (f" ({len(problems)} malformed rows skipped; the "
-                                                                  f"first: {problems[0]})" if problems else ""))
+        raise InputError(f"{where}: no usable preference pairs" + (f" ({len(problems)} malformed rows skipped; the "
+                                                                   f"first: {problems[0]})" if problems else ""))
     return pairs
 
 
@@ -250,7 +256,7 @@ def preference_sets(cfg, tokenizer, limit: PromptLimit | None) -> PreferenceSets
     if p.train in TASKS:
         def task_pairs(split: str, n: int) -> list[PreferencePair]:
             rows = task_preferences(p.train, n, cfg.trainer.seed, split, cfg.data.min_len, cfg.data.max_len)
-            return [record_pair(r, r.origin, tokenizer, options) for r in rows]
+            return tokenized_pairs(((r.origin, r) for r in rows), f"task {p.train!r}", tokenizer, options, skipped)
         train = task_pairs("train", p.task_pairs)
         val = [] if p.val else task_pairs("val", p.val_size)
     else:

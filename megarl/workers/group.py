@@ -89,8 +89,9 @@ class TrainGroup:
         self.killed = False  # after a rank missed its deadline: every actor killed
         n = self.section.parallel.world_size
         # On GPU the roles (actor, critic, reward model) share each GPU, and keep a sliver of it free for a
-        # colocated rollout actor (see start_rollout).
-        roles = 1 + (cfg.algorithm.advantage == "gae") + bool(cfg.reward_model.path)
+        # colocated rollout actor (see start_rollout). train_rm's reward model is the only engine of its run.
+        roles = 1 if role == "reward_model_training" else (
+            1 + (cfg.algorithm.advantage == "gae") + bool(cfg.reward_model.path))
         bundle = {"CPU": cfg.trainer.cpus_per_rank} | ({"GPU": 0.9 / roles} if device == "cuda" else {})
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
         ray.get(self.pg.ready(), timeout=300)
