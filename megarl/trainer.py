@@ -14,6 +14,7 @@ import torch
 from megarl.algorithms import rollout_correction
 from megarl.algorithms.advantages import compute_advantages
 from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
+from megarl.algorithms.filtering import PolicyFilter
 from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
 from megarl.config.model_layout import check_model_layout, check_rollout_model
@@ -67,6 +68,7 @@ def prepare_model(cfg: Config) -> str:
 
 # over-sampling's unfinished groups (RLTrainer.partial_groups) in a checkpoint, continued by the resumed run
 PARTIAL_GROUPS_FILE = "partial_groups.pt"
+PF_PPO_FILE = "pf_ppo.pt"  # PolicyFilter.state_dict
 
 
 class RLTrainer:
@@ -88,11 +90,15 @@ class RLTrainer:
         self.reward_failures = RewardFailureTracker.from_config(cfg.reward)
         self.val_reward_failures = RewardFailureTracker.from_config(cfg.reward, evaluation=True)
         self.kl_ctl = kl_controller(cfg.algorithm)  # fixed, or adaptive towards algorithm.kl_target
+        # PF-PPO: the batch filtered by reward before the update (algorithm.pf_ppo)
+        self.policy_filter = PolicyFilter(cfg.algorithm, cfg.trainer.seed) if cfg.algorithm.pf_ppo != "none" else None
         self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())
         self.timers = Timers()
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
-        self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, cfg.trainer.steps, "critic")
+        # (its LR schedule also counts VAPO's value-pretraining steps, algorithm.critic_warmup_steps)
+        critic_steps = cfg.trainer.steps + cfg.algorithm.critic_warmup_steps
+        self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, critic_steps, "critic")
                        if cfg.algorithm.advantage == "gae" else None)
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
                              if cfg.reward_model.path else None)
@@ -142,6 +148,8 @@ class RLTrainer:
             self.actor.call("snapshot_reference")
         self.publish_policy()
         self.timers.pop()  # the warm-started policy's sync is no step's
+        for step in range(1, self.cfg.algorithm.critic_warmup_steps + 1):
+            self.tracker.log(self.warm_up_critic(), step)
 
     def step(self) -> dict:
         """One RL step: the whole algorithm, stage by stage."""
@@ -155,9 +163,10 @@ class RLTrainer:
             self.reward_failures.end_step(self.version + 1)  # a reward failing past its limit: stop, do not train
         return self.train_step(batch, metrics, start)
 
-    def train_step(self, batch: Batch, metrics: dict, start: float) -> dict:
+    def train_step(self, batch: Batch, metrics: dict, start: float, train_policy: bool = True) -> dict:
         """The step's stages after sampling, up to the new policy in the rollout engine (the asynchronous modes
-        run them on batches their rollout thread generated: megarl/async_trainer.py)."""
+        run them on batches their rollout thread generated: megarl/async_trainer.py). train_policy=False: the
+        critic alone learns (VAPO's value pretraining, warm_up_critic)."""
         cfg = self.cfg
         with self.timers("onload"):
             metrics |= self.colocation.to_training()  # the rollout engine releases its memory, Megatron's is back
@@ -191,17 +200,21 @@ class RLTrainer:
             with self.timers("values"):
                 batch.update(self.critic.compute_values(batch))  # values, GAE's baseline
         batch = compute_advantages(batch, dataclasses.replace(a, kl_coef=self.kl_ctl.value))
+        trained_batch, filtered = self.policy_filter(batch) if self.policy_filter is not None else (batch, {})
+        metrics |= filtered
         with self.timers("train"):
             if self.critic is not None:  # on the returns GAE left in the batch
-                metrics |= {f"critic/{k}": v for k, v in self.critic.train(batch, loss="value").items()}
-            trained = self.actor.train(batch)
-            if "rollout_logprob_abs_diff" in trained:  # measured by the update's forward
-                metrics["rollout/logprob_abs_diff"] = trained.pop("rollout_logprob_abs_diff")
-            metrics |= {k: trained.pop(k) for k in list(trained) if k.startswith(rollout_correction.PREFIX)}
-            metrics |= {f"train/{k}": v for k, v in trained.items()}
-        metrics |= self.update_kl_coef(batch, metrics)
-        self.version += 1
-        metrics |= self.publish_policy()
+                metrics |= {f"critic/{k}": v for k, v in self.critic.train(trained_batch, loss="value").items()}
+            if train_policy:
+                trained = self.actor.train(trained_batch)
+                if "rollout_logprob_abs_diff" in trained:  # measured by the update's forward
+                    metrics["rollout/logprob_abs_diff"] = trained.pop("rollout_logprob_abs_diff")
+                metrics |= {k: trained.pop(k) for k in list(trained) if k.startswith(rollout_correction.PREFIX)}
+                metrics |= {f"train/{k}": v for k, v in trained.items()}
+        if train_policy:
+            metrics |= self.update_kl_coef(batch, metrics)
+            self.version += 1
+        metrics |= self.publish_policy()  # unchanged weights too: a colocated engine released its copy
         return metrics | self.batch_metrics(batch, time.perf_counter() - start) | self.timers.pop()
 
     # ---- checkpoints (megarl.engine.checkpoint) -----------------------------------------------------
@@ -220,6 +233,8 @@ class RLTrainer:
                  "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict()}
         if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
             torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
+        if self.policy_filter is not None:  # PF-PPO's random state and replayed samples
+            torch.save(self.policy_filter.state_dict(), staging / PF_PPO_FILE)
         self.save_beside(staging)
         return self.checkpoints.commit(staging, step, state)
 
@@ -256,6 +271,8 @@ class RLTrainer:
                         for name, by_step in state["history"].items()}
         partial = path / PARTIAL_GROUPS_FILE
         self.partial_groups = torch.load(partial, weights_only=False) if partial.exists() else []
+        if self.policy_filter is not None and (path / PF_PPO_FILE).exists():
+            self.policy_filter.load_state_dict(torch.load(path / PF_PPO_FILE, weights_only=False))
         self.publish_policy()  # verified: the first sync of this process
         # then the count the run stopped at, so that the next verified syncs are the uninterrupted run's
         self.syncs = state.get("syncs", self.syncs)  # (absent from checkpoints written before it was kept)
@@ -272,6 +289,16 @@ class RLTrainer:
             m = self.actor.train(sft_batch(self.tokenizer, examples, self.renderer), loss="sft", lr=self.cfg.sft.lr)
             if step % max(1, self.cfg.sft.steps // 5) == 0 or step == self.cfg.sft.steps:
                 self.tracker.log({f"sft/{k}": m[k] for k in ("loss", "skipped_updates") if k in m}, step)
+
+    def warm_up_critic(self) -> dict:
+        """One step of VAPO's value pretraining (algorithm.critic_warmup_steps, before RL): samples from the policy
+        as it is, the critic trained on their returns (algorithm.critic_lam), the policy left alone. Metrics
+        critic_warmup/*: the critic's, and the samples' mean reward."""
+        batch, metrics = self.sample_batch()
+        self.reward_failures.end_step(0)
+        metrics = self.train_step(batch, metrics, time.perf_counter(), train_policy=False)
+        kept = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("critic/")}
+        return {f"critic_warmup/{k}": v for k, v in kept.items()} | {"critic_warmup/reward": metrics["train/reward"]}
 
     def sample_batch(self) -> tuple[Batch, dict]:
         """A step's scored samples. With DAPO dynamic sampling, groups whose rewards are all equal are set aside

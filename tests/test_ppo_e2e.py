@@ -1,5 +1,7 @@
 """PPO with GAE on CPU, end to end through Ray: actor (with its frozen KL reference), critic and a reward
-model, each a megatron engine on its own ranks, packed micro-batches, the transformers rollout engine."""
+model, each a megatron engine on its own ranks, packed micro-batches, the transformers rollout engine; with
+VAPO's pieces (value pretraining, decoupled and length-adaptive GAE, the positive-example LM loss) and PF-PPO
+with replay on, sharing the engines' start-up."""
 
 from pathlib import Path
 
@@ -30,10 +32,20 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path, ray_local):
         "data.prompts_per_step=4", "rollout.n_samples=2", "data.val_size=4",
         "algorithm.advantage=gae", "algorithm.kl_coef=0.05", "algorithm.lam=0.9",
         "critic.parallel.world_size=1", "critic.max_tokens_per_micro_batch=64", "critic.optim.lr=1e-3",
-        f"reward_model.path={tiny_reward_model(tmp_path / 'reward_model')}"])
+        f"reward_model.path={tiny_reward_model(tmp_path / 'reward_model')}",
+        "algorithm.critic_lam=1.0", "algorithm.lam_length_alpha=2.0", "algorithm.positive_lm_coef=0.1",
+        "algorithm.positive_lm_threshold=-1e9", "algorithm.pf_ppo=pow", "algorithm.pf_ppo_replay=4",
+        "algorithm.recompute_old_logprobs=always"])
     trainer = RLTrainer(cfg)
     try:
         trainer.prepare()
+        # VAPO's value pretraining (algorithm.critic_warmup_steps): the critic learns, the policy stays as it was
+        probe = trainer.generate_and_score(trainer.val)
+        before = trainer.actor.compute_logprobs(probe)["logprobs"]
+        values_before = trainer.critic.compute_values(probe)["values"]
+        assert trainer.warm_up_critic()["critic_warmup/grad_norm"] > 0 and trainer.version == 0
+        assert torch.equal(trainer.actor.compute_logprobs(probe)["logprobs"], before)
+        assert not torch.equal(trainer.critic.compute_values(probe)["values"], values_before)
         for _ in range(2):
             metrics = trainer.step()
             # the reward model scored the samples: its mean is not the rule reward's (exact match, 0 or 1)
@@ -44,8 +56,12 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path, ray_local):
                 assert key in metrics and metrics[key] == metrics[key], key  # present, not NaN
             assert metrics["critic/grad_norm"] > 0 and metrics["train/grad_norm"] > 0
             assert {"timing/values", "timing/reward_model", "timing/ref_logprobs"} <= set(metrics)
+            # every sample counts as positive (threshold -1e9): the NLL of their tokens is in the loss
+            assert metrics["train/positive_lm_nll"] > 0 and 0 < metrics["pf_ppo/distinct_rows"] <= 1
         # after the first step the policy moved away from its frozen reference, and the critic's zero-initialised
         # value head away from zero
         assert metrics["train/kl"] > 0 and metrics["critic/vpred"] != 0
+        # PF-PPO kept the 4 best samples for replay, and the second step drew from them
+        assert len(trainer.policy_filter.replay) == 4 and metrics["pf_ppo/replayed_rows"] > 0
     finally:
         trainer.shutdown()
