@@ -9,9 +9,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from megarl.config import AgentConfig
 from megarl.models.tiny import build_tiny_model
+from megarl.rollout.agent import AgentLoop, trajectories_to_batch
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.hf import HFRolloutEngine
+from megarl.rollout.tools import build_tools
+from megarl.rollout.tools.parsers import TOOL_PARSERS, ToolCall
 
 PROMPTS = ["abcd>", "x>", "hello world>"]
 PARAMS = SamplingParams(max_new_tokens=10, temperature=1.0, n=2, seed=3, ignore_eos=True)
@@ -35,9 +39,10 @@ def new_weights(model_dir):
     return {n: t + 0.3 * torch.randn(t.shape, generator=gen) for n, t in engine.named_weights().items()}
 
 
-def interrupted(engine, prompts, params, after_forwards, partial, weights=None):
-    """generate() in a thread; at its `after_forwards`-th model forward, the test pauses the engine (partial),
-    loads `weights` (if any) and resumes as version 1. Returns the generations and the pause's report."""
+def interrupted(engine, prompts, params, after_forwards, partial, weights=None, call=None, versions=(0, 1)):
+    """generate() (or `call()`) in a thread; at its `after_forwards`-th model forward, the test pauses the engine
+    (partial), loads `weights` (if any) and resumes it as versions[1] (it began as versions[0]). Returns what the
+    call returned and the pause's report."""
     reached, calls = threading.Event(), [0]
     forward = engine.model.forward
 
@@ -50,14 +55,14 @@ def interrupted(engine, prompts, params, after_forwards, partial, weights=None):
         return forward(*args, **kwargs)
 
     engine.model.forward = counting
-    engine.resume_generation(0)
+    engine.resume_generation(versions[0])
     with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(engine.generate, prompts, params)
+        result = pool.submit(call or (lambda: engine.generate(prompts, params)))
         assert reached.wait(10)
         report = engine.pause_generation(partial)
         if weights is not None:
             engine.update_weights(list(weights.items()))
-        engine.resume_generation(1)
+        engine.resume_generation(versions[1])
         return result.result(timeout=30), report
 
 
@@ -145,6 +150,33 @@ def test_weights_cannot_change_under_a_running_generation(model_dir, prompts):
         engine.update_weights(list(engine.named_weights().items()))
     engine.gate.leave(1)
     engine.update_weights(list(engine.named_weights().items()))  # idle: fine
+
+
+@TOOL_PARSERS.register("test_partial_always_calls")
+def always_calls(text):
+    return [ToolCall("calculator", {"expression": "6*7"})]
+
+
+def test_agent_turns_keep_their_tokens_versions(model_dir, prompts, new_weights):
+    """A conversation's second turn interrupted after 3 of its 6 tokens: its trajectory keeps, per token, the version
+    that wrote it (None on the tool's observation tokens); policy_version is its oldest token's."""
+    engine = HFRolloutEngine(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    config = AgentConfig(max_turns=2, max_new_tokens_per_turn=6, max_response_tokens=200,
+                         parser="test_partial_always_calls")
+    agent = AgentLoop(engine, tok, build_tools(["calculator"]), config)
+    params = SamplingParams(n=1, seed=3, ignore_eos=True)
+    try:  # turn 1: forwards 1-6; turn 2: its prefill is forward 7, so forward 9 writes its third token
+        (traj,), _ = interrupted(engine, None, None, 9, "resume", new_weights, versions=(3, 4),
+                                 call=lambda: agent.run([prompts[0]], params, policy_version=2))
+    finally:
+        agent.close()
+    observation = traj.turns[1]["span"]
+    assert traj.finish_reason == "max_turns" and traj.turns[0]["span"] == [0, 6]
+    assert traj.versions == [3] * 6 + [None] * (observation[1] - observation[0]) + [3] * 3 + [4] * 3
+    assert traj.policy_version == 3  # created under version 2, its first token written by version 3
+    assert trajectories_to_batch([{"prompt": "", "answer": ""}], [traj], tok.pad_token_id, tok)["policy_version"] \
+        .tolist() == [3]
 
 
 # ---- SGLang: the same partial rollouts against fake_sglang.py (real HTTP, sglang 0.5.17's abort answers) ----------
