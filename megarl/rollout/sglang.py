@@ -52,6 +52,9 @@ from megarl.rollout.transports import cuda_ipc
 
 
 
+FLUSH_WAIT_S = 30  # the most a prefix-cache flush waits for the server to become idle
+
+
 @dataclass
 class _ServerState:
     load: int = 0  # rows in flight
@@ -150,7 +153,8 @@ class SGLangRolloutEngine(RolloutEngine):
                 state.kv_released = False
                 state.flush = False  # releasing the KV cache flushed the prefix cache: nothing stale since
             if state.flush:
-                server.post("/flush_cache")
+                # SGLang flushes only an idle server: this waits for the requests an abort just ended to clear out
+                server.post(f"/flush_cache?timeout={FLUSH_WAIT_S}")
                 state.flush = False
             self.syncing = False
 

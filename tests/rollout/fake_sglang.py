@@ -344,6 +344,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        self.path = self.path.partition("?")[0]  # a query (/flush_cache?timeout=...) is not logged
         if self.path == "/fake/config":
             STATE.config.update(body)
             return self.reply(200, STATE.config)
