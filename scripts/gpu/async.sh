@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # GPU run of issue 19 on one GPU (one H200), after the bundle's install.sh (../shared/device/README.md):
-# benchmarks/async_grpo.py on a random Qwen2.5 shape (SIZE=0.5b or 1.5b; one call per size, ~9 min each),
-# 128-token prompts, 512-token completions (ignore_eos), 8 per prompt, COMPLETIONS per step (default 256),
-# colocated SGLang; one `python -m megarl.train` each, 1 warm-up + 4 measured steps:
-#   sync_offload   synchronous, with the offload cycle (trainer.offload_between_phases=always)
+# benchmarks/async_grpo.py on a random Qwen2.5 shape (SIZE=0.5b or 1.5b), 128-token prompts, 512-token completions
+# (ignore_eos), 8 per prompt, COMPLETIONS per step (default 256), colocated SGLang; one `python -m megarl.train` a
+# run (~70 s of start-up each: Ray, Megatron, the SGLang server; the first on a fresh machine JIT-compiles ~60 s
+# more), 1 warm-up + 3 measured steps + 1, in this order:
 #   sync_resident  synchronous, both engines resident (offload never)
-#   one_step_off   trainer.mode=one_step_off (async.partial=finish), resident
 #   async_s1       trainer.mode=async, async.max_staleness=1, partial rollouts resumed, resident
 #   async_s4       the same at async.max_staleness=4
+#   one_step_off   trainer.mode=one_step_off (async.partial=finish), resident
+#   sync_offload   synchronous, with the offload cycle (trainer.offload_between_phases=always)
+# 0.5B: ~100 s a run, the five in one call of ~9 min (if the last is skipped: RUNS=sync_offload, ~3 min);
+# 1.5B: two calls, RUNS=sync_resident,async_s1,async_s4 then RUNS=one_step_off,sync_offload (estimates: not run yet).
 # tokens/s/GPU and step time from the measured steps' wall clock, the trainer's own perf/tokens_per_s_per_gpu,
 # staleness histograms, the sync runs' GPU busy fraction (nvidia-smi utilization.gpu every 100 ms) and overlap
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the

@@ -21,7 +21,7 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
                                 tmp_path / name, "cuda")
             cfg = load_config(None, cmd[3:])
             assert cfg.trainer.mode == overrides["trainer.mode"] and cfg.rollout.engine == "sglang"
-            assert cfg.trainer.steps == 1 + 4 + 1  # warm-up, measured, and one whose metrics wait for the evaluation
+            assert cfg.trainer.steps == 1 + 3 + 1  # warm-up, measured, and one whose metrics wait for the evaluation
             assert cfg.rollout.ignore_eos and cfg.rollout.n_samples == 8 and cfg.data.prompts_per_step == \
                 (32 if issue == 19 else 64)
             assert cfg.rollout.max_new_tokens == (512 if issue == 19 else 1024)
