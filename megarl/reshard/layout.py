@@ -191,6 +191,9 @@ SGLANG_EP_FLAGS = ("--ep-size", "--expert-parallel-size", "--ep")  # sglang 0.5.
 # weight_layout) place them: flag -> the values that keep the modelled placement (() for a switch: refused when given)
 SGLANG_LAYOUT_FLAGS = {
     "--moe-a2a-backend": ("none",),  # DeepEP-class all-to-all: DeepEPMoE, shared experts at TP 1 or per-rank slots
+    # FusedMoE's w13/w2 as loaded (auto: triton for a bf16 model on Hopper); triton_kernel transposes them,
+    # flashinfer's runners pad and permute them after loading
+    "--moe-runner-backend": ("auto", "triton"),
     "--ep-num-redundant-experts": ("0",),  # replicas of hot experts beside the contiguous EP blocks
     "--init-expert-location": ("trivial",),  # experts placed by a map instead of contiguous blocks
     "--enable-eplb": (),  # experts moved between ranks while serving

@@ -14,21 +14,27 @@
 #            broadcast; on 2 GPUs 1 + 1; verified, sync seconds and GB/s                 (~2-3 min)
 #   moe      benchmarks/multi_gpu.py moe: a random Qwen3-MoE with 8 experts at EP=N vs EP=1 (fp32, bf16) and
 #            transformers                                                               (~1 min)
-# Expert parallelism in GRPO (issue 18), `python -m megarl.train` on the quickstart task with a DeepSeek-V3-shaped
+# Expert parallelism in GRPO (issues 18 and 24), `python -m megarl.train` on the quickstart task with a DeepSeek-V3-shaped
 # policy (benchmarks/deepseek_sglang.py build, EP_SHAPE "layers hidden heads experts moe_intermediate intermediate
 # dense": MLA with DeepSeek-V3's own head dimensions, EP_SHAPE's routed experts, a shared one, dense first layers),
-# a short SFT then GRPO steps, colocated SGLang, every sync verified; on EP = min(GPUs, 4) GPUs:
-#   ep       the policy at EP=N (TP=1: each GPU holds 1/N of the routed experts), N SGLang servers of TP=1, full
-#            delivery, verified by checksums inside SGLang after every sync      (not run on GPUs yet; ~4 min?)
-#   sglang_ep  SGLang's own expert parallelism: the policy at TP=N x EP=N (ETP=1, sequence parallel), one SGLang
-#            server of TP=N launched with --ep-size N (rollout.sglang_args), for each of EP_DELIVERIES (default
-#            "full sharded": whole HF tensors, then each rank its own generation shard with experts cut by
-#            SGLang's EP placement), verified by the deep check (trainer.verify_weight_sync_deep: SGLang reloads
-#            what was sent with its own loader and compares). Not by checksums: megarl.rollout.weight_layout places
-#            experts TP-split, as SGLang does at --ep-size 1, so TrainWorker refuses checksums into SGLang at
-#            --ep-size > 1 for either delivery                 (not run on GPUs yet; ~4 min a delivery?)
-#            Run them as their own call: PHASES="ep sglang_ep" EP_DELIVERIES=full, then PHASES=sglang_ep
-#            EP_DELIVERIES=sharded (the first SGLang start of a DeepSeek shape on a fresh machine JIT-compiles).
+# 10 SFT steps then 3 GRPO steps, colocated with ONE SGLang server of TP=EP (EP = min(GPUs, 4)), every sync verified by
+# checksums inside SGLang; per run, for each delivery of EP_DELIVERIES (default "full sharded": whole HF tensors from
+# rank 0; each rank its own SGLang rank's shard, the resharder moving expert rows out of the EP layout):
+#   ep       the policy at TP=1 x EP=N (each GPU 1/N of the routed experts) into the server at --ep-size 1 (every
+#            SGLang rank holds its TP rows of every expert)                  (~3-4 min a delivery; the first SGLang
+#            start of a DeepSeek shape on a fresh machine JIT-compiles its kernels for ~2 min more)
+#   sglang_ep  the same into the server at --ep-size N (rollout.sglang_args, with --moe-runner-backend triton: SGLang's
+#            FusedMoE without DeepEP, each rank whole experts of its EP slice; sharded delivery then moves nothing
+#            between the training ranks)                                                (~3-4 min a delivery)
+#   Run each as its own call (<= ~9 min): PHASES=ep, then PHASES=sglang_ep.
+# The GRPO table gives per run: syncs verified, the best sync's seconds, the bytes per rank (the most received and
+# sent resharding among training ranks, the least and most an SGLang rank received) measured beside the planner's
+# for the same layouts (megarl.reshard.plan; "as planned": every rank's counts equal), the log-prob gap (mean
+# |rollout - Megatron| log-prob per token: rollout/logprob_abs_diff, mean and worst step), expert load, reward.
+# Asynchronous GRPO disaggregated against synchronous (issue 25), in a call of its own (not in the default PHASES):
+#   async    scripts/gpu/async_disagg.sh (its header says what runs; LENGTHS=fixed|tail, RUNS= a few of them a call):
+#            colocated sync, disaggregated sync, one_step_off, async at max_staleness 1 and 4, a 1.5B Qwen2.5 shape;
+#            tokens/s/GPU, staleness, speed-ups against disaggregated sync beside its bound; DEVICE=cpu: its smoke
 # PHASES: default "train reshard disagg moe" on 4+ GPUs, which is two calls' worth: run PHASES="train moe"
 # then PHASES="reshard disagg" (each <= ~9 min). Default on 2 GPUs: "train disagg moe" (PHASES=reshard: a
 # second call). Each phase has its own time limit, cut to what is left of BUDGET seconds (default 560);
@@ -36,8 +42,9 @@
 # DEVICE=cpu: the same phases through gloo at tiny sizes, GPUS processes (default 4): the smoke test. There the
 # SGLang servers are stand-ins: the reshard and disagg phases use the tests' fake SGLang server, and the GRPO
 # phases (ep, sglang_ep) megarl's transformers rollout engine (rollout.engine=hf: no --ep-size, the same
-# deliveries into generation TP=N, the same verification), with a tiny DeepSeek-V3 (EP_SHAPE "2 64 4 8 32 128 1").
-# The smoke run of the EP phases on 2 cores (~2 min):
+# deliveries into generation TP=N, the same verification and byte counts), with a tiny DeepSeek-V3 (EP_SHAPE
+# "2 64 4 8 32 128 1", 2 SFT + 2 GRPO steps). The smoke run of the EP phases on 2 cores (~3 min; tests/launch/
+# test_multi_gpu_smoke.py runs PHASES=ep EP_DELIVERIES=sharded):
 #   DEVICE=cpu GPUS=2 PHASES="ep sglang_ep" OUT=/tmp/multi-gpu-smoke scripts/gpu/multi_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -57,7 +64,7 @@ if [ "$DEVICE" = cpu ]; then
   MOE_ARGS="--device cpu"
   EP_SHAPE=${EP_SHAPE:-"2 64 4 8 32 128 1"}
   ROLLOUT="rollout.engine=hf"  # no SGLang on the CPU: the transformers engine in its place
-  SERVERS="the transformers engine in SGLang's place"; SERVER_EP="$SERVERS (generation TP=EP)"
+  SERVER="the transformers engine in SGLang's place (generation TP=EP)"; SERVER_EP="$SERVER"
   GRPO_ARGS="sft.steps=2 sft.batch_size=4 data.prompts_per_step=2 rollout.n_samples=2 data.val_size=2
     actor.micro_batch_size=8 trainer.steps=2 trainer.eval_every=2"
 else
@@ -70,7 +77,7 @@ else
   MOE_ARGS=""
   EP_SHAPE=${EP_SHAPE:-"4 1024 16 16 512 2816 1"}
   ROLLOUT="rollout.engine=sglang"
-  SERVERS="EP SGLang servers TP=1"; SERVER_EP="1 SGLang server TP=EP --ep-size EP"
+  SERVER="1 SGLang server TP=EP"; SERVER_EP="1 SGLang server TP=EP --ep-size EP"
   GRPO_ARGS="sft.steps=10 sft.lr=1e-4 sft.batch_size=16 data.prompts_per_step=8 rollout.n_samples=4 data.val_size=8
     actor.micro_batch_size=16 actor.optim.lr=2e-5 trainer.steps=3 trainer.eval_every=3 trainer.sync_bucket_mb=256
     trainer.cpus_per_rank=1"
@@ -132,19 +139,20 @@ if phase ep || phase sglang_ep; then  # the DeepSeek-V3-shaped policy both GRPO 
   fi
 fi
 if phase ep && [ -n "$EP_MODEL" ]; then
-  grpo "ep_grpo_ep$EP" 300 "policy TP=1 EP=$EP; ${SERVERS//EP/$EP}; full delivery; checksums" \
-    actor.parallel.world_size=$EP actor.parallel.tp=1 actor.parallel.ep=$EP $ROLLOUT rollout.sglang_tp=1 \
-    rollout.weight_delivery=full
+  for delivery in $EP_DELIVERIES; do
+    grpo "ep_tp1_ep${EP}_$delivery" 280 "policy TP=1 EP=$EP; ${SERVER//EP/$EP}; $delivery delivery; checksums" \
+      actor.parallel.world_size=$EP actor.parallel.tp=1 actor.parallel.ep=$EP $ROLLOUT rollout.sglang_tp=$EP \
+      rollout.weight_delivery="$delivery"
+  done
 fi
 if phase sglang_ep && [ -n "$EP_MODEL" ]; then
-  # SGLang's --ep-size on the GPU; the CPU's transformers engine takes no SGLang arguments
-  [ "$DEVICE" = cpu ] && SGLANG_EP="" || SGLANG_EP="rollout.sglang_args=[--ep-size,$EP]"
+  # SGLang's --ep-size on the GPU, with its triton MoE runner (no DeepEP: not in the bundle); the CPU's transformers
+  # engine takes no SGLang arguments
+  [ "$DEVICE" = cpu ] && SGLANG_EP="" || SGLANG_EP="rollout.sglang_args=[--ep-size,$EP,--moe-runner-backend,triton]"
   for delivery in $EP_DELIVERIES; do
-    grpo "sglang_ep_tp${EP}_ep${EP}_$delivery" 300 \
-      "policy TP=$EP EP=$EP ETP=1; ${SERVER_EP//EP/$EP}; $delivery delivery; deep check" \
-      actor.parallel.world_size=$EP actor.parallel.tp=$EP actor.parallel.ep=$EP actor.parallel.etp=1 \
-      actor.parallel.sequence_parallel=true $ROLLOUT rollout.sglang_tp=$EP $SGLANG_EP \
-      rollout.weight_delivery="$delivery" trainer.verify_weight_sync_deep=true
+    grpo "sglang_ep_tp1_ep${EP}_$delivery" 280 "policy TP=1 EP=$EP; ${SERVER_EP//EP/$EP}; $delivery delivery; checksums" \
+      actor.parallel.world_size=$EP actor.parallel.tp=1 actor.parallel.ep=$EP $ROLLOUT rollout.sglang_tp=$EP \
+      $SGLANG_EP rollout.weight_delivery="$delivery"
   done
 fi
 [ -n "${EP_MODEL:-}" ] && rm -rf "$EP_MODEL"
@@ -175,6 +183,12 @@ if phase disagg; then
   else
     launch disagg_1_1 170 1 $M disagg --tp 1 --server-tp 1 $TINY $LOGS --out "$OUT/disagg_1_1.json"
   fi
+fi
+if phase async && fits async "$([ "$DEVICE" = cpu ] && echo 1500 || echo 540)"; then  # issue 25: its own script
+  echo "== async (scripts/gpu/async_disagg.sh, limit ${LIMIT}s, at ${SECONDS}s)"
+  DEVICE=$DEVICE GPUS=$GPUS OUT="$OUT/async" BUDGET=$(( LIMIT - 20 )) timeout -k 30 "$LIMIT" \
+    bash scripts/gpu/async_disagg.sh > "$OUT/async.log" 2>&1
+  rc=$?; status=$(( status | (rc != 0) )); echo "   exit $rc after ${SECONDS}s total"
 fi
 # keep only the server logs' tails (the files that come back are limited)
 for f in "$OUT"/server_logs/*.log; do [ -f "$f" ] && tail -n 60 "$f" > "$f.tail" && rm "$f"; done
@@ -219,22 +233,34 @@ if sync:
               f"| {r['verified']} {'; '.join(r.get('failures', []))[:200]} |")
 grpo = sorted(out.glob("*_metrics.jsonl"))
 if grpo:
-    print("\n| GRPO run | what | RL steps | syncs verified | GB a sync | best sync s (GB/s) | expert load max/mean |"
-          " held-out reward |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    mb = lambda r, key: f"{r[key] / 1e6:.2f}" if key in r else "-"
+    print("\n| GRPO run | what | RL steps | syncs verified | GB a sync | best sync s (GB/s) | reshard MB recv/send, most "
+          "(planned) | SGLang rank MB least-most (planned) | as planned | log-prob gap mean (worst) "
+          "| expert load max/mean | held-out reward |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in grpo:
         name = p.name[:-len("_metrics.jsonl")]
         about = (out / f"{name}.about").read_text().strip() if (out / f"{name}.about").exists() else ""
-        steps = [r for r in map(json.loads, p.read_text().splitlines()) if "train/loss" in r]
-        evals = [r["val/reward"] for r in map(json.loads, p.read_text().splitlines()) if "val/reward" in r]
-        syncs = [r for r in steps if "sync/seconds" in r]
+        records = [json.loads(line) for line in p.read_text().splitlines()]
+        steps = [r for r in records if "train/loss" in r]
+        evals = [r["val/reward"] for r in records if "val/reward" in r]
+        syncs = [r for r in records if "sync/seconds" in r]
         best = min(syncs, key=lambda r: r["sync/seconds"], default=None)
         load = max((r.get("train/expert_load/max_over_mean", 0) for r in steps), default=0)
         verified = f"{sum(r.get('sync/verified') == 1.0 for r in syncs)}/{len(syncs)}"
         sync = (f"{best['sync/bytes'] / 1e9:.3f} | {best['sync/seconds']:.3f} ({best['sync/gb_per_s']:.1f})" if best
                 else "- | -")
-        print(f"| {name} | {about} | {len(steps)} | {verified} | {sync} | {load:.2f} "
-              f"| {' -> '.join(f'{v:.3f}' for v in evals)} |")
+        last = syncs[-1] if syncs else {}
+        traffic = (f"{mb(last, 'sync/reshard_recv_max')}/{mb(last, 'sync/reshard_send_max')} "
+                   f"({mb(last, 'sync/plan_reshard_recv_max')}/{mb(last, 'sync/plan_reshard_send_max')}) | "
+                   f"{mb(last, 'sync/server_recv_min')}-{mb(last, 'sync/server_recv_max')} "
+                   f"({mb(last, 'sync/plan_server_recv_min')}-{mb(last, 'sync/plan_server_recv_max')})")
+        planned = [r.get("sync/traffic_as_planned") for r in syncs]
+        as_planned = f"{sum(x == 1.0 for x in planned)}/{len(planned)}"
+        gaps = [r["rollout/logprob_abs_diff"] for r in records if "rollout/logprob_abs_diff" in r]
+        gap = f"{sum(gaps) / len(gaps):.4f} ({max(gaps):.4f})" if gaps else "-"
+        print(f"| {name} | {about} | {len(steps)} | {verified} | {sync} | {traffic} | {as_planned} | {gap} "
+              f"| {load:.2f} | {' -> '.join(f'{v:.3f}' for v in evals)} |")
 moe = [r for r in rows if r["part"] == "moe"]
 if moe:
     print("\n| MoE | experts | EP | max abs diff vs EP=1 | EP=1 vs transformers | tolerance | ok |")
@@ -244,5 +270,6 @@ if moe:
         print(f"| {r['precision']} | {r['experts']} | {r['ep']} | {r['max_abs_diff_vs_ep1']:.3g} "
               f"| {'-' if hf is None else f'{hf:.3g}'} | {r['atol']} | {r['ok']} |")
 PY
+phase async && sed -n '/^== issue 25/,$p' "$OUT/async.log"  # async_disagg.sh's table
 echo "== multi_gpu.sh: exit $status"
 exit $status
