@@ -142,7 +142,8 @@ def time_posts(server, seconds: dict) -> None:
 
 def server_loads(server) -> dict:
     """What the server's loads took since the last call (the MEGARL_TIME_WEIGHT_LOADS lines of its log), per
-    rank summed, slowest rank: seconds inside the loader, and of those the loaders' Python work (queued)."""
+    rank summed, slowest rank: seconds inside the loader, and of those the loaders' Python work (queued) and the
+    host time queuing a verified sync's sums of what each bucket completed (sums)."""
     from megarl.rollout.transports.cuda_ipc import LOAD_TIMING
 
     offset = getattr(server, "load_log_offset", 0)
@@ -150,14 +151,16 @@ def server_loads(server) -> dict:
         log.seek(offset)
         text = log.read().decode(errors="replace")
         server.load_log_offset = log.tell()
-    seconds, queued = {}, {}
+    seconds, queued, sums = {}, {}, {}
     for line in text.splitlines():
         if LOAD_TIMING in line:
             fields = line.split(LOAD_TIMING + ":")[1].split()
             rank, values = fields[1], dict(zip(fields[2::2], map(float, fields[3::2])))
             seconds[rank] = seconds.get(rank, 0.0) + values["seconds"]
             queued[rank] = queued.get(rank, 0.0) + values["queued"]
-    return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0))
+            sums[rank] = sums.get(rank, 0.0) + values.get("sums", 0.0)
+    return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0),
+                server_sums_s=max(sums.values(), default=0.0))
 
 
 def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: str = "released",
@@ -254,6 +257,8 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
                 checksum_verify_s=verified - unverified, first_verify_s=first["total_s"] - unverified,
                 verified_posts_s=median(checked, "posts_s"), unverified_posts_s=median(plain, "posts_s"),
                 verified_pack_s=median(checked, "pack_s"), unverified_pack_s=median(plain, "pack_s"),
+                verified_server_load_s=median(checked, "server_load_s"), server_sums_s=median(checked, "server_sums_s"),
+                unverified_server_load_s=median(plain, "server_load_s"),
                 **{k: median(checked, k) for k in ("sender_checksum_s", "engine_checksum_s", "compare_s")},
                 sglang_inside_s=statistics.median(inside[-rounds:]) if inside else None,
                 parameters_checked=checked[-1]["parameters_checked"], flip_detected=detected, **profiled_s)

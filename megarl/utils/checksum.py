@@ -390,16 +390,19 @@ def module_checksums(model, extra: Iterable[tuple[str, torch.Tensor]] = ()) -> d
     named = [(name, t, False) for name, t in model.named_parameters()]
     named += [(name, t, False) for name, t in extra]
     if isinstance(model, torch.nn.Module):
-        for prefix, module in model.named_modules():
-            for name, t in module._buffers.items():
-                if t is not None and name not in module._non_persistent_buffers_set:
-                    named.append((f"{prefix}.{name}" if prefix else name, t, True))
+        named += [(name, t, True) for name, t in persistent_buffers(list(model.named_modules()))]
     if not named:
         return {}
     table = ChecksumTable(len(named), named[0][1].device)
     for row, (_, t, _) in enumerate(named):
         table.add(row, t)
     return {name: [str(t.dtype), list(t.shape), *v, buffer] for (name, t, buffer), v in zip(named, table.values())}
+
+
+def persistent_buffers(modules: list) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every persistent buffer of `modules` (a model's named_modules())."""
+    return [(f"{prefix}.{name}" if prefix else name, t) for prefix, module in modules
+            for name, t in module._buffers.items() if t is not None and name not in module._non_persistent_buffers_set]
 
 
 def flip_bit(t: torch.Tensor) -> None:

@@ -151,8 +151,11 @@ for name in ("sync_7b", "sync_0.5b"):  # where a verified sync's extra time goes
     rows = json.loads(path.read_text()).get("results", []) if path.exists() else []
     for r in (r for r in rows if r.get("checksums_verified")):
         print(f"{r['model']}: pack s verified {r['verified_pack_s']:.4f} / not {r['unverified_pack_s']:.4f}; posts s "
-              f"verified {r['verified_posts_s']:.4f} / not {r['unverified_posts_s']:.4f}; sender's host checksum "
-              f"bookkeeping {r['sender_checksum_s']:.4f}; trials s unverified {r['unverified_trials_s']}, verified "
+              f"verified {r['verified_posts_s']:.4f} / not {r['unverified_posts_s']:.4f}; SGLang's loads s verified "
+              f"{r.get('verified_server_load_s', float('nan')):.4f} / not "
+              f"{r.get('unverified_server_load_s', float('nan')):.4f} (of which queuing the sums of what each bucket "
+              f"completed {r.get('server_sums_s', float('nan')):.4f}); sender's host checksum bookkeeping "
+              f"{r['sender_checksum_s']:.4f}; trials s unverified {r['unverified_trials_s']}, verified "
               f"{r['verified_trials_s']}")
         if "profiled_sync_s" in r or "profile_error" in r:
             print(f"  profiled verified sync {r.get('profiled_sync_s', float('nan')):.4f} s "

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from megarl.rollout.transports.held_checksums import derived_tensors, held_checksums
 from megarl.utils.checksum import ChecksumTable
 
 FORMATS = ("tensors", "flattened_bucket", "persistent")
@@ -94,7 +95,8 @@ def unpack(flat: torch.Tensor, layout: list[list]) -> Bucket:
 
 _MAPPED: dict[int, torch.Tensor] = {}  # inside SGLang: slot -> the sender's buffer, kept mapped
 # Benchmarks set this in a server's environment: each load then prints its seconds to the server's log
-# (`LOAD_TIMING` lines), which splits a post's time into SGLang's load and the request's way there and back.
+# (`LOAD_TIMING` lines), which splits a post's time into SGLang's load and the request's way there and back (and
+# of the load, the host time queuing a verified sync's sums of what the bucket completed).
 TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
 LOAD_TIMING = "megarl weight load"
 CHECKSUM_TIMING = "megarl checksums"  # the same for a verification's checksums inside SGLang (inspect_weights)
@@ -102,8 +104,10 @@ CHECKSUM_TIMING = "megarl checksums"  # the same for a verification's checksums 
 
 def load_flat_bucket(model, named_tensors: Bucket) -> None:
     """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair. A
-    "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender); a
-    "checksums" file (a verified sync's last bucket): once loaded, the checksums of everything held go there."""
+    "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender). A bucket of
+    a verified sync ("sync": its id) names the tensors it completed ("complete"), summed once loaded, without
+    waiting (held_checksums.py); its last ("checksums": a file) sums the rest, and the checksums of everything
+    held go to the file."""
     start = time.perf_counter()
     ((header, flat),) = named_tensors
     header = json.loads(header)
@@ -119,15 +123,25 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
     else:
         model.load_weights(bucket)
     queued = time.perf_counter()  # the loaders' Python work is done; the copies may still run
-    if flat.is_cuda:  # the sender reuses the buffer once this call has returned
+    if "sync" in header:  # a verified sync: what this bucket completed, summed behind its copies (not waited for)
+        held_checksums(model).loaded(model, header["sync"], header["complete"])
+    summed = time.perf_counter()
+    if flat.is_cuda:  # the sender reuses the buffer once this call has returned (the copies only: not the sums)
         torch.cuda.current_stream().synchronize()
     _MAPPED[header["slot"]] = flat
     if TIME_LOADS:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} "
-              f"seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
+        print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} sums "
+              f"{summed - queued:.6f} seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
     if "checksums" in header:  # a verified sync's last bucket: every parameter's checksum, after all the writes
-        inspect_weights(model, header)
+        if "sync" not in header:  # from a sender that did not name what each bucket completed: all of it now
+            inspect_weights(model, header)
+            return
+        finished = time.perf_counter()
+        count = held_checksums(model).finish(model, header["checksums"])
+        if TIME_LOADS:
+            print(f"{CHECKSUM_TIMING}: params {count} seconds {time.perf_counter() - finished:.6f}", file=sys.stderr,
+                  flush=True)
 
 
 def inspect_weights(model, header: dict) -> None:
@@ -155,23 +169,6 @@ def inspect_weights(model, header: dict) -> None:
     with open(staging, "w") as f:
         json.dump(held, f)
     os.replace(staging, header["checksums"])
-
-
-def derived_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor attribute named in weight_layout.DERIVED_ATTRIBUTES (SGLang's MLA w_kc and
-    w_vc, which post_load_weights derives from kv_b_proj) that a module of `model` holds beside its parameters and
-    buffers: verification checks them as parameters."""
-    from megarl.rollout.weight_layout import DERIVED_ATTRIBUTES
-
-    if not isinstance(model, torch.nn.Module):
-        return []
-    found = []
-    for prefix, module in model.named_modules():
-        for attribute in DERIVED_ATTRIBUTES:
-            value = module.__dict__.get(attribute)
-            if isinstance(value, torch.Tensor):
-                found.append((f"{prefix}.{attribute}" if prefix else attribute, value))
-    return found
 
 
 def load_presharded(model, bucket: Bucket) -> None:
@@ -248,13 +245,14 @@ class CudaIpcSender:
         flat = pack(bucket, buffer, checksums)
         return {"slot": slot, "layout": layout, **header}, flat
 
-    def send(self, bucket: Bucket, flush_cache: bool = False,
-             checksums: ChecksumTable | None = None) -> Callable[..., None]:
+    def send(self, bucket: Bucket, flush_cache: bool = False, checksums: ChecksumTable | None = None,
+             complete: tuple[str, dict[int, list[str]]] | None = None) -> Callable[..., None]:
         """Prepare the bucket now (copies on our GPU; with `checksums`, a verified sync's table holding this
         bucket's queued pieces, summed by the copy) and return the call that posts it to every endpoint,
-        post(last): run it before changing the bucket's memory again. The last post of a verified sync in the
-        persistent format also asks each SGLang TP worker for the checksums of every parameter it then holds
-        (inspect_weights, into the file the endpoint names: no request of its own)."""
+        post(last): run it before changing the bucket's memory again. A verified sync in the persistent format
+        passes `complete` = (the sync's id, SGLang TP rank -> the parameters this bucket completes there): each TP
+        worker sums those once the bucket is loaded (held_checksums.py), and the last post asks for the checksums
+        of every parameter it then holds (into the file the endpoint names: no request of its own)."""
         load_format, payload, keep = self.payload(bucket, checksums)
         self.count += 1
         # The pack (and the conversions before it) are queued on our stream, not done. A receiver that opens a
@@ -273,9 +271,14 @@ class CudaIpcSender:
                     packed.synchronize()
             for endpoint in self.endpoints:
                 ask = last and checksums is not None and load_format == PERSISTENT_LOADER and endpoint.checksums
+                summed = complete is not None and load_format == PERSISTENT_LOADER and endpoint.checksums
+
+                def header(rank: int) -> dict:
+                    return (({"sync": complete[0], "complete": complete[1].get(rank, [])} if summed else {})
+                            | ({"checksums": checksum_file(endpoint.checksums, rank)} if ask else {}))
+
                 with record_function("megarl.sync.post_serialize"):  # here: each handle is opened once
-                    payloads = [payload(endpoint, r, {"checksums": checksum_file(endpoint.checksums, r)} if ask
-                                        else {}) for r in range(endpoint.tp)]
+                    payloads = [payload(endpoint, r, header(r)) for r in range(endpoint.tp)]
                 with record_function("megarl.sync.post_request" + (" (asks for SGLang's checksums)" if ask else "")):
                     endpoint.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
                                                                   "load_format": load_format,

@@ -1,0 +1,148 @@
+"""Inside an SGLang TP worker (megarl's persistent loader, cuda_ipc.load_flat_bucket): the checksums of what this
+rank holds after a verified sync, computed while the sync is still loading.
+
+Every bucket of a verified sync names the parameters (and derived tensors, such as DeepSeek's w_kc/w_vc, which
+SGLang derives at the end of the load that carried their kv_b_proj) whose last piece it carried: the sender counts
+them down from its weight layout (weight_layout.ExpectedChecksums.completed). Once a bucket's load is queued, those
+are summed from SGLang's own memory on a side stream behind the load's copies, and the loader returns without
+waiting for them: the sums of bucket k run while bucket k+1 travels and loads (the sync is bound by the host and by
+latency, not by the GPU's memory bandwidth). The last bucket then sums what it completed and everything else held
+that the sync did not (persistent buffers; a parameter no bucket named, which the comparison reports as never
+sent), reads the table back once and writes the file the rollout engine reads. The result is what
+megarl.utils.checksum.module_checksums gives after the last load, of the same memory.
+
+A parameter summed once its bucket is loaded is not summed again: a later load writing into it (a layout that
+does not know SGLang writes it from another tensor) would go unseen by this sync's checksums. A bit flipped after
+the sync is seen by the next verification (a request checksums everything held: cuda_ipc.inspect_weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+
+import torch
+
+from megarl.rollout.weight_layout import DERIVED_ATTRIBUTES
+from megarl.utils.checksum import ChecksumTable, persistent_buffers
+
+
+def derived_tensors(model, modules: list | None = None) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor attribute named in weight_layout.DERIVED_ATTRIBUTES (SGLang's MLA w_kc and
+    w_vc, which post_load_weights derives from kv_b_proj) that a module of `model` (or of `modules`, its
+    named_modules) holds beside its parameters and buffers: verification checks them as parameters."""
+    if modules is None:
+        modules = list(model.named_modules()) if isinstance(model, torch.nn.Module) else []
+    found = []
+    for prefix, module in modules:
+        for attribute in DERIVED_ATTRIBUTES:
+            value = module.__dict__.get(attribute)
+            if isinstance(value, torch.Tensor):
+                found.append((f"{prefix}.{attribute}" if prefix else attribute, value))
+    return found
+
+
+class HeldChecksums:
+    """One TP worker's checksums of a verified sync in progress (one per model, kept across syncs: its table, rows
+    and side stream are made once). `loaded` after each bucket's load is queued, `finish` after the last."""
+
+    def __init__(self, model):
+        # where derived tensors and buffers live (modules stay; a load may put a new tensor in one)
+        self.modules = list(model.named_modules()) if isinstance(model, torch.nn.Module) else []
+        self.rows: dict[str, int] = {}
+        self.table: ChecksumTable | None = None
+        self.stream = None  # a GPU's side stream: the sums queue behind the loads, the loader does not wait
+        self.sync: str | None = None  # the sync being summed
+        self.summed: dict[str, tuple[str, list, bool]] = {}  # name -> (dtype, shape, is a buffer), this sync
+
+    def loaded(self, model, sync: str, names: list[str]) -> None:
+        """A bucket of sync `sync` is loaded (its copies queued on the current stream): sum the tensors `names`,
+        whole from now on (those this rank does not hold are left to the comparison, which names them missing)."""
+        held = self._held(model)
+        if sync != self.sync:
+            self._begin(sync, held)
+        with self._queued():
+            for name in names:
+                if name in held and name not in self.summed:
+                    self._add(name, held[name], False)
+            self.table.flush()
+
+    def finish(self, model, path: str) -> int:
+        """After the sync's last bucket: sum everything held not summed yet, read the table back (the one wait of
+        the sync for these sums) and write name -> [dtype, shape, sum 0, sum 1, is a buffer] to `path` atomically;
+        returns how many tensors it holds."""
+        held = self._held(model)
+        buffers = persistent_buffers(self.modules)
+        if self.sync is None:  # a verified sync whose buckets named nothing
+            self._begin("", held)
+        with self._queued():
+            for name, t in held.items():
+                if name not in self.summed:
+                    self._add(name, t, False)
+            for name, t in buffers:
+                if name not in self.summed and name not in held:
+                    self._add(name, t, True)
+            self.table.fetch()
+        values = self.table.values()
+        out = {name: [dtype, shape, *values[self.rows[name]], buffer]
+               for name, (dtype, shape, buffer) in self.summed.items()}
+        self.sync = None
+        from megarl.rollout.sglang_server import json_dumps  # orjson where SGLang is (here: an import cycle)
+
+        staging = path + ".tmp"
+        with open(staging, "wb") as f:
+            f.write(json_dumps(out))
+        os.replace(staging, path)
+        return len(out)
+
+    def _held(self, model) -> dict[str, torch.Tensor]:
+        """The parameters and derived tensors as the model holds them now (a load may have replaced a tensor)."""
+        return dict(model.named_parameters()) | dict(derived_tensors(model, self.modules))
+
+    def _begin(self, sync: str, held: dict) -> None:
+        for name in [*held, *(name for name, _ in persistent_buffers(self.modules))]:
+            self.rows.setdefault(name, len(self.rows))
+        device = next(iter(held.values())).device if held else torch.device("cpu")
+        with self._queued(device):
+            if self.table is None or self.table.table.shape[0] < len(self.rows) or self.table.table.device != device:
+                self.table = ChecksumTable(len(self.rows), device)
+            else:
+                self.table.reset()
+        self.sync, self.summed = sync, {}
+
+    def _add(self, name: str, t: torch.Tensor, buffer: bool) -> None:
+        if name not in self.rows:  # appeared since the sync began (a derived tensor's first derivation): a new row
+            self.rows[name] = len(self.rows)
+            if len(self.rows) > self.table.table.shape[0]:  # twice the rows: few such copies
+                grown = ChecksumTable(2 * len(self.rows), self.table.table.device)
+                self.table.flush()
+                grown.table[:self.table.table.shape[0]].copy_(self.table.table)
+                self.table = grown
+        if self.stream is not None and not isinstance(t, torch.nn.Parameter):
+            t.record_stream(self.stream)  # a derived tensor a later load replaces stays allocated until summed
+        self.table.add(self.rows[name], t)
+        self.summed[name] = (str(t.dtype), list(t.shape), buffer)
+
+    @contextlib.contextmanager
+    def _queued(self, device: torch.device | None = None):
+        """On a GPU: on the side stream, behind everything queued on the current stream so far (the load)."""
+        device = device or (self.table.table.device if self.table is not None else torch.device("cpu"))
+        if device.type != "cuda":
+            yield
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+
+_STATES: "weakref.WeakKeyDictionary[object, HeldChecksums]" = weakref.WeakKeyDictionary()
+
+
+def held_checksums(model) -> HeldChecksums:
+    """The model's HeldChecksums (one per model of this process: an SGLang TP worker holds one)."""
+    if model not in _STATES:
+        _STATES[model] = HeldChecksums(model)
+    return _STATES[model]
