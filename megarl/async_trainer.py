@@ -22,12 +22,15 @@ from pathlib import Path
 
 import torch
 
-from megarl.config import Config
+from megarl.config import Config, ConfigError
+from megarl.data.inputs import read_model_config
 from megarl.protocol import Batch
+from megarl.reshard.memory import GiB, MemorySettings, predict_peak
+from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
 from megarl.rewards.failures import RewardFailureTracker
 from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
-from megarl.trainer import RLTrainer
+from megarl.trainer import RLTrainer, resolve_device
 from megarl.utils.timers import Timers
 
 ASYNC_BUFFER_FILE = "async_buffer.pt"  # the rollout buffer in a checkpoint (RolloutBuffer.state_dict)
@@ -51,6 +54,28 @@ def with_async_objective(cfg: Config) -> Config:
         return cfg
     decoupled = dataclasses.replace(correction, decoupled=True)
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, rollout_correction=decoupled))
+
+
+def check_resident_memory(cfg: Config, model_config: dict, gpu_bytes: float) -> None:
+    """Colocated SGLang servers stay resident beside the training engines in the asynchronous modes: their share of
+    each policy GPU (rollout.sglang_mem_fraction) and the training state's peak, as the planner's memory model
+    puts it (megarl/reshard/memory.py: weights, gradients, Adam, activations of a micro-batch of the longest
+    sequences), must fit in it; refused with the numbers otherwise (before any worker starts)."""
+    p, r = cfg.actor.parallel, cfg.rollout
+    train = train_layout(model_config, {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.dp, "ep": p.ep,
+                                        "etp": p.etp or p.tp}, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    longest = model_config.get("max_position_embeddings", 4096)  # a prompt and its response fit in the positions
+    settings = MemorySettings(seq_len=min(longest, 1024 + max(r.max_new_tokens, cfg.agent.max_response_tokens)),
+                              micro_batch=cfg.actor.micro_batch_size, recompute=cfg.actor.recompute,
+                              distributed_optimizer=cfg.actor.use_distributed_optimizer,
+                              reference=cfg.algorithm.kl_coef > 0)
+    training, rollout = predict_peak(model_config, train, settings, p.cp), r.sglang_mem_fraction * gpu_bytes
+    if training + rollout > gpu_bytes:
+        raise ConfigError(f"trainer.mode={cfg.trainer.mode} keeps the training engines and colocated SGLang resident "
+                          f"together: training needs about {training / GiB:.1f} GiB per GPU (the planner's estimate) "
+                          f"beside rollout.sglang_mem_fraction={r.sglang_mem_fraction} of {gpu_bytes / GiB:.0f} GiB "
+                          f"({rollout / GiB:.1f} GiB): lower rollout.sglang_mem_fraction, give SGLang GPUs of its own "
+                          "(rollout.sglang_gpus), or use trainer.mode=sync with its offload cycle")
 
 
 class PromptSource:
@@ -121,6 +146,9 @@ def merge_rollout_metrics(metrics: list[dict]) -> dict:
 class AsyncRLTrainer(RLTrainer):
     def __init__(self, cfg: Config):
         origin = time.perf_counter()  # phase times (phase/<name>/start|end) count from here, on both threads
+        r = cfg.rollout
+        if r.engine == "sglang" and not r.sglang_gpus and resolve_device(cfg) == "cuda" and cfg.model.path != "tiny":
+            check_resident_memory(cfg, read_model_config(cfg.model.path), torch.cuda.mem_get_info()[1])
         super().__init__(with_async_objective(cfg))
         a = self.cfg.async_
         self.timers = Timers(origin)
