@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 25 on several GPUs (nvidia-h200-x2 or more), after the bundle's install.sh (../shared/device/README.md); also
+# multi_gpu.sh's `async` phase. benchmarks/async_grpo.py --issue 25: a random Qwen2.5-1.5B, 128-token prompts, 8
+# samples per prompt, 64 prompts per step, LENGTHS=fixed (every completion 1024 tokens) or tail (natural lengths to
+# 4096, ~10% at the cap); runs (RUNS, comma-separated; default all five):
+#   colocated_sync        synchronous on all GPUS, a colocated SGLang server on each, the offload cycle
+#   disagg_sync           the trainer on GPUS - SERVER_GPUS GPUs (GPU 0, or 0-1), SGLang servers on SERVER_GPUS of their
+#                         own (default half), weights broadcast over NCCL
+#   disagg_one_step_off   the same placement, trainer.mode=one_step_off
+#   disagg_async_s1/_s4   the same placement, trainer.mode=async, async.max_staleness 1 / 4, partial rollouts resumed
+# tokens/s/GPU (over every GPU of the run), step time, staleness histogram, each speed-up against disagg_sync beside
+# the bound (T_gen + T_train) / max(T_gen, T_train) of that run; $OUT/async_grpo.json holds the phase intervals for
+#   python benchmarks/plot_timeline.py OUT/async_grpo.json timeline_25.png     (drawn here if matplotlib imports)
+# A 1.5B step at 512 x 1024 tokens takes ~30 s on 1+1 H200s (a guess: not run yet), so a call of <= 9 min holds about
+# two runs: RUNS=colocated_sync,disagg_sync, then RUNS=disagg_one_step_off,disagg_async_s1, then RUNS=disagg_async_s4;
+# merge the calls' tables with python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/async_grpo.json ...
+# A run that no longer fits BUDGET (seconds, default 520) is skipped and says so. scripts/gpu/async.sh (issue 19's)
+# does the work, with ISSUE=25.
+# DEVICE=cpu: the smoke run through gloo, the transformers engine in SGLang's place (its own Ray actor), tiny shapes,
+# GPUS processes (default 2) — every run (~10 min on 2 cores; colocated_sync and disagg_async_s1 took 5 min under
+# heavy contention):
+#   DEVICE=cpu OUT=/tmp/async-disagg-smoke bash scripts/gpu/async_disagg.sh
+ISSUE=25 OUT=${OUT:-/tmp/megarl-async-disagg} exec bash "$(dirname "$0")/async.sh"
