@@ -9,7 +9,8 @@ warm start, same held-out draws):
     python -m benchmarks.algorithms_cpu --table --out runs/algorithms_cpu     # the table of finished runs
 
 Each run is `python -m benchmarks.algorithms_cpu --run NAME` in a process of its own (one Ray, one trainer),
-one after the other; its metrics.jsonl goes to OUT/NAME/. Extra key=value arguments go to every run. The
+one after the other (--runs picks some; a run that fails is tried again, up to 3 times: on a crowded machine
+Ray's start can time out); its metrics.jsonl goes to OUT/NAME/. Extra key=value arguments go to every run. The
 table printed last: the held-out reward (mean@4) at every evaluation and the mean training reward of the last
 10 steps of each run. Not part of the test suite: minutes per run on two cores.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -101,22 +103,27 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compare", nargs="+", choices=sorted(COMPARISONS), default=sorted(COMPARISONS))
     p.add_argument("--run", choices=sorted(RUNS), help="one run, in this process")
+    p.add_argument("--runs", nargs="+", choices=sorted(RUNS), help="these runs only (default: --compare's)")
     p.add_argument("--out", default="runs/algorithms_cpu")
     p.add_argument("--table", action="store_true", help="print the table of the runs in --out and exit")
     p.add_argument("overrides", nargs="*", help="key=value for every run")
     args = p.parse_args(argv)
     out = Path(args.out)
-    names = [n for c in args.compare for n in COMPARISONS[c]]
+    names = args.runs or [n for c in args.compare for n in COMPARISONS[c]]
     if args.run:
         run_one(args.run, out, args.overrides)
         return 0
     if not args.table:
         for name in names:
-            (out / name).mkdir(parents=True, exist_ok=True)
-            start = time.perf_counter()
-            with open(out / name / "run.log", "w") as log:
-                code = subprocess.call([sys.executable, "-m", "benchmarks.algorithms_cpu", "--run", name, "--out",
-                                        str(out), *args.overrides], stdout=log, stderr=subprocess.STDOUT)
+            for _ in range(3):
+                shutil.rmtree(out / name, ignore_errors=True)
+                (out / name).mkdir(parents=True)
+                start = time.perf_counter()
+                with open(out / name / "run.log", "w") as log:
+                    code = subprocess.call([sys.executable, "-m", "benchmarks.algorithms_cpu", "--run", name, "--out",
+                                            str(out), *args.overrides], stdout=log, stderr=subprocess.STDOUT)
+                if code == 0:
+                    break
             (out / name / "seconds.txt").write_text(f"{time.perf_counter() - start:.0f}\n")
             print(f"{name}: exit {code}, {time.perf_counter() - start:.0f} s", flush=True)
     print(table(out, names))

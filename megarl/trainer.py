@@ -187,7 +187,11 @@ class RLTrainer:
             batch["old_logprobs"] = batch["rollout_logprobs"]
         if cfg.recompute_old_logprobs():  # else the update's own forward gives them (algorithm.recompute_old_logprobs)
             with self.timers("old_logprobs"):
-                batch["old_logprobs"] = self.actor.compute_logprobs(batch)["logprobs"]
+                otb = a.advantage == "optimal_token_baseline"  # its baseline weighs by sum_v p(v)^2 per token
+                old = self.actor.compute_logprobs(batch, with_sum_pi_squared=otb)
+                batch["old_logprobs"] = old["logprobs"]
+                if otb:
+                    batch["sum_pi_squared"] = old["sum_pi_squared"]
                 # how far the rollout engine's log-probs are from Megatron's on the same tokens
                 real = batch["loss_mask"] > 0
                 metrics["rollout/logprob_abs_diff"] = (batch["old_logprobs"] - batch["rollout_logprobs"])[real].abs().mean().item()

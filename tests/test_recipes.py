@@ -53,7 +53,7 @@ def test_baseline_settings():
     assert recipe("grpo_math_qwen2.5_7b").reward.name == "math"
 
 
-@pytest.mark.parametrize("name", BASELINES)
+@pytest.mark.parametrize("name", BASELINES + ["vapo_math_qwen2.5_7b"])
 def test_launch_scripts(name):
     script = ROOT / "scripts" / "recipes" / f"{name}.sh"
     assert subprocess.run(["bash", "-n", script]).returncode == 0

@@ -32,6 +32,9 @@ def check_algorithm_extras(cfg: "Config") -> None:
         raise ConfigError(f"algorithm.clip_cov_lb={a.clip_cov_lb} must be below algorithm.clip_cov_ub={a.clip_cov_ub}")
     if a.kl_cov_coef < 0:
         raise ConfigError(f"algorithm.kl_cov_coef={a.kl_cov_coef}: must be >= 0")
+    if a.advantage == "optimal_token_baseline" and a.recompute_old_logprobs != "always":
+        raise ConfigError("algorithm.advantage=optimal_token_baseline needs algorithm.recompute_old_logprobs=always: "
+                          "the forward pass of the old log-probs also gives its sum over the vocabulary of p^2")
     if a.advantage == "grpo_passk" and cfg.rollout.n_samples < 2:
         raise ConfigError(f"algorithm.advantage=grpo_passk needs rollout.n_samples >= 2 (the best response's "
                           f"advantage is its lead over the second best); got {cfg.rollout.n_samples}")

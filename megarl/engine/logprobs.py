@@ -182,3 +182,37 @@ def _chunks(n: int, width: int):
     """Row slices of at most CHUNK_ELEMENTS elements at `width` columns (at least one row each)."""
     step = max(1, CHUNK_ELEMENTS // width)
     return (slice(i, min(i + step, n)) for i in range(0, n, step))
+
+
+@torch.no_grad()
+def vocab_parallel_sum_squared_probs(logits: Tensor, vocab_size: int) -> Tensor:
+    """logits [b, s, V_local] (this rank's vocab slice) -> sum over the whole vocabulary of p(v)^2 [b, s],
+    float32, identical on every TP rank (the optimal token baseline's path variance, advantages.py). Per token
+    a rank reduces its slice to a max m_r, s_r = sum exp(x - m_r) and q_r = sum exp(2 (x - m_r)); rebased to
+    the global max M (times exp(m_r - M), resp. its square) and summed over TP ranks, sum p^2 = Q / S^2.
+    Forward only: no gradient."""
+    local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    real = min(max(vocab_size - start, 0), local)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    x = logits.reshape(-1, local)
+    n = x.shape[0]
+    local_max = torch.full((n,), float("-inf"), dtype=dtype, device=logits.device)
+    sums = torch.zeros((2, n), dtype=dtype, device=logits.device)
+    for rows in _chunks(n, local) if real else ():
+        chunk = x[rows, :real]
+        local_max[rows] = chunk.amax(-1).to(dtype)
+        e = torch.exp(chunk - local_max[rows].unsqueeze(-1))
+        sums[0, rows], sums[1, rows] = e.sum(-1), (e * e).sum(-1)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    global_max = local_max.clone()
+    if tp > 1:
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    if real:  # an all-padding slice adds 0
+        scale = torch.exp(local_max - global_max)
+        sums[0] *= scale
+        sums[1] *= scale * scale
+    if tp > 1:
+        dist.all_reduce(sums, group=group)
+    return (sums[1] / sums[0] ** 2).view(logits.shape[:-1]).float()

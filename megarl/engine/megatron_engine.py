@@ -31,7 +31,7 @@ from megarl.algorithms import losses, rollout_correction
 from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.engine import checkpoint, context_parallel, finite, offload, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
-from megarl.engine.logprobs import vocab_parallel_logprobs
+from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
                                    reset_rotary_positions, sequence_lengths, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
@@ -306,12 +306,18 @@ class MegatronEngine:
         self._reference = [p.detach().clone() for p in self._parameters()]
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
-        """'logprobs' (or 'ref_logprobs' with reference=True) and optionally 'entropy', [B, T] float32,
-        the same on every rank of the model-parallel group."""
+    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False,
+                         with_sum_pi_squared: bool = False) -> Batch:
+        """'logprobs' (or 'ref_logprobs' with reference=True) and optionally 'entropy' and 'sum_pi_squared' (sum
+        over the vocabulary of p^2, the optimal token baseline's), [B, T] float32, the same on every rank of the
+        model-parallel group."""
         def outputs(mb, logits):
             logprobs, entropy = self._aligned_logprobs(mb, logits, with_entropy)
-            return {"logprobs": logprobs} | ({"entropy": entropy} if with_entropy else {})
+            out = {"logprobs": logprobs} | ({"entropy": entropy} if with_entropy else {})
+            if with_sum_pi_squared:
+                squares = vocab_parallel_sum_squared_probs(logits, self.vocab_size)
+                out["sum_pi_squared"] = align_to_tokens(unpack(context_parallel.gather_rows(squares), mb), mb)
+            return out
 
         with self._reference_weights() if reference else contextlib.nullcontext():
             result = self._forward(batch, outputs)

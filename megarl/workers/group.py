@@ -132,8 +132,10 @@ class TrainGroup:
         result = Batch.concat(self._dispatch(method, batch, **kwargs))
         return result.index(sorted(range(len(order)), key=order.__getitem__))
 
-    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
-        return self._dispatch_rows("compute_logprobs", batch, with_entropy=with_entropy, reference=reference)
+    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False,
+                         with_sum_pi_squared: bool = False) -> Batch:
+        return self._dispatch_rows("compute_logprobs", batch, with_entropy=with_entropy, reference=reference,
+                                   with_sum_pi_squared=with_sum_pi_squared)
 
     def compute_values(self, batch: Batch) -> Batch:
         return self._dispatch_rows("compute_values", batch)

@@ -86,8 +86,10 @@ class TrainWorker:
             return sglang_generation(r.sglang_tp, r.sglang_args)
         return GenLayout(r.sglang_tp)
 
-    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False) -> Batch:
-        return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference)
+    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False,
+                         with_sum_pi_squared: bool = False) -> Batch:
+        return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference,
+                                            with_sum_pi_squared=with_sum_pi_squared)
 
     def compute_values(self, batch: Batch) -> Batch:
         return self.engine.compute_values(batch)

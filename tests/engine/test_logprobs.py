@@ -1,11 +1,12 @@
-"""vocab_parallel_logprobs against a plain log_softmax: values, gradients, vocab padding, chunking, TP=2."""
+"""vocab_parallel_logprobs against a plain log_softmax: values, gradients, vocab padding, chunking, TP=2; and
+vocab_parallel_sum_squared_probs (the optimal token baseline's sum of p^2) against a plain softmax."""
 
 import pytest
 import torch
 from megatron.core import parallel_state
 
 from megarl.engine import logprobs as logprobs_module
-from megarl.engine.logprobs import vocab_parallel_logprobs
+from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from tests.dist_utils import run_distributed
 
 LOCAL = 12  # padded vocab 24 = TP 2 x 12
@@ -58,6 +59,8 @@ def test_float64_matches_log_softmax_with_padding_and_chunks(tp1, monkeypatch, c
     torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
     assert torch.all(grad[..., 21:] == 0)  # padding columns
+    squares = (torch.softmax(logits[..., :21], -1) ** 2).sum(-1).float()
+    torch.testing.assert_close(vocab_parallel_sum_squared_probs(logits, 21), squares, rtol=0, atol=1e-7)
 
     small = logits[:1, :3, :8].detach().requires_grad_()
     assert torch.autograd.gradcheck(
@@ -109,6 +112,9 @@ def _tp2_rank(rank, chunk):
         torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-12)
         torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-12)
         torch.testing.assert_close(grad, ref_grad[..., own], rtol=0, atol=1e-12)
+        squares = (torch.softmax(logits[..., :vocab_size], -1) ** 2).sum(-1).float()
+        torch.testing.assert_close(vocab_parallel_sum_squared_probs(logits[..., own], vocab_size), squares, rtol=0,
+                                   atol=1e-7)
 
 
 def test_tp2_over_gloo_equals_the_whole_vocabulary():

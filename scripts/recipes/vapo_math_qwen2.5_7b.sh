@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# VAPO on MATH with Qwen2.5-7B on one node of 8 GPUs: configs/vapo_math_qwen2.5_7b.yaml, through scripts/launch.sh.
+#   MODEL=/path/to/Qwen2.5-7B MATH_DIR=/path/to/MATH MATH_TEST=/path/to/MATH-500/test.jsonl bash scripts/recipes/vapo_math_qwen2.5_7b.sh [key=value ...]
+# The public MATH files are converted once into data/math/ (SKIP_MALFORMED=1 skips and counts bad rows).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/recipes/common.sh
+: "${MODEL:?set MODEL to the local Qwen2.5-7B directory}"
+prepare_prompts math "${MATH_TRAIN:-${MATH_DIR:?set MATH_DIR to the MATH release folder (train/<subject>/*.json)}/train}" \
+  "${MATH_TEST:?set MATH_TEST to MATH-500 test.jsonl (or a MATH test folder)}" data/math
+exec bash scripts/launch.sh --config configs/vapo_math_qwen2.5_7b.yaml model.path="$MODEL" "$@"
