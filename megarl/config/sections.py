@@ -282,8 +282,9 @@ class RolloutConfig:
                                        "from one rank; the engine slices its own TP shard, as SGLang's "
                                        "update_weights_from_tensor does) or sharded (each generation TP rank sends only "
                                        "its rows into engines that load pre-sharded tensors: the hf engine, or "
-                                       "SGLang colocated with rollout.sglang_tp = actor TP and PP=1, each TP rank's "
-                                       "shard by CUDA IPC from the training rank on its GPU)")
+                                       "colocated SGLang, each TP rank's shard (with --ep-size, whole experts of its "
+                                       "EP slice) by CUDA IPC from the training rank on its GPU, whatever the "
+                                       "training TP, PP and EP: the resharder moves the rows a rank lacks)")
     sglang_weight_format: str = opt("persistent", "SGLang: CUDA IPC weight payload per bucket: persistent (two "
                                     "reused flat buffers SGLang keeps mapped: the fastest, and the one that works "
                                     "into a TP>1 server), flattened_bucket (SGLang's one flat buffer per bucket; "
