@@ -23,9 +23,10 @@ def make_batch():
                  {"group": GROUP})
 
 
-def per_sample(advantages):
-    """The one value each row carries on its response tokens (all its masked tokens must share it)."""
-    mask = torch.tensor(MASK, dtype=torch.bool)
+def per_sample(advantages, mask=None):
+    """The one value each row carries on its response tokens (all its masked tokens must share it); `mask`
+    (a loss_mask) defaults to MASK."""
+    mask = torch.tensor(MASK, dtype=torch.bool) if mask is None else mask > 0
     assert (advantages[~mask] == 0).all()
     values = []
     for row, m in zip(advantages, mask):

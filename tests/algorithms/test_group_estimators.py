@@ -8,6 +8,12 @@ from megarl.algorithms import ADVANTAGES, compute_advantages
 from megarl.algorithms.advantages import gae, length_adaptive_lambda
 from megarl.config import AlgorithmConfig
 from megarl.protocol import Batch
+from tests.algorithms.test_advantages import per_sample
+
+
+def advantages(name, batch, **cfg):
+    """Estimator `name`'s one value per row (tests.algorithms.test_advantages.per_sample)."""
+    return per_sample(ADVANTAGES.get(name)(batch, AlgorithmConfig(**cfg)), batch["loss_mask"])
 
 
 def outcome_batch(rewards, group, lengths):
@@ -17,45 +23,29 @@ def outcome_batch(rewards, group, lengths):
     return Batch({"rewards": torch.tensor(rewards), "loss_mask": mask}, {"group": group})
 
 
-def per_row(advantages, batch):
-    """Each row's single value on its response tokens (checked constant there, 0 elsewhere)."""
-    mask = batch["loss_mask"] > 0
-    assert (advantages[~mask] == 0).all()
-    values = []
-    for row, m in zip(advantages, mask):
-        assert torch.allclose(row[m], row[m][0].expand(int(m.sum())))
-        values.append(row[m][0].item())
-    return values
-
-
 def test_gpg_rescales_by_the_share_of_informative_samples():
     # group 0: rewards 1, 0, 0, 1 (mean 0.5); group 1: 2, 2 (all equal: M = 2); group 2: 5 alone.
     # B = 7 samples, 4 with a non-zero advantage -> alpha = 7 / 4; A = alpha * (r - mean) = +-0.875, F_norm = 1;
     # with F_norm = std (unbiased, sqrt(1/3)): +-0.5 / sqrt(1/3) * 7 / 4
     batch = outcome_batch([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 5.0], [0, 0, 0, 0, 1, 1, 2], [1, 2, 1, 3, 1, 1, 2])
-    assert per_row(ADVANTAGES.get("gpg")(batch, AlgorithmConfig()), batch) == pytest.approx(
-        [0.875, -0.875, -0.875, 0.875, 0, 0, 0])
+    assert advantages("gpg", batch) == pytest.approx([0.875, -0.875, -0.875, 0.875, 0, 0, 0])
     s = 0.5 / (1 / 3) ** 0.5 * 7 / 4
-    assert per_row(ADVANTAGES.get("gpg")(batch, AlgorithmConfig(gpg_norm_by_std=True)), batch) == pytest.approx(
-        [s, -s, -s, s, 0, 0, 0], abs=1e-5)
+    assert advantages("gpg", batch, gpg_norm_by_std=True) == pytest.approx([s, -s, -s, s, 0, 0, 0], abs=1e-5)
 
 
 def test_opo_length_weighted_baseline():
     # group 0: rewards 1, 0, 1 with 1, 2, 3 response tokens: b = (1 * 1 + 2 * 0 + 3 * 1) / 6 = 2/3;
     # group 1: one sample is its own baseline -> 0
     batch = outcome_batch([1.0, 0.0, 1.0, 3.0], [0, 0, 0, 1], [1, 2, 3, 2])
-    assert per_row(ADVANTAGES.get("opo")(batch, AlgorithmConfig()), batch) == pytest.approx(
-        [1 / 3, -2 / 3, 1 / 3, 0.0], abs=1e-6)
+    assert advantages("opo", batch) == pytest.approx([1 / 3, -2 / 3, 1 / 3, 0.0], abs=1e-6)
 
 
 def test_grpo_passk_only_the_best_learns():
     # group 0: 0.2, 0.9, 0.5, 0.9: the best ties the second best -> all 0;
     # group 1: 1, 0, 0.5: the best (row 4) leads the second by 0.5; unbiased std of the group 0.5 -> 1
     batch = outcome_batch([0.2, 0.9, 0.5, 0.9, 1.0, 0.0, 0.5], [0, 0, 0, 0, 1, 1, 1], [1] * 7)
-    raw = per_row(ADVANTAGES.get("grpo_passk")(batch, AlgorithmConfig(norm_adv_by_std=False)), batch)
-    assert raw == pytest.approx([0, 0, 0, 0, 0.5, 0, 0])
-    normed = per_row(ADVANTAGES.get("grpo_passk")(batch, AlgorithmConfig()), batch)
-    assert normed == pytest.approx([0, 0, 0, 0, 0.5 / (0.5 + 1e-6), 0, 0])
+    assert advantages("grpo_passk", batch, norm_adv_by_std=False) == pytest.approx([0, 0, 0, 0, 0.5, 0, 0])
+    assert advantages("grpo_passk", batch) == pytest.approx([0, 0, 0, 0, 0.5 / (0.5 + 1e-6), 0, 0])
     with pytest.raises(ValueError, match="at least 2 samples per group"):
         ADVANTAGES.get("grpo_passk")(outcome_batch([1.0], [0], [1]), AlgorithmConfig())
 
