@@ -9,8 +9,9 @@
 #   async_s4       the same at async.max_staleness=4
 #   one_step_off   trainer.mode=one_step_off (async.partial=finish), resident
 #   sync_offload   synchronous, with the offload cycle (trainer.offload_between_phases=always)
-# 0.5B: ~100 s a run, the five in one call of ~9 min (if the last is skipped: RUNS=sync_offload, ~3 min);
-# 1.5B: two calls, RUNS=sync_resident,async_s1,async_s4 then RUNS=one_step_off,sync_offload (estimates: not run yet).
+# Estimates (not run yet): 0.5B ~100 s a run (the first ~170 s), so a call of ~9 min runs the first four and skips
+# sync_offload: a second call RUNS=sync_offload (~3 min); 1.5B ~150 s a run: RUNS=sync_resident,async_s1,async_s4,
+# then RUNS=one_step_off,sync_offload. Merge: python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/...
 # tokens/s/GPU and step time from the measured steps' wall clock, the trainer's own perf/tokens_per_s_per_gpu,
 # staleness histograms, the sync runs' GPU busy fraction (nvidia-smi utilization.gpu every 100 ms) and overlap
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the
