@@ -1,0 +1,429 @@
+"""End-to-end GRPO speed: megarl against verl 0.9.1, one after the other on the same GPU (issue 22).
+
+    python -m benchmarks.e2e_vs_verl --out-dir OUT --verl-site /tmp/site-verl    # one GPU, one model size
+    python -m benchmarks.e2e_vs_verl --smoke --out-dir OUT                       # CPU: megarl side + plumbing
+
+The same setup for both, as benchmarks/e2e_vs_trl.py builds it (its helpers are used here): a random Qwen2 of
+--model's shape with the offline BPE of exactly its vocabulary, prompts of exactly --prompt-len tokens,
+completions forced to --completion-len tokens (ignore_eos on both), --n-samples per prompt, --completions per
+step, the vowel_share rule reward, no KL term and no reference model, bf16, one optimizer update per step,
+micro-batches of at most --micro-batch x (prompt + completion) tokens (verl: use_dynamic_bsz with that
+ppo_max_token_len_per_gpu; megarl: actor.max_tokens_per_micro_batch), SGLang with the triton attention and
+pytorch sampling backends at the same --sglang-mem-fraction on both sides (the bundle strips FA3; verl's own
+default for sglang >= 0.5.12 is flashinfer). The tokenizer gets a chat template that renders a user message as
+its bare text, so verl's chat-formatted prompts are the same tokens as megarl's plain ones.
+
+verl runs `python -m verl.trainer.main_ppo` (its v1 synchronous trainer: FSDP actor, SGLang colocated in the
+hybrid engine, the one-GPU mode; no parameter or optimizer offload) with the hydra overrides verl_overrides()
+writes, from its own site directory (--verl-site: sglang 0.5.12, transformers 5.9.0; scripts/gpu/
+build_verl_chunk.sh), in a process that never imports megarl's stack. flash-attn is not installable offline, so
+verl runs padded (use_remove_padding=False) and the JSON says so. megarl runs `python -m megarl.train` (Megatron
++ SGLang 0.5.17 colocated). Before each system, `sglang.Engine` of that system's SGLang version generates the
+same batch (--probe), so a difference between SGLang versions is not taken for one between the systems.
+
+Reported per side, over the measured steps (warm-up steps left out): per-phase seconds from the system's own
+timers (verl's timing_s/*, megarl's timing/*), tokens/s/GPU as NeMo-RL counts them (every prompt and completion
+token of the step over the step's wall time and the GPUs held: one), the rollout's generated tokens/s beside
+its SGLang's bare Engine, and the MFU of the update phase (benchmarks/engine_throughput.py's model_flops over
+the real tokens). OUT gets e2e_vs_verl.json, verl's resolved config (verl_config.yaml), both logs and metrics;
+UNMATCHED below lists what is not the same on both sides, and why. A short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from benchmarks.e2e_vs_trl import (_gpu_memory_used, _parameter_counts, build_model, environment, megarl_command,
+                                   megarl_steps, model_shape, run_process, summarize, write_prompts)
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+VERL_PHASES = {  # verl's top-level timing_s/<name> of a v1 synchronous step -> phase; the rest of step is 'other'
+    "gen": "generation", "reward": "reward", "old_log_prob": "log-probs", "ref": "reference", "adv": "advantages",
+    "update_actor": "update", "update_weights": "weight sync"}
+UNMATCHED = {
+    "old log-probs": "megarl's algorithm.recompute_old_logprobs=auto skips the extra forward when the step makes one "
+                     "update (the training forward's detached log-probs are the old ones, exactly); verl's "
+                     "trainer always runs it (timing_s/old_log_prob). --megarl-old-logprobs always matches verl",
+    "padding": "verl without flash-attn runs padded rows (use_remove_padding=False); megarl packs sequences into "
+               "micro-batches of at most the same token budget. With completions forced to full length every "
+               "row has the same length, so this costs verl little here",
+    "SGLang version": "verl 0.9.1 pins sglang 0.5.12 (+ sglang-kernel 0.4.2.post2, transformers 5.9.0); megarl's "
+                      "bundle runs 0.5.17: each side's rollout is reported against its own version's bare Engine",
+    "transformers": "sglang 0.5.12 itself pins transformers 5.6.0; verl[sglang] pins 5.9.0, which is what verl runs",
+    "training engine": "verl: FSDP (--verl-strategy) over HF transformers modules with fp32 master weights and "
+                       "bf16 compute; megarl: Megatron-core GPTModel, bf16 with an fp32 optimizer copy",
+    "gradient checkpointing": "verl's default is on; off here (--verl-grad-ckpt) as megarl's actor.recompute=none",
+    "weight decay": "verl's AdamW default 0.01, megarl's 0.0: no effect on speed; left at each default",
+    "torch.compile": "verl compiles its log-prob/entropy function (use_torch_compile default true); left on",
+}
+
+
+def verl_reward(data_source, solution_str, ground_truth, extra_info=None, **_):
+    """verl's compute_score signature over the shared vowel_share reward."""
+    from benchmarks.e2e_vs_trl import vowel_share
+
+    return vowel_share(solution_str, ground_truth, {})
+
+
+def write_verl_rows(src: Path, dst: Path) -> None:
+    """megarl's {"prompt", "answer"} rows -> verl's RLHFDataset rows (jsonl, which verl reads like parquet)."""
+    with dst.open("w") as f:
+        for i, line in enumerate(src.read_text().splitlines()):
+            row = json.loads(line)
+            f.write(json.dumps({"data_source": "e2e_vs_verl", "prompt": [{"role": "user", "content": row["prompt"]}],
+                                "reward_model": {"style": "rule", "ground_truth": row["answer"]},
+                                "extra_info": {"index": i}}) + "\n")
+
+
+def verl_overrides(args, model_dir: Path, train: Path, val: Path, run_dir: Path, reward_file: Path) -> list[str]:
+    """The hydra overrides of verl's ppo_trainer config for this run (keys of verl 0.9.1's
+    verl/trainer/config/ppo_trainer.yaml)."""
+    prompts = args.completions // args.n_samples
+    tokens_per_micro = args.micro_batch * (args.prompt_len + args.completion_len)
+    a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    sglang = f"+{r}.engine_kwargs.sglang"
+    return [
+        f"hydra.run.dir={run_dir}",
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "algorithm.norm_adv_by_std_in_grpo=true",
+        f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={prompts}",
+        f"data.max_prompt_length={args.prompt_len}", f"data.max_response_length={args.completion_len}",
+        "data.filter_overlong_prompts=false", "data.truncation=error", "data.shuffle=false",
+        "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=false",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.verl_grad_ckpt).lower()}",
+        f"{a}.strategy={args.verl_strategy}", f"{a}.optim.lr=1e-6", f"{a}.ppo_mini_batch_size={prompts}",
+        f"{a}.ppo_epochs=1", f"{a}.use_dynamic_bsz=true", f"{a}.ppo_max_token_len_per_gpu={tokens_per_micro}",
+        f"{a}.use_kl_loss=false", f"{a}.entropy_coeff=0", f"{a}.loss_agg_mode=token-mean", f"{a}.clip_ratio=0.2",
+        f"{a}.fsdp_config.param_offload=false", f"{a}.fsdp_config.optimizer_offload=false",
+        f"{r}.name=sglang", f"{r}.mode=async", f"{r}.tensor_model_parallel_size=1", f"{r}.n={args.n_samples}",
+        f"{r}.temperature=1.0", f"{r}.top_p=1.0", f"{r}.top_k=-1", f"{r}.ignore_eos=true",
+        f"{r}.gpu_memory_utilization={args.sglang_mem_fraction}", f"{r}.max_num_seqs={max(256, args.completions)}",
+        f"{r}.enforce_eager=false", f"{r}.free_cache_engine=true",
+        f"{sglang}.attention_backend=triton", f"{sglang}.sampling_backend=pytorch",
+        f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=verl_reward",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.logger=[console,file]",
+        f"trainer.total_training_steps={args.warmup + args.steps}", "trainer.total_epochs=1000",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "trainer.resume_mode=disable", "trainer.use_v1=true", "trainer.v1.trainer_mode=sync",
+        "trainer.project_name=e2e_vs_verl", "trainer.experiment_name=grpo", f"trainer.default_local_dir={run_dir}/ckpt",
+    ]
+
+
+def verl_steps(metrics_file: Path) -> list[dict]:
+    """The steps of verl's file logger (one {"step", "data"} row per step) as summarize() rows."""
+    steps = []
+    if not metrics_file.exists():
+        return steps
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line).get("data", {})
+        if "timing_s/step" not in row:
+            continue
+        phases = {VERL_PHASES[k[9:]]: v for k, v in row.items() if k.startswith("timing_s/") and k[9:] in VERL_PHASES}
+        phases["other"] = max(0.0, row["timing_s/step"] - sum(phases.values()))
+        steps.append({"step": json.loads(line).get("step"), "seconds": row["timing_s/step"],
+                      "response_length": row["response_length/mean"], "phases": phases,
+                      "raw_timing": {k: v for k, v in row.items() if k.startswith("timing_s/")}})
+    return steps
+
+
+def update_mfu(shape: dict, completions: int, sequence_len: int, update_s: float, peak_flops: float) -> float:
+    """MFU of an update phase over the real tokens (every sequence at full length: completions are forced)."""
+    from benchmarks.engine_throughput import model_flops
+
+    return model_flops(shape, [sequence_len] * completions) / update_s / peak_flops
+
+
+def rollout_numbers(record: dict, probe: dict, completions: int) -> dict:
+    """The rollout's generated tokens/s (completions x mean response / generation phase) against its SGLang's bare
+    Engine on the same batch."""
+    gen = record.get("phase_s", {}).get("generation")
+    if not gen or not record.get("response_length"):
+        return {}
+    rollout = completions * record["response_length"] / gen
+    out = {"rollout_tokens_per_s": round(rollout, 1)}
+    if probe.get("generated_tokens_per_s"):
+        out |= {"engine_tokens_per_s": probe["generated_tokens_per_s"],
+                "rollout_vs_engine": round(rollout / probe["generated_tokens_per_s"], 3)}
+    return out
+
+
+# ---- the bare sglang.Engine probe: runs in the stack under test (its own PYTHONPATH) ---------------------
+
+
+def engine_probe(args) -> int:
+    """Generate the step's batch with `sglang.Engine` of whichever SGLang this process imports: one warm-up round,
+    then --probe-rounds timed ones. Writes {"generated_tokens_per_s", "round_s", "versions"} to --probe-out."""
+    import sglang
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    texts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()]
+    ids = [tokenizer(t)["input_ids"] for t in texts[:args.completions // args.n_samples] for _ in range(args.n_samples)]
+    engine = sglang.Engine(model_path=args.model_dir, attention_backend="triton", sampling_backend="pytorch",
+                           mem_fraction_static=args.sglang_mem_fraction, skip_tokenizer_init=True, dtype="bfloat16",
+                           cuda_graph_max_bs=min(1024, max(256, args.completions)), log_level="error")
+    params = {"max_new_tokens": args.completion_len, "ignore_eos": True, "temperature": 1.0}
+    rounds = []
+    try:
+        for i in range(1 + args.probe_rounds):
+            t = time.perf_counter()
+            out = engine.generate(input_ids=ids, sampling_params=params)
+            seconds = time.perf_counter() - t
+            if i:
+                rounds.append((seconds, sum(len(o["output_ids"]) for o in out)))
+    finally:
+        engine.shutdown()
+    versions = {}
+    for name in ("sglang", "sglang-kernel", "transformers", "torch", "verl", "flashinfer-python"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    Path(args.probe_out).write_text(json.dumps({
+        "round_s": [round(s, 3) for s, _ in rounds], "generated_tokens": [n for _, n in rounds],
+        "generated_tokens_per_s": round(sum(n for _, n in rounds) / sum(s for s, _ in rounds), 1),
+        "versions": versions}))
+    return 0
+
+
+# ---- driver ----------------------------------------------------------------------------------------------
+
+
+def run_probe(args, name: str, env: dict, model_dir: Path, prompts: Path, out: Path, cap: float) -> dict:
+    result = out / f"probe_{name}.json"
+    cmd = [sys.executable, "-m", "benchmarks.e2e_vs_verl", "--probe-only", "--out-dir", str(out),
+           "--model-dir", str(model_dir), "--prompts", str(prompts), "--probe-out", str(result),
+           "--completions", str(args.completions), "--n-samples", str(args.n_samples),
+           "--completion-len", str(args.completion_len), "--sglang-mem-fraction", str(args.sglang_mem_fraction),
+           "--probe-rounds", str(args.probe_rounds)]
+    record = run_process(cmd, out / f"probe_{name}.log", cap, env, leftovers=str(model_dir))
+    return record | (json.loads(result.read_text()) if result.exists() else {})
+
+
+def run_verl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: float) -> tuple[dict, list]:
+    run_dir = work / "verl_run"
+    train, val = work / "verl_train.jsonl", work / "verl_val.jsonl"
+    write_verl_rows(work / "prompts.jsonl", train)
+    write_verl_rows(work / "val.jsonl", val)
+    reward_file = work / "verl_reward.py"  # verl loads it by path: a shim onto this module's function
+    reward_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                           "from benchmarks.e2e_vs_verl import verl_reward  # noqa: E402,F401\n")
+    overrides = verl_overrides(args, model_dir, train, val, run_dir, reward_file)
+    (out / "verl_overrides.txt").write_text("\n".join(overrides) + "\n")
+    metrics = work / "verl_metrics.jsonl"
+    if args.smoke:
+        return {"status": "skipped (verl needs a GPU: its FSDP workers and SGLang server run on CUDA only); "
+                          "its overrides are in verl_overrides.txt"}, []
+    env = dict(env, VERL_FILE_LOGGER_PATH=str(metrics))
+    record = run_process([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], out / "verl.log", cap, env,
+                         leftovers=str(model_dir))
+    if metrics.exists():
+        (out / "verl_metrics.jsonl").write_text(metrics.read_text())
+    hydra_cfg = run_dir / ".hydra" / "config.yaml"
+    if hydra_cfg.exists():  # the config verl ran with, interpolations resolved (in verl's stack: its omegaconf)
+        resolve = ("import sys; from omegaconf import OmegaConf; "
+                   "print(OmegaConf.to_yaml(OmegaConf.load(sys.argv[1]), resolve=True))")
+        done = subprocess.run([sys.executable, "-c", resolve, str(hydra_cfg)], env=env, capture_output=True, text=True)
+        (out / "verl_config.yaml").write_text(done.stdout if done.returncode == 0 else
+                                              f"# not resolved: {done.stderr[-300:]}\n" + hydra_cfg.read_text())
+    return record, verl_steps(metrics)
+
+
+def wait_gpu_free(limit_s: float = 30.0, free_mb: int = 2048) -> str:
+    """Wait (at most limit_s) until the GPU holds under free_mb: a side's processes release it asynchronously."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        used = _gpu_memory_used()
+        mb = int(used.split()[0]) if used.split() and used.split()[0].isdigit() else 0
+        if mb < free_mb or time.monotonic() > deadline:
+            return used
+        time.sleep(2)
+
+
+def table(report: dict) -> str:
+    runs = report["runs"]
+    base = runs.get("verl", {}).get("tokens_per_s")
+    lines = ["| run | status | measured steps | step s | tokens/s/GPU | vs verl | rollout tok/s (vs own Engine) "
+             "| update MFU | phases (mean s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in runs.items():
+        tps = r.get("tokens_per_s")
+        ratio = f"{tps / base:.2f}x" if tps and base else ""
+        rollout = f"{r['rollout_tokens_per_s']:.0f}" if r.get("rollout_tokens_per_s") else ""
+        if r.get("rollout_vs_engine"):
+            rollout += f" ({r['rollout_vs_engine']:.2f})"
+        mfu = f"{100 * r['update_mfu']:.1f}%" if r.get("update_mfu") is not None else ""
+        phases = ", ".join(f"{k} {v:.3g}" for k, v in r.get("phase_s", {}).items())
+        lines.append(f"| {name} | {r['status']} | {r.get('measured_steps', 0)} | {r.get('mean_step_s', '')} "
+                     f"| {tps or ''} | {ratio} | {rollout} | {mfu} | {phases} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out-dir", required=True, help="results JSON, logs, verl's config go here")
+    p.add_argument("--work-dir", default="", help="model, prompts, run directories (default OUT/work; keep it "
+                                                  "outside a directory that is copied back)")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, megarl with the HF engine; verl and the "
+                                                        "Engine probes are skipped (CUDA only), verl's config written")
+    p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
+    p.add_argument("--runs", default="verl,megarl", help="which sides, comma-separated: verl, megarl")
+    p.add_argument("--verl-site", default="/tmp/site-verl", help="verl's site directory (build_verl_chunk.sh's "
+                                                                 "chunks + the bundle's ray); first on its PYTHONPATH")
+    p.add_argument("--megarl-site", default="/tmp/site", help="megarl's site directory (the bundle's chunks)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=512)
+    p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
+    p.add_argument("--completions", type=int, default=256, help="completions per step, both sides")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences' worth of tokens per micro-batch")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps, each side (left out of the numbers)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps, each side")
+    p.add_argument("--val-size", type=int, default=8, help="held-out prompts (megarl scores them; verl: test_freq=-1)")
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="SGLang's static memory share, both sides")
+    p.add_argument("--offload", default="never", choices=("auto", "always", "never"),
+                   help="megarl's trainer.offload_between_phases (verl: no param/optimizer offload either)")
+    p.add_argument("--megarl-old-logprobs", default="auto", choices=("auto", "always"),
+                   help="megarl's algorithm.recompute_old_logprobs; always = verl's extra forward, like for like")
+    p.add_argument("--verl-strategy", default="fsdp2", choices=("fsdp", "fsdp2"),
+                   help="verl's actor strategy (its docs recommend fsdp2)")
+    p.add_argument("--verl-grad-ckpt", action="store_true", help="verl's gradient checkpointing (megarl: none)")
+    p.add_argument("--probe", default="verl,megarl", help="sides whose SGLang version the bare Engine is timed "
+                                                          "for ('' = none)")
+    p.add_argument("--probe-rounds", type=int, default=2, help="timed Engine rounds after one warm-up round")
+    p.add_argument("--peak-flops", type=float, default=989e12, help="per-GPU peak the MFU divides by (H100/H200 bf16)")
+    p.add_argument("--budget-s", type=float, default=540, help="deadline for everything, from the start")
+    p.add_argument("--probe-cap-s", type=float, default=90, help="most seconds one Engine probe may take")
+    p.add_argument("--verl-cap-s", type=float, default=240, help="most seconds verl may take (megarl gets the rest)")
+    # the probe's own process (--probe-only), started by run_probe
+    p.add_argument("--probe-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", help=argparse.SUPPRESS)
+    p.add_argument("--probe-out", help=argparse.SUPPRESS)
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(prompt_len=8, completion_len=8, n_samples=4, micro_batch=4, completions=8, warmup=1, steps=1,
+                       val_size=2, probe="")
+    args = p.parse_args(argv)
+    if args.completions % args.n_samples or args.completions % args.micro_batch:
+        raise SystemExit(f"--completions ({args.completions}) must be a multiple of --n-samples ({args.n_samples}) "
+                         f"and --micro-batch ({args.micro_batch})")
+    # names e2e_vs_trl.megarl_command reads
+    args.megarl_warmup, args.megarl_steps = args.warmup, args.steps
+    return args
+
+
+def side_env(site: str, smoke: bool) -> dict:
+    """The environment of one side's processes: its own site directory first, then this checkout; nothing of the
+    other side's site directory (the two stacks never share a process)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               RAY_USAGE_STATS_ENABLED="0", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not p.startswith("/tmp/site")]
+    env["PYTHONPATH"] = os.pathsep.join(([] if smoke else [site]) + [str(ROOT)] + inherited)
+    return env
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.probe_only:
+        return engine_probe(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: exit through run_process's finally
+    deadline = time.monotonic() + args.budget_s
+    out = Path(args.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    work = Path(args.work_dir).resolve() if args.work_dir else out / "work"
+    model_dir = work / "model"
+    t0 = time.monotonic()
+    shape = model_shape(args.model, args.smoke)
+    words = build_model(model_dir, shape, device)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE  # verl's chat-formatted prompt = megarl's plain text, same tokens
+    tokenizer.save_pretrained(model_dir)
+    prompts, val = work / "prompts.jsonl", work / "val.jsonl"
+    write_prompts(prompts, words, 1024, args.prompt_len, seed=1)
+    write_prompts(val, words, args.val_size, args.prompt_len, seed=2)
+    params = sum(_parameter_counts(model_dir).values())
+    seq = args.prompt_len + args.completion_len
+    report = {"issue": 22, **environment(device), "device": device,
+              "setup": {"model": "smoke" if args.smoke else args.model, "shape": shape, "parameters": params,
+                        "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+                        "n_samples": args.n_samples, "completions": args.completions,
+                        "micro_batch_tokens": args.micro_batch * seq, "reward": "vowel_share",
+                        "reference_model": False, "updates_per_step": 1, "warmup": args.warmup,
+                        "megarl_offload": args.offload, "megarl_old_logprobs": args.megarl_old_logprobs,
+                        "verl_strategy": args.verl_strategy, "verl_grad_ckpt": args.verl_grad_ckpt,
+                        "verl_remove_padding": False, "attention_backend": "triton (both SGLang versions)",
+                        "model_build_s": round(time.monotonic() - t0, 1)},
+              "unmatched": UNMATCHED, "runs": {}, "probes": {}}
+    result_file = out / "e2e_vs_verl.json"
+
+    def save():
+        result_file.write_text(json.dumps(report, indent=1))
+
+    envs = {"verl": side_env(args.verl_site, args.smoke), "megarl": side_env(args.megarl_site, args.smoke)}
+    probes = {s for s in args.probe.split(",") if s} if device == "cuda" else set()
+    for side in [s for s in ("verl", "megarl") if s in args.runs.split(",")]:
+        if side in probes and deadline - time.monotonic() > args.probe_cap_s + 60:
+            print(f"== sglang.Engine in {side}'s stack: {args.completions} completions", flush=True)
+            report["probes"][side] = run_probe(args, side, envs[side], model_dir, prompts, out,
+                                               min(args.probe_cap_s, deadline - time.monotonic()))
+            report["probes"][side]["gpu_memory_used_after"] = wait_gpu_free()
+            save()
+        left = deadline - time.monotonic()
+        cap = min(left, args.verl_cap_s) if side == "verl" and "megarl" in args.runs else left
+        print(f"== {side}: {args.completions} completions/step, up to {cap:.0f} s", flush=True)
+        if side == "verl":
+            record, steps = run_verl(args, envs["verl"], model_dir, work, out, cap)
+        else:
+            run_dir = work / "megarl_run"
+            cmd = megarl_command(args, model_dir, prompts, val, args.completions, run_dir, device)
+            cmd += [f"actor.max_tokens_per_micro_batch={args.micro_batch * seq}",
+                    f"algorithm.recompute_old_logprobs={args.megarl_old_logprobs}"]
+            record = run_process(cmd, out / "megarl.log", cap, envs["megarl"], leftovers=str(model_dir))
+            steps = megarl_steps(run_dir / "metrics.jsonl")
+            if (run_dir / "metrics.jsonl").exists():
+                (out / "megarl_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+        if device == "cuda":
+            record["gpu_memory_used_after"] = wait_gpu_free()
+        record |= summarize(steps, args.warmup, args.completions, args.prompt_len)
+        if steps and len(steps) > args.warmup:
+            record["raw_timing_s"] = {k: round(statistics.mean(s.get("raw_timing", {}).get(k, 0.0)
+                                                               for s in steps[args.warmup:]), 4)
+                                      for k in steps[-1].get("raw_timing", {})} or None
+            record["tokens_per_s_per_gpu"] = record.get("tokens_per_s")  # one GPU held by each side
+            update = record.get("phase_s", {}).get("update")
+            if update:
+                record["update_mfu"] = round(update_mfu(shape, args.completions, seq, update, args.peak_flops), 6)
+            record |= rollout_numbers(record, report["probes"].get(side, {}), args.completions)
+        report["runs"][side] = record
+        save()
+        print(f"   {record['status']}: step s {record.get('step_s')}, tokens/s {record.get('tokens_per_s')}",
+              flush=True)
+        if record["status"] in ("failed", "timeout"):
+            print("   | " + "\n   | ".join((out / record["log"]).read_text(errors="replace").splitlines()[-15:]))
+    verl = report["runs"].get("verl", {}).get("tokens_per_s")
+    megarl = report["runs"].get("megarl", {}).get("tokens_per_s")
+    report["megarl_vs_verl"] = round(megarl / verl, 3) if verl and megarl else None
+    save()
+    print(f"\nresults: {result_file}\n{report['gpu']}; {report['setup']['model']} ({params / 1e9:.2f}B params), "
+          f"prompt {args.prompt_len} + completion {args.completion_len} tokens, {args.n_samples} per prompt, "
+          f"{args.completions} completions/step; megarl/verl step throughput: {report['megarl_vs_verl']}\n")
+    print(table(report))
+    return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in report["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
