@@ -258,7 +258,7 @@ if grpo:
         planned = [r.get("sync/traffic_as_planned") for r in syncs]
         as_planned = f"{sum(x == 1.0 for x in planned)}/{len(planned)}"
         gaps = [r["rollout/logprob_abs_diff"] for r in records if "rollout/logprob_abs_diff" in r]
-        gap = f"{sum(gaps) / len(gaps):.4f} ({max(gaps):.4f})" if gaps else "-"
+        gap = f"{sum(gaps) / len(gaps):.3g} ({max(gaps):.3g})" if gaps else "-"
         print(f"| {name} | {about} | {len(steps)} | {verified} | {sync} | {traffic} | {as_planned} | {gap} "
               f"| {load:.2f} | {' -> '.join(f'{v:.3f}' for v in evals)} |")
 moe = [r for r in rows if r["part"] == "moe"]
