@@ -32,11 +32,11 @@ from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.engine import checkpoint, context_parallel, finite, offload, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
-from megarl.engine.packing import (align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
+from megarl.engine.packing import (IMAGE_INPUTS, align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
                                    reset_rotary_positions, sequence_lengths, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
 from megarl.models import get_family
-from megarl.models.decoder import decoder_block_spec
+from megarl.models.decoder import decoder_block_spec, text_config
 from megarl.models.router import (expert_bias_update_options, expert_load_metrics, reset_expert_load,
                                   restore_expert_biases, snapshot_expert_biases)
 from megarl.parallel.stages import stage_layers
@@ -115,8 +115,8 @@ class MegatronEngine:
         self.actor, self.algorithm, self.model_path = actor, algorithm, model_path
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.hf_config = weights.read_hf_config(model_path)
-        self.vocab_size = self.hf_config["vocab_size"]
-        family = get_family(self.hf_config)
+        self.vocab_size = text_config(self.hf_config)["vocab_size"]
+        family = self.family = get_family(self.hf_config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.params_dtype = _params_dtype(actor.precision, device)
@@ -188,7 +188,7 @@ class MegatronEngine:
         chunks = []
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
-            gpt = GPTModel(config, decoder_block_spec(spec, config, vp_stage), vp_stage=vp_stage,
+            gpt = self.family.model_class(config, decoder_block_spec(spec, config, vp_stage), vp_stage=vp_stage,
                            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                            **gpt_kwargs).to(self.device)
@@ -219,6 +219,7 @@ class MegatronEngine:
         experts = (parallel_state.get_expert_tensor_and_model_parallel_group()
                    if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 else None)
         longest = self._agreed_max(max(sequence_lengths(batch["attention_mask"])), experts) if experts else 0
+        batch = self.family.with_model_inputs(self.hf_config, batch)
         mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
                                  self.actor.max_tokens_per_micro_batch, group_size, width_multiple, longest)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -238,8 +239,9 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             mask, packed_seq_params = packed_attention_inputs(self.core_attention, mb)
+            images = {k: mb[k] for k in IMAGE_INPUTS if k in mb}  # a vision-language model's (packing.py)
             output = model(context_parallel.local(mb["tokens"]), context_parallel.local(mb["position_ids"]), mask,
-                           packed_seq_params=packed_seq_params)
+                           packed_seq_params=packed_seq_params, **images)
             return output, partial(loss_fn, mb)
 
         # The interleaved schedule runs each chunk over every micro-batch: one iterator per chunk.

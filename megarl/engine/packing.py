@@ -12,6 +12,11 @@ Everything per sequence (loss_mask, advantages, old log-probs ...) stays in the 
 of the Batch; `packed_index` [S, T] points each (sequence, position) at its packed position, and
 `unpack` moves a per-position model output ([rows, L, ...]) into that layout, so losses never see
 packing. `seq_index` [S] gives the rows of the original batch the micro-batch's sequences come from.
+
+A vision-language batch (megarl/models/qwen2_vl.py) carries `mrope_position_ids` [S, 3, T] (M-RoPE: position_ids
+become [3, rows, L], each sequence's own) and per sequence its images (`pixel_values` [patches, D] and
+`image_grid_thw` [images, 3], or None): a micro-batch holds its sequences' images concatenated in the order their
+sequences are laid out (row by row), which is the order of the image placeholder tokens in its rows.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 from torch import Tensor
 
 from megarl.protocol import Batch
+
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw")  # per-sequence non-tensor fields of a vision-language batch
 
 
 def sequence_lengths(attention_mask: Tensor) -> list[int]:
@@ -102,10 +109,11 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
     tokens_all = batch["tokens"]
     # [S, width]: cut to the longest sequence, or zero-padded up to the rounded width
     per_seq = {k: _fit_width(batch[k], width) for k in ["attention_mask", *keys]}
+    mrope = batch["mrope_position_ids"] if "mrope_position_ids" in batch else None
     out = []
     for rows in layout:
         tokens = torch.zeros(rows_per_mb, width, dtype=tokens_all.dtype)
-        positions = torch.zeros(rows_per_mb, width, dtype=torch.long)
+        positions = torch.zeros(*(() if mrope is None else (3,)), rows_per_mb, width, dtype=torch.long)
         doc_ids = torch.zeros(rows_per_mb, width, dtype=torch.long)
         seq_index, packed_index = [], []
         for r, seqs in enumerate(rows):
@@ -113,7 +121,7 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
             for doc, i in enumerate(seqs, start=1):
                 n = lengths[i]
                 tokens[r, offset:offset + n] = tokens_all[i, :n]
-                positions[r, offset:offset + n] = torch.arange(n)
+                positions[..., r, offset:offset + n] = torch.arange(n) if mrope is None else mrope[i, :, :n]
                 doc_ids[r, offset:offset + n] = doc
                 seq_index.append(i)
                 # positions past the sequence's end point at its last token; `unpack` zeroes them
@@ -123,10 +131,19 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
         mb = {"tokens": tokens, "position_ids": positions, "doc_ids": doc_ids, "cu_seqlens": segment_bounds(doc_ids),
               "seq_index": index, "packed_index": torch.stack(packed_index)}
         mb |= {k: v[index] for k, v in per_seq.items()}
+        mb |= _images(batch, seq_index)
         mb = {k: v.to(device) for k, v in mb.items()}
         mb["packed"] = any(len(seqs) > 1 for seqs in rows)
         out.append(mb)
     return out
+
+
+def _images(batch: Batch, seq_index: list[int]) -> dict:
+    """The images of these sequences, concatenated in their order; nothing when none has an image."""
+    if IMAGE_INPUTS[0] not in batch:
+        return {}
+    found = [i for i in seq_index if batch[IMAGE_INPUTS[0]][i] is not None]
+    return {k: torch.cat([batch[k][i] for i in found]) for k in IMAGE_INPUTS} if found else {}
 
 
 def _fit_width(x: Tensor, width: int) -> Tensor:
@@ -186,6 +203,8 @@ def reset_rotary_positions(gpt) -> None:
     whole row's table, which megatron would otherwise cut to the rank's chunks itself.
     Multi-latent attention (DeepSeek) has no model-level table: each MLA layer computes its own (a tuple with
     YaRN's attention factor), and each is indexed the same way."""
+    if getattr(gpt, "position_embedding_type", None) == "mrope":
+        return  # megatron's M-RoPE table is computed from the position_ids given to forward already
     rotaries = [gpt.rotary_pos_emb] if getattr(gpt, "rotary_pos_emb", None) is not None else [
         layer.self_attention.rotary_pos_emb for layer in getattr(getattr(gpt, "decoder", None), "layers", [])
         if getattr(layer.self_attention, "rotary_pos_emb", None) is not None]

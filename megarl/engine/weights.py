@@ -107,7 +107,7 @@ class PipelineLayout:
         match = _LAYER.match(megatron_name)
         if match:
             return self.layer_stage[int(match.group(1))]
-        return 0 if megatron_name.startswith("embedding.") else len(self.ranks) - 1
+        return 0 if megatron_name.startswith(("embedding.", "visual.")) else len(self.ranks) - 1
 
 
 def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: dict[str, tuple],

@@ -4,7 +4,7 @@ RoPE, grouped-query attention, optionally tied embeddings, on megatron's GPTMode
 final norm).
 
 A family is a DecoderFamily subclass that switches on what it differs in (q/k/v biases, QK-norm, RoPE
-scaling, experts). Its four methods are what the engine calls:
+scaling, experts, a vision tower: model_class and with_model_inputs). Its four methods are what the engine calls:
   transformer_config(hf, tp, pp, params_dtype, use_cpu_initialization, ep=1, etp=None, first_stage_layers=0,
                      last_stage_layers=0) -> TransformerConfig
   layer_spec(hf, layer) -> megatron ModuleSpec of decoder layer `layer` (its GLOBAL 0-based index: layers may
@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -31,6 +32,12 @@ from megarl.models.norm import HeadNorm, HiddenNorm
 from megarl.models.sharding import (WeightMap, fused_gate_up, fused_qkv, padded_vocab_size, replicated,
                                     split_dim, vocab_rows)
 from megarl.parallel.stages import stage_layers
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's fields of a config.json: the top level, or a multimodal model's text_config over it
+    (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level)."""
+    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
 
 
 def head_dim(hf: dict) -> int:
@@ -52,6 +59,11 @@ class DecoderFamily:
     architectures: tuple[str, ...] = ()  # HF `architectures` entries and `model_type` values it serves
     qkv_bias = False
     qk_norm = False
+    model_class = GPTModel  # a multimodal family's subclass takes its extra inputs as forward keywords
+
+    def with_model_inputs(self, hf: dict, batch):
+        """The batch with what the family's model needs beyond token ids (M-RoPE positions, images); as is here."""
+        return batch
 
     def __repr__(self) -> str:
         return f"<model family {self.name}>"

@@ -14,8 +14,10 @@ rope_scaling {"type": "mrope", "mrope_section": [...]}; transformers >= 5 writes
 rope_parameters. Both are read. The checkpoint's tensors are `model.*` / `lm_head.weight` (the text family's
 names) and `visual.*` (the tower's, as named there).
 
-Not supported (refused by name): context parallelism (the M-RoPE table would have to be cut per CP chunk with the
-images' positions), videos (pixel_values_videos), pipeline stages other than the first holding no tower is fine.
+In the engine (megatron_engine.py, packing.py): with_model_inputs adds each row's M-RoPE ids to the batch, packing
+lays them out per sequence and gathers the micro-batch's images; under pipeline parallelism the tower is on the first
+stage only. Not supported: context parallelism (refused by name: the M-RoPE table would have to be cut per CP chunk)
+and videos (pixel_values_videos).
 """
 
 from __future__ import annotations
@@ -26,16 +28,12 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
-from megarl.models.decoder import DecoderFamily, rope_parameters
+from megarl.models.decoder import DecoderFamily, rope_parameters, text_config
 from megarl.models.qwen2_vl_vision import VisionTower
 from megarl.models.sharding import WeightMap, replicated
+from megarl.protocol import Batch
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")
-
-
-def text_config(hf: dict) -> dict:
-    """The language model's fields, whichever config.json spelling (module docstring)."""
-    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
 
 
 def mrope_section(hf: dict) -> list[int]:
@@ -88,7 +86,7 @@ class Qwen2VLModel(GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, **kwargs):
-        if decoder_input is None and self.pre_process and pixel_values is not None:
+        if decoder_input is None and self.pre_process and pixel_values is not None and len(image_grid_thw):
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
@@ -117,6 +115,25 @@ class Qwen2VL(DecoderFamily):
         text = text_config(hf)
         return super().gpt_model_kwargs(text, tp) | dict(
             position_embedding_type="mrope", vision=hf["vision_config"], image_token_id=hf["image_token_id"])
+
+    def with_model_inputs(self, hf: dict, batch: Batch) -> Batch:
+        """The batch with `mrope_position_ids` [B, 3, T] (0 on padding) from its tokens and each row's
+        image_grid_thw (a text-only batch, or row, counts up on all three axes)."""
+        if "mrope_position_ids" in batch:
+            return batch
+        tokens = batch["tokens"]
+        # tokens up to the last real one (right padding)
+        lengths = (torch.arange(1, tokens.shape[1] + 1) * (batch["attention_mask"].cpu() > 0)).max(1).values.tolist()
+        grids = batch["image_grid_thw"] if "image_grid_thw" in batch else [None] * len(tokens)
+        positions = torch.zeros(len(tokens), 3, tokens.shape[1], dtype=torch.long)
+        merge = hf["vision_config"]["spatial_merge_size"]
+        for i, (n, grid) in enumerate(zip(lengths, grids)):
+            grid = torch.zeros(0, 3, dtype=torch.long) if grid is None else grid
+            try:
+                positions[i, :, :n] = mrope_positions(tokens[i, :n], grid, hf["image_token_id"], merge)
+            except ValueError as e:
+                raise ValueError(f"batch row {i}: {e}") from None
+        return Batch({**batch.tensors, "mrope_position_ids": positions}, dict(batch.non_tensors), dict(batch.meta))
 
     def weight_maps(self, hf: dict, tp: int) -> list[WeightMap]:
         vision = [WeightMap(f"visual.{n}", (f"visual.{n}",), **replicated())

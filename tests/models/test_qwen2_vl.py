@@ -1,6 +1,7 @@
 """Qwen2.5-VL on megatron (megarl/models/qwen2_vl.py) against transformers on the same tiny random checkpoint.
 
-One 2-rank gloo job at TP=1 (data-parallel replicas) then TP=2: on image+text rows (one image; two images of which
+One 2-rank gloo job through MegatronEngine at TP=1 (data-parallel replicas, a sequence per row) then TP=2 (the
+text-only row packed beside a one-image row): on image+text rows (one image; two images of which
 one has windows cut at its edge; text only) the log-probs equal transformers' (float32, < 1e-4), and the weights
 exported back to HF names are bitwise the checkpoint's (vision tower included). M-RoPE position ids equal
 transformers' get_rope_index; context parallelism is refused by name.
@@ -11,56 +12,48 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.models.qwen2_vl import mrope_positions
+from megarl.protocol import Batch
 from tests.dist_utils import run_distributed
 from tests.models.hf_qwen2_vl import IMAGE, MERGE, hf_logprobs, image_rows, save_random_qwen2_vl
 
 
-def _megatron_logprobs(model_dir: str, tp: int) -> tuple[list[torch.Tensor], dict]:
+def vl_batch(rows: list[dict]) -> Batch:
+    """Right-padded token rows with each row's images as per-row fields (None: no image)."""
+    width = max(len(r["ids"]) for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r["ids"])], mask[i, :len(r["ids"])] = torch.tensor(r["ids"]), 1
+    return Batch({"tokens": tokens, "attention_mask": mask, "loss_mask": mask.float()},
+                 {"pixel_values": [r["pixel_values"] for r in rows],
+                  "image_grid_thw": [r["image_grid_thw"] for r in rows]})
+
+
+def _engine_logprobs(model_dir: str, tp: int, max_tokens: int) -> tuple[torch.Tensor, dict]:
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megarl.engine import weights
-    from megarl.engine.logprobs import vocab_parallel_logprobs
-    from megarl.models import get_family
-    from megarl.models.decoder import decoder_block_spec
+    from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
+    from megarl.engine import MegatronEngine
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, 1)
     model_parallel_cuda_manual_seed(1)
-    hf = weights.read_hf_config(model_dir)
-    family = get_family(hf)
-    config = family.transformer_config(hf, tp, 1, torch.float32, use_cpu_initialization=True)
-    model = family.model_class(config, decoder_block_spec(lambda i: family.layer_spec(hf, i), config),
-                               **family.gpt_model_kwargs(hf, tp)).eval()
-    maps = family.weight_maps(hf, tp)
-    weights.load_hf_weights(model, maps, weights.SafetensorsCheckpoint(model_dir))
-
-    rows = image_rows()
-    width = max(len(r["ids"]) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.zeros(3, len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r["ids"])] = torch.tensor(r["ids"])
-        grid = r["image_grid_thw"] if r["image_grid_thw"] is not None else torch.zeros(0, 3, dtype=torch.long)
-        positions[:, i, :len(r["ids"])] = mrope_positions(ids[i, :len(r["ids"])], grid, IMAGE, MERGE)
-    with_images = [r for r in rows if r["pixel_values"] is not None]
-    causal = torch.ones(width, width, dtype=torch.bool).triu(1)[None, None]  # True = masked (megatron)
-    with torch.no_grad():
-        logits = model(ids, positions, causal, pixel_values=torch.cat([r["pixel_values"] for r in with_images]),
-                       image_grid_thw=torch.cat([r["image_grid_thw"] for r in with_images]))
-        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], hf["text_config"]["vocab_size"], False)
-    layout = weights.PipelineLayout(model)
-    hf_tensors = {n: (tuple(t.shape), t.dtype) for n, t in load_file(f"{model_dir}/model.safetensors").items()}
-    exported = {n: t for bucket in weights.export_hf_weights(model, maps, layout, hf_tensors, torch.device("cpu"),
-                                                             1 << 30) for n, t in bucket}
-    return [logprobs[i, :len(r["ids"]) - 1] for i, r in enumerate(rows)], exported
+    actor = ActorConfig(parallel=ParallelConfig(world_size=dist.get_world_size(), tp=tp), micro_batch_size=2,
+                        max_tokens_per_micro_batch=max_tokens)
+    engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+    logprobs = engine.compute_logprobs(vl_batch(image_rows()))["logprobs"]
+    return logprobs, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
 
 
 def _check_rank(rank, model_dir, reference):
     checkpoint = load_file(f"{model_dir}/model.safetensors")
-    for tp in (1, 2):
-        logprobs, exported = _megatron_logprobs(model_dir, tp)
-        for i, (got, want) in enumerate(zip(logprobs, reference)):
+    # TP=1: one sequence per row; TP=2: the text-only row packed beside the one-image row
+    for tp, max_tokens in ((1, 0), (2, 64)):
+        logprobs, exported = _engine_logprobs(model_dir, tp, max_tokens)
+        for i, want in enumerate(reference):
+            got = logprobs[i, 1:len(want) + 1]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"row {i} at tp={tp}")
         assert sorted(exported) == sorted(checkpoint), f"tp={tp}"
         for name, tensor in checkpoint.items():
