@@ -1,8 +1,8 @@
 """The RLHF pipeline on a CPU, end to end (issue 21): preferences built offline -> reward model -> RL against it.
 
 1. Preferences from the quickstart's task (string reversal, megarl/data/tasks.py): for each prompt "abcd>", chosen
-   the reversed string "dcba", rejected a near miss (one letter replaced, two swapped, one dropped or one added:
-   megarl.data.preferences.corrupt), written as prompt/chosen/rejected .jsonl files (train: the task's training
+   the reversed string "dcba", rejected a wrong answer (a near miss: one letter replaced, two swapped, one dropped
+   or one added; or one that runs on, or the word unreversed: megarl.data.preferences.corrupt), written as prompt/chosen/rejected .jsonl files (train: the task's training
    split; held-out: its validation split). A control copy of the training file swaps chosen and rejected in a
    random half of the rows: labels that say nothing.
 2. Two reward models, by python -m megarl.train_rm --config configs/rm_quickstart.yaml on those files: the real one

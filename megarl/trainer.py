@@ -25,7 +25,7 @@ from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
 from megarl.rewards.failures import RewardFailureTracker
-from megarl.rewards.mixing import ScoreMixer
+from megarl.rewards.mixing import ScoreMixer, ends_with
 from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch
@@ -173,7 +173,8 @@ class RLTrainer:
         if self.reward_model is not None:  # the model's score, mixed with the rule reward (which is logged)
             with self.timers("reward_model"):
                 scores = self.reward_model.compute_rewards(batch)["rewards"]
-                batch["rewards"], mixed = self.score_mixer(scores, batch["rewards"], batch["group"])
+                ended = ends_with(batch, self.tokenizer.eos_token_id)  # unfinished responses: missing_eos_penalty
+                batch["rewards"], mixed = self.score_mixer(scores, batch["rewards"], batch["group"], ended)
                 metrics |= mixed
         a = cfg.algorithm
         if a.overlong_buffer_len:

@@ -12,7 +12,8 @@ from megarl.data.dataset import PromptLimit
 from megarl.data.files import InputError, write_records
 from megarl.data.preferences import PairOptions, load_preference_file, pair_batch, task_preferences
 from megarl.models.tiny import build_char_tokenizer
-from megarl.rewards.mixing import RunningMoments, ScoreMixer, normalize_group
+from megarl.protocol import Batch
+from megarl.rewards.mixing import RunningMoments, ScoreMixer, ends_with, normalize_group
 
 # a chat template the character tokenizer can render: "<user>hi\n<assistant>yo\n"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -100,11 +101,14 @@ def test_malformed_rows_are_named_or_skipped_and_counted(tmp_path, tokenizer):
         load_config(None, ["reward_model.normalize=batch"])
 
 
-def test_task_preferences_prefer_the_answer_to_a_near_miss():
+def test_task_preferences_prefer_the_answer_to_a_wrong_one():
     rows = task_preferences("reverse", 200, seed=1, split="train", min_len=3, max_len=5)
     assert all(r["chosen"] == r["prompt"][:-1][::-1] != r["rejected"] for r in rows)
-    # a near miss: one edit (replace, swap, drop or add one letter) away
-    assert all(abs(len(r["rejected"]) - len(r["chosen"])) <= 1 for r in rows)
+    # a near miss (one letter replaced, swapped, dropped or added), a run-on by 2-3 letters, or the word unreversed
+    near = [r for r in rows if abs(len(r["rejected"]) - len(r["chosen"])) <= 1 and r["rejected"] != r["prompt"][:-1]]
+    run_on = [r for r in rows if r["rejected"].startswith(r["chosen"]) and len(r["rejected"]) - len(r["chosen"]) > 1]
+    assert len(near) + len(run_on) + sum(r["rejected"] == r["prompt"][:-1] for r in rows) == len(rows)
+    assert 0.5 < len(near) / len(rows) < 0.8 and run_on
     assert rows == task_preferences("reverse", 200, seed=1, split="train", min_len=3, max_len=5)
 
 
@@ -143,6 +147,15 @@ def test_score_normalisation_and_mixing():
     # none, weight 1, rule weight 0: the model's score as it is (what RL did before mixing existed)
     rewards, _ = ScoreMixer()(scores, torch.ones(6), groups)
     assert torch.equal(rewards, scores)
+
+    # missing_eos_penalty: off the raw score of a response whose last real token is not EOS (1), before normalising
+    rows = Batch({"tokens": torch.tensor([[5, 6, 1, 0], [5, 6, 7, 8], [5, 1, 0, 0]]),
+                  "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])})
+    ended = ends_with(rows, 1)
+    assert ended.tolist() == [True, False, True]
+    rewards, metrics = ScoreMixer(missing_eos_penalty=5.0)(torch.tensor([1.0, 2.0, 3.0]), torch.zeros(3), [0] * 3, ended)
+    assert rewards.tolist() == [1.0, -3.0, 3.0]
+    assert metrics["train/unfinished"] == pytest.approx(1 / 3) and metrics["train/rm_score"] == pytest.approx(2.0)
 
 
 def test_a_pair_stays_on_one_data_parallel_rank():

@@ -136,6 +136,10 @@ class RewardModelConfig(ActorConfig):
                              "its rule reward")
     rule_weight: float = opt(0.0, "RL: weight of the rule reward (reward.name, or the task's own) mixed in; 0 = the "
                                   "reward model's score alone (the rule reward is still logged: train/rule_reward)")
+    missing_eos_penalty: float = opt(0.0, "RL: subtracted from the reward model's score of a response that does not "
+                                          "end with the tokenizer's EOS token (cut at rollout.max_new_tokens), before "
+                                          "normalising: a reward model never trained on unfinished text can score "
+                                          "it high, and a policy then learns not to stop (TRL's missing_eos_penalty)")
 
 
 @dataclass

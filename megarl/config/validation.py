@@ -201,7 +201,8 @@ class ConfigChecks:
         m = self.reward_model
         if m.normalize not in ("none", "running", "group"):
             raise ConfigError(f"reward_model.normalize={m.normalize!r}: must be one of none, running, group")
-        for key, value in (("reward_model.weight", m.weight), ("reward_model.rule_weight", m.rule_weight)):
+        for key, value in (("reward_model.weight", m.weight), ("reward_model.rule_weight", m.rule_weight),
+                           ("reward_model.missing_eos_penalty", m.missing_eos_penalty)):
             if not math.isfinite(value):
                 raise ConfigError(f"{key}={value}: must be a finite number")
         p = self.preference

@@ -191,11 +191,12 @@ def tokenized_pairs(records: Iterable[tuple[str, dict | MalformedRow]], where: s
 
 
 def corrupt(answer: str, rng: random.Random) -> str:
-    """A wrong answer near the right one, as a policy's mistakes are: one character replaced (by one of the
-    answer's kind: digits for numbers, letters otherwise), two neighbours swapped, one dropped or one added."""
+    """A wrong answer of the kinds a policy gives: near misses (one character replaced by one of the answer's kind:
+    digits for numbers, letters otherwise; two neighbours swapped; one dropped; one added) and, a third of the time,
+    one that runs on (two or three characters more) or is written backwards."""
     alphabet = string.digits if answer.isdigit() else string.ascii_lowercase
     while True:
-        chars, kind = list(answer), rng.randrange(4)
+        chars, kind = list(answer), rng.randrange(6)
         if kind == 0:
             i = rng.randrange(len(chars))
             chars[i] = rng.choice([c for c in alphabet if c != chars[i]])
@@ -204,8 +205,12 @@ def corrupt(answer: str, rng: random.Random) -> str:
             chars[i], chars[i + 1] = chars[i + 1], chars[i]
         elif kind == 2 and len(chars) > 1:
             del chars[rng.randrange(len(chars))]
-        else:
+        elif kind == 3:
             chars.insert(rng.randrange(len(chars) + 1), rng.choice(alphabet))
+        elif kind == 4:
+            chars += [rng.choice(alphabet) for _ in range(rng.randint(2, 3))]
+        else:
+            chars.reverse()
         wrong = "".join(chars)
         if wrong != answer:
             return wrong

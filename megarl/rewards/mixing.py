@@ -1,7 +1,8 @@
 """A reward model's scores in RL: normalised, then mixed with the rule reward (reward_model.normalize, weight,
-rule_weight).
+rule_weight, missing_eos_penalty).
 
-  reward = weight * normalise(score) + rule_weight * rule reward
+  reward = weight * normalise(score - missing_eos_penalty * [the response did not end with EOS])
+           + rule_weight * rule reward
 
   none      the score as the model gives it
   running   (score - mean) / (std + eps) over every score seen so far, this step's included (so the first step is
@@ -11,7 +12,9 @@ rule_weight).
             the order within a group is kept, on the scale of a rule reward it is mixed with
 
 With rule_weight = 0 the rule reward only logs (train/rule_reward): a policy trained on the model's score alone,
-measured by a reward it never saw.
+measured by a reward it never saw. A reward model trained on finished responses has never seen one cut at the length
+limit and may score it high; measured on the CPU pipeline (docs/benchmarks.md), a policy then stops ending its
+responses and the rule reward collapses: missing_eos_penalty (TRL's) makes unfinished responses the worst.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 import torch
 
 from megarl.algorithms.advantages import STD_EPS, group_statistics
+from megarl.protocol import Batch
 
 
 class RunningMoments:
@@ -61,22 +65,35 @@ def normalize_group(scores: torch.Tensor, groups: list) -> torch.Tensor:
     return (scores.float() - mean) / (std + STD_EPS)
 
 
+def ends_with(batch: Batch, token_id: int) -> torch.Tensor:
+    """Whether each row's last real token (attention_mask) is `token_id` [B] bool."""
+    last = batch["attention_mask"].sum(1) - 1
+    return batch["tokens"][torch.arange(len(last)), last.clamp(min=0)] == token_id
+
+
 class ScoreMixer:
     """The step's rewards from the reward model's scores and the rule rewards (module docstring)."""
 
-    def __init__(self, normalize: str = "none", weight: float = 1.0, rule_weight: float = 0.0):
+    def __init__(self, normalize: str = "none", weight: float = 1.0, rule_weight: float = 0.0,
+                 missing_eos_penalty: float = 0.0):
         if normalize not in ("none", "running", "group"):
             raise ValueError(f"normalize={normalize!r}: expected none, running or group")
         self.normalize, self.weight, self.rule_weight = normalize, weight, rule_weight
+        self.missing_eos_penalty = missing_eos_penalty
         self.moments = RunningMoments()
 
     @classmethod
     def from_config(cls, reward_model) -> "ScoreMixer":
-        return cls(reward_model.normalize, reward_model.weight, reward_model.rule_weight)
+        return cls(reward_model.normalize, reward_model.weight, reward_model.rule_weight,
+                   reward_model.missing_eos_penalty)
 
-    def __call__(self, scores: torch.Tensor, rule: torch.Tensor, groups: list) -> tuple[torch.Tensor, dict]:
-        """(rewards, metrics): the mixed rewards [B] float32, and the raw scores' and the rule's means."""
-        scores = scores.float()
+    def __call__(self, scores: torch.Tensor, rule: torch.Tensor, groups: list,
+                 ended: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """(rewards, metrics): the mixed rewards [B] float32, and the raw scores' and the rule's means. `ended`:
+        which responses ended with EOS (None: all)."""
+        raw = scores.float()
+        ended = torch.ones_like(raw, dtype=torch.bool) if ended is None else ended
+        scores = raw - self.missing_eos_penalty * (~ended).float()
         if self.normalize == "running":
             self.moments.update(scores)
             normalized = (scores - self.moments.mean) / (self.moments.std + STD_EPS)
@@ -85,8 +102,9 @@ class ScoreMixer:
         else:
             normalized = scores
         rewards = self.weight * normalized + self.rule_weight * rule.float()
-        metrics = {"train/rule_reward": rule.float().mean().item(), "train/rm_score": scores.mean().item(),
-                   "train/rm_score_std": scores.std().item() if len(scores) > 1 else 0.0}
+        metrics = {"train/rule_reward": rule.float().mean().item(), "train/rm_score": raw.mean().item(),
+                   "train/rm_score_std": raw.std().item() if len(raw) > 1 else 0.0,
+                   "train/unfinished": (~ended).float().mean().item()}
         if self.normalize == "running":
             metrics |= {"train/rm_running_mean": self.moments.mean, "train/rm_running_std": self.moments.std}
         return rewards.float(), metrics
