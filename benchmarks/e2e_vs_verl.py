@@ -32,6 +32,7 @@ UNMATCHED below lists what is not the same on both sides, and why. A short table
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -110,6 +111,7 @@ def verl_overrides(args, model_dir: Path, train: Path, val: Path, run_dir: Path,
         f"{r}.gpu_memory_utilization={args.sglang_mem_fraction}", f"{r}.max_num_seqs={max(256, args.completions)}",
         f"{r}.enforce_eager=false", f"{r}.free_cache_engine=true",
         f"{sglang}.attention_backend=triton", f"{sglang}.sampling_backend=pytorch",
+        f"{sglang}.cuda_graph_max_bs={min(1024, max(256, args.completions))}",  # decode graphs for every row
         f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=verl_reward",
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.logger=[console,file]",
         f"trainer.total_training_steps={args.warmup + args.steps}", "trainer.total_epochs=1000",
@@ -169,9 +171,14 @@ def engine_probe(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     texts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines()]
     ids = [tokenizer(t)["input_ids"] for t in texts[:args.completions // args.n_samples] for _ in range(args.n_samples)]
+    from sglang.srt.server_args import ServerArgs
+
+    # decode CUDA graphs up to the batch's rows, as megarl captures them (0.5.17 renamed the argument)
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    graph_rows = "cuda_graph_max_bs_decode" if "cuda_graph_max_bs_decode" in fields else "cuda_graph_max_bs"
     engine = sglang.Engine(model_path=args.model_dir, attention_backend="triton", sampling_backend="pytorch",
                            mem_fraction_static=args.sglang_mem_fraction, skip_tokenizer_init=True, dtype="bfloat16",
-                           cuda_graph_max_bs=min(1024, max(256, args.completions)), log_level="error")
+                           log_level="error", **{graph_rows: min(1024, max(256, args.completions))})
     params = {"max_new_tokens": args.completion_len, "ignore_eos": True, "temperature": 1.0}
     rounds = []
     try:
