@@ -128,7 +128,8 @@ def plan(hf: dict, train: TrainLayout, gen: int | GenLayout, settings: MemorySet
     held = [generation_bytes(specs, gen, t) for t in range(gen.tp)]
     moved = {d: transfer_bytes(specs, train, resharded_layout(gen, d), d, itemsize=2)
              for d in DELIVERIES} if traffic else {}
-    served = {d: [server_bytes(specs, gen, t, d) for t in range(gen.tp)] for d in moved}
+    # what each engine rank receives: its own rows (sharded: what it holds), or every tensor whole (full: alike)
+    served = {"sharded": held, "full": [server_bytes(specs, gen, 0, "full")] * gen.tp}
     ranks = []
     for rank in range(train.world):
         row = dict(rank=rank, stage=train.coords(rank)[2], gen_weights=held[rank % gen.tp],
