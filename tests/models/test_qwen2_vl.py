@@ -79,3 +79,15 @@ def test_mrope_positions_equal_transformers_rope_index(tmp_path):
     assert torch.equal(mrope_positions(ids[0], row["image_grid_thw"], IMAGE, MERGE), want[:, 0])
     with pytest.raises(ValueError, match=r"image 1 \(grid \[1, 6, 4\]\) needs 6 placeholder tokens at position 16; the sequence has 4"):
         mrope_positions(ids[0, :20], row["image_grid_thw"], IMAGE, MERGE)
+
+
+def test_convert_round_trip_is_bitwise(tmp_path):
+    """python -m megarl.convert hf-to-megatron then megatron-to-hf: every tensor, vision tower included, bitwise."""
+    from tests.test_convert import convert
+
+    model_dir = save_random_qwen2_vl(tmp_path / "vl")
+    convert("hf-to-megatron", model_dir, tmp_path / "ckpt")
+    convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "back")
+    original, back = load_file(f"{model_dir}/model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original) and any(n.startswith("visual.") for n in back)
+    assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in original.items())
