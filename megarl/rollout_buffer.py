@@ -129,14 +129,14 @@ class RolloutBuffer:
 
     def take(self, version: int) -> Taken:
         """data.prompts_per_step groups for the step trained at policy `version`, oldest first; groups more
-        than max_staleness versions old are dropped or requeued on the way. Waits for them (raises the rollout
-        thread's error if it stopped)."""
+        than max_staleness versions old are dropped or requeued on the way. Waits for them (raises the error the
+        rollout thread stopped on, if it did)."""
         start, groups, dropped, regenerated = time.perf_counter(), [], 0, 0
         with self.cond:
             while len(groups) < self.per_step:
                 self.cond.wait_for(lambda: self.ready or self.error is not None or self.closed)
-                if self.error is not None:
-                    raise RuntimeError("the rollout thread failed") from self.error
+                if self.error is not None:  # its own error (e.g. RewardFailureError), its traceback the thread's
+                    raise self.error
                 if self.closed:
                     raise RuntimeError("the rollout buffer was closed while the trainer waited for samples")
                 group = self.ready.popleft()

@@ -12,6 +12,7 @@ import torch
 from megarl.async_trainer import build_trainer, check_resident_memory
 from megarl.config import ConfigError, load_config
 from megarl.protocol import Batch
+from megarl.rewards.failures import RewardFailureError
 from megarl.reshard.memory import GiB
 from megarl.reshard.plan import load_model_config
 from megarl.rollout_buffer import RolloutBuffer
@@ -50,7 +51,8 @@ def numbers(row: dict) -> dict:
 
 
 def test_async_at_staleness_0_is_the_sync_loop_bitwise(tmp_path, ray_local):
-    short = ("trainer.steps=2", "trainer.eval_every=2", "trainer.save_every=0")
+    # with DAPO's dynamic sampling: its rounds of generation run in the rollout thread as in the loop
+    short = ("trainer.steps=2", "trainer.eval_every=2", "trainer.save_every=0", "algorithm.dynamic_sampling=true")
     sync = run(config(tmp_path / "sync", *short))
     not_stale = run(config(tmp_path / "async", *short, "trainer.mode=async", "async.max_staleness=0"))
     assert sorted(sync) == sorted(not_stale) == [0, 1, 2]
@@ -129,6 +131,11 @@ def test_admission_and_take_bound_staleness():
         taken = take.result(timeout=60)
     assert (taken.regenerated, [g.batch_number for g in taken.groups]) == (1, [5])
     assert resumed.take_requeued(4)[0]["prompt"] == "p4"
+
+    # the rollout thread stops on an error (a reward failing past its limit): the trainer's next take raises it
+    resumed.fail(RewardFailureError("training reward calls failed 4 of 4 times"))
+    with pytest.raises(RewardFailureError, match="failed 4 of 4"):
+        resumed.take(version=3)
 
 
 def test_colocated_engines_resident_together_must_fit_the_gpu():
