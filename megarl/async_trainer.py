@@ -58,24 +58,25 @@ def with_async_objective(cfg: Config) -> Config:
 
 def check_resident_memory(cfg: Config, model_config: dict, gpu_bytes: float) -> None:
     """Colocated SGLang servers stay resident beside the training engines in the asynchronous modes: their share of
-    each policy GPU (rollout.sglang_mem_fraction) and the training state's peak, as the planner's memory model
-    puts it (megarl/reshard/memory.py: weights, gradients, Adam, activations of a micro-batch of the longest
-    sequences), must fit in it; refused with the numbers otherwise (before any worker starts)."""
+    each policy GPU (rollout.sglang_mem_fraction) and the training state's peak must fit in it. The peak is the
+    planner's memory model (megarl/reshard/memory.py: weights, gradients, Adam, a micro-batch's activations) at
+    sequences of the response budget alone, a lower bound, so only a run that surely cannot fit is refused, with
+    the numbers, before any worker starts."""
     p, r = cfg.actor.parallel, cfg.rollout
     train = train_layout(model_config, {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.dp, "ep": p.ep,
                                         "etp": p.etp or p.tp}, p.pp_first_stage_layers, p.pp_last_stage_layers)
-    longest = model_config.get("max_position_embeddings", 4096)  # a prompt and its response fit in the positions
-    settings = MemorySettings(seq_len=min(longest, 1024 + max(r.max_new_tokens, cfg.agent.max_response_tokens)),
-                              micro_batch=cfg.actor.micro_batch_size, recompute=cfg.actor.recompute,
+    responses = cfg.agent.max_response_tokens if cfg.agent.enabled else r.max_new_tokens
+    settings = MemorySettings(seq_len=responses, micro_batch=cfg.actor.micro_batch_size, recompute=cfg.actor.recompute,
                               distributed_optimizer=cfg.actor.use_distributed_optimizer,
                               reference=cfg.algorithm.kl_coef > 0)
     training, rollout = predict_peak(model_config, train, settings, p.cp), r.sglang_mem_fraction * gpu_bytes
     if training + rollout > gpu_bytes:
         raise ConfigError(f"trainer.mode={cfg.trainer.mode} keeps the training engines and colocated SGLang resident "
-                          f"together: training needs about {training / GiB:.1f} GiB per GPU (the planner's estimate) "
-                          f"beside rollout.sglang_mem_fraction={r.sglang_mem_fraction} of {gpu_bytes / GiB:.0f} GiB "
-                          f"({rollout / GiB:.1f} GiB): lower rollout.sglang_mem_fraction, give SGLang GPUs of its own "
-                          "(rollout.sglang_gpus), or use trainer.mode=sync with its offload cycle")
+                          f"together: training needs at least {training / GiB:.1f} GiB per GPU (the planner's "
+                          f"estimate) beside rollout.sglang_mem_fraction={r.sglang_mem_fraction} of "
+                          f"{gpu_bytes / GiB:.0f} GiB ({rollout / GiB:.1f} GiB): lower rollout.sglang_mem_fraction, "
+                          "give SGLang GPUs of its own (rollout.sglang_gpus), or use trainer.mode=sync with its "
+                          "offload cycle")
 
 
 class PromptSource:

@@ -141,7 +141,7 @@ def test_admission_and_take_bound_staleness():
 def test_colocated_engines_resident_together_must_fit_the_gpu():
     cfg = load_config(None, ["trainer.mode=async", "rollout.engine=sglang", "rollout.sglang_mem_fraction=0.5"])
     check_resident_memory(cfg, load_model_config("qwen2.5-0.5b"), 141 * GiB)  # an H200: fits
-    with pytest.raises(ConfigError, match=r"training needs about \d+\.\d GiB per GPU .* beside "
+    with pytest.raises(ConfigError, match=r"training needs at least \d+\.\d GiB per GPU .* beside "
                                           r"rollout.sglang_mem_fraction=0.5 of 80 GiB \(40.0 GiB\)"):
         check_resident_memory(cfg, load_model_config("qwen2.5-7b"), 80 * GiB)
 
