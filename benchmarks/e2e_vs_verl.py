@@ -246,6 +246,32 @@ def run_verl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: float
     return record, verl_steps(metrics)
 
 
+def run_megarl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: float, device: str) -> tuple[dict, list]:
+    run_dir = work / "megarl_run"
+    seq = args.prompt_len + args.completion_len
+    cmd = megarl_command(args, model_dir, work / "prompts.jsonl", work / "val.jsonl", args.completions, run_dir, device)
+    cmd += [f"actor.max_tokens_per_micro_batch={args.micro_batch * seq}",
+            f"algorithm.recompute_old_logprobs={args.megarl_old_logprobs}"]
+    record = run_process(cmd, out / "megarl.log", cap, env, leftovers=str(model_dir))
+    if (run_dir / "metrics.jsonl").exists():
+        (out / "megarl_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+    return record, megarl_steps(run_dir / "metrics.jsonl")
+
+
+def side_numbers(args, shape: dict, steps: list[dict], record: dict, probe: dict) -> dict:
+    """tokens/s/GPU (one GPU a side), the update's MFU, the rollout against its Engine, verl's raw timers."""
+    measured = steps[args.warmup:]
+    out = {"tokens_per_s_per_gpu": record.get("tokens_per_s")}
+    if "raw_timing" in measured[-1]:
+        out["raw_timing_s"] = {k: round(statistics.mean(s["raw_timing"].get(k, 0.0) for s in measured), 4)
+                               for k in measured[-1]["raw_timing"]}
+    update = record.get("phase_s", {}).get("update")
+    if update:
+        seq = args.prompt_len + args.completion_len
+        out["update_mfu"] = round(update_mfu(shape, args.completions, seq, update, args.peak_flops), 6)
+    return out | rollout_numbers(record, probe, args.completions)
+
+
 def wait_gpu_free(limit_s: float = 30.0, free_mb: int = 2048) -> str:
     """Wait (at most limit_s) until the GPU holds under free_mb: a side's processes release it asynchronously."""
     deadline = time.monotonic() + limit_s
@@ -382,39 +408,27 @@ def main(argv=None) -> int:
 
     envs = {"verl": side_env(args.verl_site, args.smoke), "megarl": side_env(args.megarl_site, args.smoke)}
     probes = {s for s in args.probe.split(",") if s} if device == "cuda" else set()
-    for side in [s for s in ("verl", "megarl") if s in args.runs.split(",")]:
-        if side in probes and deadline - time.monotonic() > args.probe_cap_s + 60:
-            print(f"== sglang.Engine in {side}'s stack: {args.completions} completions", flush=True)
-            report["probes"][side] = run_probe(args, side, envs[side], model_dir, prompts, out,
-                                               min(args.probe_cap_s, deadline - time.monotonic()))
-            report["probes"][side]["gpu_memory_used_after"] = wait_gpu_free()
-            save()
-        left = deadline - time.monotonic()
-        cap = min(left, args.verl_cap_s) if side == "verl" and "megarl" in args.runs else left
+    sides = [s for s in ("verl", "megarl") if s in args.runs.split(",")]
+    for side in sides:
+        # each system first, then the bare Engine of its SGLang version (the system's start paid the JIT builds)
+        probe_reserve = args.probe_cap_s if side in probes else 0
+        left = deadline - time.monotonic() - probe_reserve
+        cap = min(left, args.verl_cap_s) if side == "verl" and "megarl" in sides else left
         print(f"== {side}: {args.completions} completions/step, up to {cap:.0f} s", flush=True)
         if side == "verl":
             record, steps = run_verl(args, envs["verl"], model_dir, work, out, cap)
         else:
-            run_dir = work / "megarl_run"
-            cmd = megarl_command(args, model_dir, prompts, val, args.completions, run_dir, device)
-            cmd += [f"actor.max_tokens_per_micro_batch={args.micro_batch * seq}",
-                    f"algorithm.recompute_old_logprobs={args.megarl_old_logprobs}"]
-            record = run_process(cmd, out / "megarl.log", cap, envs["megarl"], leftovers=str(model_dir))
-            steps = megarl_steps(run_dir / "metrics.jsonl")
-            if (run_dir / "metrics.jsonl").exists():
-                (out / "megarl_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+            record, steps = run_megarl(args, envs["megarl"], model_dir, work, out, cap, device)
         if device == "cuda":
             record["gpu_memory_used_after"] = wait_gpu_free()
+        if side in probes and deadline - time.monotonic() > 30:
+            print(f"== sglang.Engine in {side}'s stack: {args.completions} completions", flush=True)
+            report["probes"][side] = run_probe(args, side, envs[side], model_dir, prompts, out,
+                                               min(args.probe_cap_s, deadline - time.monotonic()))
+            report["probes"][side]["gpu_memory_used_after"] = wait_gpu_free()
         record |= summarize(steps, args.warmup, args.completions, args.prompt_len)
-        if steps and len(steps) > args.warmup:
-            record["raw_timing_s"] = {k: round(statistics.mean(s.get("raw_timing", {}).get(k, 0.0)
-                                                               for s in steps[args.warmup:]), 4)
-                                      for k in steps[-1].get("raw_timing", {})} or None
-            record["tokens_per_s_per_gpu"] = record.get("tokens_per_s")  # one GPU held by each side
-            update = record.get("phase_s", {}).get("update")
-            if update:
-                record["update_mfu"] = round(update_mfu(shape, args.completions, seq, update, args.peak_flops), 6)
-            record |= rollout_numbers(record, report["probes"].get(side, {}), args.completions)
+        if len(steps) > args.warmup:
+            record |= side_numbers(args, shape, steps, record, report["probes"].get(side, {}))
         report["runs"][side] = record
         save()
         print(f"   {record['status']}: step s {record.get('step_s')}, tokens/s {record.get('tokens_per_s')}",

@@ -42,7 +42,7 @@ if [ -n "$missing" ]; then
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 export PYTHONPATH=/tmp/site:$PWD  # the driver: megarl's stack; verl's processes get --verl-site instead
-timeout 575 python3 -m benchmarks.e2e_vs_verl --out-dir "$OUT" --work-dir "$WORK" --budget-s 545 \
+timeout 560 python3 -m benchmarks.e2e_vs_verl --out-dir "$OUT" --work-dir "$WORK" --budget-s 530 \
   --verl-site "$VSITE" --megarl-site /tmp/site "$@" > "$OUT/e2e_vs_verl.log" 2>&1
 status=$?
 grep -v '^|' "$OUT/e2e_vs_verl.log" | tail -n 50
