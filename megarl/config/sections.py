@@ -114,6 +114,8 @@ class ActorConfig:
                                                   "expert load and is synced to the rollout engine like a weight; "
                                                   "0 = off, the default for RL (routing keeps the checkpoint's bias; "
                                                   "DeepSeek-V3's pre-training used 1e-3)")
+    freeze_vision_tower: bool = opt(False, "vision-language policies (Qwen2.5-VL): the vision tower is not trained "
+                                           "(no gradients, no optimizer state); the language model is")
 
 
 @dataclass

@@ -149,6 +149,8 @@ class MegatronEngine:
         # The local spec keeps norms in fp32; Float16Module casts the whole model to bf16 (as
         # Megatron's training loop does) and the outputs of the last stage back to fp32.
         modules = [Float16Module(config, gpt) if self.params_dtype == torch.bfloat16 else gpt for gpt in self.gpts]
+        if actor.freeze_vision_tower:
+            self._freeze_vision_tower()
         # after the cast: each HF tensor's dtype is its parameter's (DeepSeek-V3's routing bias stays fp32)
         self.hf_tensors = checkpoint.hf_tensors_from_model(self.gpts, self.weight_maps, self.layout)
         self._forward_backward = get_forward_backward_func(pp_size=pp, vp_size=actor.parallel.vpp
@@ -197,6 +199,16 @@ class MegatronEngine:
                 attach_value_head(gpt, config.hidden_size, self.params_dtype, self.device)
             chunks.append(gpt)
         return chunks
+
+    def _freeze_vision_tower(self) -> None:
+        """No gradients for the vision tower (on the first pipeline stage); megatron's DDP and optimizer then
+        leave it out."""
+        if getattr(self.family.model_class, "has_vision_tower", False) is not True:
+            raise ValueError(f"freeze_vision_tower=true but {self.model_path} is a {self.family.name} model, "
+                             "which has no vision tower")
+        for gpt in self.gpts:
+            if gpt.visual is not None:
+                gpt.visual.requires_grad_(False)
 
     @property
     def version(self) -> int:

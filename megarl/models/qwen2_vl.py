@@ -60,6 +60,8 @@ class Qwen2VLModel(GPTModel):
     attention_mask, ..., pixel_values=None, image_grid_thw=None): the embeddings at the image_token_id positions are
     the tower's features of the images, in row-major order of those positions (transformers' masked_scatter)."""
 
+    has_vision_tower = True  # actor.freeze_vision_tower applies
+
     def __init__(self, config, transformer_layer_spec, *, vision: dict, image_token_id: int, **kwargs):
         if config.context_parallel_size > 1:
             raise ValueError(f"actor.parallel.cp={config.context_parallel_size}: context parallelism with M-RoPE "
@@ -118,10 +120,14 @@ class Qwen2VL(DecoderFamily):
 
     def with_model_inputs(self, hf: dict, batch: Batch) -> Batch:
         """The batch with `mrope_position_ids` [B, 3, T] (0 on padding) from its tokens and each row's
-        image_grid_thw (a text-only batch, or row, counts up on all three axes)."""
+        image_grid_thw (a text-only batch, or row, counts up on all three axes), and its loss_mask cleared at the
+        image placeholder tokens (image features are inputs, never targets)."""
         if "mrope_position_ids" in batch:
             return batch
         tokens = batch["tokens"]
+        tensors = dict(batch.tensors)
+        if "loss_mask" in tensors:
+            tensors["loss_mask"] = tensors["loss_mask"] * (tokens != hf["image_token_id"])
         # tokens up to the last real one (right padding)
         lengths = (torch.arange(1, tokens.shape[1] + 1) * (batch["attention_mask"].cpu() > 0)).max(1).values.tolist()
         grids = batch["image_grid_thw"] if "image_grid_thw" in batch else [None] * len(tokens)
@@ -133,7 +139,7 @@ class Qwen2VL(DecoderFamily):
                 positions[i, :, :n] = mrope_positions(tokens[i, :n], grid, hf["image_token_id"], merge)
             except ValueError as e:
                 raise ValueError(f"batch row {i}: {e}") from None
-        return Batch({**batch.tensors, "mrope_position_ids": positions}, dict(batch.non_tensors), dict(batch.meta))
+        return Batch({**tensors, "mrope_position_ids": positions}, dict(batch.non_tensors), dict(batch.meta))
 
     def weight_maps(self, hf: dict, tp: int) -> list[WeightMap]:
         vision = [WeightMap(f"visual.{n}", (f"visual.{n}",), **replicated())

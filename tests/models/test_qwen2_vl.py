@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from megarl.models.qwen2_vl import mrope_positions
 from megarl.protocol import Batch
 from tests.dist_utils import run_distributed
-from tests.models.hf_qwen2_vl import IMAGE, MERGE, hf_logprobs, image_rows, save_random_qwen2_vl
+from tests.models.hf_qwen2_vl import IMAGE, MERGE, VOCAB, hf_logprobs, image_rows, save_random_qwen2_vl
 
 
 def vl_batch(rows: list[dict]) -> Batch:
@@ -47,6 +47,23 @@ def _engine_logprobs(model_dir: str, tp: int, max_tokens: int) -> tuple[torch.Te
     return logprobs, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
 
 
+def _train_step_changes(model_dir: str, freeze: bool) -> tuple[bool, bool]:
+    """After one SFT step at TP=2: (did the vision tower change, did the language model change)."""
+    import torch.distributed as dist
+
+    from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+    from megarl.engine import MegatronEngine
+
+    actor = ActorConfig(parallel=ParallelConfig(world_size=dist.get_world_size(), tp=2), micro_batch_size=2,
+                        optim=OptimConfig(lr=1e-2), freeze_vision_tower=freeze)
+    engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+    before = {n: p.detach().clone() for n, p in engine.gpt.named_parameters()}
+    engine.train(vl_batch(image_rows()), loss="sft")
+    changed = {n: not torch.equal(p, before[n]) for n, p in engine.gpt.named_parameters()}
+    return (any(c for n, c in changed.items() if n.startswith("visual.")),
+            all(c for n, c in changed.items() if n.startswith("decoder.layers.")))
+
+
 def _check_rank(rank, model_dir, reference):
     checkpoint = load_file(f"{model_dir}/model.safetensors")
     # TP=1: one sequence per row; TP=2: the text-only row packed beside the one-image row
@@ -58,6 +75,9 @@ def _check_rank(rank, model_dir, reference):
         assert sorted(exported) == sorted(checkpoint), f"tp={tp}"
         for name, tensor in checkpoint.items():
             assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), (tp, name)
+    # the tower learns through the language model's gradient at TP=2, and actor.freeze_vision_tower stops it
+    assert _train_step_changes(model_dir, freeze=False) == (True, True)
+    assert _train_step_changes(model_dir, freeze=True) == (False, True)
 
 
 def test_logprobs_equal_transformers_at_tp1_and_tp2_and_weights_round_trip(tmp_path):
@@ -91,3 +111,16 @@ def test_convert_round_trip_is_bitwise(tmp_path):
     original, back = load_file(f"{model_dir}/model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(original) and any(n.startswith("visual.") for n in back)
     assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in original.items())
+
+
+def test_context_parallelism_is_refused_by_name():
+    import dataclasses
+
+    from megarl.models.qwen2_vl import FAMILY, Qwen2VLModel
+    from tests.models.hf_qwen2_vl import qwen2_vl_config
+
+    hf = qwen2_vl_config().to_dict()
+    config = dataclasses.replace(FAMILY.transformer_config(hf, 1, 1, torch.float32, True), context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"actor.parallel.cp=2: context parallelism with M-RoPE \(Qwen2.5-VL\)"):
+        Qwen2VLModel(config, None, vision=hf["vision_config"], image_token_id=IMAGE, vocab_size=VOCAB,
+                     max_sequence_length=64)
