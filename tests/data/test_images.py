@@ -70,3 +70,25 @@ def test_missing_unreadable_and_miscounted_images_are_named(tmp_path, vl):
                           r"prompts.jsonl, row 1: the prompt has 2 <image> markers but the row 1 images")):
         with pytest.raises(InputError, match=message):
             image_examples(_prompts(tmp_path, [row]), tokenizer, prompts, tmp_path, chat_template=False)
+
+
+def test_shapes_task_answers_are_the_red_squares_and_blank_images_carry_none(tmp_path, vl):
+    import numpy as np
+
+    from megarl.data.shapes import RED, write_shapes_prompts
+
+    _, tokenizer, prompts = vl
+    path = write_shapes_prompts(tmp_path / "shapes", rows=12, seed=0)
+    blank = write_shapes_prompts(tmp_path / "blank", rows=12, seed=0, blank=True)
+    assert path.read_text() == blank.read_text()  # same prompts and answers
+    examples = image_examples(load_prompt_file(path), tokenizer, prompts, path.parent, chat_template=False)
+    answers = [int(ex["answer"]) for ex in examples]
+    assert len(set(answers)) > 1
+    for ex, answer in zip(examples, answers):
+        pixels = np.asarray(Image.open(path.parent / ex["images"][0]))
+        red = (pixels == RED).all(-1)
+        # a red square fills a 4x4 block of its 8x8 cell; a red plus never does
+        cells = red.reshape(3, 8, 3, 8).transpose(0, 2, 1, 3)
+        assert int(cells[:, :, 2:6, 2:6].all((-1, -2)).sum()) == answer
+        assert ex["image_grid_thw"].tolist() == [[1, 12, 12]]  # 24x24 pixels, 2x2 patches
+    assert all((np.asarray(Image.open(blank.parent / f"image_{i:05d}.png")) == 255).all() for i in range(12))
