@@ -68,9 +68,7 @@ class Qwen2VLModel(GPTModel):
                              "(Qwen2.5-VL) is not supported yet; use cp=1")
         super().__init__(config, transformer_layer_spec, **kwargs)
         self.image_token_id = image_token_id
-        self.visual = VisionTower(vision) if self.pre_process else None
-        if self.visual is not None and config.params_dtype != torch.float32:
-            self.visual.to(config.params_dtype)
+        self.visual = VisionTower(vision).to(config.params_dtype) if self.pre_process else None
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """The decoder's input [S, B, H] (a sequence-parallel slice under SP), image features in place."""

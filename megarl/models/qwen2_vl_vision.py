@@ -159,9 +159,7 @@ class VisionTower(nn.Module):
         self.full_attention = set(vision["fullatt_block_indexes"])
         self.patch_embed = PatchEmbed(vision["patch_size"], vision["temporal_patch_size"],
                                       vision.get("in_channels", vision.get("in_chans", 3)), dim)
-        rotary_dim = dim // heads // 2  # half of each head rotates by row, half by column
-        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim),
-                             persistent=False)
+        self.rotary_dim = dim // heads // 2  # half of each head rotates by row, half by column
         self.blocks = nn.ModuleList(VisionBlock(dim, heads, vision["intermediate_size"])
                                     for _ in range(vision["depth"]))
         self.merger = PatchMerger(dim, vision["out_hidden_size"], self.merge_size)
@@ -172,8 +170,10 @@ class VisionTower(nn.Module):
         order, window_bounds = window_order(grid_thw, self.merge_size, self.window_merged)
         x = self.patch_embed(pixel_values)
         x = x.reshape(-1, unit, x.shape[-1])[order].reshape(x.shape)
+        # float32 frequencies computed here, not kept in a buffer: the bf16 cast of the model would round them
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, self.rotary_dim, 2, device=x.device).float() / self.rotary_dim)
         angles = (patch_positions(grid_thw, self.merge_size).to(x.device).unsqueeze(-1).float()
-                  * self.inv_freq.to(x.device)).flatten(1)  # [patches, rotary_dim]: row angles, column angles
+                  * inv_freq).flatten(1)  # [patches, rotary_dim]: row angles, column angles
         angles = angles.reshape(-1, unit, angles.shape[-1])[order.to(x.device)].reshape(angles.shape)
         angles = torch.cat([angles, angles], -1).unsqueeze(1)  # per head: [patches, 1, head_dim]
         cos, sin = angles.cos(), angles.sin()
