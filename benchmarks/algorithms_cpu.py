@@ -12,7 +12,8 @@ Each run is `python -m benchmarks.algorithms_cpu --run NAME` in a process of its
 one after the other (--runs picks some; a run that fails is tried again, up to 3 times: on a crowded machine
 Ray's start can time out); its metrics.jsonl goes to OUT/NAME/. Extra key=value arguments go to every run. The
 table printed last: the held-out reward (mean@4) at every evaluation and the mean training reward of the last
-10 steps of each run. Not part of the test suite: minutes per run on two cores.
+10 steps of each run; OUT/summary.json holds both curves of every run. Not part of the test suite: minutes per
+run on two cores.
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ def read(out: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def summary(out: Path, names: list[str]) -> dict:
+    """Per run: the held-out reward by step and the training reward of every step."""
+    return {name: {"val_reward": {r["step"]: r["val/reward"] for r in read(out, name) if "val/reward" in r},
+                   "train_reward": [r["train/reward"] for r in read(out, name) if "train/reward" in r]}
+            for name in names}
+
+
 def table(out: Path, names: list[str]) -> str:
     """Markdown: per run, the held-out reward at each evaluation step and the last 10 steps' training reward."""
     rows = {name: read(out, name) for name in names}
@@ -126,6 +134,7 @@ def main(argv=None) -> int:
                     break
             (out / name / "seconds.txt").write_text(f"{time.perf_counter() - start:.0f}\n")
             print(f"{name}: exit {code}, {time.perf_counter() - start:.0f} s", flush=True)
+    (out / "summary.json").write_text(json.dumps(summary(out, names), indent=1))
     print(table(out, names))
     return 0
 
