@@ -12,11 +12,11 @@
    the same with the learning rate 0 (control), and against the shuffled-label reward model. Each reports the
    task's rule reward (exact match) on held-out prompts before and after RL: RL never sees that reward.
 
-    python benchmarks/rm_pipeline_cpu.py --out runs/rm_pipeline        # ~30-60 min on 2 busy cores
+    python benchmarks/rm_pipeline_cpu.py --out runs/rm_pipeline        # ~1 h on 2 busy cores
     python benchmarks/rm_pipeline_cpu.py --out /tmp/rmp --rm-steps 20 --rl-steps 2 --sft-steps 5   # smoke
 
-Prints a table last and writes <out>/results.json. Each run keeps its own directory (TensorBoard events,
-metrics.jsonl, logs) under --out.
+Prints the tables last and writes <out>/results.json (--report: only that, from the runs already there). Each run
+keeps its own directory (TensorBoard events, metrics.jsonl, logs) under --out.
 """
 
 from __future__ import annotations
@@ -66,59 +66,73 @@ def metric(run_dir: Path, name: str) -> dict[int, float]:
     return {row["step"]: row[name] for row in rows if name in row}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/rm_pipeline"))
-    parser.add_argument("--pairs", type=int, default=10000, help="training preference pairs")
-    parser.add_argument("--val-pairs", type=int, default=256)
-    parser.add_argument("--rm-steps", type=int, default=1500)
-    parser.add_argument("--rl-steps", type=int, default=120)
-    parser.add_argument("--sft-steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    files = write_preferences(out, args.pairs, args.val_pairs, args.seed)
-    results = {"args": {k: str(v) for k, v in vars(args).items()}, "reward_models": {}, "rl": {}}
+RL_RUNS = {"rl_rm": ("rm", []), "rl_rm_lr0": ("rm", ["actor.optim.lr=0"]), "rl_rm_shuffled": ("rm_shuffled", [])}
+RL_METRICS = ("val/reward", "train/rule_reward", "train/rm_score", "train/unfinished", "train/response_length")
 
-    for name, train_file in (("rm", files["train"]), ("rm_shuffled", files["train_shuffled"])):
-        seconds = run(name, ["megarl.train_rm", "--config", "configs/rm_quickstart.yaml",
-                             f"preference.train={train_file}", f"preference.val={files['val']}",
-                             f"preference.val_size={args.val_pairs}", f"trainer.steps={args.rm_steps}",
-                             f"trainer.eval_every={max(1, args.rm_steps // 6)}", f"trainer.output_dir={out / name}",
-                             f"trainer.seed={args.seed}"], out)
-        accuracy = metric(out / name, "val/pair_accuracy")
-        results["reward_models"][name] = {"seconds": seconds, "val/pair_accuracy": accuracy,
-                                          "val/margin": metric(out / name, "val/margin")}
 
-    rl_runs = {"rl_rm": ("rm", []), "rl_rm_lr0": ("rm", ["actor.optim.lr=0"]),
-               "rl_rm_shuffled": ("rm_shuffled", [])}
-    for name, (reward_model, extra) in rl_runs.items():
-        seconds = run(name, ["megarl.train", "--config", "configs/rm_grpo_quickstart.yaml",
-                             f"reward_model.path={out / reward_model / 'reward_model'}",
-                             f"trainer.steps={args.rl_steps}", f"trainer.eval_every={max(1, args.rl_steps // 6)}",
-                             f"sft.steps={args.sft_steps}", f"trainer.output_dir={out / name}",
-                             f"trainer.seed={args.seed}", *extra], out)
-        results["rl"][name] = {"seconds": seconds, "reward_model": reward_model, "overrides": extra,
-                               "val/reward": metric(out / name, "val/reward"),
-                               "train/rule_reward": metric(out / name, "train/rule_reward"),
-                               "train/rm_score": metric(out / name, "train/rm_score")}
+def mean_of_last(by_step: dict[int, float], n: int = 10) -> float:
+    values = [by_step[s] for s in sorted(by_step)[-n:]]
+    return sum(values) / len(values)
+
+
+def report(out: Path, seconds: dict[str, float]) -> dict:
+    """results.json from the runs' metrics.jsonl, and the tables (printed last)."""
+    results = {"reward_models": {name: {"seconds": seconds.get(name), "val/pair_accuracy":
+                                        metric(out / name, "val/pair_accuracy"),
+                                        "val/margin": metric(out / name, "val/margin")}
+                                 for name in ("rm", "rm_shuffled") if (out / name / "metrics.jsonl").exists()},
+               "rl": {name: {"seconds": seconds.get(name), "reward_model": reward_model, "overrides": extra}
+                      | {key: metric(out / name, key) for key in RL_METRICS}
+                      for name, (reward_model, extra) in RL_RUNS.items() if (out / name / "metrics.jsonl").exists()}}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-
     print("\n| reward model | held-out pair accuracy before -> after | margin after | seconds |")
     print("| --- | --- | --- | --- |")
     for name, r in results["reward_models"].items():
         acc, margin = r["val/pair_accuracy"], r["val/margin"]
         print(f"| {name} | {acc[min(acc)]:.3f} -> {acc[max(acc)]:.3f} | {margin[max(margin)]:.3f} "
-              f"| {r['seconds']:.0f} |")
+              f"| {r['seconds'] or 0:.0f} |")
     print("\n| RL run | reward model | overrides | held-out rule reward (exact match, mean@4) before -> after "
-          "| rule reward of the last 10 steps' samples | seconds |")
+          "| last 10 steps: rule reward / rm score / unfinished / length | seconds |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in results["rl"].items():
-        val, rule = r["val/reward"], r["train/rule_reward"]
-        last = [rule[s] for s in sorted(rule)[-10:]]
+        val = r["val/reward"]
+        last = " / ".join(f"{mean_of_last(r[key]):.3g}" for key in RL_METRICS[1:])
         print(f"| {name} | {r['reward_model']} | {' '.join(r['overrides']) or '-'} | {val[min(val)]:.3f} -> "
-              f"{val[max(val)]:.3f} | {sum(last) / len(last):.3f} | {r['seconds']:.0f} |")
+              f"{val[max(val)]:.3f} | {last} | {r['seconds'] or 0:.0f} |")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/rm_pipeline"))
+    parser.add_argument("--pairs", type=int, default=10000, help="training preference pairs")
+    parser.add_argument("--val-pairs", type=int, default=256)
+    parser.add_argument("--rm-steps", type=int, default=2000)
+    parser.add_argument("--rl-steps", type=int, default=120)
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--report", action="store_true", help="only the tables, from the runs already in --out")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    if args.report:
+        report(out, {})
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_preferences(out, args.pairs, args.val_pairs, args.seed)
+    seconds = {}
+    for name, train_file in (("rm", files["train"]), ("rm_shuffled", files["train_shuffled"])):
+        seconds[name] = run(name, ["megarl.train_rm", "--config", "configs/rm_quickstart.yaml",
+                                   f"preference.train={train_file}", f"preference.val={files['val']}",
+                                   f"preference.val_size={args.val_pairs}", f"trainer.steps={args.rm_steps}",
+                                   f"trainer.eval_every={max(1, args.rm_steps // 8)}",
+                                   f"trainer.output_dir={out / name}", f"trainer.seed={args.seed}"], out)
+    for name, (reward_model, extra) in RL_RUNS.items():
+        seconds[name] = run(name, ["megarl.train", "--config", "configs/rm_grpo_quickstart.yaml",
+                                   f"reward_model.path={out / reward_model / 'reward_model'}",
+                                   f"trainer.steps={args.rl_steps}", f"trainer.eval_every={max(1, args.rl_steps // 6)}",
+                                   f"sft.steps={args.sft_steps}", f"trainer.output_dir={out / name}",
+                                   f"trainer.seed={args.seed}", *extra], out)
+    report(out, seconds)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 21 (reward models) on one GPU (one H200: ~6 min), after the bundle's install.sh
+# GPU run of issue 21 (reward models) on one GPU (one H200: ~5 min, at most 8), after the bundle's install.sh
 # (../shared/device/README.md); logs, metrics and JSON go to $OUT, a short table is printed last.
 #   train - python -m megarl.train_rm on a random Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads / 2 KV heads,
 #           FFN 4864, vocabulary 151,936, tied; megarl's character tokenizer) with a scalar head, bf16, on pairs
@@ -32,10 +32,12 @@ if [ "$DEVICE" = cuda ]; then
   SEQ=${SEQ:-512}; PAIRS=${PAIRS:-64}; MBT=${MBT:-16384}; STEPS=${STEPS:-60}; RL_STEPS=${RL_STEPS:-4}
   RL_SIZE="data.prompts_per_step=32"
   ROLLOUT="rollout.engine=sglang"
+  LIMIT=${LIMIT:-220}  # seconds per phase: the whole call stays within 8 minutes
 else
   SEQ=${SEQ:-24}; PAIRS=${PAIRS:-16}; MBT=${MBT:-512}; STEPS=${STEPS:-8}; RL_STEPS=${RL_STEPS:-2}
   RL_SIZE="data.prompts_per_step=4"
   ROLLOUT="rollout.engine=hf"
+  LIMIT=${LIMIT:-1200}  # a busy shared CPU
 fi
 MODEL=$RUN/base
 
@@ -61,7 +63,7 @@ with torch.device(device):  # a causal LM (tied: no lm_head written); megarl giv
     model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
 model.save_pretrained(model_dir)
 tok.save_pretrained(model_dir)
-print(f"base model: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters")
+print(f"base model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters")
 rng = random.Random(0)
 letters = "abcdefghijklmnopqrstuvwxyz "
 def row():
@@ -74,7 +76,7 @@ PY
 tail -1 "$OUT/inputs.log"
 
 if phase train; then
-  timeout 360 python3 -m megarl.train_rm model.path="$MODEL" preference.train="$RUN/pairs_train.jsonl" \
+  timeout "$LIMIT" python3 -m megarl.train_rm model.path="$MODEL" preference.train="$RUN/pairs_train.jsonl" \
     preference.val="$RUN/pairs_val.jsonl" preference.val_size=64 preference.pairs_per_step="$PAIRS" \
     reward_model.max_tokens_per_micro_batch="$MBT" reward_model.optim.lr=2e-5 reward_model.optim.warmup_steps=5 \
     trainer.device="$DEVICE" trainer.steps="$STEPS" trainer.eval_every=$((STEPS / 3)) trainer.cpus_per_rank=1 \
@@ -101,7 +103,7 @@ PY
 fi
 
 if phase rl; then
-  timeout 420 python3 -m megarl.train --config configs/rm_grpo_quickstart.yaml model.path="$MODEL" \
+  timeout "$LIMIT" python3 -m megarl.train --config configs/rm_grpo_quickstart.yaml model.path="$MODEL" \
     reward_model.path="$RUN/rm/reward_model" trainer.device="$DEVICE" $ROLLOUT $RL_SIZE sft.steps=0 actor.optim.lr=1e-6 \
     trainer.steps="$RL_STEPS" trainer.eval_every="$RL_STEPS" data.val_size=16 rollout.eval_n_samples=1 \
     trainer.cpus_per_rank=1 trainer.output_dir="$RUN/rl" trainer.loggers=[console,tensorboard,jsonl] \
