@@ -72,7 +72,14 @@ class Qwen2VLModel(GPTModel):
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """The decoder's input [S, B, H] (a sequence-parallel slice under SP), image features in place."""
-        words = self.embedding.word_embeddings(input_ids)  # [B, S, H], whole on every TP rank
+        # [B, S, H], whole on every TP rank: under SP megatron's vocab-parallel embedding would reduce-scatter its
+        # output over the sequence instead (an all-reduce here, the scatter below, after the images are in place)
+        table, scatters = self.embedding.word_embeddings, self.embedding.word_embeddings.reduce_scatter_embeddings
+        table.reduce_scatter_embeddings = False
+        try:
+            words = table(input_ids)
+        finally:
+            table.reduce_scatter_embeddings = scatters
         features = self.visual(pixel_values, image_grid_thw).to(words.dtype)
         mask = input_ids == self.image_token_id
         if int(mask.sum()) != features.shape[0]:

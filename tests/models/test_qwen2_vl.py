@@ -1,7 +1,7 @@
 """Qwen2.5-VL on megatron (megarl/models/qwen2_vl.py) against transformers on the same tiny random checkpoint.
 
 One 2-rank gloo job through MegatronEngine at TP=1 (data-parallel replicas, a sequence per row) then TP=2 (the
-text-only row packed beside a one-image row): on image+text rows (one image; two images of which
+text-only row packed beside a one-image row) and TP=2 with sequence parallelism: on image+text rows (one image; two images of which
 one has windows cut at its edge; text only) the log-probs equal transformers' (float32, < 1e-4), and the weights
 exported back to HF names are bitwise the checkpoint's (vision tower included). M-RoPE position ids equal
 transformers' get_rope_index; context parallelism is refused by name.
@@ -29,7 +29,7 @@ def vl_batch(rows: list[dict]) -> Batch:
                   "image_grid_thw": [r["image_grid_thw"] for r in rows]})
 
 
-def _engine_logprobs(model_dir: str, tp: int, max_tokens: int) -> tuple[torch.Tensor, dict]:
+def _engine_logprobs(model_dir: str, tp: int, max_tokens: int, sp: bool) -> tuple[torch.Tensor, dict]:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -40,8 +40,8 @@ def _engine_logprobs(model_dir: str, tp: int, max_tokens: int) -> tuple[torch.Te
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, 1)
     model_parallel_cuda_manual_seed(1)
-    actor = ActorConfig(parallel=ParallelConfig(world_size=dist.get_world_size(), tp=tp), micro_batch_size=2,
-                        max_tokens_per_micro_batch=max_tokens)
+    actor = ActorConfig(parallel=ParallelConfig(world_size=dist.get_world_size(), tp=tp, sequence_parallel=sp),
+                        micro_batch_size=2, max_tokens_per_micro_batch=max_tokens)
     engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
     logprobs = engine.compute_logprobs(vl_batch(image_rows()))["logprobs"]
     return logprobs, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
@@ -66,9 +66,10 @@ def _train_step_changes(model_dir: str, freeze: bool) -> tuple[bool, bool]:
 
 def _check_rank(rank, model_dir, reference):
     checkpoint = load_file(f"{model_dir}/model.safetensors")
-    # TP=1: one sequence per row; TP=2: the text-only row packed beside the one-image row
-    for tp, max_tokens in ((1, 0), (2, 64)):
-        logprobs, exported = _engine_logprobs(model_dir, tp, max_tokens)
+    # TP=1: one sequence per row; TP=2: the text-only row packed beside the one-image row; TP=2 with sequence
+    # parallelism (the image features scattered over TP with the embeddings)
+    for tp, max_tokens, sp in ((1, 0, False), (2, 64, False), (2, 0, True)):
+        logprobs, exported = _engine_logprobs(model_dir, tp, max_tokens, sp)
         for i, want in enumerate(reference):
             got = logprobs[i, 1:len(want) + 1]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"row {i} at tp={tp}")
