@@ -84,7 +84,8 @@ def test_one_step_off_overlaps_and_resumes_exactly_within_the_bound(tmp_path, ra
     # killed after step 1's checkpoint (which holds batch 2, generated from version 0): a fresh process resumes
     # from it and logs exactly the numbers of the run that was never interrupted
     step1 = tmp_path / "whole" / "checkpoints" / "step_00000001"
-    killed = run(config(tmp_path / "killed", "trainer.mode=one_step_off", f"trainer.resume={step1}"))
+    killed = run(config(tmp_path / "killed", "trainer.mode=one_step_off", f"trainer.resume={step1}",
+                        "trainer.save_every=0"))
     assert sorted(killed) == [2, 3]
     for step in (2, 3):
         assert numbers(killed[step]) == numbers(whole[step]), step
