@@ -55,11 +55,12 @@ class HeldChecksums:
         self.stream = None  # a GPU's side stream: the sums queue behind the loads, the loader does not wait
         self.sync: str | None = None  # the sync being summed
         self.summed: dict[str, tuple[str, list, bool]] = {}  # name -> (dtype, shape, is a buffer), this sync
+        self.held: dict[str, torch.Tensor] | None = None  # what the last bucket's `loaded` found, for `finish`
 
     def loaded(self, model, sync: str, names: list[str]) -> None:
         """A bucket of sync `sync` is loaded (its copies queued on the current stream): sum the tensors `names`,
         whole from now on (those this rank does not hold are left to the comparison, which names them missing)."""
-        held = self._held(model)
+        held = self.held = self._held(model)
         if sync != self.sync:
             self._begin(sync, held)
         with self._queued():
@@ -69,10 +70,10 @@ class HeldChecksums:
             self.table.flush()
 
     def finish(self, model, path: str) -> int:
-        """After the sync's last bucket: sum everything held not summed yet, read the table back (the one wait of
-        the sync for these sums) and write name -> [dtype, shape, sum 0, sum 1, is a buffer] to `path` atomically;
-        returns how many tensors it holds."""
-        held = self._held(model)
+        """After the sync's last bucket (and its `loaded`, in the same request: what it found held is still so): sum
+        everything held not summed yet, read the table back (the one wait of the sync for these sums) and write
+        name -> [dtype, shape, sum 0, sum 1, is a buffer] to `path` atomically; returns how many tensors it holds."""
+        held, self.held = self.held if self.held is not None else self._held(model), None
         buffers = persistent_buffers(self.modules)
         if self.sync is None:  # a verified sync whose buckets named nothing
             self._begin("", held)
