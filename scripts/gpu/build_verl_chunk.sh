@@ -74,8 +74,8 @@ if git rev-parse --show-toplevel >/dev/null 2>&1; then   # keep the bundle out o
     grep -qxF "/.devbundle/" "$excl" 2>/dev/null || echo "/.devbundle/" >> "$excl" ;; esac
 fi
 STAMP="$(sed -n '/^# >>> recipe/,/^# <<< strip/p' "$SELF" | sha256sum | cut -c1-16)"
-if [ "${FORCE:-0}" != 1 ] && [ "$(cat "$OUT/.stamp" 2>/dev/null)" = "$STAMP" ]; then
-  echo "== verl chunks: up to date"; du -sh "$OUT"/*/ ; exit 0; fi
+built() { [ "${FORCE:-0}" != 1 ] && [ -f "$OUT/$1/MANIFEST" ] && [ "$(cat "$OUT/$1/.stamp" 2>/dev/null)" = "$STAMP" ]; }
+if built vsgl && built vfidata && built vpy; then echo "== verl chunks: up to date"; du -sh "$OUT"/*/; exit 0; fi
 
 # ---- pip for a 3.12 target: build.sh's cached venv, else a new one from a CPython 3.12
 is312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
@@ -110,15 +110,18 @@ done
 
 stage() { local dst="$1"; shift; local files=() s; for s in "$@"; do files+=("$(whl "$s")"); done
   rm -rf "$dst"; mkdir -p "$dst"; pip_ install -q --no-deps --no-index --no-compile --target "$dst" "${files[@]}"; }
-pack() { local name="$1" src="$2" t=$(date +%s); rm -rf "${OUT:?}/$name"; mkdir -p "$OUT/$name"
+pack() { local name="$1" src="$2" t=$(date +%s); built "$name" && { echo "   $name: up to date"; return 0; }
+  rm -rf "${OUT:?}/$name"; mkdir -p "$OUT/$name"
   tar -C "$src" -cf - . | xz -T0 -6 | split -b "$PART_SIZE" -d - "$OUT/$name/$name.tar.xz.part"
   (cd "$OUT/$name" && sha256sum "$name".tar.xz.part* > MANIFEST)
+  echo "$STAMP" > "$OUT/$name/.stamp"   # last: a chunk cut off while packing is packed again
   echo "   $name: $(du -sh "$src" | cut -f1) unpacked -> $(du -sh "$OUT/$name" | cut -f1) in $(( $(date +%s)-t )) s"; }
 
 echo "== stage + strip"
 S="$STAGE/vsgl"; F="$STAGE/vfidata"; P="$STAGE/vpy"
-stage "$S" "${VSGL[@]}"
-stage "$P" "${VPY[@]}"
+mkdir -p "$S" "$F/flashinfer" "$P"  # (staged only for the chunks not up to date: a rerun after a cut-off build)
+{ built vsgl && built vfidata; } || stage "$S" "${VSGL[@]}"
+built vpy || stage "$P" "${VPY[@]}"
 # >>> strip (part of the stamp)
 rm -rf "$S"/sgl_kernel/flash_ops.abi3.so "$S"/sgl_kernel/flashmla_ops.abi3.so "$S"/sgl_kernel/infllm_ops*.so \
        "$S"/sgl_kernel/sm100 "$S"/lib/*.a         # FA3, FlashMLA, InfLLM, Blackwell, static libs; H100/H200: sm90/
@@ -126,18 +129,17 @@ rm -rf "$S"/sglang/multimodal_gen "$S"/sglang/test \
        "$S"/sglang/srt/server/_core.*.so "$S"/sglang/srt/grpc/_core.*.so "$S"/sglang/srt/multimodal/_core.*.so
 rm -rf "$S"/xgrammar/lib "$S"/xgrammar/include
 rm -f  "$S"/torch_memory_saver_*cu12*.so
-rm -rf "$F"; mkdir -p "$F/flashinfer"; mv "$S"/flashinfer/data "$F/flashinfer/data"
+[ -d "$S"/flashinfer/data ] && { rm -rf "$F"; mkdir -p "$F/flashinfer"; mv "$S"/flashinfer/data "$F/flashinfer/data"; }
 A="$P/pyarrow"
 rm -rf "$A"/include "$A"/src "$A"/tests "$A"/_pyarrow_cpp_tests.* "$A"/libarrow_flight.so* \
        "$A"/libarrow_python_flight.so* "$A"/_flight.*.so "$A"/libarrow_s3.so* "$A"/_s3fs.*.so
-find "$A" \( -name '*.pyx' -o -name '*.pxd' -o -name '*.pxi' -o -name '*.h' -o -name '*.cc' \) -delete
+[ -d "$A" ] && find "$A" \( -name '*.pyx' -o -name '*.pxd' -o -name '*.pxi' -o -name '*.h' -o -name '*.cc' \) -delete
 rm -rf "$S"/bin "$P"/bin
 find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
 # <<< strip
 
 echo "== pack"
 pack vsgl "$S"; pack vfidata "$F"; pack vpy "$P"
-echo "$STAMP" > "$OUT/.stamp"
 rm -rf "$STAGE"
 echo "== verl chunks in $OUT (built in $(( $(date +%s)-T_START )) s)"
 (cd "$OUT" && find . -type f ! -name .stamp -printf '%10s  %p\n' | sort -k2)
