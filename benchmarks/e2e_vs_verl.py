@@ -118,6 +118,8 @@ def verl_overrides(args, model_dir: Path, train: Path, val: Path, run_dir: Path,
         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.resume_mode=disable", "trainer.use_v1=true", "trainer.v1.trainer_mode=sync",
         "trainer.project_name=e2e_vs_verl", "trainer.experiment_name=grpo", f"trainer.default_local_dir={run_dir}/ckpt",
+        # the file logger runs in verl's TaskRunner actor: its path goes there through Ray's runtime_env
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={run_dir / 'metrics.jsonl'}",
     ]
 
 
@@ -225,13 +227,13 @@ def run_verl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: float
     reward_file = work / "verl_reward.py"  # verl loads it by path: a shim onto this module's function
     reward_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
                            "from benchmarks.e2e_vs_verl import verl_reward  # noqa: E402,F401\n")
+    run_dir.mkdir(parents=True, exist_ok=True)
     overrides = verl_overrides(args, model_dir, train, val, run_dir, reward_file)
     (out / "verl_overrides.txt").write_text("\n".join(overrides) + "\n")
-    metrics = work / "verl_metrics.jsonl"
+    metrics = run_dir / "metrics.jsonl"
     if args.smoke:
         return {"status": "skipped (verl needs a GPU: its FSDP workers and SGLang server run on CUDA only); "
                           "its overrides are in verl_overrides.txt"}, []
-    env = dict(env, VERL_FILE_LOGGER_PATH=str(metrics))
     record = run_process([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], out / "verl.log", cap, env,
                          leftovers=str(model_dir))
     if metrics.exists():
