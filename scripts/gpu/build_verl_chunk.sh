@@ -38,7 +38,7 @@
 #     kernels (flash-attn-4, quack-kernels, tilelang, sgl-deep-gemm, tokenspeed_mla) are left out: nothing on
 #     this text-only, FSDP + SGLang(triton) path imports them at module level (checked by grep of the wheels).
 # Env: BUNDLE (default $PWD/.devbundle), DEVBUNDLE_CACHE (wheel cache + pip venv; build.sh's is reused),
-#      PY312 (a CPython 3.12 if no cached venv), FORCE, PART_SIZE (default 30m: parts can be spread over calls).
+#      PY312 (a CPython 3.12 if no cached venv), FORCE, PART_SIZE (default 20m: parts are spread over calls, docs/benchmarks.md).
 set -euo pipefail
 SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 BUNDLE="${BUNDLE:-$PWD/.devbundle}"
@@ -46,7 +46,7 @@ CACHE="${DEVBUNDLE_CACHE:-$BUNDLE/cache}"
 WHEELS="$CACHE/wheels"
 OUT="$BUNDLE/verl/chunks"
 STAGE="$BUNDLE/.stage-verl"
-PART_SIZE="${PART_SIZE:-30m}"
+PART_SIZE="${PART_SIZE:-20m}"
 T_START=$(date +%s)
 # >>> recipe (part of the stamp)
 VSGL=(
