@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/rm_pipeline"))
     parser.add_argument("--pairs", type=int, default=10000, help="training preference pairs")
     parser.add_argument("--val-pairs", type=int, default=256)
-    parser.add_argument("--rm-steps", type=int, default=2000)
+    parser.add_argument("--rm-steps", type=int, default=3000)
     parser.add_argument("--rl-steps", type=int, default=120)
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)

@@ -13,7 +13,7 @@ from megarl.data.files import InputError, write_records
 from megarl.data.preferences import PairOptions, load_preference_file, pair_batch, task_preferences
 from megarl.models.tiny import build_char_tokenizer
 from megarl.protocol import Batch
-from megarl.rewards.mixing import RunningMoments, ScoreMixer, ends_with, normalize_group
+from megarl.rewards.mixing import RunningMoments, ScoreMixer, ends_with, normalize_group, rule_agreement
 
 # a chat template the character tokenizer can render: "<user>hi\n<assistant>yo\n"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -156,6 +156,11 @@ def test_score_normalisation_and_mixing():
     rewards, metrics = ScoreMixer(missing_eos_penalty=5.0)(torch.tensor([1.0, 2.0, 3.0]), torch.zeros(3), [0] * 3, ended)
     assert rewards.tolist() == [1.0, -3.0, 3.0]
     assert metrics["train/unfinished"] == pytest.approx(1 / 3) and metrics["train/rm_score"] == pytest.approx(2.0)
+
+    # agreement with the rule within groups: (3 > 1) and (3 > 2) agree with the rule's 1 > 0; 5 = 5 is a tie (half)
+    assert rule_agreement(torch.tensor([3.0, 1.0, 2.0, 5.0, 5.0]), torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0]),
+                          [0, 0, 0, 1, 1]) == pytest.approx(2.5 / 3)
+    assert math.isnan(rule_agreement(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]), [0, 0]))
 
 
 def test_a_pair_stays_on_one_data_parallel_rank():

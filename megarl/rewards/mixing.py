@@ -65,6 +65,20 @@ def normalize_group(scores: torch.Tensor, groups: list) -> torch.Tensor:
     return (scores.float() - mean) / (std + STD_EPS)
 
 
+def rule_agreement(scores: torch.Tensor, rule: torch.Tensor, groups: list) -> float:
+    """Of the pairs of samples of one group whose rule rewards differ, the share the reward model orders as the rule
+    does (a tie counts half); NaN when no group has such a pair. Near 0.5: the model's preferences say nothing of
+    the rule's, and RL on them cannot raise it."""
+    order: dict = {}
+    ids = torch.tensor([order.setdefault(g, len(order)) for g in groups])
+    same = ids[:, None] == ids[None, :]
+    rule_above = (rule[:, None] > rule[None, :]) & same
+    if not rule_above.any():
+        return float("nan")
+    diff = scores[:, None] - scores[None, :]
+    return ((diff > 0).float() + 0.5 * (diff == 0).float())[rule_above].mean().item()
+
+
 def ends_with(batch: Batch, token_id: int) -> torch.Tensor:
     """Whether each row's last real token (attention_mask) is `token_id` [B] bool."""
     last = batch["attention_mask"].sum(1) - 1
@@ -104,7 +118,8 @@ class ScoreMixer:
         rewards = self.weight * normalized + self.rule_weight * rule.float()
         metrics = {"train/rule_reward": rule.float().mean().item(), "train/rm_score": raw.mean().item(),
                    "train/rm_score_std": raw.std().item() if len(raw) > 1 else 0.0,
-                   "train/unfinished": (~ended).float().mean().item()}
+                   "train/unfinished": (~ended).float().mean().item(),
+                   "train/rm_rule_agreement": rule_agreement(scores, rule.float(), groups)}
         if self.normalize == "running":
             metrics |= {"train/rm_running_mean": self.moments.mean, "train/rm_running_std": self.moments.std}
         return rewards.float(), metrics
