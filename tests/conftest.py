@@ -1,5 +1,6 @@
 """Fixtures shared by the tests that run the whole system through Ray."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -7,12 +8,37 @@ import pytest
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray with logical CPUs for the trainer's actors; one torch thread each."""
+def pytest_collection_modifyitems(items):
+    """The modules that use `ray_local` run last, one after another, so that one Ray serves them all (starting and
+    stopping one took 5-12 s of each module on 2 cores); the other modules keep their order, before them (some
+    start and stop a Ray of their own, which a running one would refuse)."""
+    uses_ray = {item.getparent(pytest.Module) for item in items if "ray_local" in item.fixturenames}
+    items.sort(key=lambda item: item.getparent(pytest.Module) in uses_ray)  # stable: order kept within each part
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
     yield
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local(_ray_session):
+    """A local Ray with logical CPUs for the trainer's actors; one torch thread each. The modules that use it share
+    one; a module that leaves CPUs held (an actor or placement group it did not end) stops it, and the next module
+    starts a fresh one, as each did before."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
+    yield
+    deadline = time.monotonic() + 10  # killed actors give their CPUs back a moment later
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            ray.shutdown()
+            break
+        time.sleep(0.1)

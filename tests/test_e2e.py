@@ -65,20 +65,20 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
 
 
 def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
-    """A seeded short quickstart: the held-out gain comes from RL, not from the warm start."""
-    final = {}
-    for lr in (5e-4, 0.0):
+    """A seeded short quickstart: the held-out gain comes from RL, not from the warm start. The control (lr=0) keeps
+    its weights, so its held-out reward is the warm start's exactly after any number of its steps: 4 show it."""
+    val = {}
+    for lr, steps in ((5e-4, 40), (0.0, 4)):
         out = tmp_path / f"lr{lr}"
-        cfg = load_config(RECIPE, [f"trainer.output_dir={out}", f"actor.optim.lr={lr}",
-                                                        "trainer.steps=40", "trainer.eval_every=40",
-                                                        "trainer.loggers=jsonl"])
+        cfg = load_config(RECIPE, [f"trainer.output_dir={out}", f"actor.optim.lr={lr}", f"trainer.steps={steps}",
+                                   f"trainer.eval_every={steps}", "trainer.loggers=jsonl"])
         trainer = RLTrainer(cfg)
         try:
-            history = trainer.fit()
+            val[lr] = trainer.fit()["val/reward"]
         finally:
             trainer.shutdown()
-        final[lr] = history["val/reward"][cfg.trainer.steps]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert any("train/kl" in r for r in rows)
-    # measured: 0.352 -> 0.418 with RL; the control keeps its weights, so its reward stays at 0.352 exactly
-    assert final[5e-4] > final[0.0] + 0.03, final
+    assert val[0.0] == {0: val[5e-4][0], 4: val[5e-4][0]}, val  # one seeded warm start; the control's reward stays
+    # measured: 0.352 -> 0.418 with RL, the control at 0.352
+    assert val[5e-4][40] > val[0.0][4] + 0.03, val
