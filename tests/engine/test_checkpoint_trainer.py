@@ -7,6 +7,7 @@ import torch
 
 from megarl.config import load_config
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
+from megarl.rewards.mixing import ScoreMixer
 from megarl.rollout.agent import Trajectory
 from megarl.trainer import RLTrainer
 from megarl.utils.timers import Timers
@@ -124,6 +125,7 @@ def driver_only(tmp_path) -> RLTrainer:
     trainer.checkpoints = Checkpoints(tmp_path / "checkpoints", keep_last=0)
     trainer.trained_groups = dict
     trainer.data, trainer.sft_data, trainer.kl_ctl = Stateful({}), Stateful({}), Stateful({})
+    trainer.score_mixer, trainer.policy_filter = ScoreMixer.from_config(trainer.cfg.reward_model), None
     trainer.version, trainer.syncs, trainer.partial_groups, trainer.history = 0, 0, [], {"val/reward": {}}
     trainer.timers = Timers()
     trainer.publish_policy = lambda: setattr(trainer, "syncs", trainer.syncs + 1)  # a sync, counted
