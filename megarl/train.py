@@ -96,7 +96,10 @@ def main(argv=None) -> int:
         print(f"{config_ok}; {inputs}")
         return 0
 
-    ray = start_ray(cfg, p.world_size * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
+    # every training rank (the policy's, the critic's, the reward model's) and the rollout actor
+    ranks = (p.world_size + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
+             + (cfg.reward_model.parallel.world_size if cfg.reward_model.path else 0))
+    ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
     from megarl.async_trainer import build_trainer
 
     print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
