@@ -53,8 +53,8 @@ def trained(tmp_path_factory, ray_local):
     trainer.shutdown()
 
 
-def metrics_by_step(path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())}
+def metrics_rows(path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_reward_model_learns_and_resumes_exactly(trained):
@@ -63,22 +63,20 @@ def test_reward_model_learns_and_resumes_exactly(trained):
     assert sorted(accuracy) == [0, 3, 6]
     assert accuracy[0] == 0.5  # a zero-initialised head scores every side 0: a tie, half right
     assert accuracy[6] >= 0.9 and history["val/margin"][6] > history["val/margin"][3] > 0, history
-    first = metrics_by_step(tmp_path / "a")
+    first = {row["step"]: row for row in metrics_rows(tmp_path / "a")}
     assert first[0]["data/train_pairs"] == 200 and first[0]["data/skipped_pairs"] == 0
     assert first[6]["rm/loss"] < first[1]["rm/loss"]
-    # resumed after step 3 in another output directory: steps 4-6 and the final scores as the uninterrupted run's
-    resumed = RMTrainer(rm_config(tmp_path, "b", f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000003'}"))
-    try:
-        assert resumed.fit()["val/pair_accuracy"] == accuracy
-        scores = resumed.score_pairs(trainer.data.val)
-    finally:
-        resumed.shutdown()
-    second = metrics_by_step(tmp_path / "b")
+    scores = trainer.score_pairs(trainer.data.val)
+    # resumed after step 3, on the same ranks: every piece of state they held after step 6 (weights, optimizer,
+    # LR schedule, RNG, data position) must come back from the checkpoint, or steps 4-6 would differ
+    trainer.cfg.trainer.resume = str(tmp_path / "a" / "checkpoints" / "step_00000003")
+    assert trainer.fit()["val/pair_accuracy"] == accuracy
+    second = {row["step"]: row for row in metrics_rows(tmp_path / "a")[len(first):]}
     assert sorted(second) == [4, 5, 6]
     for step in (4, 5, 6):
-        assert {k: second[step][k] for k in ("rm/loss", "rm/grad_norm", "rm/lr")} == \
-               {k: first[step][k] for k in ("rm/loss", "rm/grad_norm", "rm/lr")}
-    assert torch.equal(scores, trainer.score_pairs(trainer.data.val))
+        assert {k: second[step][k] for k in ("rm/loss", "rm/grad_norm", "rm/lr", "rm/accuracy")} == \
+               {k: first[step][k] for k in ("rm/loss", "rm/grad_norm", "rm/lr", "rm/accuracy")}
+    assert torch.equal(trainer.score_pairs(trainer.data.val), scores)
 
 
 def test_export_scores_as_trained_in_transformers_and_in_rl(trained):
@@ -96,7 +94,7 @@ def test_export_scores_as_trained_in_transformers_and_in_rl(trained):
     # RL takes it as reward_model.path (its dry run reads the model's config and layout; the engine reading a
     # directory's score.weight in RL: tests/test_ppo_e2e.py)
     assert train_main(["--config", str(QUICKSTART), "--dry-run", f"reward_model.path={exported}"]) == 0
-    # a second export replaces the first; anything else at reward_model.path is refused before training
+    # an earlier export of train_rm at reward_model.path may be replaced; anything else there is refused before training
     assert main(["--dry-run", f"trainer.output_dir={tmp_path / 'a'}", "preference.task_pairs=10"]) == 0
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "weights.bin").write_text("x")
