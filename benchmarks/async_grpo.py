@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks.e2e_vs_trl import (ROOT, build_model, end_sglang_servers, environment, megarl_command, model_shape,
-                                   run_process, write_prompts)
+                                   run_process, start_run, write_prompts)
 
 ONE_STEP_OFF = {"trainer.mode": "one_step_off", "async.partial": "finish"}
 ASYNC = {"trainer.mode": "async", "async.partial": "resume"}
@@ -364,15 +363,8 @@ def main(argv=None) -> int:
             runs |= json.loads(Path(path).read_text())["runs"]
         print(table(runs))
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: exit through run_process's finally
-    deadline = time.monotonic() + args.budget_s
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    work = Path(args.work_dir).resolve() if args.work_dir else out / "work"
-    model_dir, prompts, val = work / "model", work / "prompts.jsonl", work / "val.jsonl"
+    deadline, out, device, work, model_dir = start_run(args)
+    prompts, val = work / "prompts.jsonl", work / "val.jsonl"
     shape = model_shape(args.model, args.smoke)
     words = build_model(model_dir, shape, device)
     stops = long_tail_stops(model_dir, args.completion_len, args.tail_share) if args.lengths == "tail" else 1

@@ -327,9 +327,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: exit through run_process's finally
+def start_run(args) -> tuple[float, Path, str, Path, Path]:
+    """What every end-to-end benchmark does first: exit through run_process's finally on `timeout`'s SIGTERM, the
+    deadline (--budget-s), the output and work directories, the device, where the model goes."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deadline = time.monotonic() + args.budget_s
     out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -337,7 +338,12 @@ def main(argv=None) -> int:
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     work = Path(args.work_dir).resolve() if args.work_dir else out / "work"
-    model_dir = work / "model"
+    return deadline, out, device, work, work / "model"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    deadline, out, device, work, model_dir = start_run(args)
     t0 = time.monotonic()
     shape = model_shape(args.model, args.smoke)
     words = build_model(model_dir, shape, device)

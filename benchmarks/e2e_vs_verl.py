@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from importlib import metadata
 from pathlib import Path
 
 from benchmarks.e2e_vs_trl import (_gpu_memory_used, _parameter_counts, build_model, environment, megarl_command,
-                                   megarl_steps, model_shape, run_process, summarize, write_prompts)
+                                   megarl_steps, model_shape, run_process, start_run, summarize, write_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -370,15 +369,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.probe_only:
         return engine_probe(args)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: exit through run_process's finally
-    deadline = time.monotonic() + args.budget_s
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    work = Path(args.work_dir).resolve() if args.work_dir else out / "work"
-    model_dir = work / "model"
+    deadline, out, device, work, model_dir = start_run(args)
     t0 = time.monotonic()
     shape = model_shape(args.model, args.smoke)
     words = build_model(model_dir, shape, device)
