@@ -1,6 +1,6 @@
 """trainer.mode one_step_off and async (megarl/async_trainer.py) through the real trainer on CPU: the async mode at
 async.max_staleness=0 is the synchronous loop bit for bit; one_step_off trains on batches one version old that
-were generated while the step before trained (from the recorded phase times) and resumes exactly after a kill,
+began generating before the step before began its update (from the recorded phase times) and resumes exactly after a kill,
 within the bound; the buffer admits, drops and requeues by the bound, also after a resume under a smaller one."""
 
 import json
@@ -65,21 +65,16 @@ def test_async_at_staleness_0_is_the_sync_loop_bitwise(tmp_path, ray_local):
         assert not_stale[step]["async/rollout_version"] == step - 1
 
 
-def overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
-    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
-
-
-def test_one_step_off_overlaps_and_resumes_exactly_within_the_bound(tmp_path, ray_local):
+def test_one_step_off_runs_ahead_and_resumes_exactly_within_the_bound(tmp_path, ray_local):
     whole = run(config(tmp_path / "whole", "trainer.mode=one_step_off"))
     # step 1 trains on the first batch (nothing ran ahead of it), every later step on a batch one version old
     assert [whole[s]["async/staleness_max"] for s in (1, 2, 3)] == [0, 1, 1]
     assert [whole[s][f"async/staleness_{s > 1:d}"] for s in (1, 2, 3)] == [8, 8, 8]
     assert [whole[s]["async/rollout_version"] for s in (1, 2, 3)] == [0, 0, 1]
-    for step in (1, 2):  # batch step+1 was generated while step `step` computed its log-probs and its update
-        rollout = (whole[step + 1]["phase/rollout/start"], whole[step + 1]["phase/rollout/end"])
-        computing = [(whole[step][f"phase/{p}/start"], whole[step][f"phase/{p}/end"])
-                     for p in ("ref_logprobs", "train")]
-        assert rollout[0] < whole[step]["phase/train/end"] and sum(overlap(rollout, c) for c in computing) > 0, step
+    for step in (1, 2):  # batch step+1 began generating before step `step` began its update: the sync loop only
+        # begins it after that update's sync. (How long the two overlap is the GPU timeline's to show: on CPU a tiny
+        # model's generation takes milliseconds and can end inside the checkpoint save between steps.)
+        assert whole[step + 1]["phase/rollout/start"] < whole[step]["phase/train/start"], step
 
     # killed after step 1's checkpoint (which holds batch 2, generated from version 0): a fresh process resumes
     # from it and logs exactly the numbers of the run that was never interrupted
