@@ -1,7 +1,8 @@
 """trainer.mode one_step_off and async (megarl/async_trainer.py) through the real trainer on CPU: the async mode at
 async.max_staleness=0 is the synchronous loop bit for bit; one_step_off trains on batches one version old that
-began generating before the step before began its update (from the recorded phase times) and resumes exactly after a kill,
-within the bound; the buffer admits, drops and requeues by the bound, also after a resume under a smaller one."""
+began generating before the step before began its update (from the recorded phase times) and resumes exactly
+after a kill, within the bound; the buffer admits, drops and requeues by the bound, also after a resume under a
+smaller one."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
