@@ -1,7 +1,7 @@
 """trainer.mode one_step_off and async (megarl/async_trainer.py) through the real trainer on CPU: the async mode at
 async.max_staleness=0 is the synchronous loop bit for bit; one_step_off trains on batches one version old that
-began generating before the step before began its update (from the recorded phase times) and resumes exactly
-after a kill, within the bound; the buffer admits, drops and requeues by the bound, also after a resume under a
+were generated while the step before computed (from the recorded phase times) and resumes exactly after a kill,
+within the bound; the buffer admits, drops and requeues by the bound, also after a resume under a
 smaller one."""
 
 import json
@@ -66,26 +66,40 @@ def test_async_at_staleness_0_is_the_sync_loop_bitwise(tmp_path, ray_local):
         assert not_stale[step]["async/rollout_version"] == step - 1
 
 
-def test_one_step_off_runs_ahead_and_resumes_exactly_within_the_bound(tmp_path, ray_local):
-    whole = run(config(tmp_path / "whole", "trainer.mode=one_step_off"))
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def rollout_overlaps_compute(rows: dict[int, dict], step: int) -> float:
+    """Seconds that batch step+1's generation overlapped step `step`'s log-probs and update."""
+    rollout = (rows[step + 1]["phase/rollout/start"], rows[step + 1]["phase/rollout/end"])
+    return sum(overlap(rollout, (rows[step][f"phase/{p}/start"], rows[step][f"phase/{p}/end"]))
+               for p in ("old_logprobs", "ref_logprobs", "train") if f"phase/{p}/start" in rows[step])
+
+
+def test_one_step_off_overlaps_and_resumes_exactly_within_the_bound(tmp_path, ray_local):
+    # 96-token responses: generation outlasts the trainer's wake-up, so the overlap below is not a race
+    long = ("rollout.max_new_tokens=96",)
+    whole = run(config(tmp_path / "whole", "trainer.mode=one_step_off", *long))
     # step 1 trains on the first batch (nothing ran ahead of it), every later step on a batch one version old
     assert [whole[s]["async/staleness_max"] for s in (1, 2, 3)] == [0, 1, 1]
     assert [whole[s][f"async/staleness_{s > 1:d}"] for s in (1, 2, 3)] == [8, 8, 8]
     assert [whole[s]["async/rollout_version"] for s in (1, 2, 3)] == [0, 0, 1]
-    for step in (1, 2):  # batch step+1 began generating before step `step` began its update: the sync loop only
-        # begins it after that update's sync. (How long the two overlap is the GPU timeline's to show: on CPU a tiny
-        # model's generation takes milliseconds and can end inside the checkpoint save between steps.)
+    for step in (1, 2):  # batch step+1 began generating before step `step` began its update (the sync loop begins
+        # it after that update's sync)
         assert whole[step + 1]["phase/rollout/start"] < whole[step]["phase/train/start"], step
+    # and generated while step 1 computed (batch 3 begins after step 1's sync and ends inside the checkpoint save
+    # that follows it: the checkpoint waits for the batch in flight, so it holds batches 2 and 3)
+    assert rollout_overlaps_compute(whole, 1) > 0
 
     # killed after step 1's checkpoint (which holds batch 2, generated from version 0): a fresh process resumes
     # from it and logs exactly the numbers of the run that was never interrupted
     step1 = tmp_path / "whole" / "checkpoints" / "step_00000001"
-    killed = run(config(tmp_path / "killed", "trainer.mode=one_step_off", f"trainer.resume={step1}",
+    killed = run(config(tmp_path / "killed", "trainer.mode=one_step_off", *long, f"trainer.resume={step1}",
                         "trainer.save_every=0"))
     assert sorted(killed) == [2, 3]
     for step in (2, 3):
         assert numbers(killed[step]) == numbers(whole[step]), step
-
     assert [killed[s]["async/staleness_max"] for s in (2, 3)] == [1, 1]
 
 
