@@ -3,6 +3,9 @@
 Token in, token out: engines take prompt token ids and return response token ids with the
 log-probability of each sampled token under the sampling distribution's logits at temperature 1
 (i.e. the policy's own log-probs, so they are comparable with Megatron's).
+
+Vision-language policies (Qwen2.5-VL): a prompt may come with its images, already processed (megarl/data/images.py):
+the prompt ids hold the expanded image placeholder tokens, and `ImageInputs` the pixel values and patch grids.
 """
 
 from __future__ import annotations
@@ -40,6 +43,36 @@ def derive_seed(*parts: int | str) -> int:
 
 
 @dataclass
+class ImageInputs:
+    """One prompt's images as the HF image processor makes them (all of the prompt's images together, in the order
+    their placeholder runs appear in its ids)."""
+
+    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch], every image's rows in order
+    image_grid_thw: torch.Tensor  # [images, 3]: each image's (t, h, w) in patches, before the spatial merge
+
+    def __post_init__(self):
+        if self.image_grid_thw.dim() != 2 or self.image_grid_thw.shape[-1] != 3:
+            raise ValueError(f"image_grid_thw must be [images, 3], got {tuple(self.image_grid_thw.shape)}")
+        patches = int(self.image_grid_thw.prod(-1).sum())
+        if self.pixel_values.dim() != 2 or self.pixel_values.shape[0] != patches:
+            raise ValueError(f"pixel_values must be [patches, features] with {patches} patches (image_grid_thw's), "
+                             f"got {tuple(self.pixel_values.shape)}")
+
+
+def check_images(prompts: list[list[int]], images: list[ImageInputs | None] | None, engine: str,
+                 supported: bool) -> list[ImageInputs | None]:
+    """One entry per prompt (None: text only); an engine or model that cannot take images refuses any by name."""
+    if images is None:
+        return [None] * len(prompts)
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts: one per prompt (None for text only)")
+    if not supported and any(i is not None for i in images):
+        raise ValueError(f"{engine} cannot take images: the prompts have images but the engine or its model is "
+                         "text-only (a vision-language model, e.g. Qwen2.5-VL, takes them)")
+    return list(images)
+
+
+@dataclass
 class Generation:
     prompt_index: int  # which prompt of the request this answers
     token_ids: list[int]  # response tokens, ending with the stop token when one was produced
@@ -53,8 +86,10 @@ class Generation:
 
 class RolloutEngine(abc.ABC):
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """`params.n` generations per prompt, grouped by prompt in order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
+        """`params.n` generations per prompt, grouped by prompt in order. `images`: one entry per prompt, None for a
+        text-only prompt (every sample of a prompt sees its images); engines that cannot take images refuse any."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

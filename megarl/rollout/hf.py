@@ -15,7 +15,8 @@ from typing import Iterable
 import torch
 
 from megarl.engine import offload
-from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
+from megarl.rollout.base import (Generation, ImageInputs, RolloutEngine, SamplingParams, check_images,
+                                 derive_seed)
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.utils.checksum import module_checksums
 
@@ -39,9 +40,11 @@ class HFRolloutEngine(RolloutEngine):
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_memory
         self._specs = None  # HF tensor specs, for sharded weight delivery
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
         """Rows in segments between weight updates (megarl.rollout.partial): pause_generation from another thread
         stops a running segment between two decode steps."""
+        images = check_images(prompts, images, type(self).__name__, supported=False)
         if self.released:
             raise RuntimeError("the rollout engine's weights were released and not pushed again; sync before generating")
         if any(len(p) == 0 for p in prompts):

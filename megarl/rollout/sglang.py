@@ -45,7 +45,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from megarl.rollout.base import Generation, RolloutEngine, SamplingParams, derive_seed
+from megarl.rollout.base import (Generation, ImageInputs, RolloutEngine, SamplingParams, check_images,
+                                 derive_seed)
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, json_loads, sglang_server
 from megarl.rollout.transports import cuda_ipc
@@ -160,11 +161,13 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ---- generation -------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, conversations: list[str] | None = None,
-                 max_new_tokens: list[int] | None = None) -> list[Generation]:
-        """`conversations`: an id per prompt, whose turns stay on one server (its prefix cache).
+    def generate(self, prompts: list[list[int]], params: SamplingParams, images: list[ImageInputs | None] | None = None,
+                 conversations: list[str] | None = None, max_new_tokens: list[int] | None = None) -> list[Generation]:
+        """`images`: one entry per prompt (megarl.rollout.base.ImageInputs), None for text only.
+        `conversations`: an id per prompt, whose turns stay on one server (its prefix cache).
         `max_new_tokens`: a limit per prompt in place of params.max_new_tokens (multi-turn rollouts batch
         turns with different budgets; SGLang refuses a row whose prompt plus limit passes the context)."""
+        images = check_images(prompts, images, type(self).__name__, supported=False)
         limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
         if min(limits, default=1) < 1 or params.n < 1:
             raise ValueError(f"max_new_tokens and n must be >= 1, got {min(limits)} and {params.n}")

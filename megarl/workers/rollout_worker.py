@@ -7,7 +7,7 @@ import torch
 from megarl.config import Config
 from megarl.rewards import build_reward, score
 from megarl.rollout.agent import AgentLoop, Trajectory, trajectories_to_batch
-from megarl.rollout.base import Generation, SamplingParams
+from megarl.rollout.base import Generation, ImageInputs, SamplingParams
 from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
 
@@ -50,8 +50,9 @@ class RolloutWorker:
         self.agent = None  # the agent loop and its tools, built on first use (agent.enabled)
         self.reward_fn = None  # over-sampling with dynamic sampling scores finished groups here
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        return self.engine.generate(prompts, params)
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
+        return self.engine.generate(prompts, params, images)
 
     def rollout_agent(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
                       needed: int | None = None, varied_rewards: bool = False):
