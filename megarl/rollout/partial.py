@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megarl.rollout.base import Generation
+from megarl.rollout.base import Generation, ImageInputs
 
 PARTIAL_MODES = ("resume", "restart", "finish")
 
@@ -129,6 +129,7 @@ class Row:
     prompt: list[int]
     budget: int  # max_new_tokens over all its segments
     seed: int | None = None  # its own sampling seed, the same in every segment
+    images: ImageInputs | None = None  # its prompt's images (a vision-language policy), in every segment
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list = field(default_factory=list)  # per token, the policy version that produced it (None: not told)
@@ -141,8 +142,9 @@ class Row:
                           interruptions=self.interruptions)
 
 
-# run(prompts, max_new_tokens per row, seeds per row, segment) -> one Generation per row; "abort" where stopped
-SegmentRunner = Callable[[list[list[int]], list[int], list, Segment], list[Generation]]
+# run(prompts, max_new_tokens per row, seeds per row, segment) -> one Generation per row; "abort" where stopped.
+# Where any row has images, run also gets images= (one ImageInputs or None per row).
+SegmentRunner = Callable[..., list[Generation]]
 
 
 def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max_interruptions: int) -> list[Row]:
@@ -150,9 +152,11 @@ def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max
     pending = [r for r in rows if not r.finish_reason]
     while pending:
         segment = gate.enter(len(pending))
+        images = [r.images for r in pending]
         try:
             outputs = run([r.prompt + r.token_ids for r in pending], [r.budget - len(r.token_ids) for r in pending],
-                          [r.seed for r in pending], segment)
+                          [r.seed for r in pending], segment,
+                          **({"images": images} if any(i is not None for i in images) else {}))
         finally:
             gate.leave(len(pending))
         if len(outputs) != len(pending):
