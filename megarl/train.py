@@ -73,6 +73,9 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        from megarl.algorithms import check_registry_names  # the registries live above the config layer
+
+        check_registry_names(cfg.algorithm)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

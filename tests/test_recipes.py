@@ -53,6 +53,36 @@ def test_baseline_settings():
     assert recipe("grpo_math_qwen2.5_7b").reward.name == "math"
 
 
+def test_recipes_that_mirror_verl_use_its_dual_clip_loss():
+    # issue 20's trap: verl's default loss ("vanilla") always applies the dual clip; found by what the recipe says
+    mirrors = [p for p in RECIPES if "mirrors" in p.read_text().lower() and "verl" in p.read_text()]
+    assert {p.stem for p in mirrors} >= {"ppo_gsm8k_qwen2.5_0.5b", "grpo_gsm8k_qwen2.5_0.5b", "grpo_math_qwen2.5_7b"}
+    for path in mirrors:
+        assert load_config(path).algorithm.policy_loss == "dual_clip", path.stem
+
+
+def test_vapo_and_pfppo_recipes_turn_their_pieces_on():
+    for path in sorted((ROOT / "configs").glob("vapo_*.yaml")):
+        a, n = load_config(path).algorithm, load_config(path).rollout.n_samples
+        # value pretraining, decoupled GAE (Monte-Carlo critic targets), length-adaptive lambda, token-level loss,
+        # clip-higher, the positive-example LM loss, group sampling
+        assert (a.advantage, a.critic_lam, a.loss_agg) == ("gae", 1.0, "token-mean"), path.stem
+        assert a.critic_warmup_steps > 0 and a.lam_length_alpha > 0 and a.positive_lm_coef > 0, path.stem
+        assert a.clip_eps_high > a.clip_eps and n > 1, path.stem
+    pfppo = [load_config(path).algorithm for path in sorted((ROOT / "configs").glob("pfppo_*.yaml"))]
+    assert pfppo and all(a.pf_ppo in ("pow", "max_min", "max_random") for a in pfppo)
+
+
+def test_unknown_algorithm_names_are_refused_before_anything_starts(capsys):
+    # the registries' names, checked by python -m megarl.train before Ray, the warm start or the first rollout
+    for key, typo, hint in (("advantage", "gpgg", "gpg"), ("policy_loss", "cispoo", "cispo"),
+                            ("loss_agg", "token_mean", "token-mean")):
+        assert main(["--check-config", f"algorithm.{key}={typo}"]) == 2
+        err = capsys.readouterr().err
+        assert f"algorithm.{key}='{typo}': unknown" in err and f"did you mean '{hint}'" in err, err
+    assert main(["--check-config", "algorithm.policy_loss=my_pkg.losses:mine"]) == 0  # a path: imported when used
+
+
 @pytest.mark.parametrize("name", BASELINES + ["vapo_math_qwen2.5_7b"])
 def test_launch_scripts(name):
     script = ROOT / "scripts" / "recipes" / f"{name}.sh"
