@@ -8,12 +8,14 @@
 2. Two reward models, by python -m megarl.train_rm --config configs/rm_quickstart.yaml on those files: the real one
    and the shuffled-label control, held-out pair accuracy on the true labels before and after.
 3. Three RL runs, by python -m megarl.train --config configs/rm_grpo_quickstart.yaml (the same supervised warm start,
-   then GRPO whose reward is the reward model's score, normalised per group): against the real reward model,
+   then GRPO whose reward is the reward model's score, normalised by its running mean and std): against the real reward model,
    the same with the learning rate 0 (control), and against the shuffled-label reward model. Each reports the
    task's rule reward (exact match) on held-out prompts before and after RL: RL never sees that reward.
 
     python benchmarks/rm_pipeline_cpu.py --out runs/rm_pipeline        # ~1 h on 2 busy cores
     python benchmarks/rm_pipeline_cpu.py --out /tmp/rmp --rm-steps 20 --rl-steps 2 --sft-steps 5   # smoke
+    python benchmarks/rm_pipeline_cpu.py --out runs/rm_pipeline_seed3 --seed 3 --reward-models runs/rm_pipeline
+                                        # only step 3, another seed's RL against the reward models of an earlier run
 
 Prints the tables last and writes <out>/results.json (--report: only that, from the runs already there). Each run
 keeps its own directory (TensorBoard events, metrics.jsonl, logs) under --out.
@@ -102,6 +104,19 @@ def report(out: Path, seconds: dict[str, float]) -> dict:
     return results
 
 
+def train_reward_models(out: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Steps 1-2: the preference files, then rm and rm_shuffled in <out>; returns their wall seconds."""
+    files = write_preferences(out, args.pairs, args.val_pairs, args.seed)
+    seconds = {}
+    for name, train_file in (("rm", files["train"]), ("rm_shuffled", files["train_shuffled"])):
+        seconds[name] = run(name, ["megarl.train_rm", "--config", "configs/rm_quickstart.yaml",
+                                   f"preference.train={train_file}", f"preference.val={files['val']}",
+                                   f"preference.val_size={args.val_pairs}", f"trainer.steps={args.rm_steps}",
+                                   f"trainer.eval_every={max(1, args.rm_steps // 8)}",
+                                   f"trainer.output_dir={out / name}", f"trainer.seed={args.seed}"], out)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/rm_pipeline"))
@@ -112,23 +127,19 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--report", action="store_true", help="only the tables, from the runs already in --out")
+    parser.add_argument("--reward-models", type=Path, default=None,
+                        help="an earlier run's --out whose rm and rm_shuffled the RL runs use (steps 1-2 skipped)")
     args = parser.parse_args()
     out = args.out.resolve()
     if args.report:
         report(out, {})
         return
     out.mkdir(parents=True, exist_ok=True)
-    files = write_preferences(out, args.pairs, args.val_pairs, args.seed)
-    seconds = {}
-    for name, train_file in (("rm", files["train"]), ("rm_shuffled", files["train_shuffled"])):
-        seconds[name] = run(name, ["megarl.train_rm", "--config", "configs/rm_quickstart.yaml",
-                                   f"preference.train={train_file}", f"preference.val={files['val']}",
-                                   f"preference.val_size={args.val_pairs}", f"trainer.steps={args.rm_steps}",
-                                   f"trainer.eval_every={max(1, args.rm_steps // 8)}",
-                                   f"trainer.output_dir={out / name}", f"trainer.seed={args.seed}"], out)
+    reward_models = args.reward_models.resolve() if args.reward_models else out
+    seconds = {} if args.reward_models else train_reward_models(out, args)
     for name, (reward_model, extra) in RL_RUNS.items():
         seconds[name] = run(name, ["megarl.train", "--config", "configs/rm_grpo_quickstart.yaml",
-                                   f"reward_model.path={out / reward_model / 'reward_model'}",
+                                   f"reward_model.path={reward_models / reward_model / 'reward_model'}",
                                    f"trainer.steps={args.rl_steps}", f"trainer.eval_every={max(1, args.rl_steps // 6)}",
                                    f"sft.steps={args.sft_steps}", f"trainer.output_dir={out / name}",
                                    f"trainer.seed={args.seed}", *extra], out)

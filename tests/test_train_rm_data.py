@@ -1,5 +1,6 @@
 """Reward-model inputs and RL's use of its scores, without workers: preference files in the public layouts, malformed
-rows named by file, row and field (or skipped and counted), and the normalisation and mixing of scores."""
+rows named by file, row and field (or skipped and counted), train_rm's --help, --check-config and --dry-run, and the
+normalisation and mixing of scores."""
 
 import json
 import math
@@ -14,6 +15,8 @@ from megarl.data.preferences import PairOptions, load_preference_file, pair_batc
 from megarl.models.tiny import build_char_tokenizer
 from megarl.protocol import Batch
 from megarl.rewards.mixing import RunningMoments, ScoreMixer, ends_with, normalize_group, rule_agreement
+
+from tests.conftest import QUICKSTART
 
 # a chat template the character tokenizer can render: "<user>hi\n<assistant>yo\n"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -99,6 +102,40 @@ def test_malformed_rows_are_named_or_skipped_and_counted(tmp_path, tokenizer):
         load_config(None, ["preference.pairs_per_step=0"])
     with pytest.raises(ConfigError, match="reward_model.normalize='batch': must be one of none, running, group"):
         load_config(None, ["reward_model.normalize=batch"])
+
+
+def test_train_rm_help_and_config_check(capsys):
+    from megarl.train_rm import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--dry-run" in out and "preference.skip_malformed = False" in out
+    assert "reward_model.normalize = 'none'" in out and "rollout.engine" not in out  # only the keys train_rm reads
+    assert main(["--config", str(QUICKSTART.with_name("rm_quickstart.yaml")), "--check-config"]) == 0
+    assert capsys.readouterr().out == ("config ok: world_size=1 = tp 1 x pp 1 x cp 1 x dp 1; 3000 steps of 64 "
+                                       "preference pairs\n")
+    # each data-parallel rank trains on whole pairs
+    assert main(["--check-config", "reward_model.parallel.world_size=2", "preference.pairs_per_step=3"]) == 2
+    assert "preference.pairs_per_step=3 must be divisible by the reward model's data-parallel size 2" in \
+        capsys.readouterr().err
+
+
+def test_train_rm_dry_run_names_a_malformed_row_or_skips_and_counts_it(tmp_path, capsys):
+    from megarl.train_rm import main
+
+    rows = [{"prompt": f"{w}>", "chosen": w[::-1], "rejected": w} for w in ("abc", "xyz", "pqrs")]
+    write_records(tmp_path / "val.jsonl", rows)
+    write_records(tmp_path / "train.parquet", rows + [{"prompt": "ab>", "chosen": "ba", "rejected": None}])
+    dry_run = ["--dry-run", f"trainer.output_dir={tmp_path / 'rm'}", f"preference.train={tmp_path / 'train.parquet'}",
+               f"preference.val={tmp_path / 'val.jsonl'}"]
+    assert main(dry_run) == 2
+    assert capsys.readouterr().err == f"input error: {tmp_path / 'train.parquet'}, row 4: field 'rejected' is null\n"
+    assert main(dry_run + ["preference.skip_malformed=true"]) == 0
+    out = capsys.readouterr().out
+    assert "pairs ok: 3 training, 3 held-out, 1 skipped (preference.skip_malformed)" in out
+    assert f"\n  skipped {tmp_path / 'train.parquet'}, row 4: field 'rejected'" in out
+    assert not (tmp_path / "rm").exists()  # a dry run writes nothing
 
 
 def test_task_preferences_prefer_the_answer_to_a_wrong_one():

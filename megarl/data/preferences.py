@@ -98,8 +98,9 @@ def _render(tokenizer, messages: list[dict], field: str) -> str:
 def side_text(record: dict, side: str, tokenizer, chat_template: bool) -> str:
     """The text of one side ('chosen' or 'rejected') of a row, by the layouts in the module docstring."""
     prompt, value = record.get("prompt"), record.get(side)
-    if value is None:
-        raise FieldProblem(side, f"is missing (the row has {', '.join(sorted(map(str, record))) or 'no fields'})")
+    if value is None:  # null in a parquet file whose other rows have the column
+        raise FieldProblem(side, "is null" if side in record else
+                           f"is missing (the row has {', '.join(sorted(map(str, record))) or 'no fields'})")
     if isinstance(value, list):
         messages = _messages(value, side)
         if all(m["role"] == "assistant" for m in messages):  # the responses alone: the prompt goes first

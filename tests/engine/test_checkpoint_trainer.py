@@ -133,14 +133,16 @@ def driver_only(tmp_path) -> RLTrainer:
 
 
 def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
-    """Over-sampling's aborted groups (continued next step, with the turns they had) and the number of weight
-    syncs (which of the next ones are verified) come back from a checkpoint as they were saved."""
+    """Over-sampling's aborted groups (continued next step, with the turns they had), the number of weight
+    syncs (which of the next ones are verified) and the reward model's running score moments come back from a
+    checkpoint as they were saved."""
     saved = driver_only(tmp_path)
     group = [Trajectory(0, [5, 6], response_ids=[7, 8], loss_mask=[1, 1], logprobs=[-0.5, -0.25],
                         turns=[{"role": "assistant", "text": "x", "span": [0, 2], "stopped": False, "tool_calls": []}],
                         policy_version=1) for _ in range(2)]
     prompt = {"prompt": "p", "answer": "a", "prompt_ids": [5, 6], "extra": {"id": 7}}  # any field of the data file
     saved.version, saved.syncs, saved.partial_groups = 2, 3, [(prompt, group)]
+    saved.score_mixer.moments.update(torch.tensor([1.0, 2.0, 4.0]))  # reward_model.normalize=running's moments
     saved.save_checkpoint(2)
     saved.partial_groups = []
     saved.save_checkpoint(3)  # none left unfinished: nothing to continue from this one
@@ -150,6 +152,7 @@ def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
     assert resumed.resume() == 2 and resumed.version == 2
     assert resumed.syncs == 3  # the resume's own sync (verified: the first of this process) is not counted
     assert resumed.partial_groups == [(prompt, group)]
+    assert resumed.score_mixer.state_dict() == saved.score_mixer.state_dict() and resumed.score_mixer.moments.count == 3
     latest = driver_only(tmp_path)
     assert latest.resume() == 3 and latest.partial_groups == []
 
