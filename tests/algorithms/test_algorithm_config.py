@@ -36,6 +36,12 @@ def test_consistent_algorithm_options_load():
     (["algorithm.kl_cov_ratio=0"], r"algorithm.kl_cov_ratio=0.0: must be in \(0, 1\]"),
     (["algorithm.cispo_clip_eps_low=1.5"], "algorithm.cispo_clip_eps_low=1.5 must be in"),
     (["algorithm.sapo_tau_neg=0"], "algorithm.sapo_tau_neg=0.0: must be > 0"),
+    (["algorithm.gmpo_clip_eps=0"], "algorithm.gmpo_clip_eps=0.0: must be > 0"),
+    (["algorithm.kl_cov_coef=-1"], "algorithm.kl_cov_coef=-1.0: must be >= 0"),
+    (["algorithm.pf_ppo=pow", "algorithm.pf_ppo_weight_pow=0"], "algorithm.pf_ppo_weight_pow=0.0: must be > 0"),
+    (["algorithm.advantage=gae", "algorithm.lam_length_alpha=-1"], "algorithm.lam_length_alpha=-1.0: must be >= 0"),
+    (["algorithm.advantage=gae", "algorithm.critic_warmup_steps=-1"], "algorithm.critic_warmup_steps=-1: must be >= 0"),
+    (["algorithm.advantage=optimal_token_baseline"], "needs algorithm.recompute_old_logprobs=always"),
     (["algorithm.advantage=grpo_passk", "rollout.n_samples=1", "algorithm.allow_single_sample_groups=true"],
      "grpo_passk needs rollout.n_samples >= 2"),
 ])
