@@ -144,13 +144,16 @@ def test_bypass_mode_reinforce_weights_the_policy_gradient_by_the_truncated_rati
 
 
 def test_driver_weights_multiply_the_policy_loss():
-    logprobs, mb, _, _ = loss_inputs([1.0, -1.0, 2.0, 1.0, -0.5])
-    weights = torch.tensor([[2.0, 1.0, 0.5, 0.0], [1.5, 0.25, 0.0, 0.0]])
-    cfg = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token"))
-    plain, _ = actor_loss(AlgorithmConfig(), logprobs, None, mb, 5, 2)
+    # PPO-clip (eps 0.2) times the driver's weights w: d loss / d logprob = -A * w * r / 5 where unclipped; the
+    # ratios r = e^delta are 1.105, 0.741 (clipped, A < 0), 1.051, 1.35 (clipped, A > 0), 1
+    advantages, w = [1.0, -1.0, 2.0, 1.0, -0.5], [2.0, 1.0, 0.5, 1.5, 0.25]
+    logprobs, mb, delta, _ = loss_inputs(advantages)
+    weights = torch.tensor([w[:3] + [0.0], w[3:] + [0.0, 0.0]])
+    cfg = AlgorithmConfig(clip_eps=0.2, rollout_correction=RolloutCorrectionConfig(rollout_is="token"))
     loss, metrics = actor_loss(cfg, logprobs, None, dict(mb, rollout_is_weights=weights), 5, 2)
-    per_token_plain = torch.autograd.grad(plain, logprobs)[0]
-    assert torch.allclose(torch.autograd.grad(loss, logprobs)[0], per_token_plain * weights)
+    r = [math.exp(d) for d in delta[MASK > 0].tolist()]
+    expected = [-a * wt * rt * u / 5 for a, wt, rt, u in zip(advantages, w, r, [1, 0, 1, 0, 1])]
+    assert torch.autograd.grad(loss, logprobs)[0][MASK > 0].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-7)
     assert metrics["rollout_is_weight"].item() == pytest.approx(5.25 / 5)
 
 
