@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megarl.config.validation import ConfigError
 from megarl.parallel.stages import stage_layers
+from megarl.reshard.inventory import language_fields
 
 # config.json spellings of the routed-expert count: Qwen3-MoE, transformers >= 5, DeepSeek
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -24,7 +25,9 @@ def num_routed_experts(hf: dict) -> int:
 
 def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, ...]:
     """Raise ConfigError naming the `role`'s key (e.g. actor.parallel.pp_first_stage_layers) whose layout the
-    model (its config.json `hf`, read from `where`) cannot take; returns the decoder layers of each stage."""
+    model (its config.json `hf`, read from `where`) cannot take; returns the decoder layers of each stage. A
+    vision-language model's language fields may sit under text_config (transformers >= 5)."""
+    hf = language_fields(hf)
     p, keys = section.parallel, f"{role}.parallel"
     kv_heads = hf.get("num_key_value_heads") or hf.get("num_attention_heads", 1)
     if kv_heads % p.tp:

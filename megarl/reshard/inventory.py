@@ -17,6 +17,9 @@ multiple of it) give each rank the one head its query heads use, as SGLang does;
 train that way.
 Every tensor is in the model's dtype except DeepSeek-V3's routing bias (gate.e_score_correction_bias), which
 megatron (models/router.py), transformers and SGLang all keep in float32: `TensorSpec.fp32`.
+Vision-language models (Qwen2.5-VL): the language model's tensors as a Qwen2's (its fields at the top of config.json,
+or under transformers 5's text_config: `language_fields`), and the vision tower's `visual.*` tensors, replicated
+(megatron keeps the tower whole on every TP rank of the first pipeline stage: models/qwen2_vl_vision.py).
 """
 
 from __future__ import annotations
@@ -73,6 +76,18 @@ class TensorSpec:
             raise ValueError(f"{self.name}: TP={tp} does not divide its dimension {self.dim} of size {length}")
         block = padded // tp
         return min(rank * block, length), min((rank + 1) * block, length)
+
+
+def language_fields(hf: dict) -> dict:
+    """The language model's fields of a config.json: the top level, with a multimodal model's text_config over it
+    (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level)."""
+    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
+
+
+def on_first_stage(spec: TensorSpec) -> bool:
+    """A tensor outside the decoder layers that the first pipeline stage holds (the embedding, the vision tower);
+    the others (final norm, output layer) are the last stage's."""
+    return "embed_tokens" in spec.name or spec.name.startswith("visual.")
 
 
 def _get(hf: dict, *keys, default=None):
@@ -158,14 +173,43 @@ def is_moe_layer(hf: dict, layer: int) -> bool:
     return False
 
 
+def vision_tower(vision: dict) -> list[TensorSpec]:
+    """Qwen2.5-VL's vision tower (transformers' names after `visual.`), every tensor replicated: the Conv3d patch
+    embedding, the blocks (RMSNorms, fused qkv and proj with biases, SwiGLU with biases), the 2x2 patch merger."""
+    d, inter, out = vision["hidden_size"], vision["intermediate_size"], vision["out_hidden_size"]
+    patch, merged = vision["patch_size"], vision["hidden_size"] * vision["spatial_merge_size"] ** 2
+    specs = [TensorSpec("visual.patch_embed.proj.weight",
+                        (d, vision.get("in_channels", 3), vision["temporal_patch_size"], patch, patch), None, None)]
+    for b in range(vision["depth"]):
+        p = f"visual.blocks.{b}."
+        specs += [TensorSpec(p + "norm1.weight", (d,), None, None), TensorSpec(p + "norm2.weight", (d,), None, None),
+                  TensorSpec(p + "attn.qkv.weight", (3 * d, d), None, None),
+                  TensorSpec(p + "attn.qkv.bias", (3 * d,), None, None),
+                  TensorSpec(p + "attn.proj.weight", (d, d), None, None), TensorSpec(p + "attn.proj.bias", (d,), None, None)]
+        for m, shape in (("gate_proj", (inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))):
+            specs += [TensorSpec(f"{p}mlp.{m}.weight", shape, None, None),
+                      TensorSpec(f"{p}mlp.{m}.bias", shape[:1], None, None)]
+    return specs + [TensorSpec("visual.merger.ln_q.weight", (d,), None, None),
+                    TensorSpec("visual.merger.mlp.0.weight", (merged, merged), None, None),
+                    TensorSpec("visual.merger.mlp.0.bias", (merged,), None, None),
+                    TensorSpec("visual.merger.mlp.2.weight", (out, merged), None, None),
+                    TensorSpec("visual.merger.mlp.2.bias", (out,), None, None)]
+
+
 SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+# vision-language model types: their language model's family in SUPPORTED
+VISION_LANGUAGE = {"qwen2_5_vl": "qwen2"}
 
 
 def hf_inventory(hf: dict) -> list[TensorSpec]:
-    """Every HF tensor of the model (multi-token-prediction layers excluded: RL does not train them)."""
+    """Every HF tensor of the model (multi-token-prediction layers excluded: RL does not train them); a
+    vision-language model's vision tower first."""
     model_type = hf.get("model_type")
+    if model_type in VISION_LANGUAGE:
+        text = language_fields(hf) | {"model_type": VISION_LANGUAGE[model_type]}
+        return vision_tower(hf["vision_config"]) + hf_inventory(text)
     if model_type not in SUPPORTED:
-        raise ValueError(f"model_type={model_type!r}: the inventory knows {', '.join(SUPPORTED)}")
+        raise ValueError(f"model_type={model_type!r}: the inventory knows {', '.join(SUPPORTED + tuple(VISION_LANGUAGE))}")
     h, vocab = hf["hidden_size"], hf["vocab_size"]
     specs = [TensorSpec("model.embed_tokens.weight", (vocab, h), 0, None, pad_vocab=True)]
     for i in range(hf["num_hidden_layers"]):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megarl.reshard.inventory import TensorSpec
+from megarl.reshard.inventory import TensorSpec, on_first_stage
 
 DELIVERIES = ("full", "sharded")
 
@@ -86,7 +86,7 @@ class TrainLayout:
 
     def stage(self, spec: TensorSpec) -> int:
         if spec.layer is None:
-            return 0 if "embed_tokens" in spec.name else self.pp - 1
+            return 0 if on_first_stage(spec) else self.pp - 1
         return self.layer_stage(spec.layer)
 
     def layer_stage(self, layer: int) -> int:

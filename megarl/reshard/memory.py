@@ -43,7 +43,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, routed_experts
+from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, language_fields, on_first_stage, routed_experts
 from megarl.reshard.layout import TrainLayout
 
 BF16, FP32 = 2, 4
@@ -126,6 +126,7 @@ class MemorySettings:
 def _activations(hf: dict, layer: int, train: TrainLayout, s: MemorySettings, cp: int) -> tuple[float, float, float]:
     """One decoder layer's saved activations for one micro-batch, in bytes: (kept until its backward, what
     recompute re-materialises in its backward, all of it without recompute)."""
+    hf = language_fields(hf)
     h, tp, etp = hf["hidden_size"], train.tp, train.etp
     tokens = s.seq_len * s.micro_batch / cp
     local = tokens / (tp if s.sp(tp) else 1)  # tokens of the tensors outside TP regions
@@ -180,12 +181,12 @@ class _ParamIndex:
 def _index(model: str) -> _ParamIndex:
     """`model`: the HF config as sorted JSON (a hashable cache key)."""
     hf = json.loads(model)
-    layers = hf["num_hidden_layers"]
+    layers = language_fields(hf)["num_hidden_layers"]
     first, last, tied, dense = [], [], [], [[] for _ in range(layers)]
     experts: list[tuple[list[TensorSpec], int]] = [([], 0) for _ in range(layers)]
     for spec in hf_inventory(hf):
         if spec.layer is None:
-            (first if "embed_tokens" in spec.name else last).append(spec)
+            (first if on_first_stage(spec) else last).append(spec)
             if "embed_tokens" in spec.name and hf.get("tie_word_embeddings"):
                 tied.append(dataclasses.replace(spec, name="output_layer.weight"))
         elif spec.expert is None:
@@ -245,7 +246,7 @@ def rank_memory(hf: dict, train: TrainLayout, stage: int, s: MemorySettings, cp:
     out["activations"] = in_flight * sum(kept for kept, _, _ in layers)
     out["logits"] = 0.0
     if stage == train.pp - 1:
-        vocab = -(-hf["vocab_size"] // train.tp)
+        vocab = -(-language_fields(hf)["vocab_size"] // train.tp)
         out["logits"] = 2 * FP32 * s.seq_len * s.micro_batch / cp * vocab
     out["backward_working"] = max((full + remade for _, remade, full in layers), default=0.0)
     # the optimizer step runs after the backward has freed the activations; the CPU updates the offloaded part

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 from megarl.parallel.stages import default_first_last, stage_layers
-from megarl.reshard.inventory import TensorSpec, hf_inventory, routed_experts
+from megarl.reshard.inventory import TensorSpec, hf_inventory, language_fields, routed_experts
 from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks,
                                    resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
@@ -76,7 +76,7 @@ def stage_split(num_layers: int, pp: int, first: int = 0, last: int = 0) -> tupl
 def train_layout(hf: dict, t: dict[str, int], first: int = 0, last: int = 0) -> TrainLayout:
     """The TrainLayout of a parsed --train (t['dp'] the DP size; TrainLayout.dp counts CP x DP), with its
     stage split (stage_split)."""
-    layers = hf["num_hidden_layers"]
+    layers = language_fields(hf)["num_hidden_layers"]
     stages = stage_split(layers, t["pp"], first, last)
     experts = routed_experts(hf)
     if t["ep"] > 1 and not experts:
@@ -88,6 +88,7 @@ def train_layout(hf: dict, t: dict[str, int], first: int = 0, last: int = 0) -> 
 
 def kv_bytes_per_token(hf: dict, gen_tp: int, itemsize: int = 2) -> int:
     """KV cache bytes per token on one generation rank (MLA keeps one latent per token, on every rank)."""
+    hf = language_fields(hf)
     layers = hf["num_hidden_layers"]
     if "kv_lora_rank" in hf:
         return layers * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * itemsize
@@ -154,7 +155,7 @@ def fitting_layouts(hf: dict, gpus: int, gpu_mem: float, settings: MemorySetting
     experts = routed_experts(hf)
     found = []
     for tp in [d for d in _divisors(gpus) if d <= gpus_per_node]:
-        for pp in [d for d in _divisors(gpus // tp) if d <= hf["num_hidden_layers"]]:
+        for pp in [d for d in _divisors(gpus // tp) if d <= language_fields(hf)["num_hidden_layers"]]:
             if (gpus // (tp * pp)) % cp:
                 continue
             dp = gpus // (tp * pp * cp)

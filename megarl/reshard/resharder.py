@@ -154,12 +154,12 @@ def engine_resharder(engine, rank: int) -> Resharder:
     resharder counts CP x DP replicas as its DP."""
     from megatron.core import parallel_state as mpu
 
-    from megarl.reshard.inventory import hf_inventory
+    from megarl.reshard.inventory import hf_inventory, language_fields
 
     specs = hf_inventory(engine.hf_config)
     train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
                         mpu.get_data_parallel_world_size(with_context_parallel=True),
-                        engine.hf_config["num_hidden_layers"], stage_layers=_stage_layers(engine.layout.layer_stage),
+                        language_fields(engine.hf_config)["num_hidden_layers"], stage_layers=_stage_layers(engine.layout.layer_stage),
                         ep=mpu.get_expert_model_parallel_world_size(),
                         etp=mpu.get_expert_tensor_parallel_world_size())
     return Resharder(specs, train, held_rows(engine.gpts, engine.weight_maps, specs, train, rank), rank)

@@ -39,6 +39,11 @@ Layouts, by rollout engine:
     call for the layers whose kv_b_proj that call carried, so updates through any loader refresh them; they
     are checksummed (in logical element order, as every tensor) like parameters, so a stale one is named.
   - a load_weights call fuses the a-projections only when it carries both: `keep_fused_pairs`.
+  Qwen2.5-VL (models/qwen2_5_vl.py): the language model as qwen2's; the vision tower whole on every rank (megarl's
+  servers for a vision-language model run it data-parallel over TP, --mm-enable-dp-encoder: sglang_server.py), each
+  block's attn.qkv held as attn.qkv_proj, its mlp's gate/up (weights and biases) fused into gate_up_proj, the MLP's
+  width padded with zeros to a multiple of 8 (Qwen2_5_VisionTransformer's mlp_hidden_size: gate and up each take the
+  padded rows, down_proj's rows the padded length).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE
 _FUSED = (
     (re.compile(r"(.*\.self_attn\.)(q_proj|k_proj|v_proj)\.(weight|bias)$"), "qkv_proj",
      ("q_proj", "k_proj", "v_proj")),
-    (re.compile(r"(.*\.mlp\.(?:shared_experts\.)?)(gate_proj|up_proj)\.(weight)$"), "gate_up_proj",
+    (re.compile(r"(.*\.mlp\.(?:shared_experts\.)?)(gate_proj|up_proj)\.(weight|bias)$"), "gate_up_proj",
      ("gate_proj", "up_proj")),
     (re.compile(r"(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.(weight)$"), "fused_qkv_a_proj_with_mqa",
      ("q_a_proj", "kv_a_proj_with_mqa")),
@@ -67,6 +72,10 @@ _FUSED = (
 _EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 _SHARED_EXPERT = re.compile(r"(.*\.mlp\.)shared_experts\.(gate|up|down)_proj\.weight$")
 _KV_B = re.compile(r"(.*\.self_attn\.)kv_b_proj\.weight$")
+# SGLang's Qwen2.5-VL vision tower (module docstring): the renamed qkv, and the MLP tensors of the padded width
+_VISION_QKV = re.compile(r"(visual\.blocks\.\d+\.attn\.)qkv\.(weight|bias)$")
+_VISION_MLP = re.compile(r"visual\.blocks\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+SGLANG_VISION_MLP_ALIGN = 8
 # parameters SGLang holds in another dtype than the policy's, whatever they are sent in
 _HELD_DTYPE = ((re.compile(r".*\.mlp\.gate\.e_score_correction_bias$"), torch.float32),)
 # tensor attributes SGLang's modules derive from their parameters after loading; checksummed as parameters
@@ -139,7 +148,21 @@ class WeightLayout:
         if spec.dim is not None and not presharded:
             piece = tensor.narrow(spec.dim, rows[0], rows[1] - rows[0])
         param, offset = self.place(name, rank)
+        if name.endswith("mlp.down_proj.weight") and _VISION_MLP.match(name):  # rows of the padded width
+            return param, piece, offset, self._vision_mlp_width(spec.shape[1])
         return param, piece, offset, None
+
+    def _held_numel(self, name: str, rank: int) -> int:
+        """Elements of HF tensor `name` that engine rank `rank` holds, with the padding SGLang adds to them."""
+        spec = self.specs[name]
+        lo, hi = self.rows(name, rank)
+        if spec.dim is None and _VISION_MLP.match(name) and "down_proj" not in name:  # gate/up: padded rows
+            return self._vision_mlp_width(spec.shape[0]) * spec.numel // spec.shape[0]
+        return (hi - lo) * spec.row_numel
+
+    @staticmethod
+    def _vision_mlp_width(width: int) -> int:
+        return -(-width // SGLANG_VISION_MLP_ALIGN) * SGLANG_VISION_MLP_ALIGN
 
     def place(self, name: str, rank: int) -> tuple[str, int]:
         """SGLang's parameter holding HF tensor `name` on rank `rank` (which holds some of it), and the element
@@ -163,11 +186,10 @@ class WeightLayout:
                 siblings = [f"{prefix}{p}.{suffix}" for p in parts]
                 if not all(s in self.specs for s in siblings):
                     break
-                offset = 0
-                for sibling in siblings[:parts.index(part)]:
-                    lo, hi = self.rows(sibling, rank)
-                    offset += (hi - lo) * self.specs[sibling].row_numel
+                offset = sum(self._held_numel(sibling, rank) for sibling in siblings[:parts.index(part)])
                 return f"{prefix}{fused}.{suffix}", offset
+        if _VISION_QKV.match(name):
+            return _VISION_QKV.sub(r"\1qkv_proj.\2", name), 0
         return name, 0
 
     def _expert(self, name: str) -> tuple[str, int, str] | None:
