@@ -4,18 +4,24 @@ It generates with its own sampling loop over the model's KV cache, all prompts x
 left-padded batch, and reports the log-probability of each sampled token under the raw logits
 (temperature 1, no top-p), as megarl.rollout.base requires. It has none of a serving engine's
 throughput machinery (no continuous batching, paged attention or CUDA graphs); use SGLang on GPUs.
+
+A Qwen2.5-VL directory loads as Qwen2_5_VLForConditionalGeneration and takes prompts with images: the first forward
+of a segment gets the rows' pixel_values and image_grid_thw and every step gets the M-RoPE position ids megarl's
+Megatron model uses (megarl.models.qwen2_vl.mrope_positions: the same ids give the same log-probs). A response never
+holds an image placeholder token (it is never sampled: a placeholder stands for image features the row does not
+have); its log-probs are still those of the raw logits.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from megarl.engine import offload
-from megarl.rollout.base import (Generation, ImageInputs, RolloutEngine, SamplingParams, check_images,
+from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, RolloutEngine, SamplingParams, check_images,
                                  derive_seed)
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.utils.checksum import module_checksums
@@ -24,27 +30,34 @@ from megarl.utils.checksum import module_checksums
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
         self.device = torch.device(device)
         self.model_path = model_path
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        config = AutoConfig.from_pretrained(model_path)
+        self.vision = config.model_type == "qwen2_5_vl"  # prompts may have images (VisionInputs)
+        model_class = Qwen2_5_VLForConditionalGeneration if self.vision else AutoModelForCausalLM
+        self.model = model_class.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         with torch.no_grad():  # storages of our own: the loader's may map the file, which release_memory cannot free
             for p in self.model.parameters():  # (a tied lm_head is the same Parameter: it stays tied)
                 p.data = p.data.clone()
         self.tied = bool(self.model.config.tie_word_embeddings)
+        text = self.model.config.get_text_config()  # a vision-language config holds the text model's pad id there
         self.eos_ids = _eos_ids(self.model)
-        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos_ids[0]
+        self.pad_id = text.pad_token_id if text.pad_token_id is not None else self.eos_ids[0]
+        self.image_inputs = VisionInputs(config) if self.vision else None
         self.generator = torch.Generator().manual_seed(seed)  # the responses' seeds of unseeded calls
         self.gate = GenerationGate()  # pauses generation at weight updates (partial rollouts)
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_memory
         self._specs = None  # HF tensor specs, for sharded weight delivery
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
+                 images: list[ImageInputs | None] | None = None,
+                 on_group: Callable[[int, list[Generation]], None] | None = None) -> list[Generation]:
         """Rows in segments between weight updates (megarl.rollout.partial): pause_generation from another thread
-        stops a running segment between two decode steps."""
-        images = check_images(prompts, images, type(self).__name__, supported=False)
+        stops a running segment between two decode steps. on_group: a prompt's group at the decode step its last
+        row ends (a stop token or its budget), while the other rows go on."""
+        images = check_images(prompts, images, f"{type(self).__name__} ({self.model_path})", supported=self.vision)
         if self.released:
             raise RuntimeError("the rollout engine's weights were released and not pushed again; sync before generating")
         if any(len(p) == 0 for p in prompts):
@@ -55,9 +68,11 @@ class HFRolloutEngine(RolloutEngine):
         seeds = [derive_seed(params.seed, i, j) if params.seed is not None
                  else int(torch.randint(1 << 31, (1,), generator=self.generator)) for i in range(len(prompts))
                  for j in range(params.n)]
-        rows = [Row(list(p), params.max_new_tokens, seed) for p, seed in zip(
-            (p for p in prompts for _ in range(params.n)), seeds)]
-        generate_rows(rows, self.gate, functools.partial(self._segment, params=params), params.max_interruptions)
+        rows = [Row(list(p), params.max_new_tokens, seed, images=image) for p, image, seed in zip(
+            (p for p in prompts for _ in range(params.n)), (i for i in images for _ in range(params.n)), seeds)]
+        groups = GroupCollector(params.n, on_group) if on_group is not None else None
+        generate_rows(rows, self.gate, functools.partial(self._segment, params=params), params.max_interruptions,
+                      None if groups is None else lambda k, row: groups.add(k, row.generation(k // params.n)))
         return [row.generation(k // params.n) for k, row in enumerate(rows)]
 
     def pause_generation(self, partial: str = "resume") -> dict:
@@ -72,15 +87,26 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _segment(self, rows: list[list[int]], limits: list[int], seeds: list[int], segment: Segment,
-                 params: SamplingParams) -> list[Generation]:
+                 params: SamplingParams, images: list[ImageInputs | None] | None = None,
+                 ended: Callable[[int, Generation], None] | None = None) -> list[Generation]:
         """One segment: every row up to its limit or stop token, all in one left-padded batch; rows still going when
-        the gate says stop end with finish_reason "abort"."""
+        the gate says stop end with finish_reason "abort". `ended(k, generation)`: row k has just ended."""
         eos = set() if params.ignore_eos else set(self.eos_ids)
         stop_ids = set(params.stop_token_ids) | eos
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
         tokens, mask = self._left_pad(rows)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        next_positions = positions[:, -1] + 1
+        # a token's sampling draw follows from its index in the row; its rotary position is the same for text, and
+        # M-RoPE's (which an image advances by less than its token count) for a vision-language model
+        next_positions = mask.sum(-1)
+        if self.vision:
+            positions, image_kwargs = self.image_inputs.prefill(rows, images, tokens.shape[1])
+            positions = positions.to(self.device)
+            image_kwargs = {k: v.to(self.device) for k, v in image_kwargs.items()}
+            next_rope = positions.amax((0, 2)) + 1
+        else:
+            positions, image_kwargs = (mask.cumsum(-1) - 1).clamp(min=0), {}
+            next_rope = next_positions
+        banned = self.image_inputs.placeholder_ids if self.vision else []
         limit = torch.tensor(limits, device=self.device)
         sampled, logprobs = [], []
         finished = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
@@ -89,19 +115,26 @@ class HFRolloutEngine(RolloutEngine):
             if self.gate.stopping(segment):
                 break
             if out is None:
-                out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True)
+                out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                                 **image_kwargs)
             else:
                 mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                step = (next_rope - 1)[:, None]
                 out = self.model(input_ids=sampled[-1][:, None], attention_mask=mask,
-                                 position_ids=(next_positions - 1)[:, None], past_key_values=out.past_key_values,
-                                 use_cache=True)
+                                 position_ids=step[None].expand(3, -1, -1) if self.vision else step,
+                                 past_key_values=out.past_key_values, use_cache=True)
             logits = out.logits[:, -1].float()
-            token = _sample(logits, params.temperature, params.top_p, seeds, next_positions.tolist())
+            token = _sample(logits, params.temperature, params.top_p, seeds, next_positions.tolist(), banned)
             token = torch.where(finished, self.pad_id, token)  # finished rows idle on padding
             sampled.append(token)
             logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0])
-            finished |= torch.isin(token, stop) | (len(sampled) >= limit)
-            next_positions = next_positions + 1
+            was_finished = finished
+            finished = finished | torch.isin(token, stop) | (len(sampled) >= limit)
+            if ended is not None:
+                for k in (finished & ~was_finished).nonzero().flatten().tolist():
+                    ended(k, self._cut([t[k].item() for t in sampled], [lp[k].item() for lp in logprobs], stop_ids,
+                                       limits[k]))
+            next_positions, next_rope = next_positions + 1, next_rope + 1
         return self._collect(sampled, logprobs, stop_ids, limits)
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,18 +146,19 @@ class HFRolloutEngine(RolloutEngine):
             mask[i, width - len(r):] = 1
         return tokens.to(self.device), mask.to(self.device)
 
-    @staticmethod
-    def _collect(sampled, logprobs, stop_ids: set[int], limits: list[int]) -> list[Generation]:
-        """Cut each row at its first stop token (kept) or its limit; a row that reached neither was stopped."""
+    @classmethod
+    def _collect(cls, sampled, logprobs, stop_ids: set[int], limits: list[int]) -> list[Generation]:
         tokens = torch.stack(sampled, 1).tolist() if sampled else [[] for _ in limits]
         lps = torch.stack(logprobs, 1).tolist() if logprobs else [[] for _ in limits]
-        gens = []
-        for row, lp, limit in zip(tokens, lps, limits):
-            end = next((t + 1 for t, tok in enumerate(row[:limit]) if tok in stop_ids), None)
-            reason = "stop" if end is not None else "length" if len(row) >= limit else "abort"
-            end = end or min(len(row), limit)
-            gens.append(Generation(prompt_index=0, token_ids=row[:end], logprobs=lp[:end], finish_reason=reason))
-        return gens
+        return [cls._cut(row, lp, stop_ids, limit) for row, lp, limit in zip(tokens, lps, limits)]
+
+    @staticmethod
+    def _cut(row: list[int], lp: list[float], stop_ids: set[int], limit: int) -> Generation:
+        """A row's tokens cut at its first stop token (kept) or its limit; a row that reached neither was stopped."""
+        end = next((t + 1 for t, tok in enumerate(row[:limit]) if tok in stop_ids), None)
+        reason = "stop" if end is not None else "length" if len(row) >= limit else "abort"
+        end = end or min(len(row), limit)
+        return Generation(prompt_index=0, token_ids=row[:end], logprobs=lp[:end], finish_reason=reason)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -223,6 +257,7 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     its slices here."""
     views = {}
     for name, t in model.state_dict().items():
+        name = _checkpoint_name(name)
         prefix, _, fused = name.rpartition(".experts.")
         if fused == "gate_up_proj" and t.dim() == 3:
             ffn = t.shape[1] // 2
@@ -237,6 +272,49 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     return views
 
 
+# transformers >= 5 nests Qwen2.5-VL's modules (model.language_model, model.visual) where its checkpoints, and
+# megarl's exported names, have them at the top (model.layers..., visual...)
+_VL_MODULE_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def _checkpoint_name(name: str) -> str:
+    for module, checkpoint in _VL_MODULE_PREFIXES:
+        if name.startswith(module):
+            return checkpoint + name[len(module):]
+    return name
+
+
+class VisionInputs:
+    """What a Qwen2.5-VL forward needs beside the token ids: M-RoPE position ids of left-padded rows (megarl's
+    Megatron model's, so both see the same positions) and the rows' images, concatenated in row order (the order
+    their placeholder tokens come in the flattened batch)."""
+
+    def __init__(self, config):
+        self.image_token_id = config.image_token_id
+        self.placeholder_ids = [config.image_token_id, config.video_token_id]  # never sampled
+        self.merge = config.vision_config.spatial_merge_size
+
+    def prefill(self, rows: list[list[int]], images: list[ImageInputs | None] | None,
+                width: int) -> tuple[torch.Tensor, dict]:
+        """([3, rows, width] position ids, 0 on the left padding; pixel_values and image_grid_thw, or none)."""
+        from megarl.models.qwen2_vl import mrope_positions
+
+        images = images or [None] * len(rows)
+        positions = torch.zeros(3, len(rows), width, dtype=torch.long)
+        for i, (row, image) in enumerate(zip(rows, images)):
+            grid = torch.zeros(0, 3, dtype=torch.long) if image is None else image.image_grid_thw
+            try:
+                positions[:, i, width - len(row):] = mrope_positions(torch.tensor(row), grid, self.image_token_id,
+                                                                     self.merge)
+            except ValueError as e:
+                raise ValueError(f"prompt row {i}: its image placeholder tokens do not match its images: {e}") from None
+        given = [image for image in images if image is not None]
+        if not given:
+            return positions, {}
+        return positions, {"pixel_values": torch.cat([image.pixel_values for image in given]),
+                           "image_grid_thw": torch.cat([image.image_grid_thw for image in given])}
+
+
 def _eos_ids(model) -> list[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:
@@ -247,11 +325,14 @@ def _eos_ids(model) -> list[int]:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, seeds: list[int],
-            positions: list[int]) -> torch.Tensor:
+            positions: list[int], banned: list[int] = ()) -> torch.Tensor:
     """One token per row: argmax at temperature 0, else drawn from the tempered, top-p-truncated distribution by
     inverting its CDF at a uniform that follows from the row's seed and the token's position alone, so a row's
     draws do not depend on the other rows of the batch, and a continued row (prompt + its tokens so far) draws
-    what it would have drawn uninterrupted (as SGLang's seeded sampler, by position)."""
+    what it would have drawn uninterrupted (as SGLang's seeded sampler, by position). `banned` tokens are never
+    drawn."""
+    if len(banned):
+        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, -1)
