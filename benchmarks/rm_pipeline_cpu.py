@@ -2,15 +2,15 @@
 
 1. Preferences from the quickstart's task (string reversal, megarl/data/tasks.py): for each prompt "abcd>", chosen
    the reversed string "dcba", rejected a wrong answer (a near miss: one letter replaced, two swapped, one dropped
-   or one added; or one that runs on, or the word unreversed: megarl.data.preferences.corrupt), written as prompt/chosen/rejected .jsonl files (train: the task's training
-   split; held-out: its validation split). A control copy of the training file swaps chosen and rejected in a
-   random half of the rows: labels that say nothing.
+   or one added; or one that runs on, or the word unreversed: megarl.data.preferences.corrupt), written as
+   prompt/chosen/rejected .jsonl files (train: the task's training split; held-out: its validation split). A control
+   copy of the training file swaps chosen and rejected in a random half of the rows: labels that say nothing.
 2. Two reward models, by python -m megarl.train_rm --config configs/rm_quickstart.yaml on those files: the real one
    and the shuffled-label control, held-out pair accuracy on the true labels before and after.
 3. Three RL runs, by python -m megarl.train --config configs/rm_grpo_quickstart.yaml (the same supervised warm start,
-   then GRPO whose reward is the reward model's score, normalised by its running mean and std): against the real reward model,
-   the same with the learning rate 0 (control), and against the shuffled-label reward model. Each reports the
-   task's rule reward (exact match) on held-out prompts before and after RL: RL never sees that reward.
+   then GRPO whose reward is the reward model's score, normalised by its running mean and std): against the real
+   reward model, the same with the learning rate 0 (control), and against the shuffled-label reward model. Each
+   reports the task's rule reward (exact match) on held-out prompts before and after RL: RL never sees that reward.
 
     python benchmarks/rm_pipeline_cpu.py --out runs/rm_pipeline        # ~1 h on 2 busy cores
     python benchmarks/rm_pipeline_cpu.py --out /tmp/rmp --rm-steps 20 --rl-steps 2 --sft-steps 5   # smoke
