@@ -231,8 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     for p in (imp, exp):
         p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic, reward_model)")
-        p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+        p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                       help="where the one-rank job runs; auto = cuda where a GPU is visible (the CPU layer refuses "
+                            "a CUDA machine)")
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         if args.command == "hf-to-megatron":
             out = hf_to_megatron(args.hf_dir, args.out, args.role, args.device)

@@ -205,7 +205,7 @@ class RMTrainer:
         shutil.rmtree(staging, ignore_errors=True)
         self.export_dir.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "megarl.convert", "megatron-to-hf", str(checkpoint), str(staging),
-                   "--role", ROLE]
+                   "--role", ROLE, "--device", self.device]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"exporting {checkpoint} failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
