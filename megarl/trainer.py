@@ -28,7 +28,7 @@ from megarl.rewards.failures import RewardFailureTracker
 from megarl.rewards.mixing import ScoreMixer, ends_with
 from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
 from megarl.rollout.base import SamplingParams, derive_seed
-from megarl.rollout.batching import generations_to_batch
+from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker
@@ -366,10 +366,7 @@ class RLTrainer:
 
     def generate_and_score(self, prompts: list[dict], first_group: int = 0) -> Batch:
         """Samples for `prompts` with rewards; groups numbered from `first_group` (distinct across rounds)."""
-        with self.timers("generate"):
-            batch = self.generate(prompts, first_group=first_group)
-        with self.timers("reward"):
-            batch = self.score(batch)
+        batch = self.generate_scored(prompts, first_group)
         if self.cfg.algorithm.advantage == "remax":  # ReMax's baseline: the reward of one greedy response
             with self.timers("generate_baseline"):
                 greedy = self.score(self.generate(prompts, greedy=True))
@@ -378,6 +375,14 @@ class RLTrainer:
             batch.meta["reward_failures"] += greedy.meta["reward_failures"]
         batch["group"] = [first_group + g for g in batch["group"]]
         return batch
+
+    def generate_scored(self, prompts: list[dict], first_group: int = 0) -> Batch:
+        """Generate, then score the whole batch (the asynchronous modes' rollout thread scores each group as it
+        ends: megarl/async_trainer.py)."""
+        with self.timers("generate"):
+            batch = self.generate(prompts, first_group=first_group)
+        with self.timers("reward"):
+            return self.score(batch)
 
     def update_kl_coef(self, batch: Batch, metrics: dict) -> dict:
         """Feed this step's KL to the controller; an adaptive one moves the coefficient towards kl_target."""
@@ -414,7 +419,8 @@ class RLTrainer:
             finished, _, _ = self.rollout_call("rollout_agent", prompts, groups, params)
             return trajectories_to_batch(prompts, [t for group in finished for t in group],
                                          self.tokenizer.pad_token_id, self.tokenizer)
-        gens = self.rollout_call("generate", [p["prompt_ids"] for p in prompts], params)
+        images = prompt_images(prompts)  # a vision-language policy's prompts with images
+        gens = self.rollout_call("generate", [p["prompt_ids"] for p in prompts], params, *([images] if images else []))
         return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
 
     def rollout_call(self, method: str, *args):

@@ -25,11 +25,13 @@ def encode(tokenizer, text: str) -> list[int]:
 
 class Example(dict):
     """A prompt record that remembers where it came from ("<file>, row N", "task 'add' train example N"), so
-    that a problem found once the prompt is tokenized still names its row."""
+    that a problem found once the prompt is tokenized still names its row, and the directory its image paths are
+    relative to (the prompt file's)."""
 
-    def __init__(self, record: dict, origin: str, **fields):
+    def __init__(self, record: dict, origin: str, base_dir: str | Path = ".", **fields):
         super().__init__(record, **fields)
         self.origin = origin
+        self.base_dir = base_dir
 
 
 @dataclass
@@ -84,24 +86,31 @@ class PromptDataset(EpochOrder):
     Each prompt is rendered and tokenized here, once; one that has no tokens, holds characters the
     tokenizer cannot encode, or is longer than `max_prompt_tokens` raises an InputError naming its row,
     or with `skip_malformed` is left out and counted (`skipped`: the problem by index in `examples`; logged).
+    A row with `images` (megarl/data/images.py) gets `pixel_values` and `image_grid_thw` from `image_prompts` (the
+    vision-language model's image processor) and its image placeholders expanded in `prompt_ids`; a missing or
+    unreadable image is a problem of its row, as above.
     """
 
     def __init__(self, examples: list[dict], tokenizer, batch_size: int, seed: int = 0, chat_template: bool = False,
-                 system_prompt: str = "", max_prompt_tokens: PromptLimit | None = None, skip_malformed: bool = False):
+                 system_prompt: str = "", max_prompt_tokens: PromptLimit | None = None, skip_malformed: bool = False,
+                 image_prompts=None):
         if not examples:
             raise ValueError("PromptDataset needs at least one example")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.examples, self.skipped = [], {}
         for i, ex in enumerate(examples):
-            # 'prompt' becomes the text the model sees (chat template applied), so rewards and logs see it too
-            text = render_prompt(tokenizer, ex["prompt"], chat_template, system_prompt)
-            ids = encode(tokenizer, text)
-            problem = token_problem(tokenizer, text, ids, max_prompt_tokens)
+            where = getattr(ex, "origin", f"example {i}")
+            try:
+                # 'prompt' becomes the text the model sees (chat template applied), so rewards and logs see it too
+                encoded = encode_prompt(ex, tokenizer, chat_template, system_prompt, image_prompts, where)
+                problem = token_problem(tokenizer, encoded["prompt"], encoded["prompt_ids"], max_prompt_tokens)
+            except InputError as e:  # an image that does not load names its row already
+                encoded, problem = None, str(e).removeprefix(f"{where}: ")
             if problem is None:
-                self.examples.append(dict(ex, prompt=text, prompt_ids=ids))
+                self.examples.append(encoded)
                 continue
-            problem = f"{getattr(ex, 'origin', f'example {i}')}: {problem}"
+            problem = f"{where}: {problem}"
             if not skip_malformed:
                 raise InputError(problem)
             self.skipped[i] = problem
@@ -120,6 +129,23 @@ class PromptDataset(EpochOrder):
 
     def __len__(self) -> int:
         return len(self.examples)
+
+
+def encode_prompt(example: dict, tokenizer, chat_template: bool, system_prompt: str, image_prompts,
+                  where: str) -> dict:
+    """The example with 'prompt' rendered and 'prompt_ids'; a row with images also 'pixel_values' and
+    'image_grid_thw' (megarl.data.images.image_examples)."""
+    if not example.get("images"):
+        text = render_prompt(tokenizer, example["prompt"], chat_template, system_prompt)
+        return dict(example, prompt=text, prompt_ids=encode(tokenizer, text))
+    if image_prompts is None:
+        raise InputError(f"{where}: the row has images but the model takes none (no image processor: a "
+                         "vision-language model directory has a preprocessor_config.json)")
+    from megarl.data.images import image_examples
+
+    named = example if hasattr(example, "origin") else Example(example, where)  # its errors name `where`
+    return image_examples([named], tokenizer, image_prompts, getattr(example, "base_dir", "."), chat_template,
+                          system_prompt)[0]
 
 
 def token_problem(tokenizer, text: str, ids: list[int], limit: PromptLimit | None) -> str | None:
@@ -191,7 +217,7 @@ def load_prompt_file(path: str | Path, skip_malformed: bool = False, skipped: li
         if problem is None and (reason := prompt_problem(record)):
             problem = str(MalformedRow(path, row, reason))
         if problem is None:
-            examples.append(Example(record, f"{path}, row {row}", answer=record_answer(record)))
+            examples.append(Example(record, f"{path}, row {row}", Path(path).parent, answer=record_answer(record)))
         elif skip_malformed:
             problems.append(problem)
         else:
@@ -247,8 +273,11 @@ def sft_batch(tokenizer, examples: list[dict], renderer=None) -> Batch:
         tokens[i, :len(row)] = torch.tensor(row)
         attention_mask[i, :len(row)] = 1
         loss_mask[i, :len(row)] = torch.tensor(mask)
+    # a vision-language policy's prompts with images: each row's own (None for text only), which MegatronEngine reads
+    images = {k: [ex.get(k) for ex in examples] for k in ("pixel_values", "image_grid_thw")} \
+        if any(ex.get("pixel_values") is not None for ex in examples) else {}
     return Batch({"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask},
-                 {"prompt": [ex["prompt"] for ex in examples], "answer": [ex["answer"] for ex in examples]})
+                 {"prompt": [ex["prompt"] for ex in examples], "answer": [ex["answer"] for ex in examples]} | images)
 
 
 def trace_tokens(tokenizer, messages: list[dict], renderer) -> tuple[list[int], list[float]]:

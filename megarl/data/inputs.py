@@ -62,7 +62,8 @@ def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
     skipped: list[str] = []
     train, val = load_examples(cfg.data, cfg.trainer.seed, skipped)
     options = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt,
-               "max_prompt_tokens": limit, "skip_malformed": cfg.data.skip_malformed}
+               "max_prompt_tokens": limit, "skip_malformed": cfg.data.skip_malformed,
+               "image_prompts": image_prompts(cfg, tokenizer, train + val)}
     seed = cfg.trainer.seed
     train_set = PromptDataset(train, tokenizer, cfg.data.prompts_per_step, seed, **options)
     val_set = PromptDataset(val[:cfg.data.val_size], tokenizer, 1, 0, **options)  # taken whole, below
@@ -75,6 +76,22 @@ def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
         sft_examples = [ex for i, ex in enumerate(train) if i not in train_set.skipped]
         sft_set = PromptDataset(sft_examples, tokenizer, cfg.sft.batch_size, seed + 1, **options)
     return PromptSets(train_set, sft_set, val_set.next_batch(len(val_set)), skipped)
+
+
+def image_prompts(cfg, tokenizer, examples: list[dict]):
+    """The model's image processor where a prompt row has images (megarl.data.images.ImagePrompts), else None."""
+    if not any(ex.get("images") for ex in examples):
+        return None
+    if cfg.agent.enabled:
+        raise InputError(f"data.task={cfg.data.task}: prompt rows with images are not supported with agent.enabled "
+                         "(multi-turn rollouts take token ids only so far)")
+    from megarl.data.images import ImagePrompts
+
+    try:
+        return ImagePrompts(cfg.model.path, tokenizer)
+    except InputError as e:
+        raise InputError(f"data.task={cfg.data.task} has prompt rows with images, but model.path={cfg.model.path} "
+                         f"takes none: {e}") from None
 
 
 def model_inputs(cfg) -> tuple[object, dict, str]:

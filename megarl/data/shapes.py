@@ -6,11 +6,13 @@ squares, 0..max_count. `blank=True` writes the same prompts and answers with all
 control (a policy that learns the task from the images cannot learn it from these).
 
 write_shapes_prompts(out_dir, rows, seed) writes out_dir/prompts.jsonl (megarl/data/images.py's row layout: an
-`<image>` marker in the prompt, the image file beside it) and the PNG files.
+`<image>` marker in the prompt, the image file beside it) and the PNG files. `python -m megarl.data.shapes OUT` writes
+the splits configs/quickstart_vl.yaml reads (write_shapes_splits).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -63,3 +65,31 @@ def write_shapes_prompts(out_dir: str | Path, rows: int, seed: int, grid: int = 
     path = out_dir / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+SPLITS = {"train": 1, "val": 2}  # split -> seed offset: the held-out images are drawn apart from the training ones
+
+
+def write_shapes_splits(out_dir: str | Path, train_rows: int = 512, val_rows: int = 128, seed: int = 0) -> dict:
+    """out_dir/{train,val}/prompts.jsonl and their blank-image twins out_dir/{train,val}_blank/ (the same prompts and
+    answers); returns {split name: prompt file}. Every prompt has the same text, so the held-out split is a file of
+    its own (data.val_task), not a hash split of one file."""
+    rows = {"train": train_rows, "val": val_rows}
+    return {f"{split}{'_blank' if blank else ''}": write_shapes_prompts(
+                Path(out_dir) / f"{split}{'_blank' if blank else ''}", rows[split], seed * 10 + offset, blank=blank)
+            for split, offset in SPLITS.items() for blank in (False, True)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write the 'how many red squares?' prompt files (and blank twins).")
+    parser.add_argument("out_dir")
+    parser.add_argument("--train", type=int, default=512, help="training rows")
+    parser.add_argument("--val", type=int, default=128, help="held-out rows")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for split, path in write_shapes_splits(args.out_dir, args.train, args.val, args.seed).items():
+        print(f"{split}: {path}")
+
+
+if __name__ == "__main__":
+    main()

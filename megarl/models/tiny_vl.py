@@ -1,10 +1,12 @@
 """A tiny random Qwen2.5-VL with the character tokenizer and an image processor, built offline for tests and CPU
 demos: `build_tiny_vl_model(out_dir)` writes config.json, model.safetensors, the tokenizer (megarl/models/tiny.py's
 characters plus Qwen's vision tokens and a plain chat template that writes an image as its vision tokens) and
-preprocessor_config.json (patches of 2x2 pixels, 2x2 merge groups; images resized to 16..1024 pixels)."""
+preprocessor_config.json (patches of 2x2 pixels, 2x2 merge groups; images resized to 16..1024 pixels).
+`python -m megarl.models.tiny_vl OUT` writes one (configs/quickstart_vl.yaml's model)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -59,3 +61,17 @@ def build_tiny_vl_model(out_dir: str | Path, hidden_size: int = 32, layers: int 
     Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
                              size={"shortest_edge": min_pixels, "longest_edge": max_pixels}).save_pretrained(out_dir)
     return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build a tiny random Qwen2.5-VL model directory, offline.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--hidden-size", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(build_tiny_vl_model(args.out_dir, args.hidden_size, args.layers, args.seed))
+
+
+if __name__ == "__main__":
+    main()

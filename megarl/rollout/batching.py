@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from megarl.engine.packing import IMAGE_INPUTS
 from megarl.protocol import Batch
-from megarl.rollout.base import Generation
+from megarl.rollout.base import Generation, ImageInputs
+
+
+def prompt_images(prompts: list[dict]) -> list[ImageInputs | None] | None:
+    """Each prompt's images for RolloutEngine.generate (None for a text-only prompt; megarl.data.images gives a
+    prompt with images `pixel_values` and `image_grid_thw`), or None where no prompt has any."""
+    images = [ImageInputs(*(p[k] for k in IMAGE_INPUTS)) if p.get(IMAGE_INPUTS[0]) is not None else None
+              for p in prompts]
+    return images if any(i is not None for i in images) else None
 
 
 def generations_to_batch(prompts: list[dict], generations: list[Generation], pad_id: int, policy_version: int,
@@ -16,6 +25,8 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
     loss_mask and rollout_logprobs are set at exactly the response positions (rollout_logprobs[t] is
     the engine's log p(tokens[t] | tokens[<t])). `response` is the decoded text without the stop token.
     policy_version per row: its oldest token's version where the generation has versions, else `policy_version`.
+    Prompts with images give every row of theirs the same `pixel_values` and `image_grid_thw` (per-row fields that
+    MegatronEngine reads; None for a text-only row).
     """
     responses = []
     for i, g in enumerate(generations):
@@ -28,12 +39,14 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
                               [g.logprobs for g in generations], pad_id)
     # the oldest policy that wrote a row's tokens, where the engine reports versions (partial rollouts span several)
     versions = [min(g.versions) if g.versions else policy_version for g in generations]
+    images = {k: [prompts[g.prompt_index][k] for g in generations] for k in IMAGE_INPUTS} \
+        if prompt_images(prompts) is not None else {}
     return Batch(
         tensors | {"policy_version": torch.tensor(versions, dtype=torch.long)},
         {"group": [g.prompt_index for g in generations],
          "prompt": [prompts[g.prompt_index]["prompt"] for g in generations],
          "response": responses,
-         "answer": [prompts[g.prompt_index]["answer"] for g in generations]})
+         "answer": [prompts[g.prompt_index]["answer"] for g in generations]} | images)
 
 
 def rows_to_tensors(prompt_ids: list[list[int]], response_ids: list[list[int]], loss_masks: list[list[float]],
