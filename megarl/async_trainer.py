@@ -3,7 +3,8 @@ the trainer trains, with bounded staleness. docs/async.md tells the whole story;
 
   rollout thread (RolloutSide.run)               trainer (AsyncRLTrainer.step, the main thread)
     wait for admission (rollout_buffer.py)         take data.prompts_per_step groups from the buffer
-    sample_batch(): generate, score, DAPO ...      RLTrainer.train_step: log-probs, advantages, update, and
+    sample_batch(): generate, each group scored    RLTrainer.train_step: log-probs, advantages, update, and
+      as it ends, DAPO ...
     put its groups in the buffer                   publish: pause the rollout engine, sync, resume it
 
 Both sides run the synchronous loop's own stage helpers, so async with async.max_staleness=0 is the sync loop,
@@ -29,9 +30,11 @@ from megarl.reshard.memory import GiB, MemorySettings, predict_peak
 from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
 from megarl.rewards.failures import RewardFailureTracker
+from megarl.rollout.batching import generations_to_batch
 from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
 from megarl.trainer import RLTrainer, resolve_device
 from megarl.utils.timers import Timers
+from megarl.workers.group import stream_rollout
 
 ASYNC_BUFFER_FILE = "async_buffer.pt"  # the rollout buffer in a checkpoint (RolloutBuffer.state_dict)
 
@@ -117,6 +120,28 @@ class RolloutSide:
         # a response interrupted by more weight updates than the bound would be too stale to train on: it ends there
         params = RLTrainer.sampling_params(self, *args, **kwargs)
         return dataclasses.replace(params, max_interruptions=self.cfg.async_.max_staleness)
+
+    def generate_scored(self, prompts: list[dict], first_group: int = 0) -> Batch:
+        """Each prompt's group scored as soon as its samples have all been generated, while the others still generate
+        (the engine's generate_groups: the SGLang engine's groups end with their requests, the transformers engine's
+        at the decode step of their last row's end): the batch and rewards of RLTrainer.generate_scored, built in
+        prompt order whatever order the groups ended in. The agent loop's conversations are scored when its call
+        returns."""
+        if self.cfg.agent.enabled:
+            return RLTrainer.generate_scored(self, prompts, first_group)
+        pad, params = self.tokenizer.pad_token_id, self.sampling_params(first_group=first_group)
+        generations, scored = {}, {}
+        with self.timers("generate"):  # the reward phase lies within it
+            for index, group in stream_rollout(self.rollout, "generate_groups", [p["prompt_ids"] for p in prompts],
+                                               params, timeout=self.cfg.trainer.worker_timeout_s):
+                with self.timers("reward"):
+                    scored[index] = self.score(generations_to_batch(prompts, group, pad, self.version, self.tokenizer))
+                generations[index] = group
+        batch = generations_to_batch(prompts, [g for i in sorted(generations) for g in generations[i]], pad,
+                                     self.version, self.tokenizer)
+        batch["rewards"] = torch.cat([scored[i]["rewards"] for i in sorted(scored)])
+        batch.meta["reward_failures"] = sum(part.meta["reward_failures"] for part in scored.values())
+        return batch
 
     def run(self) -> None:
         """Rollout batches, one after another, as the buffer admits them, until it is closed."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import queue
+import threading
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -84,12 +86,55 @@ class Generation:
     interruptions: int = 0  # weight updates that interrupted it (megarl.rollout.partial)
 
 
+class GroupCollector:
+    """Rows of a generate() call as they end, handed on by prompt once all `n` of a prompt's have (thread-safe: the
+    engines' rows end in several threads)."""
+
+    def __init__(self, n: int, on_group: Callable[[int, list[Generation]], None]):
+        self.n, self.on_group = n, on_group
+        self.rows: dict[int, dict[int, Generation]] = {}  # prompt -> sample -> generation, until complete
+        self.lock = threading.Lock()
+
+    def add(self, row: int, generation: Generation) -> None:
+        """Row `row` of the call (prompt row // n, sample row % n) has ended."""
+        prompt = row // self.n
+        with self.lock:
+            group = self.rows.setdefault(prompt, {})
+            group[row % self.n] = generation
+            complete = len(group) == self.n and self.rows.pop(prompt)
+        if complete:
+            self.on_group(prompt, [complete[j] for j in range(self.n)])
+
+
 class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
+                 images: list[ImageInputs | None] | None = None,
+                 on_group: Callable[[int, list[Generation]], None] | None = None) -> list[Generation]:
         """`params.n` generations per prompt, grouped by prompt in order. `images`: one entry per prompt, None for a
-        text-only prompt (every sample of a prompt sees its images); engines that cannot take images refuse any."""
+        text-only prompt (every sample of a prompt sees its images); engines that cannot take images refuse any.
+        `on_group(i, generations)`: prompt i's n generations, as soon as all of them have ended (GroupCollector),
+        before the call returns, from a thread of the call's."""
+
+    def generate_groups(self, prompts: list[list[int]], params: SamplingParams,
+                        images: list[ImageInputs | None] | None = None) -> Iterator[tuple[int, list[Generation]]]:
+        """generate()'s groups as they end, in that order: (prompt index, its n generations). generate() runs in a
+        thread of its own meanwhile; its error is raised here."""
+        ended: queue.Queue = queue.Queue()
+        done = object()
+
+        def run() -> None:
+            try:
+                self.generate(prompts, params, images, on_group=lambda i, group: ended.put((i, group)))
+                ended.put(done)
+            except BaseException as error:  # noqa: B036  (raised in the consumer)
+                ended.put(error)
+
+        threading.Thread(target=run, name="megarl-generate-groups", daemon=True).start()
+        while (item := ended.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

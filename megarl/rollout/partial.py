@@ -143,30 +143,45 @@ class Row:
 
 
 # run(prompts, max_new_tokens per row, seeds per row, segment) -> one Generation per row; "abort" where stopped.
-# Where any row has images, run also gets images= (one ImageInputs or None per row).
+# Where any row has images, run also gets images= (one ImageInputs or None per row); where the caller listens for
+# rows' ends (generate_rows' on_finished), ended= (a function of a row's index in the segment and its Generation), which
+# a runner that sees a row end before the segment returns (a stop token, its budget) may call then.
 SegmentRunner = Callable[..., list[Generation]]
 
 
-def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max_interruptions: int) -> list[Row]:
-    """Generate every row to its end through segments (module docstring); returns `rows`, finished."""
-    pending = [r for r in rows if not r.finish_reason]
+def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max_interruptions: int,
+                  on_finished: Callable[[int, Row], None] | None = None) -> list[Row]:
+    """Generate every row to its end through segments (module docstring); returns `rows`, finished.
+    `on_finished(i, rows[i])`, once per row, as soon as the row has ended for good (from this thread, maybe while its
+    segment still runs: a group of rows can be scored while the others generate)."""
+    pending = [i for i, r in enumerate(rows) if not r.finish_reason]
     while pending:
         segment = gate.enter(len(pending))
-        images = [r.images for r in pending]
+        images, reported = [rows[i].images for i in pending], set()
+        extra = {"images": images} if any(i is not None for i in images) else {}
+        if on_finished is not None:
+            def ended(k: int, out: Generation, segment=segment, pending=pending, reported=reported) -> None:
+                row = rows[pending[k]]
+                extend(row, out, segment.version)
+                row.finish_reason = out.finish_reason
+                reported.add(k)
+                on_finished(pending[k], row)
+            extra["ended"] = ended
         try:
-            outputs = run([r.prompt + r.token_ids for r in pending], [r.budget - len(r.token_ids) for r in pending],
-                          [r.seed for r in pending], segment,
-                          **({"images": images} if any(i is not None for i in images) else {}))
+            outputs = run([rows[i].prompt + rows[i].token_ids for i in pending],
+                          [rows[i].budget - len(rows[i].token_ids) for i in pending],
+                          [rows[i].seed for i in pending], segment, **extra)
         finally:
             gate.leave(len(pending))
         if len(outputs) != len(pending):
             raise RuntimeError(f"a generation segment returned {len(outputs)} outputs for {len(pending)} rows")
         cause = gate.outcome(segment)
         still = []
-        for row, out in zip(pending, outputs):
-            row.token_ids += out.token_ids
-            row.logprobs += out.logprobs
-            row.versions += [segment.version] * len(out.token_ids)
+        for k, (i, out) in enumerate(zip(pending, outputs)):
+            if k in reported:
+                continue
+            row = rows[i]
+            extend(row, out, segment.version)
             if out.finish_reason != "abort":
                 row.finish_reason = out.finish_reason
             elif cause not in ("resume", "restart") or row.interruptions >= max_interruptions:
@@ -178,6 +193,16 @@ def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max
                 row.interruptions += 1
                 if cause == "restart":
                     row.token_ids, row.logprobs, row.versions = [], [], []
-                still.append(row)
+                still.append(i)
+                continue
+            if on_finished is not None:
+                on_finished(i, row)
         pending = still
     return rows
+
+
+def extend(row: Row, out: Generation, version: int | None) -> None:
+    """A segment's tokens onto its row, each stamped with the segment's policy version."""
+    row.token_ids += out.token_ids
+    row.logprobs += out.logprobs
+    row.versions += [version] * len(out.token_ids)

@@ -45,7 +45,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megarl.rollout.base import (Generation, ImageInputs, RolloutEngine, SamplingParams, check_images,
+from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, RolloutEngine, SamplingParams, check_images,
                                  derive_seed)
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, json_loads, sglang_server
@@ -162,8 +162,11 @@ class SGLangRolloutEngine(RolloutEngine):
     # ---- generation -------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, images: list[ImageInputs | None] | None = None,
-                 conversations: list[str] | None = None, max_new_tokens: list[int] | None = None) -> list[Generation]:
+                 conversations: list[str] | None = None, max_new_tokens: list[int] | None = None,
+                 on_group: Callable[[int, list[Generation]], None] | None = None) -> list[Generation]:
         """`images`: one entry per prompt (megarl.rollout.base.ImageInputs), None for text only.
+        `on_group`: a prompt's group as its request returns; each prompt gets a request of its own then (SGLang
+        batches concurrent requests as it batches one request's rows), so a group ends as soon as its rows do.
         `conversations`: an id per prompt, whose turns stay on one server (its prefix cache).
         `max_new_tokens`: a limit per prompt in place of params.max_new_tokens (multi-turn rollouts batch
         turns with different budgets; SGLang refuses a row whose prompt plus limit passes the context)."""
@@ -191,22 +194,28 @@ class SGLangRolloutEngine(RolloutEngine):
             rows = [Row(list(prompts[i]), budget(i), None if seed is None else derive_seed(seed, i, j))
                     for i in prompt_ids for j in range(params.n)]
 
-            def segment(inputs: list[list[int]], budgets: list[int], seeds: list, _: Segment) -> list[Generation]:
+            def segment(inputs: list[list[int]], budgets: list[int], seeds: list, _: Segment,
+                        ended=None) -> list[Generation]:
                 """One request: the rows as they stand (prompt + tokens so far), with what is left of each budget
-                and each row's own seed (SGLang's seeded draws follow from the seed and the position)."""
+                and each row's own seed (SGLang's seeded draws follow from the seed and the position). Its rows all
+                end as it returns (`ended` is not called)."""
                 per_row = [sampling | {"max_new_tokens": b} | ({} if s is None else {"sampling_seed": s})
                            for b, s in zip(budgets, seeds)]
                 return self._generate_on(index, inputs, per_row[0] if all(r == per_row[0] for r in per_row)
                                          else per_row, functools.partial(_to_generations, inputs, self.servers[index]))
 
             try:
-                generate_rows(rows, self.gate, segment, params.max_interruptions)
+                generate_rows(rows, self.gate, segment, params.max_interruptions, None if collector is None else
+                              lambda k, row: collector.add(prompt_ids[k // params.n] * params.n + k % params.n,
+                                                           row.generation(prompt_ids[k // params.n])))
             finally:
                 self._done(index, len(rows))
             for k, row in enumerate(rows):
                 results[prompt_ids[k // params.n] * params.n + k % params.n] = row.generation(prompt_ids[k // params.n])
 
-        per = max(1, self.rows_per_request // params.n) if self.rows_per_request else len(prompts)
+        collector = GroupCollector(params.n, on_group) if on_group is not None else None
+        per = (1 if on_group is not None else max(1, self.rows_per_request // params.n) if self.rows_per_request
+               else len(prompts))
         requests = [(s, ids[k:k + per]) for s, ids in groups.items() for k in range(0, len(ids), per)]
         with ThreadPoolExecutor(max(1, len(requests))) as pool:
             for future in [pool.submit(run, s, ids) for s, ids in requests]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 import ray
@@ -67,6 +67,22 @@ def call_rollout(rollout, method: str, *args, timeout: float = 0.0):
     except WorkerTimeout as error:
         ray.kill(rollout)
         raise WorkerTimeout(f"{error}; killed it (and so its servers)") from None
+
+
+def stream_rollout(rollout, method: str, *args, timeout: float = 0.0) -> Iterator:
+    """The items of rollout.method(*args), a generator on the rollout actor, as each is made; the wait for each has
+    call_rollout's deadline (past it the actor is killed)."""
+    stream = getattr(rollout, method).options(num_returns="streaming").remote(*args)
+    while True:
+        if not ray.wait([stream], timeout=timeout or None)[0]:
+            ray.kill(rollout)
+            raise WorkerTimeout(f"the rollout actor did not answer {method} within {timeout:g} s "
+                                "(trainer.worker_timeout_s); killed it (and so its servers)")
+        try:
+            ref = next(stream)
+        except StopIteration:
+            return
+        yield get_all([ref], method, lambda _: "the rollout actor")[0]
 
 
 def process_state(pid: int, node: str) -> str:

@@ -54,6 +54,12 @@ class RolloutWorker:
                  images: list[ImageInputs | None] | None = None) -> list[Generation]:
         return self.engine.generate(prompts, params, images)
 
+    def generate_groups(self, prompts: list[list[int]], params: SamplingParams,
+                        images: list[ImageInputs | None] | None = None):
+        """generate()'s groups as each ends, (prompt index, its generations): a Ray streaming generator, whose items
+        reach the caller while the rest generate (megarl.workers.group.stream_rollout)."""
+        yield from self.engine.generate_groups(prompts, params, images)
+
     def rollout_agent(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
                       needed: int | None = None, varied_rewards: bool = False):
         """Multi-turn conversations (megarl/rollout/agent.py) next to the engine, so turns cost no round
