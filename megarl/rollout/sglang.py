@@ -48,6 +48,7 @@ import torch
 from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, RolloutEngine, SamplingParams, check_images,
                                  derive_seed)
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
+from megarl.rollout.sglang_images import image_item, request_image_data, vision_fields
 from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, json_loads, sglang_server
 from megarl.rollout.transports import cuda_ipc
 
@@ -115,6 +116,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.received: dict[str, torch.Tensor] = {}  # CPU copies of this sync's tensors, for verify_weights
         self.restarts = 0
         self.gate = GenerationGate()  # pauses generation at weight updates (partial rollouts)
+        self.vision: tuple[int, int] | None = None  # a vision-language model's image token id and spatial merge
 
     # ---- routing ----------------------------------------------------------------------------------
 
@@ -170,7 +172,9 @@ class SGLangRolloutEngine(RolloutEngine):
         `conversations`: an id per prompt, whose turns stay on one server (its prefix cache).
         `max_new_tokens`: a limit per prompt in place of params.max_new_tokens (multi-turn rollouts batch
         turns with different budgets; SGLang refuses a row whose prompt plus limit passes the context)."""
-        images = check_images(prompts, images, type(self).__name__, supported=False)
+        images = check_images(prompts, images, type(self).__name__, supported=True)
+        if any(i is not None for i in images) and self.vision is None:
+            self.vision = vision_fields(self.model_path)  # (image token id, spatial merge): raises for a text model
         limits = max_new_tokens or [params.max_new_tokens] * len(prompts)
         if min(limits, default=1) < 1 or params.n < 1:
             raise ValueError(f"max_new_tokens and n must be >= 1, got {min(limits)} and {params.n}")
@@ -191,18 +195,22 @@ class SGLangRolloutEngine(RolloutEngine):
 
         def run(index: int, prompt_ids: list[int]) -> None:
             budget = (lambda i: limits[i]) if max_new_tokens is not None else (lambda i: sampling["max_new_tokens"])
-            rows = [Row(list(prompts[i]), budget(i), None if seed is None else derive_seed(seed, i, j))
+            rows = [Row(list(prompts[i]), budget(i), None if seed is None else derive_seed(seed, i, j), images[i])
                     for i in prompt_ids for j in range(params.n)]
 
             def segment(inputs: list[list[int]], budgets: list[int], seeds: list, _: Segment,
-                        ended=None) -> list[Generation]:
+                        images: list | None = None, ended=None) -> list[Generation]:
                 """One request: the rows as they stand (prompt + tokens so far), with what is left of each budget
-                and each row's own seed (SGLang's seeded draws follow from the seed and the position). Its rows all
+                and each row's own seed (SGLang's seeded draws follow from the seed and the position), and each row's
+                images (megarl's processed inputs: sglang_images.py). Its rows all
                 end as it returns (`ended` is not called)."""
                 per_row = [sampling | {"max_new_tokens": b} | ({} if s is None else {"sampling_seed": s})
                            for b, s in zip(budgets, seeds)]
+                image_data = request_image_data([None if im is None else image_item(ids, im, *self.vision)
+                                                 for ids, im in zip(inputs, images or [None] * len(inputs))])
                 return self._generate_on(index, inputs, per_row[0] if all(r == per_row[0] for r in per_row)
-                                         else per_row, functools.partial(_to_generations, inputs, self.servers[index]))
+                                         else per_row, functools.partial(_to_generations, inputs, self.servers[index]),
+                                         image_data)
 
             try:
                 generate_rows(rows, self.gate, segment, params.max_interruptions, None if collector is None else
@@ -223,8 +231,11 @@ class SGLangRolloutEngine(RolloutEngine):
         return results
 
     def _generate_on(self, index: int, input_ids: list[list[int]], sampling: dict | list[dict],
-                     convert: Callable[[list[dict]], list[Generation]]) -> list[Generation]:
+                     convert: Callable[[list[dict]], list[Generation]], image_data: list | None = None
+                     ) -> list[Generation]:
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        if image_data is not None:
+            request["image_data"] = image_data
         self._prepare(index)
         try:
             return self.servers[index].post("/generate", request, convert=convert)

@@ -11,6 +11,7 @@ client of a server (Endpoint). The rollout engine that owns the servers is sglan
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import socket
@@ -34,6 +35,7 @@ except ImportError:  # a CPU install without SGLang
         return json.dumps(value).encode()
     json_loads = json.loads
 
+from megarl.rollout.sglang_images import PROCESSOR_PACKAGE
 from megarl.rollout.transports import cuda_ipc
 
 SERVER_GUARD = str(Path(__file__).with_name("server_guard.py"))
@@ -66,6 +68,9 @@ DETERMINISTIC_ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
 # captures up to a server's share of the step's batch instead, to at most 1024 rows: past that, a step's GPU work
 # hides most of the launch overhead graphs save, while capture time and memory keep growing (a judgment).
 SGLANG_DECODE_GRAPH_ROWS, MAX_DECODE_GRAPH_ROWS = 256, 1024
+# A vision-language model's vision tower: SGLang's default attention on Hopper is FA3 (sgl_kernel's flash_ops), which
+# the bundle's sgl_kernel does not have; its Triton kernel (or sdpa) runs anywhere SGLang does.
+MM_ATTENTION_BACKEND = "triton_attn"
 TRANSPORTS = ("cuda_ipc", "nccl")  # how a training rank delivers weights to a server: transports/<name>.py
 
 _gc_lock = threading.Lock()
@@ -255,6 +260,26 @@ def decode_graph_rows(rows: int) -> int | None:
     return min(rows, MAX_DECODE_GRAPH_ROWS) if rows > SGLANG_DECODE_GRAPH_ROWS else None
 
 
+def vision_language(model_path: str) -> bool:
+    """Whether the model directory holds a vision-language model (a config.json with a vision_config)."""
+    try:
+        return "vision_config" in json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def vision_args(model_path: str, tp: int) -> tuple[list[str], dict[str, str]]:
+    """Launch arguments and environment of a server of a vision-language model (none for a text model): the vision
+    tower's attention backend (MM_ATTENTION_BACKEND; extra arguments coming later may choose another), the tower
+    replicated on every TP rank (--mm-enable-dp-encoder: each rank encodes a share of the images; megarl's weight
+    layout, rollout/weight_layout.py, counts on it), and megarl's processor inside the server, which decodes the
+    processed images megarl sends (sglang_images.py)."""
+    if not vision_language(model_path):
+        return [], {}
+    args = ["--mm-attention-backend", MM_ATTENTION_BACKEND] + (["--mm-enable-dp-encoder"] if tp > 1 else [])
+    return args, {"SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE": PROCESSOR_PACKAGE}
+
+
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,
                   load_format: str | None = None, cuda_graph: bool = True, decode_rows: int = 0,
                   extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
@@ -276,6 +301,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
         raise ValueError(f"deterministic inference needs attention backend {' / '.join(DETERMINISTIC_ATTENTION_BACKENDS)}"
                          f", the extra arguments ask for {attention_backend(extra_args)}")
     port, graph_rows = free_port(), decode_graph_rows(decode_rows)
+    vision, vision_env = vision_args(model_path, tp)
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
                "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction), "--dtype", dtype,
@@ -286,8 +312,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                *(["--load-format", load_format] if load_format else []),
                *([] if cuda_graph else ["--disable-cuda-graph"]),
                *(["--cuda-graph-max-bs-decode", str(graph_rows)] if cuda_graph and graph_rows else []),
-               *allreduce_fusion_args(tp, extra_args),
+               *allreduce_fusion_args(tp, extra_args), *vision,
                *map(str, extra_args)]
     log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
-    env = dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})
+    env = vision_env | dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})
     return SGLangServer(command, port, tp, str(log), env=env, **kwargs)
