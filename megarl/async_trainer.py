@@ -30,7 +30,7 @@ from megarl.reshard.memory import GiB, MemorySettings, predict_peak
 from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
 from megarl.rewards.failures import RewardFailureTracker
-from megarl.rollout.batching import generations_to_batch
+from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
 from megarl.trainer import RLTrainer, resolve_device
 from megarl.utils.timers import Timers
@@ -130,10 +130,11 @@ class RolloutSide:
         if self.cfg.agent.enabled:
             return RLTrainer.generate_scored(self, prompts, first_group)
         pad, params = self.tokenizer.pad_token_id, self.sampling_params(first_group=first_group)
+        images = prompt_images(prompts)  # a vision-language policy's prompts with images
         generations, scored = {}, {}
         with self.timers("generate"):  # the reward phase lies within it
             for index, group in stream_rollout(self.rollout, "generate_groups", [p["prompt_ids"] for p in prompts],
-                                               params, timeout=self.cfg.trainer.worker_timeout_s):
+                                               params, images, timeout=self.cfg.trainer.worker_timeout_s):
                 with self.timers("reward"):
                     scored[index] = self.score(generations_to_batch(prompts, group, pad, self.version, self.tokenizer))
                 generations[index] = group

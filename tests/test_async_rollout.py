@@ -19,6 +19,7 @@ import ray
 from megarl.async_trainer import build_trainer
 from megarl.config import load_config
 from megarl.rewards import REWARDS
+from megarl.rollout.base import SamplingParams
 
 from tests.conftest import QUICKSTART
 
@@ -181,3 +182,23 @@ def test_groups_scored_as_they_end_and_updates_land_mid_generation(tmp_path, ray
     # (restarted at version 2) trained at 2 is fresh, batch 4 (version 2) trained at 3 is 1 old; the bound held
     assert [rows[s]["async/staleness_1"] for s in (1, 2, 3, 4)] == [0, 4, 0, 4]
     assert all(rows[s]["async/staleness_max"] <= 1 and rows[s]["async/stale_dropped"] == 0 for s in (1, 2, 3, 4))
+
+
+def test_sglang_groups_end_with_their_own_requests(tmp_path):
+    """The SGLang engine streams a prompt's group as its own request returns (against fake_sglang.py's real HTTP):
+    the same generations as one generate() call, a request per group."""
+    from tests.rollout.test_sglang_engine import engine as sglang_engine, log
+
+    engine = sglang_engine(tmp_path, deterministic=True)
+    prompts, params = [[1, 2, 3], [4, 5], [6]], SamplingParams(max_new_tokens=4, n=2, seed=5)
+    try:
+        whole = engine.generate(prompts, params)
+        before = len(log(engine.servers[0], "/generate"))
+        groups = dict(engine.generate_groups(prompts, params))
+        requests = log(engine.servers[0], "/generate")[before:]
+    finally:
+        engine.shutdown()
+    assert sorted(groups) == [0, 1, 2]
+    for i, group in groups.items():
+        assert [dataclasses.asdict(g) for g in group] == [dataclasses.asdict(g) for g in whole[2 * i:2 * i + 2]]
+    assert sorted(r["body"]["input_ids"] for r in requests) == sorted([p, p] for p in prompts)
