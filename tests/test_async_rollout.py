@@ -77,10 +77,10 @@ class Hook:
             if call is None:  # evaluation
                 return out
             self.local.forwards += 1
-            step, eos = self.local.forwards, self.engine.eos_ids[0]
+            step, eos = self.local.forwards, self.engine.eos_ids
             out.logits[:, -1, eos] = -math.inf
             if call == 1 and step == 1:
-                out.logits[:self.n, -1, eos] = 1e4  # group 0 ends at its first token
+                out.logits[:self.n, -1, eos[0]] = 1e4  # group 0 ends at its first token
             if call == 1 and step == TOKENS:  # the batch's last decode step: wait for a group's rewards
                 self.scored_while_held = self.wait(self.flag.exists)
             if call > 1 and step == HOLD_AT:  # wait for the update's pause (which then stops, or waits for, us)
