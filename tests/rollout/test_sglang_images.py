@@ -2,6 +2,7 @@
 payload of each row (megarl's pixel values, grids and M-RoPE positions, bitwise through JSON), its validation, the
 batch request a fake SGLang server receives, and the launch arguments of a vision-language model's server."""
 
+import importlib
 import importlib.util
 import json
 
@@ -96,3 +97,30 @@ def test_vision_language_server_launch(tmp_path):
     assert chosen[len(chosen) - 1 - chosen[::-1].index("--mm-attention-backend") + 1] == "sdpa"  # the last one counts
     text = sglang_server("model", log_dir=str(tmp_path))
     assert "--mm-attention-backend" not in text.command and "SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE" not in text.env
+
+
+def test_processor_loader_inside_sglang_gives_the_tokenizer_without_torchvision(tmp_path, monkeypatch):
+    """What the server loads at start-up (sglang_processors/qwen_vl.py), with stand-ins for the three SGLang modules
+    it imports: transformers' processor wants torchvision (absent here, maybe in the GPU bundle); the tokenizer alone
+    gives SGLang the image tokens' ids."""
+    import sys
+    import types
+
+    from megarl.models.tiny_vl import build_tiny_vl_tokenizer
+
+    registry = {}
+    stand_ins = {"sglang.srt.models.qwen2_5_vl": {"Qwen2_5_VLForConditionalGeneration": type("Q", (), {})},
+                 "sglang.srt.multimodal.customized_mm_processor_utils": {"_CUSTOMIZED_MM_PROCESSOR": registry},
+                 "sglang.srt.multimodal.processors.qwen_vl": {"QwenVLImageProcessor": type("P", (), {})}}
+    for name, members in stand_ins.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**members))
+    monkeypatch.delitem(sys.modules, PROCESSOR_PACKAGE + ".qwen_vl", raising=False)
+    importlib.import_module(PROCESSOR_PACKAGE + ".qwen_vl")
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    build_tiny_vl_tokenizer().save_pretrained(tmp_path)  # a VL model directory's processor files
+    Qwen2VLImageProcessorPil().save_pretrained(tmp_path)
+    Qwen2_5_VLConfig().save_pretrained(tmp_path)
+    processor = registry["qwen2_5_vl"].from_pretrained(str(tmp_path), use_fast=True)
+    assert processor.tokenizer.convert_ids_to_tokens([IMAGE]) == ["<|image_pad|>"]
