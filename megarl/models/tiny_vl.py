@@ -30,35 +30,42 @@ def build_tiny_vl_tokenizer():
 
 
 def build_tiny_vl_model(out_dir: str | Path, hidden_size: int = 32, layers: int = 2, seed: int = 0,
-                        min_pixels: int = 16, max_pixels: int = 1024) -> Path:
-    """Write the model directory (overwriting files of the same names); returns its path."""
+                        min_pixels: int = 16, max_pixels: int = 1024, shape: dict | None = None,
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> Path:
+    """Write the model directory (overwriting files of the same names); returns its path. `shape`: text_config and
+    vision_config fields over the tiny ones, and top-level fields (a real model's shapes with this tokenizer and its
+    vocabulary: benchmarks/vl_grpo.py's Qwen2.5-VL-3B); `dtype`, `device`: the random model's, as built and saved."""
     from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tiny_vl_tokenizer()
     ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(VISION_TOKENS)))
     head_dim = 8
+    shape = dict(shape or {})
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=layers, num_attention_heads=hidden_size // head_dim, num_key_value_heads=2,
+                max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
+                  patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, window_size=8,
+                  fullatt_block_indexes=[1], in_channels=3)
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=layers, num_attention_heads=hidden_size // head_dim, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
-                           patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, window_size=8,
-                           fullatt_block_indexes=[1], in_channels=3),
+        text_config=text | shape.pop("text_config", {}), vision_config=vision | shape.pop("vision_config", {}),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False, architectures=["Qwen2_5_VLForConditionalGeneration"])
-    with torch.random.fork_rng(devices=[]):
+        **{"tie_word_embeddings": False, "architectures": ["Qwen2_5_VLForConditionalGeneration"]} | shape)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
+    vision = config.vision_config
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                      do_sample=True).save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL,
+    Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                             temporal_patch_size=vision.temporal_patch_size,
                              size={"shortest_edge": min_pixels, "longest_edge": max_pixels}).save_pretrained(out_dir)
     return out_dir
 
