@@ -12,7 +12,8 @@ Token layout, shared by every stage (token in, token out, nothing is re-tokenise
   rewards         [B]    float
   policy_version  [B]    int64   the policy step that generated the sample
 Non-tensor fields: `group` (prompt index, for group-relative advantages), `prompt`, `response`
-(text, for logs only), `answer` (what the reward compares against).
+(text, for logs only), `answer` (what the reward compares against); a vision-language policy's rows also
+`pixel_values` [patches, features] and `image_grid_thw` [images, 3] (IMAGE_INPUTS; None for a text-only row).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
+
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw")  # per-row model inputs of a vision-language policy's batch
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megarl.data.files import InputError, MalformedRow, iter_records
-from megarl.protocol import Batch
+from megarl.protocol import IMAGE_INPUTS, Batch
 
 logger = logging.getLogger(__name__)
 
@@ -274,8 +274,8 @@ def sft_batch(tokenizer, examples: list[dict], renderer=None) -> Batch:
         attention_mask[i, :len(row)] = 1
         loss_mask[i, :len(row)] = torch.tensor(mask)
     # a vision-language policy's prompts with images: each row's own (None for text only), which MegatronEngine reads
-    images = {k: [ex.get(k) for ex in examples] for k in ("pixel_values", "image_grid_thw")} \
-        if any(ex.get("pixel_values") is not None for ex in examples) else {}
+    images = {k: [ex.get(k) for ex in examples] for k in IMAGE_INPUTS} \
+        if any(ex.get(IMAGE_INPUTS[0]) is not None for ex in examples) else {}
     return Batch({"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask},
                  {"prompt": [ex["prompt"] for ex in examples], "answer": [ex["answer"] for ex in examples]} | images)
 

@@ -78,11 +78,16 @@ def excerpt(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
+# megarl.protocol.IMAGE_INPUTS (this module imports no torch): a row's image tensors are the model's inputs; they
+# stay out of the samples (a reward process would receive them through shared memory, for nothing)
+MODEL_INPUTS = ("pixel_values", "image_grid_thw")
+
+
 def as_samples(samples) -> list[dict]:
-    """A Batch's rows as dicts of its non-tensor fields (duck-typed: this module must not import torch, so
-    reward processes start fast), or a list of dicts as it is."""
+    """A Batch's rows as dicts of its non-tensor fields but the model's image inputs (duck-typed: this module must
+    not import torch, so reward processes start fast), or a list of dicts as it is."""
     if hasattr(samples, "non_tensors"):
-        fields = samples.non_tensors
+        fields = {k: v for k, v in samples.non_tensors.items() if k not in MODEL_INPUTS}
         return [{k: v[i] for k, v in fields.items()} for i in range(len(samples))]
     return samples
 

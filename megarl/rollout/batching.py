@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engine.packing import IMAGE_INPUTS
-from megarl.protocol import Batch
+from megarl.protocol import IMAGE_INPUTS, Batch
 from megarl.rollout.base import Generation, ImageInputs
 
 

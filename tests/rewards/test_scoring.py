@@ -113,3 +113,17 @@ def test_reward_config_keys_for_failures_are_checked():
         with pytest.raises(ConfigError, match=f"reward.{key}="):
             load_config(None, [f"reward.{key}={bad}"])
     assert load_config(None, []).reward.isolation == "process"
+
+
+def test_a_process_reward_scores_rows_with_images():
+    """A vision-language batch's rows carry image tensors; the samples a reward process gets hold none of them (a
+    tensor sent to a process goes through shared memory, which the reward worker's connection refused)."""
+    import torch
+
+    from megarl.protocol import Batch
+
+    batch = Batch({"rewards": torch.zeros(2)}, {"response": ["1", "2"], "answer": ["1", "1"], "group": [0, 0],
+                                                "pixel_values": [torch.ones(4, 3)] * 2,
+                                                "image_grid_thw": [torch.tensor([[1, 2, 2]])] * 2})
+    scores = score(batch, build_reward(RewardConfig(name="exact_match", isolation="process")), timeout_s=60)
+    assert outcome(scores) == ([1.0, 0.0], 0)
