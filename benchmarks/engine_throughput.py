@@ -13,6 +13,11 @@ module on the same packed inputs (megarl.engine.attention.packed_attention_input
   bare   - megatron-core alone: the same GPTModel spec, DDP, optimizer and pipeline schedule on the
            same packed micro-batches, with megatron's fused vocab-parallel cross entropy as the loss.
 
+--packing picks the engine's micro-batch layout (actor.packing): rows (rows as wide as the longest sequence)
+or one_row (one row of --max-tokens per micro-batch, cut to its used length); both runs an engine of each, one
+after the other ("engine", then "engine_one_row" in the JSON). Every loop reports the token slots its
+micro-batches compute against the real tokens in them (padding_share); the bare loop packs in rows.
+
 With --sequence-parallel (TP > 1) both run under sequence parallelism, and before timing the engine's
 log-probs are compared with an engine without it holding the same weights (sp_check in the JSON).
 With --cp N (context parallelism: megarl/engine/context_parallel.py, attention=sdpa) the engine runs alone
@@ -31,12 +36,13 @@ PEAK_FLOPS = 989e12: the dense bf16 tensor-core peak of one H100/H200 SXM (no sp
 
 On the H200 (one GPU; more through torchrun: DP = ranks / (TP * PP), e.g. TP=2 x PP=2 on four GPUs):
     python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput_h200.json
+    python benchmarks/engine_throughput.py --packing both --out benchmarks/results/engine_throughput_h200_packing.json
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --out benchmarks/results/engine_throughput_h200_tp2.json
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --sequence-parallel --out ...
     torchrun --nproc-per-node 4 benchmarks/engine_throughput.py --tp 2 --pp 2 --out ...
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --cp 2 --attention sdpa --skip-bare --out ...
 On a CPU, a tiny model for a smoke test:
-    python benchmarks/engine_throughput.py --size tiny --out /tmp/engine_throughput.json
+    python benchmarks/engine_throughput.py --size tiny --packing both --out /tmp/engine_throughput.json
 """
 
 from __future__ import annotations
@@ -200,6 +206,8 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=0, help="shortest sequence (0 = seq / 2)")
     parser.add_argument("--sequences", type=int, default=64, help="sequences per step (the global batch)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="actor.max_tokens_per_micro_batch")
+    parser.add_argument("--packing", choices=["rows", "one_row", "both"], default="rows",
+                        help="actor.packing of the engine; both: an engine of each, one after the other")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
@@ -263,32 +271,40 @@ def main() -> None:
             results["bare"] = _report("bare", _timed(lambda: bare.step(mbs, targets),
                                                      args.steps, args.warmup, device), tokens, flops, gpus,
                                       args.peak_flops)
-            results["bare"]["micro_batches"] = len(mbs)
+            results["bare"] |= padding_share(mbs)
             del bare, mbs
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-        actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp,
-                                                    sequence_parallel=sp),
-                            micro_batch_size=1, max_tokens_per_micro_batch=args.max_tokens, attention=attention,
-                            recompute=args.recompute, precision=args.precision,
-                            optim=OptimConfig(lr=1e-5))
-        engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, args.steps + args.warmup,
-                                load_hf_weights=False)
-        if sp:
-            results["sp_check"] = sp_check(engine, actor, str(model_dir), share, device)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        results["engine"] = _report("engine", _timed(lambda: engine.train(share, loss="policy"), args.steps,
-                                                     args.warmup, device), tokens, flops, gpus, args.peak_flops)
-        if device == "cuda":
-            results["engine"]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if "bare" in results:
-            ratio = results["engine"]["tokens_per_s"] / results["bare"]["tokens_per_s"]
-            results["engine_over_bare"] = ratio
-            print(f"engine / bare throughput: {100 * ratio:.1f}%")
-        if args.cp > 1:
-            results["cp_check"] = cp_check(engine, actor, str(model_dir), share, device)
+        for packing in ("rows", "one_row") if args.packing == "both" else (args.packing,):
+            name = "engine_one_row" if args.packing == "both" and packing == "one_row" else "engine"
+            actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp,
+                                                        sequence_parallel=sp),
+                                micro_batch_size=1, max_tokens_per_micro_batch=args.max_tokens, packing=packing,
+                                attention=attention, recompute=args.recompute, precision=args.precision,
+                                optim=OptimConfig(lr=1e-5))
+            engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, args.steps + args.warmup,
+                                    load_hf_weights=False)
+            if sp:
+                results[f"sp_check_{packing}"] = sp_check(engine, actor, str(model_dir), share, device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            results[name] = _report(name, _timed(lambda: engine.train(share, loss="policy"), args.steps,
+                                                 args.warmup, device), tokens, flops, gpus, args.peak_flops)
+            results[name]["packing"] = packing
+            # the micro-batches the engine computes (its own packing of this rank's share)
+            results[name] |= padding_share(engine._micro_batches(share, []))
+            if device == "cuda":
+                results[name]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if "bare" in results:
+                ratio = results[name]["tokens_per_s"] / results["bare"]["tokens_per_s"]
+                results[f"{name}_over_bare"] = ratio
+                print(f"{name} / bare throughput: {100 * ratio:.1f}%")
+            if args.cp > 1:
+                results[f"cp_check_{packing}"] = cp_check(engine, actor, str(model_dir), share, device)
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
         if rank == 0:
             report = {"commit": source_commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "gpus": gpus,
@@ -302,8 +318,26 @@ def main() -> None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(report, indent=2))
             print(f"wrote {args.out}")
+            print_summary(results)
     finally:
         destroy_parallel()
+
+
+def padding_share(mbs: list[dict]) -> dict:
+    """Token slots the model computes (rows x width, summed over micro-batches) against the real tokens in them."""
+    slots = sum(mb["tokens"].numel() for mb in mbs)
+    real = sum(int((mb["doc_ids"] > 0).sum()) for mb in mbs)
+    return {"micro_batches": len(mbs), "token_slots": slots, "real_tokens": real, "padding_share": 1 - real / slots}
+
+
+def print_summary(results: dict) -> None:
+    """The last lines: one per loop, its layout, padding share and MFU."""
+    print(f"{'loop':>16} {'packing':>8} {'mbs':>5} {'slots':>9} {'real':>9} {'padding':>8} {'ms/step':>9} {'MFU':>6}")
+    for name, r in results.items():
+        if isinstance(r, dict) and "mfu" in r:
+            print(f"{name:>16} {r.get('packing', 'rows'):>8} {r['micro_batches']:>5} {r['token_slots']:>9} "
+                  f"{r['real_tokens']:>9} {100 * r['padding_share']:>7.1f}% {1e3 * r['mean_step_seconds']:>9.1f} "
+                  f"{100 * r['mfu']:>5.1f}%")
 
 
 def sp_check(engine, actor, model_dir: str, batch, device: str) -> dict:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 # models do not use those); the ones megatron recomputes through CheckpointWithoutOutput need TransformerEngine
 RECOMPUTE_MODULES = ("core_attn", "moe", "shared_experts", "mlp", "mla_up_proj", "layernorm")
 RECOMPUTE_NEEDS_TE = ("mla_up_proj", "layernorm")
+# micro-batch layouts of the engines (megarl/engine/packing.py)
+PACKING_LAYOUTS = ("rows", "one_row")
 
 
 class ConfigError(ValueError):
@@ -284,6 +286,11 @@ class ConfigChecks:
             if section_.max_tokens_per_micro_batch < 0:
                 raise ConfigError(f"{role}.max_tokens_per_micro_batch={section_.max_tokens_per_micro_batch}: "
                                   "must be >= 0")
+            if section_.packing not in PACKING_LAYOUTS:
+                raise ConfigError(f"{role}.packing={section_.packing!r}: expected one of {', '.join(PACKING_LAYOUTS)}")
+            if section_.packing == "one_row" and section_.max_tokens_per_micro_batch <= 0:
+                raise ConfigError(f"{role}.packing=one_row needs {role}.max_tokens_per_micro_batch > 0 (the width of "
+                                  "each micro-batch's row)")
             if p.vpp > 1 and p.pp < 2:
                 raise ConfigError(f"{role}.parallel.vpp={p.vpp} needs {role}.parallel.pp > 1")
             if p.world_size % (p.tp * p.pp * p.cp):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from functools import partial
 from typing import Callable, Iterator
 
@@ -29,7 +30,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms import losses, rollout_correction
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.engine import checkpoint, context_parallel, finite, offload, weights
+from megarl.engine import checkpoint, context_parallel, finite, offload, output_positions, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from megarl.engine.packing import (IMAGE_INPUTS, align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
@@ -45,6 +46,9 @@ from megarl.protocol import Batch
 
 # train(loss=...) -> the head it needs
 LOSSES = {"policy": "lm", "sft": "lm", "value": "value", "bradley_terry": "value"}
+# actor.packing=one_row without pipeline stages: each micro-batch's row is cut to its used length rounded up to
+# this (times the width multiple of SP / CP): little padding, and few distinct shapes for the kernels' caches.
+ONE_ROW_TRIM_MULTIPLE = 64
 
 
 def _with_engine_options(config, actor: ActorConfig):
@@ -185,6 +189,7 @@ class MegatronEngine:
     def _build_chunks(self, config, spec: Callable[[int], object], gpt_kwargs: dict) -> list[GPTModel]:
         """This rank's GPTModel, or its actor.parallel.vpp virtual-pipeline chunks (interleaved layers)."""
         vpp = self.actor.parallel.vpp
+        self._output_positions: list[output_positions.OutputPositions] = []
         # megatron's tied-embedding and grad-finalising code reads the virtual size from parallel_state.
         parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
         chunks = []
@@ -197,6 +202,8 @@ class MegatronEngine:
             reset_rotary_positions(gpt)
             if self.head == "value":
                 attach_value_head(gpt, config.hidden_size, self.params_dtype, self.device)
+            elif gpt.post_process:  # the LM head projects the real positions only (output_positions.py)
+                self._output_positions.append(output_positions.OutputPositions(gpt))
             chunks.append(gpt)
         return chunks
 
@@ -232,9 +239,16 @@ class MegatronEngine:
                    if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 else None)
         longest = self._agreed_max(max(sequence_lengths(batch["attention_mask"])), experts) if experts else 0
         batch = self.family.with_model_inputs(self.hf_config, batch)
-        mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
-                                 self.actor.max_tokens_per_micro_batch, group_size, width_multiple, longest)
         pp = parallel_state.get_pipeline_model_parallel_world_size()
+        # one_row: pipeline stages exchange fixed-shape activations and EP ranks agree on shapes, so rows stay
+        # max_tokens wide there; elsewhere each row is cut to its used length
+        trim = 0 if pp > 1 or experts else math.lcm(ONE_ROW_TRIM_MULTIPLE, width_multiple)
+        mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
+                                 self.actor.max_tokens_per_micro_batch, group_size, width_multiple, longest,
+                                 layout=self.actor.packing, trim_multiple=trim)
+        if self._output_positions and config.context_parallel_size == 1:  # CP ranks hold parts of rows: all
+            for mb in mbs:
+                mb["output_positions"] = output_positions.real_positions(mb["doc_ids"])
         if len(self.models) > 1:
             mbs += [empty_micro_batch(mbs[0]) for _ in range(-len(mbs) % pp)]
         if experts:  # counts that are multiples of PP (above) have a maximum that is one too
@@ -252,8 +266,14 @@ class MegatronEngine:
             mb = next(data_iterator)
             mask, packed_seq_params = packed_attention_inputs(self.core_attention, mb)
             images = {k: mb[k] for k in IMAGE_INPUTS if k in mb}  # a vision-language model's (packing.py)
-            output = model(context_parallel.local(mb["tokens"]), context_parallel.local(mb["position_ids"]), mask,
-                           packed_seq_params=packed_seq_params, **images)
+            for selection in self._output_positions:
+                selection.index = mb.get("output_positions")
+            try:
+                output = model(context_parallel.local(mb["tokens"]), context_parallel.local(mb["position_ids"]),
+                               mask, packed_seq_params=packed_seq_params, **images)
+            finally:
+                for selection in self._output_positions:
+                    selection.index = None
             return output, partial(loss_fn, mb)
 
         # The interleaved schedule runs each chunk over every micro-batch: one iterator per chunk.
@@ -265,13 +285,20 @@ class MegatronEngine:
 
     def _aligned_logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool):
         """Per sequence [S, T]: log p(tokens[t] | tokens[<t]) (and the entropy of that distribution), 0 at
-        t=0 and padding. Under context parallelism `logits` are this CP rank's positions of the rows."""
+        t=0 and padding. Under context parallelism `logits` are this CP rank's positions of the rows; with
+        mb['output_positions'] the logits [1, N, V / TP] of those positions only (output_positions.py)."""
         self._require_head("lm")
-        targets = context_parallel.local(next_tokens(mb["tokens"]))
+        targets = output_positions.select(context_parallel.local(next_tokens(mb["tokens"])), mb)
         logprobs, entropy = vocab_parallel_logprobs(logits, targets, self.vocab_size, with_entropy,
                                                     entropy_grad=self.algorithm.entropy_coef != 0)
-        return (align_to_tokens(unpack(context_parallel.gather_rows(logprobs), mb), mb),
-                None if entropy is None else align_to_tokens(unpack(context_parallel.gather_rows(entropy), mb), mb))
+        return (self._per_sequence(mb, logprobs), None if entropy is None else self._per_sequence(mb, entropy))
+
+    @staticmethod
+    def _per_sequence(mb: dict, per_position: torch.Tensor) -> torch.Tensor:
+        """A per-position output of the LM head ([rows, L] of this CP rank, or [1, N] at mb['output_positions'])
+        -> per sequence [S, T], aligned to the tokens (align_to_tokens)."""
+        rows = context_parallel.gather_rows(output_positions.to_rows(per_position, mb))
+        return align_to_tokens(unpack(rows, mb), mb)
 
     def _aligned_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
         """Per sequence [S, T]: V(tokens[<t]), the value of the state in which token t is generated (the
@@ -330,7 +357,7 @@ class MegatronEngine:
             out = {"logprobs": logprobs} | ({"entropy": entropy} if with_entropy else {})
             if with_sum_pi_squared:
                 squares = vocab_parallel_sum_squared_probs(logits, self.vocab_size)
-                out["sum_pi_squared"] = align_to_tokens(unpack(context_parallel.gather_rows(squares), mb), mb)
+                out["sum_pi_squared"] = self._per_sequence(mb, squares)
             return out
 
         with self._reference_weights() if reference else contextlib.nullcontext():
@@ -365,7 +392,7 @@ class MegatronEngine:
     def _collect(self, mbs: list[dict], results: list[dict], batch: Batch) -> dict[str, torch.Tensor]:
         """Per-micro-batch, per-sequence results -> [B, ...] in batch order, broadcast from the last stage."""
         B, T = batch["tokens"].shape
-        L = mbs[0]["tokens"].shape[1]
+        L = mbs[0]["packed_index"].shape[1]  # the per-sequence width (packing.py)
         last_stage = parallel_state.is_pipeline_last_stage()
         names = [None]
         if last_stage:

@@ -8,6 +8,13 @@ with max_tokens = 0 each row holds one sequence, `micro_batch_size` rows per mic
 All micro-batches have the same shape: pipeline stages exchange fixed-shape activations. With sequence
 parallelism L is rounded up to a multiple of the TP size (`width_multiple`), which splits rows by token.
 
+layout='one_row' (actor.packing=one_row): a micro-batch is ONE row [1, W], W = max_tokens rounded up to
+`width_multiple`, holding any number of whole sequences first-fit-decreasing (groups kept together), so rows
+are no longer as wide as the longest sequence. `trim_multiple` > 0 cuts each row to its used length rounded
+up to that multiple (shapes then differ between micro-batches: only where nothing needs fixed shapes, i.e.
+no pipeline stages and no expert exchange across DP ranks; see MegatronEngine._micro_batches). A sequence
+longer than W is an error naming actor.max_tokens_per_micro_batch.
+
 Everything per sequence (loss_mask, advantages, old log-probs ...) stays in the ordinary [S, T] layout
 of the Batch; `packed_index` [S, T] points each (sequence, position) at its packed position, and
 `unpack` moves a per-position model output ([rows, L, ...]) into that layout, so losses never see
@@ -24,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megarl.config.validation import PACKING_LAYOUTS
 from megarl.protocol import Batch
 
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw")  # per-sequence non-tensor fields of a vision-language batch
@@ -85,17 +93,26 @@ def _first_fit(lengths: list[int], width: int, rows_per_mb: int, group_size: int
     return mbs
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: int, max_tokens: int = 0,
-                       group_size: int = 1, width_multiple: int = 1, longest: int = 0) -> list[dict]:
-    """Micro-batches for megatron's schedule (see the module docstring for the layout). `longest`: lay the rows
+                       group_size: int = 1, width_multiple: int = 1, longest: int = 0, layout: str = "rows",
+                       trim_multiple: int = 0) -> list[dict]:
+    """Micro-batches for megatron's schedule (see the module docstring for the layouts). `longest`: lay the rows
     out for sequences up to that length at least (ranks that must agree on the shape pass the same value).
 
     Each dict holds 'tokens', 'position_ids', 'doc_ids' [rows, L] (doc_ids: 1.. per sequence of a row,
     0 on padding), 'cu_seqlens' (segment_bounds of doc_ids), 'packed' (whether some row holds several
-    sequences), 'seq_index' [S], 'packed_index' [S, L], and 'attention_mask' plus every name in `keys` in
-    the per-sequence layout [S, L]."""
+    sequences), 'seq_index' [S], 'packed_index' [S, T'], and 'attention_mask' plus every name in `keys` in
+    the per-sequence layout [S, T'] (T' = L in the rows layout, the longest sequence in one_row)."""
+    if layout not in PACKING_LAYOUTS:
+        raise ValueError(f"packing layout {layout!r}: expected one of {', '.join(PACKING_LAYOUTS)}")
     lengths = sequence_lengths(batch["attention_mask"])
-    width = -(-max(max(lengths), longest) // width_multiple) * width_multiple
+    if layout == "one_row":
+        return _pack_one_row(batch, keys, device, lengths, max_tokens, group_size, width_multiple, trim_multiple)
+    width = _round_up(max(max(lengths), longest), width_multiple)
     if max_tokens > 0:
         rows_per_mb = max(1, max_tokens // width)
         layout = _first_fit(lengths, width, rows_per_mb, group_size)
@@ -106,12 +123,37 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
         layout = [[[i] for i in range(start, min(start + rows_per_mb, len(batch)))]
                   for start in range(0, len(batch), rows_per_mb)]
         layout[-1] += [[] for _ in range(rows_per_mb - len(layout[-1]))]
+    return _fill(batch, keys, device, lengths, layout, [width] * len(layout), width)
+
+
+def _pack_one_row(batch: Batch, keys: list[str], device, lengths: list[int], max_tokens: int, group_size: int,
+                  width_multiple: int, trim_multiple: int) -> list[dict]:
+    """layout='one_row': first-fit-decreasing into single rows of W = max_tokens (rounded to width_multiple)."""
+    if max_tokens <= 0:
+        raise ValueError("actor.packing=one_row needs actor.max_tokens_per_micro_batch > 0 (the row width)")
+    width = _round_up(max_tokens, width_multiple)
+    too_long = [i for i, n in enumerate(lengths) if n > width]
+    if too_long:
+        raise ValueError(f"sequence {too_long[0]} has {lengths[too_long[0]]} tokens, more than one micro-batch row of "
+                         f"{width} (actor.max_tokens_per_micro_batch={max_tokens}): raise "
+                         "actor.max_tokens_per_micro_batch to at least the longest prompt + response")
+    layout = _first_fit(lengths, width, 1, group_size)
+    widths = [min(width, _round_up(sum(lengths[i] for i in rows[0]), trim_multiple)) if trim_multiple else width
+              for rows in layout]
+    return _fill(batch, keys, device, lengths, layout, widths, max(lengths))
+
+
+def _fill(batch: Batch, keys: list[str], device, lengths: list[int], layout: list[list[list[int]]],
+          widths: list[int], seq_width: int) -> list[dict]:
+    """The micro-batch dicts of `layout` (micro-batch -> row -> sequence indices), micro-batch k's rows
+    widths[k] wide; the per-sequence tensors seq_width wide."""
     tokens_all = batch["tokens"]
-    # [S, width]: cut to the longest sequence, or zero-padded up to the rounded width
-    per_seq = {k: _fit_width(batch[k], width) for k in ["attention_mask", *keys]}
+    # [S, seq_width]: cut to the longest sequence, or zero-padded up to the rounded width
+    per_seq = {k: _fit_width(batch[k], seq_width) for k in ["attention_mask", *keys]}
     mrope = batch["mrope_position_ids"] if "mrope_position_ids" in batch else None
     out = []
-    for rows in layout:
+    for rows, width in zip(layout, widths):
+        rows_per_mb = len(rows)
         tokens = torch.zeros(rows_per_mb, width, dtype=tokens_all.dtype)
         positions = torch.zeros(*(() if mrope is None else (3,)), rows_per_mb, width, dtype=torch.long)
         doc_ids = torch.zeros(rows_per_mb, width, dtype=torch.long)
@@ -125,7 +167,7 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
                 doc_ids[r, offset:offset + n] = doc
                 seq_index.append(i)
                 # positions past the sequence's end point at its last token; `unpack` zeroes them
-                packed_index.append(r * width + offset + torch.arange(width).clamp(max=n - 1))
+                packed_index.append(r * width + offset + torch.arange(seq_width).clamp(max=n - 1))
                 offset += n
         index = torch.tensor(seq_index, dtype=torch.long)
         mb = {"tokens": tokens, "position_ids": positions, "doc_ids": doc_ids, "cu_seqlens": segment_bounds(doc_ids),

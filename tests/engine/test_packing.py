@@ -18,15 +18,21 @@ from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_b
 # seq-mean-token-mean: a loss that needs each sequence's own tokens, whatever row it is packed in
 ALGO = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 BUDGET = 24  # tokens per micro-batch: 2 rows of the longest sequence (11; 12 under SP at TP=2)
-# name: (tp, pp, vpp, max_tokens_per_micro_batch, attention, recompute, sequence_parallel) on 2 ranks
-LAYOUTS = {"padded": (1, 1, 1, 0, "local", "none", False),
-           "packed": (1, 1, 1, BUDGET, "local", "none", False),
-           "packed_sdpa": (1, 1, 1, BUDGET, "sdpa", "none", False),
-           "packed_varlen": (1, 1, 1, BUDGET, "varlen", "none", False),
-           "tp2_sp_packed_varlen": (2, 1, 1, BUDGET, "varlen", "none", True),
-           "tp2_sp_padded": (2, 1, 1, 0, "local", "none", True),
-           "vpp_packed_sdpa_recompute": (1, 2, 2, BUDGET, "sdpa", "full", False),
-           "vpp_padded_selective": (1, 2, 2, 0, "local", "selective", False)}
+# name: (tp, pp, vpp, max_tokens_per_micro_batch, attention, recompute, sequence_parallel, packing) on 2 ranks
+LAYOUTS = {"padded": (1, 1, 1, 0, "local", "none", False, "rows"),
+           "packed": (1, 1, 1, BUDGET, "local", "none", False, "rows"),
+           "packed_sdpa": (1, 1, 1, BUDGET, "sdpa", "none", False, "rows"),
+           "packed_varlen": (1, 1, 1, BUDGET, "varlen", "none", False, "rows"),
+           "tp2_sp_packed_varlen": (2, 1, 1, BUDGET, "varlen", "none", True, "rows"),
+           "tp2_sp_padded": (2, 1, 1, 0, "local", "none", True, "rows"),
+           "vpp_packed_sdpa_recompute": (1, 2, 2, BUDGET, "sdpa", "full", False, "rows"),
+           "vpp_padded_selective": (1, 2, 2, 0, "local", "selective", False, "rows"),
+           # one row per micro-batch: trimmed rows of different widths at PP=1 (ONE_ROW_TRIM = 8 below), TP=2
+           # with SP, and fixed-width rows between pipeline stages
+           "one_row_varlen": (1, 1, 1, BUDGET, "varlen", "none", False, "one_row"),
+           "tp2_sp_one_row_varlen": (2, 1, 1, BUDGET, "varlen", "none", True, "one_row"),
+           "pp2_one_row_local": (1, 2, 1, BUDGET, "local", "none", False, "one_row")}
+ONE_ROW_TRIM = 8  # the engine's ONE_ROW_TRIM_MULTIPLE in the test (64 is wider than these rows)
 
 
 def rl_batch():
@@ -108,6 +114,32 @@ def test_segments_and_width_multiple():
     torch.testing.assert_close(out[3:], alone.transpose(0, 1))
 
 
+def test_one_row_layout_packs_any_number_of_sequences_into_one_row():
+    batch = padded_batch(rows=8, T=11)
+    lengths = sequence_lengths(batch["attention_mask"])
+    assert lengths == [11, 7, 1, 10, 4, 9, 11, 3]
+    mbs = pack_micro_batches(batch, ["loss_mask"], "cpu", 2, max_tokens=BUDGET, layout="one_row", trim_multiple=8)
+    # first-fit-decreasing into rows of 24: [11, 11, 1], [10, 9, 4], [7, 3] -> the last cut to 16
+    assert [mb["tokens"].shape for mb in mbs] == [(1, 24), (1, 24), (1, 16)]
+    assert [mb["seq_index"].tolist() for mb in mbs] == [[0, 6, 2], [3, 5, 4], [1, 7]]
+    assert all(mb["packed"] for mb in mbs)
+    for mb in mbs:
+        original = batch.index(mb["seq_index"])
+        assert torch.equal(unpack(mb["tokens"], mb), original["tokens"])
+        assert torch.equal(mb["loss_mask"], original["loss_mask"])
+        assert mb["cu_seqlens"][-1] == mb["tokens"].shape[1]
+    # without trimming every row is W wide (pipeline stages); W rounds up to the width multiple (SP)
+    fixed = pack_micro_batches(batch, [], "cpu", 2, max_tokens=23, layout="one_row", width_multiple=4)
+    assert {mb["tokens"].shape for mb in fixed} == {(1, 24)}
+    for mb in pack_micro_batches(batch, [], "cpu", 2, max_tokens=BUDGET, group_size=2, layout="one_row"):
+        ids = set(mb["seq_index"].tolist())
+        assert all(i ^ 1 in ids for i in ids), ids  # preference pairs stay together
+    with pytest.raises(ValueError, match=r"sequence 0 has 11 tokens, more than .* of 10 \(actor.max_tokens_per_micro_batch=10"):
+        pack_micro_batches(batch, [], "cpu", 2, max_tokens=10, layout="one_row")
+    with pytest.raises(ValueError, match="needs actor.max_tokens_per_micro_batch > 0"):
+        pack_micro_batches(batch, [], "cpu", 2, max_tokens=0, layout="one_row")
+
+
 # ---- through the engine (2 gloo ranks, one launch) ------------------------------------------------
 
 def _relayout(tp, pp):
@@ -126,13 +158,15 @@ def _layouts_rank(rank, model_dir, old_logprobs, layouts):
     from megarl.engine import MegatronEngine
     from megarl.engine.weights import global_parameters
 
+    from megarl.engine import megatron_engine
+
+    megatron_engine.ONE_ROW_TRIM_MULTIPLE = ONE_ROW_TRIM
     results = {}
-    for name, (tp, pp, vpp, max_tokens, attention, recompute, sp) in layouts.items():
+    for name, (tp, pp, vpp, max_tokens, attention, recompute, sp, packing) in layouts.items():
         _relayout(tp, pp)
         actor = ActorConfig(parallel=ParallelConfig(world_size=2, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp),
-                            micro_batch_size=2,
-                            max_tokens_per_micro_batch=max_tokens, attention=attention, recompute=recompute,
-                            optim=OptimConfig(lr=1e-2, clip_grad=0.0))
+                            micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, packing=packing,
+                            attention=attention, recompute=recompute, optim=OptimConfig(lr=1e-2, clip_grad=0.0))
         engine = MegatronEngine(model_dir, actor, ALGO, "cpu", 1, 10)
         assert len(engine.gpts) == vpp
         batch = rl_batch()
