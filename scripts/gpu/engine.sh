@@ -12,6 +12,9 @@
 #   cp2    - context parallelism (K/V all-gathered, masked SDPA) on two GPUs: the engine at CP=2 and, on the
 #            same two GPUs and kernel, at DP=2 (CP=1); CP=2's log-probs checked against a CP=1 engine holding
 #            the same weights (cp_check). Sequences up to CP_SEQ (default 2048) tokens              (~3 min)
+#   packing - issue 22: the bare loop, then the engine with actor.packing=rows and with one_row (one row of
+#            8192 tokens per micro-batch, cut to its used length; the LM head at real positions only), on
+#            the same batch: token slots, padding share and MFU of each (the goal: one_row >= 38% MFU) (~4 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
@@ -38,6 +41,10 @@ fi
 if phase tp1sdpa; then
   timeout 150 python3 $BENCH --attention sdpa --skip-bare --out "$OUT/engine_throughput_tp1_masked_sdpa.json" \
     > "$OUT/tp1_masked_sdpa.log" 2>&1; tail -2 "$OUT/tp1_masked_sdpa.log"
+fi
+if phase packing; then
+  timeout 420 python3 $BENCH --attention $ATTN --packing both --out "$OUT/engine_throughput_packing.json" \
+    > "$OUT/packing.log" 2>&1; tail -5 "$OUT/packing.log"
 fi
 if [ "$GPUS" -ge 2 ] && phase tp2; then
   timeout 200 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --out "$OUT/engine_throughput_tp2.json" \
