@@ -58,6 +58,12 @@ def test_inconsistent_layout_is_an_error():
         load_config(None, ["actor.parallel.world_size=2", "actor.parallel.cp=2", "actor.attention=varlen"])
     cfg = load_config(None, ["actor.parallel.world_size=8", "actor.parallel.tp=2", "actor.parallel.cp=2"])
     assert cfg.actor.parallel.dp == 2  # 8 ranks = TP 2 x CP 2 x DP 2
+    with pytest.raises(ConfigError, match=r"critic.packing='one_rows': expected one of rows, one_row"):
+        load_config(None, ["critic.packing=one_rows"])
+    with pytest.raises(ConfigError, match=r"actor.packing=one_row needs actor.max_tokens_per_micro_batch > 0"):
+        load_config(None, ["actor.packing=one_row"])
+    assert load_config(None, ["actor.packing=one_row", "actor.max_tokens_per_micro_batch=4096"]).actor.packing == \
+        "one_row"
 
 
 def test_missing_recipe_and_section_misuse():
