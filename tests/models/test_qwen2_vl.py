@@ -29,7 +29,7 @@ def vl_batch(rows: list[dict]) -> Batch:
                   "image_grid_thw": [r["image_grid_thw"] for r in rows]})
 
 
-def _engine_logprobs(model_dir: str, tp: int, max_tokens: int, sp: bool) -> tuple[torch.Tensor, dict]:
+def _engine_logprobs(model_dir: str, tp: int, max_tokens: int, sp: bool, packing: str) -> tuple[torch.Tensor, dict]:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -41,7 +41,7 @@ def _engine_logprobs(model_dir: str, tp: int, max_tokens: int, sp: bool) -> tupl
     parallel_state.initialize_model_parallel(tp, 1)
     model_parallel_cuda_manual_seed(1)
     actor = ActorConfig(parallel=ParallelConfig(world_size=dist.get_world_size(), tp=tp, sequence_parallel=sp),
-                        micro_batch_size=2, max_tokens_per_micro_batch=max_tokens)
+                        micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, packing=packing)
     engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
     logprobs = engine.compute_logprobs(vl_batch(image_rows()))["logprobs"]
     return logprobs, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
@@ -67,9 +67,11 @@ def _train_step_changes(model_dir: str, freeze: bool) -> tuple[bool, bool]:
 def _check_rank(rank, model_dir, reference):
     checkpoint = load_file(f"{model_dir}/model.safetensors")
     # TP=1: one sequence per row; TP=2: the text-only row packed beside the one-image row; TP=2 with sequence
-    # parallelism (the image features scattered over TP with the embeddings)
-    for tp, max_tokens, sp in ((1, 0, False), (2, 64, False), (2, 0, True)):
-        logprobs, exported = _engine_logprobs(model_dir, tp, max_tokens, sp)
+    # parallelism (the image features scattered over TP with the embeddings); one row per micro-batch holding
+    # both rows and their images, under sequence parallelism
+    for tp, max_tokens, sp, packing in ((1, 0, False, "rows"), (2, 64, False, "rows"), (2, 0, True, "rows"),
+                                        (2, 96, True, "one_row")):
+        logprobs, exported = _engine_logprobs(model_dir, tp, max_tokens, sp, packing)
         for i, want in enumerate(reference):
             got = logprobs[i, 1:len(want) + 1]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"row {i} at tp={tp}")
