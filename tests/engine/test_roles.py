@@ -91,9 +91,10 @@ def _roles_rank(rank, policy_dir):
     out["values_after_onload"] = critic.compute_values(held_out)["values"]
 
     # --- a reward model trained on preference pairs through the same engine -------------------------------
-    # under sequence parallelism: the value head gathers the TP group's tokens first
+    # under sequence parallelism: the value head gathers the TP group's tokens first; one row per micro-batch
+    # (pairs in the same row, rows cut to their used length)
     rm_cfg = RewardModelConfig(parallel=ParallelConfig(world_size=2, tp=2, sequence_parallel=True),
-                               micro_batch_size=4, max_tokens_per_micro_batch=20,
+                               micro_batch_size=4, max_tokens_per_micro_batch=20, packing="one_row",
                                optim=OptimConfig(lr=3e-3))
     rm = MegatronEngine(policy_dir, rm_cfg, AlgorithmConfig(), "cpu", 1, 100, head="value")
     assert rm.gpt.config.sequence_parallel
