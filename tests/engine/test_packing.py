@@ -170,7 +170,13 @@ def _layouts_rank(rank, model_dir, old_logprobs, layouts):
         engine = MegatronEngine(model_dir, actor, ALGO, "cpu", 1, 10)
         assert len(engine.gpts) == vpp
         batch = rl_batch()
+        projected = []  # positions the LM head projects: the real tokens only (output_positions.py)
+        hook = engine.gpts[-1].output_layer.register_forward_hook(
+            lambda layer, args, output: projected.append(args[0].shape[0] * args[0].shape[1])) \
+            if engine.gpts[-1].post_process else None
         out = engine.compute_logprobs(batch, with_entropy=True)
+        if hook:
+            hook.remove()
         batch["old_logprobs"] = old_logprobs
         dp = ps.get_data_parallel_world_size()
         rows = balanced_partition(sequence_lengths(batch["attention_mask"]), dp)[ps.get_data_parallel_rank()]
@@ -178,7 +184,8 @@ def _layouts_rank(rank, model_dir, old_logprobs, layouts):
         grads = {n: p.main_grad.detach().clone() for n, p in global_parameters(engine.gpts).items()}
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, grads)
-        results[name] = (out, metrics, {n: g for rank_grads in every_rank for n, g in rank_grads.items()})
+        results[name] = (out, metrics, {n: g for rank_grads in every_rank for n, g in rank_grads.items()},
+                         sum(projected) if projected else None)
     return results
 
 
@@ -187,13 +194,16 @@ def test_packed_vpp_recompute_and_sdpa_match_the_padded_batch(tmp_path):
     ref_logprobs, ref_entropy = hf_logprobs_entropy(model_dir, rl_batch())
     results = run_distributed(_layouts_rank, 2, model_dir, ref_logprobs, LAYOUTS)
 
-    _, base_metrics, base_grads = results["padded"]
+    _, base_metrics, base_grads, _ = results["padded"]
     assert base_metrics["grad_norm"] > 0 and len(base_grads) == 4 * 7 + 2
     base_out = results["padded"][0]
     # 4 layers of large random weights: fp32 differences from transformers' kernels reach 1e-5
     torch.testing.assert_close(base_out["logprobs"], ref_logprobs, rtol=0, atol=5e-5)
     torch.testing.assert_close(base_out["entropy"], ref_entropy, rtol=0, atol=5e-5)
-    for name, (out, metrics, grads) in results.items():
+    real_tokens = sum(sequence_lengths(rl_batch()["attention_mask"]))
+    for name, (out, metrics, grads, projected) in results.items():
+        # rank 0 holds the LM head unless it is a first pipeline stage
+        assert projected == (None if LAYOUTS[name][1] > 1 else real_tokens), (name, projected)
         torch.testing.assert_close(out["logprobs"], base_out["logprobs"], rtol=0, atol=3e-5, msg=name)
         torch.testing.assert_close(out["entropy"], base_out["entropy"], rtol=0, atol=3e-5, msg=name)
         for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
