@@ -226,7 +226,8 @@ class MegatronEngine:
     # Forward
 
     def _micro_batches(self, batch: Batch, keys: list[str], group_size: int = 1) -> list[dict]:
-        """Packed (actor.max_tokens_per_micro_batch > 0) or padded micro-batches (packing.py); with virtual
+        """Packed (actor.max_tokens_per_micro_batch > 0; actor.packing: rows, or one row per micro-batch, cut to
+        its used length where shapes may vary: PP=1, no EP) or padded micro-batches (packing.py); with virtual
         pipeline stages their number is made a multiple of PP with empty ones, as the interleaved schedule needs.
         Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens),
         under context parallelism of 2 * CP (context_parallel.py's chunks), under both of their product.
@@ -246,7 +247,8 @@ class MegatronEngine:
         mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
                                  self.actor.max_tokens_per_micro_batch, group_size, width_multiple, longest,
                                  layout=self.actor.packing, trim_multiple=trim)
-        if self._output_positions and config.context_parallel_size == 1:  # CP ranks hold parts of rows: all
+        # the LM head at the real positions only; under CP a rank holds chunks of each row: every position there
+        if self._output_positions and config.context_parallel_size == 1:
             for mb in mbs:
                 mb["output_positions"] = output_positions.real_positions(mb["doc_ids"])
         if len(self.models) > 1:

@@ -43,7 +43,7 @@ if phase tp1sdpa; then
     > "$OUT/tp1_masked_sdpa.log" 2>&1; tail -2 "$OUT/tp1_masked_sdpa.log"
 fi
 if phase packing; then
-  timeout 420 python3 $BENCH --attention $ATTN --packing both --out "$OUT/engine_throughput_packing.json" \
+  timeout 300 python3 $BENCH --attention $ATTN --packing both --out "$OUT/engine_throughput_packing.json" \
     > "$OUT/packing.log" 2>&1; tail -5 "$OUT/packing.log"
 fi
 if [ "$GPUS" -ge 2 ] && phase tp2; then
