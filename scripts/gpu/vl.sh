@@ -7,9 +7,10 @@
 #          (colocated, its vision tower on the triton_attn multimodal attention backend) generates from megarl's
 #          processed images; every weight sync verified by checksums inside SGLang (the tower's tensors included);
 #          per step the mean |SGLang log-prob - Megatron log-prob|. A random policy earns ~no reward, so an entropy
-#          bonus makes every update move every weight (each sync carries new values). Then SGLang greedy on one
-#          prompt with image A, image B, image A again (its own server: ~40 s once the JIT caches are warm).
-#          ~4-5 min: model build ~40 s, trainer ~2.5 min (server start, 2 steps), image check ~1 min.
+#          bonus makes every update move every weight (each sync carries new values). Before it, SGLang greedy on
+#          one prompt with image A, image B, image A again (a server of its own, which also warms the JIT caches
+#          the trainer's server then finds). ~5-6 min (estimated, not run yet): model build ~45 s, image check ~2 min
+#          (a fresh machine's first server compiles its kernels), trainer ~2.5 min (2 steps).
 #   model  benchmarks/vl_megatron.py: MegatronEngine against transformers on image+text rows (log-prob gap, forward
 #          and SFT step times, peak memory) at the 3B shape.
 # Logs and JSON go to $OUT; a short table is printed last; non-zero exit when a check failed.
@@ -37,15 +38,15 @@ if [[ " $PHASES " == *" grpo "* ]]; then
   fi
   timeout 100 python3 benchmarks/vl_grpo.py build "$RUN" --shape $shape --device "$DEVICE" > "$OUT/build.log" 2>&1 \
     || { status=1; tail -n 20 "$OUT/build.log"; }
-  timeout 240 python3 -m megarl.train --config configs/quickstart_vl.yaml model.path="$RUN/model" \
+  timeout 150 python3 benchmarks/vl_grpo.py images "$RUN" --engine $engine --device "$DEVICE" > "$OUT/images.log" 2>&1 \
+    || { status=1; tail -n 20 "$OUT/images.log"; }
+  timeout 220 python3 -m megarl.train --config configs/quickstart_vl.yaml model.path="$RUN/model" \
     data.task="$RUN/shapes/train/prompts.jsonl" data.val_task="$RUN/shapes/val/prompts.jsonl" sft.steps=0 \
     sft.data="$RUN/shapes/train_blank/prompts.jsonl" \
     trainer.steps="$STEPS" trainer.eval_every=0 data.val_size=8 rollout.eval_n_samples=1 data.prompts_per_step=8 \
     rollout.n_samples=4 rollout.max_new_tokens=4 actor.optim.lr=1e-5 algorithm.entropy_coef=0.01 \
     reward.isolation=none actor.micro_batch_size=8 trainer.verify_weight_sync_every=1 trainer.cpus_per_rank=1 \
     trainer.output_dir="$RUN/train" "${devices[@]}" > "$OUT/train.log" 2>&1 || { status=1; tail -n 30 "$OUT/train.log"; }
-  timeout 120 python3 benchmarks/vl_grpo.py images "$RUN" --engine $engine --device "$DEVICE" > "$OUT/images.log" 2>&1 \
-    || { status=1; tail -n 20 "$OUT/images.log"; }
   for log in $(find "$RUN" -name 'sglang_*.log' 2>/dev/null); do tail -n 40 "$log" > "$OUT/$(basename "$log")"; done
   cp "$RUN/train/metrics.jsonl" "$RUN"/*.json "$OUT/" 2>/dev/null
   python3 benchmarks/vl_grpo.py table "$RUN" | tee "$OUT/grpo_table.md"
