@@ -246,6 +246,18 @@ class WeightLayout:
         return [(prefix + "w_kc", heads[:, :nope]), (prefix + "w_vc", heads[:, nope:].transpose(1, 2))]
 
 
+def check_presharded_tower(specs: list) -> None:
+    """Sharded delivery loads every tensor into SGLang as its rank's shard, as sent (cuda_ipc.load_presharded), which
+    skips the zero padding SGLang's loader adds to a vision tower MLP whose width is not a multiple of 8 (its shape
+    assertion then fails): refuse before anything is sent."""
+    for spec in specs:
+        if _VISION_MLP.match(spec.name) and spec.name.endswith("gate_proj.weight") and \
+                spec.shape[0] % SGLANG_VISION_MLP_ALIGN:
+            raise ValueError(f"{spec.name}: the vision tower's MLP width {spec.shape[0]} is not a multiple of "
+                             f"{SGLANG_VISION_MLP_ALIGN}; SGLang pads it while loading whole tensors only: use "
+                             "rollout.weight_delivery=full")
+
+
 def keep_fused_pairs(buckets: Iterable[list]) -> Iterator[list]:
     """The buckets, but a DeepSeek q_a_proj never without its layer's kv_a_proj_with_mqa: it waits for the bucket
     that carries it. SGLang's DeepSeek loader (do_load_weights) builds fused_qkv_a_proj_with_mqa only when one

@@ -17,7 +17,7 @@ from megarl.reshard.plan import server_bytes
 from megarl.reshard.transfers import transfer_bytes
 from megarl.protocol import Batch
 from megarl.rollout.transports import cuda_ipc
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
+from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, check_presharded_tower
 from megarl.workers import weight_sync
 
 
@@ -142,6 +142,7 @@ class TrainWorker:
         if delivery == "sharded" and self.generation_group is None:  # the first sync, on every rank alike
             if self.cfg.rollout.engine == "sglang":  # refused before any collective, by every rank
                 cuda_ipc.check_presharded_vocab(self.resharder.specs, gen_tp)
+                check_presharded_tower(self.resharder.specs)
             self.generation_group = torch.distributed.new_group(list(range(gen_tp)), backend="gloo")
         if self.rank >= gen_tp:  # not a sender: take part in the collectives only
             for _ in buckets:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from megarl.config.model_layout import check_model_layout
 from megarl.config.sections import ActorConfig
 from megarl.reshard.inventory import hf_inventory
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
+from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, check_presharded_tower
 from megarl.utils.checksum import module_checksums
 from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 
@@ -81,3 +81,9 @@ def test_tower_checksums_equal_sglang_loaded_tower(tp):
     held[0][tp - 1]["visual.blocks.1.mlp.gate_up_proj.bias"][2] += 1
     with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank {tp - 1}: visual.blocks.1.mlp.gate_up_proj"):
         verify_checksums(expected.result(), held)
+
+
+def test_sharded_delivery_refuses_a_tower_that_sglang_pads():
+    check_presharded_tower(hf_inventory(VL | {"vision_config": VISION | {"intermediate_size": 16}}))
+    with pytest.raises(ValueError, match=r"visual.blocks.0.mlp.gate_proj.weight: .* width 12 .* rollout.weight_delivery=full"):
+        check_presharded_tower(hf_inventory(VL))
