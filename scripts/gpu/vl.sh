@@ -36,11 +36,12 @@ if [[ " $PHASES " == *" grpo "* ]]; then
   else
     shape=tiny engine=hf devices=(trainer.device=cpu rollout.engine=hf)
   fi
-  timeout 100 python3 benchmarks/vl_grpo.py build "$RUN" --shape $shape --device "$DEVICE" > "$OUT/build.log" 2>&1 \
+  start=$SECONDS  # the three steps stay within BUDGET_S (default 470 s): the trainer gets what the first two left
+  timeout 90 python3 benchmarks/vl_grpo.py build "$RUN" --shape $shape --device "$DEVICE" > "$OUT/build.log" 2>&1 \
     || { status=1; tail -n 20 "$OUT/build.log"; }
-  timeout 150 python3 benchmarks/vl_grpo.py images "$RUN" --engine $engine --device "$DEVICE" > "$OUT/images.log" 2>&1 \
+  timeout 180 python3 benchmarks/vl_grpo.py images "$RUN" --engine $engine --device "$DEVICE" > "$OUT/images.log" 2>&1 \
     || { status=1; tail -n 20 "$OUT/images.log"; }
-  timeout 220 python3 -m megarl.train --config configs/quickstart_vl.yaml model.path="$RUN/model" \
+  timeout $((${BUDGET_S:-470} - (SECONDS - start))) python3 -m megarl.train --config configs/quickstart_vl.yaml model.path="$RUN/model" \
     data.task="$RUN/shapes/train/prompts.jsonl" data.val_task="$RUN/shapes/val/prompts.jsonl" sft.steps=0 \
     sft.data="$RUN/shapes/train_blank/prompts.jsonl" \
     trainer.steps="$STEPS" trainer.eval_every=0 data.val_size=8 rollout.eval_n_samples=1 data.prompts_per_step=8 \
