@@ -112,6 +112,7 @@ def test_train_rm_help_and_config_check(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--dry-run" in out and "preference.skip_malformed = False" in out
     assert "reward_model.normalize = 'none'" in out and "rollout.engine" not in out  # only the keys train_rm reads
+    assert "[reward_model.parallel]  layout of the reward model's ranks" in out  # not the policy's (ActorConfig's)
     assert main(["--config", str(QUICKSTART.with_name("rm_quickstart.yaml")), "--check-config"]) == 0
     assert capsys.readouterr().out == ("config ok: world_size=1 = tp 1 x pp 1 x cp 1 x dp 1; 3000 steps of 64 "
                                        "preference pairs\n")

@@ -125,6 +125,8 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig(ActorConfig):
+    parallel: ParallelConfig = section(ParallelConfig, "training layout of the critic")
+    optim: OptimConfig = section(OptimConfig, "optimizer of the critic")
     path: str = opt("", "the critic's HF directory; empty = the policy's (model.path) with a zero-initialised "
                         "value head")
     value_clip: float = opt(0.5, "PPO value clipping: new values stay within this of the values before the step; "
@@ -133,6 +135,9 @@ class CriticConfig(ActorConfig):
 
 @dataclass
 class RewardModelConfig(ActorConfig):
+    parallel: ParallelConfig = section(ParallelConfig, "layout of the reward model's ranks (training in "
+                                                       "python -m megarl.train_rm, scoring in RL)")
+    optim: OptimConfig = section(OptimConfig, "optimizer of the reward model (python -m megarl.train_rm)")
     path: str = opt("", "reward model HF directory (a value head, score.weight, read at the last token); empty = "
                         "the rule reward (reward.name). python -m megarl.train_rm writes the model it trains here "
                         "(empty: <trainer.output_dir>/reward_model)")
@@ -505,7 +510,8 @@ class Config(ConfigChecks):
     data: DataConfig = section(DataConfig, "prompts")
     reward: RewardConfig = section(RewardConfig, "reward")
     critic: CriticConfig = section(CriticConfig, "the critic (algorithm.advantage=gae): its own layout and optimizer")
-    reward_model: RewardModelConfig = section(RewardModelConfig, "a reward model (used when reward_model.path is set)")
+    reward_model: RewardModelConfig = section(RewardModelConfig, "a reward model: the one python -m megarl.train_rm "
+                                                                 "trains, or RL's (when reward_model.path is set)")
     agent: AgentConfig = section(AgentConfig, "multi-turn, tool-using rollouts")
     sft: SFTConfig = section(SFTConfig, "supervised warm start")
     preference: PreferenceConfig = section(PreferenceConfig, "preference pairs for reward-model training "
