@@ -48,8 +48,9 @@ import torch
 from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, RolloutEngine, SamplingParams, check_images,
                                  derive_seed)
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
-from megarl.rollout.sglang_images import image_item, request_image_data, vision_fields
-from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, json_loads, sglang_server
+from megarl.rollout.sglang_images import image_item, placeholder_ban, request_image_data, vision_fields
+from megarl.rollout.sglang_server import (Endpoint, SGLangError, SGLangServer, json_loads, sglang_server,
+                                          vision_language)
 from megarl.rollout.transports import cuda_ipc
 
 
@@ -116,7 +117,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.received: dict[str, torch.Tensor] = {}  # CPU copies of this sync's tensors, for verify_weights
         self.restarts = 0
         self.gate = GenerationGate()  # pauses generation at weight updates (partial rollouts)
-        self.vision: tuple[int, int] | None = None  # a vision-language model's image token id and spatial merge
+        # a vision-language model's image token id and spatial merge (sglang_images.py)
+        self.vision: tuple[int, int] | None = vision_fields(model_path) if vision_language(model_path) else None
 
     # ---- routing ----------------------------------------------------------------------------------
 
@@ -183,7 +185,8 @@ class SGLangRolloutEngine(RolloutEngine):
                 raise ValueError(f"{len(per_prompt)} {name} for {len(prompts)} prompts")
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids),
-                    "ignore_eos": params.ignore_eos, **self.sampling_overrides}
+                    "ignore_eos": params.ignore_eos, **(placeholder_ban(self.vision[0]) if self.vision else {}),
+                    **self.sampling_overrides}
         # deterministic mode: each response's seed from the call's seed, its prompt and its sample; without a seed,
         # a fresh one (SGLang would give every request its default seed: a prompt's n samples all alike)
         seed = (random.getrandbits(31) if params.seed is None else params.seed) if self.deterministic else None

@@ -20,6 +20,11 @@ them before SGLang's Qwen-VL processor runs.
 
 A batch request's image_data has one list per row: [item] for a row with images, [None] for a text-only one
 (GenerateReqInput._normalize_image_data reads a list of lists only when its first entry is a list).
+
+The image placeholder token is never sampled (as in the hf engine: a response placeholder would stand for image
+features the row does not have, and the trainer's M-RoPE ids refuse it): a logit bias bans it. SGLang adds the bias
+to the logits before it computes log-probs, so its log-probs are those of the distribution it samples from, the
+raw logits' minus log(1 - p(placeholder)): ~0 for a trained model, ~0.01 for a random one over ~100 tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 from megarl.rollout.base import ImageInputs
 
 TENSOR_KEY = "megarl_tensor"
+BANNED = -1e9  # the logit bias of a token never to be sampled (JSON carries no -inf)
 PROCESSOR_PACKAGE = "megarl.rollout.sglang_processors"  # SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE of a VL server
 
 
@@ -77,6 +83,11 @@ def image_item(input_ids: list[int], images: ImageInputs, image_token_id: int, m
     return {"format": "processor_output", "pixel_values": encode_tensor(images.pixel_values),
             "image_grid_thw": encode_tensor(images.image_grid_thw.long()), "mrope_positions": encode_tensor(positions),
             "mrope_position_delta": encode_tensor(torch.tensor([[delta]]))}
+
+
+def placeholder_ban(image_token_id: int) -> dict:
+    """Sampling parameters that keep SGLang from sampling the image placeholder token (module docstring)."""
+    return {"logit_bias": {str(image_token_id): BANNED}}
 
 
 def request_image_data(items: list[dict | None]) -> list[list] | None:

@@ -74,6 +74,7 @@ def test_generate_sends_one_item_per_row_and_none_for_text_rows(tmp_path):
         assert len(gens) == 4 and all(len(g.token_ids) == 3 for g in gens)
         (request,) = [e["body"] for e in log(engine.servers[0], "/generate")]
         assert request["input_ids"] == [text, text, ids, ids]  # the expanded ids as given: nothing re-tokenised
+        assert request["sampling_params"]["logit_bias"] == {str(IMAGE): -1e9}  # a placeholder is never sampled
         data = request["image_data"]
         assert data[:2] == [[None], [None]] and all(len(d) == 1 for d in data)
         for row in data[2:]:
@@ -84,6 +85,12 @@ def test_generate_sends_one_item_per_row_and_none_for_text_rows(tmp_path):
         assert "image_data" not in log(engine.servers[0], "/generate")[-1]["body"]  # text-only calls as before
     finally:
         engine.shutdown()
+    text_model = SGLangRolloutEngine("unused", colocated=False, launch=lambda i: fake_server(tmp_path))
+    try:
+        text_model.generate([[4, 5, 6]], SamplingParams(max_new_tokens=2))
+        assert "logit_bias" not in log(text_model.servers[0], "/generate")[-1]["body"]["sampling_params"]
+    finally:
+        text_model.shutdown()
 
 
 def test_vision_language_server_launch(tmp_path):
