@@ -32,7 +32,7 @@ if [[ " $PHASES " == *" grpo "* ]]; then
   if [ "$DEVICE" = cuda ]; then
     shape=3b engine=sglang
     devices=(trainer.device=cuda rollout.engine=sglang rollout.weight_delivery=full rollout.sglang_mem_fraction=0.3
-             "rollout.sglang_args=[--disable-cuda-graph]" trainer.sync_bucket_mb=1024)
+             trainer.sync_bucket_mb=1024)
   else
     shape=tiny engine=hf devices=(trainer.device=cpu rollout.engine=hf)
   fi
