@@ -11,9 +11,9 @@
 #           is exported (megarl.convert) and scored again by transformers' AutoModelForSequenceClassification.
 #   rl    - GRPO (configs/rm_grpo_quickstart.yaml: the reward is the reward model's score, normalised by its running
 #           mean and std) with that model as reward_model.path: frozen, on ranks and a layout of its own
-#           (reward_model.parallel), beside the policy (the same random shape) and a colocated SGLang server, the offload cycle on (the
-#           reward model's memory leaves the GPU during rollouts too). Per step: the reward model's time, the
-#           rule reward (never trained on) and the model's mean score, the step's time.
+#           (reward_model.parallel), beside the policy (the same random shape) and a colocated SGLang server, the
+#           offload cycle on (the reward model's memory leaves the GPU during rollouts too). Per step: the reward
+#           model's time, the rule reward (never trained on) and the model's mean score, the step's time.
 # PHASES="train rl" by default (rl needs train's model). DEVICE=cpu: the smoke test, tiny shapes and the hf rollout
 # engine (~4 min on 2 busy cores):  DEVICE=cpu OUT=/tmp/rm-smoke bash scripts/gpu/rm.sh
 set -uo pipefail
