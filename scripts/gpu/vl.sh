@@ -27,7 +27,7 @@ STEPS=${STEPS:-2}
 status=0
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ " $PHASES " == *" grpo "* ]]; then
-  RUN=$OUT/grpo
+  RUN=/tmp/megarl-vl-run-$$  # the model (6.8 GB at the 3B shape) stays off $OUT; logs and JSON are copied there
   rm -rf "$RUN"; mkdir -p "$RUN"
   if [ "$DEVICE" = cuda ]; then
     shape=3b engine=sglang
@@ -52,6 +52,7 @@ if [[ " $PHASES " == *" grpo "* ]]; then
   cp "$RUN/train/metrics.jsonl" "$RUN"/*.json "$OUT/" 2>/dev/null
   python3 benchmarks/vl_grpo.py table "$RUN" | tee "$OUT/grpo_table.md"
   status=$((status | PIPESTATUS[0]))
+  rm -rf "$RUN"
 fi
 if [[ " $PHASES " == *" model "* ]]; then
   shape=$([ "$DEVICE" = cuda ] && echo 3b || echo tiny)
