@@ -32,6 +32,7 @@ from megarl.config import load_config
 
 RECIPE = "configs/quickstart_vl.yaml"
 RUNS = ("images", "lr0", "blank")
+VISION_INIT_STD = 0.1  # as scripts/quickstart_vl.sh builds the model: features that differ between images
 
 
 def prepare(out: Path, seed: int) -> dict:
@@ -41,7 +42,7 @@ def prepare(out: Path, seed: int) -> dict:
 
     base = out / f"seed{seed}"
     if not (base / "model" / "config.json").exists():
-        build_tiny_vl_model(base / "model", seed=seed)
+        build_tiny_vl_model(base / "model", seed=seed, vision_init_std=VISION_INIT_STD)
     splits = {name: base / "shapes" / name / "prompts.jsonl" for name in ("train", "val", "train_blank", "val_blank")}
     if not all(p.exists() for p in splits.values()):
         splits = write_shapes_splits(base / "shapes", seed=seed)

@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 megarl_venv
 out=runs/quickstart_vl
-[ -f "$out/model/config.json" ] || python -m megarl.models.tiny_vl "$out/model"
+[ -f "$out/model/config.json" ] || python -m megarl.models.tiny_vl "$out/model" --vision-init-std 0.1
 [ -f "$out/shapes/val_blank/prompts.jsonl" ] || python -m megarl.data.shapes "$out/shapes"
 exec python -m megarl.train --config configs/quickstart_vl.yaml "$@"

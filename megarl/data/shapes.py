@@ -70,13 +70,15 @@ def write_shapes_prompts(out_dir: str | Path, rows: int, seed: int, grid: int = 
 SPLITS = {"train": 1, "val": 2}  # split -> seed offset: the held-out images are drawn apart from the training ones
 
 
-def write_shapes_splits(out_dir: str | Path, train_rows: int = 512, val_rows: int = 128, seed: int = 0) -> dict:
+def write_shapes_splits(out_dir: str | Path, train_rows: int = 512, val_rows: int = 128, seed: int = 0,
+                        max_count: int = 3) -> dict:
     """out_dir/{train,val}/prompts.jsonl and their blank-image twins out_dir/{train,val}_blank/ (the same prompts and
     answers); returns {split name: prompt file}. Every prompt has the same text, so the held-out split is a file of
     its own (data.val_task), not a hash split of one file."""
     rows = {"train": train_rows, "val": val_rows}
     return {f"{split}{'_blank' if blank else ''}": write_shapes_prompts(
-                Path(out_dir) / f"{split}{'_blank' if blank else ''}", rows[split], seed * 10 + offset, blank=blank)
+                Path(out_dir) / f"{split}{'_blank' if blank else ''}", rows[split], seed * 10 + offset,
+                max_count=max_count, blank=blank)
             for split, offset in SPLITS.items() for blank in (False, True)}
 
 
@@ -86,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", type=int, default=512, help="training rows")
     parser.add_argument("--val", type=int, default=128, help="held-out rows")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-count", type=int, default=3, help="answers are 0..max-count red squares")
     args = parser.parse_args(argv)
-    for split, path in write_shapes_splits(args.out_dir, args.train, args.val, args.seed).items():
+    for split, path in write_shapes_splits(args.out_dir, args.train, args.val, args.seed, args.max_count).items():
         print(f"{split}: {path}")
 
 
