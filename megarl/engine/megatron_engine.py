@@ -13,7 +13,6 @@ its TP/PP ranks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from functools import partial
 from typing import Callable, Iterator
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -33,13 +32,13 @@ from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.engine import checkpoint, context_parallel, finite, offload, output_positions, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
+from megarl.engine.options import optimizer_config, precision_dtype, with_engine_options
 from megarl.engine.packing import (IMAGE_INPUTS, align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
                                    reset_rotary_positions, sequence_lengths, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
 from megarl.models import get_family
 from megarl.models.decoder import decoder_block_spec, text_config
-from megarl.models.router import (expert_bias_update_options, expert_load_metrics, reset_expert_load,
-                                  restore_expert_biases, snapshot_expert_biases)
+from megarl.models.router import expert_load_metrics, reset_expert_load, restore_expert_biases, snapshot_expert_biases
 from megarl.parallel.stages import stage_layers
 from megarl.protocol import Batch
 
@@ -49,55 +48,6 @@ LOSSES = {"policy": "lm", "sft": "lm", "value": "value", "bradley_terry": "value
 # actor.packing=one_row without pipeline stages: each micro-batch's row is cut to its used length rounded up to
 # this (times the width multiple of SP / CP): little padding, and few distinct shapes for the kernels' caches.
 ONE_ROW_TRIM_MULTIPLE = 64
-
-
-def _with_engine_options(config, actor: ActorConfig):
-    """The family's TransformerConfig plus the engine's own options: sequence and context parallelism, virtual
-    pipeline, recompute."""
-    options = {}
-    if parallel_state.get_context_parallel_world_size() > 1:
-        options["context_parallel_size"] = parallel_state.get_context_parallel_world_size()
-    if actor.parallel.sequence_parallel and config.tensor_model_parallel_size > 1:  # TP=1: nothing to split
-        options["sequence_parallel"] = True
-    if actor.parallel.vpp > 1:
-        p = actor.parallel
-        stage_layers(config.num_layers, p.pp, p.pp_first_stage_layers, p.pp_last_stage_layers, p.vpp)
-        options["virtual_pipeline_model_parallel_size"] = actor.parallel.vpp
-        # Measured: on gloo, the interleaved schedule's batched isend/irecv hands later micro-batches the
-        # activations of earlier ones (training only); one-by-one p2p ops are correct. NCCL batches fine.
-        if dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) == "gloo":
-            options["batch_p2p_comm"] = False
-    if actor.recompute == "full":
-        options |= dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    elif actor.recompute == "selective":
-        options |= dict(recompute_granularity="selective", recompute_modules=actor.recompute_modules or ["core_attn"])
-    elif actor.recompute != "none":
-        raise ValueError(f"recompute={actor.recompute!r}: expected none, full or selective")
-    if actor.moe_router_bias_update_rate:
-        options |= expert_bias_update_options(config, actor.moe_router_bias_update_rate)
-    return dataclasses.replace(config, **options) if options else config
-
-
-def _optimizer_config(actor: ActorConfig, params_dtype: torch.dtype, device: torch.device) -> OptimizerConfig:
-    """megatron's Adam (AdamW: decoupled weight decay) over the role's optim section, optionally distributed over
-    DP and with its state in host memory (actor.optimizer_cpu_offload)."""
-    o = actor.optim
-    if actor.optimizer_cpu_offload and not actor.use_distributed_optimizer:
-        raise ValueError("optimizer_cpu_offload needs use_distributed_optimizer (megatron offloads the distributed "
-                         "optimizer's state)")
-    # On the CPU the state is in host memory already (and megatron's HybridDeviceOptimizer moves GPU tensors only).
-    offload = actor.optimizer_cpu_offload and device.type == "cuda"
-    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                           clip_grad=o.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-                           use_distributed_optimizer=actor.use_distributed_optimizer, optimizer_cpu_offload=offload,
-                           optimizer_offload_fraction=actor.optimizer_offload_fraction if offload else 0.0)
-
-
-def _params_dtype(precision: str, device: str) -> torch.dtype:
-    if precision == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
 class MegatronEngine:
@@ -123,14 +73,14 @@ class MegatronEngine:
         family = self.family = get_family(self.hf_config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        self.params_dtype = _params_dtype(actor.precision, device)
+        self.params_dtype = precision_dtype(actor.precision, device)
         config = family.transformer_config(self.hf_config, tp, pp, self.params_dtype,
                                            use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size(),
                                            etp=parallel_state.get_expert_tensor_parallel_world_size(),
                                            first_stage_layers=actor.parallel.pp_first_stage_layers,
                                            last_stage_layers=actor.parallel.pp_last_stage_layers)
-        config = _with_engine_options(config, actor)
+        config = with_engine_options(config, actor)
         self.core_attention = resolve_core_attention(actor.attention, device, config.context_parallel_size)
         def spec(layer: int):  # each layer's spec by its global index (DeepSeek: dense layers, then MoE)
             return with_core_attention(family.layer_spec(self.hf_config, layer), self.core_attention)
@@ -177,7 +127,7 @@ class MegatronEngine:
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = [m.no_sync for m in self.models] if len(self.models) > 1 else self.model.no_sync
 
-        self.optimizer = get_megatron_optimizer(_optimizer_config(actor, self.params_dtype, self.device), self.models)
+        self.optimizer = get_megatron_optimizer(optimizer_config(actor, self.params_dtype, self.device), self.models)
         o = actor.optim
         # Advanced once per policy train() call (one RL step), so warmup/decay count RL steps.
         self.scheduler = OptimizerParamScheduler(
