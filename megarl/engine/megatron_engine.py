@@ -39,7 +39,6 @@ from megarl.engine.value_head import WithValueHead, attach_value_head, value_wei
 from megarl.models import get_family
 from megarl.models.decoder import decoder_block_spec, text_config
 from megarl.models.router import expert_load_metrics, reset_expert_load, restore_expert_biases, snapshot_expert_biases
-from megarl.parallel.stages import stage_layers
 from megarl.protocol import Batch
 
 
