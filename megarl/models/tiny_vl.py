@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vision-init-std", type=float, default=0.0, help="the tower's matrices' std (0: transformers')")
+    parser.add_argument("--vision-init-std", type=float, default=0.0,
+                        help="the tower's matrices' std (0: transformers')")
     args = parser.parse_args(argv)
     print(build_tiny_vl_model(args.out_dir, args.hidden_size, args.layers, args.seed,
                               vision_init_std=args.vision_init_std))
