@@ -359,6 +359,13 @@ class DataConfig:
     system_prompt: str = opt("", "with chat_template: a system message put before each prompt; empty = none")
     skip_malformed: bool = opt(False, "prompt files: skip (and count) malformed rows instead of stopping with an "
                                       "error that names the file and row")
+    prompt_key: str = opt("prompt", "prompt files: the field that holds the prompt (a string or chat messages), e.g. "
+                                    "problem for Geometry3K's HF layout")
+    min_pixels: int = opt(0, "prompt rows with images: each image is resized to at least this many pixels (sides "
+                             "multiples of patch_size x merge_size, as transformers' smart_resize); 0 = the model "
+                             "directory's preprocessor_config.json")
+    max_pixels: int = opt(0, "prompt rows with images: each image is resized to at most this many pixels (fewer "
+                             "pixels, fewer image tokens); 0 = the model directory's preprocessor_config.json")
 
 
 @dataclass

@@ -178,6 +178,12 @@ class ConfigChecks:
         r = self.reward
         if not r.name and self.data.task.endswith((".jsonl", ".parquet")):
             raise ConfigError(f"data.task={self.data.task!r} is a prompt file: set reward.name (e.g. gsm8k, math)")
+        d = self.data
+        if d.min_pixels < 0 or d.max_pixels < 0 or 0 < d.max_pixels < d.min_pixels:
+            raise ConfigError(f"data.min_pixels={d.min_pixels}, data.max_pixels={d.max_pixels}: must be >= 0 (0 = the "
+                              "model directory's) with min_pixels <= max_pixels")
+        if not d.prompt_key:
+            raise ConfigError("data.prompt_key is empty: name the prompt files' prompt field (default: prompt)")
         if r.name == "remote" and not r.remote_url:
             raise ConfigError("reward.name=remote needs reward.remote_url")
         if r.code_sandbox not in ("auto", "bwrap", "namespaces", "rlimits"):

@@ -134,8 +134,9 @@ class PromptDataset(EpochOrder):
 def encode_prompt(example: dict, tokenizer, chat_template: bool, system_prompt: str, image_prompts,
                   where: str) -> dict:
     """The example with 'prompt' rendered and 'prompt_ids'; a row with images also 'pixel_values' and
-    'image_grid_thw' (megarl.data.images.image_examples)."""
-    if not example.get("images"):
+    'image_grid_thw' (megarl.data.images.image_examples, which every row of a vision-language run goes through: a
+    row whose `<image>` markers outnumber its images, e.g. one whose image is missing, is named there)."""
+    if not example.get("images") and image_prompts is None:
         text = render_prompt(tokenizer, example["prompt"], chat_template, system_prompt)
         return dict(example, prompt=text, prompt_ids=encode(tokenizer, text))
     if image_prompts is None:
@@ -172,23 +173,23 @@ def unencodable_characters(tokenizer, text: str, ids: list[int]) -> str:
                    if c != " " and c not in decoded and unicodedata.normalize("NFKC", c) not in decoded)
 
 
-def prompt_problem(record: dict) -> str | None:
-    """What is wrong with a prompt record, or None. A record has 'prompt' (a string, or a list of chat
-    messages {'role', 'content'}) and 'answer' (a string or number; verl's layout, with the answer in
+def prompt_problem(record: dict, key: str = "prompt") -> str | None:
+    """What is wrong with a prompt record, or None. A record has its prompt in field `key` (a string, or a list of
+    chat messages {'role', 'content'}) and 'answer' (a string or number; verl's layout, with the answer in
     'reward_model': {'ground_truth': ...}, is read too)."""
-    prompt = record.get("prompt")
+    prompt = record.get(key)
     if isinstance(prompt, list):
         if not prompt:
-            return "field 'prompt' is an empty list of chat messages"
+            return f"field {key!r} is an empty list of chat messages"
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                    and isinstance(m.get("content"), str) for m in prompt):
-            return "field 'prompt' is a list but not of chat messages {'role': str, 'content': str}"
+            return f"field {key!r} is a list but not of chat messages {{'role': str, 'content': str}}"
         if not any(m["content"].strip() for m in prompt if m["role"] != "system"):
-            return "field 'prompt' is empty: no chat message but a system one has any content"
+            return f"field {key!r} is empty: no chat message but a system one has any content"
     elif not isinstance(prompt, str):
-        return f"field 'prompt' must be a string or a list of chat messages, got {prompt!r}"
+        return f"field {key!r} must be a string or a list of chat messages, got {prompt!r}"
     elif not prompt.strip():
-        return f"field 'prompt' is empty ({prompt!r})"
+        return f"field {key!r} is empty ({prompt!r})"
     answer = record_answer(record)
     if not isinstance(answer, str):
         return f"field 'answer' must be a string, got {answer!r}"
@@ -204,8 +205,10 @@ def record_answer(record: dict):
     return answer
 
 
-def load_prompt_file(path: str | Path, skip_malformed: bool = False, skipped: list[str] | None = None) -> list[dict]:
-    """Examples {'prompt', 'answer', ...} from a .jsonl or .parquet prompt file (see prompt_problem).
+def load_prompt_file(path: str | Path, skip_malformed: bool = False, skipped: list[str] | None = None,
+                     prompt_key: str = "prompt") -> list[dict]:
+    """Examples {'prompt', 'answer', ...} from a .jsonl or .parquet prompt file whose rows hold the prompt in field
+    `prompt_key` (data.prompt_key; see prompt_problem).
 
     A malformed row (not valid UTF-8 or JSON, an empty prompt, no answer) raises an InputError naming the
     file and row; with skip_malformed it is skipped, the number skipped is logged, and each skipped row's
@@ -214,10 +217,11 @@ def load_prompt_file(path: str | Path, skip_malformed: bool = False, skipped: li
     examples, problems = [], []
     for row, record in iter_records(path):
         problem = str(record) if isinstance(record, MalformedRow) else None
-        if problem is None and (reason := prompt_problem(record)):
+        if problem is None and (reason := prompt_problem(record, prompt_key)):
             problem = str(MalformedRow(path, row, reason))
         if problem is None:
-            examples.append(Example(record, f"{path}, row {row}", Path(path).parent, answer=record_answer(record)))
+            examples.append(Example(record, f"{path}, row {row}", Path(path).parent, prompt=record[prompt_key],
+                                    answer=record_answer(record)))
         elif skip_malformed:
             problems.append(problem)
         else:

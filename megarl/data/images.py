@@ -79,7 +79,8 @@ def with_image_slots(prompt: str | list[dict], count: int) -> str | list[dict]:
 
 class ImagePrompts:
     """The model directory's image processor and the tokenizer's vision tokens: rendered prompt text + images ->
-    expanded token ids, pixel_values, image_grid_thw."""
+    expanded token ids, pixel_values, image_grid_thw. `min_pixels` / `max_pixels` (data.min_pixels / data.max_pixels)
+    bound each resized image; 0 keeps the directory's bound."""
 
     def __init__(self, model_dir: str | Path, tokenizer, min_pixels: int = 0, max_pixels: int = 0):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -87,10 +88,17 @@ class ImagePrompts:
         if not (Path(model_dir) / "preprocessor_config.json").exists():
             raise InputError(f"{model_dir}: no preprocessor_config.json (the image processor of a vision-language "
                              "model)")
-        size = {k: v for k, v in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)) if v}
-        self.processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir), **({"size": size} if size else {}))
-        self.tokenizer = tokenizer
+        self.processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
         self.merge = self.processor.merge_size
+        size = self.processor.size  # the directory's bounds (its min_pixels / max_pixels or size)
+        self.min_pixels, self.max_pixels = min_pixels or size.shortest_edge, max_pixels or size.longest_edge
+        # smart_resize makes each side a multiple of patch_size * merge_size and keeps at least one such square
+        square = (self.processor.patch_size * self.merge) ** 2
+        if not square <= self.max_pixels >= self.min_pixels:
+            raise InputError(f"data.min_pixels={self.min_pixels}, data.max_pixels={self.max_pixels} (0 = {model_dir}'s "
+                             f"preprocessor_config.json): max_pixels must be >= min_pixels and >= {square} (one "
+                             "merged patch, (patch_size * merge_size)^2)")
+        self.tokenizer = tokenizer
         ids = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
         if tokenizer.unk_token_id in ids or None in ids:
             raise InputError(f"{model_dir}: the tokenizer has no {VISION_START} / {IMAGE_PAD} / {VISION_END} tokens")
@@ -102,7 +110,8 @@ class ImagePrompts:
         slots = ids.count(self.image_token_id)
         if slots != len(images):
             raise InputError(f"{where}: the rendered prompt has {slots} image slots for {len(images)} images")
-        out = self.processor(images=images, return_tensors="pt")
+        out = self.processor(images=images, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
+                             return_tensors="pt")
         grids = out["image_grid_thw"]
         counts = iter((grids.prod(-1) // self.merge ** 2).tolist())
         expanded = []

@@ -88,7 +88,7 @@ def image_prompts(cfg, tokenizer, examples: list[dict]):
     from megarl.data.images import ImagePrompts
 
     try:
-        return ImagePrompts(cfg.model.path, tokenizer)
+        return ImagePrompts(cfg.model.path, tokenizer, cfg.data.min_pixels, cfg.data.max_pixels)
     except InputError as e:
         raise InputError(f"data.task={cfg.data.task} has prompt rows with images, but model.path={cfg.model.path} "
                          f"takes none: {e}") from None

@@ -130,14 +130,14 @@ def load_examples(data_cfg, seed: int, skipped: list[str] | None = None) -> tupl
         train = task_examples(task, min(TRAIN_POOL, (task.num_prompts() or 2 * TRAIN_POOL) // 2), seed, "train")
         val = [] if data_cfg.val_task else task_examples(task, data_cfg.val_size, seed, "val")
     elif data_cfg.task.endswith((".jsonl", ".parquet")):
-        rows = load_prompt_file(data_cfg.task, skip, skipped)
+        rows = load_prompt_file(data_cfg.task, skip, skipped, data_cfg.prompt_key)
         train = rows if data_cfg.val_task else [r for r in rows if split_of(prompt_key(r)) == "train"]
         val = [] if data_cfg.val_task else [r for r in rows if split_of(prompt_key(r)) == "val"]
     else:
         raise ValueError(f"data.task={data_cfg.task!r}: expected a built-in task ({', '.join(TASKS)}) "
                          f"or a .jsonl/.parquet prompt file")
     if data_cfg.val_task:
-        val = load_prompt_file(data_cfg.val_task, skip, skipped)
+        val = load_prompt_file(data_cfg.val_task, skip, skipped, data_cfg.prompt_key)
     if not train or not val:
         raise ValueError(f"data.task={data_cfg.task!r} gives {len(train)} training and {len(val)} validation "
                          f"examples; both must be non-empty (set data.val_task for a small prompt file)")
