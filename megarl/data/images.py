@@ -94,7 +94,7 @@ class ImagePrompts:
         self.min_pixels, self.max_pixels = min_pixels or size.shortest_edge, max_pixels or size.longest_edge
         # smart_resize makes each side a multiple of patch_size * merge_size and keeps at least one such square
         square = (self.processor.patch_size * self.merge) ** 2
-        if not square <= self.max_pixels >= self.min_pixels:
+        if self.max_pixels < max(square, self.min_pixels):
             raise InputError(f"data.min_pixels={self.min_pixels}, data.max_pixels={self.max_pixels} (0 = {model_dir}'s "
                              f"preprocessor_config.json): max_pixels must be >= min_pixels and >= {square} (one "
                              "merged patch, (patch_size * merge_size)^2)")
