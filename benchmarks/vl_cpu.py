@@ -1,17 +1,19 @@
-"""Does vision-language GRPO learn from the images? Issue 23's CPU evidence, on configs/quickstart_vl.yaml:
+"""Does vision-language GRPO learn from the images? Issue 23's CPU evidence, on configs/quickstart_vl.yaml
+(--task count: "How many red squares?") or configs/quickstart_vl_colour.yaml (--task colour: "What colour is the
+shape?"):
 
-  images   the recipe: RL on the shapes images ("How many red squares?"), held out on other images
+  images   the recipe: RL on the shapes images, held out on other images
   lr0      the same with actor.optim.lr=0: the warm start's held-out reward, unchanged by RL
   blank    the blank-image ablation: the same prompts and answers, every image white (train and held out), so only
-           what text alone allows can be learned: answering the most frequent count (the `text-only best` column)
+           what text alone allows can be learned: answering the most frequent answer (the `text-only best` column)
 
-    python -m benchmarks.vl_cpu [--seeds 0 1 2] [--out runs/vl_cpu] [key=value ...]
+    python -m benchmarks.vl_cpu [--task count|colour] [--seeds 0 1 2] [--out runs/vl_cpu] [key=value ...]
     python -m benchmarks.vl_cpu --table --out runs/vl_cpu       # the table of finished runs
 
 Per seed: one tiny random Qwen2.5-VL (megarl/models/tiny_vl.py, the seed's) and one set of shapes prompt files
 (megarl/data/shapes.py, the seed's), shared by the three runs; trainer.seed is the seed too. Every run has the same
 warm start (supervised on the blank-image twins of the training prompts: the answer format and the answers' spread,
-not counting) and the same held-out draws. Each run is `python -m megarl.train` in a process of its own, one after
+nothing from the images) and the same held-out draws. Each run is `python -m megarl.train` in a process of its own, one after
 the other; a run whose metrics.jsonl has its last step's held-out reward is read, not redone. Extra key=value
 arguments go to every run. Prints a table last (held-out mean@4 before RL and after the last step, per run and
 seed); writes OUT/vl_cpu.json. Not part of the test suite: minutes per run on two cores.
@@ -30,12 +32,12 @@ from pathlib import Path
 
 from megarl.config import load_config
 
-RECIPE = "configs/quickstart_vl.yaml"
+RECIPES = {"count": "configs/quickstart_vl.yaml", "colour": "configs/quickstart_vl_colour.yaml"}
 RUNS = ("images", "lr0", "blank")
 VISION_INIT_STD = 0.1  # as scripts/quickstart_vl.sh builds the model: features that differ between images
 
 
-def prepare(out: Path, seed: int) -> dict:
+def prepare(out: Path, seed: int, task: str) -> dict:
     """The seed's model directory and prompt files (written once)."""
     from megarl.data.shapes import write_shapes_splits
     from megarl.models.tiny_vl import build_tiny_vl_model
@@ -45,7 +47,7 @@ def prepare(out: Path, seed: int) -> dict:
         build_tiny_vl_model(base / "model", seed=seed, vision_init_std=VISION_INIT_STD)
     splits = {name: base / "shapes" / name / "prompts.jsonl" for name in ("train", "val", "train_blank", "val_blank")}
     if not all(p.exists() for p in splits.values()):
-        splits = write_shapes_splits(base / "shapes", seed=seed)
+        splits = write_shapes_splits(base / "shapes", seed=seed, task=task)
     return {"model": base / "model", **splits}
 
 
@@ -95,6 +97,7 @@ def table(out: Path, seeds: list[int], steps: int) -> tuple[str, dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--task", choices=sorted(RECIPES), default="count", help="the shapes task and its recipe")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     p.add_argument("--out", default="runs/vl_cpu")
@@ -102,10 +105,11 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value for every run")
     args = p.parse_args(argv)
     out = Path(args.out)
-    steps = load_config(RECIPE, args.overrides).trainer.steps
+    recipe = RECIPES[args.task]
+    steps = load_config(recipe, args.overrides).trainer.steps
     if not args.table:
         for seed in args.seeds:
-            files = prepare(out, seed)
+            files = prepare(out, seed, args.task)
             for run in args.runs:
                 if steps in held_out(out, seed, run):
                     continue
@@ -114,7 +118,7 @@ def main(argv=None) -> int:
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
                 start = time.perf_counter()
                 with open(run_dir / "run.log", "w") as log:
-                    code = subprocess.call([sys.executable, "-m", "megarl.train", "--config", RECIPE,
+                    code = subprocess.call([sys.executable, "-m", "megarl.train", "--config", recipe,
                                             *overrides(run, seed, files, out), *args.overrides],
                                            stdout=log, stderr=subprocess.STDOUT)
                 (run_dir / "seconds.txt").write_text(f"{time.perf_counter() - start:.0f}\n")

@@ -112,3 +112,19 @@ def test_shapes_task_answers_are_the_red_squares_and_blank_images_carry_none(tmp
         assert int(cells[:, :, 2:6, 2:6].all((-1, -2)).sum()) == answer
         assert ex["image_grid_thw"].tolist() == [[1, 12, 12]]  # 24x24 pixels, 2x2 patches
     assert all((np.asarray(Image.open(blank.parent / f"image_{i:05d}.png")) == 255).all() for i in range(12))
+
+
+def test_colour_task_answers_are_the_colour_of_the_image_and_bad_task_is_named(tmp_path):
+    import numpy as np
+
+    from megarl.data.shapes import COLOURS, WHITE, write_shapes_prompts
+
+    path = write_shapes_prompts(tmp_path / "colour", rows=12, seed=0, task="colour")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["answer"] for r in rows} == {"R", "G", "B"}
+    for row in rows:
+        pixels = np.asarray(Image.open(path.parent / row["images"][0]))
+        assert (pixels[12, 12] == COLOURS[row["answer"]]).all() and (pixels[0, 0] == WHITE).all()
+        assert (pixels[4:20, 4:20] == COLOURS[row["answer"]]).all()  # all but a half-cell border
+    with pytest.raises(ValueError, match="shapes task 'size'"):
+        write_shapes_prompts(tmp_path / "bad", rows=1, seed=0, task="size")
