@@ -44,22 +44,20 @@ def isolation_hint(name: str, problem: str) -> str:
 
 
 class _Worker:
-    """One worker process and the socket to it; `index`/`started`: the call it runs, if any."""
+    """One worker process, the socket to it and a descriptor that is readable once the process has exited (its
+    socket may outlive it in a process it forked); `index`/`started`: the call it runs, if any."""
 
     def __init__(self, payload: bytes):
         ours, theirs = socket.socketpair()
         self.process = subprocess.Popen([sys.executable, "-m", "megarl.rewards.worker", str(theirs.fileno())],
                                         pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
+        self.exited = os.pidfd_open(self.process.pid)
         self.conn = Connection(ours.detach())
         self.conn.send((sys.path, payload))  # the path: a reward's module must import there as it does here
         self.ready, self.born = False, time.monotonic()
         self.index: int | None = None
         self.started = 0.0
-
-    def send(self, index: int, sample: dict) -> None:
-        self.index, self.started = index, time.monotonic()
-        self.conn.send((index, sample))
 
     def kill(self) -> None:
         try:
@@ -68,6 +66,7 @@ class _Worker:
             pass
         self.process.wait()
         self.conn.close()
+        os.close(self.exited)
 
 
 def _kill_all(workers: list[_Worker]) -> None:
@@ -95,57 +94,95 @@ class RewardPool:
     def run_calls(self, samples: list[dict], timeout_s: float | None, num_workers: int,
                   deadline: float | None) -> list:
         """One outcome per sample (a reward, or the exception that failed it), at most num_workers calls at once."""
+        with self.lock:
+            try:
+                return self._run_calls(samples, timeout_s, num_workers, deadline)
+            except BaseException:  # a worker's late answer must not be taken for a call of the next batch
+                _kill_all(self.workers)
+                raise
+
+    def _run_calls(self, samples: list[dict], timeout_s: float | None, num_workers: int,
+                   deadline: float | None) -> list:
         outcomes: list = [None] * len(samples)
         following = 0
-        with self.lock:
-            while len(self.workers) < min(num_workers, len(samples)):
-                self.workers.append(_Worker(self.payload))
-            while following < len(samples) or any(w.index is not None for w in self.workers):
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    for worker in [w for w in self.workers if w.index is not None]:
-                        outcomes[worker.index] = batch_timeout(started=True)
-                        self._replace(worker)
-                    for i in range(following, len(samples)):
-                        outcomes[i] = batch_timeout(started=False)
-                    break
-                for worker in self.workers:
-                    if worker.ready and worker.index is None and following < len(samples):
-                        worker.send(following, samples[following])
-                        following += 1
-                    elif worker.index is not None and timeout_s and now - worker.started >= timeout_s:
-                        outcomes[worker.index] = call_timeout(timeout_s)
-                        self._replace(worker)
-                    elif not worker.ready and now - worker.born > STARTUP_TIMEOUT_S:
-                        raise RewardIsolationError(f"a reward process for {self.__name__!r} did not start within "
-                                                   f"{STARTUP_TIMEOUT_S:g} s")
-                ends = [w.started + timeout_s for w in self.workers if w.index is not None and timeout_s]
-                ends += [w.born + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
-                ends += [deadline] if deadline is not None else []
-                for conn in wait([w.conn for w in self.workers], max(min(ends) - now, 0.001) if ends else None):
-                    self._receive(next(w for w in self.workers if w.conn is conn), outcomes)
+        while len(self.workers) < min(num_workers, len(samples)):
+            self.workers.append(_Worker(self.payload))
+        while following < len(samples) or any(w.index is not None for w in self.workers):
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                for worker in [w for w in self.workers if w.index is not None]:
+                    outcomes[worker.index] = batch_timeout(started=True)
+                    self._replace(worker)
+                for i in range(following, len(samples)):
+                    outcomes[i] = batch_timeout(started=False)
+                break
+            for worker in list(self.workers):
+                if worker.ready and worker.index is None and following < len(samples):
+                    self._send(worker, following, samples[following], outcomes)
+                    following += 1
+                elif worker.index is not None and timeout_s and now - worker.started >= timeout_s:
+                    outcomes[worker.index] = call_timeout(timeout_s)
+                    self._replace(worker)
+                elif not worker.ready and now - worker.born > STARTUP_TIMEOUT_S:
+                    raise RewardIsolationError(f"a reward process for {self.__name__!r} did not start within "
+                                               f"{STARTUP_TIMEOUT_S:g} s")
+            ends = [w.started + timeout_s for w in self.workers if w.index is not None and timeout_s]
+            ends += [w.born + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
+            ends += [deadline] if deadline is not None else []
+            waits = {w.conn: w for w in self.workers} | {w.exited: w for w in self.workers}
+            for ready in wait(list(waits), max(min(ends) - now, 0.001) if ends else None):
+                worker = waits[ready]
+                if worker not in self.workers:  # both its socket and its exit were ready: handled once
+                    continue
+                if ready is worker.conn or worker.conn.poll():  # an answer sent before it exited comes first
+                    self._receive(worker, outcomes)
+                else:
+                    self._lost(worker, outcomes)
         return outcomes
+
+    def _send(self, worker: _Worker, index: int, sample: dict, outcomes: list) -> None:
+        # pickled by value: Connection.send would pass a torch tensor as shared memory, which only a multiprocessing
+        # child can fetch (a worker has another authkey: "digest received was wrong")
+        try:
+            data = pickle.dumps(sample)
+        except Exception as e:  # a field holding a lock, a generator, a local function
+            outcomes[index] = RewardCallError(f"the sample cannot be sent to a reward process ({type(e).__name__}: "
+                                              f"{e})")
+            return
+        worker.index, worker.started = index, time.monotonic()
+        try:
+            worker.conn.send_bytes(data)
+        except OSError:  # the process died while idle (killed from outside)
+            self._lost(worker, outcomes)
 
     def _receive(self, worker: _Worker, outcomes: list) -> None:
         try:
-            message = worker.conn.recv()
-        except (EOFError, OSError):  # the process died: os._exit or a crash in the reward, or killed from outside
-            status = worker.process.wait()
-            if not worker.ready:
-                raise RewardIsolationError(f"a reward process for {self.__name__!r} exited with status {status} "
-                                           "while starting") from None
-            if worker.index is not None:
-                outcomes[worker.index] = RewardCallError(f"the reward process exited with status {status} during "
-                                                         "the call")
-            self._replace(worker)
+            data = worker.conn.recv_bytes()
+        except (EOFError, OSError):  # the process died, or closed its socket and runs on
+            self._lost(worker, outcomes)
             return
+        try:
+            message = pickle.loads(data)
+        except Exception as e:  # an exception raised by the reward that pickles there but does not unpickle here
+            message = RewardCallError(f"the reward process's answer does not unpickle ({type(e).__name__}: {e})")
         if not worker.ready:
             worker.ready, problem = True, message
             if problem is not None:  # the function did not unpickle there
                 raise RewardIsolationError(isolation_hint(self.__name__, problem))
             return
-        index, outcome = message
-        outcomes[index], worker.index = outcome, None
+        outcomes[worker.index], worker.index = message, None
+
+    def _lost(self, worker: _Worker, outcomes: list) -> None:
+        """The worker exited (os._exit or a crash in the reward, killed from outside) or closed its socket: the
+        call it ran fails; it is replaced."""
+        self._replace(worker)  # killed with what it started: a process it forked may hold its socket open
+        status = worker.process.returncode
+        if not worker.ready:
+            raise RewardIsolationError(f"a reward process for {self.__name__!r} exited with status {status} "
+                                       "while starting")
+        if worker.index is not None:
+            outcomes[worker.index] = RewardCallError(f"the reward process exited with status {status} during "
+                                                     "the call")
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()

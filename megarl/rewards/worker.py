@@ -1,9 +1,10 @@
 """A reward process (pool.py): `python -m megarl.rewards.worker FD`, FD a socket to the driver.
 
 It receives the driver's sys.path and the pickled reward function, answers None when the function is
-loaded (or the reason it is not), then for each (index, sample) answers (index, reward or exception),
-until the driver closes the socket. A reward's exception is sent as a RewardCallError with its text and
-where it was raised (the exception itself may not unpickle in the driver).
+loaded (or the reason it is not), then for each sample (pickled by value, as the answer) answers the reward
+or the exception that failed it, until the driver closes the socket. A reward's exception is sent as a
+RewardCallError with its text and where it was raised (the exception itself may not unpickle in the driver);
+a sample that does not unpickle here fails alone, the process goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ def portable(error: Exception) -> Exception:
     return RewardCallError(f"{type(error).__name__}: {error}{at}")
 
 
+def answer(outcome) -> bytes:
+    """The pickled outcome, or the error that it cannot be pickled (one of megarl's errors holding an object)."""
+    try:
+        return pickle.dumps(outcome)
+    except Exception as e:
+        return pickle.dumps(RewardCallError(f"the reward's outcome cannot be sent back ({type(e).__name__}: {e}): "
+                                            f"{type(outcome).__name__}"))
+
+
 def exit_with_the_driver(driver: int) -> None:
     """Once the driver is gone (killed, so it could not kill us), end this process group: a call stuck in C
     that releases the GIL (sleeps, ctypes, I/O) would otherwise keep it running."""
@@ -49,14 +59,19 @@ def main(fd: int) -> None:
     conn.send(None)
     while True:
         try:
-            index, sample = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:
             return
         try:
-            outcome = call_reward(fn, sample)
-        except Exception as e:  # the sample fails, the process goes on
-            outcome = portable(e)
-        conn.send((index, outcome))
+            sample = pickle.loads(data)
+        except Exception as e:  # e.g. a field of a class that does not import here: the sample fails, not the process
+            outcome = RewardCallError(f"the sample does not unpickle in the reward process ({type(e).__name__}: {e})")
+        else:
+            try:
+                outcome = call_reward(fn, sample)
+            except Exception as e:  # the sample fails, the process goes on
+                outcome = portable(e)
+        conn.send_bytes(answer(outcome))
 
 
 if __name__ == "__main__":
