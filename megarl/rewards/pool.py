@@ -126,6 +126,8 @@ class RewardPool:
                 elif not worker.ready and now - worker.born > STARTUP_TIMEOUT_S:
                     raise RewardIsolationError(f"a reward process for {self.__name__!r} did not start within "
                                                f"{STARTUP_TIMEOUT_S:g} s")
+            if following < len(samples) and any(w.ready and w.index is None for w in self.workers):
+                continue  # a sample that could not be sent left its worker free
             ends = [w.started + timeout_s for w in self.workers if w.index is not None and timeout_s]
             ends += [w.born + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
             ends += [deadline] if deadline is not None else []

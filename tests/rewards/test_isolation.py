@@ -2,6 +2,8 @@
 killed and replaced, so a reward stuck where no signal reaches costs a sample, not the run."""
 
 import os
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ import pytest
 from megarl.config import RewardConfig
 from megarl.rewards import build_reward, score
 from megarl.rewards.pool import RewardIsolationError
+from megarl.rewards.scoring import RewardCallError, _alarm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,3 +147,119 @@ def test_a_killed_driver_leaves_no_reward_process_running():
         time.sleep(0.2)
     os.kill(worker, 9)
     pytest.fail(f"reward process {worker} still ran 30 s after its driver was killed")
+
+
+# A worker's failure fails its sample, never hangs the driver: each test would have hung (the guard fails it), stopped
+# the run with the worker's exception, or (tensors) failed every sample at a process start each.
+HANG_GUARD_S = 30.0
+
+
+def process_id(response, answer, sample):
+    return float(os.getpid())
+
+
+def tensor_sum(response, answer, sample):
+    return float(sample["weights"].sum())
+
+
+def test_a_sample_with_a_tensor_reaches_the_reward_process_by_value():
+    import torch
+
+    reward = build_reward(RewardConfig(name=f"{__name__}:tensor_sum"))
+    with _alarm(HANG_GUARD_S, TimeoutError("hung")):
+        scores = score([{"response": "", "answer": "", "weights": torch.arange(4.0) * i} for i in (1, 2)], reward)
+    assert (scores.rewards, scores.failed) == ([6.0, 12.0], 0)
+
+
+def test_a_sample_that_does_not_unpickle_in_the_reward_process_fails_alone():
+    reward = build_reward(RewardConfig(name=f"{__name__}:process_id"))
+    batch = [{"response": "", "answer": "", "field": field} for field in (1, only_here, 2)]
+    with _alarm(HANG_GUARD_S, TimeoutError("hung")):
+        scores = score(batch, reward)
+    assert [f.index for f in scores.failures] == [1]
+    assert str(scores.failures[0].error) == ("the sample does not unpickle in the reward process (ImportError: No "
+                                             "module named 'my_driver_script')")
+    assert scores.rewards[0] == scores.rewards[2] != os.getpid()  # the same process went on
+
+
+def test_a_sample_that_cannot_be_pickled_fails_alone_and_the_next_batch_runs():
+    reward = build_reward(RewardConfig(name=f"{__name__}:process_id"))
+    with _alarm(HANG_GUARD_S, TimeoutError("hung")):
+        scores = score([{"response": "", "answer": "", "lock": lock} for lock in (1, threading.Lock(), 2)], reward)
+        assert [(f.index, str(f.error)) for f in scores.failures] == [
+            (1, "the sample cannot be sent to a reward process (TypeError: cannot pickle '_thread.lock' object)")]
+        assert score([{"response": "", "answer": ""}], reward).failed == 0
+
+
+class TwoPartError(RewardCallError):
+    def __init__(self, what, why):  # pickles, but unpickles as TwoPartError(message): a TypeError
+        super().__init__(f"{what}: {why}")
+
+
+def raise_two_part_error(response, answer, sample):
+    raise TwoPartError("parse", answer)
+
+
+def test_an_answer_that_does_not_unpickle_in_the_driver_fails_its_sample():
+    reward = build_reward(RewardConfig(name=f"{__name__}:raise_two_part_error"))
+    with _alarm(HANG_GUARD_S, TimeoutError("hung")):
+        scores = score([{"response": "", "answer": "x"}], reward)
+        assert str(scores.failures[0].error).startswith("the reward process's answer does not unpickle (TypeError: ")
+        assert score([{"response": "", "answer": "y"}], reward).failed == 1  # the pool goes on
+
+
+def exit_leaving_a_child(response, answer, sample):
+    if os.fork() == 0:  # the child holds the worker's socket open: only the worker's exit says it died
+        with open(sample["pid_file"], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(60)
+        os._exit(0)
+    while not os.path.exists(sample["pid_file"]):
+        time.sleep(0.01)
+    os._exit(3)
+
+
+def test_a_reward_process_that_dies_leaving_a_child_fails_its_sample(tmp_path):
+    reward = build_reward(RewardConfig(name=f"{__name__}:exit_leaving_a_child"))
+    with _alarm(HANG_GUARD_S, TimeoutError("hung")):
+        scores = score([{"response": "", "answer": "", "pid_file": str(tmp_path / "child")}], reward)  # no time limit
+    assert str(scores.failures[0].error) == "the reward process exited with status 3 during the call"
+    assert exited_within(int((tmp_path / "child").read_text()), 10.0)  # killed with its worker
+
+
+def exited_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` (ours or not; a zombie has exited) exits within `seconds`."""
+    try:
+        exited = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([exited], [], [], seconds)[0])
+    finally:
+        os.close(exited)
+
+
+def test_a_reward_process_killed_while_idle_fails_the_sample_sent_to_it():
+    reward = build_reward(RewardConfig(name=f"{__name__}:process_id"))
+    worker = int(score([{"response": "", "answer": ""}], reward).rewards[0])
+    os.kill(worker, signal.SIGKILL)
+    assert exited_within(worker, 10.0)
+    with _alarm(HANG_GUARD_S, TimeoutError("hung")):
+        scores = score([{"response": "", "answer": ""}] * 2, reward)
+    assert [(f.index, str(f.error)) for f in scores.failures] == [
+        (0, "the reward process exited with status -9 during the call")]
+    assert scores.rewards[1] not in (0.0, worker)
+
+
+def sleep_on_slow(response, answer, sample):
+    if response == "slow":
+        time.sleep(600)
+    return 1.0
+
+
+def test_a_batch_interrupted_leaves_no_call_running_into_the_next():
+    reward = build_reward(RewardConfig(name=f"{__name__}:sleep_on_slow"))
+    with pytest.raises(KeyboardInterrupt), _alarm(2.0, KeyboardInterrupt()):
+        score([{"response": "slow", "answer": ""}], reward)
+    with _alarm(HANG_GUARD_S, TimeoutError("hung")):  # not waiting on the slow call's worker: it was killed
+        assert score([{"response": "fast", "answer": ""}], reward).rewards == [1.0]
