@@ -6,7 +6,9 @@ call) cannot be interrupted in the process that made the call, and a thread left
 process's GIL. So the calls run in worker processes, at most num_workers at once (started as needed,
 reused from batch to batch); a call past its limit has its worker killed (with everything the worker
 started, e.g. math-verify's checking process: each worker leads its own process group) and replaced,
-and the sample fails. A worker's start-up is on no call's clock: a call's starts when it is sent.
+and the sample fails. A worker's start-up is on no call's clock: a call's starts when it is sent. A worker
+that dies (seen by its exit, not only its socket, which a process it forked may hold open), a sample that does
+not pickle here or unpickle there, an answer that does not come back: each fails its sample only, never waits.
 
 Workers are plain interpreters (`python -m megarl.rewards.worker`), not multiprocessing children: they do
 not re-import the driver's main module (megarl.train imports torch and megatron), and a reward may start

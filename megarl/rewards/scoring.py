@@ -79,7 +79,7 @@ def excerpt(value, limit: int = 200) -> str:
 
 
 # megarl.protocol.IMAGE_INPUTS (this module imports no torch): a row's image tensors are the model's inputs; they
-# stay out of the samples (a reward process would receive them through shared memory, for nothing)
+# stay out of the samples (a reward process would receive a copy of them, for nothing)
 MODEL_INPUTS = ("pixel_values", "image_grid_thw")
 
 
