@@ -45,6 +45,22 @@ def isolation_hint(name: str, problem: str) -> str:
             f"the driver's process (a call stuck inside C then hangs the run)")
 
 
+def exit_descriptor(process: subprocess.Popen) -> int:
+    """A descriptor that becomes readable once `process` has exited: a pidfd (Linux >= 5.3), else (older kernels,
+    RHEL 8's 4.18 among them) the read end of a pipe whose write end a thread closes when the process is reaped."""
+    try:
+        return os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        read, write = os.pipe()
+
+        def close_on_exit() -> None:
+            process.wait()
+            os.close(write)
+
+        threading.Thread(target=close_on_exit, name="megarl-reward-exit", daemon=True).start()
+        return read
+
+
 class _Worker:
     """One worker process, the socket to it and a descriptor that is readable once the process has exited (its
     socket may outlive it in a process it forked); `index`/`started`: the call it runs, if any."""
@@ -54,7 +70,7 @@ class _Worker:
         self.process = subprocess.Popen([sys.executable, "-m", "megarl.rewards.worker", str(theirs.fileno())],
                                         pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
-        self.exited = os.pidfd_open(self.process.pid)
+        self.exited = exit_descriptor(self.process)
         self.conn = Connection(ours.detach())
         self.conn.send((sys.path, payload))  # the path: a reward's module must import there as it does here
         self.ready, self.born = False, time.monotonic()

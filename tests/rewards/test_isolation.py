@@ -219,10 +219,20 @@ def exit_leaving_a_child(response, answer, sample):
     os._exit(3)
 
 
-def test_a_reward_process_that_dies_leaving_a_child_fails_its_sample(tmp_path):
+@pytest.mark.parametrize("exit_seen_by", ["pidfd", "pipe"])
+def test_a_reward_process_that_dies_leaving_a_child_fails_its_sample(tmp_path, monkeypatch, exit_seen_by):
     reward = build_reward(RewardConfig(name=f"{__name__}:exit_leaving_a_child"))
-    with _alarm(HANG_GUARD_S, TimeoutError("hung")):
+    refused = []
+
+    def no_pidfd(pid: int) -> int:
+        refused.append(pid)
+        raise OSError(38, "Function not implemented")  # ENOSYS: a kernel before 5.3
+
+    with monkeypatch.context() as patched, _alarm(HANG_GUARD_S, TimeoutError("hung")):
+        if exit_seen_by == "pipe":  # no pidfd: a thread reaps the worker and closes a pipe
+            patched.setattr(os, "pidfd_open", no_pidfd)
         scores = score([{"response": "", "answer": "", "pid_file": str(tmp_path / "child")}], reward)  # no time limit
+    assert bool(refused) == (exit_seen_by == "pipe")  # every worker started without a pidfd
     assert str(scores.failures[0].error) == "the reward process exited with status 3 during the call"
     assert exited_within(int((tmp_path / "child").read_text()), 10.0)  # killed with its worker
 
