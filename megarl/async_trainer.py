@@ -220,6 +220,9 @@ class AsyncRLTrainer(RLTrainer):
         with self.timers("pause"):
             metrics = self.rollout_call("pause_generation", self.cfg.async_.partial)
         metrics |= super().publish_policy()
+        # compared while generation is paused: a request into SGLang now takes no lock a generation holds, and
+        # the next update (in the next train_step) may train on what these weights generate first
+        metrics |= self.check_rollout_weights()
         self.rollout_call("resume_generation", self.version)
         self.buffer.publish(self.version)
         return metrics

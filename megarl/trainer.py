@@ -113,6 +113,7 @@ class RLTrainer:
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.syncs = 0  # weight syncs done (trainer.verify_weight_sync_every counts them)
         self.rollout_buffers = None  # the rollout engine's non-weight buffers' checksums at the first verification
+        self.unchecked = None  # the last verified sync's expected checksums, until check_rollout_weights compares
         self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
@@ -138,6 +139,7 @@ class RLTrainer:
             self.tracker.log(metrics, step)
             if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps):
                 self.save_checkpoint(step)
+        self.check_rollout_weights()  # the last sync's: no update follows, but a corrupt engine still stops the run
         self.tracker.close()
         return self.history
 
@@ -168,6 +170,7 @@ class RLTrainer:
         run them on batches their rollout thread generated: megarl/async_trainer.py). train_policy=False: the
         critic alone learns (VAPO's value pretraining, warm_up_critic)."""
         cfg = self.cfg
+        metrics |= self.check_rollout_weights()  # before the weights' memory is released and before any update
         with self.timers("onload"):
             metrics |= self.colocation.to_training()  # the rollout engine releases its memory, Megatron's is back
         if self.reward_model is not None:  # the model's score, mixed with the rule reward (which is logged)
@@ -454,8 +457,10 @@ class RLTrainer:
         ranks = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20, verify, deep)
         reports = [r for r in ranks if "seconds" in r]  # the senders'
         start = time.perf_counter()
-        if verify:
-            self.verify_rollout_weights(reports, deep)
+        if verify and deep:
+            self.verify_rollout_weights(reports)
+        elif verify:  # compared before the first update on samples these weights generate (check_rollout_weights)
+            self.unchecked = merge_checksums([r["expected"] for r in reports])
         # bytes: the weights as sent (bf16 on GPU); seconds: the slowest sender, begin to end, without verification
         nbytes = sum(r["bytes"] for r in reports)
         slowest = max(reports, key=lambda r: r["seconds"] - r["digest_s"])
@@ -466,15 +471,22 @@ class RLTrainer:
                         "sync/verify_s": slowest["digest_s"] + time.perf_counter() - start} | \
             weight_sync.traffic_metrics([r["traffic"] for r in ranks])
 
-    def verify_rollout_weights(self, reports: list[dict], deep: bool) -> None:
-        """The rollout engine checksums every parameter it holds, where it holds it, against what the senders
-        computed from what they sent (the deep check: digests of the weights SGLang reloaded from a file);
-        any difference raises, naming the parameter."""
-        if not deep:
-            expected = merge_checksums([r["expected"] for r in reports])
-            self.rollout_buffers = weight_sync.verify_checksums(
-                expected, self.rollout_call("weight_checksums"), self.rollout_buffers)
-            return
+    def check_rollout_weights(self) -> dict:
+        """The default verification's second half: the rollout engine's checksums of every parameter it holds, taken
+        where it holds them (SGLang: queued on a side stream as the sync loaded, not waited for by the sync), against
+        what the senders computed from what they sent; any difference raises, naming the parameter. Called after a
+        verified sync's rollouts and before anything trains on them (and before the engine releases its weights'
+        memory): a corrupt sync can cost one generation, never an update. {} when nothing awaits comparison, else
+        the collection's seconds (sync/verify_deferred_s)."""
+        if self.unchecked is None:
+            return {}
+        start, expected, self.unchecked = time.perf_counter(), self.unchecked, None
+        self.rollout_buffers = weight_sync.verify_checksums(expected, self.rollout_call("weight_checksums"),
+                                                            self.rollout_buffers)
+        return {"sync/verify_deferred_s": time.perf_counter() - start}
+
+    def verify_rollout_weights(self, reports: list[dict]) -> None:
+        """The deep check, at once: digests of the weights SGLang reloaded from a file against the senders'."""
         sent = {key: d for r in reports for key, d in r["sent"].items()}
         dtypes = {key: dtype for key, (dtype, _) in sent.items()}
         weight_sync.verify(sent, self.rollout_call("weight_digests", dtypes))

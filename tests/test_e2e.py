@@ -33,6 +33,8 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
             metrics = trainer.step()
             # syncs 0 (the warm start's) and 2 are verified by the trainer; this test checks every one itself
             assert metrics["sync/verified"] == float(step % 2 == 0) and metrics["sync/direct"] == 0.0
+            # a verified sync's rollout engine checksums are compared in the next step, before its update
+            assert ("sync/verify_deferred_s" in metrics) == (step % 2 == 1)
             after = trainer.actor.call("hf_state_dict")[0]
             # the policy moved ...
             assert max((after[n] - before[n]).abs().max().item() for n in after) > 0
@@ -45,21 +47,26 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
         assert metrics["sync/bytes"] == sum(t.numel() * t.element_size() for t in after.values())
 
         # A transport that flips one element of one tensor on the way must not go unnoticed: by the default check
-        # (the engine's checksums of what it holds against the sender's) and by the deep one (digests).
+        # (the engine's checksums of what it holds against the sender's, compared in the step after the sync, once
+        # its rollouts are generated and before anything trains on them) and by the deep one (digests).
         layout = WeightLayout(hf_inventory(json.loads((Path(trainer.model_path) / "config.json").read_text())), "hf")
         expected = ExpectedChecksums(layout, [0])
         for n, t in after.items():
             expected.add(n, t)
-        trainer.verify_rollout_weights([{"expected": expected.result()}], deep=False)
+        trainer.unchecked = expected.result()  # as a verified sync of `after` leaves it
+        assert trainer.check_rollout_weights().keys() == {"sync/verify_deferred_s"} and trainer.unchecked is None
         sent = {n: (t.dtype, weight_sync.tensor_digest(t)) for n, t in after.items()}
         name = sorted(after)[1]
         corrupted = after[name].clone()
         corrupted.view(-1)[3] += 1.0
         ray.get(trainer.rollout.update_weights.remote([(name, corrupted)]))
+        trainer.unchecked, version = expected.result(), trainer.version
         with pytest.raises(weight_sync.WeightSyncError, match=rf"1 differ \['server 0 rank 0: {name}'\]"):
-            trainer.verify_rollout_weights([{"expected": expected.result()}], deep=False)
+            trainer.step()  # generates from the corrupt weights, then stops before the update
+        assert trainer.version == version
+        assert all(torch.equal(t, after[n]) for n, t in trainer.actor.call("hf_state_dict")[0].items())
         with pytest.raises(weight_sync.WeightSyncError, match=rf"1 tensor\(s\) differ \['{name}'\]"):
-            trainer.verify_rollout_weights([{"sent": sent}], deep=True)
+            trainer.verify_rollout_weights([{"sent": sent}])
     finally:
         trainer.shutdown()
 

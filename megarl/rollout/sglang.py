@@ -32,7 +32,6 @@ TP group, owned by this engine (the launch command, the server process and its H
 from __future__ import annotations
 
 import functools
-import json
 import os
 import random
 import tempfile
@@ -299,8 +298,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     server.post("/resume_memory_occupation", {"tags": ["weights"]})
                     state.weights_released = False
                 state.version, state.flush = self.version, True
-            for path in self._checksum_files().values():  # a verified sync's last bucket writes them anew
-                path.unlink(missing_ok=True)
+        self._checksum_files()  # makes checksum_dir, where the TP workers write their checksums when asked
         return [s.endpoint("cuda_ipc" if self.colocated else "nccl", str(self.checksum_dir / f"server{i}"))
                 for i, s in enumerate(self.servers)]
 
@@ -322,15 +320,16 @@ class SGLangRolloutEngine(RolloutEngine):
             self.received.update((n, t.detach().to("cpu", copy=True)) for n, t in bucket)
 
     def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
-        """Every server's TP workers checksum the parameters they hold, on their GPUs (megarl's loader inside
-        SGLang: cuda_ipc.inspect_weights), and write them to files read here: the files the last bucket of the
-        sync wrote where it asked for them (CUDA IPC's persistent format, verified), else by a request now.
-        Read once: a second call checksums again."""
+        """Every server's TP workers write the checksums of the parameters and persistent buffers they hold, taken on
+        their GPUs (megarl's loader inside SGLang: cuda_ipc.inspect_weights), to files read here: those a verified
+        sync (CUDA IPC, persistent format) queued on a side stream as it loaded and did not wait for, waited for now;
+        else taken now. Call it before releasing the weights' memory (those sums read it) and before training on
+        what the weights generated (RLTrainer.check_rollout_weights). Collected once: a second call checksums
+        again."""
         files = self._checksum_files()
-        if not all(path.exists() for path in files.values()):
-            for path in files.values():
-                path.unlink(missing_ok=True)
-            self._inspect(lambda i, r: {"checksums": str(files[i, r])})
+        for path in files.values():
+            path.unlink(missing_ok=True)
+        self._inspect(lambda i, r: {"checksums": str(files[i, r])})
         held: dict[int, dict[int, dict[str, list]]] = {}
         for (i, r), path in files.items():
             held.setdefault(i, {})[r] = json_loads(path.read_bytes())  # orjson where SGLang is
@@ -354,8 +353,8 @@ class SGLangRolloutEngine(RolloutEngine):
         serialize = self.serializer or cuda_ipc.sglang_serializer()
         placeholder = torch.zeros(1, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
         for i in servers if servers is not None else range(len(self.servers)):
-            payloads = [serialize([(json.dumps(header(i, r)), placeholder)]) for r in range(self.servers[i].tp)]
-            self.servers[i].post("/update_weights_from_tensor", cuda_ipc.persistent_request(payloads))
+            self.servers[i].post("/update_weights_from_tensor", cuda_ipc.inspect_request(
+                serialize, placeholder, [header(i, r) for r in range(self.servers[i].tp)]))
 
     def verify_weights(self) -> None:
         """SGLang checks itself: what it received against what its own loader reads from the exported file."""

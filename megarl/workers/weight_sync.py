@@ -13,8 +13,9 @@ bucket on its device, what every parameter the engine holds must hash to (megarl
 fused, sharded, padded parameters from the HF tensors sent; by the same kernel pass that packs the bucket), and
 the engine computes the same checksums of the parameters as it holds them, where they live (inside SGLang's TP
 workers: each bucket's request names the parameters it completed, summed once loaded while the next bucket
-travels, the rest after the last bucket's writes, in that request: transports/held_checksums.py);
-`verify_checksums` compares the two and names
+travels, the rest queued by the last bucket's request, which does not wait for them: transports/held_checksums.py);
+the trainer collects them later, before it trains on anything those weights generated
+(RLTrainer.check_rollout_weights), and `verify_checksums` compares the two and names
 every parameter that differs, is missing, or was never sent. No copy of the weights leaves either GPU.
 The deep check (trainer.verify_weight_sync_deep) instead keeps host copies of what was sent, has SGLang reload
 them from a file with its own loader and compare, then digests the engine's weights against the sender's.
@@ -104,8 +105,8 @@ def make_sender(endpoints: list, weight_format: str, serializer: Callable | None
 
 def table_sums_in_sglang(sender) -> bool:
     """Whether a verified sync through `sender` has SGLang's TP workers sum each bucket's completed parameters as
-    the buckets load: CUDA IPC of whole tensors in the persistent format (sharded delivery's checksums come by a
-    request once the sync is done)."""
+    the buckets load: CUDA IPC of whole tensors in the persistent format (sharded delivery's last post asks for the
+    sums of everything held, also not waited for)."""
     return (isinstance(sender, cuda_ipc.CudaIpcSender) and not isinstance(sender, cuda_ipc.ShardedIpcSender)
             and sender.fmt == "persistent")
 
@@ -143,8 +144,9 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     With `verify` and `expected`, the verification is by checksums: each tensor sent goes into `expected` (by
     `key(name)`), summed where the sender packs the bucket by the pack's own copy (CUDA IPC), and nothing else is
     kept; into SGLang in the persistent format (whole tensors) each post names the parameters its bucket completed
-    (`expected.completed`: SGLang's TP workers sum them once loaded) and the last asks for the checksums of all
-    (the engine's weight_checksums then reads them); with `verify` alone, the deep check's host copies and digests.
+    (`expected.completed`: SGLang's TP workers sum them once loaded) and the last queues the sums of all the rest
+    (the engine's weight_checksums, later, collects them); with `verify` alone, the deep check's host copies and
+    digests.
     `expected` is kept across syncs (its plans and table): each sync begins it, and queues its read-back once the
     last bucket is sent, so the host waits for the sums only in its result, after `end`.
 

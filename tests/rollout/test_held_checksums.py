@@ -4,14 +4,16 @@ sender's ExpectedChecksums: they must equal the checksums of everything held aft
 rank of fake_sglang_deepseek.py at TP=2 (fused a-projections, derived w_kc/w_vc, the fp32 routing bias)."""
 
 import json
+import os
 
+import pytest
 import torch
 
 from megarl.reshard.inventory import hf_inventory
-from megarl.rollout.transports.cuda_ipc import flat_layout, load_flat_bucket, pack
+from megarl.rollout.transports.cuda_ipc import flat_layout, inspect_weights, load_flat_bucket, pack
 from megarl.rollout.transports.held_checksums import held_checksums
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, keep_fused_pairs
-from megarl.workers.weight_sync import verify_checksums
+from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 from tests.rollout.test_weight_layout_deepseek import V3, _buckets, _held, _server, _tensors
 
 QWEN2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=8, num_attention_heads=2,
@@ -60,6 +62,16 @@ def test_sums_taken_as_buckets_load_equal_the_checksums_of_everything_held(tmp_p
                 load_flat_bucket(model, [(json.dumps(header), flat)])
                 if k == 0:  # summed at the first bucket's load: what it completed, nothing more
                     assert set(held_checksums(model).summed) == set(complete.get(rank, [])) != set()
+        flipped = "model.layers.0.self_attn.kv_a_layernorm.weight"
+        for rank, model in enumerate(ranks):
+            assert held_checksums(model).pending is not None and not os.path.exists(files[rank])  # not waited for
+            if seed == 1 and rank == 0:  # a bit flipped after the load: the sums queued before it are dropped
+                inspect_weights(model, {"flip_bit": flipped})
+            inspect_weights(model, {"checksums": files[rank]})  # the later request collects them
         got = {0: {rank: json.loads(open(path).read()) for rank, path in enumerate(files)}}
-        assert got == _held(ranks, tmp_path)  # inspect_weights: everything held, after the last load
-        verify_checksums(expected.result(), got)
+        assert got == _held(ranks, tmp_path)  # inspect_weights now: everything held, after the last load
+        if seed == 0:
+            verify_checksums(expected.result(), got)
+        else:
+            with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank 0: {flipped}'\]"):
+                verify_checksums(expected.result(), got)

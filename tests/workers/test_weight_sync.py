@@ -150,10 +150,11 @@ def test_disaggregated_sync_broadcasts_to_every_server_over_one_group_each(tmp_p
         e.shutdown()
 
 
-def test_verified_sync_brings_sglangs_checksums_with_its_last_bucket(tmp_path):
-    """The default verification into a colocated server (persistent format): SGLang's TP worker checksums what it
-    holds inside the last bucket's load, after every write, so verification needs no request of its own; a bit
-    flipped after that (or a sync that did not ask) is checksummed by a request then, and named."""
+def test_verified_sync_leaves_sglangs_checksums_queued_for_a_later_request(tmp_path):
+    """The default verification into a colocated server (persistent format): SGLang's TP worker sums what it holds
+    as the buckets load and its last bucket queues the rest without waiting (no file yet); one request later
+    collects them. A bit flipped after the sync (or a sync that did not ask) is checksummed by a request then, and
+    named."""
     from megarl.reshard.inventory import TensorSpec
     from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
     from megarl.workers.weight_sync import verify_checksums
@@ -168,13 +169,14 @@ def test_verified_sync_brings_sglangs_checksums_with_its_last_bucket(tmp_path):
                              True, weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer,
                              expected=ExpectedChecksums(layout, [0]))
         assert len(log(server, "/update_weights_from_tensor")) == 3  # one request per bucket, nothing more
+        assert list(e.checksum_dir.iterdir()) == []  # the sync did not wait for SGLang's sums
         verify_checksums(report["expected"], e.weight_checksums())
-        assert len(log(server, "/update_weights_from_tensor")) == 3
+        assert len(log(server, "/update_weights_from_tensor")) == 4  # the collection
         name = tensors[0][0]
-        e.corrupt_weight(name)  # after the sync: the checksums its last bucket brought are spent
+        e.corrupt_weight(name)  # after the sync: the checksums its last bucket queued are spent
         with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank 0: {name}'\]"):
             verify_checksums(report["expected"], e.weight_checksums())
-        assert len(log(server, "/update_weights_from_tensor")) == 5  # the flip, and a request for the checksums
+        assert len(log(server, "/update_weights_from_tensor")) == 6  # the flip, and a request for the checksums
         push_policy(iter([tensors]), e.begin_weight_update, e.end_weight_update, not_here, False,
                     weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer)
         verify_checksums(report["expected"], e.weight_checksums())  # unverified: asked now, of the weights it loaded

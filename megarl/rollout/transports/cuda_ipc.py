@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megarl.rollout.transports.held_checksums import derived_tensors, held_checksums
+from megarl.rollout.transports.held_checksums import TIME_LOADS, derived_tensors, held_checksums
 from megarl.utils.checksum import ChecksumTable
 
 FORMATS = ("tensors", "flattened_bucket", "persistent")
@@ -94,20 +94,20 @@ def unpack(flat: torch.Tensor, layout: list[list]) -> Bucket:
 
 
 _MAPPED: dict[int, torch.Tensor] = {}  # inside SGLang: slot -> the sender's buffer, kept mapped
-# Benchmarks set this in a server's environment: each load then prints its seconds to the server's log
-# (`LOAD_TIMING` lines), which splits a post's time into SGLang's load and the request's way there and back (and
-# of the load, the host time queuing a verified sync's sums of what the bucket completed).
-TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
+# With held_checksums.TIME_LOADS each load prints its seconds to the server's log (`LOAD_TIMING` lines), which
+# splits a post's time into SGLang's load and the request's way there and back (and of the load, the host time
+# queuing a verified sync's sums); a verification's collection inside SGLang prints its own (`CHECKSUM_TIMING`:
+# seconds of the request's work, and the GPU seconds of the sync's sums it collected).
 LOAD_TIMING = "megarl weight load"
-CHECKSUM_TIMING = "megarl checksums"  # the same for a verification's checksums inside SGLang (inspect_weights)
+CHECKSUM_TIMING = "megarl checksums"
 
 
 def load_flat_bucket(model, named_tensors: Bucket) -> None:
     """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair. A
     "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender). A bucket of
     a verified sync ("sync": its id) names the tensors it completed ("complete"), summed once loaded, without
-    waiting (held_checksums.py); its last ("checksums": a file) sums the rest, and the checksums of everything
-    held go to the file."""
+    waiting (held_checksums.py); its last ("checksums") queues the sums of the rest and returns: a later request
+    (inspect_weights) collects them. A header without a layout is such a request."""
     start = time.perf_counter()
     ((header, flat),) = named_tensors
     header = json.loads(header)
@@ -118,6 +118,7 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
         inspect_weights(model, header)
         return
     bucket = unpack(flat, header["layout"])
+    held_checksums(model).drop()  # a new sync's first write: uncollected sums of the last one no longer hold
     if header.get("presharded"):
         load_presharded(model, bucket)
     else:
@@ -126,49 +127,55 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
     if "sync" in header:  # a verified sync: what this bucket completed, summed behind its copies (not waited for)
         held_checksums(model).loaded(model, header["sync"], header["complete"])
     summed = time.perf_counter()
+    if "checksums" in header:  # a verified sync's last bucket: the sums of all the rest queued, not waited for
+        held_checksums(model).finish(model)
+    finished = time.perf_counter()
     if flat.is_cuda:  # the sender reuses the buffer once this call has returned (the copies only: not the sums)
         torch.cuda.current_stream().synchronize()
     _MAPPED[header["slot"]] = flat
     if TIME_LOADS:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} sums "
-              f"{summed - queued:.6f} seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
-    if "checksums" in header:  # a verified sync's last bucket: every parameter's checksum, after all the writes
-        if "sync" not in header:  # from a sender that did not name what each bucket completed: all of it now
-            inspect_weights(model, header)
-            return
-        finished = time.perf_counter()
-        count = held_checksums(model).finish(model, header["checksums"])
-        if TIME_LOADS:
-            print(f"{CHECKSUM_TIMING}: params {count} seconds {time.perf_counter() - finished:.6f}", file=sys.stderr,
-                  flush=True)
+              f"{finished - queued:.6f} seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
 
 
 def inspect_weights(model, header: dict) -> None:
-    """Inside an SGLang TP worker, on its GPU: {"checksums": file} writes the checksums of every parameter,
-    persistent buffer and derived tensor (`derived_tensors`) this rank holds (megarl.utils.checksum.module_checksums)
-    to `file`, atomically (the caller reads it once the request returned); {"flip_bit": name} flips a bit of that
-    tensor (a test hook standing for memory corrupted after a load: the next verification must name it; None: on
-    another rank)."""
+    """Inside an SGLang TP worker, on its GPU. {"checksums": file, "defer": true} (after a verified sync whose
+    buckets named nothing: sharded delivery) queues the checksums of every parameter, persistent buffer and derived
+    tensor (`derived_tensors`) this rank holds on a side stream and returns; {"checksums": file} writes to `file`,
+    atomically, the checksums a verified sync queued (held_checksums.HeldChecksums.collect: waited for now), else
+    those of everything held now (megarl.utils.checksum.module_checksums); the caller reads it once the request
+    returned. {"flip_bit": name} flips a bit of that tensor (a test hook standing for memory corrupted after a
+    load: the next verification must name it; None: on another rank)."""
     from megarl.utils.checksum import flip_bit, module_checksums
 
+    state = held_checksums(model)
     if "flip_bit" in header:
         if header["flip_bit"] is None:
             return
         held = dict(model.named_parameters()) | dict(derived_tensors(model))
         if header["flip_bit"] not in held:
             raise KeyError(f"no parameter {header['flip_bit']!r} (this rank holds {sorted(held)[:4]} ...)")
+        state.drop()  # sums queued before the flip would not see it: the next collection sums what is held then
         flip_bit(held[header["flip_bit"]])
         return
     start = time.perf_counter()
-    held = module_checksums(model, extra=derived_tensors(model))
+    if header.get("defer"):
+        state.drop()
+        state.finish(model)
+        return
+    count = state.collect(header["checksums"])
+    queued = count is not None
+    if not queued:  # nothing queued (an unverified sync, or a write since): everything held, now
+        held = module_checksums(model, extra=derived_tensors(model))
+        staging = header["checksums"] + ".tmp"
+        with open(staging, "w") as f:
+            json.dump(held, f)
+        os.replace(staging, header["checksums"])
+        count = len(held)
     if TIME_LOADS:
-        print(f"{CHECKSUM_TIMING}: params {len(held)} seconds {time.perf_counter() - start:.6f}", file=sys.stderr,
-              flush=True)
-    staging = header["checksums"] + ".tmp"
-    with open(staging, "w") as f:
-        json.dump(held, f)
-    os.replace(staging, header["checksums"])
+        print(f"{CHECKSUM_TIMING}: params {count} seconds {time.perf_counter() - start:.6f} gpu "
+              f"{state.gpu_s if queued else 0.0:.6f}", file=sys.stderr, flush=True)
 
 
 def load_presharded(model, bucket: Bucket) -> None:
@@ -319,6 +326,12 @@ def persistent_request(payloads: list[str], flush_cache: bool = False) -> dict:
     return {"serialized_named_tensors": payloads, "load_format": PERSISTENT_LOADER, "flush_cache": flush_cache}
 
 
+def inspect_request(serialize: Callable[[object], str], placeholder: torch.Tensor, headers: list[dict]) -> dict:
+    """A request about the weights held (inspect_weights), header r for SGLang TP rank r; the payload's tensor is a
+    placeholder (SGLang moves it to the rank's device first)."""
+    return persistent_request([serialize([(json.dumps(header), placeholder)]) for header in headers])
+
+
 def post_release(endpoint, payloads: list[str]) -> None:
     try:
         endpoint.post("/update_weights_from_tensor", persistent_request(payloads))
@@ -361,6 +374,7 @@ class ShardedIpcSender(CudaIpcSender):
     def __init__(self, endpoints: list, group, serializer: Callable[[object], str] | None = None, slots: int = 2):
         super().__init__(endpoints, "persistent", serializer, slots)
         self.group, self.size = group, dist.get_world_size(group)
+        self.placeholder: torch.Tensor | None = None  # the tensor of a request that carries no weights
         self.first = dist.get_group_rank(group, dist.get_rank()) == 0
         for endpoint in endpoints:  # every rank of the group checks (it got the endpoints from rank 0): all fail alike
             if endpoint.tp != self.size or endpoint.transport != "cuda_ipc":
@@ -383,9 +397,14 @@ class ShardedIpcSender(CudaIpcSender):
             return lambda last=False: None
         request = persistent_request(payloads, flush_cache)
 
-        def post(last: bool = False) -> None:  # SGLang's checksums come by a request of their own (weight_checksums)
+        def post(last: bool = False) -> None:
             for endpoint in self.endpoints:
                 endpoint.post("/update_weights_from_tensor", request)
+                if last and checksums is not None and endpoint.checksums:  # verified: SGLang sums all it holds, on a
+                    self.placeholder = self.placeholder if self.placeholder is not None else flat.new_zeros(1)
+                    endpoint.post("/update_weights_from_tensor", inspect_request(  # side stream (not waited for)
+                        self.serialize, self.placeholder, [{"checksums": checksum_file(endpoint.checksums, r),
+                                                            "defer": True} for r in range(endpoint.tp)]))
 
         return post
 
