@@ -1,0 +1,57 @@
+"""A vision-language policy in trainer.mode=async (the hf engine, a tiny random Qwen2.5-VL, the shapes images): the
+rollout actor streams each group with its prompt's images, the images reach the rows the trainer trains on, and the
+rollout engine's log-probs equal Megatron's on them; a group over the staleness bound sent back for regeneration
+keeps its images."""
+
+import torch
+
+from megarl.async_trainer import build_trainer
+from megarl.config import load_config
+from megarl.data.shapes import write_shapes_splits
+from megarl.models.tiny_vl import build_tiny_vl_model
+from megarl.protocol import IMAGE_INPUTS
+from megarl.rollout_buffer import prompt_record, split_groups
+
+from tests.test_vl_e2e import RECIPE
+
+
+def test_async_groups_stream_with_their_images(tmp_path, ray_local):
+    splits = write_shapes_splits(tmp_path / "shapes", train_rows=8, val_rows=2)
+    cfg = load_config(RECIPE, [
+        f"model.path={build_tiny_vl_model(tmp_path / 'model')}", f"data.task={splits['train']}",
+        f"data.val_task={splits['val']}", f"sft.data={splits['train']}", "sft.steps=0", "data.prompts_per_step=2",
+        "rollout.n_samples=2", "rollout.max_new_tokens=3", "data.val_size=2", "rollout.eval_n_samples=1", "trainer.steps=2",
+        "trainer.eval_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={tmp_path}",
+        "reward.name=tests.test_vl_e2e:first_character_parity", "reward.isolation=none", "trainer.mode=async",
+        "async.max_staleness=1", "actor.optim.lr=0"])  # lr 0: a batch one version old has the same log-probs
+    trainer = build_trainer(cfg)
+    prompts = {}  # prompt image -> its record, as the data loader gave it
+    trained, metrics = [], []
+    draw, train_step = trainer.data.next_batch, trainer.train_step
+
+    def drawn(*args):
+        batch = draw(*args)
+        prompts.update({p["pixel_values"].sum().item(): p for p in batch})
+        return batch
+
+    def recorded(batch, *args):
+        trained.append(batch)
+        metrics.append(train_step(batch, *args))
+        return metrics[-1]
+
+    trainer.data.next_batch, trainer.train_step = drawn, recorded
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert len(trained) == 2 and len(prompts) == 4
+    for batch, step in zip(trained, metrics):
+        assert step["rollout/logprob_abs_diff"] < 1e-5  # the engine saw the images Megatron sees
+        for group in split_groups(batch):
+            record = prompts[group["pixel_values"][0].sum().item()]
+            assert all(torch.equal(p, record["pixel_values"]) and torch.equal(g, record["image_grid_thw"])
+                       for p, g in zip(group["pixel_values"], group["image_grid_thw"]))
+            assert group["tokens"][0, :len(record["prompt_ids"])].tolist() == record["prompt_ids"]
+            again = prompt_record(group)  # async.stale=regenerate: the prompt goes back with its images
+            assert again["prompt_ids"] == record["prompt_ids"]
+            assert all(torch.equal(again[k], record[k]) for k in IMAGE_INPUTS)
