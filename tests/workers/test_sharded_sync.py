@@ -90,6 +90,9 @@ def _rank(rank, model_dir, work):
             return merge(sent) if talks else None
         return {k: v for part in sent for k, v in part.items()} if talks else None
 
+    def weight_posts() -> int | None:  # weight requests into the server so far (rank 0 talks to it)
+        return len(log(rollout.servers[0], "/update_weights_from_tensor")) if rank == 0 else None
+
     def policy() -> dict:  # megatron's own gather of the policy (collective)
         return {n: t.clone() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
 
@@ -113,7 +116,9 @@ def _rank(rank, model_dir, work):
             for p in global_parameters(engine.gpt).values():
                 p.add_(1)
         full = policy()
+        before = weight_posts()
         sync(verify=False)
+        plain = weight_posts() - before if rank == 0 else None
         if rank == 0:
             assert _held(rollout.servers[0]) == _sglang_shards(hf, full)
             assert len(senders) == 1 and rollout.received == {}
@@ -135,8 +140,12 @@ def _rank(rank, model_dir, work):
             with pytest.raises(weight_sync.WeightSyncError, match=rf"1 differ \['server 0 rank 1: {QKV}'\]"):
                 weight_sync.verify_checksums(expected, rollout.weight_checksums())
             configure(rollout.servers[0], corrupt=None)
+        before = weight_posts()
         expected = sync(verify=True, checksums=True)
         if rank == 0:
+            # one request more than the unverified sync's asked the TP ranks to sum what they hold, and no file was
+            # written: the sums were not waited for; the collection below gets them
+            assert weight_posts() - before == plain + 1 and list(rollout.checksum_dir.iterdir()) == []
             weight_sync.verify_checksums(expected, rollout.weight_checksums())
             rollout.corrupt_weight("model.norm.weight", rank=0)  # a bit flipped in SGLang's memory after loading
             with pytest.raises(weight_sync.WeightSyncError, match=r"1 differ \['server 0 rank 0: model.norm.weight'\]"):
