@@ -164,13 +164,15 @@ def server_loads(server) -> dict:
 
 
 def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: str = "released",
-               expected=None) -> dict:
+               expected=None, collect: bool = True) -> dict:
     """One colocated sync as the trainer runs it: from the end of a train step through push_policy (resume
     the weights memory, stream the buckets) to resume_kv_cache. `weights`: "released", SGLang released its
     weights and KV cache during training (trainer.offload_between_phases on); "resident", it kept both
     (offload off: nothing to resume, the ready step only drops the prefix cache). `expected`: a verified sync
-    (the default verification: weight_layout.ExpectedChecksums of the sender, SGLang's checksums, the comparison,
-    before the ready step, as the trainer verifies)."""
+    (the default verification: weight_layout.ExpectedChecksums of the sender; SGLang's sums queued by the last
+    bucket, not waited for). With `collect`, after the timed sync SGLang's sums are collected and compared, timed
+    apart, as the trainer does before its next update (RLTrainer.check_rollout_weights; there after generation, so
+    the sums are long done: this collection right after the sync may still wait for them)."""
     from megarl.workers.weight_sync import push_policy, verify_checksums
 
     if weights == "released":
@@ -183,16 +185,17 @@ def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: s
     report = push_policy(buckets, begin=engine.begin_weight_update, end=engine.end_weight_update, load=None,
                          verify=expected is not None, weight_format=fmt, senders=senders, expected=expected)
     t1 = time.perf_counter()
+    engine.resume_kv_cache()
+    t2 = time.perf_counter()  # the sync as the trainer pays it
     checked = {}
     if expected is not None:
+        checked = dict(expected=report["expected"], sender_checksum_s=report["digest_s"])
+    if expected is not None and collect:
         held = engine.weight_checksums()
         t = time.perf_counter()
         verify_checksums(report["expected"], held)
-        checked = dict(expected=report["expected"], sender_checksum_s=report["digest_s"], engine_checksum_s=t - t1,
-                       compare_s=time.perf_counter() - t, parameters_checked=sum(len(r) for r in held[0].values()))
-    t1 = time.perf_counter()
-    engine.resume_kv_cache()
-    t2 = time.perf_counter()
+        checked |= dict(collect_s=t - t2, compare_s=time.perf_counter() - t,
+                        parameters_checked=sum(len(r) for r in held[0].values()))
     return checked | dict(bytes=report["bytes"], total_s=t2 - t0, resume_s=report["begin_s"], gather_s=0.0,
                 convert_s=report["gather_convert_s"], pack_s=report["pack_s"], transfer_s=report["transfer_s"],
                 end_s=report["end_s"], ready_s=t2 - t1, flush_s=posts.get("/flush_cache", 0.0),
@@ -214,53 +217,63 @@ def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
 
 def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: dict, weights: str,
                 rounds: int, profile: Path | None = None) -> dict:
-    """The default verification (trainer.verify_weight_sync_every=1): its cost is what a verified sync (the
-    sender's checksums during the sync, SGLang's, the comparison: timed_sync with `expected`) takes beyond an
-    unverified one, medians of `rounds` rounds of one of each (after one verified sync that compiles the
-    kernels and plans the layout's pieces, as the first verification of a run does; one ExpectedChecksums
-    serves every sync, as TrainWorker keeps it). `profile`: then one more verified sync under torch.profiler
-    (`profiled`). Then a bit flipped in SGLang's memory must fail the next verification, naming the tensor."""
+    """The default verification (trainer.verify_weight_sync_every=1), in medians of `rounds` rounds of one
+    unverified and one verified sync (after one verified sync that compiles the kernels and plans the layout's
+    pieces, as the first verification of a run does; one ExpectedChecksums serves every sync, as TrainWorker keeps
+    it): (a) its cost on the sync's path, the verified sync's time minus the unverified one's, both timed as the
+    trainer pays them (timed_sync: the sender's checksums in its pack, SGLang's queued by the last bucket and not
+    waited for); (b) the deferred collection, timed apart: the request for SGLang's sums (waiting for them) and the
+    comparison; (c) SGLang's sums' GPU time (CUDA events around them on their side stream, from the server's log).
+    `profile`: then one more verified sync under torch.profiler (`profiled`). Then a bit flipped in SGLang's memory
+    after a verified sync and before its collection must fail that collection, naming the tensor."""
     from megarl.rollout.transports.cuda_ipc import CHECKSUM_TIMING
     from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
     from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 
     tp = engine.servers[0].tp
     expected = ExpectedChecksums(WeightLayout(policy.specs, "sglang", tp), list(range(tp)))
-    sync = lambda verified: timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts, weights,
-                                       expected if verified else None)
+    sync = lambda verified, collect=True: timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts, weights,
+                                                     expected if verified else None, collect)
     first = sync(True)
     plain, checked = [], []
     for _ in range(rounds):
         plain.append(sync(False))
         checked.append(sync(True))
+    median = lambda rows, k: statistics.median(r[k] for r in rows)
+    fields = [line.split(CHECKSUM_TIMING + ":")[1].split()
+              for line in Path(engine.servers[0].log_path).read_text(errors="replace").splitlines()
+              if CHECKSUM_TIMING in line]  # each collection inside SGLang's TP worker: params, seconds, sums' GPU s
+    collections = [dict(zip(f[0::2], map(float, f[1::2]))) for f in fields][-rounds:]
     profiled_s = {}
     if profile is not None:
         try:
             profiled_s = profiled(lambda: sync(True), profile)
         except Exception as error:  # the profile is a diagnosis: its failure must not lose the measurements
             profiled_s = dict(profile_error=repr(error))
-    median = lambda rows, k: statistics.median(r[k] for r in rows)
-    inside = [float(line.split("seconds")[1]) for line in Path(engine.servers[0].log_path).read_text(errors="replace")
-              .splitlines() if CHECKSUM_TIMING in line]  # the checksums' own time in SGLang's TP worker
     flipped = "model.layers.0.mlp.down_proj.weight"
-    engine.corrupt_weight(flipped)
+    last = sync(True, collect=False)  # SGLang's sums queued, not collected yet
+    engine.corrupt_weight(flipped)  # a bit flipped after the load: the collection must see it
     try:
-        verify_checksums(checked[-1]["expected"], engine.weight_checksums())
+        verify_checksums(last["expected"], engine.weight_checksums())
         detected = False
     except WeightSyncError as error:
         detected = flipped in str(error)
     engine.corrupt_weight(flipped)  # and back
     engine.resume_kv_cache()
     unverified, verified = median(plain, "total_s"), median(checked, "total_s")
+    collect, compare = median(checked, "collect_s"), median(checked, "compare_s")
     return dict(checksums_verified=True, unverified_sync_s=unverified, verified_sync_s=verified,
                 unverified_trials_s=[r["total_s"] for r in plain], verified_trials_s=[r["total_s"] for r in checked],
-                checksum_verify_s=verified - unverified, first_verify_s=first["total_s"] - unverified,
+                checksum_verify_s=verified - unverified, deferred_collect_s=collect, deferred_compare_s=compare,
+                verify_with_deferred_s=verified - unverified + collect + compare,
+                first_verify_s=first["total_s"] - unverified,
                 verified_posts_s=median(checked, "posts_s"), unverified_posts_s=median(plain, "posts_s"),
                 verified_pack_s=median(checked, "pack_s"), unverified_pack_s=median(plain, "pack_s"),
                 verified_server_load_s=median(checked, "server_load_s"), server_sums_s=median(checked, "server_sums_s"),
                 unverified_server_load_s=median(plain, "server_load_s"),
-                **{k: median(checked, k) for k in ("sender_checksum_s", "engine_checksum_s", "compare_s")},
-                sglang_inside_s=statistics.median(inside[-rounds:]) if inside else None,
+                sender_checksum_s=median(checked, "sender_checksum_s"),
+                sglang_collect_inside_s=statistics.median(c["seconds"] for c in collections) if collections else None,
+                sglang_sums_gpu_s=statistics.median(c.get("gpu", 0.0) for c in collections) if collections else None,
                 parameters_checked=checked[-1]["parameters_checked"], flip_detected=detected, **profiled_s)
 
 

@@ -4,13 +4,16 @@
 #   kernel  the Triton checksum kernel against the torch path on the GPU: whole tensors, row blocks, column
 #           blocks (strided), offsets, unaligned pieces, bf16/fp32/uint8, a bucket packed while summed (bytes
 #           and sums); its time over 7.6B bf16 elements, beside torch's copy and the copy-and-sum    (~30 s)
-#   sync    benchmarks/weight_sync.py sync --checksums: 7B (8 GiB buckets) and 0.5B (1 GiB) into a TP=1 server;
-#           after each format's timed syncs, rounds of one unverified and one verified sync (the sender's
-#           checksums summed by its pack copy, SGLang's computed inside the last bucket's load, the comparison):
-#           the verification's cost is the difference of their medians; then a bit flipped in SGLang's memory,
-#           which must be named; at 0.5B also the deep check (SGLang reloads a file) for comparison; at 7B one
-#           more verified sync under torch.profiler: $OUT/profile_7b/ (op table, trace, the host seconds of every
-#           CUDA call that waits for the GPU or allocates, and of megarl's phases, also in sync_7b.json)  (~3 min)
+#   sync    benchmarks/weight_sync.py sync --checksums: 7B (8 GiB buckets) and 0.5B (1 GiB) into a TP=1 server
+#           (SYNC_MODELS="7b" for the 7B alone); after each format's timed syncs, rounds of one unverified and one
+#           verified sync (the sender's checksums summed by its pack copy; SGLang's queued on a side stream as the
+#           buckets load, the last bucket not waiting for them): (a) the verification's cost on the sync's path is
+#           the difference of their medians; (b) the deferred collection (the request for SGLang's sums, the
+#           comparison) is timed apart, after each verified sync; (c) SGLang's sums' GPU time; then a bit flipped in
+#           SGLang's memory after a verified sync, before its collection, which must be named; at 0.5B also the
+#           deep check (SGLang reloads a file) for comparison. PROFILE=1: at 7B one more verified sync under
+#           torch.profiler: $OUT/profile_7b/ (op table, trace, host seconds of CUDA waits and megarl's phases)
+#           (7B ~2 min, 0.5B ~1.5 min)
 #   grpo    GRPO colocated on the 0.5B shape of scripts/gpu/sglang.sh, twice: the defaults (every sync verified
 #           by checksums), and the deep check on every second sync (trainer.verify_weight_sync_deep=true,
 #           verify_weight_sync_every=2), whose other steps are unverified                             (~5 min)
@@ -99,11 +102,15 @@ print(json.dumps({"triton_equals_torch": ok, "cases": cases, "checksum_7b_elemen
 PY
   rc=$?; status=$((status | rc)); tail -n 3 "$OUT/kernel.log"
 fi
-if [[ " $PARTS " == *" sync "* ]]; then
-  timeout 260 python3 benchmarks/weight_sync.py sync --models qwen2.5-7b --formats persistent --bucket-mb 8192 \
-    --weights released --trials 2 --checksums --profile-dir "$OUT/profile_7b" --out "$OUT/sync_7b.json" \
+SYNC_MODELS=${SYNC_MODELS:-7b 0.5b}
+if [[ " $PARTS " == *" sync "* && " $SYNC_MODELS " == *" 7b "* ]]; then
+  profile=(); [[ "${PROFILE:-0}" == 1 ]] && profile=(--profile-dir "$OUT/profile_7b")
+  timeout 230 python3 benchmarks/weight_sync.py sync --models qwen2.5-7b --formats persistent --bucket-mb 8192 \
+    --weights released --trials 2 --checksums "${profile[@]}" --out "$OUT/sync_7b.json" \
     --log-dir "$OUT" > "$OUT/sync_7b.log" 2>&1
   status=$((status | $?)); tail -n 3 "$OUT/sync_7b.log"
+fi
+if [[ " $PARTS " == *" sync "* && " $SYNC_MODELS " == *" 0.5b "* ]]; then
   timeout 200 python3 benchmarks/weight_sync.py sync --models qwen2.5-0.5b --formats persistent --bucket-mb 1024 \
     --weights released --trials 2 --checksums --verify --out "$OUT/sync_0.5b.json" --log-dir "$OUT" \
     > "$OUT/sync_0.5b.log" 2>&1
@@ -128,9 +135,10 @@ if kernel.exists():
           f"{k.get('checksum_7b_elements_s', float('nan')):.4f} s ({k.get('gb_per_s', 0):.0f} GB/s); copied by torch "
           f"in {k.get('copy_7b_elements_s', float('nan')):.4f} s, copied and summed by one kernel in "
           f"{k.get('copy_and_checksum_7b_elements_s', float('nan')):.4f} s (bitwise: {k.get('copied_bitwise')})")
-print("\n| model | sync s (GB/s) | verified sync s | verification s | / sync | sender checksums (host) s | "
-      "SGLang checksums (inside the last load) s | reading them s | compare s | first verification s (compiles) | "
-      "params checked | flipped bit named | deep check s |\n|" + " --- |" * 13)
+print("\n| model | sync s (GB/s) | verified sync s | (a) verification on the sync's path s | (a) / sync | "
+      "(b) deferred collection s: request / compare | (a)+(b) s | (a)+(b) / sync | (c) SGLang's sums, GPU s | "
+      "sender checksums (host) s | first verification s (compiles) | params checked | flipped bit named | "
+      "deep check s |\n|" + " --- |" * 14)
 for name in ("sync_7b", "sync_0.5b"):
     path = out / f"{name}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
@@ -139,12 +147,15 @@ for name in ("sync_7b", "sync_0.5b"):
         if "error" in r:
             print(f"| {r.get('model')} | ERROR {r['error'][:120]} |")
             continue
+        if not r.get("checksums_verified"):
+            continue
         f = lambda k, p=4: f"{r[k]:.{p}f}" if isinstance(r.get(k), (int, float)) else str(r.get(k, ""))
-        ratio = r["checksum_verify_s"] / r["unverified_sync_s"] if r.get("checksums_verified") else float("nan")
-        print(f"| {r['model']} | {f('unverified_sync_s')} ({r['bytes'] / r.get('unverified_sync_s', 1) / 1e9:.1f}) | "
-              f"{f('verified_sync_s')} | {f('checksum_verify_s')} | {ratio:.3f} | {f('sender_checksum_s')} | "
-              f"{f('sglang_inside_s')} | {f('engine_checksum_s')} | {f('compare_s')} | {f('first_verify_s')} | "
-              f"{r.get('parameters_checked', '')} | {r.get('flip_detected', '')} | "
+        sync = r["unverified_sync_s"]
+        print(f"| {r['model']} | {f('unverified_sync_s')} ({r['bytes'] / sync / 1e9:.1f}) | {f('verified_sync_s')} | "
+              f"**{f('checksum_verify_s')}** | **{r['checksum_verify_s'] / sync:.3f}** | "
+              f"{f('deferred_collect_s')} / {f('deferred_compare_s')} | {f('verify_with_deferred_s')} | "
+              f"{r['verify_with_deferred_s'] / sync:.3f} | {f('sglang_sums_gpu_s')} | {f('sender_checksum_s')} | "
+              f"{f('first_verify_s')} | {r.get('parameters_checked', '')} | {r.get('flip_detected', '')} | "
               f"{f('verify_s') if r.get('verified') else ''} |")
 for name in ("sync_7b", "sync_0.5b"):  # where a verified sync's extra time goes, and what the profile saw
     path = out / f"{name}.json"
@@ -153,10 +164,10 @@ for name in ("sync_7b", "sync_0.5b"):  # where a verified sync's extra time goes
         print(f"{r['model']}: pack s verified {r['verified_pack_s']:.4f} / not {r['unverified_pack_s']:.4f}; posts s "
               f"verified {r['verified_posts_s']:.4f} / not {r['unverified_posts_s']:.4f}; SGLang's loads s verified "
               f"{r.get('verified_server_load_s', float('nan')):.4f} / not "
-              f"{r.get('unverified_server_load_s', float('nan')):.4f} (of which queuing the sums of what each bucket "
-              f"completed {r.get('server_sums_s', float('nan')):.4f}); sender's host checksum bookkeeping "
-              f"{r['sender_checksum_s']:.4f}; trials s unverified {r['unverified_trials_s']}, verified "
-              f"{r['verified_trials_s']}")
+              f"{r.get('unverified_server_load_s', float('nan')):.4f} (of which queuing the sums "
+              f"{r.get('server_sums_s', float('nan')):.4f}); the collection inside SGLang's TP worker (waiting for "
+              f"the sums, writing them) {r.get('sglang_collect_inside_s') or float('nan'):.4f}; trials s unverified "
+              f"{r['unverified_trials_s']}, verified {r['verified_trials_s']}")
         if "profiled_sync_s" in r or "profile_error" in r:
             print(f"  profiled verified sync {r.get('profiled_sync_s', float('nan')):.4f} s "
                   f"{r.get('profile_error', '')}; host s (calls) of waits, allocations and phases:")
@@ -175,6 +186,10 @@ for name in ("grpo_default", "grpo_deep"):
             verify = statistics.median(r["sync/verify_s"] for r in chosen)
             print(f"{name}: {'verified' if verified else 'unverified'} steps {[r['step'] for r in chosen]}: median step "
                   f"{step:.3f} s, verify {verify:.4f} s ({verify / step:.2%} of the step)")
+    deferred = [r["sync/verify_deferred_s"] for r in steps if "sync/verify_deferred_s" in r]
+    if deferred:  # the default check's collection, in the step after a verified sync, before its update
+        print(f"{name}: deferred collection of SGLang's checksums, median {statistics.median(deferred):.4f} s "
+              f"(steps {[r['step'] for r in steps if 'sync/verify_deferred_s' in r]})")
 print(f"verify.sh parts [{' '.join(sys.argv[2:]) or 'see header'}] done")
 PY
 echo "== verify.sh [$PARTS] exit $status"
