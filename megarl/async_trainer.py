@@ -30,6 +30,7 @@ from megarl.reshard.memory import GiB, MemorySettings, predict_peak
 from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
 from megarl.rewards.failures import RewardFailureTracker
+from megarl.rollout.agent import new_groups, trajectories_to_batch
 from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
 from megarl.trainer import RLTrainer, resolve_device
@@ -124,22 +125,27 @@ class RolloutSide:
     def generate_scored(self, prompts: list[dict], first_group: int = 0) -> Batch:
         """Each prompt's group scored as soon as its samples have all been generated, while the others still generate
         (the engine's generate_groups: the SGLang engine's groups end with their requests, the transformers engine's
-        at the decode step of their last row's end): the batch and rewards of RLTrainer.generate_scored, built in
-        prompt order whatever order the groups ended in. The agent loop's conversations are scored when its call
-        returns."""
-        if self.cfg.agent.enabled:
-            return RLTrainer.generate_scored(self, prompts, first_group)
+        at the decode step of their last row's end; the agent loop's when its group's last conversation ends): the
+        batch and rewards of RLTrainer.generate_scored, built in prompt order whatever order the groups ended in."""
         pad, params = self.tokenizer.pad_token_id, self.sampling_params(first_group=first_group)
-        images = prompt_images(prompts)  # a vision-language policy's prompts with images
-        generations, scored = {}, {}
+        if self.cfg.agent.enabled:  # multi-turn conversations with tool calls (megarl/rollout/agent.py)
+            method, args = "rollout_agent_groups", (new_groups([p["prompt_ids"] for p in prompts], params.n,
+                                                               self.version), params)
+
+            def to_batch(rows: list) -> Batch:
+                return trajectories_to_batch(prompts, rows, pad, self.tokenizer)
+        else:  # a vision-language policy's prompts go with their images
+            method, args = "generate_groups", ([p["prompt_ids"] for p in prompts], params, prompt_images(prompts))
+
+            def to_batch(rows: list) -> Batch:
+                return generations_to_batch(prompts, rows, pad, self.version, self.tokenizer)
+        groups, scored = {}, {}
         with self.timers("generate"):  # the reward phase lies within it
-            for index, group in stream_rollout(self.rollout, "generate_groups", [p["prompt_ids"] for p in prompts],
-                                               params, images, timeout=self.cfg.trainer.worker_timeout_s):
+            for index, group in stream_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s):
                 with self.timers("reward"):
-                    scored[index] = self.score(generations_to_batch(prompts, group, pad, self.version, self.tokenizer))
-                generations[index] = group
-        batch = generations_to_batch(prompts, [g for i in sorted(generations) for g in generations[i]], pad,
-                                     self.version, self.tokenizer)
+                    scored[index] = self.score(to_batch(group))
+                groups[index] = group
+        batch = to_batch([row for i in sorted(groups) for row in groups[i]])
         batch["rewards"] = torch.cat([scored[i]["rewards"] for i in sorted(scored)])
         batch.meta["reward_failures"] = sum(part.meta["reward_failures"] for part in scored.values())
         return batch

@@ -26,7 +26,8 @@ from megarl.protocol import Batch
 from megarl.rewards import build_reward, score
 from megarl.rewards.failures import RewardFailureTracker
 from megarl.rewards.mixing import ScoreMixer, ends_with
-from megarl.rollout.agent import Trajectory, agent_metrics, observation_renderer, trajectories_to_batch
+from megarl.rollout.agent import (Trajectory, agent_metrics, new_groups, observation_renderer,
+                                 trajectories_to_batch)
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout.weight_layout import merge as merge_checksums
@@ -417,8 +418,7 @@ class RLTrainer:
                  first_group: int = 0) -> Batch:
         params = self.sampling_params(evaluation, greedy, first_group)
         if self.cfg.agent.enabled:  # multi-turn conversations with tool calls, run next to the engine
-            groups = [[Trajectory(i, p["prompt_ids"], policy_version=self.version) for _ in range(params.n)]
-                      for i, p in enumerate(prompts)]
+            groups = new_groups([p["prompt_ids"] for p in prompts], params.n, self.version)
             finished, _, _ = self.rollout_call("rollout_agent", prompts, groups, params)
             return trajectories_to_batch(prompts, [t for group in finished for t in group],
                                          self.tokenizer.pad_token_id, self.tokenizer)

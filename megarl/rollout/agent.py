@@ -94,6 +94,11 @@ class Trajectory:
                 "seconds": self.seconds}
 
 
+def new_groups(prompts: list[list[int]], n: int, policy_version: int) -> list[list[Trajectory]]:
+    """`n` new conversations per prompt (its token ids), grouped by prompt in order, begun under `policy_version`."""
+    return [[Trajectory(i, list(p), policy_version=policy_version) for _ in range(n)] for i, p in enumerate(prompts)]
+
+
 # --- observations ------------------------------------------------------------------------------------
 
 class TextObservations:
@@ -151,21 +156,22 @@ class AgentLoop:
     def run(self, prompts: list[list[int]], params: SamplingParams, policy_version: int = 0) -> list[Trajectory]:
         """`params.n` conversations per prompt, grouped by prompt in order. `params.max_new_tokens` is
         replaced, turn by turn, by the per-turn limit and what is left of the budget."""
-        groups = [[Trajectory(i, list(p), policy_version=policy_version) for _ in range(params.n)]
-                  for i, p in enumerate(prompts)]
-        finished, _, _ = asyncio.run(self.arun_groups(groups, params))
+        finished, _, _ = asyncio.run(self.arun_groups(new_groups(prompts, params.n, policy_version), params))
         return [t for group in finished for t in group]
 
     def run_groups(self, groups: list[list[Trajectory]], params: SamplingParams, needed: int | None = None,
-                   accept: Callable[[list[Trajectory]], bool] | None = None):
+                   accept: Callable[[list[Trajectory]], bool] | None = None,
+                   on_group: Callable[[int, list[Trajectory]], None] | None = None):
         """See arun_groups."""
-        return asyncio.run(self.arun_groups(groups, params, needed, accept))
+        return asyncio.run(self.arun_groups(groups, params, needed, accept, on_group))
 
     async def arun_groups(self, groups: list[list[Trajectory]], params: SamplingParams, needed: int | None = None,
-                          accept: Callable[[list[Trajectory]], bool] | None = None):
+                          accept: Callable[[list[Trajectory]], bool] | None = None,
+                          on_group: Callable[[int, list[Trajectory]], None] | None = None):
         """Continue every conversation of `groups` (new ones have no response yet; `params.n` is not used)
         until each is finished, or, with `needed`, until `needed` groups are finished and accepted by
-        `accept(group)` (all are, without it): then the others are aborted.
+        `accept(group)` (all are, without it): then the others are aborted. `on_group(i, groups[i])` as soon as
+        group i is accepted, while the others go on (the asynchronous modes score it then).
 
         Returns (finished groups: the accepted ones, then the others that finished (rejected, or not
         judged because the abort came first); unfinished groups; the number rejected), in the order given."""
@@ -173,10 +179,12 @@ class AgentLoop:
         slots = asyncio.Semaphore(self.config.max_concurrent)
         accepted, rejected = [], []
 
-        async def run_group(group: list[Trajectory]) -> None:
+        async def run_group(index: int, group: list[Trajectory]) -> None:
             await asyncio.gather(*(self._converse(t, batcher, slots) for t in group if not t.finish_reason))
             if needed is None or (len(accepted) < needed and (accept is None or accept(group))):
                 accepted.append(group)
+                if on_group is not None:
+                    on_group(index, group)
             else:
                 rejected.append(group)
             if needed is not None and len(accepted) == needed:
@@ -185,7 +193,7 @@ class AgentLoop:
                         task.cancel()
                 batcher.abort()
 
-        tasks = [asyncio.create_task(run_group(g)) for g in groups]
+        tasks = [asyncio.create_task(run_group(i, g)) for i, g in enumerate(groups)]
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         await batcher.settle()  # the engine call in flight ends before the engine is used for anything else
         for outcome in outcomes:

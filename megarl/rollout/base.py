@@ -106,6 +106,26 @@ class GroupCollector:
             self.on_group(prompt, [complete[j] for j in range(self.n)])
 
 
+def stream_callbacks(run: Callable[[Callable], object]) -> Iterator:
+    """The calls `run(callback)` makes to its callback, as an iterator of their arguments (one argument: itself, more:
+    a tuple), each as soon as it is made: `run` goes on in a thread of its own meanwhile; its error is raised here."""
+    made: queue.Queue = queue.Queue()
+    done = object()
+
+    def work() -> None:
+        try:
+            run(lambda *args: made.put(args[0] if len(args) == 1 else args))
+            made.put(done)
+        except BaseException as error:  # noqa: B036  (raised in the consumer)
+            made.put(error)
+
+    threading.Thread(target=work, name="megarl-stream-callbacks", daemon=True).start()
+    while (item := made.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
 class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -120,21 +140,7 @@ class RolloutEngine(abc.ABC):
                         images: list[ImageInputs | None] | None = None) -> Iterator[tuple[int, list[Generation]]]:
         """generate()'s groups as they end, in that order: (prompt index, its n generations). generate() runs in a
         thread of its own meanwhile; its error is raised here."""
-        ended: queue.Queue = queue.Queue()
-        done = object()
-
-        def run() -> None:
-            try:
-                self.generate(prompts, params, images, on_group=lambda i, group: ended.put((i, group)))
-                ended.put(done)
-            except BaseException as error:  # noqa: B036  (raised in the consumer)
-                ended.put(error)
-
-        threading.Thread(target=run, name="megarl-generate-groups", daemon=True).start()
-        while (item := ended.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        return stream_callbacks(lambda on_group: self.generate(prompts, params, images, on_group=on_group))
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

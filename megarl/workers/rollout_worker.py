@@ -7,7 +7,7 @@ import torch
 from megarl.config import Config
 from megarl.rewards import build_reward, score
 from megarl.rollout.agent import AgentLoop, Trajectory, trajectories_to_batch
-from megarl.rollout.base import Generation, ImageInputs, SamplingParams
+from megarl.rollout.base import Generation, ImageInputs, SamplingParams, stream_callbacks
 from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
 
@@ -66,22 +66,31 @@ class RolloutWorker:
         trip to the driver. `groups[i]` are the conversations of `prompts[i]`; with `needed`, the
         rest are aborted once that many groups are finished (and, with varied_rewards, their rewards
         differ). Returns AgentLoop.run_groups' (finished, unfinished, rejected count)."""
-        if self.agent is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self.agent = AgentLoop(self.engine, tokenizer, build_tools(self.cfg.agent.tools), self.cfg.agent)
         accept = None
         if varied_rewards:
             if self.reward_fn is None:
                 self.reward_fn = build_reward(self.cfg.reward, self.cfg.data.task)
-            tokenizer, r = self.agent.tokenizer, self.cfg.reward
+            tokenizer, r = self.agent_loop().tokenizer, self.cfg.reward
 
             def accept(group: list[Trajectory]) -> bool:  # as megarl.algorithms.dapo.dynamic_sampling_filter
                 batch = trajectories_to_batch(prompts, group, tokenizer.pad_token_id, tokenizer)
                 rewards, _ = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers)
                 return len(group) == 1 or len(set(rewards)) > 1
-        return self.agent.run_groups(groups, params, needed, accept)
+        return self.agent_loop().run_groups(groups, params, needed, accept)
+
+    def rollout_agent_groups(self, groups: list[list[Trajectory]], params: SamplingParams):
+        """rollout_agent()'s groups as each finishes, (index in `groups`, its conversations): a Ray streaming
+        generator, as generate_groups."""
+        yield from stream_callbacks(lambda on_group: self.agent_loop().run_groups(groups, params, on_group=on_group))
+
+    def agent_loop(self) -> AgentLoop:
+        """The agent loop and its tools, built on first use."""
+        if self.agent is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.agent = AgentLoop(self.engine, tokenizer, build_tools(self.cfg.agent.tools), self.cfg.agent)
+        return self.agent
 
     def begin_weight_update(self) -> list | None:
         """Start a sync: SGLang's endpoints, which the sending training rank sends its buckets to itself (CUDA IPC
