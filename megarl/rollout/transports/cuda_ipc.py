@@ -258,8 +258,8 @@ class CudaIpcSender:
         bucket's queued pieces, summed by the copy) and return the call that posts it to every endpoint,
         post(last): run it before changing the bucket's memory again. A verified sync in the persistent format
         passes `complete` = (the sync's id, SGLang TP rank -> the parameters this bucket completes there): each TP
-        worker sums those once the bucket is loaded (held_checksums.py), and the last post asks for the checksums
-        of every parameter it then holds (into the file the endpoint names: no request of its own)."""
+        worker sums those once the bucket is loaded (held_checksums.py), and the last post has it queue the sums of
+        everything else it then holds, not waited for (the engine's weight_checksums collects them later)."""
         load_format, payload, keep = self.payload(bucket, checksums)
         self.count += 1
         # The pack (and the conversions before it) are queued on our stream, not done. A receiver that opens a
@@ -282,7 +282,7 @@ class CudaIpcSender:
 
                 def header(rank: int) -> dict:
                     return (({"sync": complete[0], "complete": complete[1].get(rank, [])} if summed else {})
-                            | ({"checksums": checksum_file(endpoint.checksums, rank)} if ask else {}))
+                            | ({"checksums": True} if ask else {}))
 
                 with record_function("megarl.sync.post_serialize"):  # here: each handle is opened once
                     payloads = [payload(endpoint, r, header(r)) for r in range(endpoint.tp)]
