@@ -13,7 +13,7 @@
 #           SGLang's memory after a verified sync, before its collection, which must be named; at 0.5B also the
 #           deep check (SGLang reloads a file) for comparison. PROFILE=1: at 7B one more verified sync under
 #           torch.profiler: $OUT/profile_7b/ (op table, trace, host seconds of CUDA waits and megarl's phases)
-#           (7B ~2 min, 0.5B ~1.5 min)
+#           (7B ~3 min: ~2 of them the server's start; 0.5B ~1.5 min)
 #   grpo    GRPO colocated on the 0.5B shape of scripts/gpu/sglang.sh, twice: the defaults (every sync verified
 #           by checksums), and the deep check on every second sync (trainer.verify_weight_sync_deep=true,
 #           verify_weight_sync_every=2), whose other steps are unverified                             (~5 min)
@@ -105,7 +105,7 @@ fi
 SYNC_MODELS=${SYNC_MODELS:-7b 0.5b}
 if [[ " $PARTS " == *" sync "* && " $SYNC_MODELS " == *" 7b "* ]]; then
   profile=(); [[ "${PROFILE:-0}" == 1 ]] && profile=(--profile-dir "$OUT/profile_7b")
-  timeout 230 python3 benchmarks/weight_sync.py sync --models qwen2.5-7b --formats persistent --bucket-mb 8192 \
+  timeout 260 python3 benchmarks/weight_sync.py sync --models qwen2.5-7b --formats persistent --bucket-mb 8192 \
     --weights released --trials 2 --checksums "${profile[@]}" --out "$OUT/sync_7b.json" \
     --log-dir "$OUT" > "$OUT/sync_7b.log" 2>&1
   status=$((status | $?)); tail -n 3 "$OUT/sync_7b.log"
