@@ -150,16 +150,34 @@ class RolloutSide:
         batch.meta["reward_failures"] = sum(part.meta["reward_failures"] for part in scored.values())
         return batch
 
+    def retire_stale_groups(self, trained_at: int) -> dict:
+        """Over-sampling's unfinished groups carried into a batch trained at version `trained_at` (at the latest) are
+        continued only if their oldest token would be within async.max_staleness then: the others would be dropped
+        at the take after all their generation, so they are not continued; as the take does with a stale group, their
+        prompts are dropped or go back first in line (async.stale=regenerate). Returns the count, a metric."""
+        if not self.cfg.agent.oversample_groups:
+            return {}
+        bound, kept, stale = trained_at - self.cfg.async_.max_staleness, [], []
+        for prompt, group in self.partial_groups:  # (a conversation without a model token yet has no age)
+            oldest = min((t.policy_version for t in group if any(t.loss_mask)), default=bound)
+            (stale if oldest < bound else kept).append((prompt, group))
+        self.partial_groups = kept
+        if self.cfg.async_.stale == "regenerate":
+            self.buffer.requeue([prompt for prompt, _ in stale])
+        return {"agent/groups_stale": len(stale)}
+
     def run(self) -> None:
         """Rollout batches, one after another, as the buffer admits them, until it is closed."""
         try:
             while (begun := self.buffer.begin_batch()) is not None:
-                number, self.version, waited = begun
+                number, self.version, waited, trained_at = begun
+                retired = self.retire_stale_groups(trained_at)
                 with self.timers("rollout"):
                     batch, metrics = self.sample_batch()
                 self.reward_failures.end_step(number)  # a reward failing past its limit: the trainer stops
-                metrics |= self.timers.pop() | {"async/rollout_wait_s": waited, "async/rollout_version": self.version,
-                                                "train/reward_failures": batch.meta["reward_failures"]}
+                metrics |= self.timers.pop() | retired | {
+                    "async/rollout_wait_s": waited, "async/rollout_version": self.version,
+                    "train/reward_failures": batch.meta["reward_failures"]}
                 self.buffer.put_batch(number, batch, metrics)
         except BaseException as error:  # noqa: B036  (raised in the trainer, at its next take)
             self.buffer.fail(error)

@@ -87,32 +87,46 @@ class RolloutBuffer:
 
     # ---- the rollout thread ---------------------------------------------------------------------------
 
+    def groups_ahead(self) -> int:
+        """Groups made or being made, not taken yet."""
+        return self.begun * self.per_step - self.consumed
+
+    def trained_at(self) -> int:
+        """The version the next rollout batch's groups would be trained at (at the latest: a group before them dropped
+        at the take moves them to an earlier step)."""
+        return (self.accepted + self.groups_ahead()) // self.per_step
+
     def admits(self) -> bool:
         """Whether the next rollout batch may begin now (module docstring): it is needed (the groups made or
         being made do not cover the run's steps), its first group would be trained within max_staleness
         versions of the policy the rollout holds now, and the buffer has room for it."""
-        ahead = self.begun * self.per_step - self.consumed  # groups made or being made, not taken yet
-        trained_at = (self.accepted + ahead) // self.per_step  # the version its first group would be trained at
+        ahead = self.groups_ahead()
         return (self.accepted + ahead < self.steps * self.per_step
-                and trained_at - self.published <= self.max_staleness
+                and self.trained_at() - self.published <= self.max_staleness
                 and ahead + self.per_step <= self.buffer_batches * self.per_step)
 
-    def begin_batch(self) -> tuple[int, int, float] | None:
-        """Wait until a batch may begin; (its number, the policy version the rollout holds, seconds waited), or
-        None once the buffer is closed."""
+    def begin_batch(self) -> tuple[int, int, float, int] | None:
+        """Wait until a batch may begin; (its number, the policy version the rollout holds, seconds waited, the
+        version its groups would be trained at: trained_at()), or None once the buffer is closed."""
         start = time.perf_counter()
         with self.cond:
             self.cond.wait_for(lambda: self.closed or (not self.paused and self.admits()))
             if self.closed:
                 return None
+            trained_at = self.trained_at()
             self.begun += 1
-            return self.begun, self.published, time.perf_counter() - start
+            return self.begun, self.published, time.perf_counter() - start, trained_at
 
     def put_batch(self, number: int, batch: Batch, metrics: dict) -> None:
         with self.cond:
             self.ready.extend(Group(group, number, metrics) for group in split_groups(batch))
             self.finished += 1
             self.cond.notify_all()
+
+    def requeue(self, prompts: list[dict]) -> None:
+        """Prompts to generate again, first in line (async.stale=regenerate)."""
+        with self.cond:
+            self.requeued += prompts
 
     def take_requeued(self, size: int) -> list[dict]:
         """Up to `size` prompts to generate again."""

@@ -6,16 +6,19 @@ smaller one."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megarl.async_trainer import build_trainer, check_resident_memory
+from megarl.async_trainer import RolloutSide, build_trainer, check_resident_memory
 from megarl.config import ConfigError, load_config
 from megarl.protocol import Batch
 from megarl.rewards.failures import RewardFailureError
 from megarl.reshard.memory import GiB
 from megarl.reshard.plan import load_model_config
+from megarl.rollout.agent import Trajectory
 from megarl.rollout_buffer import RolloutBuffer
 
 from tests.conftest import QUICKSTART
@@ -147,6 +150,35 @@ def test_admission_and_take_bound_staleness():
     resumed.fail(RewardFailureError("training reward calls failed 4 of 4 times"))
     with pytest.raises(RewardFailureError, match="failed 4 of 4"):
         resumed.take(version=3)
+
+
+def test_oversampled_groups_carried_past_the_bound_are_not_continued():
+    """Over-sampling's unfinished groups go on in the next rollout batch only if their oldest token would be within
+    async.max_staleness when that batch is trained (begin_batch says when: at the latest); the others' prompts are
+    generated again (async.stale=regenerate) or dropped, counted."""
+    buffer = RolloutBuffer(groups_per_step=1, max_staleness=1, buffer_batches=0, stale="regenerate", steps=10)
+    assert [buffer.begin_batch()[3] for _ in range(2)] == [0, 1]  # batches 1 and 2 are trained at versions 0 and 1
+    buffer.put_batch(1, Batch({"policy_version": torch.tensor([0])}, {"group": [0]}), {})
+    buffer.take(version=0)
+    buffer.publish(1)
+    assert buffer.begin_batch()[3] == 2  # batch 3 (from version 1) is trained at version 2
+
+    def conversation(version: int, tokens: int) -> Trajectory:
+        t = Trajectory(0, [5, 6], policy_version=version)
+        if tokens:
+            t.append([7] * tokens, [-0.5] * tokens, [version] * tokens)
+        return t
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "tool_calculator.yaml"
+    for stale, requeued in (("regenerate", ["a"]), ("drop", [])):
+        cfg = load_config(recipe, ["trainer.mode=async", "async.max_staleness=1", "agent.oversample_groups=2",
+                                   f"async.stale={stale}"])
+        side = RolloutSide(SimpleNamespace(cfg=cfg, tokenizer=None, rollout=None, data=None), buffer, 0.0)
+        side.partial_groups = [({"prompt": "a"}, [conversation(0, 3), conversation(1, 2)]),  # a version-0 token
+                               ({"prompt": "b"}, [conversation(1, 3), conversation(0, 0)]),  # version 1 onwards
+                               ({"prompt": "c"}, [conversation(0, 0)])]  # no token yet: begins now
+        assert side.retire_stale_groups(trained_at=2) == {"agent/groups_stale": 1}
+        assert [p["prompt"] for p, _ in side.partial_groups] == ["b", "c"]
+        assert [p["prompt"] for p in buffer.take_requeued(4)] == requeued
 
 
 def test_colocated_engines_resident_together_must_fit_the_gpu():
