@@ -42,8 +42,13 @@ def run(cfg) -> dict[int, dict]:
         trainer.fit()
     finally:
         trainer.shutdown()
+    return metrics_by_step(cfg.trainer.output_dir)
+
+
+def metrics_by_step(output_dir) -> dict[int, dict]:
+    """A run's metrics.jsonl rows, merged by step."""
     rows: dict[int, dict] = {}
-    for line in open(f"{cfg.trainer.output_dir}/metrics.jsonl"):
+    for line in open(f"{output_dir}/metrics.jsonl"):
         row = json.loads(line)
         rows.setdefault(row["step"], {}).update(row)
     return rows

@@ -16,32 +16,23 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from megarl import async_trainer
 from megarl.async_trainer import build_trainer
 from megarl.config import load_config
-from megarl.rewards import REWARDS
+
+from tests.test_async import metrics_by_step
+from tests.test_async_rollout import RECORD, WAIT_S, Hook, hook_state  # RECORD: what reward test_async_recorded scored
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "tool_calculator.yaml"
 TOOL_CALL = '<tool_call>{"name":"calculator","arguments":{"expression":"2*3"}}</tool_call>'
 ANSWER = "6789"  # the second turn (and group 0's only turn): longer than HOLD_AT
 HOLD_AT = 2  # the second turn's decode step at which it is held
-WAIT_S = 60.0  # the most a held step waits: past it the hook goes on and its record fails the test
-# in the trainer's process: the training prompts the reward scored, in call order; the file it creates on the first,
-# which the rollout actor's hook waits for; the held-out prompts (not recorded)
-RECORD = {"scored": [], "flag": None, "val": set()}
 
 
-@REWARDS.register("test_async_agent_recorded")
-def recorded_reward(response: str, answer: str, sample: dict) -> float:
-    if sample["prompt"] not in RECORD["val"]:
-        RECORD["scored"].append(sample["prompt"])
-        RECORD["flag"].touch()
-    return float(response == ANSWER)
-
-
-class Hook:
+class AgentHook:
     """Lives in the rollout actor: numbers the rollout thread's streaming agent calls (rollout batches), forces each
     conversation's tokens (held-out ones end at once) and holds second turns (module docstring)."""
 
@@ -98,25 +89,14 @@ class Hook:
                 batch = held[0]
                 self.holding = batch
                 # batch 1: until group 0 was scored; batch 2: until the trainer pauses generation for its update
-                self.held[batch] = self.wait(self.flag.exists if batch == 1 else lambda: self.engine.gate.paused)
+                self.held[batch] = Hook.wait(self.flag.exists if batch == 1 else lambda: self.engine.gate.paused)
                 self.holding = None
             return out
         return forced
 
-    @staticmethod
-    def wait(condition) -> bool:
-        deadline = time.monotonic() + WAIT_S
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return condition()
-
 
 def install(worker, flag: str) -> None:
-    worker.test_hook = Hook(worker, flag)
-
-
-def hook_state(worker, *fields: str):
-    return {f: getattr(worker.test_hook, f) for f in fields}
+    worker.test_hook = AgentHook(worker, flag)
 
 
 def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_path, ray_local, monkeypatch):
@@ -127,7 +107,7 @@ def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_pat
     cfg = load_config(RECIPE, [
         f"trainer.output_dir={tmp_path}", f"sft.data={traces}", "sft.steps=0", "model.tiny_num_layers=1",
         "data.prompts_per_step=2", "rollout.n_samples=2", "data.val_size=2", "rollout.eval_n_samples=1",
-        "trainer.steps=2", "trainer.eval_every=0", "reward.name=test_async_agent_recorded", "reward.isolation=none",
+        "trainer.steps=2", "trainer.eval_every=0", "reward.name=test_async_recorded", "reward.isolation=none",
         "trainer.loggers=[jsonl]", "trainer.mode=async", "async.max_staleness=1", "async.partial=resume"])
     streamed = []  # (method, (group index, its conversations)) as the rollout thread received them
     stream = async_trainer.stream_rollout
@@ -157,10 +137,7 @@ def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_pat
         held = ray.get(trainer.rollout.__ray_call__.remote(hook_state, "held"))["held"]
     finally:
         trainer.shutdown()
-    rows = {}
-    for line in open(tmp_path / "metrics.jsonl"):
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
+    rows = metrics_by_step(tmp_path)
 
     # batch 1: group 0 (answered at once) was scored while group 1's second turn was held, and streamed first
     assert held == {1: True, 2: True}
@@ -168,7 +145,7 @@ def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_pat
     assert [index for _, (index, _) in streamed[:2]] == [0, 1]
     scored = RECORD["scored"]
     assert scored[0] == scored[1] != scored[2] == scored[3]
-    assert rows[1]["train/reward"] == 1.0  # every conversation answered ANSWER
+    assert rows[1]["train/reward"] == pytest.approx(len(ANSWER) / 10)  # every conversation answered ANSWER (test_async_recorded)
 
     # batch 2: begun under version 0; the update to version 1 interrupted the second turns in flight at token HOLD_AT
     # (those whose tool results were in when the held engine call began), which went on from their tokens: the first
@@ -177,7 +154,8 @@ def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_pat
     interrupted = 0
     for _, (_, group) in streamed[2:]:
         for t in group:
-            assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant"] and t.finish_reason == "stop"
+            assert [turn["role"] for turn in t.turns] == ["assistant", "tool", "assistant"]
+            assert t.finish_reason == "stop"
             (call, call_end), (tool, tool_end), (answer, answer_end) = (turn["span"] for turn in t.turns)
             assert t.turns[1]["calls"][0]["result"] == "6" and t.turns[2]["text"] == ANSWER
             assert t.versions[call:call_end] == [0] * (call_end - call) and t.policy_version == 0

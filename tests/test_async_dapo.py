@@ -1,9 +1,7 @@
-"""DAPO dynamic sampling in trainer.mode=async (quickstart, a tiny one-layer model, three steps at async.max_staleness=1):
-the rollout thread scores each group as it ends and sets aside those whose rewards are all equal, generating more
-rounds until a batch holds data.prompts_per_step groups that vary; every group the trainer trains on varies, within
-the staleness bound, and the dapo/* counts are those of the groups scored."""
-
-import json
+"""DAPO dynamic sampling in trainer.mode=async (quickstart, a tiny one-layer model, three steps at
+async.max_staleness=1): the rollout thread scores each group as it ends and sets aside those whose rewards are all
+equal, generating more rounds until a batch holds data.prompts_per_step groups that vary; every group the trainer
+trains on varies, within the staleness bound, and the dapo/* counts are those of the groups scored."""
 
 from megarl.async_trainer import build_trainer
 from megarl.config import load_config
@@ -11,6 +9,7 @@ from megarl.rewards import REWARDS
 from megarl.rollout_buffer import split_groups
 
 from tests.conftest import QUICKSTART
+from tests.test_async import metrics_by_step
 
 WANT = 2  # data.prompts_per_step
 
@@ -55,10 +54,7 @@ def test_dynamic_sampling_in_async_mode(tmp_path, ray_local):
         trainer.fit()
     finally:
         trainer.shutdown()
-    steps = {}
-    for line in open(tmp_path / "metrics.jsonl"):
-        row = json.loads(line)
-        steps.setdefault(row["step"], {}).update(row)
+    steps = metrics_by_step(tmp_path)
 
     assert len(batches) == len(trained) == 3
     for step, (made, groups) in enumerate(zip(batches, trained), start=1):
@@ -67,7 +63,8 @@ def test_dynamic_sampling_in_async_mode(tmp_path, ray_local):
         assert len(made["groups"]) == WANT * made["metrics"]["dapo/rounds"]
         assert sum(len(set(r)) > 1 for r in made["groups"][:-WANT]) < WANT <= len(made["groups"]) - flat
         dapo = {k: v for k, v in made["metrics"].items() if k.startswith("dapo/")}
-        assert dapo == {"dapo/rounds": len(made["groups"]) // WANT, "dapo/groups_dropped": flat, "dapo/filler_groups": 0}
+        assert dapo == {"dapo/rounds": len(made["groups"]) // WANT, "dapo/groups_dropped": flat,
+                        "dapo/filler_groups": 0}
         # the step trained on that batch's groups, every one of them varied, within the bound; its metrics count them
         assert len(groups) == WANT and all(len(set(rewards)) > 1 for rewards in groups)
         assert {k: steps[step][k] for k in dapo} == dapo

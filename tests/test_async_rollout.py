@@ -8,7 +8,6 @@ holds a decode step until an event the test waits for has happened (a group scor
 order asserted here is forced, not raced."""
 
 import dataclasses
-import json
 import math
 import threading
 import time
@@ -22,6 +21,7 @@ from megarl.rewards import REWARDS
 from megarl.rollout.base import SamplingParams
 
 from tests.conftest import QUICKSTART
+from tests.test_async import metrics_by_step
 
 TOKENS, HOLD_AT = 4, 2  # response length; the decode step (token) at which a generating batch is held for an update
 WAIT_S = 60.0  # the most a held step waits: past it the hook goes on and its record fails the test
@@ -140,10 +140,7 @@ def test_groups_scored_as_they_end_and_updates_land_mid_generation(tmp_path, ray
             hook_state, "scored_while_held", "held_until_pause", "segments", "results"))
     finally:
         trainer.shutdown()
-    rows = {}
-    for line in open(tmp_path / "metrics.jsonl"):
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
+    rows = metrics_by_step(tmp_path)
     segments = {call: [s for s in hook["segments"] if s["call"] == call] for call in (1, 2, 3, 4)}
     results = hook["results"]
 
