@@ -145,7 +145,7 @@ def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_pat
     assert [index for _, (index, _) in streamed[:2]] == [0, 1]
     scored = RECORD["scored"]
     assert scored[0] == scored[1] != scored[2] == scored[3]
-    assert rows[1]["train/reward"] == pytest.approx(len(ANSWER) / 10)  # every conversation answered ANSWER (test_async_recorded)
+    assert rows[1]["train/reward"] == pytest.approx(len(ANSWER) / 10)  # all answered ANSWER (test_async_recorded)
 
     # batch 2: begun under version 0; the update to version 1 interrupted the second turns in flight at token HOLD_AT
     # (those whose tool results were in when the held engine call began), which went on from their tokens: the first
