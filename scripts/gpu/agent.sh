@@ -8,6 +8,8 @@
 #                routing). Prints per step: reward, turns, tool calls, turns/s and model tokens/s of generation.
 #   oversample - the same with agent.oversample_groups: more groups started than needed, the rest
 #                aborted through SGLang's /abort_request and resumed the next step.
+#   async      - the agent phase in trainer.mode=async (issue 19: async.max_staleness=1, async.partial=resume):
+#                each group scored as its last conversation ends, weight updates landing mid-episode (not by default).
 # PHASES="agent oversample" by default; logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,14 +42,15 @@ for r in rows:
                 "generate_s": gen, "turns_per_s": r["agent/model_turns_total"] / gen,
                 "tokens_per_s": r["agent/model_tokens_total"] / gen,
                 "aborted": r.get("agent/groups_aborted"), "resumed": r.get("agent/groups_resumed"),
-                "val_reward": r.get("val/reward")})
+                "val_reward": r.get("val/reward"), "staleness_max": r.get("async/staleness_max")})
 json.dump(out, open(path.replace(".jsonl", "_throughput.json"), "w"), indent=1)
-print("| phase | step | reward | turns | tool calls | generate s | turns/s | tokens/s | aborted | resumed | val |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+print("| phase | step | reward | turns | tool calls | generate s | turns/s | tokens/s | aborted | resumed | val | stale max |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 f = lambda v: "" if v is None else f"{v:.4g}"
 for o in out:
     print(f"| {phase} | {o['step']} | {f(o['reward'])} | {f(o['turns'])} | {f(o['tool_calls'])} | {f(o['generate_s'])} "
-          f"| {f(o['turns_per_s'])} | {f(o['tokens_per_s'])} | {f(o['aborted'])} | {f(o['resumed'])} | {f(o['val_reward'])} |")
+          f"| {f(o['turns_per_s'])} | {f(o['tokens_per_s'])} | {f(o['aborted'])} | {f(o['resumed'])} | {f(o['val_reward'])} "
+          f"| {f(o['staleness_max'])} |")
 PY
 }
 
@@ -75,7 +78,10 @@ fi
 if [[ " $PHASES " == *" oversample "* ]]; then
   run_phase oversample agent.oversample_groups=16 "$@"; status=$(( status | $? ))
 fi
-for name in agent oversample; do
+if [[ " $PHASES " == *" async "* ]]; then
+  run_phase async trainer.mode=async async.max_staleness=1 async.partial=resume "$@"; status=$(( status | $? ))
+fi
+for name in agent oversample async; do
   [[ " $PHASES " == *" $name "* ]] && table "$OUT/${name}_metrics.jsonl" "$name"
 done
 echo "== agent.sh phases [$PHASES] on $(cat "$OUT/gpu.txt"): exit $status"
