@@ -13,7 +13,8 @@ layout='one_row' (actor.packing=one_row): a micro-batch is ONE row [1, W], W = m
 are no longer as wide as the longest sequence. `trim_multiple` > 0 cuts each row to its used length rounded
 up to that multiple (shapes then differ between micro-batches: only where nothing needs fixed shapes, i.e.
 no pipeline stages and no expert exchange across DP ranks; see MegatronEngine._micro_batches). A sequence
-longer than W is an error naming actor.max_tokens_per_micro_batch.
+longer than W is an error naming actor.max_tokens_per_micro_batch. With max_tokens = 0 (no packing) the layout
+changes nothing: micro_batch_size padded rows, as above.
 
 Everything per sequence (loss_mask, advantages, old log-probs ...) stays in the ordinary [S, T] layout
 of the Batch; `packed_index` [S, T] points each (sequence, position) at its packed position, and
@@ -110,7 +111,7 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
     if layout not in PACKING_LAYOUTS:
         raise ValueError(f"packing layout {layout!r}: expected one of {', '.join(PACKING_LAYOUTS)}")
     lengths = sequence_lengths(batch["attention_mask"])
-    if layout == "one_row":
+    if layout == "one_row" and max_tokens > 0:  # at 0 (no packing) both layouts are micro_batch_size padded rows
         return _pack_one_row(batch, keys, device, lengths, max_tokens, group_size, width_multiple, trim_multiple)
     width = _round_up(max(max(lengths), longest), width_multiple)
     if max_tokens > 0:
@@ -129,8 +130,6 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
 def _pack_one_row(batch: Batch, keys: list[str], device, lengths: list[int], max_tokens: int, group_size: int,
                   width_multiple: int, trim_multiple: int) -> list[dict]:
     """layout='one_row': first-fit-decreasing into single rows of W = max_tokens (rounded to width_multiple)."""
-    if max_tokens <= 0:
-        raise ValueError("actor.packing=one_row needs actor.max_tokens_per_micro_batch > 0 (the row width)")
     width = _round_up(max_tokens, width_multiple)
     too_long = [i for i, n in enumerate(lengths) if n > width]
     if too_long:

@@ -136,8 +136,12 @@ def test_one_row_layout_packs_any_number_of_sequences_into_one_row():
         assert all(i ^ 1 in ids for i in ids), ids  # preference pairs stay together
     with pytest.raises(ValueError, match=r"sequence 0 has 11 tokens, more than .* of 10 \(actor.max_tokens_per_micro_batch=10"):
         pack_micro_batches(batch, [], "cpu", 2, max_tokens=10, layout="one_row")
-    with pytest.raises(ValueError, match="needs actor.max_tokens_per_micro_batch > 0"):
-        pack_micro_batches(batch, [], "cpu", 2, max_tokens=0, layout="one_row")
+    # no token budget (the default actor.packing=one_row with max_tokens_per_micro_batch=0): padded rows
+    unpacked = [pack_micro_batches(batch, [], "cpu", 2, max_tokens=0, layout=layout) for layout in ("one_row", "rows")]
+    assert [mb["tokens"].shape for mb in unpacked[0]] == [(2, 11)] * 4
+    for one_row_mb, rows_mb in zip(*unpacked):
+        assert torch.equal(one_row_mb["tokens"], rows_mb["tokens"])
+        assert torch.equal(one_row_mb["seq_index"], rows_mb["seq_index"])
 
 
 # ---- through the engine (2 gloo ranks, one launch) ------------------------------------------------
