@@ -142,8 +142,7 @@ def time_posts(server, seconds: dict) -> None:
 
 def server_loads(server) -> dict:
     """What the server's loads took since the last call (the MEGARL_TIME_WEIGHT_LOADS lines of its log), per
-    rank summed, slowest rank: seconds inside the loader, and of those the loaders' Python work (queued) and the
-    host time queuing a verified sync's sums of what each bucket completed (sums)."""
+    rank summed, slowest rank: seconds inside the loader, and of those the loaders' Python work (queued)."""
     from megarl.rollout.transports.cuda_ipc import LOAD_TIMING
 
     offset = getattr(server, "load_log_offset", 0)
@@ -151,16 +150,14 @@ def server_loads(server) -> dict:
         log.seek(offset)
         text = log.read().decode(errors="replace")
         server.load_log_offset = log.tell()
-    seconds, queued, sums = {}, {}, {}
+    seconds, queued = {}, {}
     for line in text.splitlines():
         if LOAD_TIMING in line:
             fields = line.split(LOAD_TIMING + ":")[1].split()
             rank, values = fields[1], dict(zip(fields[2::2], map(float, fields[3::2])))
             seconds[rank] = seconds.get(rank, 0.0) + values["seconds"]
             queued[rank] = queued.get(rank, 0.0) + values["queued"]
-            sums[rank] = sums.get(rank, 0.0) + values.get("sums", 0.0)
-    return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0),
-                server_sums_s=max(sums.values(), default=0.0))
+    return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0))
 
 
 def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: str = "released",
@@ -169,10 +166,9 @@ def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: s
     the weights memory, stream the buckets) to resume_kv_cache. `weights`: "released", SGLang released its
     weights and KV cache during training (trainer.offload_between_phases on); "resident", it kept both
     (offload off: nothing to resume, the ready step only drops the prefix cache). `expected`: a verified sync
-    (the default verification: weight_layout.ExpectedChecksums of the sender; SGLang's sums queued by the last
-    bucket, not waited for). With `collect`, after the timed sync SGLang's sums are collected and compared, timed
-    apart, as the trainer does before its next update (RLTrainer.check_rollout_weights; there after generation, so
-    the sums are long done: this collection right after the sync may still wait for them)."""
+    (the default verification: weight_layout.ExpectedChecksums of the sender; SGLang sums nothing during the sync).
+    With `collect`, after the timed sync SGLang's TP workers checksum what they hold and the two are compared,
+    timed apart, as the trainer does before its next update (RLTrainer.check_rollout_weights, after generation)."""
     from megarl.workers.weight_sync import push_policy, verify_checksums
 
     if weights == "released":
@@ -221,9 +217,9 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
     unverified and one verified sync (after one verified sync that compiles the kernels and plans the layout's
     pieces, as the first verification of a run does; one ExpectedChecksums serves every sync, as TrainWorker keeps
     it): (a) its cost on the sync's path, the verified sync's time minus the unverified one's, both timed as the
-    trainer pays them (timed_sync: the sender's checksums in its pack, SGLang's queued by the last bucket and not
-    waited for); (b) the deferred collection, timed apart: the request for SGLang's sums (waiting for them) and the
-    comparison; (c) SGLang's sums' GPU time (CUDA events around them on their side stream, from the server's log).
+    trainer pays them (timed_sync: the sender's checksums in its pack; SGLang sums nothing then); (b) the deferred
+    collection, timed apart: the request that has SGLang's TP workers checksum what they hold, and the comparison;
+    (c) SGLang's sums' GPU time (CUDA events around them, from the server's log).
     `profile`: then one more verified sync under torch.profiler (`profiled`). Then a bit flipped in SGLang's memory
     after a verified sync and before its collection must fail that collection, naming the tensor."""
     from megarl.rollout.transports.cuda_ipc import CHECKSUM_TIMING
@@ -251,7 +247,7 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
         except Exception as error:  # the profile is a diagnosis: its failure must not lose the measurements
             profiled_s = dict(profile_error=repr(error))
     flipped = "model.layers.0.mlp.down_proj.weight"
-    last = sync(True, collect=False)  # SGLang's sums queued, not collected yet
+    last = sync(True, collect=False)  # verified, not collected yet
     engine.corrupt_weight(flipped)  # a bit flipped after the load: the collection must see it
     try:
         verify_checksums(last["expected"], engine.weight_checksums())
@@ -269,7 +265,7 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
                 first_verify_s=first["total_s"] - unverified,
                 verified_posts_s=median(checked, "posts_s"), unverified_posts_s=median(plain, "posts_s"),
                 verified_pack_s=median(checked, "pack_s"), unverified_pack_s=median(plain, "pack_s"),
-                verified_server_load_s=median(checked, "server_load_s"), server_sums_s=median(checked, "server_sums_s"),
+                verified_server_load_s=median(checked, "server_load_s"),
                 unverified_server_load_s=median(plain, "server_load_s"),
                 sender_checksum_s=median(checked, "sender_checksum_s"),
                 sglang_collect_inside_s=statistics.median(c["seconds"] for c in collections) if collections else None,

@@ -473,7 +473,7 @@ class RLTrainer:
 
     def check_rollout_weights(self) -> dict:
         """The default verification's second half: the rollout engine's checksums of every parameter it holds, taken
-        where it holds them (SGLang: queued on a side stream as the sync loaded, not waited for by the sync), against
+        where it holds them (SGLang: by its TP workers, now, off the sync's path), against
         what the senders computed from what they sent; any difference raises, naming the parameter. Called after a
         verified sync's rollouts and before anything trains on them (and before the engine releases its weights'
         memory): a corrupt sync can cost one generation, never an update. {} when nothing awaits comparison, else

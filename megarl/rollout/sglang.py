@@ -298,9 +298,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     server.post("/resume_memory_occupation", {"tags": ["weights"]})
                     state.weights_released = False
                 state.version, state.flush = self.version, True
-        self._checksum_files()  # makes checksum_dir, where the TP workers write their checksums when asked
-        return [s.endpoint("cuda_ipc" if self.colocated else "nccl", str(self.checksum_dir / f"server{i}"))
-                for i, s in enumerate(self.servers)]
+        return [s.endpoint("cuda_ipc" if self.colocated else "nccl") for s in self.servers]
 
     def end_weight_update(self, received: dict[str, torch.Tensor] | None = None) -> None:
         """A training rank finished posting a sync itself (after begin_weight_update). `received`: host copies
@@ -321,11 +319,9 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
         """Every server's TP workers write the checksums of the parameters and persistent buffers they hold, taken on
-        their GPUs (megarl's loader inside SGLang: cuda_ipc.inspect_weights), to files read here: those a verified
-        sync (CUDA IPC, persistent format) queued on a side stream as it loaded and did not wait for, waited for now;
-        else taken now. Call it before releasing the weights' memory (those sums read it) and before training on
-        what the weights generated (RLTrainer.check_rollout_weights). Collected once: a second call checksums
-        again."""
+        their GPUs now (megarl's loader inside SGLang: cuda_ipc.inspect_weights), to files read here. A verified
+        sync asks after the rollout its weights generated and before training on it (RLTrainer.check_rollout_weights),
+        while the weights are still held."""
         files = self._checksum_files()
         for path in files.values():
             path.unlink(missing_ok=True)

@@ -102,16 +102,14 @@ def gc_paused():
 class Endpoint:
     """HTTP client of one SGLang server (picklable: a training rank can post weights itself). `transport`: how
     weights reach it (TRANSPORTS); `instance`: which process serves `url` (a restarted server is another one:
-    its weight transfer state, such as a weight group, starts over). `checksums`: where the server's TP workers
-    write their checksums when a verified sync's last bucket asks for them (a path prefix: cuda_ipc.checksum_file;
-    None: the rollout engine asks by a request of its own)."""
+    its weight transfer state, such as a weight group, starts over)."""
 
     def __init__(self, url: str, tp: int = 1, request_timeout: float = 600.0, transport: str = "cuda_ipc",
-                 instance: int | None = None, checksums: str | None = None):
+                 instance: int | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"weight transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
         self.url, self.tp, self.request_timeout = url, tp, request_timeout
-        self.transport, self.instance, self.checksums = transport, instance, checksums
+        self.transport, self.instance = transport, instance
 
     def diagnose(self) -> str:
         """Extra context for an error message (the process's state and log, where known)."""
@@ -156,9 +154,8 @@ class SGLangServer(Endpoint):
         self.log_path = Path(log_path or Path(tempfile.gettempdir()) / f"sglang_{port}.log")
         self.process: subprocess.Popen | None = None
 
-    def endpoint(self, transport: str = "cuda_ipc", checksums: str | None = None) -> Endpoint:
-        return Endpoint(self.url, self.tp, self.request_timeout, transport, self.process.pid if self.process else None,
-                        checksums)
+    def endpoint(self, transport: str = "cuda_ipc") -> Endpoint:
+        return Endpoint(self.url, self.tp, self.request_timeout, transport, self.process.pid if self.process else None)
 
     def start(self) -> "SGLangServer":
         with open(self.log_path, "ab") as log:

@@ -49,7 +49,6 @@ Layouts, by rollout engine:
 from __future__ import annotations
 
 import re
-import uuid
 from typing import Iterable, Iterator
 
 import torch
@@ -214,15 +213,6 @@ class WeightLayout:
                 names.update(dict.fromkeys(match.group(1) + a for a in DERIVED_ATTRIBUTES))
         return list(names)
 
-    def targets(self, name: str, rank: int) -> list[str]:
-        """The parameters (and derived tensors) of engine rank `rank` that HF tensor `name` writes."""
-        if self.engine == "hf":
-            return [name]
-        if self.rows(name, rank) is None:
-            return []
-        match = _KV_B.match(name)
-        return [self.place(name, rank)[0]] + ([match.group(1) + a for a in DERIVED_ATTRIBUTES] if match else [])
-
     def as_held(self, param: str, piece: torch.Tensor) -> torch.Tensor:
         """The piece in the dtype the engine holds `param` in."""
         if self.engine == "sglang":
@@ -311,12 +301,6 @@ class ExpectedChecksums:
         # tensor as (size, stride, storage offset from the tensor's) or None for the tensor itself, dtype held in
         # or None, offset, row length)], or None where a piece is no view of the tensor: the layout every sync)
         self.plans: dict[Key, tuple] = {}
-        # which parameters are whole once a bucket is loaded (`completed`): the HF tensors writing each, counted down
-        self.feeds: dict[str, list[tuple[int, str]]] | None = None  # HF name -> the (rank, parameter)s it writes
-        self.counts: dict[tuple[int, str], int] = {}  # (rank, parameter) -> the HF tensors writing it
-        self.waiting: dict[tuple[int, str], int] = {}  # of those, still to come this sync
-        self.done: list[tuple[int, str]] = []  # whole since the last `completed`
-        self.sync_id = ""
 
     def begin(self) -> None:
         """Start a sync: the last one's sums and dtypes go (queued on the device: no host sync); the table and the
@@ -324,33 +308,10 @@ class ExpectedChecksums:
         if self.table is not None:
             self.table.reset()
         self.dtypes = {}
-        self.sync_id = uuid.uuid4().hex  # tells a receiver that sums as buckets load where a new sync starts
-        if self.feeds is None:
-            self.feeds = {name: [(rank, param) for rank in self.ranks for param in self.layout.targets(name, rank)]
-                          for name in self.layout.specs}
-            for targets in self.feeds.values():
-                for target in targets:
-                    self.counts[target] = self.counts.get(target, 0) + 1
-        self.waiting, self.done = dict(self.counts), []
-
-    def completed(self) -> dict[int, list[str]]:
-        """Engine rank -> the parameters (and derived tensors) whose last HF tensor of this sync was added since the
-        last call: once the bucket that carried them is loaded, the engine holds them whole for this sync (it may
-        checksum them then). A parameter whose HF tensors are not all sent is never listed."""
-        done, self.done = self.done, []
-        by_rank: dict[int, list[str]] = {}
-        for rank, param in done:
-            by_rank.setdefault(rank, []).append(param)
-        return by_rank
 
     def add(self, key: Key, tensor: torch.Tensor) -> None:
         if self.table is None:
             self.table = ChecksumTable(len(self.rows), tensor.device)
-        if self.feeds is not None and isinstance(key, str):  # whole tensors (full delivery): count them down
-            for target in self.feeds.get(key, ()):
-                self.waiting[target] -= 1
-                if self.waiting[target] == 0:
-                    self.done.append(target)
         geometry = (tensor.shape, tensor.stride(), tensor.dtype)
         plan = self.plans.get(key)
         if plan is None or plan[0] != geometry:

@@ -12,10 +12,9 @@ Verification (trainer.verify_weight_sync_every), by default by checksums: the se
 bucket on its device, what every parameter the engine holds must hash to (megarl.rollout.weight_layout: SGLang's
 fused, sharded, padded parameters from the HF tensors sent; by the same kernel pass that packs the bucket), and
 the engine computes the same checksums of the parameters as it holds them, where they live (inside SGLang's TP
-workers: each bucket's request names the parameters it completed, summed once loaded while the next bucket
-travels, the rest queued by the last bucket's request, which does not wait for them: transports/held_checksums.py);
-the trainer collects them later, before it trains on anything those weights generated
-(RLTrainer.check_rollout_weights), and `verify_checksums` compares the two and names
+workers, cuda_ipc.inspect_weights), asked for after the sync, off its path: the trainer collects them before it
+trains on anything those weights generated (RLTrainer.check_rollout_weights; generation only reads the weights,
+so the sums are those of the memory the sync wrote), and `verify_checksums` compares the two and names
 every parameter that differs, is missing, or was never sent. No copy of the weights leaves either GPU.
 The deep check (trainer.verify_weight_sync_deep) instead keeps host copies of what was sent, has SGLang reload
 them from a file with its own loader and compare, then digests the engine's weights against the sender's.
@@ -103,14 +102,6 @@ def make_sender(endpoints: list, weight_format: str, serializer: Callable | None
     return cuda_ipc.CudaIpcSender(endpoints, weight_format, serializer)
 
 
-def table_sums_in_sglang(sender) -> bool:
-    """Whether a verified sync through `sender` has SGLang's TP workers sum each bucket's completed parameters as
-    the buckets load: CUDA IPC of whole tensors in the persistent format (sharded delivery's last post asks for the
-    sums of everything held, also not waited for)."""
-    return (isinstance(sender, cuda_ipc.CudaIpcSender) and not isinstance(sender, cuda_ipc.ShardedIpcSender)
-            and sender.fmt == "persistent")
-
-
 def close_senders(senders: dict) -> None:
     """Release what the senders hold on both sides (NCCL weight groups); the dict is left empty."""
     for sender in senders.values():
@@ -143,10 +134,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
 
     With `verify` and `expected`, the verification is by checksums: each tensor sent goes into `expected` (by
     `key(name)`), summed where the sender packs the bucket by the pack's own copy (CUDA IPC), and nothing else is
-    kept; into SGLang in the persistent format (whole tensors) each post names the parameters its bucket completed
-    (`expected.completed`: SGLang's TP workers sum them once loaded) and the last queues the sums of all the rest
-    (the engine's weight_checksums, later, collects them); with `verify` alone, the deep check's host copies and
-    digests.
+    kept (the engine's weight_checksums, later, takes SGLang's); with `verify` alone, the deep check's host
+    copies and digests.
     `expected` is kept across syncs (its plans and table): each sync begins it, and queues its read-back once the
     last bucket is sent, so the host waits for the sums only in its result, after `end`.
 
@@ -176,9 +165,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
             endpoints = box[0]
         begin_wait = time.perf_counter() - t
         if endpoints is None:  # the rollout actor loads each bucket: its engine's checksums come when asked
-            def hand_over(bucket: Bucket, table) -> Callable[[bool], None]:
-                wait = load(bucket)
-                return lambda last: wait()
+            def hand_over(bucket: Bucket, table) -> Callable[[], None]:
+                return load(bucket)
 
             return hand_over
         servers = tuple((e.url, e.instance, e.transport) for e in endpoints)
@@ -186,12 +174,9 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
             close_senders(senders)
             senders[servers] = make_sender(endpoints, weight_format, serializer, master_address, group)
         sender = senders[servers]
-        if table_sums_in_sglang(sender):  # SGLang sums what each bucket completes once it is loaded
-            return lambda bucket, table: sender.send(bucket, checksums=table, complete=(
-                expected.sync_id, expected.completed()) if table is not None else None)
         return lambda bucket, table: sender.send(bucket, checksums=table)
 
-    def prepare(bucket: Bucket) -> Callable[[bool], None]:
+    def prepare(bucket: Bucket) -> Callable[[], None]:
         nonlocal digest_s, deliver
         deliver = deliver or transport()
         table = None

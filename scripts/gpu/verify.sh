@@ -6,10 +6,10 @@
 #           and sums); its time over 7.6B bf16 elements, beside torch's copy and the copy-and-sum    (~30 s)
 #   sync    benchmarks/weight_sync.py sync --checksums: 7B (8 GiB buckets) and 0.5B (1 GiB) into a TP=1 server
 #           (SYNC_MODELS="7b" for the 7B alone); after each format's timed syncs, rounds of one unverified and one
-#           verified sync (the sender's checksums summed by its pack copy; SGLang's queued on a side stream as the
-#           buckets load, the last bucket not waiting for them): (a) the verification's cost on the sync's path is
-#           the difference of their medians; (b) the deferred collection (the request for SGLang's sums, the
-#           comparison) is timed apart, after each verified sync; (c) SGLang's sums' GPU time; then a bit flipped in
+#           verified sync (the sender's checksums summed by its pack copy; SGLang sums nothing during the sync):
+#           (a) the verification's cost on the sync's path is the difference of their medians; (b) the deferred
+#           collection (the request that has SGLang's TP workers checksum what they hold, the comparison) is timed
+#           apart, after each verified sync; (c) SGLang's sums' GPU time; then a bit flipped in
 #           SGLang's memory after a verified sync, before its collection, which must be named; at 0.5B also the
 #           deep check (SGLang reloads a file) for comparison. PROFILE=1: at 7B one more verified sync under
 #           torch.profiler: $OUT/profile_7b/ (op table, trace, host seconds of CUDA waits and megarl's phases)
@@ -164,9 +164,8 @@ for name in ("sync_7b", "sync_0.5b"):  # where a verified sync's extra time goes
         print(f"{r['model']}: pack s verified {r['verified_pack_s']:.4f} / not {r['unverified_pack_s']:.4f}; posts s "
               f"verified {r['verified_posts_s']:.4f} / not {r['unverified_posts_s']:.4f}; SGLang's loads s verified "
               f"{r.get('verified_server_load_s', float('nan')):.4f} / not "
-              f"{r.get('unverified_server_load_s', float('nan')):.4f} (of which queuing the sums "
-              f"{r.get('server_sums_s', float('nan')):.4f}); the collection inside SGLang's TP worker (waiting for "
-              f"the sums, writing them) {r.get('sglang_collect_inside_s') or float('nan'):.4f}; trials s unverified "
+              f"{r.get('unverified_server_load_s', float('nan')):.4f}; the collection inside SGLang's TP worker "
+              f"(summing, writing them) {r.get('sglang_collect_inside_s') or float('nan'):.4f}; trials s unverified "
               f"{r['unverified_trials_s']}, verified {r['verified_trials_s']}")
         if "profiled_sync_s" in r or "profile_error" in r:
             print(f"  profiled verified sync {r.get('profiled_sync_s', float('nan')):.4f} s "

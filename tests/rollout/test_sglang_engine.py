@@ -425,7 +425,7 @@ def test_persistent_payload_passes_sglangs_safe_unpickler():
     bucket = bucket_of(3)
     sender = cuda_ipc.CudaIpcSender([], "persistent", serializer=lambda obj: obj)  # the objects themselves
     _, payload, _ = sender.payload(bucket, None)
-    named = SGLangUnpickler(io.BytesIO(pickle.dumps(payload(None, 0, {})))).load()
+    named = SGLangUnpickler(io.BytesIO(pickle.dumps(payload(None, 0)))).load()
     model = Model()
     cuda_ipc.load_flat_bucket(model, named)
     assert {n: tensor_digest(t) for n, t in model.weights.items()} == {n: tensor_digest(t) for n, t in bucket}

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megarl.rollout.transports.held_checksums import TIME_LOADS, derived_tensors, held_checksums
+from megarl.rollout.weight_layout import DERIVED_ATTRIBUTES
 from megarl.utils.checksum import ChecksumTable
 
 FORMATS = ("tensors", "flattened_bucket", "persistent")
@@ -94,20 +94,19 @@ def unpack(flat: torch.Tensor, layout: list[list]) -> Bucket:
 
 
 _MAPPED: dict[int, torch.Tensor] = {}  # inside SGLang: slot -> the sender's buffer, kept mapped
-# With held_checksums.TIME_LOADS each load prints its seconds to the server's log (`LOAD_TIMING` lines), which
-# splits a post's time into SGLang's load and the request's way there and back (and of the load, the host time
-# queuing a verified sync's sums); a verification's collection inside SGLang prints its own (`CHECKSUM_TIMING`:
-# seconds of the request's work, and the GPU seconds of the sync's sums it collected).
+# Benchmarks set MEGARL_TIME_WEIGHT_LOADS=1 in a server's environment: each load then prints its seconds to the
+# server's log (`LOAD_TIMING` lines), which splits a post's time into SGLang's load and the request's way there and
+# back; a verification's checksums print theirs (`CHECKSUM_TIMING`: seconds of the request's work, and the GPU
+# seconds of the sums).
+TIME_LOADS = os.environ.get("MEGARL_TIME_WEIGHT_LOADS") == "1"
 LOAD_TIMING = "megarl weight load"
 CHECKSUM_TIMING = "megarl checksums"
 
 
 def load_flat_bucket(model, named_tensors: Bucket) -> None:
     """SGLang custom weight loader (runs in each SGLang TP worker): one (layout JSON, flat buffer) pair. A
-    "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender). A bucket of
-    a verified sync ("sync": its id) names the tensors it completed ("complete"), summed once loaded, without
-    waiting (held_checksums.py); its last ("checksums") queues the sums of the rest and returns: a later request
-    (inspect_weights) collects them. A header without a layout is such a request."""
+    "presharded" header: the buffer holds this TP rank's own rows of each HF tensor (ShardedIpcSender). A header
+    without a layout is a request about the weights held (inspect_weights)."""
     start = time.perf_counter()
     ((header, flat),) = named_tensors
     header = json.loads(header)
@@ -118,64 +117,68 @@ def load_flat_bucket(model, named_tensors: Bucket) -> None:
         inspect_weights(model, header)
         return
     bucket = unpack(flat, header["layout"])
-    held_checksums(model).drop()  # a new sync's first write: uncollected sums of the last one no longer hold
     if header.get("presharded"):
         load_presharded(model, bucket)
     else:
         model.load_weights(bucket)
     queued = time.perf_counter()  # the loaders' Python work is done; the copies may still run
-    if "sync" in header:  # a verified sync: what this bucket completed, summed behind its copies (not waited for)
-        held_checksums(model).loaded(model, header["sync"], header["complete"])
-    summed = time.perf_counter()
-    if "checksums" in header:  # a verified sync's last bucket: the sums of all the rest queued, not waited for
-        held_checksums(model).finish(model)
-    finished = time.perf_counter()
-    if flat.is_cuda:  # the sender reuses the buffer once this call has returned (the copies only: not the sums)
+    if flat.is_cuda:  # the sender reuses the buffer once this call has returned
         torch.cuda.current_stream().synchronize()
     _MAPPED[header["slot"]] = flat
     if TIME_LOADS:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} sums "
-              f"{finished - queued:.6f} seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
+        print(f"{LOAD_TIMING}: rank {rank} bytes {flat.numel()} queued {queued - start:.6f} "
+              f"seconds {time.perf_counter() - start:.6f}", file=sys.stderr, flush=True)
+
+
+def derived_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor attribute named in weight_layout.DERIVED_ATTRIBUTES (SGLang's MLA w_kc and
+    w_vc, which post_load_weights derives from kv_b_proj) that a module of `model` holds beside its parameters and
+    buffers: verification checks them as parameters."""
+    modules = model.named_modules() if isinstance(model, torch.nn.Module) else []
+    found = []
+    for prefix, module in modules:
+        for attribute in DERIVED_ATTRIBUTES:
+            value = module.__dict__.get(attribute)
+            if isinstance(value, torch.Tensor):
+                found.append((f"{prefix}.{attribute}" if prefix else attribute, value))
+    return found
 
 
 def inspect_weights(model, header: dict) -> None:
-    """Inside an SGLang TP worker, on its GPU. {"checksums": file, "defer": true} (after a verified sync whose
-    buckets named nothing: sharded delivery) queues the checksums of every parameter, persistent buffer and derived
-    tensor (`derived_tensors`) this rank holds on a side stream and returns; {"checksums": file} writes to `file`,
-    atomically, the checksums a verified sync queued (held_checksums.HeldChecksums.collect: waited for now), else
-    those of everything held now (megarl.utils.checksum.module_checksums); the caller reads it once the request
-    returned. {"flip_bit": name} flips a bit of that tensor (a test hook standing for memory corrupted after a
-    load: the next verification must name it; None: on another rank)."""
+    """Inside an SGLang TP worker, on its GPU. {"checksums": file} writes to `file`, atomically, the checksums of
+    every parameter, persistent buffer and derived tensor (`derived_tensors`) this rank holds now
+    (megarl.utils.checksum.module_checksums); the caller reads it once the request returned. A verified sync asks
+    for them after the rollout its weights generated, before the trainer trains on it (Trainer.check_rollout_weights):
+    off the sync's path, of the same memory (generation only reads the weights). {"flip_bit": name} flips a bit of
+    that tensor (a test hook standing for memory corrupted after a load: the next verification must name it; None:
+    on another rank)."""
     from megarl.utils.checksum import flip_bit, module_checksums
 
-    state = held_checksums(model)
     if "flip_bit" in header:
         if header["flip_bit"] is None:
             return
         held = dict(model.named_parameters()) | dict(derived_tensors(model))
         if header["flip_bit"] not in held:
             raise KeyError(f"no parameter {header['flip_bit']!r} (this rank holds {sorted(held)[:4]} ...)")
-        state.drop()  # sums queued before the flip would not see it: the next collection sums what is held then
         flip_bit(held[header["flip_bit"]])
         return
     start = time.perf_counter()
-    if header.get("defer"):
-        state.drop()
-        state.finish(model)
-        return
-    count = state.collect(header["checksums"])
-    queued = count is not None
-    if not queued:  # nothing queued (an unverified sync, or a write since): everything held, now
-        held = module_checksums(model, extra=derived_tensors(model))
-        staging = header["checksums"] + ".tmp"
-        with open(staging, "w") as f:
-            json.dump(held, f)
-        os.replace(staging, header["checksums"])
-        count = len(held)
+    timed = TIME_LOADS and torch.cuda.is_available()
+    if timed:
+        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events[0].record()
+    held = module_checksums(model, extra=derived_tensors(model))
+    if timed:
+        events[1].record()
+    staging = header["checksums"] + ".tmp"
+    with open(staging, "w") as f:
+        json.dump(held, f)
+    os.replace(staging, header["checksums"])
     if TIME_LOADS:
-        print(f"{CHECKSUM_TIMING}: params {count} seconds {time.perf_counter() - start:.6f} gpu "
-              f"{state.gpu_s if queued else 0.0:.6f}", file=sys.stderr, flush=True)
+        gpu_s = events[0].elapsed_time(events[1]) / 1e3 if timed else 0.0
+        print(f"{CHECKSUM_TIMING}: params {len(held)} seconds {time.perf_counter() - start:.6f} gpu {gpu_s:.6f}",
+              file=sys.stderr, flush=True)
 
 
 def load_presharded(model, bucket: Bucket) -> None:
@@ -222,11 +225,10 @@ class CudaIpcSender:
 
     def payload(self, bucket: Bucket, checksums: ChecksumTable | None) -> tuple[str | None, Callable, object]:
         """The load format of one bucket's request, the payload of SGLang TP rank r of an endpoint
-        (payload(endpoint, r, header): `header`, more for the persistent loader's header), and the object that
-        must stay alive until the request returns."""
+        (payload(endpoint, r)), and the object that must stay alive until the request returns."""
         if self.fmt == "tensors":
             keep = [(n, t.detach()) for n, t in bucket]
-            return None, lambda endpoint, rank, header: self.serialize(keep), keep
+            return None, lambda endpoint, rank: self.serialize(keep), keep
         if self.fmt == "flattened_bucket":
             layout, size = flat_layout(bucket)
             flat = pack(bucket, torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device), checksums)
@@ -235,10 +237,9 @@ class CudaIpcSender:
             meta = [FlattenedTensorMetadata(name=n, shape=torch.Size(s), dtype=getattr(torch, d), start_idx=a,
                                             end_idx=b, numel=b - a) for n, d, s, a, b in layout]
             obj = {"flattened_tensor": flat, "metadata": meta}
-            return "flattened_bucket", lambda endpoint, rank, header: self.serialize(obj), flat
+            return "flattened_bucket", lambda endpoint, rank: self.serialize(obj), flat
         header, flat = self.persistent(bucket, checksums)
-        return (PERSISTENT_LOADER, lambda endpoint, rank, more: self.serialize([(json.dumps(header | more), flat)]),
-                flat)
+        return PERSISTENT_LOADER, lambda endpoint, rank: self.serialize([(json.dumps(header), flat)]), flat
 
     def persistent(self, bucket: Bucket, checksums: ChecksumTable | None = None, **header) -> tuple[dict, torch.Tensor]:
         """The bucket packed into this bucket's slot buffer (grown when too small; with `checksums`, summed in
@@ -252,14 +253,11 @@ class CudaIpcSender:
         flat = pack(bucket, buffer, checksums)
         return {"slot": slot, "layout": layout, **header}, flat
 
-    def send(self, bucket: Bucket, flush_cache: bool = False, checksums: ChecksumTable | None = None,
-             complete: tuple[str, dict[int, list[str]]] | None = None) -> Callable[..., None]:
+    def send(self, bucket: Bucket, flush_cache: bool = False,
+             checksums: ChecksumTable | None = None) -> Callable[..., None]:
         """Prepare the bucket now (copies on our GPU; with `checksums`, a verified sync's table holding this
         bucket's queued pieces, summed by the copy) and return the call that posts it to every endpoint,
-        post(last): run it before changing the bucket's memory again. A verified sync in the persistent format
-        passes `complete` = (the sync's id, SGLang TP rank -> the parameters this bucket completes there): each TP
-        worker sums those once the bucket is loaded (held_checksums.py), and the last post has it queue the sums of
-        everything else it then holds, not waited for (the engine's weight_checksums collects them later)."""
+        post(): run it before changing the bucket's memory again."""
         load_format, payload, keep = self.payload(bucket, checksums)
         self.count += 1
         # The pack (and the conversions before it) are queued on our stream, not done. A receiver that opens a
@@ -271,22 +269,15 @@ class CudaIpcSender:
         if packed is not None:
             packed.record(torch.cuda.current_stream(device))
 
-        def post(last: bool = False) -> None:
+        def post() -> None:
             nonlocal keep  # our tensors stay alive until every endpoint has copied from them
             if packed is not None:
                 with record_function("megarl.sync.post_waits_for_pack"):  # in the post's thread, by design
                     packed.synchronize()
             for endpoint in self.endpoints:
-                ask = last and checksums is not None and load_format == PERSISTENT_LOADER and endpoint.checksums
-                summed = complete is not None and load_format == PERSISTENT_LOADER and endpoint.checksums
-
-                def header(rank: int) -> dict:
-                    return (({"sync": complete[0], "complete": complete[1].get(rank, [])} if summed else {})
-                            | ({"checksums": True} if ask else {}))
-
                 with record_function("megarl.sync.post_serialize"):  # here: each handle is opened once
-                    payloads = [payload(endpoint, r, header(r)) for r in range(endpoint.tp)]
-                with record_function("megarl.sync.post_request" + (" (asks for SGLang's checksums)" if ask else "")):
+                    payloads = [payload(endpoint, r) for r in range(endpoint.tp)]
+                with record_function("megarl.sync.post_request"):
                     endpoint.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,
                                                                   "load_format": load_format,
                                                                   "flush_cache": flush_cache})
@@ -374,7 +365,6 @@ class ShardedIpcSender(CudaIpcSender):
     def __init__(self, endpoints: list, group, serializer: Callable[[object], str] | None = None, slots: int = 2):
         super().__init__(endpoints, "persistent", serializer, slots)
         self.group, self.size = group, dist.get_world_size(group)
-        self.placeholder: torch.Tensor | None = None  # the tensor of a request that carries no weights
         self.first = dist.get_group_rank(group, dist.get_rank()) == 0
         for endpoint in endpoints:  # every rank of the group checks (it got the endpoints from rank 0): all fail alike
             if endpoint.tp != self.size or endpoint.transport != "cuda_ipc":
@@ -394,17 +384,12 @@ class ShardedIpcSender(CudaIpcSender):
         payloads = [None] * self.size if self.first else None
         dist.gather_object(self.serialize([(json.dumps(header), flat)]), payloads, group_dst=0, group=self.group)
         if not self.first:
-            return lambda last=False: None
+            return lambda: None
         request = persistent_request(payloads, flush_cache)
 
-        def post(last: bool = False) -> None:
+        def post() -> None:
             for endpoint in self.endpoints:
                 endpoint.post("/update_weights_from_tensor", request)
-                if last and checksums is not None and endpoint.checksums:  # verified: SGLang sums all it holds, on a
-                    self.placeholder = self.placeholder if self.placeholder is not None else flat.new_zeros(1)
-                    endpoint.post("/update_weights_from_tensor", inspect_request(  # side stream (not waited for)
-                        self.serialize, self.placeholder, [{"checksums": checksum_file(endpoint.checksums, r),
-                                                            "defer": True} for r in range(endpoint.tp)]))
 
         return post
 
@@ -421,17 +406,16 @@ class ShardedIpcSender(CudaIpcSender):
         self.free()
 
 
-def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[bool], None]]) -> dict:
+def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
     """For each bucket from `buckets` (whose production is the gather and convert work), `prepare(bucket)`
-    returns the post; the post of bucket k, post(last), runs in a thread while bucket k+1 is prepared and bucket
-    k+2 produced. Bucket k+1 is produced before bucket k is posted, so that the last post knows it is the last
-    (a verified sync's asks for SGLang's checksums). Returns seconds spent producing, preparing and waiting on
-    posts, each post's seconds, and the bytes sent."""
+    returns the post; the post of bucket k runs in a thread while bucket k+1 is prepared and bucket k+2 produced
+    (at most one post in flight: two buckets, or slots, in use). Returns seconds spent producing, preparing and
+    waiting on posts, each post's seconds, and the bytes sent."""
     stats = dict(produce_s=0.0, prepare_s=0.0, wait_s=0.0, bytes=0, buckets=0, posts_s=[])
 
-    def timed(post: Callable[[bool], None], last: bool) -> None:
+    def timed(post: Callable[[], None]) -> None:
         start = time.perf_counter()
-        post(last)
+        post()
         stats["posts_s"].append(time.perf_counter() - start)
 
     def produce() -> Bucket | None:
@@ -456,7 +440,7 @@ def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Calla
             if pending is not None:  # at most one post in flight: two buckets (or slots) in use
                 pending.result()
             stats["wait_s"] += time.perf_counter() - t2
-            pending = pool.submit(timed, post, bucket is None)
+            pending = pool.submit(timed, post)
         t3 = time.perf_counter()
         if pending is not None:
             pending.result()

@@ -121,7 +121,7 @@ class NcclSender:
 
     def send(self, bucket: Bucket, flush_cache: bool = False, checksums=None) -> Callable[..., None]:
         """Pack the bucket now (once for all servers) and return the call that broadcasts it to every server,
-        post(last): all broadcasts start before any is waited for (each server's group runs on its own). A
+        post(): all broadcasts start before any is waited for (each server's group runs on its own). A
         verified sync's `checksums` table is left to the caller to flush (SGLang's own loader takes the bucket:
         its checksums come by a request of their own)."""
         if not self.groups:
@@ -130,7 +130,7 @@ class NcclSender:
                                          backend) for e in self.endpoints for port in [free_port()]]
         request, tensors = bucket_request(bucket, self.flattened, flush_cache)
 
-        def post(last: bool = False) -> None:
+        def post() -> None:
             started = [g.start(request, tensors) for g in self.groups]
             for group, handle in zip(self.groups, started):
                 group.finish(handle)
