@@ -77,7 +77,7 @@ def _cp_rank(rank, cases, layouts, train_dir):
         _relayout(tp, pp, cp)
         parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp)
         actor = ActorConfig(parallel=parallel, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens,
-                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+                            packing="rows", optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
         for name, model_dir, ref_logprobs, ref_entropy in cases:
             engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10, trainable=False)
             assert engine.core_attention == "sdpa" and engine.gpt.config.context_parallel_size == cp

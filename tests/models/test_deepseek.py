@@ -24,7 +24,7 @@ from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step,
 # (tp, pp, ep, sequence_parallel, max_tokens_per_micro_batch, attention) on 2 ranks
 LAYOUTS = ((2, 1, 1, False, 0, "local"), (1, 2, 1, False, 0, "local"), (1, 1, 1, False, 24, "local"),
            (1, 1, 1, False, 24, "sdpa"), (2, 1, 1, True, 0, "local"), (1, 1, 2, False, 0, "local"))
-PACKED_TOKENS = 24  # two rows of the longest sequence (12): 7 + 4 and 10 + 1 share rows
+PACKED_TOKENS = 24  # twice the longest sequence (12): micro-batches of several sequences (default one_row layout)
 ONE_LAYOUT_CASE = "v2-mscale_all_dim"  # checked at the packed layouts only: it differs in the softmax scale alone
 
 
