@@ -64,9 +64,6 @@ def test_inconsistent_layout_is_an_error():
     default = load_config(None, [])
     assert (default.actor.packing, default.critic.packing, default.reward_model.packing) == ("one_row",) * 3
     assert load_config(None, ["actor.packing=rows", "actor.max_tokens_per_micro_batch=4096"]).actor.packing == "rows"
-    with pytest.raises(ConfigError, match=r"actor.packing=one_row .* does not run context parallelism "
-                                          r"\(actor.parallel.cp=2\) yet: set actor.packing=rows"):
-        load_config(None, ["actor.parallel.world_size=2", "actor.parallel.cp=2", "actor.max_tokens_per_micro_batch=64"])
 
 
 def test_missing_recipe_and_section_misuse():

@@ -294,10 +294,6 @@ class ConfigChecks:
                                   "must be >= 0")
             if section_.packing not in PACKING_LAYOUTS:
                 raise ConfigError(f"{role}.packing={section_.packing!r}: expected one of {', '.join(PACKING_LAYOUTS)}")
-            # one_row under context parallelism: its log-probs differ from transformers' (test_context_parallel)
-            if section_.packing == "one_row" and section_.max_tokens_per_micro_batch > 0 and p.cp > 1:
-                raise ConfigError(f"{role}.packing=one_row with {role}.max_tokens_per_micro_batch > 0 does not run "
-                                  f"context parallelism ({role}.parallel.cp={p.cp}) yet: set {role}.packing=rows")
             if p.vpp > 1 and p.pp < 2:
                 raise ConfigError(f"{role}.parallel.vpp={p.vpp} needs {role}.parallel.pp > 1")
             if p.world_size % (p.tp * p.pp * p.cp):

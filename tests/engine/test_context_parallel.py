@@ -77,13 +77,14 @@ def _cp_rank(rank, cases, layouts, train_dir):
         _relayout(tp, pp, cp)
         parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp)
         actor = ActorConfig(parallel=parallel, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens,
-                            packing="rows", optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
         for name, model_dir, ref_logprobs, ref_entropy in cases:
             engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10, trainable=False)
             assert engine.core_attention == "sdpa" and engine.gpt.config.context_parallel_size == cp
             out = engine.compute_logprobs(padded_batch(), with_entropy=True)
             where = f"{name} at {layout}"
-            torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
+            # 2e-5: the default one_row layout's 24-wide rows sum in another order (1.05e-5 seen, rows < 2e-6)
+            torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=2e-5, msg=where)
             torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
         valued[layout] = _value_outputs(cases[0][1], parallel)
 
