@@ -100,6 +100,8 @@ def verl_overrides(args, model_dir: Path, train: Path, val: Path, run_dir: Path,
         "data.filter_overlong_prompts=false", "data.truncation=error", "data.shuffle=false",
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=false",
+        # verl's FSDP model asks transformers for flash_attention_2 unless told otherwise: no flash-attn here
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.verl_grad_ckpt).lower()}",
         f"{a}.strategy={args.verl_strategy}", f"{a}.optim.lr=1e-6", f"{a}.ppo_mini_batch_size={prompts}",
         f"{a}.ppo_epochs=1", f"{a}.use_dynamic_bsz=true", f"{a}.ppo_max_token_len_per_gpu={tokens_per_micro}",
