@@ -97,13 +97,16 @@ class ActorConfig:
     optimizer_offload_fraction: float = opt(1.0, "with optimizer_cpu_offload: the fraction of the parameters "
                                                  "(by size) whose optimizer state is on the CPU, in (0, 1]")
     max_tokens_per_micro_batch: int = opt(0, "pack whole sequences (no padding) into micro-batches of at most this "
-                                             "many tokens, balanced over DP ranks; 0 = micro_batch_size padded rows")
-    packing: str = opt("one_row", "micro-batch layout with max_tokens_per_micro_batch > 0 (ignored at 0): one_row "
-                                  "(one row of max_tokens_per_micro_batch tokens holding any number of whole "
+                                             "many tokens, balanced over DP ranks by tokens; 0 = as many as "
+                                             "micro_batch_size rows of the longest sequence (packing=one_row), or "
+                                             "micro_batch_size padded rows (packing=rows)")
+    packing: str = opt("one_row", "micro-batch layout: one_row (one row of max_tokens_per_micro_batch tokens, at 0 "
+                                  "micro_batch_size x the longest sequence of the batch, holding any number of whole "
                                   "sequences; without pipeline stages cut to its used length rounded up to 64; a "
                                   "longer sequence is an error) or rows (rows as wide as the longest sequence, "
-                                  "max_tokens_per_micro_batch // that many per micro-batch: to reproduce runs made "
-                                  "before one_row became the default, or compare layouts)")
+                                  "max_tokens_per_micro_batch // that many per micro-batch, at 0 micro_batch_size "
+                                  "padded rows: to reproduce runs made before one_row became the default, or compare "
+                                  "layouts)")
     recompute: str = opt("none", "activation recompute: none, full (each layer's activations) or selective "
                                  "(the modules in recompute_modules)")
     recompute_modules: list = opt([], "recompute=selective: megatron's modules to recompute in the backward pass: "

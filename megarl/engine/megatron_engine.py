@@ -175,9 +175,13 @@ class MegatronEngine:
     # Forward
 
     def _micro_batches(self, batch: Batch, keys: list[str], group_size: int = 1) -> list[dict]:
-        """Packed (actor.max_tokens_per_micro_batch > 0; actor.packing: rows, or one row per micro-batch, cut to
-        its used length where shapes may vary: PP=1, no EP) or padded micro-batches (packing.py); with virtual
-        pipeline stages their number is made a multiple of PP with empty ones, as the interleaved schedule needs.
+        """Micro-batches of actor.packing (packing.py): one row per micro-batch (one_row, the default) of
+        actor.max_tokens_per_micro_batch tokens, or at 0 of micro_batch_size x the longest sequence, cut to its
+        used length where shapes may vary (PP=1, no EP); or rows (packed by the token budget, or at 0
+        micro_batch_size padded rows). The stages of one pipeline hold the same sequences, so they lay out the same
+        widths; DP ranks may differ in widths and micro-batch counts (gradients are reduced after the schedule, and
+        each loss_fn's scale undoes its own rank's count). With virtual pipeline stages the number of micro-batches
+        is made a multiple of PP with empty ones, as the interleaved schedule needs.
         Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens),
         under context parallelism of 2 * CP (context_parallel.py's chunks), under both of their product.
         With experts split over data-parallel ranks (EP > 1) every micro-batch's token exchange spans ranks holding

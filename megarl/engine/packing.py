@@ -13,8 +13,14 @@ layout='one_row' (actor.packing=one_row): a micro-batch is ONE row [1, W], W = m
 are no longer as wide as the longest sequence. `trim_multiple` > 0 cuts each row to its used length rounded
 up to that multiple (shapes then differ between micro-batches: only where nothing needs fixed shapes, i.e.
 no pipeline stages and no expert exchange across DP ranks; see MegatronEngine._micro_batches). A sequence
-longer than W is an error naming actor.max_tokens_per_micro_batch. With max_tokens = 0 (no packing) the layout
-changes nothing: micro_batch_size padded rows, as above.
+longer than W is an error naming actor.max_tokens_per_micro_batch. With max_tokens = 0 (the default) W is automatic:
+micro_batch_size x L, L the rows layout's width (the longest sequence of the batch, or `longest`, rounded up to
+`width_multiple`), i.e. as many token slots as the rows layout's micro-batch. Every sequence fits, and a micro-batch
+holds no more tokens than the rows layout's (with trim, fewer), so activations linear in tokens (varlen attention,
+the MLP, the LM head) peak no higher; attention by a dense mask ([W, W]: local, sdpa, context parallelism) grows with
+W^2, micro_batch_size times the rows layout's [L, L] masks. First-fit-decreasing then needs at most as many
+micro-batches as rows (a micro-batch with fewer than micro_batch_size sequences has room for any sequence, so a new one
+opens only when every earlier one holds micro_batch_size or more).
 
 Everything per sequence (loss_mask, advantages, old log-probs ...) stays in the ordinary [S, T] layout
 of the Batch; `packed_index` [S, T] points each (sequence, position) at its packed position, and
@@ -111,15 +117,16 @@ def pack_micro_batches(batch: Batch, keys: list[str], device, micro_batch_size: 
     if layout not in PACKING_LAYOUTS:
         raise ValueError(f"packing layout {layout!r}: expected one of {', '.join(PACKING_LAYOUTS)}")
     lengths = sequence_lengths(batch["attention_mask"])
-    if layout == "one_row" and max_tokens > 0:  # at 0 (no packing) both layouts are micro_batch_size padded rows
-        return _pack_one_row(batch, keys, device, lengths, max_tokens, group_size, width_multiple, trim_multiple)
     width = _round_up(max(max(lengths), longest), width_multiple)
+    if max_tokens == 0 and micro_batch_size % group_size:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must be a multiple of the group size {group_size}")
+    if layout == "one_row":  # at max_tokens = 0 as many token slots as a micro-batch of micro_batch_size rows
+        return _pack_one_row(batch, keys, device, lengths, max_tokens or micro_batch_size * width, group_size,
+                             width_multiple, trim_multiple)
     if max_tokens > 0:
         rows_per_mb = max(1, max_tokens // width)
         layout = _first_fit(lengths, width, rows_per_mb, group_size)
     else:
-        if micro_batch_size % group_size:
-            raise ValueError(f"micro_batch_size={micro_batch_size} must be a multiple of the group size {group_size}")
         rows_per_mb = micro_batch_size
         layout = [[[i] for i in range(start, min(start + rows_per_mb, len(batch)))]
                   for start in range(0, len(batch), rows_per_mb)]

@@ -28,10 +28,12 @@ LAYOUTS = {"padded": (1, 1, 1, 0, "local", "none", False, "rows"),
            "vpp_packed_sdpa_recompute": (1, 2, 2, BUDGET, "sdpa", "full", False, "rows"),
            "vpp_padded_selective": (1, 2, 2, 0, "local", "selective", False, "rows"),
            # one row per micro-batch: trimmed rows of different widths at PP=1 (ONE_ROW_TRIM = 8 below), TP=2
-           # with SP, and fixed-width rows between pipeline stages
+           # with SP, and fixed-width rows between pipeline stages (the automatic width, 2 x 11)
            "one_row_varlen": (1, 1, 1, BUDGET, "varlen", "none", False, "one_row"),
            "tp2_sp_one_row_varlen": (2, 1, 1, BUDGET, "varlen", "none", True, "one_row"),
-           "pp2_one_row_local": (1, 2, 1, BUDGET, "local", "none", False, "one_row")}
+           "pp2_one_row_local_auto": (1, 2, 1, 0, "local", "none", False, "one_row"),
+           # the defaults (no token budget, one_row): one row of micro_batch_size x the longest sequence
+           "one_row_auto": (1, 1, 1, 0, "local", "none", False, "one_row")}
 ONE_ROW_TRIM = 8  # the engine's ONE_ROW_TRIM_MULTIPLE in the test (64 is wider than these rows)
 
 
@@ -136,12 +138,17 @@ def test_one_row_layout_packs_any_number_of_sequences_into_one_row():
         assert all(i ^ 1 in ids for i in ids), ids  # preference pairs stay together
     with pytest.raises(ValueError, match=r"sequence 0 has 11 tokens, more than .* of 10 \(actor.max_tokens_per_micro_batch=10"):
         pack_micro_batches(batch, [], "cpu", 2, max_tokens=10, layout="one_row")
-    # no token budget (the default actor.packing=one_row with max_tokens_per_micro_batch=0): padded rows
-    unpacked = [pack_micro_batches(batch, [], "cpu", 2, max_tokens=0, layout=layout) for layout in ("one_row", "rows")]
-    assert [mb["tokens"].shape for mb in unpacked[0]] == [(2, 11)] * 4
-    for one_row_mb, rows_mb in zip(*unpacked):
-        assert torch.equal(one_row_mb["tokens"], rows_mb["tokens"])
-        assert torch.equal(one_row_mb["seq_index"], rows_mb["seq_index"])
+    # no token budget (the defaults): rows of micro_batch_size x the longest sequence, 2 x 11 = 22 token slots as
+    # the 4 padded micro-batches of 2 rows x 11: [11, 11], [10, 9, 3], [7, 4, 1]
+    assert [mb["tokens"].shape for mb in pack_micro_batches(batch, [], "cpu", 2, layout="rows")] == [(2, 11)] * 4
+    auto = pack_micro_batches(batch, [], "cpu", 2, layout="one_row")
+    assert [mb["seq_index"].tolist() for mb in auto] == [[0, 6], [3, 5, 7], [1, 4, 2]]
+    assert {mb["tokens"].shape for mb in auto} == {(1, 22)}
+    # width multiple 4 (SP at TP=4): 2 x 12; trimmed: the used length rounded up
+    assert {mb["tokens"].shape for mb in pack_micro_batches(batch, [], "cpu", 2, layout="one_row",
+                                                             width_multiple=4)} == {(1, 24)}
+    assert [mb["tokens"].shape[1] for mb in pack_micro_batches(batch, [], "cpu", 2, layout="one_row",
+                                                                trim_multiple=8)] == [22, 22, 16]
 
 
 # ---- through the engine (2 gloo ranks, one launch) ------------------------------------------------
@@ -178,6 +185,8 @@ def _layouts_rank(rank, model_dir, old_logprobs, layouts):
         hook = engine.gpts[-1].output_layer.register_forward_hook(
             lambda layer, args, output: projected.append(args[0].shape[0] * args[0].shape[1])) \
             if engine.gpts[-1].post_process else None
+        run_schedule, counts = engine._run_schedule, []  # micro-batches per call: compute_logprobs, then train
+        engine._run_schedule = lambda mbs, *args, **kwargs: counts.append(len(mbs)) or run_schedule(mbs, *args, **kwargs)
         out = engine.compute_logprobs(batch, with_entropy=True)
         if hook:
             hook.remove()
@@ -189,7 +198,7 @@ def _layouts_rank(rank, model_dir, old_logprobs, layouts):
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, grads)
         results[name] = (out, metrics, {n: g for rank_grads in every_rank for n, g in rank_grads.items()},
-                         sum(projected) if projected else None)
+                         sum(projected) if projected else None, counts)
     return results
 
 
@@ -198,14 +207,18 @@ def test_packed_vpp_recompute_and_sdpa_match_the_padded_batch(tmp_path):
     ref_logprobs, ref_entropy = hf_logprobs_entropy(model_dir, rl_batch())
     results = run_distributed(_layouts_rank, 2, model_dir, ref_logprobs, LAYOUTS)
 
-    _, base_metrics, base_grads, _ = results["padded"]
+    _, base_metrics, base_grads, _, base_counts = results["padded"]
+    assert base_counts == [4, 2]  # 8 rows (4 per DP rank in training) in padded micro-batches of 2
+    # the defaults pack 22 token slots per micro-batch: [11, 11], [10, 9, 3], [7, 4, 1]; in training at DP=2 this
+    # rank's 4 sequences (28 tokens) still take 2, at PP=2 (DP=1) the 8 take 3 (4 padded)
+    assert results["one_row_auto"][4] == [3, 2] and results["pp2_one_row_local_auto"][4] == [3, 3]
     assert base_metrics["grad_norm"] > 0 and len(base_grads) == 4 * 7 + 2
     base_out = results["padded"][0]
     # 4 layers of large random weights: fp32 differences from transformers' kernels reach 1e-5
     torch.testing.assert_close(base_out["logprobs"], ref_logprobs, rtol=0, atol=5e-5)
     torch.testing.assert_close(base_out["entropy"], ref_entropy, rtol=0, atol=5e-5)
     real_tokens = sum(sequence_lengths(rl_batch()["attention_mask"]))
-    for name, (out, metrics, grads, projected) in results.items():
+    for name, (out, metrics, grads, projected, _) in results.items():
         # rank 0 holds the LM head unless it is a first pipeline stage
         assert projected == (None if LAYOUTS[name][1] > 1 else real_tokens), (name, projected)
         torch.testing.assert_close(out["logprobs"], base_out["logprobs"], rtol=0, atol=3e-5, msg=name)
