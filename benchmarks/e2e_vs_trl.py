@@ -53,15 +53,16 @@ def vowel_share(response: str, answer: str, sample: dict) -> float:
 # ---- model, tokenizer and prompts, built offline -------------------------------------------------------
 
 
-def word_tokenizer(vocab_size: int):
+def word_tokenizer(vocab_size: int, special_tokens: tuple[str, ...] = ()):
     """A byte-level BPE (Qwen2Tokenizer) of exactly `vocab_size` tokens with no training data: <pad>, <eos>, the
-    256 byte symbols, then ' a'..' z', ' aa'..' zz', ' aaa'.. (a space and lowercase letters, one letter more per
-    level, each token the merge of its prefix and its last letter) until the vocabulary is full. A prompt of
-    k words from the last level is exactly k tokens. Returns (tokenizer, the last level's words)."""
-    from tokenizers import pre_tokenizers
+    `special_tokens` (ids 2.., inside the vocabulary: it does not grow), the 256 byte symbols, then ' a'..' z',
+    ' aa'..' zz', ' aaa'.. (a space and lowercase letters, one letter more per level, each token the merge of its
+    prefix and its last letter) until the vocabulary is full. A prompt of k words from the last level is exactly
+    k tokens. Returns (tokenizer, the last level's words)."""
+    from tokenizers import AddedToken, pre_tokenizers
     from transformers import Qwen2Tokenizer
 
-    vocab = {PAD: 0, EOS: 1}
+    vocab = {PAD: 0, EOS: 1} | {token: 2 + i for i, token in enumerate(special_tokens)}
     for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[symbol] = len(vocab)
     if vocab_size <= len(vocab) + 26:
@@ -79,6 +80,8 @@ def word_tokenizer(vocab_size: int):
         level = longer
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token=EOS, pad_token=PAD,
                                model_max_length=32768)
+    # special: matched whole in text (not split into bytes) and dropped by decode(skip_special_tokens=True)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens], special_tokens=True)
     return tokenizer, [w[1:] for w in level]
 
 
@@ -90,13 +93,16 @@ def model_shape(name: str, smoke: bool) -> dict:
     return load_model_config(name)
 
 
-def build_model(out_dir: Path, shape: dict, device: str, seed: int = 0) -> list[str]:
-    """A random-initialised Qwen2ForCausalLM of `shape` (an HF config dict) with word_tokenizer's vocabulary,
-    saved in bf16 (fp32 on CPU) as an ordinary HF directory. Returns the tokenizer's prompt words."""
+def build_model(out_dir: Path, shape: dict, device: str, seed: int = 0, special_tokens: tuple[str, ...] = (),
+                chat_template: str | None = None) -> list[str]:
+    """A random-initialised Qwen2ForCausalLM of `shape` (an HF config dict) with word_tokenizer's vocabulary (and
+    `special_tokens`, `chat_template`), saved in bf16 (fp32 on CPU) as an ordinary HF directory. Returns the
+    tokenizer's prompt words."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer, words = word_tokenizer(shape["vocab_size"])
+    tokenizer, words = word_tokenizer(shape["vocab_size"], special_tokens)
+    tokenizer.chat_template = chat_template
     config = Qwen2Config(
         vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
         intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],

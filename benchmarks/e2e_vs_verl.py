@@ -11,7 +11,9 @@ micro-batches of at most --micro-batch x (prompt + completion) tokens (verl: use
 ppo_max_token_len_per_gpu; megarl: actor.max_tokens_per_micro_batch), SGLang with the triton attention and
 pytorch sampling backends at the same --sglang-mem-fraction on both sides (the bundle strips FA3; verl's own
 default for sglang >= 0.5.12 is flashinfer). The tokenizer gets a chat template that renders a user message as
-its bare text, so verl's chat-formatted prompts are the same tokens as megarl's plain ones.
+its bare text, so verl's chat-formatted prompts are the same tokens as megarl's plain ones, and Qwen's chat tokens
+inside its vocabulary, which verl asks of a qwen2 model (model_dir_problems lists all it asks; verl_prompt_check
+runs verl's own code on the directory in verl's stack before verl starts).
 
 verl runs `python -m verl.trainer.main_ppo` (its v1 synchronous trainer: FSDP actor, SGLang colocated in the
 hybrid engine, the one-GPU mode; no parameter or optimizer offload) with the hydra overrides verl_overrides()
@@ -47,6 +49,10 @@ from benchmarks.e2e_vs_trl import (_gpu_memory_used, _parameter_counts, build_mo
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# verl 0.9.1's agent loop picks its prompt builder by config.json's model_type: qwen2 -> QwenContinuousTokenBuilder,
+# which requires '<|im_end|>' (and a one-token newline) of the tokenizer. Qwen's three chat tokens take ids 2..4 of
+# the vocabulary (it does not grow); the plain template never renders them, so the prompts keep their tokens.
+QWEN_CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VERL_PHASES = {  # verl's top-level timing_s/<name> of a v1 synchronous step -> phase; the rest of step is 'other'
     "gen": "generation", "reward": "reward", "old_log_prob": "log-probs", "ref": "reference", "adv": "advantages",
     "update_actor": "update", "update_weights": "weight sync"}
@@ -113,6 +119,9 @@ def verl_overrides(args, model_dir: Path, train: Path, val: Path, run_dir: Path,
         f"{r}.enforce_eager=false", f"{r}.free_cache_engine=true",
         f"{sglang}.attention_backend=triton", f"{sglang}.sampling_backend=pytorch",
         f"{sglang}.cuda_graph_max_bs={min(1024, max(256, args.completions))}",  # decode graphs for every row
+        # verl 0.9.1 hands rollout.ignore_eos to vLLM only (vllm_async_server.py): SGLang gets it as its server's
+        # default sampling parameter, under the request's own (which never set ignore_eos)
+        f"{sglang}.preferred_sampling_params='{json.dumps({'ignore_eos': True})}'",
         f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=verl_reward",
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.logger=[console,file]",
         f"trainer.total_training_steps={args.warmup + args.steps}", "trainer.total_epochs=1000",
@@ -160,6 +169,67 @@ def rollout_numbers(record: dict, probe: dict, completions: int) -> dict:
         out |= {"engine_tokens_per_s": probe["generated_tokens_per_s"],
                 "rollout_vs_engine": round(rollout / probe["generated_tokens_per_s"], 3)}
     return out
+
+
+# ---- what verl asks of the model directory ----------------------------------------------------------------
+
+
+def model_dir_problems(model_dir: Path, prompt: str, prompt_len: int, completion_len: int) -> list[str]:
+    """What verl 0.9.1 requires of a model directory on the way from a data row to a scored sample, checked without
+    verl: empty when every requirement holds, else one line per broken one (read in verl's sources: see
+    docs/benchmarks.md, 'Side by side with verl')."""
+    from transformers import AutoTokenizer
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = []
+    if len(config.get("architectures") or []) != 1:  # HFModelConfig asserts exactly one
+        problems.append(f"config.json architectures={config.get('architectures')}: verl asserts exactly one")
+    if len(tokenizer) != config["vocab_size"]:
+        problems.append(f"tokenizer of {len(tokenizer)} tokens, model vocab_size {config['vocab_size']}")
+    if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:  # padding of prompts/responses, hf config
+        problems.append(f"pad_token_id={tokenizer.pad_token_id}, eos_token_id={tokenizer.eos_token_id}: both needed")
+    if config.get("model_type") in ("qwen2", "qwen3"):  # QwenContinuousTokenBuilder's requirements
+        for token in QWEN_CHAT_TOKENS:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if not isinstance(token_id, int) or tokenizer.encode(token, add_special_tokens=False) != [token_id]:
+                problems.append(f"tokenizer does not define {token!r} as one token (verl's agent loop requires "
+                                f"'<|im_end|>' for model_type {config['model_type']})")
+        if len(tokenizer.encode("\n", add_special_tokens=False)) != 1:
+            problems.append("'\\n' is not one token (QwenContinuousTokenBuilder requires it)")
+    if not tokenizer.chat_template:
+        problems.append("no chat template: verl's agent loop renders every prompt with apply_chat_template")
+    else:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                 add_generation_prompt=True, return_dict=True)["input_ids"]
+        plain = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if rendered != plain or len(plain) != prompt_len:
+            problems.append(f"the chat template renders a {prompt_len}-token prompt as {len(rendered)} tokens, not "
+                            f"the {len(plain)} megarl sees (verl left-truncates past data.max_prompt_length)")
+    if config.get("max_position_embeddings", 0) <= prompt_len + completion_len:  # verl's max_model_len: the +1
+        problems.append(f"max_position_embeddings={config.get('max_position_embeddings')} <= prompt + completion "
+                        f"({prompt_len + completion_len}): verl's SGLang server caps completions below it")
+    return problems
+
+
+def verl_prompt_check(model_dir: Path, prompt: str) -> list[int]:
+    """The prompt ids verl's own code makes of a data row's prompt with this model directory: its tokenizer loader,
+    the agent loop's prompt builder for config.json's model_type (its constructor checks the tokens it needs), the
+    initial render and the append of a response. Runs in verl's stack (needs only verl.utils.tokenizer);
+    raises where verl would."""
+    from transformers import AutoConfig
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+    from verl.utils.tokenizer.tokenizer import hf_tokenizer
+
+    tokenizer = hf_tokenizer(str(model_dir))
+    model_type = AutoConfig.from_pretrained(model_dir).model_type
+    builder = create_continuous_token_builder(tokenizer, hf_model_type=model_type)
+    prompt_ids = builder.build_initial_tokens([{"role": "user", "content": prompt}])
+    response = tokenizer(prompt, add_special_tokens=False)["input_ids"][:4]
+    merged = builder.merge_assistant_tokens(prompt_ids, response)
+    if merged.token_ids != prompt_ids + response:
+        raise ValueError(f"verl's {type(builder).__name__} changed the prompt + response tokens")
+    return prompt_ids
 
 
 # ---- the bare sglang.Engine probe: runs in the stack under test (its own PYTHONPATH) ---------------------
@@ -235,6 +305,12 @@ def run_verl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: float
     if args.smoke:
         return {"status": "skipped (verl needs a GPU: its FSDP workers and SGLang server run on CUDA only); "
                           "its overrides are in verl_overrides.txt"}, []
+    # seconds, in verl's stack, before verl's minutes of start-up: its prompt builder on this model directory
+    check = run_process([sys.executable, "-m", "benchmarks.e2e_vs_verl", "--verl-check", "--out-dir", str(out),
+                         "--model-dir", str(model_dir), "--prompts", str(work / "prompts.jsonl")],
+                        out / "verl_check.log", min(cap, 120), env)
+    if check["status"] != "ok":
+        return check | {"failed_in": "verl_prompt_check (verl's prompt builder refused the model directory)"}, []
     record = run_process([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], out / "verl.log", cap, env,
                          leftovers=str(model_dir))
     if metrics.exists():
@@ -247,6 +323,17 @@ def run_verl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: float
         (out / "verl_config.yaml").write_text(done.stdout if done.returncode == 0 else
                                               f"# not resolved: {done.stderr[-300:]}\n" + hydra_cfg.read_text())
     return record, verl_steps(metrics)
+
+
+def verl_check(args) -> int:
+    """--verl-check: verl_prompt_check on the first prompt, in verl's stack; its ids must be megarl's."""
+    from transformers import AutoTokenizer
+
+    prompt = json.loads(Path(args.prompts).read_text().splitlines()[0])["prompt"]
+    ids = verl_prompt_check(Path(args.model_dir), prompt)
+    plain = AutoTokenizer.from_pretrained(args.model_dir)(prompt, add_special_tokens=False)["input_ids"]
+    print(f"verl's prompt: {len(ids)} tokens, megarl's: {len(plain)}, the same: {ids == plain}")
+    return 0 if ids == plain else 1
 
 
 def run_megarl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: float, device: str) -> tuple[dict, list]:
@@ -289,8 +376,9 @@ def wait_gpu_free(limit_s: float = 30.0, free_mb: int = 2048) -> str:
 def table(report: dict) -> str:
     runs = report["runs"]
     base = runs.get("verl", {}).get("tokens_per_s")
-    lines = ["| run | status | measured steps | step s | tokens/s/GPU | vs verl | rollout tok/s (vs own Engine) "
-             "| update MFU | phases (mean s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | status | measured steps | step s | mean completion | tokens/s/GPU | vs verl "
+             "| rollout tok/s (vs own Engine) | update MFU | phases (mean s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in runs.items():
         tps = r.get("tokens_per_s")
         ratio = f"{tps / base:.2f}x" if tps and base else ""
@@ -300,7 +388,7 @@ def table(report: dict) -> str:
         mfu = f"{100 * r['update_mfu']:.1f}%" if r.get("update_mfu") is not None else ""
         phases = ", ".join(f"{k} {v:.3g}" for k, v in r.get("phase_s", {}).items())
         lines.append(f"| {name} | {r['status']} | {r.get('measured_steps', 0)} | {r.get('mean_step_s', '')} "
-                     f"| {tps or ''} | {ratio} | {rollout} | {mfu} | {phases} |")
+                     f"| {r.get('response_length', '')} | {tps or ''} | {ratio} | {rollout} | {mfu} | {phases} |")
     return "\n".join(lines)
 
 
@@ -339,8 +427,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540, help="deadline for everything, from the start")
     p.add_argument("--probe-cap-s", type=float, default=90, help="most seconds one Engine probe may take")
     p.add_argument("--verl-cap-s", type=float, default=240, help="most seconds verl may take (megarl gets the rest)")
-    # the probe's own process (--probe-only), started by run_probe
+    # the probe's own process (--probe-only, started by run_probe) and verl's preflight (--verl-check, by run_verl)
     p.add_argument("--probe-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--verl-check", action="store_true", help=argparse.SUPPRESS)  # verl_check, in verl's stack
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--probe-out", help=argparse.SUPPRESS)
@@ -371,18 +460,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.probe_only:
         return engine_probe(args)
+    if args.verl_check:
+        return verl_check(args)
     deadline, out, device, work, model_dir = start_run(args)
     t0 = time.monotonic()
     shape = model_shape(args.model, args.smoke)
-    words = build_model(model_dir, shape, device)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE  # verl's chat-formatted prompt = megarl's plain text, same tokens
-    tokenizer.save_pretrained(model_dir)
+    # the one tokenizer of both sides; verl's chat-formatted prompt = megarl's plain text, the same tokens
+    words = build_model(model_dir, shape, device, special_tokens=QWEN_CHAT_TOKENS, chat_template=PLAIN_CHAT_TEMPLATE)
     prompts, val = work / "prompts.jsonl", work / "val.jsonl"
     write_prompts(prompts, words, 1024, args.prompt_len, seed=1)
     write_prompts(val, words, args.val_size, args.prompt_len, seed=2)
+    problems = model_dir_problems(model_dir, json.loads(prompts.read_text().splitlines()[0])["prompt"],
+                                  args.prompt_len, args.completion_len)
+    if problems:
+        raise SystemExit("e2e_vs_verl: the model directory does not meet verl's requirements:\n  " +
+                         "\n  ".join(problems))
     params = sum(_parameter_counts(model_dir).values())
     seq = args.prompt_len + args.completion_len
     report = {"issue": 22, **environment(device), "device": device,

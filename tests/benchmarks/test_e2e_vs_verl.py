@@ -1,16 +1,26 @@
 """benchmarks/e2e_vs_verl.py's own logic on the CPU: megarl's side as a valid config with the matched micro-batch
 budget, verl's per-step numbers from its file logger, the rollout-vs-Engine and MFU arithmetic, verl's data rows
-and reward. (verl's overrides were checked against verl 0.9.1's config by hydra's compose; verl is not installed
-in the CPU environment.)"""
+and reward, and the model directory against what verl asks of it: without verl, and with verl 0.9.1's own prompt
+builder where its source tree is at /tmp/vpy (its tokenizer modules import on Python 3.11; verl's package
+__init__ does not, so it is skipped). (verl's overrides were checked against verl 0.9.1's config by hydra's
+compose; verl is not installed in the CPU environment.)"""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks.e2e_vs_trl import megarl_command, summarize, vowel_share
-from benchmarks.e2e_vs_verl import (parse_args, rollout_numbers, update_mfu, verl_overrides, verl_reward, verl_steps,
+from benchmarks.e2e_vs_trl import SMOKE_MODEL, build_model, megarl_command, summarize, vowel_share
+from benchmarks.e2e_vs_verl import (PLAIN_CHAT_TEMPLATE, QWEN_CHAT_TOKENS, ROOT, model_dir_problems, parse_args,
+                                    rollout_numbers, update_mfu, verl_overrides, verl_reward, verl_steps,
                                     write_verl_rows)
 from megarl.config import load_config
+
+VERL_SRC = Path("/tmp/vpy")  # verl 0.9.1's site-packages tree (with transformers 5.9.0 beside it)
+PROMPT = " abc abd abe abf"
 
 
 def test_both_sides_get_the_same_batch_and_micro_batch_budget(tmp_path):
@@ -26,6 +36,9 @@ def test_both_sides_get_the_same_batch_and_micro_batch_budget(tmp_path):
     assert verl["actor_rollout_ref.actor.ppo_mini_batch_size"] == verl["data.train_batch_size"]  # one update
     assert int(verl["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]) == 16 * 640 == 10240
     assert verl["trainer.total_training_steps"] == "5" and verl["actor_rollout_ref.rollout.ignore_eos"] == "true"
+    # verl gives rollout.ignore_eos to vLLM only: SGLang's server default carries it
+    preferred = verl["+actor_rollout_ref.rollout.engine_kwargs.sglang.preferred_sampling_params"]
+    assert json.loads(preferred.strip("'")) == {"ignore_eos": True}
 
 
 def test_steps_rollout_and_mfu_from_verl_metrics(tmp_path):
@@ -57,3 +70,57 @@ def test_verl_rows_carry_the_prompt_text_and_the_same_reward(tmp_path):
     assert [r["prompt"] for r in rows] == [[{"role": "user", "content": " ab cd"}], [{"role": "user", "content": " ef"}]]
     assert rows[1]["reward_model"]["ground_truth"] == "x" and rows[1]["extra_info"]["index"] == 1
     assert verl_reward("e2e_vs_verl", "aebx", "", None) == vowel_share("aebx", "", {}) == 0.5
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """The benchmark's model directory, and one with the tokenizer of the first GPU attempt (no Qwen chat tokens)."""
+    root = tmp_path_factory.mktemp("models")
+    build_model(root / "now", SMOKE_MODEL, "cpu", special_tokens=QWEN_CHAT_TOKENS, chat_template=PLAIN_CHAT_TEMPLATE)
+    build_model(root / "old", SMOKE_MODEL, "cpu", chat_template=PLAIN_CHAT_TEMPLATE)
+    return root / "now", root / "old"
+
+
+def test_model_dir_meets_verls_requirements_in_the_same_vocabulary(model_dirs):
+    now, old = model_dirs
+    assert model_dir_problems(now, PROMPT, 4, 8) == []
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(now)
+    assert len(tokenizer) == SMOKE_MODEL["vocab_size"]  # the vocabulary, so the LM head's cost, does not grow
+    assert tokenizer.convert_tokens_to_ids(list(QWEN_CHAT_TOKENS)) == [2, 3, 4]
+    assert tokenizer.decode([4, *tokenizer.encode(PROMPT)], skip_special_tokens=True) == PROMPT
+    problems = model_dir_problems(old, PROMPT, 4, 8)
+    assert len(problems) == 3 and all("tokenizer does not define" in p for p in problems)
+    assert model_dir_problems(now, PROMPT, 5, 8)[0].startswith("the chat template renders a 5-token prompt as 4")
+    assert "max_position_embeddings=256" in model_dir_problems(now, PROMPT, 4, 252)[0]
+
+
+@pytest.mark.skipif(not (VERL_SRC / "verl").is_dir(), reason=f"verl 0.9.1's source tree is not at {VERL_SRC}")
+def test_verls_own_prompt_builder_takes_the_model_dir(model_dirs):
+    """verl's tokenizer loader and agent-loop prompt builder (transformers 5.9.0, as verl runs) on both directories:
+    the benchmark's gives megarl's prompt ids; the old one fails as the first GPU attempt did."""
+    now, old = model_dirs
+    script = f"""
+import sys, types
+for name in ("verl", "verl.utils"):  # their __init__ imports tensordict, built for Python 3.12 only
+    module = types.ModuleType(name)
+    module.__path__ = [{str(VERL_SRC)!r} + "/" + name.replace(".", "/")]
+    sys.modules[name] = module
+import transformers
+from pathlib import Path
+from benchmarks.e2e_vs_verl import verl_prompt_check
+print(transformers.__version__, verl_prompt_check(Path({str(now)!r}), {PROMPT!r}))
+try:
+    verl_prompt_check(Path({str(old)!r}), {PROMPT!r})
+except ValueError as error:
+    print(error)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(VERL_SRC), str(ROOT)]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    version, ids = done.stdout.splitlines()[0].split(" ", 1)
+    assert version == "5.9.0" and json.loads(ids) == AutoTokenizer.from_pretrained(now)(PROMPT)["input_ids"]
+    assert done.stdout.splitlines()[1] == "Tokenizer does not define required token '<|im_end|>'"
