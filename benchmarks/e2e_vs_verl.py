@@ -219,11 +219,12 @@ def verl_prompt_check(model_dir: Path, prompt: str) -> list[int]:
     raises where verl would."""
     from transformers import AutoConfig
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
-    from verl.utils.tokenizer.tokenizer import hf_tokenizer
+    from verl.utils.tokenizer.tokenizer import hf_processor, hf_tokenizer
 
-    tokenizer = hf_tokenizer(str(model_dir))
+    tokenizer = hf_tokenizer(str(model_dir))  # as HFModelConfig loads them: the processor is None for a text model
     model_type = AutoConfig.from_pretrained(model_dir).model_type
-    builder = create_continuous_token_builder(tokenizer, hf_model_type=model_type)
+    processor = hf_processor(str(model_dir))
+    builder = create_continuous_token_builder(tokenizer, hf_model_type=model_type, processor=processor)
     prompt_ids = builder.build_initial_tokens([{"role": "user", "content": prompt}])
     response = tokenizer(prompt, add_special_tokens=False)["input_ids"][:4]
     merged = builder.merge_assistant_tokens(prompt_ids, response)
