@@ -477,7 +477,7 @@ class MegatronEngine:
                                     self.device)
         if found:
             restore_expert_biases(biases)  # the update is not applied: neither is the routing bias's move
-            message = (f"{found.describe(len(mbs))}, in {loss} training ({where}; the engine's update "
+            message = (f"{found.describe()}, in {loss} training ({where}; the engine's update "
                        f"{self.step_count + 1})")
             if not self.skip_nonfinite_updates:
                 raise FloatingPointError(f"{message}: the update was not applied and the run stops (set "

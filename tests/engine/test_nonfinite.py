@@ -38,7 +38,8 @@ def _equal(a, b) -> bool:
 
 
 def _errors_rank(rank, model_dir):
-    """DP=2, micro-batches of 2 rows: row 2 of rank 1 (12 tokens) is in its micro-batch 2 of 2."""
+    """DP=2, micro_batch_size=2 (one row of 2 x 12 tokens, the default packing): rank 1's rows of 4, 9, 12 and 3
+    tokens go [12, 9, 3], [4] (first-fit-decreasing), so its row 2 (12 tokens) is in its micro-batch 1 of 2."""
     from megarl.engine import MegatronEngine
 
     engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2), AlgorithmConfig(), "cpu", 1, 10)
@@ -77,7 +78,7 @@ def test_nonfinite_loss_or_grad_stops_the_update_naming_step_rank_micro_batch_or
         _errors_rank, 2, make_qwen2_dir(tmp_path / "m", tied=False))
     # Every rank raises the same agreed error: rank 0's names rank 1's micro-batch.
     assert "non-finite loss" in errors["loss"]
-    assert "RL step 2" in errors["loss"] and "rank 1 (micro-batch 2 of 2" in errors["loss"]
+    assert "RL step 2" in errors["loss"] and "rank 1 (micro-batch 1 of 2" in errors["loss"]
     assert "rank 0" not in errors["loss"] and "trainer.skip_nonfinite_updates" in errors["loss"]
     assert "non-finite gradient norm" in errors["grad"] and "RL step 3" in errors["grad"]
     # Skipped: counted, no loss metrics from the poisoned update, weights and Adam state equal bit for bit.
