@@ -60,8 +60,8 @@ def test_inconsistent_layout_is_an_error():
     assert cfg.actor.parallel.dp == 2  # 8 ranks = TP 2 x CP 2 x DP 2
     with pytest.raises(ConfigError, match=r"critic.packing='one_rows': expected one of rows, one_row"):
         load_config(None, ["critic.packing=one_rows"])
-    # one_row is the default of every training role, also without a token budget (it then packs micro_batch_size x
-    # the longest sequence per micro-batch)
+    # one_row is the default of every training role, also without a token budget (with varlen attention it then packs
+    # micro_batch_size x the longest sequence per micro-batch)
     default = load_config(None, [])
     assert (default.actor.packing, default.critic.packing, default.reward_model.packing) == ("one_row",) * 3
     assert load_config(None, ["actor.packing=rows", "actor.max_tokens_per_micro_batch=4096"]).actor.packing == "rows"

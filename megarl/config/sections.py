@@ -98,10 +98,11 @@ class ActorConfig:
                                                  "(by size) whose optimizer state is on the CPU, in (0, 1]")
     max_tokens_per_micro_batch: int = opt(0, "pack whole sequences (no padding) into micro-batches of at most this "
                                              "many tokens, balanced over DP ranks by tokens; 0 = as many as "
-                                             "micro_batch_size rows of the longest sequence (packing=one_row), or "
-                                             "micro_batch_size padded rows (packing=rows)")
+                                             "micro_batch_size rows of the longest sequence (packing=one_row with "
+                                             "attention varlen), else micro_batch_size padded rows")
     packing: str = opt("one_row", "micro-batch layout: one_row (one row of max_tokens_per_micro_batch tokens, at 0 "
-                                  "micro_batch_size x the longest sequence of the batch, holding any number of whole "
+                                  "micro_batch_size x the longest sequence of the batch where attention is varlen, the "
+                                  "GPU's auto, padded rows under a dense mask; holding any number of whole "
                                   "sequences; without pipeline stages cut to its used length rounded up to 64; a "
                                   "longer sequence is an error) or rows (rows as wide as the longest sequence, "
                                   "max_tokens_per_micro_batch // that many per micro-batch, at 0 micro_batch_size "

@@ -176,12 +176,13 @@ class MegatronEngine:
 
     def _micro_batches(self, batch: Batch, keys: list[str], group_size: int = 1) -> list[dict]:
         """Micro-batches of actor.packing (packing.py): one row per micro-batch (one_row, the default) of
-        actor.max_tokens_per_micro_batch tokens, or at 0 of micro_batch_size x the longest sequence, cut to its
-        used length where shapes may vary (PP=1, no EP); or rows (packed by the token budget, or at 0
-        micro_batch_size padded rows). The stages of one pipeline hold the same sequences, so they lay out the same
-        widths; DP ranks may differ in widths and micro-batch counts (gradients are reduced after the schedule, and
-        each loss_fn's scale undoes its own rank's count). With virtual pipeline stages the number of micro-batches
-        is made a multiple of PP with empty ones, as the interleaved schedule needs.
+        actor.max_tokens_per_micro_batch tokens, or at 0 of micro_batch_size x the longest sequence (attention=varlen,
+        the GPU's default; padded rows with a dense mask), cut to its used length where shapes may vary (PP=1, no
+        EP); or rows (packed by the token budget, or at 0 micro_batch_size padded rows). The stages of one pipeline
+        hold the same sequences, so they lay out the same widths; DP ranks may differ in widths and micro-batch counts
+        (gradients are reduced after the schedule, and each loss_fn's scale undoes its own rank's count). With virtual
+        pipeline stages the number of micro-batches is made a multiple of PP with empty ones, as the interleaved
+        schedule needs.
         Under sequence parallelism the row width is a multiple of TP (each TP rank holds a slice of the tokens),
         under context parallelism of 2 * CP (context_parallel.py's chunks), under both of their product.
         With experts split over data-parallel ranks (EP > 1) every micro-batch's token exchange spans ranks holding
@@ -197,9 +198,15 @@ class MegatronEngine:
         # one_row: pipeline stages exchange fixed-shape activations and EP ranks agree on shapes, so rows stay
         # max_tokens wide there; elsewhere each row is cut to its used length
         trim = 0 if pp > 1 or experts else math.lcm(ONE_ROW_TRIM_MULTIPLE, width_multiple)
+        layout = self.actor.packing
+        if not self.actor.max_tokens_per_micro_batch and self.core_attention != "varlen":
+            # one_row's automatic width (micro_batch_size x the longest sequence) costs nothing extra where attention
+            # runs per segment (varlen's cu_seqlens); a dense mask (local, sdpa, CP) is W x W, micro_batch_size
+            # times the padded rows' masks in memory and compute: padded rows there
+            layout = "rows"
         mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
                                  self.actor.max_tokens_per_micro_batch, group_size, width_multiple, longest,
-                                 layout=self.actor.packing, trim_multiple=trim)
+                                 layout=layout, trim_multiple=trim)
         # the LM head at the real positions only; under CP a rank holds chunks of each row: every position there
         if self._output_positions and config.context_parallel_size == 1:
             for mb in mbs:

@@ -17,10 +17,10 @@ longer than W is an error naming actor.max_tokens_per_micro_batch. With max_toke
 micro_batch_size x L, L the rows layout's width (the longest sequence of the batch, or `longest`, rounded up to
 `width_multiple`), i.e. as many token slots as the rows layout's micro-batch. Every sequence fits, and a micro-batch
 holds no more tokens than the rows layout's (with trim, fewer), so activations linear in tokens (varlen attention,
-the MLP, the LM head) peak no higher; attention by a dense mask ([W, W]: local, sdpa, context parallelism) grows with
-W^2, micro_batch_size times the rows layout's [L, L] masks. First-fit-decreasing then needs at most as many
-micro-batches as rows (a micro-batch with fewer than micro_batch_size sequences has room for any sequence, so a new one
-opens only when every earlier one holds micro_batch_size or more).
+the MLP, the LM head) peak no higher; attention by a dense mask ([W, W]: local, sdpa, context parallelism) would grow
+with W^2, micro_batch_size times the rows layout's [L, L] masks (the engine keeps padded rows there).
+First-fit-decreasing then needs at most as many micro-batches as rows (a micro-batch with fewer than micro_batch_size
+sequences has room for any sequence, so a new one opens only when every earlier one holds micro_batch_size or more).
 
 Everything per sequence (loss_mask, advantages, old log-probs ...) stays in the ordinary [S, T] layout
 of the Batch; `packed_index` [S, T] points each (sequence, position) at its packed position, and

@@ -38,11 +38,12 @@ def _equal(a, b) -> bool:
 
 
 def _errors_rank(rank, model_dir):
-    """DP=2, micro_batch_size=2 (one row of 2 x 12 tokens, the default packing): rank 1's rows of 4, 9, 12 and 3
-    tokens go [12, 9, 3], [4] (first-fit-decreasing), so its row 2 (12 tokens) is in its micro-batch 1 of 2."""
+    """DP=2, packed into rows of 16 tokens: rank 1's rows of 4, 9, 12 and 3 tokens go [12, 4], [9, 3], so its row 2
+    is in its micro-batch 1 of 2, while rank 0's rows of 12, 7, 1 and 10 tokens take 3 micro-batches."""
     from megarl.engine import MegatronEngine
 
-    engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2), AlgorithmConfig(), "cpu", 1, 10)
+    engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2, max_tokens_per_micro_batch=16),
+                            AlgorithmConfig(), "cpu", 1, 10)
     engine.train(_share(rank, None))  # a clean update first: the optimizer has state to keep
     errors = {}
     with pytest.raises(FloatingPointError) as loss_error:

@@ -19,7 +19,8 @@ from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_b
 ALGO = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg="seq-mean-token-mean")
 BUDGET = 24  # tokens per micro-batch: 2 rows of the longest sequence (11; 12 under SP at TP=2)
 # name: (tp, pp, vpp, max_tokens_per_micro_batch, attention, recompute, sequence_parallel, packing) on 2 ranks
-LAYOUTS = {"padded": (1, 1, 1, 0, "local", "none", False, "rows"),
+# "padded": the default packing (one_row) without a token budget keeps padded rows under a dense mask (local)
+LAYOUTS = {"padded": (1, 1, 1, 0, "local", "none", False, "one_row"),
            "packed": (1, 1, 1, BUDGET, "local", "none", False, "rows"),
            "packed_sdpa": (1, 1, 1, BUDGET, "sdpa", "none", False, "rows"),
            "packed_varlen": (1, 1, 1, BUDGET, "varlen", "none", False, "rows"),
@@ -31,9 +32,9 @@ LAYOUTS = {"padded": (1, 1, 1, 0, "local", "none", False, "rows"),
            # with SP, and fixed-width rows between pipeline stages (the automatic width, 2 x 11)
            "one_row_varlen": (1, 1, 1, BUDGET, "varlen", "none", False, "one_row"),
            "tp2_sp_one_row_varlen": (2, 1, 1, BUDGET, "varlen", "none", True, "one_row"),
-           "pp2_one_row_local_auto": (1, 2, 1, 0, "local", "none", False, "one_row"),
-           # the defaults (no token budget, one_row): one row of micro_batch_size x the longest sequence
-           "one_row_auto": (1, 1, 1, 0, "local", "none", False, "one_row")}
+           "pp2_one_row_varlen_auto": (1, 2, 1, 0, "varlen", "none", False, "one_row"),
+           # the GPU's defaults (no token budget, one_row, varlen): one row of micro_batch_size x the longest sequence
+           "one_row_varlen_auto": (1, 1, 1, 0, "varlen", "none", False, "one_row")}
 ONE_ROW_TRIM = 8  # the engine's ONE_ROW_TRIM_MULTIPLE in the test (64 is wider than these rows)
 
 
@@ -208,10 +209,10 @@ def test_packed_vpp_recompute_and_sdpa_match_the_padded_batch(tmp_path):
     results = run_distributed(_layouts_rank, 2, model_dir, ref_logprobs, LAYOUTS)
 
     _, base_metrics, base_grads, _, base_counts = results["padded"]
-    assert base_counts == [4, 2]  # 8 rows (4 per DP rank in training) in padded micro-batches of 2
+    assert base_counts == [4, 2]  # 8 rows (4 per DP rank in training) in padded micro-batches of 2 (dense mask)
     # the defaults pack 22 token slots per micro-batch: [11, 11], [10, 9, 3], [7, 4, 1]; in training at DP=2 this
     # rank's 4 sequences (28 tokens) still take 2, at PP=2 (DP=1) the 8 take 3 (4 padded)
-    assert results["one_row_auto"][4] == [3, 2] and results["pp2_one_row_local_auto"][4] == [3, 3]
+    assert results["one_row_varlen_auto"][4] == [3, 2] and results["pp2_one_row_varlen_auto"][4] == [3, 3]
     assert base_metrics["grad_norm"] > 0 and len(base_grads) == 4 * 7 + 2
     base_out = results["padded"][0]
     # 4 layers of large random weights: fp32 differences from transformers' kernels reach 1e-5
