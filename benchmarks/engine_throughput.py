@@ -37,6 +37,7 @@ PEAK_FLOPS = 989e12: the dense bf16 tensor-core peak of one H100/H200 SXM (no sp
 On the H200 (one GPU; more through torchrun: DP = ranks / (TP * PP), e.g. TP=2 x PP=2 on four GPUs):
     python benchmarks/engine_throughput.py --out benchmarks/results/engine_throughput_h200.json
     python benchmarks/engine_throughput.py --packing both --out benchmarks/results/engine_throughput_h200_packing.json
+    python benchmarks/engine_throughput.py --packing both --max-tokens 0 --micro-batch-size 4 --out ...  # defaults
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --out benchmarks/results/engine_throughput_h200_tp2.json
     torchrun --nproc-per-node 2 benchmarks/engine_throughput.py --tp 2 --sequence-parallel --out ...
     torchrun --nproc-per-node 4 benchmarks/engine_throughput.py --tp 2 --pp 2 --out ...
@@ -206,6 +207,9 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=0, help="shortest sequence (0 = seq / 2)")
     parser.add_argument("--sequences", type=int, default=64, help="sequences per step (the global batch)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="actor.max_tokens_per_micro_batch")
+    parser.add_argument("--micro-batch-size", type=int, default=1,
+                        help="actor.micro_batch_size; with --max-tokens 0, the defaults: padded rows of this many "
+                             "(rows; the bare loop too), one row of this many x the longest sequence (one_row, varlen)")
     parser.add_argument("--packing", choices=["rows", "one_row", "both"], default="rows",
                         help="actor.packing of the engine; both: an engine of each, one after the other")
     parser.add_argument("--steps", type=int, default=5)
@@ -265,7 +269,7 @@ def main() -> None:
 
         if not args.skip_bare:
             bare = BareLoop(hf, args.tp, dtype, device, attention, lr=1e-5, sequence_parallel=sp, pp=args.pp)
-            mbs = pack_micro_batches(share, [], _device(device), 1, args.max_tokens,
+            mbs = pack_micro_batches(share, [], _device(device), args.micro_batch_size, args.max_tokens,
                                      width_multiple=args.tp if sp else 1)
             targets = float(sum(lengths) - len(lengths))  # next-token targets in the whole batch, all DP ranks
             results["bare"] = _report("bare", _timed(lambda: bare.step(mbs, targets),
@@ -280,7 +284,8 @@ def main() -> None:
             name = "engine_one_row" if args.packing == "both" and packing == "one_row" else "engine"
             actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp,
                                                         sequence_parallel=sp),
-                                micro_batch_size=1, max_tokens_per_micro_batch=args.max_tokens, packing=packing,
+                                micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens,
+                                packing=packing,
                                 attention=attention, recompute=args.recompute, precision=args.precision,
                                 optim=OptimConfig(lr=1e-5))
             engine = MegatronEngine(str(model_dir), actor, AlgorithmConfig(), device, 1, args.steps + args.warmup,
