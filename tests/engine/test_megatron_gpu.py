@@ -43,7 +43,8 @@ def test_bf16_engine_on_one_gpu(tmp_path):
 def test_varlen_flash_attention_matches_masked_sdpa_on_packed_rows(tmp_path, monkeypatch):
     """Packed micro-batches: torch.nn.attention.varlen over cu_seqlens (what attention=auto picks on a GPU)
     gives masked SDPA's log-probs and, after one SFT step from the same weights, its loss and grad norm; so does
-    actor.packing=one_row (one row per micro-batch, trimmed, the LM head at real positions only)."""
+    actor.packing=one_row (one row per micro-batch, trimmed, the LM head at real positions only), also with its
+    automatic width (no token budget, the defaults: 2 x 12 tokens)."""
     from megarl.engine import MegatronEngine, attention
     from megarl.parallel.state import destroy_parallel, init_parallel
 
@@ -59,16 +60,17 @@ def test_varlen_flash_attention_matches_masked_sdpa_on_packed_rows(tmp_path, mon
     init_parallel(0, 1, "127.0.0.1", port, device="cuda")
     try:
         results = {}
-        for name, packing in (("sdpa", "rows"), ("varlen", "rows"), ("varlen", "one_row")):
-            actor = ActorConfig(micro_batch_size=2, max_tokens_per_micro_batch=24, attention=name, packing=packing,
-                                optim=OptimConfig(lr=1e-3))
+        for name, packing, max_tokens in (("sdpa", "rows", 24), ("varlen", "rows", 24), ("varlen", "one_row", 24),
+                                          ("varlen", "one_row", 0)):
+            actor = ActorConfig(micro_batch_size=2, max_tokens_per_micro_batch=max_tokens, attention=name,
+                                packing=packing, optim=OptimConfig(lr=1e-3))
             engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cuda", 1, 10)
             out = engine.compute_logprobs(batch, with_entropy=True)
-            results[name, packing] = out, engine.train(batch, loss="sft")
+            results[name, packing, max_tokens] = out, engine.train(batch, loss="sft")
             del engine
         assert calls, "the varlen kernel was never called"
-        masked, masked_step = results["sdpa", "rows"]
-        for varlen, varlen_step in (results["varlen", "rows"], results["varlen", "one_row"]):
+        masked, masked_step = results.pop(("sdpa", "rows", 24))
+        for varlen, varlen_step in results.values():
             # the same bf16 model; the kernels round differently (bf16 tolerance, as against transformers above)
             assert (masked["logprobs"] - varlen["logprobs"]).abs().max() < 0.1
             assert (masked["entropy"] - varlen["entropy"]).abs().max() < 0.1
