@@ -336,13 +336,15 @@ def padding_share(mbs: list[dict]) -> dict:
 
 
 def print_summary(results: dict) -> None:
-    """The last lines: one per loop, its layout, padding share and MFU."""
-    print(f"{'loop':>16} {'packing':>8} {'mbs':>5} {'slots':>9} {'real':>9} {'padding':>8} {'ms/step':>9} {'MFU':>6}")
+    """The last lines: one per loop, its layout, padding share, MFU and (engine, GPU) peak memory."""
+    print(f"{'loop':>16} {'packing':>8} {'mbs':>5} {'slots':>9} {'real':>9} {'padding':>8} {'ms/step':>9} {'MFU':>6} "
+          f"{'peak GiB':>8}")
     for name, r in results.items():
         if isinstance(r, dict) and "mfu" in r:
+            peak = f"{r['peak_memory_gib']:.1f}" if "peak_memory_gib" in r else "-"
             print(f"{name:>16} {r.get('packing', 'rows'):>8} {r['micro_batches']:>5} {r['token_slots']:>9} "
                   f"{r['real_tokens']:>9} {100 * r['padding_share']:>7.1f}% {1e3 * r['mean_step_seconds']:>9.1f} "
-                  f"{100 * r['mfu']:>5.1f}%")
+                  f"{100 * r['mfu']:>5.1f}% {peak:>8}")
 
 
 def sp_check(engine, actor, model_dir: str, batch, device: str) -> dict:

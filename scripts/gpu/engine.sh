@@ -15,6 +15,9 @@
 #   packing - issue 22: the bare loop, then the engine with actor.packing=rows and with one_row (one row of
 #            8192 tokens per micro-batch, cut to its used length; the LM head at real positions only), on
 #            the same batch: token slots, padding share and MFU of each (the goal: one_row >= 38% MFU) (~4 min)
+#   packing_defaults - issue 22 at the defaults (no token budget; micro_batch_size 4): the bare loop and the
+#            engine on padded rows of 4, then one_row's automatic width (4 x the longest, 8192): one_row's MFU
+#            as in `packing`, its peak memory no higher than padded rows'                             (~4 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
@@ -45,6 +48,11 @@ fi
 if phase packing; then
   timeout 300 python3 $BENCH --attention $ATTN --packing both --out "$OUT/engine_throughput_packing.json" \
     > "$OUT/packing.log" 2>&1; tail -5 "$OUT/packing.log"
+fi
+if phase packing_defaults; then
+  timeout 300 python3 $BENCH --attention $ATTN --packing both --max-tokens 0 --micro-batch-size 4 \
+    --out "$OUT/engine_throughput_packing_defaults.json" > "$OUT/packing_defaults.log" 2>&1
+  tail -5 "$OUT/packing_defaults.log"
 fi
 if [ "$GPUS" -ge 2 ] && phase tp2; then
   timeout 200 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --out "$OUT/engine_throughput_tp2.json" \
