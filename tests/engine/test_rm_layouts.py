@@ -23,12 +23,13 @@ SAVE_AFTER, STEPS = 2, 4
 TOKEN_BUDGET = 24  # one_row: a row holds a few pairs, so a step of 8 pairs takes several micro-batches
 
 
-def rm_engine(model_dir, tp: int, pp: int, packing: str = "rows", max_tokens: int = 0):
+def rm_engine(model_dir, tp: int, pp: int, packing: str = "rows", max_tokens: int = 0, cp: int = 1):
     from megarl.engine import MegatronEngine
 
-    relayout(tp, pp)
-    cfg = RewardModelConfig(parallel=ParallelConfig(world_size=2, tp=tp, pp=pp), micro_batch_size=4,
+    relayout(tp, pp, cp)
+    cfg = RewardModelConfig(parallel=ParallelConfig(world_size=2, tp=tp, pp=pp, cp=cp), micro_batch_size=4,
                             packing=packing, max_tokens_per_micro_batch=max_tokens,
+                            attention="sdpa" if cp > 1 else "auto",
                             optim=OptimConfig(lr=1e-2, warmup_steps=3, decay_style="linear", clip_grad=1.0))
     return MegatronEngine(model_dir, cfg, AlgorithmConfig(), "cpu", 1, total_steps=10, head="value")
 
@@ -50,6 +51,8 @@ def _rm_layouts_rank(rank, model_dir, root):
         for tp, pp in ((1, 1), (1, 2)):  # PP=1 is DP=2: each rank takes 4 whole pairs
             engine = rm_engine(model_dir, tp, pp, packing, max_tokens)
             out[(packing, pp)] = [bt_step(engine, step) for step in (1, 2)]
+    engine = rm_engine(model_dir, 1, 1, cp=2)  # each rank holds two of each row's four chunks
+    out["cp2"] = [bt_step(engine, step) for step in (1, 2)]
     engine = rm_engine(model_dir, 2, 1)
     out["tp2"] = []
     for step in range(1, STEPS + 1):
@@ -86,6 +89,10 @@ def test_bradley_terry_step_at_pp2_equals_pp1(rm_layouts, packing):
     assert_steps_close(pp2, pp1)
     # one row per micro-batch splits pairs nowhere: the same step as padded rows
     assert_steps_close(pp1, rm_layouts[("rows", 1)])
+
+
+def test_bradley_terry_step_at_cp2_equals_pp1(rm_layouts):
+    assert_steps_close(rm_layouts["cp2"], rm_layouts[("rows", 1)])
 
 
 def test_rm_saved_at_tp2_resumes_at_pp2(rm_layouts):
