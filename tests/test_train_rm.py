@@ -79,6 +79,31 @@ def test_reward_model_learns_and_resumes_exactly(trained):
     assert torch.equal(trainer.score_pairs(trainer.data.val), scores)
 
 
+def test_reward_model_resumes_at_another_layout(trained):
+    """Saved at TP=1 on one rank, resumed at TP=2 on two: steps 4-6 continue the TP=1 run (float tolerance: TP
+    changes the reduction order), so the weights, the optimizer's moments and step count, the LR schedule and the
+    data position all came back (a reset optimizer or data position would train other steps)."""
+    tmp_path, _, history, _ = trained
+    first = {}
+    for row in metrics_rows(tmp_path / "a"):
+        first.setdefault(row["step"], row)
+    cfg = rm_config(tmp_path, "b", "reward_model.parallel.world_size=2", "reward_model.parallel.tp=2",
+                    f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000003'}")
+    second = RMTrainer(cfg)
+    try:
+        resumed = second.fit()
+    finally:
+        second.shutdown()
+    assert resumed["val/pair_accuracy"] == history["val/pair_accuracy"]
+    torch.testing.assert_close(resumed["val/margin"], history["val/margin"], rtol=0, atol=1e-5)
+    rows = {row["step"]: row for row in metrics_rows(tmp_path / "b")}
+    assert sorted(rows) == [4, 5, 6]
+    keys = ("rm/loss", "rm/grad_norm", "rm/lr", "rm/accuracy")
+    for step in (4, 5, 6):
+        torch.testing.assert_close({k: rows[step][k] for k in keys}, {k: first[step][k] for k in keys},
+                                   rtol=0, atol=1e-5)
+
+
 def test_export_scores_as_trained_in_transformers_and_in_rl(trained):
     from transformers import AutoModelForSequenceClassification
 
