@@ -260,8 +260,10 @@ def value_loss(values: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig, clip
 
 def bradley_terry_loss(chosen: Tensor, rejected: Tensor, total_pairs: float) -> tuple[Tensor, dict[str, Tensor]]:
     """Reward-model loss on preference pairs: -log sigmoid(r_chosen - r_rejected), as a contribution to the
-    mean over all pairs; metrics 'accuracy' (r_chosen > r_rejected) and 'margin' (mean r_chosen - r_rejected)."""
+    mean over all pairs; metrics 'accuracy' (r_chosen > r_rejected; a tie counts half, as in the held-out
+    rm_trainer.pair_metrics) and 'margin' (mean r_chosen - r_rejected)."""
     margin = chosen.float() - rejected.float()
     loss = -torch.nn.functional.logsigmoid(margin).sum() / total_pairs
-    return loss, {"accuracy": (margin > 0).float().sum() / total_pairs,
+    won = (margin > 0).float() + 0.5 * (margin == 0).float()
+    return loss, {"accuracy": won.sum() / total_pairs,
                   "margin": margin.detach().sum() / total_pairs}

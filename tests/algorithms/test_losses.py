@@ -292,3 +292,14 @@ def test_sft_loss_is_token_mean_nll_contribution():
     # (1 + 2 + 3 + 0.5) / 4 = 1.625; as half of an 8-token mini-batch: 6.5 / 8
     assert sft_loss(logprobs, mask, 4).item() == pytest.approx(1.625)
     assert sft_loss(logprobs, mask, 8).item() == pytest.approx(6.5 / 8)
+
+
+def test_bradley_terry_by_hand_a_tie_counts_half():
+    """One pair won (margin 1), one tied, one lost (margin -1): accuracy (1 + 0.5 + 0) / 3, as the held-out
+    pair_metrics count it; loss the mean of -log sigmoid(margin); margin 0."""
+    from megarl.algorithms.losses import bradley_terry_loss
+
+    loss, metrics = bradley_terry_loss(torch.tensor([2.0, 0.5, 0.0]), torch.tensor([1.0, 0.5, 1.0]), 3)
+    expected = (math.log1p(math.exp(-1.0)) + math.log(2.0) + math.log1p(math.exp(1.0))) / 3
+    assert metrics["accuracy"].item() == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(expected, rel=1e-6) and metrics["margin"].item() == pytest.approx(0.0)
