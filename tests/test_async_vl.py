@@ -6,24 +6,17 @@ keeps its images."""
 import torch
 
 from megarl.async_trainer import build_trainer
-from megarl.config import load_config
-from megarl.data.shapes import write_shapes_splits
-from megarl.models.tiny_vl import build_tiny_vl_model
 from megarl.protocol import IMAGE_INPUTS
 from megarl.rollout_buffer import prompt_record, split_groups
 
-from tests.test_vl_e2e import RECIPE
+from tests.test_vl_e2e import tiny_vl_config
 
 
 def test_async_groups_stream_with_their_images(tmp_path, ray_local):
-    splits = write_shapes_splits(tmp_path / "shapes", train_rows=8, val_rows=2)
-    cfg = load_config(RECIPE, [
-        f"model.path={build_tiny_vl_model(tmp_path / 'model')}", f"data.task={splits['train']}",
-        f"data.val_task={splits['val']}", f"sft.data={splits['train']}", "sft.steps=0", "data.prompts_per_step=2",
-        "rollout.n_samples=2", "rollout.max_new_tokens=3", "data.val_size=2", "rollout.eval_n_samples=1",
-        "trainer.steps=2", "trainer.eval_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={tmp_path}",
-        "reward.name=tests.test_vl_e2e:first_character_parity", "reward.isolation=none", "trainer.mode=async",
-        "async.max_staleness=1", "actor.optim.lr=0"])  # lr 0: a batch one version old has the same log-probs
+    cfg = tiny_vl_config(tmp_path, 2, [
+        "sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "rollout.eval_n_samples=1", "trainer.steps=2",
+        "trainer.mode=async", "async.max_staleness=1",
+        "actor.optim.lr=0"])  # lr 0: a batch one version old has the same log-probs
     trainer = build_trainer(cfg)
     prompts = {}  # prompt image -> its record, as the data loader gave it
     trained, metrics = [], []

@@ -20,15 +20,20 @@ def first_character_parity(response: str, answer: str, sample: dict) -> float:
     return float(ord(response[0]) % 2) if response else 0.0
 
 
-def test_one_grpo_step_with_images(tmp_path, ray_local):
-    splits = write_shapes_splits(tmp_path / "shapes", train_rows=8, val_rows=4)
-    cfg = load_config(RECIPE, [
+def tiny_vl_config(tmp_path, val_rows: int, overrides: list[str]):
+    """The recipe on a tiny random Qwen2.5-VL and 8 training rows of shapes images, 2 samples of 3 tokens per
+    prompt, rewarded by first_character_parity; `overrides` after those."""
+    splits = write_shapes_splits(tmp_path / "shapes", train_rows=8, val_rows=val_rows)
+    return load_config(RECIPE, [
         f"model.path={build_tiny_vl_model(tmp_path / 'model')}", f"data.task={splits['train']}",
-        f"data.val_task={splits['val']}", f"sft.data={splits['train']}", "sft.steps=1", "sft.batch_size=4",
-        "data.prompts_per_step=4", "rollout.n_samples=2", "rollout.max_new_tokens=3", "data.val_size=4",
-        "trainer.steps=1", "trainer.eval_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={tmp_path}",
-        f"rollout.dump_dir={tmp_path / 'dumps'}", f"reward.name={__name__}:first_character_parity",
-        "reward.isolation=none"])
+        f"data.val_task={splits['val']}", f"sft.data={splits['train']}", "rollout.n_samples=2",
+        "rollout.max_new_tokens=3", "trainer.eval_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={tmp_path}",
+        f"reward.name={__name__}:first_character_parity", "reward.isolation=none", *overrides])
+
+
+def test_one_grpo_step_with_images(tmp_path, ray_local):
+    cfg = tiny_vl_config(tmp_path, 4, ["sft.steps=1", "sft.batch_size=4", "data.prompts_per_step=4",
+                                       "data.val_size=4", "trainer.steps=1", f"rollout.dump_dir={tmp_path / 'dumps'}"])
     trainer = RLTrainer(cfg)
     try:
         trainer.prepare()
