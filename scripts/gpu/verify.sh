@@ -17,6 +17,21 @@
 #   grpo    GRPO colocated on the 0.5B shape of scripts/gpu/sglang.sh, twice: the defaults (every sync verified
 #           by checksums), and the deep check on every second sync (trainer.verify_weight_sync_deep=true,
 #           verify_weight_sync_every=2), whose other steps are unverified                             (~5 min)
+#   gsm8k   (a call of its own, ~4.5 min) the GSM8K GRPO recipe itself, scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh
+#           (256 prompts x 5 samples, 1024 new tokens), twice: the defaults (checksum verification of every
+#           sync) and trainer.verify_weight_sync_every=0. SYNTHETIC data: the GSM8K files are not on the GPU
+#           machines (no network) and a step's cost depends on shapes, not text, so benchmarks/gsm8k_recipe.py
+#           writes GSM8K-format train/test.jsonl of GSM8K's sizes and prompt lengths (the recipe converts them
+#           with scripts/preprocess/gsm8k.py) and a random Qwen2.5-0.5B-shaped model (e2e_vs_trl's builder,
+#           with Qwen's chat tokens). Overrides only for one GPU and time: actor.parallel.world_size=1,
+#           trainer.steps=GSM8K_STEPS (3: the first is left out as warm-up), data.val_size=8 (the evaluations
+#           before RL and after the last step), no checkpoints, resume none; GSM8K_RUN_TIMEOUT (165 s a run);
+#           GSM8K_PROMPTS_PER_STEP=N (a multiple of 64: the mini-batch is 320 samples) shrinks the batch (say so
+#           with the numbers). A random policy samples to the 1024-token limit mostly (the table's mean length).
+#           Table: steps measured, median step s, verification s per step (sync/verify_s + the deferred
+#           collection sync/verify_deferred_s), its share. DEVICE=cpu: a smoke run of the same path (tiny
+#           model, 2 prompts x 5 samples, 8 new tokens, the HF engine; ~45 s on 2 cores, so not in the suite):
+#             DEVICE=cpu PARTS=gsm8k OUT=/tmp/v bash scripts/gpu/verify.sh
 # Logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +39,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_
   RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-verify}; mkdir -p "$OUT"
 PARTS=${PARTS:-kernel sync}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+[[ ${DEVICE:-cuda} == cpu ]] || nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
 if [[ " $PARTS " == *" kernel "* ]]; then
   timeout 180 python3 - > "$OUT/kernel.log" 2>&1 <<'PY'
@@ -124,6 +139,34 @@ if [[ " $PARTS " == *" grpo "* ]]; then
     trainer.verify_weight_sync_every=2 > "$OUT/grpo_deep.log" 2>&1
   status=$((status | $?))
 fi
+if [[ " $PARTS " == *" gsm8k "* ]]; then
+  gsm=$OUT/gsm8k; steps=${GSM8K_STEPS:-3}; smoke=()
+  overrides=(actor.parallel.world_size=1 trainer.steps=$steps trainer.eval_every=0 data.val_size=8 trainer.save_every=0
+             trainer.resume=none ${GSM8K_PROMPTS_PER_STEP:+data.prompts_per_step=$GSM8K_PROMPTS_PER_STEP})
+  if [[ ${DEVICE:-cuda} == cpu ]]; then
+    smoke=(--smoke)
+    overrides+=(trainer.device=cpu rollout.engine=hf data.prompts_per_step=2 actor.mini_batch_size=10
+                actor.micro_batch_size=5 rollout.max_new_tokens=8 data.val_size=2)
+  fi
+  # the recipe and scripts/launch.sh call `python`, which the GPU image may lack
+  command -v python >/dev/null || { mkdir -p /tmp/gsm8k-bin; ln -sf "$(command -v python3)" /tmp/gsm8k-bin/python
+                                    export PATH=/tmp/gsm8k-bin:$PATH; }
+  echo "== gsm8k: SYNTHETIC GSM8K-format data and a random Qwen2.5-0.5B-shaped model (no GSM8K on this machine;" \
+    "a step's cost depends on shapes, not text); overrides: ${overrides[*]}"
+  rm -rf "$gsm"
+  timeout 120 python3 -m benchmarks.gsm8k_recipe prepare --out "$gsm" "${smoke[@]}" > "$OUT/gsm8k_prepare.log" 2>&1
+  status=$((status | $?)); grep -v "shards" "$OUT/gsm8k_prepare.log" | tail -n 2
+  for run in default verify_off; do
+    extra=(); [[ $run == verify_off ]] && extra=(trainer.verify_weight_sync_every=0)
+    start=$SECONDS
+    MODEL=$gsm/model GSM8K_DIR=$gsm/raw GSM8K_PROMPTS=$gsm/prompts PYTHON=python3 MEGARL_LOG_DIR=$gsm/logs \
+      timeout "${GSM8K_RUN_TIMEOUT:-165}" bash scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh "${overrides[@]}" \
+      trainer.output_dir="$gsm/$run" "${extra[@]}" > "$OUT/gsm8k_$run.log" 2>&1
+    rc=$?; status=$((status | rc))
+    echo "gsm8k $run: exit $rc after $((SECONDS - start)) s (log $OUT/gsm8k_$run.log)"; tail -n 2 "$OUT/gsm8k_$run.log"
+    [[ ${DEVICE:-cuda} == cpu ]] || nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed 's/^/  GPU memory in use after it: /'
+  done
+fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, statistics, sys
 out = pathlib.Path(sys.argv[1])
@@ -135,10 +178,11 @@ if kernel.exists():
           f"{k.get('checksum_7b_elements_s', float('nan')):.4f} s ({k.get('gb_per_s', 0):.0f} GB/s); copied by torch "
           f"in {k.get('copy_7b_elements_s', float('nan')):.4f} s, copied and summed by one kernel in "
           f"{k.get('copy_and_checksum_7b_elements_s', float('nan')):.4f} s (bitwise: {k.get('copied_bitwise')})")
-print("\n| model | sync s (GB/s) | verified sync s | (a) verification on the sync's path s | (a) / sync | "
-      "(b) deferred collection s: request / compare | (a)+(b) s | (a)+(b) / sync | (c) SGLang's sums, GPU s | "
-      "sender checksums (host) s | first verification s (compiles) | params checked | flipped bit named | "
-      "deep check s |\n|" + " --- |" * 14)
+if any((out / f"{name}.json").exists() for name in ("sync_7b", "sync_0.5b")):
+    print("\n| model | sync s (GB/s) | verified sync s | (a) verification on the sync's path s | (a) / sync | "
+          "(b) deferred collection s: request / compare | (a)+(b) s | (a)+(b) / sync | (c) SGLang's sums, GPU s | "
+          "sender checksums (host) s | first verification s (compiles) | params checked | flipped bit named | "
+          "deep check s |\n|" + " --- |" * 14)
 for name in ("sync_7b", "sync_0.5b"):
     path = out / f"{name}.json"
     rows = json.loads(path.read_text()) if path.exists() else []
@@ -189,6 +233,9 @@ for name in ("grpo_default", "grpo_deep"):
     if deferred:  # the default check's collection, in the step after a verified sync, before its update
         print(f"{name}: deferred collection of SGLang's checksums, median {statistics.median(deferred):.4f} s "
               f"(steps {[r['step'] for r in steps if 'sync/verify_deferred_s' in r]})")
+if (out / "gsm8k").is_dir():  # last: the GSM8K recipe's table
+    from benchmarks.gsm8k_recipe import table
+    print("\n" + table([out / "gsm8k" / "default", out / "gsm8k" / "verify_off"]))
 print(f"verify.sh parts [{' '.join(sys.argv[2:]) or 'see header'}] done")
 PY
 echo "== verify.sh [$PARTS] exit $status"
