@@ -20,6 +20,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -30,7 +31,7 @@ from megarl.reshard.memory import GiB, MemorySettings, predict_peak
 from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
 from megarl.rewards.failures import RewardFailureTracker
-from megarl.rollout.agent import new_groups, trajectories_to_batch
+from megarl.rollout.agent import OversamplingEnd, Trajectory, new_groups, trajectories_to_batch
 from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
 from megarl.trainer import RLTrainer, resolve_device
@@ -126,29 +127,50 @@ class RolloutSide:
         """Each prompt's group scored as soon as its samples have all been generated, while the others still generate
         (the engine's generate_groups: the SGLang engine's groups end with their requests, the transformers engine's
         at the decode step of their last row's end; the agent loop's when its group's last conversation ends): the
-        batch and rewards of RLTrainer.generate_scored, built in prompt order whatever order the groups ended in."""
-        pad, params = self.tokenizer.pad_token_id, self.sampling_params(first_group=first_group)
+        batch and rewards of RLTrainer.generate_scored."""
+        params = self.sampling_params(first_group=first_group)
         if self.cfg.agent.enabled:  # multi-turn conversations with tool calls (megarl/rollout/agent.py)
-            method, args = "rollout_agent_groups", (new_groups([p["prompt_ids"] for p in prompts], params.n,
-                                                               self.version), params)
+            groups = new_groups([p["prompt_ids"] for p in prompts], params.n, self.version)
+            return self.stream_scored("rollout_agent_groups", (prompts, groups, params), self.agent_rows(prompts))[0]
+        pad = self.tokenizer.pad_token_id
 
-            def to_batch(rows: list) -> Batch:
-                return trajectories_to_batch(prompts, rows, pad, self.tokenizer)
-        else:  # a vision-language policy's prompts go with their images
-            method, args = "generate_groups", ([p["prompt_ids"] for p in prompts], params, prompt_images(prompts))
+        def to_batch(rows: list) -> Batch:
+            return generations_to_batch(prompts, rows, pad, self.version, self.tokenizer)
+        # a vision-language policy's prompts go with their images
+        args = ([p["prompt_ids"] for p in prompts], params, prompt_images(prompts))
+        return self.stream_scored("generate_groups", args, to_batch)[0]
 
-            def to_batch(rows: list) -> Batch:
-                return generations_to_batch(prompts, rows, pad, self.version, self.tokenizer)
-        groups, scored = {}, {}
+    def generate_oversampled(self, prompts: list[dict], groups: list[list[Trajectory]],
+                             want: int) -> tuple[Batch, list[list[Trajectory]], int]:
+        """RLTrainer.generate_oversampled with each group scored as soon as it is accepted, while the other
+        conversations go on (finished groups filling the batch in, short of `want` accepted, once the call ends)."""
+        args = (prompts, groups, self.sampling_params(), want, self.cfg.algorithm.dynamic_sampling)
+        batch, end = self.stream_scored("rollout_agent_groups", args, self.agent_rows(prompts))
+        return batch, end.unfinished, end.rejected
+
+    def agent_rows(self, prompts: list[dict]) -> Callable[[list[Trajectory]], Batch]:
+        return lambda rows: trajectories_to_batch(prompts, rows, self.tokenizer.pad_token_id, self.tokenizer)
+
+    def stream_scored(self, method: str, args: tuple,
+                      to_batch: Callable[[list], Batch]) -> tuple[Batch, OversamplingEnd | None]:
+        """The groups rollout.method(*args) streams, (index, its rows), each scored as it arrives while the rest
+        generate; the batch built in prompt order (an over-sampled call's: the order its OversamplingEnd gives, which
+        is returned too) whatever order the groups ended in, so that its numbers are those of scoring it whole."""
+        groups, scored, end = {}, {}, None
         with self.timers("generate"):  # the reward phase lies within it
-            for index, group in stream_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s):
+            for item in stream_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s):
+                if isinstance(item, OversamplingEnd):
+                    end = item
+                    continue
+                index, group = item
                 with self.timers("reward"):
                     scored[index] = self.score(to_batch(group))
                 groups[index] = group
-        batch = to_batch([row for i in sorted(groups) for row in groups[i]])
-        batch["rewards"] = torch.cat([scored[i]["rewards"] for i in sorted(scored)])
-        batch.meta["reward_failures"] = sum(part.meta["reward_failures"] for part in scored.values())
-        return batch
+        order = end.order if end is not None else sorted(groups)
+        batch = to_batch([row for i in order for row in groups[i]])
+        batch["rewards"] = torch.cat([scored[i]["rewards"] for i in order])
+        batch.meta["reward_failures"] = sum(scored[i].meta["reward_failures"] for i in order)
+        return batch, end
 
     def retire_stale_groups(self, trained_at: int) -> dict:
         """Over-sampling's unfinished groups carried into a batch trained at version `trained_at` (at the latest) are

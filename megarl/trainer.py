@@ -342,6 +342,18 @@ class RLTrainer:
         for i, group in enumerate(groups):
             for t in group:
                 t.prompt_index = i
+        batch, unfinished, rejected = self.generate_oversampled(prompts, groups, want)
+        if g.partial == "resume":
+            self.partial_groups = [(prompts[group[0].prompt_index], group) for group in unfinished]
+        return batch, {"agent/groups_started": len(groups), "agent/groups_resumed": len(carried),
+                       "agent/groups_aborted": len(unfinished), "agent/groups_rejected": rejected,
+                       "agent/stale_samples": (batch["policy_version"] < self.version).sum().item()}
+
+    def generate_oversampled(self, prompts: list[dict], groups: list[list[Trajectory]],
+                             want: int) -> tuple[Batch, list[list[Trajectory]], int]:
+        """Over-sampling's rollout: `groups` (those of `prompts`) go on until `want` are finished and accepted, the
+        rest are aborted; the first `want` finished groups scored as one batch (the asynchronous modes' rollout thread
+        scores each as it is accepted: megarl/async_trainer.py), the unfinished groups, the number rejected."""
         with self.timers("generate"):
             finished, unfinished, rejected = self.rollout_call(
                 "rollout_agent", prompts, groups, self.sampling_params(), want, self.cfg.algorithm.dynamic_sampling)
@@ -349,11 +361,7 @@ class RLTrainer:
         with self.timers("reward"):
             batch = self.score(trajectories_to_batch(prompts, trajectories, self.tokenizer.pad_token_id,
                                                      self.tokenizer))
-        if g.partial == "resume":
-            self.partial_groups = [(prompts[group[0].prompt_index], group) for group in unfinished]
-        return batch, {"agent/groups_started": len(groups), "agent/groups_resumed": len(carried),
-                       "agent/groups_aborted": len(unfinished), "agent/groups_rejected": rejected,
-                       "agent/stale_samples": (batch["policy_version"] < self.version).sum().item()}
+        return batch, unfinished, rejected
 
     def dump(self, batch: Batch, metrics: dict, path: Path) -> None:
         """A step's scored samples (every tensor, and the trajectories' turns, tool calls and results), for

@@ -99,6 +99,16 @@ def new_groups(prompts: list[list[int]], n: int, policy_version: int) -> list[li
     return [[Trajectory(i, list(p), policy_version=policy_version) for _ in range(n)] for i, p in enumerate(prompts)]
 
 
+@dataclass
+class OversamplingEnd:
+    """The last item of an over-sampled streaming call (RolloutWorker.rollout_agent_groups with `needed`), after every
+    group of its batch: their indices in batch order (the accepted groups, then finished ones filling in, in the order
+    given: run_groups' finished[:needed]), the unfinished groups, and the number of groups rejected."""
+    order: list[int]
+    unfinished: list[list[Trajectory]]
+    rejected: int
+
+
 # --- observations ------------------------------------------------------------------------------------
 
 class TextObservations:

@@ -15,7 +15,7 @@ import hashlib
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Generator, Iterable, Iterator
 
 import torch
 
@@ -106,15 +106,16 @@ class GroupCollector:
             self.on_group(prompt, [complete[j] for j in range(self.n)])
 
 
-def stream_callbacks(run: Callable[[Callable], object]) -> Iterator:
-    """The calls `run(callback)` makes to its callback, as an iterator of their arguments (one argument: itself, more:
-    a tuple), each as soon as it is made: `run` goes on in a thread of its own meanwhile; its error is raised here."""
+def stream_callbacks(run: Callable[[Callable], object]) -> Generator:
+    """The calls `run(callback)` makes to its callback, as a generator of their arguments (one argument: itself, more:
+    a tuple), each as soon as it is made: `run` goes on in a thread of its own meanwhile; its error is raised here, its
+    return value is the generator's (what `yield from` gives)."""
     made: queue.Queue = queue.Queue()
-    done = object()
+    done, returned = object(), []
 
     def work() -> None:
         try:
-            run(lambda *args: made.put(args[0] if len(args) == 1 else args))
+            returned.append(run(lambda *args: made.put(args[0] if len(args) == 1 else args)))
             made.put(done)
         except BaseException as error:  # noqa: B036  (raised in the consumer)
             made.put(error)
@@ -124,6 +125,7 @@ def stream_callbacks(run: Callable[[Callable], object]) -> Iterator:
         if isinstance(item, BaseException):
             raise item
         yield item
+    return returned[0]
 
 
 class RolloutEngine(abc.ABC):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from megarl.config import Config
 from megarl.rewards import build_reward, score
-from megarl.rollout.agent import AgentLoop, Trajectory, trajectories_to_batch
+from megarl.rollout.agent import AgentLoop, OversamplingEnd, Trajectory, trajectories_to_batch
 from megarl.rollout.base import Generation, ImageInputs, SamplingParams, stream_callbacks
 from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
@@ -66,22 +68,42 @@ class RolloutWorker:
         trip to the driver. `groups[i]` are the conversations of `prompts[i]`; with `needed`, the
         rest are aborted once that many groups are finished (and, with varied_rewards, their rewards
         differ). Returns AgentLoop.run_groups' (finished, unfinished, rejected count)."""
-        accept = None
-        if varied_rewards:
-            if self.reward_fn is None:
-                self.reward_fn = build_reward(self.cfg.reward, self.cfg.data.task)
-            tokenizer, r = self.agent_loop().tokenizer, self.cfg.reward
+        return self.agent_loop().run_groups(groups, params, needed, self.acceptance(prompts, varied_rewards))
 
-            def accept(group: list[Trajectory]) -> bool:  # as megarl.algorithms.dapo.dynamic_sampling_filter
-                batch = trajectories_to_batch(prompts, group, tokenizer.pad_token_id, tokenizer)
-                rewards, _ = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers)
-                return len(group) == 1 or len(set(rewards)) > 1
-        return self.agent_loop().run_groups(groups, params, needed, accept)
+    def rollout_agent_groups(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
+                             needed: int | None = None, varied_rewards: bool = False):
+        """rollout_agent()'s groups as each is accepted, (index in `groups`, its conversations): a Ray streaming
+        generator, as generate_groups. With `needed` (over-sampling), after the call: the finished groups that fill
+        the batch in (fewer than `needed` were accepted), then an OversamplingEnd (the batch's order, the unfinished
+        groups, the number rejected)."""
+        accept, streamed = self.acceptance(prompts, varied_rewards), set()
 
-    def rollout_agent_groups(self, groups: list[list[Trajectory]], params: SamplingParams):
-        """rollout_agent()'s groups as each finishes, (index in `groups`, its conversations): a Ray streaming
-        generator, as generate_groups."""
-        yield from stream_callbacks(lambda on_group: self.agent_loop().run_groups(groups, params, on_group=on_group))
+        def run(on_group):
+            def accepted(index: int, group: list[Trajectory]) -> None:
+                streamed.add(index)
+                on_group(index, group)
+            return self.agent_loop().run_groups(groups, params, needed, accept, accepted)
+        finished, unfinished, rejected = yield from stream_callbacks(run)
+        if needed is not None:
+            position = {id(group): i for i, group in enumerate(groups)}
+            order = [position[id(group)] for group in finished[:needed]]  # the synchronous loop's finished[:want]
+            yield from ((i, groups[i]) for i in order if i not in streamed)
+            yield OversamplingEnd(order, unfinished, rejected)
+
+    def acceptance(self, prompts: list[dict], varied_rewards: bool) -> Callable[[list[Trajectory]], bool] | None:
+        """Over-sampling's test of a finished group: with varied_rewards, that its rewards differ (scored here, as
+        megarl.algorithms.dapo.dynamic_sampling_filter judges them); None (every group counts) without."""
+        if not varied_rewards:
+            return None
+        if self.reward_fn is None:
+            self.reward_fn = build_reward(self.cfg.reward, self.cfg.data.task)
+        tokenizer, r = self.agent_loop().tokenizer, self.cfg.reward
+
+        def accept(group: list[Trajectory]) -> bool:
+            batch = trajectories_to_batch(prompts, group, tokenizer.pad_token_id, tokenizer)
+            rewards, _ = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers)
+            return len(group) == 1 or len(set(rewards)) > 1
+        return accept
 
     def agent_loop(self) -> AgentLoop:
         """The agent loop and its tools, built on first use."""
