@@ -17,21 +17,21 @@
 #   grpo    GRPO colocated on the 0.5B shape of scripts/gpu/sglang.sh, twice: the defaults (every sync verified
 #           by checksums), and the deep check on every second sync (trainer.verify_weight_sync_deep=true,
 #           verify_weight_sync_every=2), whose other steps are unverified                             (~5 min)
-#   gsm8k   (a call of its own, ~4.5 min) the GSM8K GRPO recipe itself, scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh
-#           (256 prompts x 5 samples, 1024 new tokens), twice: the defaults (checksum verification of every
-#           sync) and trainer.verify_weight_sync_every=0. SYNTHETIC data: the GSM8K files are not on the GPU
-#           machines (no network) and a step's cost depends on shapes, not text, so benchmarks/gsm8k_recipe.py
-#           writes GSM8K-format train/test.jsonl of GSM8K's sizes and prompt lengths (the recipe converts them
-#           with scripts/preprocess/gsm8k.py) and a random Qwen2.5-0.5B-shaped model (e2e_vs_trl's builder,
-#           with Qwen's chat tokens). Overrides only for one GPU and time: actor.parallel.world_size=1,
-#           trainer.steps=GSM8K_STEPS (3: the first is left out as warm-up), data.val_size=8 (the evaluations
-#           before RL and after the last step), no checkpoints, resume none; GSM8K_RUN_TIMEOUT (165 s a run);
-#           GSM8K_PROMPTS_PER_STEP=N (a multiple of 64: the mini-batch is 320 samples) shrinks the batch (say so
-#           with the numbers). A random policy samples to the 1024-token limit mostly (the table's mean length).
-#           Table: steps measured, median step s, verification s per step (sync/verify_s + the deferred
-#           collection sync/verify_deferred_s), its share. DEVICE=cpu: a smoke run of the same path (tiny
-#           model, 2 prompts x 5 samples, 8 new tokens, the HF engine; ~45 s on 2 cores, so not in the suite):
-#             DEVICE=cpu PARTS=gsm8k OUT=/tmp/v bash scripts/gpu/verify.sh
+#   gsm8k   (a call of its own: ~4-5 min, at most ~5.5) the GSM8K GRPO recipe itself,
+#           scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh (256 prompts x 5 samples, 1024 new tokens), twice: the
+#           defaults (checksum verification of every sync) and trainer.verify_weight_sync_every=0. SYNTHETIC
+#           data: the GSM8K files are not on the GPU machines (no network) and a step's cost depends on shapes,
+#           not text, so benchmarks/gsm8k_recipe.py writes GSM8K-format train/test.jsonl of GSM8K's sizes and
+#           prompt lengths (the recipe converts them with scripts/preprocess/gsm8k.py) and a random
+#           Qwen2.5-0.5B-shaped model (e2e_vs_trl's builder, with Qwen's chat tokens). Overrides only for one GPU
+#           and time: actor.parallel.world_size=1, trainer.steps=GSM8K_STEPS (3: the first is left out as
+#           warm-up), data.val_size=8 (the evaluations before RL and after the last step), no checkpoints, resume
+#           none; GSM8K_RUN_TIMEOUT (150 s a run); GSM8K_PROMPTS_PER_STEP=N (a multiple of 64: the mini-batch is
+#           320 samples) shrinks the batch (say so with the numbers). A random policy samples to the 1024-token
+#           limit mostly (the table's mean length). Table: steps measured, median step s, verification s per
+#           step (sync/verify_s + the deferred collection sync/verify_deferred_s), its share. DEVICE=cpu: a smoke
+#           run of the same path (tiny model, 2 prompts x 5 samples, 8 new tokens, the HF engine; ~45 s on 2
+#           cores, so not in the suite): DEVICE=cpu PARTS=gsm8k OUT=/tmp/v bash scripts/gpu/verify.sh
 # Logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -160,11 +160,12 @@ if [[ " $PARTS " == *" gsm8k "* ]]; then
     extra=(); [[ $run == verify_off ]] && extra=(trainer.verify_weight_sync_every=0)
     start=$SECONDS
     MODEL=$gsm/model GSM8K_DIR=$gsm/raw GSM8K_PROMPTS=$gsm/prompts PYTHON=python3 MEGARL_LOG_DIR=$gsm/logs \
-      timeout "${GSM8K_RUN_TIMEOUT:-165}" bash scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh "${overrides[@]}" \
+      timeout "${GSM8K_RUN_TIMEOUT:-150}" bash scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh "${overrides[@]}" \
       trainer.output_dir="$gsm/$run" "${extra[@]}" > "$OUT/gsm8k_$run.log" 2>&1
     rc=$?; status=$((status | rc))
     echo "gsm8k $run: exit $rc after $((SECONDS - start)) s (log $OUT/gsm8k_$run.log)"; tail -n 2 "$OUT/gsm8k_$run.log"
-    [[ ${DEVICE:-cuda} == cpu ]] || nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed 's/^/  GPU memory in use after it: /'
+    [[ ${DEVICE:-cuda} == cpu ]] || nvidia-smi --query-gpu=memory.used --format=csv,noheader |
+      sed 's/^/  GPU memory used now (a leftover server skews the next run): /'
   done
 fi
 python3 - "$OUT" <<'PY'
