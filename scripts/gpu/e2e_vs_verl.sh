@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU run of issue 22 on one GPU, one model size per call (~9 min): benchmarks/e2e_vs_verl.py, verl 0.9.1's GRPO
-# (FSDP + SGLang 0.5.12 colocated, its synchronous hybrid engine) then megarl's (Megatron + SGLang 0.5.17), one
-# after the other on the same GPU, each after a bare sglang.Engine of its own SGLang version on the same batch.
-# Random-init Qwen2.5 shape (--model, default qwen2.5-0.5b), 128-token prompts, 512-token completions forced to
-# full length, 8 per prompt, 256 per step, rule reward, no KL; 2 warm-up + 3 measured steps a side.
+# (FSDP + SGLang 0.5.12 colocated, its synchronous hybrid engine, its fused LM head) then megarl's (Megatron +
+# SGLang 0.5.17), one after the other on the same GPU, each after a bare sglang.Engine of its own SGLang version on
+# the same batch (the Engine first, in a slice of its own). Random-init Qwen2.5 shape (--model, default
+# qwen2.5-0.5b), 128-token prompts, 512-token completions forced to full length, 8 per prompt, 256 per step, rule
+# reward, no KL; 2 warm-up + 3 measured steps a side (--verl-warmup/--verl-steps, --megarl-...: per side). Both
+# sides take more than one call together: run one per call (--runs verl --probe verl, then --runs megarl --probe
+# megarl). A side stopped at its cap is summarised over the steps it finished; the JSON and table always come.
 #
 # Two stacks, two site directories, never one process: megarl's in /tmp/site (the bundle's core, fidata,
 # megatron and ray chunks: ../shared/device/README.md), verl's in /tmp/site-verl (build_verl_chunk.sh's vsgl,
@@ -42,7 +45,10 @@ if [ -n "$missing" ]; then
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
 export PYTHONPATH=/tmp/site:$PWD  # the driver: megarl's stack; verl's processes get --verl-site instead
-timeout 560 python3 -m benchmarks.e2e_vs_verl --out-dir "$OUT" --work-dir "$WORK" --budget-s 530 \
+# the whole call within 560 s: the benchmark keeps to what is left of 530 s after the install (stopping its
+# processes included); timeout is the backstop (on its SIGTERM the JSON and the table are still written)
+BUDGET=$((530 - SECONDS))
+timeout -k 10 $((BUDGET + 15)) python3 -m benchmarks.e2e_vs_verl --out-dir "$OUT" --work-dir "$WORK" --budget-s $BUDGET \
   --verl-site "$VSITE" --megarl-site /tmp/site "$@" > "$OUT/e2e_vs_verl.log" 2>&1
 status=$?
 grep -v '^|' "$OUT/e2e_vs_verl.log" | tail -n 50

@@ -15,8 +15,8 @@ import pytest
 
 from benchmarks.e2e_vs_trl import SMOKE_MODEL, build_model, megarl_command, summarize, vowel_share
 from benchmarks.e2e_vs_verl import (PLAIN_CHAT_TEMPLATE, QWEN_CHAT_TOKENS, ROOT, model_dir_problems, parse_args,
-                                    rollout_numbers, update_mfu, verl_overrides, verl_reward, verl_steps,
-                                    write_verl_rows)
+                                    rollout_numbers, side_record, table, update_mfu, verl_overrides, verl_reward,
+                                    verl_steps, write_verl_rows)
 from megarl.config import load_config
 
 VERL_SRC = Path("/tmp/vpy")  # verl 0.9.1's site-packages tree (with transformers 5.9.0 beside it)
@@ -39,6 +39,17 @@ def test_both_sides_get_the_same_batch_and_micro_batch_budget(tmp_path):
     # verl gives rollout.ignore_eos to vLLM only: SGLang's server default carries it
     preferred = verl["+actor_rollout_ref.rollout.engine_kwargs.sglang.preferred_sampling_params"]
     assert json.loads(preferred.strip("'")) == {"ignore_eos": True}
+    # verl's fused head (its unfused log-probs loop over every token without flash-attn); off = verl's default
+    assert verl["actor_rollout_ref.model.use_fused_kernels"] == "true"
+    assert verl["actor_rollout_ref.model.fused_kernel_options.impl_backend"] == "torch"
+    off = parse_args(["--out-dir", str(tmp_path), "--verl-fused-kernels", "off", "--verl-warmup", "1",
+                      "--verl-steps", "2"])
+    verl = dict(o.split("=", 1) for o in verl_overrides(off, tmp_path / "m", tmp_path / "t", tmp_path / "v",
+                                                        tmp_path / "run", tmp_path / "r.py"))
+    assert verl["actor_rollout_ref.model.use_fused_kernels"] == "false"
+    assert "actor_rollout_ref.model.fused_kernel_options.impl_backend" not in verl
+    # per-side step counts: verl's own, megarl's from --warmup/--steps
+    assert verl["trainer.total_training_steps"] == "3" and (off.megarl_warmup, off.megarl_steps) == (2, 3)
 
 
 def test_steps_rollout_and_mfu_from_verl_metrics(tmp_path):
@@ -61,6 +72,29 @@ def test_steps_rollout_and_mfu_from_verl_metrics(tmp_path):
     n = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16) + 8 * 32  # 2-D weights but the input embedding
     assert update_mfu(shape, 4, 10, 2.0, 1e3) == pytest.approx((6 * n * 40 + 12 * 2 * 8 * 4 * 100) / 2.0 / 1e3)
     assert verl_steps(tmp_path / "absent.jsonl") == []
+
+
+def test_a_side_stopped_at_its_cap_is_summarised_over_the_steps_it_logged(tmp_path):
+    """verl stopped by its cap after 4 of 2 + 3 steps, its 5th line cut off mid-write: 2 measured steps, 'partial';
+    stopped within its warm-up: no numbers, still 'timeout'."""
+    lines = [json.dumps({"step": i, "data": {"timing_s/step": seconds, "timing_s/gen": 4.0,
+                                             "timing_s/update_actor": 2.0, "response_length/mean": 512.0}})
+             for i, seconds in enumerate((80.0, 12.0, 10.0, 14.0), start=1)]
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "data": {"timing_s/st')
+    steps = verl_steps(tmp_path / "m.jsonl")
+    assert [s["seconds"] for s in steps] == [80.0, 12.0, 10.0, 14.0]
+    args = parse_args(["--out-dir", str(tmp_path), "--verl-warmup", "2", "--verl-steps", "3"])
+    shape = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "vocab_size": 32}
+    stopped = {"status": "timeout", "log": "verl.log"}
+    record = side_record(args, "verl", shape, stopped, steps, {})
+    assert record["status"] == "partial" and (record["completed_steps"], record["planned_steps"]) == (4, 5)
+    assert record["measured_steps"] == 2 and record["step_s"] == [10.0, 14.0] and record["mean_step_s"] == 12.0
+    assert record["warmup_step_s"] == [80.0, 12.0] and record["phase_s"]["update"] == 2.0
+    assert record["tokens_per_s"] == pytest.approx(256 * 640 / 12.0, abs=0.1) and record["update_mfu"] > 0
+    assert "| verl | partial (4 of 5 steps) | 2 | 12.0 |" in table({"runs": {"verl": record}})
+    early = side_record(args, "verl", shape, stopped, steps[:2], {})
+    assert early["status"] == "timeout" and early["measured_steps"] == 0 and "tokens_per_s" not in early
 
 
 def test_verl_rows_carry_the_prompt_text_and_the_same_reward(tmp_path):
