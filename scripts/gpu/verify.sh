@@ -31,7 +31,9 @@
 #           limit mostly (the table's mean length). Table: steps measured, median step s, verification s per
 #           step (sync/verify_s + the deferred collection sync/verify_deferred_s), its share. DEVICE=cpu: a smoke
 #           run of the same path (tiny model, 2 prompts x 5 samples, 8 new tokens, the HF engine; ~45 s on 2
-#           cores, so not in the suite): DEVICE=cpu PARTS=gsm8k OUT=/tmp/v bash scripts/gpu/verify.sh
+#           cores, so not in the suite): DEVICE=cpu PARTS=gsm8k OUT=/tmp/v bash scripts/gpu/verify.sh. Model and
+#           data in /tmp/megarl-gsm8k; the runs' metrics in $OUT/gsm8k/{default,verify_off}: if the call is cut,
+#           python -m benchmarks.gsm8k_recipe table OUT/gsm8k/default OUT/gsm8k/verify_off prints the table.
 # Logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -140,7 +142,8 @@ if [[ " $PARTS " == *" grpo "* ]]; then
   status=$((status | $?))
 fi
 if [[ " $PARTS " == *" gsm8k "* ]]; then
-  gsm=$OUT/gsm8k; steps=${GSM8K_STEPS:-3}; smoke=()
+  # the model (1 GB) and data stay out of $OUT (what comes back): only the runs' logs and metrics go there
+  gsm=/tmp/megarl-gsm8k; runs=$OUT/gsm8k; steps=${GSM8K_STEPS:-3}; smoke=()
   overrides=(actor.parallel.world_size=1 trainer.steps=$steps trainer.eval_every=0 data.val_size=8 trainer.save_every=0
              trainer.resume=none ${GSM8K_PROMPTS_PER_STEP:+data.prompts_per_step=$GSM8K_PROMPTS_PER_STEP})
   if [[ ${DEVICE:-cuda} == cpu ]]; then
@@ -153,7 +156,7 @@ if [[ " $PARTS " == *" gsm8k "* ]]; then
                                     export PATH=/tmp/gsm8k-bin:$PATH; }
   echo "== gsm8k: SYNTHETIC GSM8K-format data and a random Qwen2.5-0.5B-shaped model (no GSM8K on this machine;" \
     "a step's cost depends on shapes, not text); overrides: ${overrides[*]}"
-  rm -rf "$gsm"
+  rm -rf "$gsm" "$runs"; mkdir -p "$runs"
   timeout 120 python3 -m benchmarks.gsm8k_recipe prepare --out "$gsm" "${smoke[@]}" > "$OUT/gsm8k_prepare.log" 2>&1
   status=$((status | $?)); grep -v "shards" "$OUT/gsm8k_prepare.log" | tail -n 2
   for run in default verify_off; do
@@ -161,7 +164,7 @@ if [[ " $PARTS " == *" gsm8k "* ]]; then
     start=$SECONDS
     MODEL=$gsm/model GSM8K_DIR=$gsm/raw GSM8K_PROMPTS=$gsm/prompts PYTHON=python3 MEGARL_LOG_DIR=$gsm/logs \
       timeout "${GSM8K_RUN_TIMEOUT:-150}" bash scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh "${overrides[@]}" \
-      trainer.output_dir="$gsm/$run" "${extra[@]}" > "$OUT/gsm8k_$run.log" 2>&1
+      trainer.output_dir="$runs/$run" "${extra[@]}" > "$OUT/gsm8k_$run.log" 2>&1
     rc=$?; status=$((status | rc))
     echo "gsm8k $run: exit $rc after $((SECONDS - start)) s (log $OUT/gsm8k_$run.log)"; tail -n 2 "$OUT/gsm8k_$run.log"
     [[ ${DEVICE:-cuda} == cpu ]] || nvidia-smi --query-gpu=memory.used --format=csv,noheader |
