@@ -5,6 +5,7 @@ template), and the table's numbers from a run's metrics.jsonl."""
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from benchmarks.gsm8k_recipe import prepare, table
@@ -19,7 +20,9 @@ def test_synthetic_gsm8k_goes_through_the_recipe(tmp_path):
     raw = [json.loads(line) for line in (tmp_path / "raw" / "train.jsonl").read_text().splitlines()]
     assert all(25 <= len(r["question"].split()) <= 50 and r["question"].endswith("?") for r in raw)
     prompts = tmp_path / "prompts"
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "MODEL": str(tmp_path / "model"),
+    # the recipe and scripts/launch.sh run `python`: this interpreter
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHON": sys.executable,
+           "PYTHONPATH": str(ROOT), "MODEL": str(tmp_path / "model"),
            "GSM8K_DIR": str(tmp_path / "raw"), "GSM8K_PROMPTS": str(prompts), "RAY_AUTH_TOKEN": "unused",
            "MEGARL_LOG_DIR": str(tmp_path / "logs"), "MEGARL_CKPT_DIR": str(tmp_path / "ckpt")}
     # the smoke model has 1024 positions, the recipe's 1024 new tokens would leave no room for a prompt
