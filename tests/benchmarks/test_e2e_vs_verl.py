@@ -1,6 +1,7 @@
-"""benchmarks/e2e_vs_verl.py's own logic on the CPU: megarl's side as a valid config with the matched micro-batch
-budget, verl's per-step numbers from its file logger, the rollout-vs-Engine and MFU arithmetic, verl's data rows
-and reward, and the model directory against what verl asks of it: without verl, and with verl 0.9.1's own prompt
+"""benchmarks/e2e_vs_verl.py's (and verl_model_dir.py's) own logic on the CPU: megarl's side as a valid config
+with the matched micro-batch budget, verl's per-step numbers from its file logger (a run stopped at its cap
+included), the rollout-vs-Engine and MFU arithmetic, verl's data rows and reward, and the model directory against
+what verl asks of it: without verl, and with verl 0.9.1's own prompt
 builder where its source tree is at /tmp/vpy (its tokenizer modules import on Python 3.11; verl's package
 __init__ does not, so it is skipped). (verl's overrides were checked against verl 0.9.1's config by hydra's
 compose; verl is not installed in the CPU environment.)"""
@@ -14,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.e2e_vs_trl import SMOKE_MODEL, build_model, megarl_command, summarize, vowel_share
-from benchmarks.e2e_vs_verl import (PLAIN_CHAT_TEMPLATE, QWEN_CHAT_TOKENS, ROOT, model_dir_problems, parse_args,
-                                    rollout_numbers, side_record, table, update_mfu, verl_overrides, verl_reward,
-                                    verl_steps, write_verl_rows)
+from benchmarks.e2e_vs_verl import (ROOT, parse_args, rollout_numbers, side_record, table, update_mfu,
+                                    verl_overrides, verl_reward, verl_steps, write_verl_rows)
+from benchmarks.verl_model_dir import PLAIN_CHAT_TEMPLATE, QWEN_CHAT_TOKENS, model_dir_problems
 from megarl.config import load_config
 
 VERL_SRC = Path("/tmp/vpy")  # verl 0.9.1's site-packages tree (with transformers 5.9.0 beside it)
@@ -143,7 +144,7 @@ for name in ("verl", "verl.utils"):  # their __init__ imports tensordict, built 
     sys.modules[name] = module
 import transformers
 from pathlib import Path
-from benchmarks.e2e_vs_verl import verl_prompt_check
+from benchmarks.verl_model_dir import verl_prompt_check
 print(transformers.__version__, verl_prompt_check(Path({str(now)!r}), {PROMPT!r}))
 try:
     verl_prompt_check(Path({str(old)!r}), {PROMPT!r})
