@@ -204,7 +204,9 @@ def rollout_numbers(record: dict, probe: dict, completions: int) -> dict:
 
 def engine_probe(args) -> int:
     """Generate the step's batch with `sglang.Engine` of whichever SGLang this process imports: one warm-up round,
-    then --probe-rounds timed ones. Writes {"generated_tokens_per_s", "round_s", "versions"} to --probe-out."""
+    then --probe-rounds timed ones asking for each token's log-prob, as both systems' rollouts do (megarl's always,
+    verl's with rollout.calculate_log_probs, on in its resolved config), then as many without (what the log-probs
+    cost SGLang). Writes {"generated_tokens_per_s", "round_s", "plain_tokens_per_s", "versions"} to --probe-out."""
     import sglang
     from transformers import AutoTokenizer
 
@@ -220,14 +222,15 @@ def engine_probe(args) -> int:
                            mem_fraction_static=args.sglang_mem_fraction, skip_tokenizer_init=True, dtype="bfloat16",
                            log_level="error", **{graph_rows: min(1024, max(256, args.completions))})
     params = {"max_new_tokens": args.completion_len, "ignore_eos": True, "temperature": 1.0}
-    rounds = []
+    rounds, plain = [], []
     try:
-        for i in range(1 + args.probe_rounds):
+        for i in range(1 + 2 * args.probe_rounds):
+            logprobs = i <= args.probe_rounds
             t = time.perf_counter()
-            out = engine.generate(input_ids=ids, sampling_params=params)
+            out = engine.generate(input_ids=ids, sampling_params=params, return_logprob=logprobs)
             seconds = time.perf_counter() - t
             if i:
-                rounds.append((seconds, sum(len(o["output_ids"]) for o in out)))
+                (rounds if logprobs else plain).append((seconds, sum(len(o["output_ids"]) for o in out)))
     finally:
         engine.shutdown()
     versions = {}
@@ -239,6 +242,8 @@ def engine_probe(args) -> int:
     Path(args.probe_out).write_text(json.dumps({
         "round_s": [round(s, 3) for s, _ in rounds], "generated_tokens": [n for _, n in rounds],
         "generated_tokens_per_s": round(sum(n for _, n in rounds) / sum(s for s, _ in rounds), 1),
+        "return_logprob": True, "plain_round_s": [round(s, 3) for s, _ in plain],
+        "plain_tokens_per_s": round(sum(n for _, n in plain) / sum(s for s, _ in plain), 1),
         "versions": versions}))
     return 0
 
@@ -421,7 +426,8 @@ def parse_args(argv=None):
                         "default, whose log-probs loop over every token without flash-attn")
     p.add_argument("--probe", default="verl,megarl", help="sides whose SGLang version the bare Engine is timed "
                                                           "for ('' = none)")
-    p.add_argument("--probe-rounds", type=int, default=2, help="timed Engine rounds after one warm-up round")
+    p.add_argument("--probe-rounds", type=int, default=2,
+                   help="timed Engine rounds with log-probs, and as many without, after one warm-up round")
     p.add_argument("--peak-flops", type=float, default=989e12, help="per-GPU peak the MFU divides by (H100/H200 bf16)")
     p.add_argument("--budget-s", type=float, default=540, help="deadline for everything, from the start "
                                                               "(stopping a process at its cap included)")
