@@ -37,9 +37,21 @@ cp -n /tmp/bundle_parts/ray/* "$VPARTS/ray/" 2>/dev/null || true   # the bundle'
 BUNDLE=.devbundle/verl SITE="$VSITE" PARTS="$VPARTS" bash .devbundle/bin/install.sh 2>&1 | sed 's/^/[verl] /'
 [ "${1:-}" = install ] && exit 0
 
+# verl's stack is needed only when verl runs or its Engine is probed (the driver itself runs in megarl's)
+sides="verl,megarl verl,megarl" args=("$@")
+for i in "${!args[@]}"; do
+  case "${args[$i]}" in
+    --runs) sides="${args[$((i + 1))]:-} ${sides#* }" ;;
+    --probe) sides="${sides%% *} ${args[$((i + 1))]:-}" ;;
+    --runs=*) sides="${args[$i]#--runs=} ${sides#* }" ;;
+    --probe=*) sides="${sides%% *} ${args[$i]#--probe=}" ;;
+  esac
+done
 missing=""
 for c in core fidata megatron ray; do [ -f "/tmp/site/.installed-$c" ] || missing="$missing /tmp/site:$c"; done
-for c in vsgl vfidata vpy ray; do [ -f "$VSITE/.installed-$c" ] || missing="$missing $VSITE:$c"; done
+if [[ "$sides" == *verl,* || "$sides" == *verl || "$sides" == *verl\ * ]]; then
+  for c in vsgl vfidata vpy ray; do [ -f "$VSITE/.installed-$c" ] || missing="$missing $VSITE:$c"; done
+fi
 if [ -n "$missing" ]; then
   echo "e2e_vs_verl.sh: not installed:$missing (see the header: install calls first)"; exit 2; fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
