@@ -149,6 +149,7 @@ class RolloutSide:
         return batch, end.unfinished, end.rejected
 
     def agent_rows(self, prompts: list[dict]) -> Callable[[list[Trajectory]], Batch]:
+        """Conversations of `prompts` to a batch's rows."""
         return lambda rows: trajectories_to_batch(prompts, rows, self.tokenizer.pad_token_id, self.tokenizer)
 
     def stream_scored(self, method: str, args: tuple,

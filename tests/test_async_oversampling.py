@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 from transformers import AutoTokenizer
 
 from megarl import async_trainer
