@@ -1,6 +1,7 @@
 """Over-sampling (agent.oversample_groups) in the asynchronous modes' rollout thread: each group is scored as soon as
 it is accepted, while the call's other conversations still run, and the batch is the synchronous loop's (the accepted
-groups in prompt order, rewards and reward failures as scoring it whole, the unfinished group carried).
+groups in prompt order, rewards and reward failures as scoring it whole, the unfinished group carried; with dynamic
+sampling turning every group down, the finished ones filling it in).
 
 The rollout thread's RolloutSide runs over a RolloutWorker in this process (its streaming generator iterated directly,
 as Ray would) whose agent loop talks to a scripted engine (tests/rollout/test_agent.py): three groups of two
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from transformers import AutoTokenizer
 
 from megarl import async_trainer
@@ -55,19 +57,22 @@ class Hold(Tool):
         return "ok"
 
 
-def test_oversampled_groups_are_scored_as_they_are_accepted(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=3))
+
+
+def sample_oversampled(tok, monkeypatch, script: dict, tools: dict, *overrides: str):
+    """One rollout batch of the rollout thread (RolloutSide.sample_batch): two groups wanted, of two conversations
+    each, with one group over-sampled; the prompts are `script`'s. Returns the side, the batch and its metrics."""
     SCORED.clear()
-    tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "model", seed=3))
     cfg = load_config(RECIPE, [
         "trainer.mode=async", "async.max_staleness=1", "agent.oversample_groups=1", "data.prompts_per_step=2",
         "rollout.n_samples=2", "agent.max_response_tokens=400", "agent.max_new_tokens_per_turn=200",
-        "reward.name=test_oversampling_recorded", "reward.isolation=none"])
-    script = {"A:": ["a"], "B:": [call("hold", until="A:"), "b"],
-              "C:": [call("hold", until="A:"), call("hold", until="B:"), "c"]}
-    hold = Hold()
+        "reward.name=test_oversampling_recorded", "reward.isolation=none", *overrides])
     worker = RolloutWorker.__new__(RolloutWorker)  # its engine: the scripted one, in this process
     worker.cfg, worker.reward_fn = cfg, None
-    worker.agent = AgentLoop(ScriptedEngine(tok, script), tok, {"hold": hold}, cfg.agent)
+    worker.agent = AgentLoop(ScriptedEngine(tok, script), tok, tools, cfg.agent)
     prompts = [{"prompt": p, "prompt_ids": ids(tok, p), "answer": ""} for p in script]
     data = SimpleNamespace(batch_size=2, next_batch=lambda size: prompts[:size])
     buffer = RolloutBuffer(groups_per_step=2, max_staleness=1, buffer_batches=0, stale="drop", steps=1)
@@ -77,9 +82,16 @@ def test_oversampled_groups_are_scored_as_they_are_accepted(tmp_path, monkeypatc
         rollout, method)(*args))
     side.rollout_call = lambda method, *args: getattr(worker, method)(*args)
     try:
-        batch, metrics = side.sample_batch()
+        return (side, *side.sample_batch())
     finally:
         worker.agent.close()
+
+
+def test_oversampled_groups_are_scored_as_they_are_accepted(tok, monkeypatch):
+    hold = Hold()
+    script = {"A:": ["a"], "B:": [call("hold", until="A:"), "b"],
+              "C:": [call("hold", until="A:"), call("hold", until="B:"), "c"]}
+    side, batch, metrics = sample_oversampled(tok, monkeypatch, script, {"hold": hold})
 
     # A was scored while B's and C's conversations were still in their first tool call; B when it was accepted, while
     # C's were in their second; then the call ended, C aborted
@@ -102,3 +114,14 @@ def test_oversampled_groups_are_scored_as_they_are_accepted(tmp_path, monkeypatc
     for t in group:
         roles = [turn["role"] for turn in t.turns]
         assert not t.finish_reason and roles in (["assistant", "tool"], ["assistant", "tool", "assistant"]), roles
+
+
+def test_with_dynamic_sampling_finished_groups_fill_the_batch_in_prompt_order(tok, monkeypatch):
+    """Every group's rewards are equal: each is turned down (scored in the actor), none counts, all run to their end;
+    the first two in prompt order fill the batch in, streamed and scored after the call, as the synchronous loop."""
+    script = {"A:": ["a"], "B:": ["b"], "C:": ["c"]}
+    side, batch, metrics = sample_oversampled(tok, monkeypatch, script, {}, "algorithm.dynamic_sampling=true")
+    assert metrics["agent/groups_rejected"] == 3 and metrics["agent/groups_aborted"] == 0
+    assert len(SCORED) == 10 and SCORED[6:] == ["A:", "A:", "B:", "B:"]  # the actor's judging, then the fillers
+    assert batch["prompt"] == ["A:", "A:", "B:", "B:"] and batch["rewards"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert batch.meta["reward_failures"] == 2 and side.partial_groups == []
