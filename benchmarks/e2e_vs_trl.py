@@ -17,7 +17,7 @@ HF generate) with --trl-completions per step, then `python -m megarl.train` (Meg
 once per --megarl-completions. Warm-up steps are left out of the numbers. A run that fails or runs out of
 time keeps the steps it finished; its log is in --out-dir. Writes OUT/e2e_vs_trl.json (commit, GPU,
 versions, per-step wall times, tokens/s, per-phase times) and prints a table last.
-benchmarks/plot_e2e_vs_trl.py draws the plot from that JSON.
+benchmarks/plot_e2e.py draws the plot from that JSON.
 """
 
 from __future__ import annotations

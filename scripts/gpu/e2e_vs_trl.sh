@@ -25,8 +25,8 @@ timeout 515 python3 -m benchmarks.e2e_vs_trl --out-dir "$OUT" --work-dir "$WORK"
   > "$OUT/e2e_vs_trl.log" 2>&1
 status=$?
 grep -v '^|' "$OUT/e2e_vs_trl.log" | tail -n 60
-# the plot (matplotlib is in the GPU image; benchmarks/plot_e2e_vs_trl.py also runs anywhere else on the JSON)
-timeout 20 python3 benchmarks/plot_e2e_vs_trl.py "$OUT/e2e_vs_trl.json" "$OUT/e2e_vs_trl.png" > "$OUT/plot.log" 2>&1 \
+# the plot (matplotlib is in the GPU image; benchmarks/plot_e2e.py also runs anywhere else on the JSON)
+timeout 20 python3 benchmarks/plot_e2e.py "$OUT/e2e_vs_trl.png" "$OUT/e2e_vs_trl.json" > "$OUT/plot.log" 2>&1 \
   || echo "(no plot: $(tail -n 1 "$OUT/plot.log"))"
 echo "== e2e_vs_trl.sh on $(cut -d, -f1 "$OUT/gpu.txt"): exit $status"
 grep '^|' "$OUT/e2e_vs_trl.log" || echo "(no table: see $OUT/e2e_vs_trl.log)"
