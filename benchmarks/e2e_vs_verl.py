@@ -556,5 +556,6 @@ def main(argv=None) -> int:
     usable = ("ok", "partial")
     return 0 if all(r["status"] in usable or r["status"].startswith("skipped") for r in report["runs"].values()) else 1
 
+
 if __name__ == "__main__":
     sys.exit(main())
