@@ -18,6 +18,8 @@ process under a deadline (warm-up steps left out of the numbers):
   one_step_off    trainer.mode=one_step_off (the rollout of step t+1 beside the training of step t), resident
   async_s1        trainer.mode=async, async.max_staleness=1, partial rollouts resumed at each update, resident
   async_s4        the same with async.max_staleness=4
+  async_s4_k5     async_s4 generating the step-batches admitted together (up to 5) in one engine call
+                  (async.batches_at_once=5); async_s4_k2: at most 2 a call
 
 Issue 25 (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64 prompts
 per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: so
@@ -65,6 +67,8 @@ RUNS = {  # run -> (placement, megarl.train overrides beside the workload's)
     "one_step_off": ("colocated", ONE_STEP_OFF),
     "async_s1": ("colocated", ASYNC | {"async.max_staleness": 1}),
     "async_s4": ("colocated", ASYNC | {"async.max_staleness": 4}),
+    "async_s4_k5": ("colocated", ASYNC | {"async.max_staleness": 4, "async.batches_at_once": 5}),
+    "async_s4_k2": ("colocated", ASYNC | {"async.max_staleness": 4, "async.batches_at_once": 2}),
     "colocated_sync": ("colocated", {"trainer.mode": "sync", "trainer.offload_between_phases": "auto"}),
     "disagg_sync": ("disaggregated", {"trainer.mode": "sync"}),
     "disagg_one_step_off": ("disaggregated", ONE_STEP_OFF),
@@ -72,7 +76,7 @@ RUNS = {  # run -> (placement, megarl.train overrides beside the workload's)
     "disagg_async_s4": ("disaggregated", ASYNC | {"async.max_staleness": 4}),
 }
 # in order of need: a call that runs out of time skips the last ones (issue 19: the offload cycle is the slowest sync)
-SUITES = {19: ["sync_resident", "async_s1", "async_s4", "one_step_off", "sync_offload"],
+SUITES = {19: ["sync_resident", "async_s1", "async_s4", "async_s4_k5", "one_step_off", "sync_offload"],
           25: ["colocated_sync", "disagg_sync", "disagg_one_step_off", "disagg_async_s1", "disagg_async_s4"]}
 ROLLOUT_PHASES = ("generate", "reward", "generate_baseline")  # the rollout side's lane; the rest are the trainer's
 CONTAINERS = ("rollout",)  # phases made of others (the rollout thread's whole batch): left out of timelines
@@ -244,6 +248,9 @@ def summarize_run(rows: list[dict], step_end: dict, gpu: list, warmup: int, step
                 histogram[int(k[16:])] = histogram.get(int(k[16:]), 0) + v
     if histogram:
         out["staleness_histogram"] = {str(k): histogram[k] for k in sorted(histogram)}
+    at_once = [r["async/batches_at_once"] for r in measured if "async/batches_at_once" in r]
+    if at_once:  # step-batches in the engine call each measured step's batch came from
+        out["batches_per_call"] = round(statistics.mean(at_once), 2)
     phases = {}
     for r in measured:
         for name, seconds in durations_of(r).items():
@@ -290,6 +297,7 @@ def table(runs: dict) -> str:
         bound = (r if r.get("synchronous") else base).get("overlap_bound")
         f = lambda k, fmt="{:.3g}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
         staleness = " ".join(f"{k}:{v:g}" for k, v in r.get("staleness_histogram", {}).items()) or "-"
+        staleness += f" ({r['batches_per_call']:g} batches a call)" if "batches_per_call" in r else ""
         phases = ", ".join(f"{k} {v:.3g}" for k, v in r.get("phase_s", {}).items())
         speedup = f"{tps / base_tps:.2f}x ({base.get('name')})" if tps and base_tps else "-"
         lines.append(f"| {name} | {r.get('status', '-')} | {r.get('measured_steps', 0)} | {f('wall_step_s')} "

@@ -117,6 +117,12 @@ class RolloutSide:
         self.timers = Timers(origin)
         self.version = 0
         self.partial_groups = []
+        self.batches_at_once = self.cfg.async_.batches_at_once
+        if self.batches_at_once > 1 and (self.cfg.algorithm.dynamic_sampling or self.cfg.agent.oversample_groups):
+            # their rounds and carried groups belong to one step-batch each: the synchronous loop's, batch by batch
+            print(f"async.batches_at_once={self.batches_at_once}: 1 with DAPO dynamic sampling or over-sampling, "
+                  "which fill each step-batch in rounds of their own", flush=True)
+            self.batches_at_once = 1
 
     def sampling_params(self, *args, **kwargs):
         # a response interrupted by more weight updates than the bound would be too stale to train on: it ends there
@@ -156,7 +162,8 @@ class RolloutSide:
                       to_batch: Callable[[list], Batch]) -> tuple[Batch, OversamplingEnd | None]:
         """The groups rollout.method(*args) streams, (index, its rows), each scored as it arrives while the rest
         generate; the batch built in prompt order (an over-sampled call's: the order its OversamplingEnd gives, which
-        is returned too) whatever order the groups ended in, so that its numbers are those of scoring it whole."""
+        is returned too) whatever order the groups ended in, so that its numbers are those of scoring it whole; its
+        meta's group_reward_failures: each group's failed reward calls, in that order."""
         groups, scored, end = {}, {}, None
         with self.timers("generate"):  # the reward phase lies within it
             for item in stream_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s):
@@ -170,8 +177,26 @@ class RolloutSide:
         order = end.order if end is not None else sorted(groups)
         batch = to_batch([row for i in order for row in groups[i]])
         batch["rewards"] = torch.cat([scored[i]["rewards"] for i in order])
-        batch.meta["reward_failures"] = sum(scored[i].meta["reward_failures"] for i in order)
+        batch.meta["group_reward_failures"] = [scored[i].meta["reward_failures"] for i in order]
+        batch.meta["reward_failures"] = sum(batch.meta["group_reward_failures"])
         return batch, end
+
+    def sample_batches(self, count: int) -> list[tuple[Batch, dict]]:
+        """`count` step-batches admitted together (async.batches_at_once): one engine call over the prompts of all
+        of them, its groups scored as they end, split back into step-batches in prompt order. A batch's reward
+        failures are its groups' (ReMax's greedy baseline is scored for the whole call: its failures go to the
+        first)."""
+        if count == 1:
+            return [self.sample_batch()]
+        want = self.cfg.data.prompts_per_step
+        whole = self.generate_and_score(self.data.next_batch(count * want))
+        per_group, batches = whole.meta["group_reward_failures"], []
+        for k in range(count):
+            batch = whole.index([row for row, g in enumerate(whole["group"]) if k * want <= g < (k + 1) * want])
+            batch.meta["reward_failures"] = sum(per_group[k * want:(k + 1) * want])
+            batches.append((batch, {}))
+        batches[0][0].meta["reward_failures"] += whole.meta["reward_failures"] - sum(per_group)
+        return batches
 
     def retire_stale_groups(self, trained_at: int) -> dict:
         """Over-sampling's unfinished groups carried into a batch trained at version `trained_at` (at the latest) are
@@ -190,18 +215,21 @@ class RolloutSide:
         return {"agent/groups_stale": len(stale)}
 
     def run(self) -> None:
-        """Rollout batches, one after another, as the buffer admits them, until it is closed."""
+        """Rollout batches as the buffer admits them, up to async.batches_at_once of those admitted at once in one
+        engine call, until it is closed."""
         try:
-            while (begun := self.buffer.begin_batch()) is not None:
-                number, self.version, waited, trained_at = begun
-                retired = self.retire_stale_groups(trained_at)
+            while (begun := self.buffer.begin_batches(self.batches_at_once)) is not None:
+                numbered, self.version, waited = begun
+                retired = self.retire_stale_groups(numbered[0][1])  # (over-sampling: one batch at a time)
                 with self.timers("rollout"):
-                    batch, metrics = self.sample_batch()
-                self.reward_failures.end_step(number)  # a reward failing past its limit: the trainer stops
-                metrics |= self.timers.pop() | retired | {
+                    batches = self.sample_batches(len(numbered))
+                self.reward_failures.end_step(numbered[-1][0])  # a reward failing past its limit: the trainer stops
+                shared = self.timers.pop() | retired | {
                     "async/rollout_wait_s": waited, "async/rollout_version": self.version,
-                    "train/reward_failures": batch.meta["reward_failures"]}
-                self.buffer.put_batch(number, batch, metrics)
+                    "async/batches_at_once": len(numbered)}
+                for (number, _), (batch, metrics) in zip(numbered, batches):  # in the order they began
+                    self.buffer.put_batch(number, batch, metrics | shared | {
+                        "train/reward_failures": batch.meta["reward_failures"]})
         except BaseException as error:  # noqa: B036  (raised in the trainer, at its next take)
             self.buffer.fail(error)
 

@@ -105,19 +105,25 @@ class RolloutBuffer:
                 and self.trained_at() - self.published <= self.max_staleness
                 and ahead + self.per_step <= self.buffer_batches * self.per_step)
 
-    def begin_batch(self) -> tuple[int, int, float, int] | None:
-        """Wait until a batch may begin; (its number, the policy version the rollout holds, seconds waited, the
-        version its groups would be trained at: trained_at()), or None once the buffer is closed."""
+    def begin_batches(self, most: int = 1) -> tuple[list[tuple[int, int]], int, float] | None:
+        """Wait until a batch may begin, then begin as many as admits() allows now, at most `most`
+        (async.batches_at_once: generated in one engine call). ([(each one's number, the version its groups would be
+        trained at: trained_at())], the policy version the rollout holds, seconds waited), or None once the buffer
+        is closed. Every batch begun is admitted as if begun alone, one after the other, from the version the rollout
+        holds now: all of them are generated from it or a newer one, so each keeps its own bound."""
         start = time.perf_counter()
         with self.cond:
             self.cond.wait_for(lambda: self.closed or (not self.paused and self.admits()))
             if self.closed:
                 return None
-            trained_at = self.trained_at()
-            self.begun += 1
-            return self.begun, self.published, time.perf_counter() - start, trained_at
+            begun = []
+            while len(begun) < most and self.admits():
+                begun.append((self.begun + 1, self.trained_at()))
+                self.begun += 1
+            return begun, self.published, time.perf_counter() - start
 
     def put_batch(self, number: int, batch: Batch, metrics: dict) -> None:
+        """Batch `number`'s groups, ready (batches begun together are put in the order they began)."""
         with self.cond:
             self.ready.extend(Group(group, number, metrics) for group in split_groups(batch))
             self.finished += 1

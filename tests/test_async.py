@@ -111,12 +111,18 @@ def test_one_step_off_overlaps_and_resumes_exactly_within_the_bound(tmp_path, ra
     assert [killed[s]["async/staleness_max"] for s in (2, 3)] == [1, 1]
 
 
+def begin(buffer: RolloutBuffer, most: int = 1) -> tuple[list[tuple[int, int]], int]:
+    """The batches begun now (number, version trained at) and the version they are generated from."""
+    batches, version, _ = buffer.begin_batches(most)
+    return batches, version
+
+
 def test_admission_and_take_bound_staleness():
     """The buffer alone: a batch begins only while its groups would be trained within the bound, and a group
     found over it at the take is not trained on: its prompt is requeued (async.stale=regenerate)."""
     buffer = RolloutBuffer(groups_per_step=1, max_staleness=1, buffer_batches=0, stale="regenerate", steps=10)
-    assert buffer.begin_batch()[:2] == (1, 0)  # trained at version 0
-    assert buffer.begin_batch()[:2] == (2, 0)  # trained at version 1: one version old
+    assert begin(buffer) == ([(1, 0)], 0)  # from version 0, trained at version 0
+    assert begin(buffer) == ([(2, 1)], 0)  # trained at version 1: one version old
     assert not buffer.admits()  # batch 3 from version 0 would be trained at version 2
 
     def group(version: int, prompt: str) -> Batch:
@@ -128,7 +134,7 @@ def test_admission_and_take_bound_staleness():
     assert [g.batch_number for g in buffer.take(version=0).groups] == [1]
     assert not buffer.admits()  # still: the rollout holds version 0
     buffer.publish(1)
-    assert buffer.begin_batch()[:2] == (3, 1)
+    assert begin(buffer) == ([(3, 2)], 1)
     buffer.put_batch(3, group(1, "p3"), {})
     taken = buffer.take(version=2)  # batch 2 is two versions old now
     assert (taken.regenerated, taken.dropped, [g.batch_number for g in taken.groups]) == (1, 0, [3])
@@ -137,7 +143,7 @@ def test_admission_and_take_bound_staleness():
     # a checkpoint of the buffer holding batch 4 (version 1), resumed under max_staleness=0 at version 2: the group
     # is one version too old, its prompt goes back; the next batch begins once it is out of the way
     buffer.publish(1)
-    assert buffer.begin_batch()[:2] == (4, 1)
+    assert begin(buffer) == ([(4, 2)], 1)
     buffer.put_batch(4, group(1, "p4"), {})
     resumed = RolloutBuffer(groups_per_step=1, max_staleness=0, buffer_batches=0, stale="regenerate", steps=10)
     resumed.load_state_dict(buffer.state_dict())
@@ -145,7 +151,7 @@ def test_admission_and_take_bound_staleness():
     assert not resumed.admits()  # batch 5 would wait behind batch 4
     with ThreadPoolExecutor(1) as pool:
         take = pool.submit(resumed.take, 2)
-        assert resumed.begin_batch()[:2] == (5, 2)  # admitted once the take requeued batch 4
+        assert begin(resumed) == ([(5, 2)], 2)  # admitted once the take requeued batch 4
         resumed.put_batch(5, group(2, "p5"), {})
         taken = take.result(timeout=60)
     assert (taken.regenerated, [g.batch_number for g in taken.groups]) == (1, [5])
@@ -159,14 +165,14 @@ def test_admission_and_take_bound_staleness():
 
 def test_oversampled_groups_carried_past_the_bound_are_not_continued():
     """Over-sampling's unfinished groups go on in the next rollout batch only if their oldest token would be within
-    async.max_staleness when that batch is trained (begin_batch says when: at the latest); the others' prompts are
+    async.max_staleness when that batch is trained (begin_batches says when: at the latest); the others' prompts are
     generated again (async.stale=regenerate) or dropped, counted."""
     buffer = RolloutBuffer(groups_per_step=1, max_staleness=1, buffer_batches=0, stale="regenerate", steps=10)
-    assert [buffer.begin_batch()[3] for _ in range(2)] == [0, 1]  # batches 1 and 2 are trained at versions 0 and 1
+    assert [begin(buffer)[0][0][1] for _ in range(2)] == [0, 1]  # batches 1 and 2 are trained at versions 0 and 1
     buffer.put_batch(1, Batch({"policy_version": torch.tensor([0])}, {"group": [0]}), {})
     buffer.take(version=0)
     buffer.publish(1)
-    assert buffer.begin_batch()[3] == 2  # batch 3 (from version 1) is trained at version 2
+    assert begin(buffer)[0][0][1] == 2  # batch 3 (from version 1) is trained at version 2
 
     def conversation(version: int, tokens: int) -> Trajectory:
         t = Trajectory(0, [5, 6], policy_version=version)
@@ -201,6 +207,7 @@ def test_colocated_engines_resident_together_must_fit_the_gpu():
     (["async.stale=keep"], "async.stale='keep': must be one of drop, regenerate"),
     (["async.partial=pause"], "async.partial='pause': must be one of finish, resume, restart"),
     (["async.max_staleness=-1"], "async.max_staleness=-1 and async.buffer_batches=0 must be >= 0"),
+    (["async.batches_at_once=0"], r"async.batches_at_once=0 must be >= 1"),
     (["trainer.mode=async", "trainer.offload_between_phases=always"], "offload_between_phases=always cannot be"),
     (["trainer.mode=async", "rollout.dump_dir=/tmp/d"], "rollout.dump_dir='/tmp/d' names files by step"),
     (["asynch.max_staleness=1"], "did you mean 'async.max_staleness'"),

@@ -258,6 +258,8 @@ class ConfigChecks:
         if a.max_staleness < 0 or a.buffer_batches < 0:
             raise ConfigError(f"async.max_staleness={a.max_staleness} and async.buffer_batches={a.buffer_batches} must "
                               "be >= 0")
+        if a.batches_at_once < 1:
+            raise ConfigError(f"async.batches_at_once={a.batches_at_once} must be >= 1 (1: one step-batch a call)")
         if mode == "one_step_off" and (a.max_staleness < 1 or a.partial != "finish" or a.buffer_batches > 1):
             raise ConfigError(f"trainer.mode=one_step_off generates step t+1's batch whole from the policy one version "
                               f"older while step t trains: it needs async.max_staleness >= 1 (got {a.max_staleness}), "

@@ -30,8 +30,10 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
                                                                                 (args.gpus, 0))
             if name in ("sync_offload", "sync_resident"):
                 assert cfg.trainer.offload_between_phases == ("always" if name == "sync_offload" else "never")
-            if cfg.trainer.mode == "async":
-                assert (cfg.async_.max_staleness, cfg.async_.partial) == (int(name[-1]), "resume")
+            if cfg.trainer.mode == "async":  # async_s<max_staleness>[_k<batches_at_once>]
+                staleness, _, at_once = name.split("async_s")[1].partition("_k")
+                assert (cfg.async_.max_staleness, cfg.async_.batches_at_once, cfg.async_.partial) == \
+                    (int(staleness), int(at_once or 1), "resume")
     assert parse_args(["--out-dir", "o", "--issue", "25", "--lengths", "tail"]).completion_len == 4096
     with pytest.raises(SystemExit):
         parse_args(["--out-dir", str(tmp_path), "--runs", "sync,async"])
@@ -70,10 +72,11 @@ def test_numbers_of_a_synchronous_and_an_asynchronous_run():
              "phase/rollout/start": 3.0 * s - 1, "phase/rollout/end": 3.0 * s + 3,
              "phase/generate/start": 3.0 * s - 1, "phase/generate/end": 3.0 * s + 2.5,
              "phase/train/start": 3.0 * s, "phase/train/end": 3.0 * s + 2, "async/staleness_0": 2, "async/staleness_1": s,
-             "perf/tokens_per_s_per_gpu": 50.0} for s in (1, 2, 3)]
+             "perf/tokens_per_s_per_gpu": 50.0, "async/batches_at_once": s} for s in (1, 2, 3)]
     out = summarize_run(rows, {1: 10.0, 2: 13.0, 3: 16.0}, [], warmup=1, steps=2, completions=4, prompt_len=16,
                         gpus=1, synchronous=False)
     assert out["staleness_histogram"] == {"0": 4, "1": 5} and out["trainer_tokens_per_s_per_gpu"] == 50.0
+    assert out["batches_per_call"] == 2.5 and "0:4 1:5 (2.5 batches a call) |" in table({"async": out})
     assert "overlap_bound" not in out and "gpu_busy" not in out
     lanes = {(s["phase"], s["lane"]) for s in out["timeline"]}
     assert lanes == {("generate", "rollout"), ("train", "trainer")}  # the rollout container left out
