@@ -456,8 +456,8 @@ class AsyncConfig:
     batches_at_once: int = opt(1, "step-batches the rollout thread may generate in one engine call (trainer.mode="
                                   "async): up to this many of those the buffer admits at the moment, their prompts "
                                   "decoded together (more rows at once: more tokens per GPU-second), each put in the "
-                                  "buffer with its own bound; 1 = one at a time; DAPO dynamic sampling and "
-                                  "over-sampling generate one at a time")
+                                  "buffer with its own bound; 1 = one at a time (one_step_off: 1); DAPO dynamic "
+                                  "sampling and over-sampling generate one at a time")
     decoupled_ppo: str = opt("auto", "the objective on samples from an older policy: decoupled PPO "
                                      "(algorithm.rollout_correction.decoupled: the PPO ratio against the trainer's "
                                      "weights before the update, the proximal policy, times the capped weight "
