@@ -99,16 +99,22 @@ def install(worker, flag: str) -> None:
     worker.test_hook = AgentHook(worker, flag)
 
 
-def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_path, ray_local, monkeypatch):
-    RECORD.update(scored=[], flag=tmp_path / "scored")
+def shrunk_recipe(tmp_path: Path, *overrides: str):
+    """The calculator-tool recipe in trainer.mode=async at async.max_staleness=1, shrunk: a tiny one-layer model, two
+    steps of two groups of two conversations."""
     traces = tmp_path / "traces.jsonl"  # the recipe's warm start is off; its file must still be readable
     traces.write_text(json.dumps({"prompt": "12*34=", "answer": "408",
                                   "messages": [{"role": "assistant", "content": "408"}]}) + "\n")
-    cfg = load_config(RECIPE, [
+    return load_config(RECIPE, [
         f"trainer.output_dir={tmp_path}", f"sft.data={traces}", "sft.steps=0", "model.tiny_num_layers=1",
         "data.prompts_per_step=2", "rollout.n_samples=2", "data.val_size=2", "rollout.eval_n_samples=1",
-        "trainer.steps=2", "trainer.eval_every=0", "reward.name=test_async_recorded", "reward.isolation=none",
-        "trainer.loggers=[jsonl]", "trainer.mode=async", "async.max_staleness=1", "async.partial=resume"])
+        "trainer.steps=2", "trainer.eval_every=0", "trainer.loggers=[jsonl]", "trainer.mode=async",
+        "async.max_staleness=1", *overrides])
+
+
+def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_path, ray_local, monkeypatch):
+    RECORD.update(scored=[], flag=tmp_path / "scored")
+    cfg = shrunk_recipe(tmp_path, "reward.name=test_async_recorded", "reward.isolation=none", "async.partial=resume")
     streamed = []  # (method, (group index, its conversations)) as the rollout thread received them
     stream = async_trainer.stream_rollout
 

@@ -1,8 +1,8 @@
 """async.batches_at_once (megarl/async_trainer.py, megarl/rollout_buffer.py): the rollout thread generates the
-step-batches the buffer admits at once in one engine call; each is admitted, put and trained within its own bound,
-in the order its prompts were drawn, also across a kill and resume."""
+step-batches the buffer admits at once in one engine call (the agent loop's too); each is admitted, put and trained
+within its own bound, in the order its prompts were drawn, also across a kill and resume; DAPO dynamic sampling and
+over-sampling generate one step-batch a call."""
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -14,6 +14,7 @@ from megarl.protocol import Batch
 from megarl.rollout_buffer import RolloutBuffer, prompt_record, split_groups
 
 from tests.test_async import begin, config, run
+from tests.test_async_agent import RECIPE, shrunk_recipe
 
 
 def test_the_buffer_begins_what_it_admits_at_once():
@@ -41,7 +42,7 @@ def record_run(monkeypatch, cfg) -> tuple[dict, list[list], dict[int, list]]:
     stream, train_step = megarl.async_trainer.stream_rollout, AsyncRLTrainer.train_step
 
     def recording_stream(rollout, method, *args, **kwargs):
-        calls.append(list(args[0]))  # generate_groups' prompts
+        calls.append([p["prompt_ids"] if isinstance(p, dict) else p for p in args[0]])  # (the agent loop's: dicts)
         return stream(rollout, method, *args, **kwargs)
 
     def recording_train_step(self, batch, metrics, start):
@@ -78,10 +79,17 @@ def test_batches_admitted_together_are_generated_in_one_call_within_the_bound(tm
         assert resumed[step]["async/staleness_max"] <= 1 and resumed[step]["async/stale_dropped"] == 0, step
 
 
+def test_the_agent_loop_runs_batches_admitted_together_in_one_call(tmp_path, ray_local, monkeypatch):
+    rows, calls, trained = record_run(monkeypatch, shrunk_recipe(tmp_path, "async.batches_at_once=2"))
+    assert [len(call) for call in calls] == [4]  # both step-batches' conversations in one rollout_agent_groups call
+    assert [trained[s] for s in (1, 2)] == [calls[0][0:2], calls[0][2:4]]
+    assert [rows[s]["async/batches_at_once"] for s in (1, 2)] == [2, 2]
+    assert [rows[s]["async/staleness_max"] for s in (1, 2)] == [0, 1]  # both from version 0
+
+
 def test_dynamic_sampling_and_over_sampling_generate_one_batch_at_a_time(capsys):
-    recipe = Path(__file__).resolve().parent.parent / "configs" / "tool_calculator.yaml"
     for overrides in (["algorithm.dynamic_sampling=true"], ["agent.oversample_groups=2"], []):
-        cfg = load_config(recipe, ["trainer.mode=async", "async.max_staleness=3", "async.batches_at_once=4",
+        cfg = load_config(RECIPE, ["trainer.mode=async", "async.max_staleness=3", "async.batches_at_once=4",
                                    *overrides])
         side = RolloutSide(SimpleNamespace(cfg=cfg, tokenizer=None, rollout=None, data=None),
                            RolloutBuffer(1, 3, 0, "drop", 10), 0.0)
