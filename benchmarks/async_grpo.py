@@ -297,7 +297,7 @@ def table(runs: dict) -> str:
         bound = (r if r.get("synchronous") else base).get("overlap_bound")
         f = lambda k, fmt="{:.3g}": fmt.format(r[k]) if k in r else "-"  # noqa: E731
         staleness = " ".join(f"{k}:{v:g}" for k, v in r.get("staleness_histogram", {}).items()) or "-"
-        staleness += f" ({r['batches_per_call']:g} batches a call)" if "batches_per_call" in r else ""
+        staleness += f" (batches/call {r['batches_per_call']:g})" if "batches_per_call" in r else ""
         phases = ", ".join(f"{k} {v:.3g}" for k, v in r.get("phase_s", {}).items())
         speedup = f"{tps / base_tps:.2f}x ({base.get('name')})" if tps and base_tps else "-"
         lines.append(f"| {name} | {r.get('status', '-')} | {r.get('measured_steps', 0)} | {f('wall_step_s')} "

@@ -76,7 +76,7 @@ def test_numbers_of_a_synchronous_and_an_asynchronous_run():
     out = summarize_run(rows, {1: 10.0, 2: 13.0, 3: 16.0}, [], warmup=1, steps=2, completions=4, prompt_len=16,
                         gpus=1, synchronous=False)
     assert out["staleness_histogram"] == {"0": 4, "1": 5} and out["trainer_tokens_per_s_per_gpu"] == 50.0
-    assert out["batches_per_call"] == 2.5 and "0:4 1:5 (2.5 batches a call) |" in table({"async": out})
+    assert out["batches_per_call"] == 2.5 and "0:4 1:5 (batches/call 2.5) |" in table({"async": out})
     assert "overlap_bound" not in out and "gpu_busy" not in out
     lanes = {(s["phase"], s["lane"]) for s in out["timeline"]}
     assert lanes == {("generate", "rollout"), ("train", "trainer")}  # the rollout container left out
