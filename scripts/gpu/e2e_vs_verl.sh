@@ -20,6 +20,7 @@
 # $OUT gets e2e_vs_verl.json (raw results: commit, GPU, versions of both stacks, unmatched settings), verl's
 # resolved config (verl_config.yaml) and overrides, both sides' logs and metrics, the Engine probes' logs; the
 # model stays out of $OUT. A short table is last. DEVICE=cpu: the CPU smoke (megarl only; verl's config written).
+# PACK=1: all of $OUT but the JSON and the log go into $OUT/files.tgz (the lent GPU machine returns 8 files at most).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 \
@@ -66,4 +67,8 @@ status=$?
 grep -v '^|' "$OUT/e2e_vs_verl.log" | tail -n 50
 echo "== e2e_vs_verl.sh on $(cut -d, -f1 "$OUT/gpu.txt"): exit $status"
 grep '^|' "$OUT/e2e_vs_verl.log" || echo "(no table: see $OUT/e2e_vs_verl.log)"
+if [ "${PACK:-0}" = 1 ]; then  # the lent GPU machine returns at most 8 files from $OUT: the rest in one archive
+  (cd "$OUT" && find . -maxdepth 1 -type f ! -name e2e_vs_verl.json ! -name e2e_vs_verl.log ! -name files.tgz \
+     -printf '%P\n' | tar -czf files.tgz -T - --remove-files) && echo "(the other files: $OUT/files.tgz)"
+fi
 exit $status
