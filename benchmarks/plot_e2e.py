@@ -14,7 +14,7 @@ import sys
 
 STEP_ORDER = ["generation", "reward", "memory to training", "log-probs", "advantages", "update", "weight sync",
               "memory to rollout"]  # as a step runs them
-PEERS = ("trl", "verl")
+PEERS = {"trl": "TRL", "verl": "verl"}  # run name -> how the plot names it
 
 
 def collect(paths: list[str]) -> tuple[dict, dict, list[str]]:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         peer = next(((p, peers[(p, run["model"])]) for p in PEERS if (p, run["model"]) in peers), None)
         note = f"{run['tokens_per_s']:,.0f}"
         if peer and run["name"] not in PEERS:
-            note += f"\n{run['tokens_per_s'] / peer[1]:.1f}x {peer[0] if peer[0] == 'verl' else peer[0].upper()}"
+            note += f"\n{run['tokens_per_s'] / peer[1]:.1f}x {PEERS[peer[0]]}"
         total.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     total.tick_params(axis="x", labelsize=7)
     total.set_ylabel("tokens/s (prompt + completion), end to end")
