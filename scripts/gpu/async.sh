@@ -3,7 +3,8 @@
 # benchmarks/async_grpo.py on a random Qwen2.5 shape (SIZE=0.5b or 1.5b), 128-token prompts, 512-token completions
 # (ignore_eos), 8 per prompt, COMPLETIONS per step (default 256), colocated SGLang; one `python -m megarl.train` a
 # run (~70 s of start-up each: Ray, Megatron, the SGLang server; the first on a fresh machine JIT-compiles ~60 s
-# more), 1 warm-up + 3 measured steps + 1, in this order:
+# more), 1 warm-up + 3 measured steps + 1 (STEPS=N: N measured; more show an async run's steady state, past the
+# first engine call that fills the buffer up to its bound), in this order:
 #   sync_resident  synchronous, both engines resident (offload never)
 #   async_s1       trainer.mode=async, async.max_staleness=1, partial rollouts resumed, resident
 #   async_s4       the same at async.max_staleness=4
@@ -43,7 +44,7 @@ else
   source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
   GPUS=${GPUS:-$(( ISSUE == 25 ? $(nvidia-smi -L | wc -l) : 1 ))}
   ARGS="--budget-s ${BUDGET:-520}"
-  [ "$ISSUE" = 19 ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256}"
+  [ "$ISSUE" = 19 ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256} ${STEPS:+--steps $STEPS}"
 fi
 [ "$ISSUE" = 25 ] && ARGS="$ARGS --lengths $LENGTHS ${SERVER_GPUS:+--server-gpus $SERVER_GPUS}" && SIZE="25_$LENGTHS"
 # the model and run directories outside $OUT (what comes back is limited)

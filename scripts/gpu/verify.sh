@@ -4,6 +4,8 @@
 #   kernel  the Triton checksum kernel against the torch path on the GPU: whole tensors, row blocks, column
 #           blocks (strided), offsets, unaligned pieces, bf16/fp32/uint8, a bucket packed while summed (bytes
 #           and sums); its time over 7.6B bf16 elements, beside torch's copy and the copy-and-sum    (~30 s)
+#           KERNEL_SWEEP=1: the same times for each launch shape (elements per block, blocks per program,
+#           warps), each shape's sums checked against the torch path; a JSON line each          (+~1-2 min)
 #   sync    benchmarks/weight_sync.py sync --checksums: 7B (8 GiB buckets) and 0.5B (1 GiB) into a TP=1 server
 #           (SYNC_MODELS="7b" for the 7B alone); after each format's timed syncs, rounds of one unverified and one
 #           verified sync (the sender's checksums summed by its pack copy; SGLang sums nothing during the sync):
@@ -44,8 +46,8 @@ PARTS=${PARTS:-kernel sync}
 [[ ${DEVICE:-cuda} == cpu ]] || nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0
 if [[ " $PARTS " == *" kernel "* ]]; then
-  timeout 180 python3 - > "$OUT/kernel.log" 2>&1 <<'PY'
-import json, time, torch
+  timeout 300 python3 - > "$OUT/kernel.log" 2>&1 <<'PY'
+import itertools, json, os, time, torch
 from megarl.rollout.transports.cuda_ipc import flat_layout, pack
 from megarl.utils.checksum import ChecksumTable, weighted_sums
 
@@ -116,8 +118,20 @@ print(json.dumps({"triton_equals_torch": ok, "cases": cases, "checksum_7b_elemen
                   "gb_per_s": 4 * big.numel() * 2 / seconds / 1e9, "copy_7b_elements_s": copy_s,
                   "copy_and_checksum_7b_elements_s": fused_s,
                   "copied_bitwise": torch.equal(copy.view(torch.int16), big.view(torch.int16))}))
+if os.environ.get("KERNEL_SWEEP") == "1":  # the launch shape's candidates, each checked against the torch path
+    from megarl.utils import checksum
+    piece, reference = big[:1 << 22], weighted_sums(big[:1 << 22].cpu())
+    for block, iters, warps in itertools.product((1024, 2048, 4096), (2, 4, 8, 16), (4, 8, 16)):
+        if block // (32 * warps) < 8 or block * iters > 65536:  # a 16-byte load per thread at least
+            continue
+        checksum._BLOCK, checksum._ITERS, checksum._WARPS = block, iters, warps
+        right = torch.equal(weighted_sums(piece).cpu(), reference)
+        print(json.dumps({"sweep": [block, iters, warps], "right": right,
+                          "checksum_s": round(timed(lambda: weighted_sums(big)), 5),
+                          "copy_and_checksum_s": round(timed(fused), 5), "copy_s": round(copy_s, 5)}), flush=True)
 PY
-  rc=$?; status=$((status | rc)); tail -n 3 "$OUT/kernel.log"
+  rc=$?; status=$((status | rc)); grep -v '"sweep"' "$OUT/kernel.log" | tail -n 3
+  grep '"sweep"' "$OUT/kernel.log" | cut -c1-160
 fi
 SYNC_MODELS=${SYNC_MODELS:-7b 0.5b}
 if [[ " $PARTS " == *" sync "* && " $SYNC_MODELS " == *" 7b "* ]]; then
