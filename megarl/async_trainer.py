@@ -117,8 +117,9 @@ class RolloutSide:
         self.timers = Timers(origin)
         self.version = 0
         self.partial_groups = []
-        self.batches_at_once = self.cfg.async_.batches_at_once
-        if self.batches_at_once > 1 and (self.cfg.algorithm.dynamic_sampling or self.cfg.agent.oversample_groups):
+        # one_step_off generates each step's batch alone, one version behind the trainer (0 or 1 there)
+        self.batches_at_once = 1 if self.cfg.trainer.mode == "one_step_off" else self.cfg.async_.batches_at_once
+        if self.batches_at_once != 1 and (self.cfg.algorithm.dynamic_sampling or self.cfg.agent.oversample_groups):
             # their rounds and carried groups belong to one step-batch each: the synchronous loop's, batch by batch
             print(f"async.batches_at_once={self.batches_at_once}: 1 with DAPO dynamic sampling or over-sampling, "
                   "which fill each step-batch in rounds of their own", flush=True)

@@ -31,6 +31,8 @@ def test_the_buffer_begins_what_it_admits_at_once():
     assert begin(RolloutBuffer(1, 4, 0, "drop", 10), most=2)[0] == [(1, 0), (2, 1)]
     assert begin(RolloutBuffer(1, 4, 2, "drop", 10), most=5)[0] == [(1, 0), (2, 1)]
     assert begin(RolloutBuffer(1, 4, 0, "drop", steps=3), most=5)[0] == [(1, 0), (2, 1), (3, 2)]
+    # 0 (the default): all the buffer admits, max_staleness + 1 ahead from version 0
+    assert begin(RolloutBuffer(1, 2, 0, "drop", 10), most=0)[0] == [(1, 0), (2, 1), (3, 2)]
     # at max_staleness 0 one at a time, whatever batches_at_once says (async is then the synchronous loop)
     assert begin(RolloutBuffer(1, 0, 0, "drop", 10), most=5)[0] == [(1, 0)]
 

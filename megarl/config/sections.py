@@ -453,11 +453,12 @@ class AsyncConfig:
                                  "one_step_off needs finish")
     buffer_batches: int = opt(0, "step-batches the rollout may have generated or be generating ahead of the trainer's "
                                  "next one; 0 = all that max_staleness allows (max_staleness + 1); one_step_off: 1")
-    batches_at_once: int = opt(1, "step-batches the rollout thread may generate in one engine call (trainer.mode="
+    batches_at_once: int = opt(0, "step-batches the rollout thread may generate in one engine call (trainer.mode="
                                   "async): up to this many of those the buffer admits at the moment, their prompts "
                                   "decoded together (more rows at once: more tokens per GPU-second), each put in the "
-                                  "buffer with its own bound; 1 = one at a time (one_step_off: 1); DAPO dynamic "
-                                  "sampling and over-sampling generate one at a time")
+                                  "buffer with its own bound; 0 = all it admits then (at most buffer_batches); 1 = "
+                                  "one at a time (one_step_off: one anyway); DAPO dynamic sampling and over-sampling "
+                                  "generate one at a time")
     decoupled_ppo: str = opt("auto", "the objective on samples from an older policy: decoupled PPO "
                                      "(algorithm.rollout_correction.decoupled: the PPO ratio against the trainer's "
                                      "weights before the update, the proximal policy, times the capped weight "

@@ -258,14 +258,15 @@ class ConfigChecks:
         if a.max_staleness < 0 or a.buffer_batches < 0:
             raise ConfigError(f"async.max_staleness={a.max_staleness} and async.buffer_batches={a.buffer_batches} must "
                               "be >= 0")
-        if a.batches_at_once < 1:
-            raise ConfigError(f"async.batches_at_once={a.batches_at_once} must be >= 1 (1: one step-batch a call)")
+        if a.batches_at_once < 0:
+            raise ConfigError(f"async.batches_at_once={a.batches_at_once} must be >= 0 (0: all the buffer admits at "
+                              "once, 1: one step-batch a call)")
         if mode == "one_step_off" and (a.max_staleness < 1 or a.partial != "finish" or a.buffer_batches > 1
                                        or a.batches_at_once > 1):
             raise ConfigError(f"trainer.mode=one_step_off generates step t+1's batch whole from the policy one version "
                               f"older while step t trains: it needs async.max_staleness >= 1 (got {a.max_staleness}), "
                               f"async.partial=finish (got {a.partial}), async.buffer_batches 0 or 1 (got "
-                              f"{a.buffer_batches}) and async.batches_at_once 1 (got {a.batches_at_once}); "
+                              f"{a.buffer_batches}) and async.batches_at_once 0 or 1 (got {a.batches_at_once}); "
                               "trainer.mode=async has the others")
         correction = self.algorithm.rollout_correction
         corrects = self.algorithm.tis or correction.rollout_is != "none" or correction.bypass_mode

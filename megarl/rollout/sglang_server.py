@@ -111,7 +111,7 @@ class Endpoint:
         self.url, self.tp, self.request_timeout = url, tp, request_timeout
         self.transport, self.instance = transport, instance
 
-    def diagnose(self) -> str:
+    def diagnose(self, grace: float = 0.0) -> str:
         """Extra context for an error message (the process's state and log, where known)."""
         return ""
 
@@ -125,8 +125,8 @@ class Endpoint:
         except requests.Timeout as error:
             raise SGLangError(f"{path} on {self.url}: no answer within {timeout:.0f} s (server hung?)"
                               f"{self.diagnose()}") from error
-        except requests.RequestException as error:
-            raise SGLangError(f"{path} on {self.url} failed: {error}{self.diagnose()}") from error
+        except requests.RequestException as error:  # a dropped connection: the process may be dying (out of memory)
+            raise SGLangError(f"{path} on {self.url} failed: {error}{self.diagnose(grace=5.0)}") from error
         if response.status_code != 200:
             raise SGLangError(f"{path} on {self.url}: HTTP {response.status_code}: {response.text[:2000]}")
         if not response.content:  # /abort_request answers with an empty 200
@@ -213,8 +213,15 @@ class SGLangServer(Endpoint):
         except OSError:
             return "(no log)"
 
-    def diagnose(self) -> str:
-        return "" if self.alive() else f" (server died)\n{self.log_tail()}"
+    def diagnose(self, grace: float = 0.0) -> str:
+        """Whether the process ended, with its log's last lines; a process that dropped a connection gets `grace`
+        seconds to exit (it closes its sockets a moment before)."""
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.alive():
+            return ""
+        return f" (server died, exit code {self.process.returncode if self.process else None})\n{self.log_tail()}"
 
     def shutdown(self) -> None:
         if self.process is None or self.process.poll() is not None:

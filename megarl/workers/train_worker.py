@@ -123,6 +123,17 @@ class TrainWorker:
         return self.engine.load_checkpoint(directory)
 
     def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict:
+        """The policy's weights into the rollout engine (`_push_weights`). A colocated SGLang takes its KV cache
+        back on this GPU next (synchronous mode): the memory the allocator caches (the update's activations, this
+        sync's temporary buffers) goes back to the device first, as the offload cycle's does, else a policy that
+        fits beside SGLang's share can still leave it no room (a 3B on one H200 with the offload cycle off)."""
+        report = self._push_weights(rollout, bucket_bytes, verify, deep)
+        r = self.cfg.rollout
+        if self.device == "cuda" and r.engine == "sglang" and not r.sglang_gpus and self.cfg.trainer.mode == "sync":
+            torch.cuda.empty_cache()
+        return report
+
+    def _push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool) -> dict:
         """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
         of the first generation TP group sends its own rows (rollout.sglang_tp of them; into SGLang at --ep-size,
         only the routed experts of its EP slice). The rollout engine picks the transport

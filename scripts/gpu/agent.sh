@@ -9,7 +9,10 @@
 #   oversample - the same with agent.oversample_groups: more groups started than needed, the rest
 #                aborted through SGLang's /abort_request and resumed the next step.
 #   async      - the agent phase in trainer.mode=async (issue 19: async.max_staleness=1, async.partial=resume):
-#                each group scored as its last conversation ends, weight updates landing mid-episode (not by default).
+#                each group scored as its last conversation ends, weight updates landing mid-episode; the default
+#                async.batches_at_once=0 puts the two step-batches the bound admits together in one call (not by default).
+#   async_oversample - async with agent.oversample_groups=16: the over-sampled groups streamed and scored as each is
+#                accepted, the rest aborted at the step's end and carried within the bound (not by default).
 # PHASES="agent oversample" by default; logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -81,7 +84,11 @@ fi
 if [[ " $PHASES " == *" async "* ]]; then
   run_phase async trainer.mode=async async.max_staleness=1 async.partial=resume "$@"; status=$(( status | $? ))
 fi
-for name in agent oversample async; do
+if [[ " $PHASES " == *" async_oversample "* ]]; then
+  run_phase async_oversample trainer.mode=async async.max_staleness=1 async.partial=resume agent.oversample_groups=16 \
+    "$@"; status=$(( status | $? ))
+fi
+for name in agent oversample async async_oversample; do
   [[ " $PHASES " == *" $name "* ]] && table "$OUT/${name}_metrics.jsonl" "$name"
 done
 echo "== agent.sh phases [$PHASES] on $(cat "$OUT/gpu.txt"): exit $status"

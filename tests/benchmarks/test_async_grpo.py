@@ -30,10 +30,10 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
                                                                                 (args.gpus, 0))
             if name in ("sync_offload", "sync_resident"):
                 assert cfg.trainer.offload_between_phases == ("always" if name == "sync_offload" else "never")
-            if cfg.trainer.mode == "async":  # async_s<max_staleness>[_k<batches_at_once>]
+            if cfg.trainer.mode == "async":  # async_s<max_staleness>[_k<batches_at_once>] (default 0: all admitted)
                 staleness, _, at_once = name.split("async_s")[1].partition("_k")
                 assert (cfg.async_.max_staleness, cfg.async_.batches_at_once, cfg.async_.partial) == \
-                    (int(staleness), int(at_once or 1), "resume")
+                    (int(staleness), int(at_once or 0), "resume")
     assert parse_args(["--out-dir", "o", "--issue", "25", "--lengths", "tail"]).completion_len == 4096
     with pytest.raises(SystemExit):
         parse_args(["--out-dir", str(tmp_path), "--runs", "sync,async"])
