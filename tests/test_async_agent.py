@@ -114,7 +114,9 @@ def shrunk_recipe(tmp_path: Path, *overrides: str):
 
 def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_path, ray_local, monkeypatch):
     RECORD.update(scored=[], flag=tmp_path / "scored")
-    cfg = shrunk_recipe(tmp_path, "reward.name=test_async_recorded", "reward.isolation=none", "async.partial=resume")
+    # one step-batch a call: the update lands in the episode of the batch it holds
+    cfg = shrunk_recipe(tmp_path, "reward.name=test_async_recorded", "reward.isolation=none", "async.partial=resume",
+                        "async.batches_at_once=1")
     streamed = []  # (method, (group index, its conversations)) as the rollout thread received them
     stream = async_trainer.stream_rollout
 

@@ -114,7 +114,7 @@ def test_groups_scored_as_they_end_and_updates_land_mid_generation(tmp_path, ray
         "rollout.eval_n_samples=1", "sft.steps=0", "trainer.steps=4", "trainer.eval_every=0",
         f"rollout.max_new_tokens={TOKENS}", "reward.name=test_async_recorded", "reward.isolation=none",
         "trainer.save_every=0", "trainer.loggers=[jsonl]", "trainer.mode=async", "async.max_staleness=1",
-        "async.partial=resume"])
+        "async.partial=resume", "async.batches_at_once=1"])  # one step-batch a call: each update holds the next
     trainer = build_trainer(cfg)
     RECORD["val"] = {p["prompt"] for p in trainer.val}
     try:
