@@ -17,9 +17,10 @@ process under a deadline (warm-up steps left out of the numbers):
   sync_resident   trainer.mode=sync, both engines resident side by side (offload never)
   one_step_off    trainer.mode=one_step_off (the rollout of step t+1 beside the training of step t), resident
   async_s1        trainer.mode=async, async.max_staleness=1, partial rollouts resumed at each update, resident
-  async_s4        the same with async.max_staleness=4 (as async_s1, the default async.batches_at_once=0: the
-                  step-batches the buffer admits together, up to 5 here, generated in one engine call)
-  async_s4_k1     async_s4 one step-batch a call (async.batches_at_once=1)
+  async_s4        the same with async.max_staleness=4
+  async_s4_k0     async_s4 generating the step-batches the buffer admits together (up to 5) in one engine call
+                  (async.batches_at_once=0)
+An asynchronous run's warm-up also covers its first max_staleness + 1 steps (run_warmup: the buffer's first fill).
 
 Issue 25 (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64 prompts
 per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: so
@@ -67,7 +68,7 @@ RUNS = {  # run -> (placement, megarl.train overrides beside the workload's)
     "one_step_off": ("colocated", ONE_STEP_OFF),
     "async_s1": ("colocated", ASYNC | {"async.max_staleness": 1}),
     "async_s4": ("colocated", ASYNC | {"async.max_staleness": 4}),
-    "async_s4_k1": ("colocated", ASYNC | {"async.max_staleness": 4, "async.batches_at_once": 1}),
+    "async_s4_k0": ("colocated", ASYNC | {"async.max_staleness": 4, "async.batches_at_once": 0}),
     "colocated_sync": ("colocated", {"trainer.mode": "sync", "trainer.offload_between_phases": "auto"}),
     "disagg_sync": ("disaggregated", {"trainer.mode": "sync"}),
     "disagg_one_step_off": ("disaggregated", ONE_STEP_OFF),
@@ -75,16 +76,27 @@ RUNS = {  # run -> (placement, megarl.train overrides beside the workload's)
     "disagg_async_s4": ("disaggregated", ASYNC | {"async.max_staleness": 4}),
 }
 # in order of need: a call that runs out of time skips the last ones (issue 19: the offload cycle is the slowest sync)
-SUITES = {19: ["sync_resident", "async_s1", "async_s4", "async_s4_k1", "one_step_off", "sync_offload"],
+SUITES = {19: ["sync_resident", "async_s1", "async_s4", "async_s4_k0", "one_step_off", "sync_offload"],
           25: ["colocated_sync", "disagg_sync", "disagg_one_step_off", "disagg_async_s1", "disagg_async_s4"]}
 ROLLOUT_PHASES = ("generate", "reward", "generate_baseline")  # the rollout side's lane; the rest are the trainer's
 CONTAINERS = ("rollout",)  # phases made of others (the rollout thread's whole batch): left out of timelines
 
 
+def run_warmup(args, name: str) -> int:
+    """Warm-up steps of run `name`. An asynchronous run's first max_staleness + 1 batches are generated before any
+    update (the buffer's first fill, the trainer waiting): measured, they would be trained without their generation's
+    cost, so they are all left out and the window is the steady state, where each batch's generation shares the GPU."""
+    overrides = RUNS[name][1]
+    if overrides["trainer.mode"] == "sync":
+        return args.warmup
+    return max(args.warmup, overrides.get("async.max_staleness", 1) + 1)
+
+
 def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, run_dir: Path, device: str) -> list[str]:
     """The megarl.train command of run `name`: e2e_vs_trl's workload overrides, the placement's, then the run's."""
     # one step more than measured: the last step's metrics appear only after the final held-out evaluation
-    workload = SimpleNamespace(**vars(args), megarl_warmup=args.warmup, megarl_steps=args.steps + 1, offload="never")
+    workload = SimpleNamespace(**vars(args), megarl_warmup=run_warmup(args, name), megarl_steps=args.steps + 1,
+                               offload="never")
     cmd = megarl_command(workload, model_dir, prompts, val, args.completions, run_dir, device)
     placement, overrides = RUNS[name]
     if placement == "colocated":
@@ -409,7 +421,7 @@ def main(argv=None) -> int:
         synchronous = overrides["trainer.mode"] == "sync"
         record |= {"name": tag(name), "placement": placement, "overrides": overrides, "synchronous": synchronous,
                    "baseline": tag("disagg_sync") if args.issue == 25 else None} | summarize_run(
-            step_rows(metrics), seen["step_end"], seen["gpu"], args.warmup, args.steps, args.completions,
+            step_rows(metrics), seen["step_end"], seen["gpu"], run_warmup(args, name), args.steps, args.completions,
             args.prompt_len, args.gpus, synchronous)
         report["runs"][tag(name)] = record
         result_file.write_text(json.dumps(report, indent=1))

@@ -453,7 +453,7 @@ class AsyncConfig:
                                  "one_step_off needs finish")
     buffer_batches: int = opt(0, "step-batches the rollout may have generated or be generating ahead of the trainer's "
                                  "next one; 0 = all that max_staleness allows (max_staleness + 1); one_step_off: 1")
-    batches_at_once: int = opt(0, "step-batches the rollout thread may generate in one engine call (trainer.mode="
+    batches_at_once: int = opt(1, "step-batches the rollout thread may generate in one engine call (trainer.mode="
                                   "async): up to this many of those the buffer admits at the moment, their prompts "
                                   "decoded together (more rows at once: more tokens per GPU-second), each put in the "
                                   "buffer with its own bound; 0 = all it admits then (at most buffer_batches); 1 = "

@@ -7,14 +7,15 @@
 # first engine call that fills the buffer up to its bound), in this order:
 #   sync_resident  synchronous, both engines resident (offload never)
 #   async_s1       trainer.mode=async, async.max_staleness=1, partial rollouts resumed, resident
-#   async_s4       the same at async.max_staleness=4 (both at the default async.batches_at_once=0: the step-batches
-#                  the buffer admits together, up to max_staleness + 1, generated in one engine call)
-#   async_s4_k1    async_s4 one step-batch a call (async.batches_at_once=1)
+#   async_s4       the same at async.max_staleness=4
+#   async_s4_k0    async_s4 with async.batches_at_once=0: the step-batches the buffer admits together (up to 5) in
+#                  one engine call
+#   (an async run's warm-up covers its first max_staleness + 1 steps: the buffer's first fill, made before any update)
 #   one_step_off   trainer.mode=one_step_off (async.partial=finish), resident
 #   sync_offload   synchronous, with the offload cycle (trainer.offload_between_phases=always)
 # Estimates (not run yet): 0.5B ~100 s a run (the first ~170 s), so a call of ~9 min runs the first four and skips
 # sync_offload: a second call RUNS=sync_offload (~3 min); 1.5B ~150 s a run: RUNS=sync_resident,async_s1,async_s4,
-# then RUNS=async_s4_k1,one_step_off,sync_offload (batches_at_once alone: RUNS=sync_resident,async_s4,async_s4_k1). Merge: python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/...
+# then RUNS=async_s4_k0,one_step_off,sync_offload (batches_at_once alone: RUNS=sync_resident,async_s4,async_s4_k0). Merge: python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/...
 # tokens/s/GPU and step time from the measured steps' wall clock, the trainer's own perf/tokens_per_s_per_gpu,
 # staleness histograms, the sync runs' GPU busy fraction (nvidia-smi utilization.gpu every 100 ms) and overlap
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the

@@ -21,7 +21,10 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
                                 tmp_path / name, "cuda")
             cfg = load_config(None, cmd[3:])
             assert cfg.trainer.mode == overrides["trainer.mode"] and cfg.rollout.engine == "sglang"
-            assert cfg.trainer.steps == 1 + 3 + 1  # warm-up, measured, and one whose metrics wait for the evaluation
+            # warm-up (an async run's: its buffer's first fill, max_staleness + 1), measured, and one whose metrics wait
+            # for the evaluation
+            warmup = 1 if cfg.trainer.mode == "sync" else max(1, cfg.async_.max_staleness + 1)
+            assert cfg.trainer.steps == warmup + 3 + 1
             assert cfg.rollout.ignore_eos and cfg.rollout.n_samples == 8 and cfg.data.prompts_per_step == \
                 (32 if issue == 19 else 64)
             assert cfg.rollout.max_new_tokens == (512 if issue == 19 else 1024)
@@ -30,10 +33,10 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
                                                                                 (args.gpus, 0))
             if name in ("sync_offload", "sync_resident"):
                 assert cfg.trainer.offload_between_phases == ("always" if name == "sync_offload" else "never")
-            if cfg.trainer.mode == "async":  # async_s<max_staleness>[_k<batches_at_once>] (default 0: all admitted)
+            if cfg.trainer.mode == "async":  # async_s<max_staleness>[_k<batches_at_once>]
                 staleness, _, at_once = name.split("async_s")[1].partition("_k")
                 assert (cfg.async_.max_staleness, cfg.async_.batches_at_once, cfg.async_.partial) == \
-                    (int(staleness), int(at_once or 0), "resume")
+                    (int(staleness), int(at_once or 1), "resume")
     assert parse_args(["--out-dir", "o", "--issue", "25", "--lengths", "tail"]).completion_len == 4096
     with pytest.raises(SystemExit):
         parse_args(["--out-dir", str(tmp_path), "--runs", "sync,async"])
