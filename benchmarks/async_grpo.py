@@ -20,7 +20,8 @@ process under a deadline (warm-up steps left out of the numbers):
   async_s4        the same with async.max_staleness=4
   async_s4_k0     async_s4 generating the step-batches the buffer admits together (up to 5) in one engine call
                   (async.batches_at_once=0)
-An asynchronous run's warm-up also covers its first max_staleness + 1 steps (run_warmup: the buffer's first fill).
+An asynchronous run measures its steady state only: its first and last max_staleness + 1 steps are left out (the
+buffer's first fill, made before any update; the steps after the rollout has made the run's last batch: run_margins).
 
 Issue 25 (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64 prompts
 per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: so
@@ -82,21 +83,24 @@ ROLLOUT_PHASES = ("generate", "reward", "generate_baseline")  # the rollout side
 CONTAINERS = ("rollout",)  # phases made of others (the rollout thread's whole batch): left out of timelines
 
 
-def run_warmup(args, name: str) -> int:
-    """Warm-up steps of run `name`. An asynchronous run's first max_staleness + 1 batches are generated before any
-    update (the buffer's first fill, the trainer waiting): measured, they would be trained without their generation's
-    cost, so they are all left out and the window is the steady state, where each batch's generation shares the GPU."""
+def run_margins(args, name: str) -> tuple[int, int]:
+    """Steps of run `name` before and after the measured ones. Before: --warmup; for an asynchronous run at least its
+    buffer's first fill (max_staleness + 1 batches generated before any update, the trainer waiting: measured, they
+    would be trained as if their generation were free). After: the step whose metrics wait for the final evaluation;
+    for an asynchronous run max_staleness + 1, because the rollout stops once the run's batches are all made, so its
+    last steps train alone. Measured between the two, every step shares the GPU with a batch being generated: the
+    steady state."""
     overrides = RUNS[name][1]
     if overrides["trainer.mode"] == "sync":
-        return args.warmup
-    return max(args.warmup, overrides.get("async.max_staleness", 1) + 1)
+        return args.warmup, 1
+    ahead = overrides.get("async.max_staleness", 1) + 1
+    return max(args.warmup, ahead), ahead
 
 
 def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, run_dir: Path, device: str) -> list[str]:
     """The megarl.train command of run `name`: e2e_vs_trl's workload overrides, the placement's, then the run's."""
-    # one step more than measured: the last step's metrics appear only after the final held-out evaluation
-    workload = SimpleNamespace(**vars(args), megarl_warmup=run_warmup(args, name), megarl_steps=args.steps + 1,
-                               offload="never")
+    before, after = run_margins(args, name)
+    workload = SimpleNamespace(**vars(args), megarl_warmup=before, megarl_steps=args.steps + after, offload="never")
     cmd = megarl_command(workload, model_dir, prompts, val, args.completions, run_dir, device)
     placement, overrides = RUNS[name]
     if placement == "colocated":
@@ -421,7 +425,7 @@ def main(argv=None) -> int:
         synchronous = overrides["trainer.mode"] == "sync"
         record |= {"name": tag(name), "placement": placement, "overrides": overrides, "synchronous": synchronous,
                    "baseline": tag("disagg_sync") if args.issue == 25 else None} | summarize_run(
-            step_rows(metrics), seen["step_end"], seen["gpu"], run_warmup(args, name), args.steps, args.completions,
+            step_rows(metrics), seen["step_end"], seen["gpu"], run_margins(args, name)[0], args.steps, args.completions,
             args.prompt_len, args.gpus, synchronous)
         report["runs"][tag(name)] = record
         result_file.write_text(json.dumps(report, indent=1))

@@ -3,14 +3,15 @@
 # benchmarks/async_grpo.py on a random Qwen2.5 shape (SIZE=0.5b or 1.5b), 128-token prompts, 512-token completions
 # (ignore_eos), 8 per prompt, COMPLETIONS per step (default 256), colocated SGLang; one `python -m megarl.train` a
 # run (~70 s of start-up each: Ray, Megatron, the SGLang server; the first on a fresh machine JIT-compiles ~60 s
-# more), 1 warm-up + 3 measured steps + 1 (STEPS=N: N measured; more show an async run's steady state, past the
-# first engine call that fills the buffer up to its bound), in this order:
+# more), 1 warm-up + 3 measured steps + 1 (STEPS=N: N measured; an async run's margins are max_staleness + 1 each,
+# below), in this order:
 #   sync_resident  synchronous, both engines resident (offload never)
 #   async_s1       trainer.mode=async, async.max_staleness=1, partial rollouts resumed, resident
 #   async_s4       the same at async.max_staleness=4
 #   async_s4_k0    async_s4 with async.batches_at_once=0: the step-batches the buffer admits together (up to 5) in
 #                  one engine call
-#   (an async run's warm-up covers its first max_staleness + 1 steps: the buffer's first fill, made before any update)
+#   (an async run leaves out its first and last max_staleness + 1 steps: the buffer's first fill, made before any
+#   update, and the steps after the rollout made the run's last batch, which train alone)
 #   one_step_off   trainer.mode=one_step_off (async.partial=finish), resident
 #   sync_offload   synchronous, with the offload cycle (trainer.offload_between_phases=always)
 # Estimates (not run yet): 0.5B ~100 s a run (the first ~170 s), so a call of ~9 min runs the first four and skips
