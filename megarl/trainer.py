@@ -34,7 +34,7 @@ from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker
 from megarl.workers import weight_sync
-from megarl.workers.colocation import Colocation, offload_enabled
+from megarl.workers.colocation import Colocation
 from megarl.workers.group import TrainGroup, call_rollout, start_rollout, stop_rollout
 
 
@@ -110,7 +110,7 @@ class RLTrainer:
                                      self.actor.gpus() if colocated_sglang else None)
         # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
-                                     self.rollout, offload_enabled(cfg, self.device), cfg.trainer.worker_timeout_s)
+                                     self.rollout, cfg.offload_enabled(self.device), cfg.trainer.worker_timeout_s)
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.syncs = 0  # weight syncs done (trainer.verify_weight_sync_every counts them)
         self.rollout_buffers = None  # the rollout engine's non-weight buffers' checksums at the first verification

@@ -133,8 +133,6 @@ def test_weight_delivery_and_offload_options_are_checked():
 
 
 def test_disaggregated_sglang_options_are_checked():
-    from megarl.workers.colocation import offload_enabled
-
     with pytest.raises(ConfigError, match=r"rollout.sglang_gpus=2 reserves GPUs for SGLang servers: it needs "
                                           r"rollout.engine=sglang \(got hf\)"):
         load_config(None, ["rollout.sglang_gpus=2"])
@@ -149,5 +147,5 @@ def test_disaggregated_sglang_options_are_checked():
         load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=1", "rollout.weight_delivery=sharded"])
     # auto: the offload cycle runs only where training and SGLang share GPUs
     disaggregated = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_tp=2"])
-    assert not offload_enabled(disaggregated, "cuda")
-    assert offload_enabled(load_config(None, ["rollout.engine=sglang"]), "cuda")
+    assert not disaggregated.offload_enabled("cuda")
+    assert load_config(None, ["rollout.engine=sglang"]).offload_enabled("cuda")

@@ -555,5 +555,16 @@ class Config(ConfigChecks):
         needed = not self.old_policy_is_the_trained_one() or rc.rollout_is != "none" or rc.rollout_rs != "none"
         return mode == "always" or (mode == "auto" and needed)
 
+    def offload_enabled(self, device: str) -> bool:
+        """The colocated memory cycle (trainer.offload_between_phases; megarl/workers/colocation.py). auto: on where
+        training and SGLang share GPUs (SGLang runs colocated: no rollout.sglang_gpus of its own); always/never as
+        said; never in the asynchronous modes, which keep both engines resident (always is refused there)."""
+        mode = self.trainer.offload_between_phases
+        if self.trainer.mode != "sync":
+            return False
+        if mode == "auto":
+            return self.rollout.engine == "sglang" and device == "cuda" and not self.rollout.sglang_gpus
+        return mode == "always"
+
     def to_dict(self) -> dict:
         return {name.rstrip("_"): value for name, value in dataclasses.asdict(self).items()}

@@ -16,19 +16,7 @@ from __future__ import annotations
 
 import time
 
-from megarl.config import Config
 from megarl.workers.group import call_rollout, get_all
-
-
-def offload_enabled(cfg: Config, device: str) -> bool:
-    """auto: on where training and SGLang share GPUs (SGLang runs colocated: no rollout.sglang_gpus of its own);
-    always/never as said."""
-    mode = cfg.trainer.offload_between_phases
-    if cfg.trainer.mode != "sync":  # the asynchronous modes keep both engines resident (always is refused)
-        return False
-    if mode == "auto":
-        return cfg.rollout.engine == "sglang" and device == "cuda" and not cfg.rollout.sglang_gpus
-    return mode == "always"
 
 
 class Colocation:

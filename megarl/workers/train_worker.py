@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -88,17 +89,42 @@ class TrainWorker:
 
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, reference: bool = False,
                          with_sum_pi_squared: bool = False) -> Batch:
-        return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference,
-                                            with_sum_pi_squared=with_sum_pi_squared)
+        with self.out_of_memory_hint():
+            return self.engine.compute_logprobs(batch, with_entropy=with_entropy, reference=reference,
+                                                with_sum_pi_squared=with_sum_pi_squared)
 
     def compute_values(self, batch: Batch) -> Batch:
-        return self.engine.compute_values(batch)
+        with self.out_of_memory_hint():
+            return self.engine.compute_values(batch)
 
     def compute_rewards(self, batch: Batch) -> Batch:
-        return self.engine.compute_rewards(batch)
+        with self.out_of_memory_hint():
+            return self.engine.compute_rewards(batch)
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
-        return self.engine.train(batch, loss=loss, lr=lr)
+        with self.out_of_memory_hint():
+            return self.engine.train(batch, loss=loss, lr=lr)
+
+    @contextlib.contextmanager
+    def out_of_memory_hint(self):
+        """A GPU out of memory in a forward or backward pass says which settings make room, by their config keys."""
+        try:
+            yield
+        except torch.OutOfMemoryError as error:
+            name = ROLES[self.role][0]
+            section, r = getattr(self.cfg, name), self.cfg.rollout
+            ways = [f"fewer tokens per micro-batch ({name}.max_tokens_per_micro_batch="
+                    f"{section.max_tokens_per_micro_batch}, {name}.micro_batch_size={section.micro_batch_size})"]
+            if section.recompute == "none":
+                ways.append(f"{name}.recompute=full (each layer's activations recomputed in the backward pass)")
+            if r.engine == "sglang" and not r.sglang_gpus and not self.cfg.offload_enabled(self.device):
+                if self.cfg.trainer.mode == "sync":
+                    ways.append(f"trainer.offload_between_phases=auto (now {self.cfg.trainer.offload_between_phases}:"
+                                " SGLang keeps its weights on this GPU during training)")
+                ways.append(f"a smaller rollout.sglang_mem_fraction (now {r.sglang_mem_fraction}, SGLang's share of "
+                            "this GPU) or SGLang on GPUs of its own (rollout.sglang_gpus)")
+            raise torch.OutOfMemoryError(f"{error}\nrank {self.rank} ({self.role}) ran out of GPU memory; what makes "
+                                         f"room: {'; '.join(ways)}") from error
 
     def offload(self) -> dict[str, int]:
         return self.engine.offload()
