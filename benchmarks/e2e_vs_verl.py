@@ -415,7 +415,8 @@ def parse_args(argv=None):
     p.add_argument("--val-size", type=int, default=8, help="held-out prompts (megarl scores them; verl: test_freq=-1)")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="SGLang's static memory share, both sides")
     p.add_argument("--offload", default="never", choices=("auto", "always", "never"),
-                   help="megarl's trainer.offload_between_phases (verl: no param/optimizer offload either)")
+                   help="megarl's trainer.offload_between_phases (verl: no param/optimizer offload either); 3B on "
+                        "one H200 needs auto, megarl's default: with never its update does not fit beside SGLang")
     p.add_argument("--megarl-old-logprobs", default="auto", choices=("auto", "always"),
                    help="megarl's algorithm.recompute_old_logprobs; always = verl's extra forward, like for like")
     p.add_argument("--verl-strategy", default="fsdp2", choices=("fsdp", "fsdp2"),

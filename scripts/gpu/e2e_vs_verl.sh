@@ -21,6 +21,8 @@
 # resolved config (verl_config.yaml) and overrides, both sides' logs and metrics, the Engine probes' logs; the
 # model stays out of $OUT. A short table is last. DEVICE=cpu: the CPU smoke (megarl only; verl's config written).
 # PACK=1: all of $OUT but the JSON and the log go into $OUT/files.tgz (the lent GPU machine returns 8 files at most).
+# --model qwen2.5-3b: add --offload auto (megarl's default offload cycle; the benchmark's never does not fit the 3B
+# update beside SGLang's share on one H200: docs/benchmarks.md) and --megarl-warmup 1 --verl-warmup 1 --verl-steps 3.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 \
