@@ -14,9 +14,10 @@
 #   update, and the steps after the rollout made the run's last batch, which train alone)
 #   one_step_off   trainer.mode=one_step_off (async.partial=finish), resident
 #   sync_offload   synchronous, with the offload cycle (trainer.offload_between_phases=always)
-# Estimates (not run yet): 0.5B ~100 s a run (the first ~170 s), so a call of ~9 min runs the first four and skips
-# sync_offload: a second call RUNS=sync_offload (~3 min); 1.5B ~150 s a run: RUNS=sync_resident,async_s1,async_s4,
-# then RUNS=async_s4_k0,one_step_off,sync_offload (batches_at_once alone: RUNS=sync_resident,async_s4,async_s4_k0). Merge: python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/...
+# Times on one H200 at 1.5B: ~70 s of start-up a run, then ~7 s a step; async_s4 runs 5 + STEPS + 5 steps (~3.5 min
+# at STEPS=3, ~6 at STEPS=12), sync 1 + STEPS + 1. So about two runs a call: RUNS=sync_resident,async_s1, then
+# RUNS=async_s4, then RUNS=one_step_off,sync_offload (0.5B: about half as long). Merge the calls' results:
+# python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/...
 # tokens/s/GPU and step time from the measured steps' wall clock, the trainer's own perf/tokens_per_s_per_gpu,
 # staleness histograms, the sync runs' GPU busy fraction (nvidia-smi utilization.gpu every 100 ms) and overlap
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the
