@@ -249,8 +249,7 @@ def merge_rollout_metrics(metrics: list[dict]) -> dict:
 class AsyncRLTrainer(RLTrainer):
     def __init__(self, cfg: Config):
         origin = time.perf_counter()  # phase times (phase/<name>/start|end) count from here, on both threads
-        r = cfg.rollout
-        if r.engine == "sglang" and not r.sglang_gpus and resolve_device(cfg) == "cuda" and cfg.model.path != "tiny":
+        if cfg.sglang_colocated() and resolve_device(cfg) == "cuda" and cfg.model.path != "tiny":
             check_resident_memory(cfg, read_model_config(cfg.model.path), torch.cuda.mem_get_info()[1])
         super().__init__(with_async_objective(cfg))
         a = self.cfg.async_

@@ -109,8 +109,8 @@ class RolloutBuffer:
         """Wait until a batch may begin, then begin as many as admits() allows now, at most `most` (0: the buffer's
         bound only; async.batches_at_once: generated in one engine call). ([(each one's number, the version its groups
         would be trained at: trained_at())], the policy version the rollout holds, seconds waited), or None once the
-        buffer is closed. Every batch begun is admitted as if begun alone, one after the other, from the version the rollout
-        holds now: all of them are generated from it or a newer one, so each keeps its own bound."""
+        buffer is closed. Every batch begun is admitted as if begun alone, one after the other, from the version the
+        rollout holds now: all of them are generated from it or a newer one, so each keeps its own bound."""
         start = time.perf_counter()
         with self.cond:
             self.cond.wait_for(lambda: self.closed or (not self.paused and self.admits()))

@@ -105,9 +105,8 @@ class RLTrainer:
                              if cfg.reward_model.path else None)
         self.score_mixer = ScoreMixer.from_config(cfg.reward_model)  # its scores normalised, mixed with the rule's
         # colocated SGLang servers go on the policy's GPUs; disaggregated ones on GPUs of their own
-        colocated_sglang = cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_gpus
         self.rollout = start_rollout(cfg, self.model_path, self.device,
-                                     self.actor.gpus() if colocated_sglang else None)
+                                     self.actor.gpus() if cfg.sglang_colocated() else None)
         # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
                                      self.rollout, cfg.offload_enabled(self.device), cfg.trainer.worker_timeout_s)

@@ -555,6 +555,10 @@ class Config(ConfigChecks):
         needed = not self.old_policy_is_the_trained_one() or rc.rollout_is != "none" or rc.rollout_rs != "none"
         return mode == "always" or (mode == "auto" and needed)
 
+    def sglang_colocated(self) -> bool:
+        """SGLang servers on the training GPUs (no rollout.sglang_gpus of their own)."""
+        return self.rollout.engine == "sglang" and not self.rollout.sglang_gpus
+
     def offload_enabled(self, device: str) -> bool:
         """The colocated memory cycle (trainer.offload_between_phases; megarl/workers/colocation.py). auto: on where
         training and SGLang share GPUs (SGLang runs colocated: no rollout.sglang_gpus of its own); always/never as
@@ -563,7 +567,7 @@ class Config(ConfigChecks):
         if self.trainer.mode != "sync":
             return False
         if mode == "auto":
-            return self.rollout.engine == "sglang" and device == "cuda" and not self.rollout.sglang_gpus
+            return self.sglang_colocated() and device == "cuda"
         return mode == "always"
 
     def to_dict(self) -> dict:

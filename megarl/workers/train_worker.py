@@ -112,17 +112,17 @@ class TrainWorker:
             yield
         except torch.OutOfMemoryError as error:
             name = ROLES[self.role][0]
-            section, r = getattr(self.cfg, name), self.cfg.rollout
+            section = getattr(self.cfg, name)
             ways = [f"fewer tokens per micro-batch ({name}.max_tokens_per_micro_batch="
                     f"{section.max_tokens_per_micro_batch}, {name}.micro_batch_size={section.micro_batch_size})"]
             if section.recompute == "none":
                 ways.append(f"{name}.recompute=full (each layer's activations recomputed in the backward pass)")
-            if r.engine == "sglang" and not r.sglang_gpus and not self.cfg.offload_enabled(self.device):
+            if self.cfg.sglang_colocated() and not self.cfg.offload_enabled(self.device):
                 if self.cfg.trainer.mode == "sync":
                     ways.append(f"trainer.offload_between_phases=auto (now {self.cfg.trainer.offload_between_phases}:"
                                 " SGLang keeps its weights on this GPU during training)")
-                ways.append(f"a smaller rollout.sglang_mem_fraction (now {r.sglang_mem_fraction}, SGLang's share of "
-                            "this GPU) or SGLang on GPUs of its own (rollout.sglang_gpus)")
+                ways.append(f"a smaller rollout.sglang_mem_fraction (now {self.cfg.rollout.sglang_mem_fraction}, "
+                            "SGLang's share of this GPU) or SGLang on GPUs of its own (rollout.sglang_gpus)")
             raise torch.OutOfMemoryError(f"{error}\nrank {self.rank} ({self.role}) ran out of GPU memory; what makes "
                                          f"room: {'; '.join(ways)}") from error
 
@@ -151,11 +151,12 @@ class TrainWorker:
     def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict:
         """The policy's weights into the rollout engine (`_push_weights`). A colocated SGLang takes its KV cache
         back on this GPU next (synchronous mode): the memory the allocator caches (the update's activations, this
-        sync's temporary buffers) goes back to the device first, as the offload cycle's does, else a policy that
-        fits beside SGLang's share can still leave it no room (a 3B on one H200 with the offload cycle off)."""
+        sync's temporary buffers) goes back to the device first (the offload cycle, where on, does it when it
+        offloads), else a policy that fits beside SGLang's share can still leave it no room (a 3B on one H200 with
+        the offload cycle off)."""
         report = self._push_weights(rollout, bucket_bytes, verify, deep)
-        r = self.cfg.rollout
-        if self.device == "cuda" and r.engine == "sglang" and not r.sglang_gpus and self.cfg.trainer.mode == "sync":
+        if (self.device == "cuda" and self.cfg.sglang_colocated() and self.cfg.trainer.mode == "sync"
+                and not self.cfg.offload_enabled(self.device)):
             torch.cuda.empty_cache()
         return report
 
