@@ -399,7 +399,8 @@ def main(argv=None) -> int:
                         "n_samples": args.n_samples, "completions_per_step": args.completions,
                         "micro_batch": args.micro_batch, "warmup": args.warmup, "gpus": args.gpus,
                         "server_gpus": args.server_gpus, "sglang_mem_fraction": args.sglang_mem_fraction,
-                        "server_mem_fraction": args.server_mem_fraction, "reward": "vowel_share"},
+                        "server_mem_fraction": args.server_mem_fraction, "reward": "vowel_share",
+                        "cuda_mps": "CUDA_MPS_PIPE_DIRECTORY" in os.environ},
               "runs": {}}
     result_file = out / "async_grpo.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",

@@ -71,6 +71,9 @@ SIZES = {
     # Qwen2.5-7B's shape (7.6B parameters)
     "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                intermediate_size=18944, vocab_size=152064),
+    # Qwen2.5-0.5B's shape (0.49B parameters, tied embeddings): the e2e benchmarks' model
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     # vocabulary a multiple of 64 x TP: SGLang's presharded embedding loading takes it (sharded delivery)
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=1024),
@@ -78,13 +81,14 @@ SIZES = {
 
 
 def qwen2_config(size: str, seq: int) -> dict:
-    return dict(SIZES[size], architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_eps=1e-6,
+    return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rms_norm_eps=1e-6,
                 max_position_embeddings=max(seq, 4096), tie_word_embeddings=False, hidden_act="silu",
-                rope_theta=1000000.0, torch_dtype="bfloat16")
+                rope_theta=1000000.0, torch_dtype="bfloat16") | SIZES[size]
 
 
 def flop_parameters(hf: dict) -> int:
-    """N: the 2-D weights but the input embedding (a lookup): q/k/v, output projection, gate/up/down, LM head."""
+    """N: the 2-D weights but the input embedding (a lookup): q/k/v, output projection, gate/up/down, LM head (a
+    tied one too: its matrix multiply is computed all the same)."""
     h, ffn = hf["hidden_size"], hf["intermediate_size"]
     kv = hf["num_key_value_heads"] * (h // hf["num_attention_heads"])
     return hf["num_hidden_layers"] * (h * (h + 2 * kv) + h * h + 3 * h * ffn) + h * hf["vocab_size"]
@@ -238,6 +242,8 @@ def main() -> None:
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="per-GPU peak the MFU divides by")
     parser.add_argument("--skip-bare", action="store_true")
     parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--profile", default=None, help="a directory: one more step of each engine under "
+                        "torch.profiler, its op tables and chrome trace there (profile_<loop>_*)")
     args = parser.parse_args()
 
     from megatron.core import parallel_state
@@ -285,6 +291,9 @@ def main() -> None:
                                                      args.steps, args.warmup, device), tokens, flops, gpus,
                                       args.peak_flops)
             results["bare"] |= padding_share(mbs)
+            if args.profile:
+                results["bare"]["profile"] = profiled_step(lambda: bare.step(mbs, targets), Path(args.profile), "bare",
+                                                           device)
             del bare, mbs
             _release(device)
 
@@ -306,6 +315,9 @@ def main() -> None:
             results[name] = _report(name, _timed(lambda: engine.train(share, loss="policy"), args.steps,
                                                  args.warmup, device), tokens, flops, gpus, args.peak_flops)
             results[name]["packing"] = packing
+            if args.profile:
+                results[name]["profile"] = profiled_step(lambda: engine.train(share, loss="policy"),
+                                                         Path(args.profile), name, device)
             # the micro-batches the engine computes (its own packing of this rank's share)
             results[name] |= padding_share(engine._micro_batches(share, []))
             if device == "cuda":
@@ -336,6 +348,34 @@ def main() -> None:
             print_summary(results)
     finally:
         destroy_parallel()
+
+
+def profiled_step(step, out: Path, name: str, device: str) -> dict:
+    """One more step under torch.profiler: op tables by GPU and by host time and the chrome trace (gzipped) to
+    `out`; returns the step's wall seconds under the profiler and the GPU kernel time in it, whose gap is what the
+    GPU waited for the host (launch-bound micro-batches show it)."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = _sync(device)
+        step()
+        wall = _sync(device) - start
+    averages = prof.key_averages()
+    for key in ("device_time_total", "self_cpu_time_total"):
+        (out / f"profile_{name}_by_{key}.txt").write_text(averages.table(sort_by=key, row_limit=50,
+                                                                          max_name_column_width=70))
+    trace = out / f"profile_{name}_trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    gpu_s = sum(e.self_device_time_total for e in averages) / 1e6  # each kernel once, under the op that launched it
+    return {"wall_s": wall, "gpu_busy_s": gpu_s, "gpu_idle_share": 1 - gpu_s / wall if device == "cuda" else None}
 
 
 def padding_share(mbs: list[dict]) -> dict:

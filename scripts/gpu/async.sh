@@ -22,6 +22,7 @@
 # staleness histograms, the sync runs' GPU busy fraction (nvidia-smi utilization.gpu every 100 ms) and overlap
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the
 # call's budget (BUDGET seconds, default 520) is skipped and says so: run it in a second call (RUNS=async_s4).
+# MPS=1: every process under CUDA MPS (scripts/gpu/mps.sh), so the two engines' kernels can run side by side.
 # ISSUE=25: issue 25's runs on several GPUs instead (scripts/gpu/async_disagg.sh says which; LENGTHS, SERVER_GPUS).
 # Results: $OUT/async_grpo.json (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where
 # matplotlib imports, else run
@@ -45,6 +46,7 @@ else
   export PYTHONPATH=/tmp/site:$PWD
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
+  source scripts/gpu/mps.sh  # MPS=1: under CUDA MPS (the trainer's and SGLang's kernels side by side)
   GPUS=${GPUS:-$(( ISSUE == 25 ? $(nvidia-smi -L | wc -l) : 1 ))}
   ARGS="--budget-s ${BUDGET:-520}"
   [ "$ISSUE" = 19 ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256} ${STEPS:+--steps $STEPS}"
