@@ -3,16 +3,18 @@
 One launch per training layout; inside it every generation TP in {1, 2, 4} and both deliveries. Each
 rank checks that every tensor it receives is bitwise the checkpoint's tensor (full) or its TP rows
 (sharded), that the bytes it received and sent (counted by wrapping torch.distributed's
-batch_isend_irecv) equal the planner's, and that its extra heap memory, sampled after every torch op
-of the sync (glibc's mallinfo2: every allocation, gloo's included), stays within one bucket.
+batch_isend_irecv) equal the planner's, and that the resharder's own live allocations during the sync (the new
+storages its torch ops return, counted until freed) stay within one bucket. Not the process heap: that also
+holds what gloo buffers for messages that arrive early, which made the bound flaky.
 """
 
-import ctypes
+import weakref
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megarl.reshard.inventory import hf_inventory
 from megarl.reshard.layout import TrainLayout, generation_ranks
@@ -24,31 +26,27 @@ BUCKET = 256 << 10
 GEN_TPS = (1, 2, 4)
 
 
-class _Mallinfo(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+class _PeakLive(TorchDispatchMode):
+    """Peak bytes of the storages allocated by the ops run under it, summed while they live.
 
-
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _Mallinfo
-
-
-def _heap_bytes() -> int:
-    info = _libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-class _PeakHeap(TorchDispatchMode):
-    """Samples the process heap after every torch op (allocations, copies, sends and receives)."""
+    A new allocation is an op output whose storage is none of its inputs' (views, in-place and out= ops return
+    theirs), so tensors made before (the model's weights) never count. torch keeps one Python object per storage,
+    alive exactly as long as the storage (C++ references, gloo's, included): a weak key per storage tracks its
+    freeing."""
 
     def __init__(self):
         super().__init__()
-        self.base = _heap_bytes()
+        self.live = weakref.WeakKeyDictionary()  # storage -> nbytes
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, _heap_bytes() - self.base)
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(storage := t.untyped_storage()) not in inputs \
+                    and storage not in self.live:
+                self.live[storage] = storage.nbytes()
+        self.peak = max(self.peak, sum(self.live.values()))
         return out
 
 
@@ -104,7 +102,7 @@ def _check_rank(rank, model_dir):
     for gen_tp in GEN_TPS:
         for delivery in ("full", "sharded"):
             want_recv, want_sent = transfer_bytes(specs, train, gen_tp, delivery, itemsize=4)
-            received, mode = set(), _PeakHeap()
+            received, mode = set(), _PeakLive()
             with _CountP2P(dist) as count:
                 buckets = resharder.buckets(gen_tp, delivery, BUCKET, torch.float32)
                 while True:
