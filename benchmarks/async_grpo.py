@@ -112,7 +112,7 @@ def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, ru
                     f"rollout.sglang_mem_fraction={args.server_mem_fraction}"]
     if args.lengths == "tail":  # the stop tokens end rows (build_model's long_tail_stops)
         cmd.append("rollout.ignore_eos=false")
-    return cmd + [f"{k}={v}" for k, v in overrides.items()]
+    return cmd + [f"{k}={v}" for k, v in overrides.items()] + args.overrides
 
 
 def long_tail_stops(model_dir: Path, cap: int, share: float) -> int:
@@ -345,6 +345,9 @@ def parse_args(argv=None):
     p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
     p.add_argument("--completions", type=int, default=256, help="completions per step")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
+    p.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE", help="megarl overrides for every run, "
+                   "after the run's own (e.g. async.mps_train_percent=60 under MPS)")
+    p.add_argument("--tag", default="", help="appended to every run's name in the results (runs with --overrides)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the numbers")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
     p.add_argument("--val-size", type=int, default=8, help="held-out prompts, scored before and after")
@@ -406,7 +409,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                RAY_USAGE_STATS_ENABLED="0", NCCL_NVLS_ENABLE="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
-    tag = (lambda name: f"{name}_{args.lengths}") if args.issue == 25 else (lambda name: name)
+    tag = (lambda name: f"{name}_{args.lengths}{args.tag}") if args.issue == 25 else (lambda name: name + args.tag)
     for i, name in enumerate(args.runs):
         left = deadline - time.monotonic()
         cap = left if i == len(args.runs) - 1 else min(left, args.run_cap_s)
@@ -424,7 +427,8 @@ def main(argv=None) -> int:
             (out / f"{tag(name)}_metrics.jsonl").write_text(metrics.read_text())
         placement, overrides = RUNS[name]
         synchronous = overrides["trainer.mode"] == "sync"
-        record |= {"name": tag(name), "placement": placement, "overrides": overrides, "synchronous": synchronous,
+        record |= {"name": tag(name), "placement": placement, "overrides": overrides | dict(
+                       o.split("=", 1) for o in args.overrides), "synchronous": synchronous,
                    "baseline": tag("disagg_sync") if args.issue == 25 else None} | summarize_run(
             step_rows(metrics), seen["step_end"], seen["gpu"], run_margins(args, name)[0], args.steps, args.completions,
             args.prompt_len, args.gpus, synchronous)

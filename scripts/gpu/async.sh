@@ -23,6 +23,7 @@
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the
 # call's budget (BUDGET seconds, default 520) is skipped and says so: run it in a second call (RUNS=async_s4).
 # MPS=1: every process under CUDA MPS (scripts/gpu/mps.sh), so the two engines' kernels can run side by side.
+# OVERRIDES="k=v ...": megarl overrides for every run (e.g. async.mps_train_percent=60), TAG: a suffix to the names.
 # ISSUE=25: issue 25's runs on several GPUs instead (scripts/gpu/async_disagg.sh says which; LENGTHS, SERVER_GPUS).
 # Results: $OUT/async_grpo.json (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where
 # matplotlib imports, else run
@@ -55,6 +56,7 @@ fi
 # the model and run directories outside $OUT (what comes back is limited)
 # shellcheck disable=SC2086  # ARGS: one argument a word
 python3 -m benchmarks.async_grpo --issue "$ISSUE" $ARGS --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} --out-dir "$OUT" \
+  ${OVERRIDES:+--overrides $OVERRIDES} ${TAG:+--tag "$TAG"} \
   --work-dir "/tmp/megarl-async-work-$$"
 status=$?
 rm -rf "/tmp/megarl-async-work-$$"
