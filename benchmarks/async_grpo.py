@@ -346,7 +346,7 @@ def parse_args(argv=None):
     p.add_argument("--completions", type=int, default=256, help="completions per step")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
     p.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE", help="megarl overrides for every run, "
-                   "after the run's own (e.g. async.mps_train_percent=60 under MPS)")
+                   "after the run's own (e.g. async.partial=restart)")
     p.add_argument("--tag", default="", help="appended to every run's name in the results (runs with --overrides)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the numbers")
     p.add_argument("--steps", type=int, default=3, help="measured steps")

@@ -209,7 +209,6 @@ def test_colocated_engines_resident_together_must_fit_the_gpu():
     (["async.max_staleness=-1"], "async.max_staleness=-1 and async.buffer_batches=0 must be >= 0"),
     (["async.batches_at_once=-1"], r"async.batches_at_once=-1 must be >= 0"),
     (["trainer.mode=one_step_off", "async.batches_at_once=2"], r"async.batches_at_once 0 or 1 \(got 2\)"),
-    (["async.mps_train_percent=101"], r"async.mps_train_percent=101: a percentage of the GPU's SMs"),
     (["trainer.mode=async", "trainer.offload_between_phases=always"], "offload_between_phases=always cannot be"),
     (["trainer.mode=async", "rollout.dump_dir=/tmp/d"], "rollout.dump_dir='/tmp/d' names files by step"),
     (["asynch.max_staleness=1"], "did you mean 'async.max_staleness'"),

@@ -459,11 +459,6 @@ class AsyncConfig:
                                   "buffer with its own bound; 0 = all it admits then (at most buffer_batches); 1 = "
                                   "one at a time (one_step_off: one anyway); DAPO dynamic sampling and over-sampling "
                                   "generate one at a time")
-    mps_train_percent: int = opt(0, "under CUDA MPS (one GPU shared by the trainer and a colocated SGLang server, "
-                                    "docs/async.md): the share of the GPU's SMs each training process may use "
-                                    "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so its kernels leave room for "
-                                    "generation's beside them; 0 = no limit. Any trainer.mode; needs MPS running")
-    mps_rollout_percent: int = opt(0, "under CUDA MPS: the same share for each SGLang server process; 0 = no limit")
     decoupled_ppo: str = opt("auto", "the objective on samples from an older policy: decoupled PPO "
                                      "(algorithm.rollout_correction.decoupled: the PPO ratio against the trainer's "
                                      "weights before the update, the proximal policy, times the capped weight "

@@ -258,10 +258,6 @@ class ConfigChecks:
         if a.max_staleness < 0 or a.buffer_batches < 0:
             raise ConfigError(f"async.max_staleness={a.max_staleness} and async.buffer_batches={a.buffer_batches} must "
                               "be >= 0")
-        for key, value in (("async.mps_train_percent", a.mps_train_percent),
-                           ("async.mps_rollout_percent", a.mps_rollout_percent)):
-            if not 0 <= value <= 100:
-                raise ConfigError(f"{key}={value}: a percentage of the GPU's SMs, 1-100 (0 = no limit)")
         if a.batches_at_once < 0:
             raise ConfigError(f"async.batches_at_once={a.batches_at_once} must be >= 0 (0: all the buffer admits at "
                               "once, 1: one step-batch a call)")

@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import Config
 from megarl.protocol import Batch
-from megarl.utils.mps import mps_share_env
 from megarl.workers.rollout_worker import RolloutWorker
 from megarl.engine.packing import balanced_partition, sequence_lengths
 from megarl.workers.train_worker import ROLES, TrainWorker
@@ -113,11 +112,10 @@ class TrainGroup:
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
         ray.get(self.pg.ready(), timeout=300)
         actor = ray.remote(TrainWorker)
-        env = mps_share_env(cfg.async_.mps_train_percent, "async.mps_train_percent") if device == "cuda" else {}
         self.workers = [
             actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
-                          **({"runtime_env": {"env_vars": env}} if env else {})).remote(i, cfg, model_path, device, role)
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, cfg, model_path, device,
+                                                                                     role)
             for i in range(n)]
         self.info = []
         addr, port = self._get_all([self.workers[0].address.remote()], "address (the first call: the actor's start)")[0]

@@ -25,7 +25,6 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
         import ray
 
         from megarl.rollout.sglang import SGLangRolloutEngine
-        from megarl.utils.mps import mps_share_env
         r = cfg.rollout
         # colocated: on the trainer's GPUs (`gpus`), SGLang gives its KV cache back between rollouts;
         # disaggregated: on the GPUs Ray gave this actor, SGLang keeps its memory
@@ -40,7 +39,6 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
                                    # the asynchronous modes generate beside training: the KV cache stays
                                    release_kv=colocated and cfg.trainer.mode == "sync",
                                    dtype="float32" if cfg.actor.precision == "fp32" else "bfloat16",
-                                   env=mps_share_env(cfg.async_.mps_rollout_percent, "async.mps_rollout_percent"),
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")

@@ -149,14 +149,18 @@ class TrainWorker:
         return self.engine.load_checkpoint(directory)
 
     def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict:
-        """The policy's weights into the rollout engine (`_push_weights`). A colocated SGLang takes its KV cache
-        back on this GPU next (synchronous mode): the memory the allocator caches (the update's activations, this
-        sync's temporary buffers) goes back to the device first (the offload cycle, where on, does it when it
-        offloads), else a policy that fits beside SGLang's share can still leave it no room (a 3B on one H200 with
-        the offload cycle off)."""
+        """The policy's weights into the rollout engine (`_push_weights`). The memory the allocator caches (the
+        update's activations, this sync's temporary buffers) goes back to the device where a colocated SGLang
+        (synchronous mode) takes memory on this GPU next, or else a policy that fits beside SGLang's share can
+        still leave it no room: with the offload cycle before the sync, for SGLang's weights (a 3B on one H200 held
+        108 GB of cached activations when SGLang took its 6 GB of weights back, and SGLang died); without it after
+        the sync, for SGLang's KV cache (the offload, where on, empties the cache after the sync itself)."""
+        colocated = self.device == "cuda" and self.cfg.sglang_colocated() and self.cfg.trainer.mode == "sync"
+        offload = self.cfg.offload_enabled(self.device)
+        if colocated and offload:
+            torch.cuda.empty_cache()
         report = self._push_weights(rollout, bucket_bytes, verify, deep)
-        if (self.device == "cuda" and self.cfg.sglang_colocated() and self.cfg.trainer.mode == "sync"
-                and not self.cfg.offload_enabled(self.device)):
+        if colocated and not offload:
             torch.cuda.empty_cache()
         return report
 

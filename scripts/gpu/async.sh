@@ -23,7 +23,7 @@
 # bound (T_gen + T_train) / max(T_gen, T_train). RUNS picks runs (comma-separated); a run that no longer fits the
 # call's budget (BUDGET seconds, default 520) is skipped and says so: run it in a second call (RUNS=async_s4).
 # MPS=1: every process under CUDA MPS (scripts/gpu/mps.sh), so the two engines' kernels can run side by side.
-# OVERRIDES="k=v ...": megarl overrides for every run (e.g. async.mps_train_percent=60), TAG: a suffix to the names.
+# OVERRIDES="k=v ...": megarl overrides for every run (e.g. async.partial=restart), TAG: a suffix to the run names.
 # ISSUE=25: issue 25's runs on several GPUs instead (scripts/gpu/async_disagg.sh says which; LENGTHS, SERVER_GPUS).
 # Results: $OUT/async_grpo.json (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where
 # matplotlib imports, else run
