@@ -248,12 +248,15 @@ def main() -> None:
 
     from megatron.core import parallel_state
 
-    from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+    from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig, TrainerConfig
     from megarl.engine import MegatronEngine
     from megarl.engine.attention import resolve_core_attention
     from megarl.engine.packing import balanced_partition, pack_micro_batches, sequence_lengths
     from megarl.parallel.state import destroy_parallel, init_parallel
 
+    # the host threads a training rank runs with (TrainWorker): torch's default, one per core of the host, made every
+    # small CPU op of the micro-batch building take milliseconds on a 16-core share of a larger GPU host
+    torch.set_num_threads(TrainerConfig().threads_per_rank)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     attention = resolve_core_attention(args.attention, device, args.cp)
     sp = args.sequence_parallel and args.tp > 1
