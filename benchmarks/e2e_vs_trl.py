@@ -216,7 +216,8 @@ def megarl_command(args, model_dir: Path, prompts: Path, val: Path, completions:
         "trainer.steps": args.megarl_warmup + args.megarl_steps, "trainer.eval_every": 1_000_000,
         "trainer.verify_weight_sync_every": 0, "trainer.loggers": "console,jsonl", "trainer.resume": "none",
         "trainer.cpus_per_rank": 1, "trainer.offload_between_phases": args.offload}
-    return [sys.executable, "-m", "megarl.train", *(f"{k}={v}" for k, v in overrides.items())]
+    extra = getattr(args, "megarl_overrides", [])  # last: they override the benchmark's own
+    return [sys.executable, "-m", "megarl.train", *(f"{k}={v}" for k, v in overrides.items()), *extra]
 
 
 def summarize(steps: list[dict], warmup: int, completions: int, prompt_len: int) -> dict:
@@ -308,6 +309,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward, both sides")
     p.add_argument("--trl-warmup", type=int, default=1)
     p.add_argument("--trl-steps", type=int, default=2)
+    p.add_argument("--megarl-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="megarl config overrides after the benchmark's (e.g. trainer.profile_update=4)")
     p.add_argument("--megarl-warmup", type=int, default=2)
     p.add_argument("--megarl-steps", type=int, default=4)
     p.add_argument("--val-size", type=int, default=8, help="megarl's held-out prompts (scored before and after)")

@@ -242,8 +242,8 @@ def main() -> None:
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS, help="per-GPU peak the MFU divides by")
     parser.add_argument("--skip-bare", action="store_true")
     parser.add_argument("--out", required=True, help="JSON results file")
-    parser.add_argument("--profile", default=None, help="a directory: one more step of each engine under "
-                        "torch.profiler, its op tables and chrome trace there (profile_<loop>_*)")
+    parser.add_argument("--profile", default=None, help="a directory: one more step of each loop under "
+                        "torch.profiler, its op tables and chrome trace there (profile_<loop>/)")
     args = parser.parse_args()
 
     from megatron.core import parallel_state
@@ -354,31 +354,12 @@ def main() -> None:
 
 
 def profiled_step(step, out: Path, name: str, device: str) -> dict:
-    """One more step under torch.profiler: op tables by GPU and by host time and the chrome trace (gzipped) to
-    `out`; returns the step's wall seconds under the profiler and the GPU kernel time in it, whose gap is what the
-    GPU waited for the host (launch-bound micro-batches show it)."""
-    import gzip
-    import shutil
+    """One more step under torch.profiler, its op tables and trace in out/profile_<name>; its wall and GPU seconds."""
+    from megarl.utils.profiling import profiled
 
-    from torch.profiler import ProfilerActivity, profile
-
-    out.mkdir(parents=True, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        start = _sync(device)
+    with profiled(out / f"profile_{name}", device) as summary:
         step()
-        wall = _sync(device) - start
-    averages = prof.key_averages()
-    for key in ("device_time_total", "self_cpu_time_total"):
-        (out / f"profile_{name}_by_{key}.txt").write_text(averages.table(sort_by=key, row_limit=50,
-                                                                          max_name_column_width=70))
-    trace = out / f"profile_{name}_trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
-    trace.unlink()
-    gpu_s = sum(e.self_device_time_total for e in averages) / 1e6  # each kernel once, under the op that launched it
-    return {"wall_s": wall, "gpu_busy_s": gpu_s, "gpu_idle_share": 1 - gpu_s / wall if device == "cuda" else None}
+    return summary
 
 
 def padding_share(mbs: list[dict]) -> dict:

@@ -25,7 +25,7 @@ def tiny_grpo(tmp_path, *overrides):
 
 
 def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
-    trainer = RLTrainer(tiny_grpo(tmp_path, "trainer.verify_weight_sync_every=2"))
+    trainer = RLTrainer(tiny_grpo(tmp_path, "trainer.verify_weight_sync_every=2", "trainer.profile_update=2"))
     try:
         trainer.prepare()
         before = trainer.actor.call("hf_state_dict")[0]
@@ -45,6 +45,12 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
             assert held == {n: weight_sync.tensor_digest(t) for n, t in after.items()}
             before = after
         assert metrics["sync/bytes"] == sum(t.numel() * t.element_size() for t in after.values())
+        # trainer.profile_update=2: the second policy update, and only it, profiled on both ranks
+        assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["update_2_rank_0", "update_2_rank_1"]
+        for rank in (0, 1):
+            files = tmp_path / "profile" / f"update_2_rank_{rank}"
+            assert sorted(f.name for f in files.iterdir()) == ["ops_by_device.txt", "ops_by_host.txt", "trace.json.gz"]
+            assert "aten::mm" in (files / "ops_by_host.txt").read_text()  # the update's own matrix multiplies
 
         # A transport that flips one element of one tensor on the way must not go unnoticed: by the default check
         # (the engine's checksums of what it holds against the sender's, compared in the step after the sync, once

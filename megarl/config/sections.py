@@ -480,6 +480,9 @@ class TrainerConfig:
     seed: int = opt(1, "random seed")
     device: str = opt("auto", "auto, cpu or cuda")
     threads_per_rank: int = opt(1, "torch threads per training rank (CPU)")
+    profile_update: int = opt(0, "the N-th policy update (the RL step N's in the synchronous loop) runs under "
+                                 "torch.profiler on every training rank: ops by GPU and by host time and a chrome "
+                                 "trace in output_dir/profile/update_N_rank_R/; 0 = off")
     cpus_per_rank: float = opt(0.5, "Ray CPUs reserved per training rank")
     loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go")
     sync_bucket_mb: int = opt(1024, "weight-sync bucket size in MiB: the most extra memory a sync takes on a sending "

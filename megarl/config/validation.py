@@ -36,6 +36,9 @@ class ConfigChecks:
                            ("actor.parallel.pp", p.pp)):
             if value < 1:
                 raise ConfigError(f"{key}={value}: must be >= 1")
+        if self.trainer.profile_update < 0:
+            raise ConfigError(f"trainer.profile_update={self.trainer.profile_update}: the N-th policy update to "
+                              "profile (>= 1), or 0 for none")
         batch = self.data.prompts_per_step * self.rollout.n_samples
         mini = self.actor.mini_batch_size or batch
         if batch % mini:

@@ -19,6 +19,7 @@ from megarl.reshard.transfers import transfer_bytes
 from megarl.protocol import Batch
 from megarl.rollout.transports import cuda_ipc
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, check_presharded_tower
+from megarl.utils.profiling import profiled
 from megarl.workers import weight_sync
 
 
@@ -42,6 +43,7 @@ class TrainWorker:
         self.expected = {}  # (delivery, generation TP) -> weight_layout.ExpectedChecksums, kept across syncs
         self.generation_group = None  # sharded delivery: the first generation TP group's CPU (gloo) group
         self.planned_traffic = {}  # delivery -> this rank's bytes of a sync as the planner predicts them (`traffic`)
+        self.policy_updates = 0  # train(loss="policy") calls so far: trainer.profile_update counts them
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for torch.distributed's rendezvous."""
@@ -102,7 +104,11 @@ class TrainWorker:
             return self.engine.compute_rewards(batch)
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
-        with self.out_of_memory_hint():
+        self.policy_updates += loss == "policy"
+        profile = None
+        if loss == "policy" and self.policy_updates == self.cfg.trainer.profile_update:
+            profile = os.path.join(self.cfg.trainer.output_dir, "profile", f"update_{self.policy_updates}_rank_{self.rank}")
+        with self.out_of_memory_hint(), profiled(profile, self.device):
             return self.engine.train(batch, loss=loss, lr=lr)
 
     @contextlib.contextmanager
