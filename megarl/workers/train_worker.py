@@ -107,7 +107,8 @@ class TrainWorker:
         self.policy_updates += loss == "policy"
         profile = None
         if loss == "policy" and self.policy_updates == self.cfg.trainer.profile_update:
-            profile = os.path.join(self.cfg.trainer.output_dir, "profile", f"update_{self.policy_updates}_rank_{self.rank}")
+            profile = os.path.join(self.cfg.trainer.output_dir, "profile",
+                                   f"update_{self.policy_updates}_rank_{self.rank}")
         with self.out_of_memory_hint(), profiled(profile, self.device):
             return self.engine.train(batch, loss=loss, lr=lr)
 
