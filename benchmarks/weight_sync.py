@@ -279,29 +279,18 @@ WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize
 
 
 def profiled(sync: Callable[[], dict], out: Path) -> dict:
-    """One verified sync under torch.profiler (CPU and CUDA, every thread): its chrome trace (gzipped) and a table
-    of the ops and CUDA runtime calls by host time to `out` (profile_trace.json.gz, profile_ops.txt), the sync's
-    own phase split (timed_sync's row) to profile_sync.json; returns the host seconds of each runtime call in
-    WAITS (the calls that wait for the GPU or allocate) and of megarl's phase ranges (record_function
-    "megarl.sync.*"), for the JSON row. The profiler's overhead makes this sync slower than the timed ones."""
-    import gzip
+    """One verified sync under torch.profiler (megarl.utils.profiling: the ops by GPU and by host time and the chrome
+    trace to `out`), the sync's own phase split (timed_sync's row) to profile_sync.json; returns the host seconds of
+    each runtime call in WAITS (the calls that wait for the GPU or allocate) and of megarl's phase ranges
+    (record_function "megarl.sync.*"), for the JSON row. The profiler's overhead makes this sync slower than the
+    timed ones."""
+    from megarl.utils.profiling import profiled as profiling
 
-    from torch.profiler import ProfilerActivity, profile
-
-    out.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profiling(out, "cuda") as summary:
         row = sync()
     (out / "profile_sync.json").write_text(json.dumps({k: v for k, v in row.items() if k != "expected"}, indent=1))
-    averages = prof.key_averages()
-    (out / "profile_ops.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=60,
-                                                        max_name_column_width=80))
-    trace = out / "profile_trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as raw, gzip.open(str(trace) + ".gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
-    trace.unlink()
     found = {}
-    for event in averages:
+    for event in summary["ops"]:
         if event.key.startswith(WAITS) or event.key.startswith("megarl.sync."):
             found[event.key] = dict(calls=event.count, host_s=event.cpu_time_total / 1e6)
     return dict(profiled_sync_s=row["total_s"], profiled_host_calls=found)

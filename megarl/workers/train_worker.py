@@ -104,11 +104,12 @@ class TrainWorker:
             return self.engine.compute_rewards(batch)
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
-        self.policy_updates += loss == "policy"
         profile = None
-        if loss == "policy" and self.policy_updates == self.cfg.trainer.profile_update:
-            profile = os.path.join(self.cfg.trainer.output_dir, "profile",
-                                   f"update_{self.policy_updates}_rank_{self.rank}")
+        if loss == "policy":
+            self.policy_updates += 1
+            if self.policy_updates == self.cfg.trainer.profile_update:
+                profile = os.path.join(self.cfg.trainer.output_dir, "profile",
+                                       f"update_{self.policy_updates}_rank_{self.rank}")
         with self.out_of_memory_hint(), profiled(profile, self.device):
             return self.engine.train(batch, loss=loss, lr=lr)
 
