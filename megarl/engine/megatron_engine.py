@@ -102,6 +102,10 @@ class MegatronEngine:
         # The local spec keeps norms in fp32; Float16Module casts the whole model to bf16 (as
         # Megatron's training loop does) and the outputs of the last stage back to fp32.
         modules = [Float16Module(config, gpt) if self.params_dtype == torch.bfloat16 else gpt for gpt in self.gpts]
+        # ...but not the logits: Float16Module's float32 copy of [positions, V / TP] (6.2 GB at 10240 x 151936) and
+        # that of its gradient are two more passes over the largest tensors of a step; the log-prob kernel and the
+        # value readers compute in float32 from the bf16 values themselves, to the same numbers.
+        self._forward_kwargs = {"fp32_output": False} if self.params_dtype == torch.bfloat16 else {}
         if actor.freeze_vision_tower:
             self._freeze_vision_tower()
         # after the cast: each HF tensor's dtype is its parameter's (DeepSeek-V3's routing bias stays fp32)
@@ -232,7 +236,7 @@ class MegatronEngine:
                 selection.index = mb.get("output_positions")
             try:
                 output = model(context_parallel.local(mb["tokens"]), context_parallel.local(mb["position_ids"]),
-                               mask, packed_seq_params=packed_seq_params, **images)
+                               mask, packed_seq_params=packed_seq_params, **images, **self._forward_kwargs)
             finally:
                 for selection in self._output_positions:
                     selection.index = None

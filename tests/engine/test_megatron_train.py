@@ -111,3 +111,39 @@ def test_train_step_matches_a_single_process_reference(tmp_path):
     assert all(s["lr"] == 3e-2 for s in sft)
     losses = [s["loss"] for s in sft]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+def _bf16_logits_rank(rank, model_dir):
+    from megarl.engine import MegatronEngine, megatron_engine
+
+    real_kernel, seen = megatron_engine.vocab_parallel_logprobs, []
+
+    def spy(logits, *args, **kwargs):
+        seen.append(logits.dtype)
+        return real_kernel(logits, *args, **kwargs)
+
+    megatron_engine.vocab_parallel_logprobs = spy
+    runs = {}
+    for upcast in (True, False):  # Float16Module's float32 logits (megatron's default), then the engine's own
+        engine = MegatronEngine(model_dir, ActorConfig(precision="bf16", micro_batch_size=2), ALGO, "cpu", 1, 10)
+        engine._forward_kwargs = {} if upcast else engine._forward_kwargs
+        seen.clear()
+        batch = rl_batch()
+        batch["old_logprobs"] = engine.compute_logprobs(batch)["logprobs"]
+        metrics = engine.train(batch, loss="policy")
+        weights = {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
+        runs[upcast] = (set(seen), batch["old_logprobs"], metrics, weights)
+    return runs
+
+
+def test_bf16_logits_reach_the_logprob_kernel_without_a_float32_copy(tmp_path):
+    """A bf16 engine hands the LM head's logits to the log-prob kernel in bf16 (the float32 copy Float16Module
+    makes by default is the size of the logits, twice over with its gradient), to the same log-probs, metrics
+    and updated weights, bit for bit."""
+    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True)
+    runs = run_distributed(_bf16_logits_rank, 1, model_dir)
+    (up_dtypes, up_logprobs, up_metrics, up_weights), (dtypes, logprobs, metrics, weights) = runs[True], runs[False]
+    assert up_dtypes == {torch.float32} and dtypes == {torch.bfloat16}
+    assert torch.equal(logprobs, up_logprobs)
+    assert metrics == up_metrics
+    assert all(torch.equal(weights[n], up_weights[n]) for n in up_weights)
