@@ -17,6 +17,9 @@ module on the same packed inputs (megarl.engine.attention.packed_attention_input
 or one_row (one row of --max-tokens per micro-batch, cut to its used length); both runs an engine of each, one
 after the other ("engine", then "engine_one_row" in the JSON). Every loop reports the token slots its
 micro-batches compute against the real tokens in them (padding_share); the bare loop packs in rows.
+--fused-kernels (actor.fused_kernels: SwiGLU and RoPE compiled into one kernel each, GPU only) on, off, or both
+(then "engine_unfused" too); the bare loop runs megatron's defaults (unfused, as megatron without
+TransformerEngine does).
 
 With --sequence-parallel (TP > 1) both run under sequence parallelism, and before timing the engine's
 log-probs are compared with an engine without it holding the same weights (sp_check in the JSON).
@@ -225,6 +228,9 @@ def main() -> None:
                              "(rows; the bare loop too), one row of this many x the longest sequence (one_row, varlen)")
     parser.add_argument("--packing", choices=["rows", "one_row", "both"], default="rows",
                         help="actor.packing of the engine; both: an engine of each, one after the other")
+    parser.add_argument("--fused-kernels", choices=["on", "off", "both"], default="on",
+                        help="actor.fused_kernels of the engine (SwiGLU and RoPE compiled, GPU only); both: an engine "
+                             "of each (the second named ..._unfused)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
@@ -300,12 +306,15 @@ def main() -> None:
             del bare, mbs
             _release(device)
 
-        for packing in ("rows", "one_row") if args.packing == "both" else (args.packing,):
-            name = "engine_one_row" if args.packing == "both" and packing == "one_row" else "engine"
+        packings = ("rows", "one_row") if args.packing == "both" else (args.packing,)
+        fusions = {"on": (True,), "off": (False,), "both": (True, False)}[args.fused_kernels]
+        for packing, fused in ((p, f) for p in packings for f in fusions):
+            name = ("engine_one_row" if args.packing == "both" and packing == "one_row" else "engine") + \
+                ("_unfused" if args.fused_kernels == "both" and not fused else "")
             actor = ActorConfig(parallel=ParallelConfig(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp,
                                                         sequence_parallel=sp),
                                 micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens,
-                                packing=packing,
+                                packing=packing, fused_kernels=fused,
                                 attention=attention, recompute=args.recompute, precision=args.precision,
                                 optim=OptimConfig(lr=1e-5))
             held_before = torch.cuda.memory_allocated() if device == "cuda" else 0  # 0 once the last loop is freed
@@ -317,7 +326,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             results[name] = _report(name, _timed(lambda: engine.train(share, loss="policy"), args.steps,
                                                  args.warmup, device), tokens, flops, gpus, args.peak_flops)
-            results[name]["packing"] = packing
+            results[name] |= {"packing": packing, "fused_kernels": fused}
             if args.profile:
                 results[name]["profile"] = profiled_step(lambda: engine.train(share, loss="policy"),
                                                          Path(args.profile), name, device)

@@ -134,7 +134,7 @@ def main() -> None:
 
 
 def _report(args, device, rows):
-    compiled = device.type in logprobs_module.COMPILE_ON and not logprobs_module._KERNELS.failed
+    compiled = all(k.active(device) for k in (logprobs_module._CHUNK_SUMS, logprobs_module._CHUNK_GRAD))
     return {"commit": source_commit(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "compiled_kernels": compiled,
             "tokens": args.tokens, "vocab": args.vocab, "dtype": "bfloat16", "repeats": args.repeats, "rows": rows}

@@ -118,6 +118,10 @@ class ActorConfig:
                                  "rows by flash attention over cu_seqlens, torch.nn.attention.varlen), sdpa "
                                  "(PyTorch SDPA; packed rows by a block-diagonal mask, no flash kernel) or local "
                                  "(megatron's unfused DotProductAttention)")
+    fused_kernels: bool = opt(True, "on GPU: SwiGLU and RoPE each one kernel (compiled by torch.compile; megatron's "
+                                    "bias_activation_fusion and apply_rope_fusion, the latter through megarl's kernel "
+                                    "where TransformerEngine is absent); false: megatron's unfused torch ops. The CPU "
+                                    "always runs them unfused")
     moe_router_bias_update_rate: float = opt(0.0, "DeepSeek-V3's aux-loss-free load balancing (megatron's "
                                                   "moe_router_enable_expert_bias): after each optimizer update every "
                                                   "MoE layer's e_score_correction_bias moves by this rate towards even "

@@ -22,22 +22,18 @@ each into one kernel over the bf16 chunk (no float32 copy at all), on the CPU th
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
+
+from megarl.utils.compiled import Compiled
 
 # Elements of one chunk's [tokens, V_local] float32 temporary. Run eagerly, forward and backward hold two at
 # a time, so ~1 GiB in all instead of several logits-sized float32 copies (compiled, the chunk's bf16 gradient
 # is the only one); at 151936 columns a chunk is still ~880 tokens, a dozen chunks for a 10240-token
 # micro-batch: too few kernel launches to matter.
 CHUNK_ELEMENTS = 2 ** 27
-# Device types on which the chunk functions are compiled (_Kernels); eager elsewhere.
-COMPILE_ON = ("cuda",)
-
-logger = logging.getLogger(__name__)
 
 
 def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, vocab_size: int, with_entropy: bool,
@@ -69,7 +65,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         sums[-1] = torch.where(owned.reshape(-1), torch.gather(x, 1, local_ids).squeeze(1).to(dtype), 0.0)
         if real:
             for rows in _chunks(n, local):
-                local_max[rows], sums[:-1, rows] = _KERNELS(_chunk_sums, x)(x[rows, :real], dtype, with_entropy)
+                local_max[rows], sums[:-1, rows] = _CHUNK_SUMS(x[rows, :real], dtype, with_entropy)
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
@@ -117,7 +113,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             c = a * entropy.reshape(-1, 1) - g_lp
         log_z, owned = log_z.unsqueeze(-1), owned.reshape(-1, 1)
         for rows in _chunks(x.shape[0], local):
-            grad[rows, :real] = _KERNELS(_chunk_grad, x)(x[rows, :real], log_z[rows], None if a is None else a[rows],
+            grad[rows, :real] = _CHUNK_GRAD(x[rows, :real], log_z[rows], None if a is None else a[rows],
                                                          c[rows])
             # The target's column gets the one-hot term, added in float32 before the one rounding to the
             # logits' dtype; on the ranks that do not own the target, the scatter writes back what is there.
@@ -147,35 +143,10 @@ def _chunk_grad(chunk: Tensor, log_z: Tensor, a: Tensor | None, c: Tensor) -> Te
     return p.mul_(c if a is None else log_p.mul_(a).add_(c)).to(chunk.dtype)
 
 
-class _Kernels:
-    """The chunk functions, compiled by inductor on the device types in COMPILE_ON: each becomes one fused
-    kernel that reads the bf16 chunk once or twice, where eager torch makes a float32 pass per operation
-    (roughly 20 bytes per logit each way instead of 4-6). A compilation that fails is reported once and
-    leaves that function eager."""
-
-    def __init__(self):
-        self.compiled, self.failed = {}, set()
-
-    def __call__(self, fn, like: Tensor):
-        if like.device.type not in COMPILE_ON or fn in self.failed:
-            return fn
-        if fn not in self.compiled:
-            self.compiled[fn] = torch.compile(fn, dynamic=True)
-
-        def call(*args):
-            try:
-                return self.compiled[fn](*args)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # any compiler failure: the eager function is the same math
-                logger.warning("torch.compile of %s failed (%s: %s); running it eagerly", fn.__name__,
-                               type(e).__name__, e)
-                self.failed.add(fn)
-                return fn(*args)
-        return call
-
-
-_KERNELS = _Kernels()
+# inductor makes one fused kernel of each on the GPU, reading the bf16 chunk once or twice, where eager torch
+# makes a float32 pass per operation (roughly 20 bytes per logit each way instead of 4-6)
+_CHUNK_SUMS = Compiled(_chunk_sums, dynamic=True)
+_CHUNK_GRAD = Compiled(_chunk_grad, dynamic=True)
 
 
 def _chunks(n: int, width: int):

@@ -32,7 +32,7 @@ from megarl.config import ActorConfig, AlgorithmConfig
 from megarl.engine import checkpoint, context_parallel, finite, offload, output_positions, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
-from megarl.engine.options import optimizer_config, precision_dtype, with_engine_options
+from megarl.engine.options import optimizer_config, precision_dtype, with_engine_options, with_fused_kernels
 from megarl.engine.packing import (IMAGE_INPUTS, align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
                                    reset_rotary_positions, sequence_lengths, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
@@ -79,7 +79,7 @@ class MegatronEngine:
                                            etp=parallel_state.get_expert_tensor_parallel_world_size(),
                                            first_stage_layers=actor.parallel.pp_first_stage_layers,
                                            last_stage_layers=actor.parallel.pp_last_stage_layers)
-        config = with_engine_options(config, actor)
+        config = with_fused_kernels(with_engine_options(config, actor), actor, device)
         self.core_attention = resolve_core_attention(actor.attention, device, config.context_parallel_size)
         def spec(layer: int):  # each layer's spec by its global index (DeepSeek: dense layers, then MoE)
             return with_core_attention(family.layer_spec(self.hf_config, layer), self.core_attention)

@@ -1,6 +1,6 @@
 """megatron-core's configs from a role's section (actor, critic, reward_model): the TransformerConfig's engine
-options (sequence and context parallelism, virtual pipeline, recompute, router bias updates), the optimizer's
-config, the parameters' dtype."""
+options (sequence and context parallelism, virtual pipeline, recompute, router bias updates, fused kernels), the
+optimizer's config, the parameters' dtype."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 
 from megarl.config import ActorConfig
+from megarl.models import fused_rope
 from megarl.models.router import expert_bias_update_options
 from megarl.parallel.stages import stage_layers
 
@@ -40,6 +42,22 @@ def with_engine_options(config, actor: ActorConfig):
         raise ValueError(f"recompute={actor.recompute!r}: expected none, full or selective")
     if actor.moe_router_bias_update_rate:
         options |= expert_bias_update_options(config, actor.moe_router_bias_update_rate)
+    return dataclasses.replace(config, **options) if options else config
+
+
+def with_fused_kernels(config, actor: ActorConfig, device: str):
+    """On the GPU, with actor.fused_kernels: SwiGLU as megatron's compiled kernel (bias_activation_fusion, each way
+    one pass instead of four or five over the MLP's widest activations) and plain RoPE as megarl's
+    (models/fused_rope.py; not multi-latent attention's, M-RoPE's or interleaved pairs, which keep megatron's
+    path). The CPU runs megatron's unfused ops."""
+    if device != "cuda" or not actor.fused_kernels:
+        return config
+    options = {}
+    if config.gated_linear_unit and config.activation_func is F.silu:
+        options["bias_activation_fusion"] = True
+    if not (config.multi_latent_attention or config.mrope_section or config.rotary_interleaved):
+        fused_rope.install()
+        options["apply_rope_fusion"] = True
     return dataclasses.replace(config, **options) if options else config
 
 

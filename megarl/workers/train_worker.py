@@ -157,19 +157,22 @@ class TrainWorker:
         return self.engine.load_checkpoint(directory)
 
     def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict:
-        """The policy's weights into the rollout engine (`_push_weights`). The memory the allocator caches (the
-        update's activations, this sync's temporary buffers) goes back to the device where a colocated SGLang
-        (synchronous mode) takes memory on this GPU next, or else a policy that fits beside SGLang's share can
-        still leave it no room: with the offload cycle before the sync, for SGLang's weights (a 3B on one H200 held
-        108 GB of cached activations when SGLang took its 6 GB of weights back, and SGLang died); without it after
-        the sync, for SGLang's KV cache (the offload, where on, empties the cache after the sync itself)."""
+        """The policy's weights into the rollout engine (`_push_weights`). Where a colocated SGLang (synchronous
+        mode) takes memory on this GPU next, the memory the allocator caches (the update's activations, this sync's
+        temporary buffers) may have to go back to the device first. With the offload cycle, always, before the
+        sync, for SGLang's weights (a 3B on one H200 held 108 GB of cached activations when SGLang took its 6 GB of
+        weights back, and SGLang died). Without it, after the sync, for SGLang's KV cache, but only where the GPU
+        lacks SGLang's share (rollout.sglang_mem_fraction) outside the cache: handed back every step, the cache is
+        re-made by the next update, ~140 cudaMalloc calls at 0.5B."""
         colocated = self.device == "cuda" and self.cfg.sglang_colocated() and self.cfg.trainer.mode == "sync"
         offload = self.cfg.offload_enabled(self.device)
         if colocated and offload:
             torch.cuda.empty_cache()
         report = self._push_weights(rollout, bucket_bytes, verify, deep)
         if colocated and not offload:
-            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            if free < self.cfg.rollout.sglang_mem_fraction * total:
+                torch.cuda.empty_cache()
         return report
 
     def _push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool) -> dict:

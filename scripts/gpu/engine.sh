@@ -18,6 +18,9 @@
 #   packing_defaults - issue 22 at the defaults (no token budget; micro_batch_size 4): the bare loop and the
 #            engine on padded rows of 4, then one_row's automatic width (4 x the longest, 8192): one_row's MFU
 #            as in `packing`, its peak memory no higher than padded rows'                             (~4 min)
+#   fused  - issue 22: the engine with actor.fused_kernels on and off ("engine", "engine_unfused": SwiGLU and RoPE
+#            compiled, or megatron's unfused ops) beside the bare loop, at the e2e update's batch at 64
+#            completions (0.5B shape, 64 x 640 tokens, 4 micro-batches of 16) and at the 1.4B default    (~4 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
@@ -54,6 +57,13 @@ if phase packing_defaults; then
     --out "$OUT/engine_throughput_packing_defaults.json" > "$OUT/packing_defaults.log" 2>&1
   tail -5 "$OUT/packing_defaults.log"
 fi
+if phase fused; then
+  timeout 200 python3 $BENCH --attention $ATTN --size 0.5b --seq 640 --min-len 640 --sequences 64 --max-tokens 10240 \
+    --micro-batch-size 16 --packing one_row --fused-kernels both --out "$OUT/engine_throughput_fused_0.5b_64x640.json" \
+    > "$OUT/fused_0.5b.log" 2>&1; tail -4 "$OUT/fused_0.5b.log"
+  timeout 300 python3 $BENCH --attention $ATTN --packing one_row --fused-kernels both \
+    --out "$OUT/engine_throughput_fused_1.4b.json" > "$OUT/fused_1.4b.log" 2>&1; tail -4 "$OUT/fused_1.4b.log"
+fi
 if [ "$GPUS" -ge 2 ] && phase tp2; then
   timeout 200 torchrun --nproc-per-node 2 $BENCH --tp 2 --attention $ATTN --out "$OUT/engine_throughput_tp2.json" \
     > "$OUT/tp2.log" 2>&1; tail -4 "$OUT/tp2.log"
@@ -81,7 +91,7 @@ for path in sys.argv[1:]:
     except (OSError, ValueError) as e:
         print(f"| {path.rsplit('/', 1)[-1]} | unreadable: {e} |")
         continue
-    b, e = d.get("bare", {}), d.get("engine", {})
+    b, e, unfused = d.get("bare", {}), d.get("engine", {}), d.get("engine_unfused")
     ms = lambda r: f"{1e3 * r['mean_step_seconds']:.0f}" if r else "-"
     pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"
     sp = d.get("sp_check") or d.get("cp_check")
@@ -91,4 +101,7 @@ for path in sys.argv[1:]:
           f"| {d.get('layout', {}).get('cp', 1)} | {ms(b)} | {pct(b.get('mfu'))} | {ms(e)} "
           f"| {e.get('tokens_per_s_per_gpu', 0):,.0f} | {pct(e.get('mfu'))} | {gib} "
           f"| {pct(d.get('engine_over_bare'))} | {check} |")
+    if unfused:
+        print(f"| ... unfused | | | | | | {ms(unfused)} | {unfused.get('tokens_per_s_per_gpu', 0):,.0f} "
+              f"| {pct(unfused.get('mfu'))} | | {pct(d.get('engine_unfused_over_bare'))} | |")
 PY

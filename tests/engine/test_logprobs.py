@@ -7,6 +7,7 @@ from megatron.core import parallel_state
 
 from megarl.engine import logprobs as logprobs_module
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
+from megarl.utils.compiled import Compiled
 from tests.dist_utils import run_distributed
 
 LOCAL = 12  # padded vocab 24 = TP 2 x 12
@@ -123,13 +124,15 @@ def test_tp2_over_gloo_equals_the_whole_vocabulary():
 
 def test_compiled_chunk_kernels_match_log_softmax(tp1, monkeypatch):
     """The path the GPU takes (inductor-compiled chunk functions), here compiled for the CPU."""
-    monkeypatch.setattr(logprobs_module, "COMPILE_ON", ("cpu",))
-    monkeypatch.setattr(logprobs_module, "_KERNELS", logprobs_module._Kernels())
+    kernels = [Compiled(fn, on=("cpu",), dynamic=True)
+               for fn in (logprobs_module._chunk_sums, logprobs_module._chunk_grad)]
+    monkeypatch.setattr(logprobs_module, "_CHUNK_SUMS", kernels[0])
+    monkeypatch.setattr(logprobs_module, "_CHUNK_GRAD", kernels[1])
     monkeypatch.setattr(logprobs_module, "CHUNK_ELEMENTS", 4 * 2 * LOCAL)
     logits, targets, weights = _inputs(torch.bfloat16)
     ref_logprobs, ref_entropy, ref_grad = _reference(logits, targets, 21, weights)
     logprobs, entropy, grad = _run(logits, targets, 21, weights)
-    assert len(logprobs_module._KERNELS.compiled) == 2 and not logprobs_module._KERNELS.failed
+    assert all(k.compiled is not None and not k.failed for k in kernels)
     assert grad.dtype == torch.bfloat16
     torch.testing.assert_close(logprobs, ref_logprobs.float(), rtol=0, atol=2e-5)
     torch.testing.assert_close(entropy, ref_entropy.float(), rtol=0, atol=2e-5)

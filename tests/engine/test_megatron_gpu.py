@@ -78,3 +78,42 @@ def test_varlen_flash_attention_matches_masked_sdpa_on_packed_rows(tmp_path, mon
             assert abs(masked_step["grad_norm"] - varlen_step["grad_norm"]) < 0.05 * masked_step["grad_norm"]
     finally:
         destroy_parallel()
+
+
+def test_fused_kernels_match_megatrons_unfused_ops(tmp_path):
+    """actor.fused_kernels (the GPU default: SwiGLU and RoPE compiled into one kernel each way) gives the unfused
+    ops' log-probs and, after one policy step from the same weights, their loss, grad norm and weights, to bf16
+    precision."""
+    from megarl.engine import MegatronEngine
+    from megarl.models import fused_rope
+    from megarl.parallel.state import destroy_parallel, init_parallel
+
+    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=False, layers=4)
+    batch = padded_batch(rows=8)
+    batch["advantages"] = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(0))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_parallel(0, 1, "127.0.0.1", port, device="cuda")
+    try:
+        results = {}
+        for fused in (False, True):
+            actor = ActorConfig(micro_batch_size=2, fused_kernels=fused, optim=OptimConfig(lr=1e-3))
+            engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cuda", 1, 10)
+            config = engine.gpt.config
+            assert config.bias_activation_fusion == config.apply_rope_fusion == fused
+            out = engine.compute_logprobs(batch, with_entropy=True)
+            step = engine.train(batch, loss="policy")
+            weights = {n: t.float() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
+            results[fused] = out, step, weights
+            del engine
+        assert fused_rope._ROTATE.compiled is not None and not fused_rope._ROTATE.failed
+        (plain, plain_step, plain_weights), (fused, fused_step, fused_weights) = results[False], results[True]
+        assert (plain["logprobs"] - fused["logprobs"]).abs().max() < 0.05
+        assert (plain["entropy"] - fused["entropy"]).abs().max() < 0.05
+        assert abs(plain_step["loss"] - fused_step["loss"]) < 0.02 * abs(plain_step["loss"]) + 1e-4
+        assert abs(plain_step["grad_norm"] - fused_step["grad_norm"]) < 0.05 * plain_step["grad_norm"]
+        for name, tensor in plain_weights.items():  # lr 1e-3: a step moves each weight by ~1e-3
+            assert (tensor - fused_weights[name]).abs().max() < 2e-2, name
+    finally:
+        destroy_parallel()
