@@ -81,9 +81,9 @@ def test_varlen_flash_attention_matches_masked_sdpa_on_packed_rows(tmp_path, mon
 
 
 def test_fused_kernels_match_megatrons_unfused_ops(tmp_path):
-    """actor.fused_kernels (the GPU default: SwiGLU and RoPE compiled into one kernel each way) gives the unfused
-    ops' log-probs and, after one policy step from the same weights, their loss, grad norm and weights, to bf16
-    precision."""
+    """actor.fused_kernels (the GPU default: SwiGLU and RoPE compiled into one kernel each way) computes what the
+    unfused ops compute: in float32 (bf16 rounds each path differently, by as much as the paths differ from
+    transformers) the log-probs, the entropy and one policy step's loss and grad norm agree to float32 rounding."""
     from megarl.engine import MegatronEngine
     from megarl.models import fused_rope
     from megarl.parallel.state import destroy_parallel, init_parallel
@@ -98,22 +98,18 @@ def test_fused_kernels_match_megatrons_unfused_ops(tmp_path):
     try:
         results = {}
         for fused in (False, True):
-            actor = ActorConfig(micro_batch_size=2, fused_kernels=fused, optim=OptimConfig(lr=1e-3))
+            actor = ActorConfig(micro_batch_size=2, precision="fp32", attention="sdpa",  # flash: 16-bit only
+                                fused_kernels=fused, optim=OptimConfig(lr=1e-3))
             engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cuda", 1, 10)
             config = engine.gpt.config
             assert config.bias_activation_fusion == config.apply_rope_fusion == fused
-            out = engine.compute_logprobs(batch, with_entropy=True)
-            step = engine.train(batch, loss="policy")
-            weights = {n: t.float() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
-            results[fused] = out, step, weights
+            results[fused] = engine.compute_logprobs(batch, with_entropy=True), engine.train(batch, loss="policy")
             del engine
         assert fused_rope._ROTATE.compiled is not None and not fused_rope._ROTATE.failed
-        (plain, plain_step, plain_weights), (fused, fused_step, fused_weights) = results[False], results[True]
-        assert (plain["logprobs"] - fused["logprobs"]).abs().max() < 0.05
-        assert (plain["entropy"] - fused["entropy"]).abs().max() < 0.05
-        assert abs(plain_step["loss"] - fused_step["loss"]) < 0.02 * abs(plain_step["loss"]) + 1e-4
-        assert abs(plain_step["grad_norm"] - fused_step["grad_norm"]) < 0.05 * plain_step["grad_norm"]
-        for name, tensor in plain_weights.items():  # lr 1e-3: a step moves each weight by ~1e-3
-            assert (tensor - fused_weights[name]).abs().max() < 2e-2, name
+        (plain, plain_step), (fused, fused_step) = results[False], results[True]
+        assert (plain["logprobs"] - fused["logprobs"]).abs().max() < 1e-4
+        assert (plain["entropy"] - fused["entropy"]).abs().max() < 1e-4
+        assert abs(plain_step["loss"] - fused_step["loss"]) < 1e-4 * abs(plain_step["loss"]) + 1e-6
+        assert abs(plain_step["grad_norm"] - fused_step["grad_norm"]) < 1e-4 * plain_step["grad_norm"]
     finally:
         destroy_parallel()
