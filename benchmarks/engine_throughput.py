@@ -4,7 +4,7 @@ A random-initialised Qwen2-architecture policy (default: the ~1.4B shape of note
 16 layers, hidden 2048, 16 heads, 8 KV groups, FFN 5632, vocab 151936, untied) trains for a few steps
 on random token sequences of lengths in [--min-len, --seq], packed into micro-batches of at most
 --max-tokens tokens, bf16 on GPU. Packed rows attend through --attention (auto: varlen on GPU): varlen is
-flash attention over the rows' cu_seqlens (torch.nn.attention.varlen); sdpa is PyTorch SDPA with the
+flash attention over the rows' cu_seqlens (aten's flash kernels); sdpa is PyTorch SDPA with the
 block-diagonal causal mask (no flash kernel takes a mask). Both loops below use the same core-attention
 module on the same packed inputs (megarl.engine.attention.packed_attention_inputs):
 

@@ -115,7 +115,7 @@ class ActorConfig:
                                       "and with TransformerEngine installed mla_up_proj (MLA models) and layernorm; "
                                       "empty = [core_attn]")
     attention: str = opt("auto", "core attention: auto (varlen on GPU, local on CPU), varlen (PyTorch SDPA; packed "
-                                 "rows by flash attention over cu_seqlens, torch.nn.attention.varlen), sdpa "
+                                 "rows by flash attention over cu_seqlens, aten's kernels), sdpa "
                                  "(PyTorch SDPA; packed rows by a block-diagonal mask, no flash kernel) or local "
                                  "(megatron's unfused DotProductAttention)")
     fused_kernels: bool = opt(True, "on GPU: SwiGLU and RoPE each one kernel (compiled by torch.compile; megatron's "

@@ -9,8 +9,8 @@ One module, SDPAttention, three ways in (megatron's core-attention signature):
   to SDPA's convention (True = allowed): masked SDPA, which no flash kernel takes;
 - packed_seq_params in the 'sbhd' layout (megatron passes it through to core attention untouched) with
   cu_seqlens over the flattened rows: variable-length causal attention, each segment alone. On CUDA that
-  is torch.nn.attention.varlen (flash attention over cu_seqlens, CUDA only); elsewhere a per-segment SDPA
-  loop, slow, but the same code path for the CPU tests.
+  is aten's flash attention over cu_seqlens (flash_varlen, CUDA only); elsewhere a per-segment SDPA loop, slow,
+  but the same code path for the CPU tests.
 `attention` (config): local (megatron's), sdpa (packed rows by mask), varlen (packed rows by cu_seqlens).
 
 Under context parallelism (context_parallel.py) SDPAttention gathers the keys and values of the whole row
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import math
 
 import torch
@@ -93,45 +92,48 @@ class SDPAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
 
-@functools.cache
-def _varlen_parameters() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
 def varlen_available() -> bool:
-    """torch.nn.attention.varlen (torch >= 2.9) is importable and a GPU is present."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        _varlen_parameters()
-    except ImportError:
-        return False
-    return True
+    """aten's flash attention over cu_seqlens (flash_varlen) runs here: a GPU is present."""
+    return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
 def flash_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
-    """Causal flash attention over the segments of cu_seqlens; q [T, heads, d], k and v [T, groups, d].
-    torch.nn.attention.varlen's signature moved between releases (is_causal -> window_size, enable_gqa,
-    scale): what this torch's takes is read from its signature."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = _varlen_parameters()
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif not math.isclose(scale, q.shape[-1] ** -0.5):
-        raise ValueError(f"this torch's varlen_attn has no scale argument; the model needs {scale}")
+    """Causal flash attention over the segments of cu_seqlens; q [T, heads, d], k and v [T, groups, d] (grouped-query
+    attention as is: the kernel reads each group's keys for its heads)."""
     v_dim = v.shape[-1]
     if v_dim != q.shape[-1]:  # multi-latent attention: flash kernels take one head dim, so pad v and cut back
         v = F.pad(v, (0, q.shape[-1] - v_dim))
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)[..., :v_dim]
+    return _FlashVarlen.apply(q, k, v, cu_seqlens, max_seqlen, scale)[..., :v_dim]
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """aten's two flash kernels over cu_seqlens, called directly. torch.nn.attention.varlen calls the same two, but
+    through custom ops whose Python dispatch and autograd wrappers cost ~0.65 ms of host time per layer call
+    (forward and backward, profiled): at a 0.5B model and 10k-token micro-batches, where the update is bound by
+    the host, ~60 ms of a 540 ms step. No dropout (_varlen refuses it), so the random state is never read."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        unused = _no_random_state(q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen, 0.0,
+            True, unused[0], unused[1], scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+@functools.cache
+def _no_random_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash backward's random-state arguments, unread without dropout (made once per device)."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
 def segment_sdpa(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
@@ -155,7 +157,7 @@ def with_core_attention(spec, core_attention: str):
 
 
 def resolve_core_attention(name: str, device: str, context_parallel_size: int = 1) -> str:
-    """'auto': varlen on GPU (sdpa where this torch has no torch.nn.attention.varlen); megatron's own
+    """'auto': varlen on GPU (sdpa where this torch has no flash kernel over cu_seqlens); megatron's own
     attention on CPU (the reference the tests compare with); sdpa under context parallelism, the only
     core attention that runs it."""
     if name not in ("auto", *CORE_ATTENTIONS):

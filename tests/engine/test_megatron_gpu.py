@@ -41,14 +41,14 @@ def test_bf16_engine_on_one_gpu(tmp_path):
 
 
 def test_varlen_flash_attention_matches_masked_sdpa_on_packed_rows(tmp_path, monkeypatch):
-    """Packed micro-batches: torch.nn.attention.varlen over cu_seqlens (what attention=auto picks on a GPU)
+    """Packed micro-batches: aten's flash attention over cu_seqlens (what attention=auto picks on a GPU)
     gives masked SDPA's log-probs and, after one SFT step from the same weights, its loss and grad norm; so does
     actor.packing=one_row (one row per micro-batch, trimmed, the LM head at real positions only), also with its
     automatic width (no token budget, the defaults: 2 x 12 tokens)."""
     from megarl.engine import MegatronEngine, attention
     from megarl.parallel.state import destroy_parallel, init_parallel
 
-    assert attention.resolve_core_attention("auto", "cuda") == "varlen", "torch.nn.attention.varlen is unusable"
+    assert attention.resolve_core_attention("auto", "cuda") == "varlen", "no flash attention over cu_seqlens"
     calls = []
     flash = attention.flash_varlen
     monkeypatch.setattr(attention, "flash_varlen", lambda *args: calls.append(1) or flash(*args))
@@ -113,3 +113,24 @@ def test_fused_kernels_match_megatrons_unfused_ops(tmp_path):
         assert abs(plain_step["grad_norm"] - fused_step["grad_norm"]) < 1e-4 * plain_step["grad_norm"]
     finally:
         destroy_parallel()
+
+
+def test_flash_varlen_matches_per_segment_sdpa_with_gqa_and_a_narrower_value_head():
+    """aten's flash kernels over cu_seqlens, called directly (flash_varlen), against one causal SDPA per segment:
+    outputs and gradients, with grouped-query heads and multi-latent attention's narrower value head."""
+    from megarl.engine.attention import flash_varlen, segment_sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cu_seqlens = torch.tensor([0, 5, 17, 18, 40], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(40, heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+               for heads, dim in ((4, 16), (2, 16), (2, 8)))
+    upstream = torch.randn(40, 4, 8, generator=g, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for kernel in (flash_varlen, segment_sdpa):
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = kernel(*inputs, cu_seqlens, 22, 0.3)
+        out.backward(upstream)
+        results.append([out.detach(), *(x.grad for x in inputs)])
+    for flash, reference in zip(*results):
+        assert flash.shape == reference.shape
+        torch.testing.assert_close(flash.float(), reference.float(), rtol=0.02, atol=0.02)
