@@ -110,7 +110,8 @@ class _FlashVarlen(torch.autograd.Function):
     """aten's two flash kernels over cu_seqlens, called directly. torch.nn.attention.varlen calls the same two, but
     through custom ops whose Python dispatch and autograd wrappers cost ~0.65 ms of host time per layer call
     (forward and backward, profiled): at a 0.5B model and 10k-token micro-batches, where the update is bound by
-    the host, ~60 ms of a 540 ms step. No dropout (_varlen refuses it), so the random state is never read."""
+    the host, the engine's step went from 565 to 393 ms without them (docs/benchmarks.md). No dropout (_varlen
+    refuses it), so the random state is never read."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
