@@ -113,8 +113,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             c = a * entropy.reshape(-1, 1) - g_lp
         log_z, owned = log_z.unsqueeze(-1), owned.reshape(-1, 1)
         for rows in _chunks(x.shape[0], local):
-            grad[rows, :real] = _CHUNK_GRAD(x[rows, :real], log_z[rows], None if a is None else a[rows],
-                                                         c[rows])
+            grad[rows, :real] = _CHUNK_GRAD(x[rows, :real], log_z[rows], None if a is None else a[rows], c[rows])
             # The target's column gets the one-hot term, added in float32 before the one rounding to the
             # logits' dtype; on the ranks that do not own the target, the scatter writes back what is there.
             log_p_t = x[rows].gather(1, local_ids[rows]) - log_z[rows]
