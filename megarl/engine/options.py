@@ -49,11 +49,13 @@ def with_fused_kernels(config, actor: ActorConfig, device: str):
     """On the GPU, with actor.fused_kernels: SwiGLU as megatron's compiled kernel (bias_activation_fusion, each way
     one pass instead of four or five over the MLP's widest activations) and plain RoPE as megarl's
     (models/fused_rope.py; not multi-latent attention's, M-RoPE's or interleaved pairs, which keep megatron's
-    path). The CPU runs megatron's unfused ops."""
+    path). Mixture-of-experts models keep megatron's unfused SwiGLU: their experts take the routing weights
+    into it (megatron's weighted variant, compiled per expert's token count), which has not run on a GPU here.
+    The CPU runs megatron's unfused ops."""
     if device != "cuda" or not actor.fused_kernels:
         return config
     options = {}
-    if config.gated_linear_unit and config.activation_func is F.silu:
+    if config.gated_linear_unit and config.activation_func is F.silu and not config.num_moe_experts:
         options["bias_activation_fusion"] = True
     if not (config.multi_latent_attention or config.mrope_section or config.rotary_interleaved):
         fused_rope.install()

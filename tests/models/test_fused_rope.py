@@ -63,3 +63,4 @@ def test_fused_kernels_on_the_gpu_only_and_where_the_model_allows(monkeypatch):
     assert rope_utils.fused_apply_rotary_pos_emb is fused_rope.fused_apply_rotary_pos_emb
     assert fusions(_config(mrope_section=[2, 1, 1])) == (True, False)  # Qwen2-VL: megatron's own M-RoPE
     assert fusions(_config(gated_linear_unit=False, activation_func=F.gelu)) == (False, True)
+    assert fusions(_config(num_moe_experts=4, moe_router_topk=2)) == (False, True)  # experts: unfused SwiGLU
