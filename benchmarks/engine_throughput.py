@@ -58,12 +58,12 @@ import json
 import os
 import socket
 import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from megarl.utils.profiling import profiled, synced_now
 from megarl.utils.provenance import source_commit
 
 PEAK_FLOPS = 989e12  # bf16 dense, one H100/H200 SXM
@@ -117,18 +117,12 @@ def random_batch(n: int, min_len: int, max_len: int, vocab: int, seed: int):
                   "advantages": advantages, "old_logprobs": torch.zeros(n, max_len)}), lengths.tolist()
 
 
-def _sync(device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def _timed(step, steps: int, warmup: int, device: str) -> list[float]:
     times = []
     for i in range(warmup + steps):
-        start = _sync(device)
+        start = synced_now(device)
         step()
-        end = _sync(device)
+        end = synced_now(device)
         if i >= warmup:
             times.append(end - start)
     return times
@@ -364,8 +358,6 @@ def main() -> None:
 
 def profiled_step(step, out: Path, name: str, device: str) -> dict:
     """One more step under torch.profiler, its op tables and trace in out/profile_<name>; its wall seconds."""
-    from megarl.utils.profiling import profiled
-
     with profiled(out / f"profile_{name}", device) as summary:
         step()
     return {"wall_s": summary["wall_s"]}

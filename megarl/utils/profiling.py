@@ -13,7 +13,8 @@ from typing import Iterator
 import torch
 
 
-def _now(device: str) -> float:
+def synced_now(device: str) -> float:
+    """perf_counter once the device's queued work is done (a GPU runs behind the host)."""
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
@@ -34,9 +35,9 @@ def profiled(directory: Path | str | None, device: str) -> Iterator[dict]:
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
-        start = _now(device)
+        start = synced_now(device)
         yield summary
-        summary["wall_s"] = _now(device) - start
+        summary["wall_s"] = synced_now(device) - start
     averages = summary["ops"] = prof.key_averages()
     for name, key in (("ops_by_device", "device_time_total"), ("ops_by_host", "self_cpu_time_total")):
         (out / f"{name}.txt").write_text(averages.table(sort_by=key, row_limit=50, max_name_column_width=70))
