@@ -232,10 +232,13 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
                                                      expected if verified else None, collect)
     first = sync(True)
     plain, checked = [], []
-    for _ in range(rounds):
-        plain.append(sync(False))
-        checked.append(sync(True))
+    for i in range(rounds):  # the order alternates, so neither kind always follows the other
+        for verified in (False, True) if i % 2 == 0 else (True, False):
+            (checked if verified else plain).append(sync(verified))
     median = lambda rows, k: statistics.median(r[k] for r in rows)
+    # each round's own difference: the machine's drift over the rounds (wider than the cost at 7B) cancels
+    paired = sorted(c["total_s"] - p["total_s"] for p, c in zip(plain, checked))
+    quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
     fields = [line.split(CHECKSUM_TIMING + ":")[1].split()
               for line in Path(engine.servers[0].log_path).read_text(errors="replace").splitlines()
               if CHECKSUM_TIMING in line]  # each collection inside SGLang's TP worker: params, seconds, sums' GPU s
@@ -260,7 +263,9 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
     collect, compare = median(checked, "collect_s"), median(checked, "compare_s")
     return dict(checksums_verified=True, unverified_sync_s=unverified, verified_sync_s=verified,
                 unverified_trials_s=[r["total_s"] for r in plain], verified_trials_s=[r["total_s"] for r in checked],
-                checksum_verify_s=verified - unverified, deferred_collect_s=collect, deferred_compare_s=compare,
+                checksum_verify_s=verified - unverified, paired_verify_s=statistics.median(paired),
+                paired_verify_quartiles_s=[quartiles[0], quartiles[2]], deferred_collect_s=collect,
+                deferred_compare_s=compare,
                 verify_with_deferred_s=verified - unverified + collect + compare,
                 first_verify_s=first["total_s"] - unverified,
                 verified_posts_s=median(checked, "posts_s"), unverified_posts_s=median(plain, "posts_s"),
@@ -500,8 +505,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "check: reload from a file)")
     parser.add_argument("--checksums", action="store_true", help="time the default verification (checksums inside "
                         "SGLang against the sender's) after each format's syncs, and check a flipped bit is named")
-    parser.add_argument("--verify-rounds", type=int, default=5, help="with --checksums: rounds of one unverified "
-                        "and one verified sync, whose medians' difference is the verification's cost")
+    parser.add_argument("--verify-rounds", type=int, default=25, help="with --checksums: rounds of one unverified "
+                        "and one verified sync (in alternating order), whose medians' difference is the verification's "
+                        "cost; also the median (and quartiles) of each round's own difference")
     parser.add_argument("--profile-dir", default="", help="with --checksums: one more verified sync under "
                         "torch.profiler, its trace and op table written here (`profiled`)")
     parser.add_argument("--prompts", type=int, default=128)

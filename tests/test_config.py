@@ -30,6 +30,18 @@ def test_wrong_type_names_the_key():
         load_config(None, ["actor.parallel.tp=1.5"])
 
 
+def test_env_sections_are_checked_by_key():
+    cfg = load_config(None, ["trainer.worker_env={NCCL_DEBUG: INFO}", "rollout.sglang_env={CUDA_MPS_CLIENT_PRIORITY: 0}"])
+    assert cfg.trainer.worker_env == {"NCCL_DEBUG": "INFO"} and cfg.rollout.sglang_env == {"CUDA_MPS_CLIENT_PRIORITY": 0}
+    with pytest.raises(ConfigError, match=r"trainer.worker_env: '1X' is not an environment variable name"):
+        load_config(None, ["trainer.worker_env={1X: a}"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang_env: CUDA_VISIBLE_DEVICES is set by megarl"):
+        load_config(None, ["rollout.sglang_env={CUDA_VISIBLE_DEVICES: '0'}"])
+    with pytest.raises(ConfigError, match=r"rollout.sglang_env.A=\[1\]: an environment variable's value must be"):
+        load_config(None, ["rollout.sglang_env={A: [1]}"])
+    with pytest.raises(ConfigError, match=r"trainer.worker_env=\[.A.\]: expected a mapping"):
+        load_config(None, ["trainer.worker_env=[A]"])
+
 def test_extra_sglang_arguments_reach_the_server_and_megarls_own_are_refused():
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--cuda-graph-max-bs-decode, 512]"])
     assert cfg.rollout.sglang_args == ["--cuda-graph-max-bs-decode", 512]

@@ -318,6 +318,8 @@ class RolloutConfig:
                                 "come after megarl's own and override its defaults (triton attention, pytorch "
                                 "sampling, decode CUDA graphs up to each server's share of the step's batch when "
                                 "that passes SGLang's 256 rows); the ones megarl manages are refused")
+    sglang_env: dict = opt({}, "SGLang: environment variables of every server process, beside the ones megarl sets "
+                               "(CUDA_VISIBLE_DEVICES is megarl's), e.g. {CUDA_MPS_CLIENT_PRIORITY: 0}")
     deterministic: bool = opt(False, "SGLang: deterministic inference (--enable-deterministic-inference: batch-invariant "
                                      "kernels, attention backend triton (megarl's), fa3 or flashinfer) and a sampling "
                                      "seed per response from (trainer.seed, policy version, prompt, sample), so a "
@@ -487,6 +489,9 @@ class TrainerConfig:
     profile_update: int = opt(0, "the N-th policy update (the RL step N's in the synchronous loop) runs under "
                                  "torch.profiler on every training rank: ops by GPU and by host time and a chrome "
                                  "trace in output_dir/profile/update_N_rank_R/; 0 = off")
+    worker_env: dict = opt({}, "environment variables of every training process, set when its Ray actor starts "
+                               "(e.g. {NCCL_DEBUG: INFO}; under CUDA MPS {CUDA_MPS_CLIENT_PRIORITY: 1} puts training "
+                               "below a colocated SGLang server's generation: docs/async.md); CUDA_VISIBLE_DEVICES is Ray's")
     cpus_per_rank: float = opt(0.5, "Ray CPUs reserved per training rank")
     loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go")
     sync_bucket_mb: int = opt(1024, "weight-sync bucket size in MiB: the most extra memory a sync takes on a sending "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +25,26 @@ PACKING_LAYOUTS = ("rows", "one_row")
 
 class ConfigError(ValueError):
     """A bad option: the message names the key."""
+
+
+def check_env(key: str, env: dict) -> None:
+    """Environment variables a config sets in processes megarl starts: names as the shell takes them, scalar
+    values (env_strings gives them as strings), and not CUDA_VISIBLE_DEVICES (Ray's and megarl's to set)."""
+    if not isinstance(env, dict):
+        raise ConfigError(f"{key}={env!r}: expected a mapping of variable names to values, e.g. {{NAME: value}}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError(f"{key}: {name!r} is not an environment variable name")
+        if name == "CUDA_VISIBLE_DEVICES":
+            raise ConfigError(f"{key}: CUDA_VISIBLE_DEVICES is set by megarl and Ray (trainer.placement, "
+                              "rollout.sglang_gpus)")
+        if not isinstance(value, (str, int, float, bool)):
+            raise ConfigError(f"{key}.{name}={value!r}: an environment variable's value must be a string or a number")
+
+
+def env_strings(env: dict) -> dict[str, str]:
+    """A checked env section as the process gets it (booleans as 1 or 0)."""
+    return {name: str(int(value)) if isinstance(value, bool) else str(value) for name, value in env.items()}
 
 
 class ConfigChecks:
@@ -63,6 +84,8 @@ class ConfigChecks:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
         self._validate_weight_delivery()
         self._validate_sglang_args()
+        for key, env in (("trainer.worker_env", self.trainer.worker_env), ("rollout.sglang_env", self.rollout.sglang_env)):
+            check_env(key, env)
         self._validate_disaggregated()
         a = self.algorithm
         if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:

@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import Config
+from megarl.config.validation import env_strings
 from megarl.protocol import Batch
 from megarl.workers.rollout_worker import RolloutWorker
 from megarl.engine.packing import balanced_partition, sequence_lengths
@@ -112,10 +113,11 @@ class TrainGroup:
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
         ray.get(self.pg.ready(), timeout=300)
         actor = ray.remote(TrainWorker)
+        env = env_strings(cfg.trainer.worker_env)
         self.workers = [
             actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, cfg, model_path, device,
-                                                                                     role)
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
+                          **({"runtime_env": {"env_vars": env}} if env else {})).remote(i, cfg, model_path, device, role)
             for i in range(n)]
         self.info = []
         addr, port = self._get_all([self.workers[0].address.remote()], "address (the first call: the actor's start)")[0]

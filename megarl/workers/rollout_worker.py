@@ -24,6 +24,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
 
         import ray
 
+        from megarl.config.validation import env_strings
         from megarl.rollout.sglang import SGLangRolloutEngine
         r = cfg.rollout
         # colocated: on the trainer's GPUs (`gpus`), SGLang gives its KV cache back between rollouts;
@@ -39,6 +40,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
                                    # the asynchronous modes generate beside training: the KV cache stays
                                    release_kv=colocated and cfg.trainer.mode == "sync",
                                    dtype="float32" if cfg.actor.precision == "fp32" else "bfloat16",
+                                   env=env_strings(r.sglang_env),
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")

@@ -223,6 +223,11 @@ for name in ("sync_7b", "sync_0.5b"):  # where a verified sync's extra time goes
     path = out / f"{name}.json"
     rows = json.loads(path.read_text()).get("results", []) if path.exists() else []
     for r in (r for r in rows if r.get("checksums_verified")):
+        if "paired_verify_s" in r:
+            q = r["paired_verify_quartiles_s"]
+            print(f"{r['model']}: each round's own difference (verified - unverified), median "
+                  f"{r['paired_verify_s']:.4f} s ({r['paired_verify_s'] / r['unverified_sync_s']:.3f} of the sync), "
+                  f"quartiles {q[0]:.4f} / {q[1]:.4f} s over {len(r['unverified_trials_s'])} rounds")
         print(f"{r['model']}: pack s verified {r['verified_pack_s']:.4f} / not {r['unverified_pack_s']:.4f}; posts s "
               f"verified {r['verified_posts_s']:.4f} / not {r['unverified_posts_s']:.4f}; SGLang's loads s verified "
               f"{r.get('verified_server_load_s', float('nan')):.4f} / not "

@@ -74,7 +74,7 @@ def ray_with_fake_sglang(tmp_path_factory):
     ray.shutdown()
 
 
-def rollout_actor(tmp_path, name: str):
+def rollout_actor(tmp_path, name: str, overrides: tuple = ()):
     import ray
 
     from megarl.workers.group import start_rollout
@@ -83,7 +83,7 @@ def rollout_actor(tmp_path, name: str):
     model.mkdir()
     (tmp_path / "out").mkdir(exist_ok=True)  # the trainer makes it before the actors start
     cfg = load_config(None, ["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}",
-                             "trainer.verify_weight_sync_every=0"])
+                             "trainer.verify_weight_sync_every=0", *overrides])
     actor = start_rollout(cfg, str(model), "cpu")
     ray.get(actor.resident_bytes.remote(), timeout=120)  # constructed: the server is up
     (pair,) = servers_of(str(model))
@@ -93,8 +93,9 @@ def rollout_actor(tmp_path, name: str):
 def test_stop_rollout_shuts_the_engine_servers_down(ray_with_fake_sglang, tmp_path):
     from megarl.workers.group import stop_rollout
 
-    actor, (guard, server) = rollout_actor(tmp_path, "model-stop")
+    actor, (guard, server) = rollout_actor(tmp_path, "model-stop", ("rollout.sglang_env={MEGARL_ENV_PROBE: 7}",))
     assert process_alive(guard) and process_alive(server)
+    assert b"\0MEGARL_ENV_PROBE=7\0" in Path(f"/proc/{server}/environ").read_bytes()  # the config's env reached it
     stop_rollout(actor)  # what RLTrainer.shutdown does
     # gone when it returns: the engine shut them down (the guards would take a second or more after ray.kill)
     assert [pid for pid in (guard, server) if process_alive(pid)] == []

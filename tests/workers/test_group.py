@@ -76,10 +76,14 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_stopped_rank_fails_the_call_at_its_deadline_naming_it_and_every_rank_is_killed(tmp_path, ray_local):
-    cfg = load_config(QUICKSTART, [f"trainer.output_dir={tmp_path}", "actor.parallel.tp=1"])
+    cfg = load_config(QUICKSTART, [f"trainer.output_dir={tmp_path}", "actor.parallel.tp=1",
+                                   "trainer.worker_env={MEGARL_ENV_PROBE: 7, MEGARL_FLAG: true}"])
     model = make_qwen2_dir(tmp_path / "model", tied=False, layers=1)
     group = TrainGroup(cfg, model, "cpu", total_steps=1)  # DP=2: train all-reduces across the two
     pids = [info["pid"] for info in group.info]
+    for pid in pids:  # trainer.worker_env reached every rank
+        assert {k: psutil.Process(pid).environ().get(k) for k in ("MEGARL_ENV_PROBE", "MEGARL_FLAG")} == \
+            {"MEGARL_ENV_PROBE": "7", "MEGARL_FLAG": "1"}
     group.timeout = 3.0  # trainer.worker_timeout_s, short for the test (set-up had the default)
     os.kill(pids[1], signal.SIGSTOP)
     batch = padded_batch(rows=4)
