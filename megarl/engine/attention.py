@@ -7,10 +7,10 @@ One module, SDPAttention, three ways in (megatron's core-attention signature):
   the key and value heads): rows that hold one sequence each;
 - megatron's boolean mask (True = not allowed; the block-diagonal causal mask of packed rows), inverted
   to SDPA's convention (True = allowed): masked SDPA, which no flash kernel takes;
-- packed_seq_params in the 'sbhd' layout (megatron passes it through to core attention untouched) with
-  cu_seqlens over the flattened rows: variable-length causal attention, each segment alone. On CUDA that
-  is aten's flash attention over cu_seqlens (flash_varlen, CUDA only); elsewhere a per-segment SDPA loop, slow,
-  but the same code path for the CPU tests.
+- packed_seq_params in the 'sbhd' layout (megatron passes it through to core attention untouched; multi-latent
+  attention's in 'thd', [tokens, heads, d]) with cu_seqlens over the flattened rows: variable-length causal
+  attention, each segment alone. On CUDA that is aten's flash attention over cu_seqlens (flash_varlen, CUDA
+  only); elsewhere a per-segment SDPA loop, slow, but the same code path for the CPU tests.
 `attention` (config): local (megatron's), sdpa (packed rows by mask), varlen (packed rows by cu_seqlens).
 
 Under context parallelism (context_parallel.py) SDPAttention gathers the keys and values of the whole row
@@ -80,14 +80,17 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _varlen(self, query, key, value, params: PackedSeqParams):
-        if params.qkv_format != "sbhd":
-            raise ValueError(f"SDPAttention takes packed_seq_params in the 'sbhd' layout, not {params.qkv_format!r}")
+        if params.qkv_format not in ("sbhd", "thd"):
+            raise ValueError(f"SDPAttention takes packed_seq_params in the 'sbhd' or 'thd' layout, not "
+                             f"{params.qkv_format!r}")
         if self.dropout and self.training:
             raise ValueError("attention dropout is not supported with attention=varlen: use attention=sdpa")
+        kernel = flash_varlen if query.is_cuda else segment_sdpa
+        if params.qkv_format == "thd":  # [T, heads, d] in and out (multi-latent attention reshapes it itself)
+            return kernel(query, key, value, params.cu_seqlens_q, params.max_seqlen_q, self.scale)
         s, b = query.shape[:2]
         # [s, b, heads, d] -> [b * s, heads, d]: the rows back to back, as cu_seqlens counts them
         q, k, v = (x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value))
-        kernel = flash_varlen if q.is_cuda else segment_sdpa
         out = kernel(q, k, v, params.cu_seqlens_q, params.max_seqlen_q, self.scale)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
@@ -175,12 +178,15 @@ def resolve_core_attention(name: str, device: str, context_parallel_size: int = 
     return name
 
 
-def packed_attention_inputs(core_attention: str, mb: dict):
+def packed_attention_inputs(core_attention: str, mb: dict, latent: bool = False):
     """(attention_mask, packed_seq_params) for GPTModel.forward on micro-batch `mb` (packing.py).
     sdpa and varlen run rows of one sequence each as plain causal attention (no mask); packed rows go by
     the block-diagonal mask (local, sdpa) or by cu_seqlens (varlen). max_seqlen is the row width: megatron
     sizes its RoPE table by it, and the kernels take it as a bound. Under context parallelism every row goes
-    by the mask of this rank's queries over the whole row's keys."""
+    by the mask of this rank's queries over the whole row's keys.
+    `latent` (multi-latent attention): cu_seqlens in megatron's 'thd' layout, the only one its MLA takes packed
+    (it drops the row dimension for any packed_seq_params, and applies RoPE by cu_seqlens only under 'thd');
+    other attention keeps 'sbhd', which megatron passes to the core attention untouched."""
     from megarl.engine.packing import block_causal_mask
 
     if context_parallel.size() > 1:
@@ -189,6 +195,6 @@ def packed_attention_inputs(core_attention: str, mb: dict):
         return None, None
     if core_attention == "varlen":
         width = mb["tokens"].shape[1]
-        return None, PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+        return None, PackedSeqParams(qkv_format="thd" if latent else "sbhd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
                                      max_seqlen_q=width, max_seqlen_kv=width)
     return block_causal_mask(mb["doc_ids"]), None

@@ -230,7 +230,8 @@ class MegatronEngine:
         """megatron's schedule over the micro-batches; the loss_fn outputs (last stage only)."""
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            mask, packed_seq_params = packed_attention_inputs(self.core_attention, mb)
+            mask, packed_seq_params = packed_attention_inputs(self.core_attention, mb,
+                                                              self.gpt.config.multi_latent_attention)
             images = {k: mb[k] for k in IMAGE_INPUTS if k in mb}  # a vision-language model's (packing.py)
             for selection in self._output_positions:
                 selection.index = mb.get("output_positions")

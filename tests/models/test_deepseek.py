@@ -2,7 +2,8 @@
 
 One 2-rank gloo job changes layout in place: TP=2, PP=2 (layer 0 on one stage, layer 1 on the other: with a dense
 first layer and a MoE second one each stage builds its own layers' specs), DP=2 with packed rows (several sequences
-per row: restarted positions, block-diagonal mask) under megatron's core attention and megarl's SDPA, TP=2 with
+per row: restarted positions, block-diagonal mask) under megatron's core attention, megarl's SDPA and its varlen
+kernel (cu_seqlens, the layout of the GPU's flash attention), TP=2 with
 sequence parallelism, and EP=2. Per case and layout: log-probs and entropy equal transformers' (< 1e-5), and the
 weights exported back to HF names are bitwise the checkpoint's. A second job trains one SFT Adam step at TP=2,
 with and without SP, equal to transformers + torch Adam: MLA's replicated latent norms and down projections get
@@ -22,8 +23,11 @@ from tests.models.hf_families import deepseek_v2_config, deepseek_v3_config, sav
 from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step, _hf_sft_step
 
 # (tp, pp, ep, sequence_parallel, max_tokens_per_micro_batch, attention) on 2 ranks
+# (varlen: the GPU's default for packed rows, here its per-segment CPU kernel; multi-latent attention takes it in
+# megatron's 'thd' layout)
 LAYOUTS = ((2, 1, 1, False, 0, "local"), (1, 2, 1, False, 0, "local"), (1, 1, 1, False, 24, "local"),
-           (1, 1, 1, False, 24, "sdpa"), (2, 1, 1, True, 0, "local"), (1, 1, 2, False, 0, "local"))
+           (1, 1, 1, False, 24, "sdpa"), (1, 1, 1, False, 24, "varlen"), (2, 1, 1, True, 0, "local"),
+           (1, 1, 2, False, 0, "local"))
 PACKED_TOKENS = 24  # twice the longest sequence (12): micro-batches of several sequences (default one_row layout)
 ONE_LAYOUT_CASE = "v2-mscale_all_dim"  # checked at the packed layouts only: it differs in the softmax scale alone
 
