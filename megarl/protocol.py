@@ -80,6 +80,13 @@ class Batch:
         return Batch({k: v for k, v in self.tensors.items() if k in keys},
                      {k: v for k, v in self.non_tensors.items() if k in keys}, dict(self.meta))
 
+    def model_inputs(self) -> "Batch":
+        """What a training engine reads: every tensor and a vision-language row's image inputs. The texts and
+        per-sample records (prompt, response, answer, trajectory, group) stay with the driver: they would only
+        add to the payload of each call to the training ranks."""
+        return Batch(dict(self.tensors), {k: v for k, v in self.non_tensors.items() if k in IMAGE_INPUTS},
+                     dict(self.meta))
+
     def split(self, size: int) -> list["Batch"]:
         """Consecutive chunks of `size` rows (the last may be shorter)."""
         return [self.index(slice(i, i + size)) for i in range(0, len(self), size)]

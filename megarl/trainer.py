@@ -215,8 +215,9 @@ class RLTrainer:
                 metrics |= {f"critic/{k}": v for k, v in self.critic.train(trained_batch, loss="value").items()}
             if train_policy:
                 trained = self.actor.train(trained_batch)
-                # rank 0's update in its engine: timing/train minus this is the driver's call (Ray, the batch)
+                # rank 0's update in its engine, and the call's way there (timing/train minus both: the way back)
                 metrics["perf/engine_update_s"] = trained.pop("engine_seconds")
+                metrics["perf/update_dispatch_s"] = trained.pop("dispatch_seconds")
                 if "rollout_logprob_abs_diff" in trained:  # measured by the update's forward
                     metrics["rollout/logprob_abs_diff"] = trained.pop("rollout_logprob_abs_diff")
                 metrics |= {k: trained.pop(k) for k in list(trained) if k.startswith(rollout_correction.PREFIX)}

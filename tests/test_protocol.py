@@ -45,3 +45,13 @@ def test_index_select_update():
     assert sel.keys() == ["rewards"]
     b.update(Batch({"adv": torch.ones(4)}))
     assert "adv" in b and len(b) == 4
+
+
+def test_model_inputs_keep_tensors_and_images_and_leave_the_texts():
+    batch = Batch({"tokens": torch.ones(2, 3, dtype=torch.long)},
+                  {"group": [0, 0], "response": ["a", "b"], "pixel_values": [torch.ones(4, 2), None],
+                   "image_grid_thw": [torch.ones(1, 3), None]}, {"step": 1})
+    sent = batch.model_inputs()
+    assert sent.keys() == ["tokens", "pixel_values", "image_grid_thw"] and sent.meta == {"step": 1}
+    assert torch.equal(sent["tokens"], batch["tokens"]) and sent["pixel_values"][1] is None
+    assert "response" in batch  # the driver's batch keeps its texts

@@ -138,7 +138,7 @@ class TrainGroup:
         return [list(range(d * size, (d + 1) * size)) for d in range(self.dp)]
 
     def _dispatch(self, method: str, batch: Batch, group_size: int = 1, **kwargs) -> list:
-        rows = self._rows_per_rank(batch, group_size)
+        rows, batch = self._rows_per_rank(batch, group_size), batch.model_inputs()
         refs = [getattr(w, method).remote(batch.index(rows[info["dp_rank"]]), **kwargs)
                 for w, info in zip(self.workers, self.info)]
         results = self._get_all(refs, method)
@@ -164,7 +164,11 @@ class TrainGroup:
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
         # metrics are already reduced over data-parallel ranks inside the engine
         # a preference pair's two rows go to one rank (the engine keeps them in one micro-batch)
-        return self._dispatch("train", batch, group_size=2 if loss == "bradley_terry" else 1, loss=loss, lr=lr)[0]
+        called = time.time()
+        metrics = self._dispatch("train", batch, group_size=2 if loss == "bradley_terry" else 1, loss=loss, lr=lr)[0]
+        if "started_at" in metrics:  # the call's way in: Ray, the batch, a rank still busy (one clock: colocated)
+            metrics["dispatch_seconds"] = metrics.pop("started_at") - called
+        return metrics
 
     def gpus(self) -> list[str]:
         """The GPUs of the ranks, in rank order (GPU ids as Ray names them), for colocated rollout servers:

@@ -105,7 +105,7 @@ class TrainWorker:
             return self.engine.compute_rewards(batch)
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
-        profile = None
+        started_at, profile = time.time(), None
         if loss == "policy":
             self.policy_updates += 1
             if self.policy_updates == self.cfg.trainer.profile_update:
@@ -115,7 +115,7 @@ class TrainWorker:
             start = time.perf_counter()
             metrics = self.engine.train(batch, loss=loss, lr=lr)
         if loss == "policy":  # the update inside this rank, beside the driver's timing/train around the call
-            metrics["engine_seconds"] = time.perf_counter() - start
+            metrics |= {"engine_seconds": time.perf_counter() - start, "started_at": started_at}
         return metrics
 
     @contextlib.contextmanager
