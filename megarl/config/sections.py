@@ -491,7 +491,8 @@ class TrainerConfig:
                                  "trace in output_dir/profile/update_N_rank_R/; 0 = off")
     worker_env: dict = opt({}, "environment variables of every training process, set when its Ray actor starts "
                                "(e.g. {NCCL_DEBUG: INFO}; under CUDA MPS {CUDA_MPS_CLIENT_PRIORITY: 1} puts training "
-                               "below a colocated SGLang server's generation: docs/async.md); CUDA_VISIBLE_DEVICES is Ray's")
+                               "below a colocated SGLang server's generation: docs/async.md); CUDA_VISIBLE_DEVICES "
+                               "is Ray's")
     cpus_per_rank: float = opt(0.5, "Ray CPUs reserved per training rank")
     loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go")
     sync_bucket_mb: int = opt(1024, "weight-sync bucket size in MiB: the most extra memory a sync takes on a sending "

@@ -84,8 +84,8 @@ class ConfigChecks:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
         self._validate_weight_delivery()
         self._validate_sglang_args()
-        for key, env in (("trainer.worker_env", self.trainer.worker_env), ("rollout.sglang_env", self.rollout.sglang_env)):
-            check_env(key, env)
+        check_env("trainer.worker_env", self.trainer.worker_env)
+        check_env("rollout.sglang_env", self.rollout.sglang_env)
         self._validate_disaggregated()
         a = self.algorithm
         if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:

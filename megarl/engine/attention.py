@@ -195,6 +195,6 @@ def packed_attention_inputs(core_attention: str, mb: dict, latent: bool = False)
         return None, None
     if core_attention == "varlen":
         width = mb["tokens"].shape[1]
-        return None, PackedSeqParams(qkv_format="thd" if latent else "sbhd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
-                                     max_seqlen_q=width, max_seqlen_kv=width)
+        return None, PackedSeqParams(qkv_format="thd" if latent else "sbhd", cu_seqlens_q=mb["cu_seqlens"],
+                                     cu_seqlens_kv=mb["cu_seqlens"], max_seqlen_q=width, max_seqlen_kv=width)
     return block_causal_mask(mb["doc_ids"]), None

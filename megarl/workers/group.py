@@ -114,10 +114,11 @@ class TrainGroup:
         ray.get(self.pg.ready(), timeout=300)
         actor = ray.remote(TrainWorker)
         env = env_strings(cfg.trainer.worker_env)
+        options = {"runtime_env": {"env_vars": env}} if env else {}
         self.workers = [
             actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i),
-                          **({"runtime_env": {"env_vars": env}} if env else {})).remote(i, cfg, model_path, device, role)
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i), **options)
+            .remote(i, cfg, model_path, device, role)
             for i in range(n)]
         self.info = []
         addr, port = self._get_all([self.workers[0].address.remote()], "address (the first call: the actor's start)")[0]
