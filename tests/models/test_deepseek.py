@@ -26,8 +26,8 @@ from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step,
 # (varlen: the GPU's default for packed rows, here its per-segment CPU kernel; multi-latent attention takes it in
 # megatron's 'thd' layout)
 LAYOUTS = ((2, 1, 1, False, 0, "local"), (1, 2, 1, False, 0, "local"), (1, 1, 1, False, 24, "local"),
-           (1, 1, 1, False, 24, "sdpa"), (1, 1, 1, False, 24, "varlen"), (2, 1, 1, True, 0, "local"),
-           (1, 1, 2, False, 0, "local"))
+           (1, 1, 1, False, 24, "sdpa"), (1, 1, 1, False, 24, "varlen"), (2, 1, 1, True, 24, "varlen"),
+           (2, 1, 1, True, 0, "local"), (1, 1, 2, False, 0, "local"))
 PACKED_TOKENS = 24  # twice the longest sequence (12): micro-batches of several sequences (default one_row layout)
 ONE_LAYOUT_CASE = "v2-mscale_all_dim"  # checked at the packed layouts only: it differs in the softmax scale alone
 
