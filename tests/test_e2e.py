@@ -95,3 +95,32 @@ def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
     assert val[0.0] == {0: val[5e-4][0], 4: val[5e-4][0]}, val  # one seeded warm start; the control's reward stays
     # measured: 0.352 -> 0.418 with RL, the control at 0.352
     assert val[5e-4][40] > val[0.0][4] + 0.03, val
+
+
+def test_the_driver_runs_on_one_torch_thread_and_gives_the_pool_back(tmp_path):
+    """run_trainer: the driver's small tensor ops on one thread during the run (a pool over every core waited
+    40 ms a step on a busy GPU host), the caller's pool size after it, a failed run included."""
+    from megarl.train import run_trainer
+
+    seen, before = [], max(torch.get_num_threads(), 2)
+    torch.set_num_threads(before)
+
+    class Trainer:
+        def __init__(self, cfg):
+            pass
+
+        def fit(self):
+            seen.append(torch.get_num_threads())
+            raise RuntimeError("a step failed")
+
+        def shutdown(self):
+            pass
+
+    class Ray:
+        def shutdown(self):
+            pass
+
+    cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(RuntimeError, match="a step failed"):
+        run_trainer(cfg, Ray(), Trainer)
+    assert seen == [1] and torch.get_num_threads() == before
