@@ -387,7 +387,7 @@ def table(report: dict) -> str:
             status += f" ({r['completed_steps']} of {r['planned_steps']} steps)"
         lines.append(f"| {name} | {status} | {r.get('measured_steps', 0)} | {r.get('mean_step_s', '')} "
                      f"| {r.get('response_length', '')} | {tps or ''} | {ratio} | {rollout} | {mfu} | {phases} |")
-    for name, probe in report["probes"].items():
+    for name, probe in report.get("probes", {}).items():
         if name not in runs:  # an Engine probed without its side
             lines.append(f"| {name}'s sglang.Engine alone | {probe['status']} | | | | | | "
                          f"{probe.get('generated_tokens_per_s', '')} | | |")
@@ -430,7 +430,7 @@ def parse_args(argv=None):
                    help="verl's fused LM head + log-probs (model.use_fused_kernels) and its backend; off = verl's "
                         "default, whose log-probs loop over every token without flash-attn")
     p.add_argument("--probe", default="verl,megarl", help="sides whose SGLang version the bare Engine is timed "
-                                                          "for ('' = none)")
+                                                          "for ('' = none; a side not in --runs: its Engine alone)")
     p.add_argument("--probe-rounds", type=int, default=2,
                    help="timed Engine rounds with log-probs, and as many without, after one warm-up round")
     p.add_argument("--peak-flops", type=float, default=989e12, help="per-GPU peak the MFU divides by (H100/H200 bf16)")

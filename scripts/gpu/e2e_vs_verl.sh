@@ -6,7 +6,9 @@
 # qwen2.5-0.5b), 128-token prompts, 512-token completions forced to full length, 8 per prompt, 256 per step, rule
 # reward, no KL; 2 warm-up + 3 measured steps a side (--verl-warmup/--verl-steps, --megarl-...: per side). Both
 # sides take more than one call together: run one per call (--runs verl --probe verl, then --runs megarl --probe
-# megarl). A side stopped at its cap is summarised over the steps it finished; the JSON and table always come.
+# megarl; a side in --probe alone, e.g. --runs '' --probe verl, probes its Engine without running the side: at 3B the
+# two do not fit one call). A side stopped at its cap is summarised over the steps it finished; the JSON and table
+# always come.
 #
 # Two stacks, two site directories, never one process: megarl's in /tmp/site (the bundle's core, fidata,
 # megatron and ray chunks: ../shared/device/README.md), verl's in /tmp/site-verl (build_verl_chunk.sh's vsgl,

@@ -94,6 +94,9 @@ def test_a_side_stopped_at_its_cap_is_summarised_over_the_steps_it_logged(tmp_pa
     assert record["warmup_step_s"] == [80.0, 12.0] and record["phase_s"]["update"] == 2.0
     assert record["tokens_per_s"] == pytest.approx(256 * 640 / 12.0, abs=0.1) and record["update_mfu"] > 0
     assert "| verl | partial (4 of 5 steps) | 2 | 12.0 |" in table({"runs": {"verl": record}})
+    # an Engine probed without its side (--runs '' --probe verl: at 3B the two do not fit one call) gets a row
+    probed = table({"runs": {}, "probes": {"verl": {"status": "ok", "generated_tokens_per_s": 35218.5}}})
+    assert "| verl's sglang.Engine alone | ok | | | | | | 35218.5 |" in probed
     early = side_record(args, "verl", shape, stopped, steps[:2], {})
     assert early["status"] == "timeout" and early["measured_steps"] == 0 and "tokens_per_s" not in early
 
