@@ -165,7 +165,7 @@ class RolloutSide:
         generate; the batch built in prompt order (an over-sampled call's: the order its OversamplingEnd gives, which
         is returned too) whatever order the groups ended in, so that its numbers are those of scoring it whole; its
         meta's group_reward_failures: each group's failed reward calls, in that order."""
-        groups, scored, end = {}, {}, None
+        scored, end = {}, None
         with self.timers("generate"):  # the reward phase lies within it
             for item in stream_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s):
                 if isinstance(item, OversamplingEnd):
@@ -174,10 +174,11 @@ class RolloutSide:
                 index, group = item
                 with self.timers("reward"):
                     scored[index] = self.score(to_batch(group))
-                groups[index] = group
-        order = end.order if end is not None else sorted(groups)
-        batch = to_batch([row for i in order for row in groups[i]])
-        batch["rewards"] = torch.cat([scored[i]["rewards"] for i in order])
+        order = end.order if end is not None else sorted(scored)
+        # The scored groups' rows as they are, not built again from the generations: that decoding and tensor
+        # building of the whole batch would run after the last group, on the rollout's critical path.
+        batch = Batch.concat([scored[i] for i in order])
+        batch["tokens"][batch["attention_mask"] == 0] = self.tokenizer.pad_token_id  # concat pads with zeros
         batch.meta["group_reward_failures"] = [scored[i].meta["reward_failures"] for i in order]
         batch.meta["reward_failures"] = sum(batch.meta["group_reward_failures"])
         return batch, end

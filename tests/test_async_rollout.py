@@ -1,7 +1,8 @@
 """The asynchronous mode's rollout side in a run on CPU (the transformers engine, a tiny model, four steps at
 async.max_staleness=1): each group is scored as soon as its samples have been generated, while the rest of its
 batch still generates; and weight updates land while batches generate, one per async.partial mode (resume, restart,
-finish), with every token stamped with the policy version that produced it.
+finish), with every token stamped with the policy version that produced it. And, without a run, the batch that
+the scored groups form.
 
 A hook in the rollout actor (installed with Ray's __ray_call__) sets the responses' lengths through the EOS logit and
 holds a decode step until an event the test waits for has happened (a group scored, the trainer's pause), so every
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import ray
+import torch
 
 from megarl.async_trainer import build_trainer
 from megarl.config import load_config
@@ -199,3 +201,45 @@ def test_sglang_groups_end_with_their_own_requests(tmp_path):
     for i, group in groups.items():
         assert [dataclasses.asdict(g) for g in group] == [dataclasses.asdict(g) for g in whole[2 * i:2 * i + 2]]
     assert sorted(r["body"]["input_ids"] for r in requests) == sorted([p, p] for p in prompts)
+
+
+class _DigitsTokenizer:
+    """decode() writes the ids out; pad 9 (not 0: the batch's concatenation pads with zeros)."""
+    pad_token_id = 9
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_groups_scored_as_they_end_form_the_batch_built_whole(monkeypatch):
+    """RolloutSide.stream_scored: groups that end out of order and differ in width give the batch that
+    generations_to_batch builds from all rows in prompt order (pad tokens included), with the rewards of scoring
+    it whole."""
+    from megarl import async_trainer
+    from megarl.rewards import build_reward
+    from megarl.rewards.failures import RewardFailureTracker
+    from megarl.rollout.base import Generation
+    from megarl.rollout.batching import generations_to_batch
+    from megarl.utils.timers import Timers
+
+    cfg = load_config(QUICKSTART, [])
+    side = object.__new__(async_trainer.RolloutSide)
+    side.cfg, side.rollout, side.tokenizer, side.version = cfg, None, _DigitsTokenizer(), 3
+    side.timers, side.reward_fn = Timers(time.perf_counter()), build_reward(cfg.reward, cfg.data.task)
+    side.reward_failures = RewardFailureTracker.from_config(cfg.reward)
+    prompts = [{"prompt": f"p{i}", "prompt_ids": [5] * (i + 1), "answer": "1 1"} for i in range(3)]
+    groups = {i: [Generation(i, [1] * (2 * i + 1 + j), [-0.5] * (2 * i + 1 + j), "length") for j in range(2)]
+              for i in range(3)}
+    monkeypatch.setattr(async_trainer, "stream_rollout", lambda *_, **__: iter([(2, groups[2]), (0, groups[0]),
+                                                                                 (1, groups[1])]))
+
+    def to_batch(rows):
+        return generations_to_batch(prompts, rows, side.tokenizer.pad_token_id, side.version, side.tokenizer)
+
+    batch, end = side.stream_scored("generate_groups", (), to_batch)
+    whole = to_batch([row for i in range(3) for row in groups[i]])
+    assert end is None and set(batch.tensors) == set(whole.tensors) | {"rewards"}
+    assert all(torch.equal(batch[k], whole[k]) for k in whole.tensors) and 9 in batch["tokens"]
+    assert all(batch[k] == whole[k] for k in whole.non_tensors)
+    assert batch["rewards"].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]  # only "1 1" is the answer
+    assert batch.meta["group_reward_failures"] == [0, 0, 0] and batch.meta["reward_failures"] == 0
