@@ -177,8 +177,7 @@ class RolloutSide:
         order = end.order if end is not None else sorted(scored)
         # The scored groups' rows as they are, not built again from the generations: that decoding and tensor
         # building of the whole batch would run after the last group, on the rollout's critical path.
-        batch = Batch.concat([scored[i] for i in order])
-        batch["tokens"][batch["attention_mask"] == 0] = self.tokenizer.pad_token_id  # concat pads with zeros
+        batch = Batch.concat([scored[i] for i in order], pad={"tokens": self.tokenizer.pad_token_id})
         batch.meta["group_reward_failures"] = [scored[i].meta["reward_failures"] for i in order]
         batch.meta["reward_failures"] = sum(batch.meta["group_reward_failures"])
         return batch, end

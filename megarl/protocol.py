@@ -110,7 +110,9 @@ class Batch:
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.non_tensors), dict(self.meta))
 
     @staticmethod
-    def concat(batches: Sequence["Batch"]) -> "Batch":
+    def concat(batches: Sequence["Batch"], pad: dict[str, float] | None = None) -> "Batch":
+        """Rows of `batches` in order; rows of different widths right-padded with zeros, or with `pad[key]`."""
+        pad = pad or {}
         batches = [b for b in batches if len(b) or b.keys()]
         if not batches:
             return Batch()
@@ -118,15 +120,15 @@ class Batch:
         if any(k != keys[0] for k in keys):
             raise ValueError(f"cannot concat batches with different fields: {[sorted(k) for k in keys]}")
         first = batches[0]
-        tensors = {k: _cat_padded([b.tensors[k] for b in batches]) for k in first.tensors}
+        tensors = {k: _cat_padded([b.tensors[k] for b in batches], pad.get(k, 0)) for k in first.tensors}
         non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in first.non_tensors}
         return Batch(tensors, non_tensors, dict(first.meta))
 
 
-def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along rows, right-padding the sequence dimension with zeros where lengths differ."""
+def _cat_padded(tensors: list[torch.Tensor], value: float = 0) -> torch.Tensor:
+    """Concatenate along rows, right-padding the sequence dimension with `value` where lengths differ."""
     if tensors[0].dim() == 2:
         width = max(t.shape[1] for t in tensors)
-        tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.shape[1] < width else t
+        tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) if t.shape[1] < width else t
                    for t in tensors]
     return torch.cat(tensors)

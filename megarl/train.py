@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -46,34 +47,41 @@ def start_ray(cfg, cpus_needed: float):
     return ray
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """The driver's own tensor work (row selection for the ranks, advantages, metrics) is small. Over torch's
+    default pool of every core, each op waits for all its threads, and with SGLang's scheduler spinning and the
+    ranks busy some are always descheduled: on a 16-core GPU host the update call's row selection took 40 ms,
+    against 0.6 ms on one thread (docs/benchmarks.md, issue 22). Restored after: a caller's process goes on."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
     """Build the run's trainer, fit it and call `after(trainer)` (e.g. an export); its workers and Ray always go down
     after, and where the TensorBoard events are is printed. Returns (history, what `after` returned), or None when
     an input or config error (printed) stopped the build: found before any worker starts."""
     # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # The driver's own tensor work (row selection for the ranks, advantages, metrics) is small. Over torch's
-    # default pool of every core, each op waits for all its threads, and with SGLang's scheduler spinning and the
-    # ranks busy some are always descheduled: on a 16-core GPU host the update call's row selection took 40 ms,
-    # against 0.6 ms on one thread (docs/benchmarks.md, issue 22). Restored after: a caller's process goes on.
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = build(cfg)
-    except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use
-        torch.set_num_threads(threads)
-        ray.shutdown()
-        print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
-        return None
-    try:
-        history = trainer.fit()
-        result = after(trainer) if after is not None else None
-    finally:
-        torch.set_num_threads(threads)
-        trainer.shutdown()
-        ray.shutdown()
+    with one_torch_thread():
+        try:
+            trainer = build(cfg)
+        except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use
+            ray.shutdown()
+            print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
+            return None
+        try:
+            history = trainer.fit()
+            result = after(trainer) if after is not None else None
+        finally:
+            trainer.shutdown()
+            ray.shutdown()
     print(f"\nTensorBoard events: {os.path.abspath(cfg.trainer.output_dir)}  "
           f"(tensorboard --logdir {cfg.trainer.output_dir})")
     return history, result
