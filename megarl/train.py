@@ -97,8 +97,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    p = cfg.actor.parallel
-    layout = f"world_size={p.world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}"
+    layout = cfg.actor.parallel.describe()
     config_ok = f"config ok: {layout}; rollout={cfg.rollout.engine}; {cfg.trainer.steps} RL steps"
     if args.check_config:
         print(config_ok)
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
         return 0
 
     # every training rank (the policy's, the critic's, the reward model's) and the rollout actor
-    ranks = (p.world_size + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
+    ranks = (cfg.actor.parallel.world_size + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
              + (cfg.reward_model.parallel.world_size if cfg.reward_model.path else 0))
     ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
     from megarl.async_trainer import build_trainer

@@ -44,8 +44,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    p = cfg.reward_model.parallel
-    layout = f"world_size={p.world_size} = tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}"
+    layout = cfg.reward_model.parallel.describe()
     config_ok = (f"config ok: {layout}; {cfg.trainer.steps} steps of {cfg.preference.pairs_per_step} preference "
                  f"pairs")
     if args.check_config:
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
 
     from megarl.train import run_trainer, start_ray
 
-    ray = start_ray(cfg, p.world_size * cfg.trainer.cpus_per_rank)
+    ray = start_ray(cfg, cfg.reward_model.parallel.world_size * cfg.trainer.cpus_per_rank)
     print(f"megarl reward model: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
     done = run_trainer(cfg, ray, RMTrainer, RMTrainer.export)
     if done is None:

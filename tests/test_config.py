@@ -161,3 +161,12 @@ def test_disaggregated_sglang_options_are_checked():
     disaggregated = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_tp=2"])
     assert not disaggregated.offload_enabled("cuda")
     assert load_config(None, ["rollout.engine=sglang"]).offload_enabled("cuda")
+
+
+def test_the_start_up_line_names_expert_parallelism_and_uneven_stages():
+    plain = load_config(None, ["actor.parallel.world_size=4", "actor.parallel.tp=2"]).actor.parallel
+    assert plain.describe() == "world_size=4 = tp 2 x pp 1 x cp 1 x dp 2"
+    moe = load_config(None, ["actor.parallel.world_size=8", "actor.parallel.pp=2", "actor.parallel.ep=2",
+                             "actor.parallel.pp_first_stage_layers=3", "actor.parallel.pp_last_stage_layers=1"])
+    assert moe.actor.parallel.describe() == ("world_size=8 = tp 1 x pp 2 x cp 1 x dp 4 (ep 2, first stage 3 layers, "
+                                             "last stage 1 layers)")

@@ -64,6 +64,15 @@ class ParallelConfig:
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
 
+    def describe(self) -> str:
+        """The layout as the start-up line prints it, e.g. 'world_size=4 = tp 1 x pp 2 x cp 1 x dp 2 (ep 2, last
+        stage 1 layers)': expert parallelism and uneven stages in brackets, when set."""
+        extras = [f"ep {self.ep}"] * (self.ep > 1) + [f"vpp {self.vpp}"] * (self.vpp > 1)
+        extras += [f"{which} stage {n} layers" for which, n in (("first", self.pp_first_stage_layers),
+                                                                 ("last", self.pp_last_stage_layers)) if n]
+        layout = f"world_size={self.world_size} = tp {self.tp} x pp {self.pp} x cp {self.cp} x dp {self.dp}"
+        return layout + (f" ({', '.join(extras)})" if extras else "")
+
 
 @dataclass
 class OptimConfig:

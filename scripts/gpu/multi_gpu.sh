@@ -26,7 +26,13 @@
 #   sglang_ep  the same into the server at --ep-size N (rollout.sglang_args, with --moe-runner-backend triton: SGLang's
 #            FusedMoE without DeepEP, each rank whole experts of its EP slice; sharded delivery then moves nothing
 #            between the training ranks)                                                (~3-4 min a delivery)
-#   Run each as its own call (<= ~9 min): PHASES=ep, then PHASES=sglang_ep.
+#   ep_pp    on 4+ GPUs: the policy at TP=1 x EP=2 x PP=2 with uneven stages (the last holds one decoder layer, the
+#            output layer's stage; the first the rest, dense and MoE layers) into two colocated SGLang servers of TP=2
+#            (each GPU pair one server); expert rows move between the EP ranks of each stage and the stages
+#            broadcast their layers to the servers                                      (~3-4 min a delivery)
+#   sglang_ep_pp  the same into servers of TP=2 at --ep-size 2                          (~3-4 min a delivery)
+#   Run each as its own call (<= ~9 min): PHASES=ep, then PHASES=sglang_ep (on 4 GPUs also PHASES=ep_pp, then
+#   PHASES=sglang_ep_pp; EP_DELIVERIES=sharded alone halves a call).
 # The GRPO table gives per run: syncs verified, the best sync's seconds, the bytes per rank (the most received and
 # sent resharding among training ranks, the least and most an SGLang rank received) measured beside the planner's
 # for the same layouts (megarl.reshard.plan; "as planned": every rank's counts equal), the log-prob gap (mean
@@ -34,6 +40,7 @@
 # Asynchronous GRPO disaggregated against synchronous (issue 25), in a call of its own (not in the default PHASES):
 #   async    scripts/gpu/async_disagg.sh (its header says what runs; LENGTHS=fixed|tail, RUNS= a few of them a call):
 #            colocated sync, disaggregated sync, one_step_off, async at max_staleness 1 and 4, a 1.5B Qwen2.5 shape;
+#            on 4+ GPUs without LENGTHS both lengths side by side, each on half the GPUs (results in OUT/async_<lengths>);
 #            tokens/s/GPU, staleness, speed-ups against disaggregated sync beside its bound; DEVICE=cpu: its smoke
 # PHASES: default "train reshard disagg moe" on 4+ GPUs, which is two calls' worth: run PHASES="train moe"
 # then PHASES="reshard disagg" (each <= ~9 min). Default on 2 GPUs: "train disagg moe" (PHASES=reshard: a
@@ -43,9 +50,11 @@
 # SGLang servers are stand-ins: the reshard and disagg phases use the tests' fake SGLang server, and the GRPO
 # phases (ep, sglang_ep) megarl's transformers rollout engine (rollout.engine=hf: no --ep-size, the same
 # deliveries into generation TP=N, the same verification and byte counts), with a tiny DeepSeek-V3 (EP_SHAPE
-# "2 64 4 8 32 128 1", 2 SFT + 2 GRPO steps). The smoke run of the EP phases on 2 cores (~3 min; tests/launch/
-# test_multi_gpu_smoke.py runs PHASES=ep EP_DELIVERIES=sharded):
+# "2 64 4 8 32 128 1", with 3 layers when an ep_pp phase runs: 2 uneven stages need 3; 2 SFT + 2 GRPO steps). The
+# smoke run of the EP phases on 2 cores (~3 min; tests/launch/test_multi_gpu_smoke.py runs PHASES=ep
+# EP_DELIVERIES=sharded on 2 processes and PHASES=ep_pp on 4):
 #   DEVICE=cpu GPUS=2 PHASES="ep sglang_ep" OUT=/tmp/multi-gpu-smoke scripts/gpu/multi_gpu.sh
+#   DEVICE=cpu GPUS=4 PHASES="ep_pp" EP_DELIVERIES=sharded OUT=/tmp/multi-gpu-smoke scripts/gpu/multi_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEVICE=${DEVICE:-cuda}
@@ -62,7 +71,8 @@ if [ "$DEVICE" = cpu ]; then
   TINY="--device cpu --size tiny --seq 64"
   TRAIN_ARGS="--device cpu --size tiny --seq 64 --sequences 8 --max-tokens 128 --steps 1 --warmup 1"
   MOE_ARGS="--device cpu"
-  EP_SHAPE=${EP_SHAPE:-"2 64 4 8 32 128 1"}
+  [[ " ${PHASES:-} " == *" ep_pp "* || " ${PHASES:-} " == *" sglang_ep_pp "* ]] && layers=3 || layers=2
+  EP_SHAPE=${EP_SHAPE:-"$layers 64 4 8 32 128 1"}
   ROLLOUT="rollout.engine=hf"  # no SGLang on the CPU: the transformers engine in its place
   SERVER="the transformers engine in SGLang's place (generation TP=EP)"; SERVER_EP="$SERVER"
   GRPO_ARGS="sft.steps=2 sft.batch_size=4 data.prompts_per_step=2 rollout.n_samples=2 data.val_size=2
@@ -128,7 +138,8 @@ grpo() {  # name, limit in seconds, what it runs (for the table), megarl.train o
   echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4
   status=$(( status | (rc != 0) ))
 }
-if phase ep || phase sglang_ep; then  # the DeepSeek-V3-shaped policy both GRPO phases train
+if phase ep || phase sglang_ep || phase ep_pp || phase sglang_ep_pp; then  # the DeepSeek-V3-shaped policy the GRPO
+  # phases train
   EP_MODEL=/tmp/megarl-multi-gpu-ep-model-$$
   read -r layers hidden heads experts moe inter dense <<< "$EP_SHAPE"
   if ! $PY benchmarks/deepseek_sglang.py build --out "$OUT/ep_model.json" --model-dir "$EP_MODEL" --layers "$layers" \
@@ -153,6 +164,24 @@ if phase sglang_ep && [ -n "$EP_MODEL" ]; then
     grpo "sglang_ep_tp1_ep${EP}_$delivery" 280 "policy TP=1 EP=$EP; ${SERVER_EP//EP/$EP}; $delivery delivery; checksums" \
       actor.parallel.world_size=$EP actor.parallel.tp=1 actor.parallel.ep=$EP $ROLLOUT rollout.sglang_tp=$EP \
       $SGLANG_EP rollout.weight_delivery="$delivery"
+  done
+fi
+if { phase ep_pp || phase sglang_ep_pp; } && [ -n "$EP_MODEL" ]; then
+  # EP=2 x PP=2 on 4 GPUs, the last stage one decoder layer (uneven: the first holds the rest); two servers of TP=2
+  UNEVEN="actor.parallel.pp=2 actor.parallel.pp_last_stage_layers=1"
+  [ "$DEVICE" = cpu ] && SGLANG_EP="" || SGLANG_EP="rollout.sglang_args=[--ep-size,2,--moe-runner-backend,triton]"
+  for name in ep_pp sglang_ep_pp; do
+    phase $name || continue
+    if [ "$GPUS" -lt 4 ]; then echo "== $name: SKIPPED, needs 4 GPUs (found $GPUS)"; status=1; continue; fi
+    [ $name = ep_pp ] && server="2 SGLang servers TP=2" extra="" || server="2 SGLang servers TP=2 --ep-size 2" \
+      extra=$SGLANG_EP
+    [ "$DEVICE" = cpu ] && server="the transformers engine in SGLang's place (2 of generation TP=2)"
+    for delivery in $EP_DELIVERIES; do
+      # shellcheck disable=SC2086  # UNEVEN, extra: one override a word
+      grpo "${name}_ep2_pp2_$delivery" 280 "policy TP=1 EP=2 PP=2, stages $(( ${EP_SHAPE%% *} - 1 ))+1 layers; \
+$server; $delivery delivery; checksums" actor.parallel.world_size=4 actor.parallel.tp=1 actor.parallel.ep=2 $UNEVEN \
+        $ROLLOUT rollout.sglang_tp=2 $extra rollout.weight_delivery="$delivery"
+    done
   done
 fi
 [ -n "${EP_MODEL:-}" ] && rm -rf "$EP_MODEL"
@@ -185,10 +214,23 @@ if phase disagg; then
   fi
 fi
 if phase async && fits async "$([ "$DEVICE" = cpu ] && echo 1500 || echo 540)"; then  # issue 25: its own script
-  echo "== async (scripts/gpu/async_disagg.sh, limit ${LIMIT}s, at ${SECONDS}s)"
-  DEVICE=$DEVICE GPUS=$GPUS OUT="$OUT/async" BUDGET=$(( LIMIT - 20 )) timeout -k 30 "$LIMIT" \
-    bash scripts/gpu/async_disagg.sh > "$OUT/async.log" 2>&1
-  rc=$?; status=$(( status | (rc != 0) )); echo "   exit $rc after ${SECONDS}s total"
+  # On 4+ GPUs with no LENGTHS given, both length settings in one call, side by side: each on half the GPUs (its own
+  # CUDA_VISIBLE_DEVICES, Ray, servers and results), so a comparison never crosses GPU pairs. Else LENGTHS (default
+  # fixed) on every GPU.
+  if [ "$GPUS" -ge 4 ] && [ -z "${LENGTHS:-}" ]; then lanes="fixed tail"; each=$(( GPUS / 2 )); else
+    lanes=${LENGTHS:-fixed}; each=$GPUS; fi
+  echo "== async (scripts/gpu/async_disagg.sh, lengths: $lanes, $each GPUs each, limit ${LIMIT}s, at ${SECONDS}s)"
+  first=0; pids=()
+  for lengths in $lanes; do
+    devices=$(seq -s, "$first" $(( first + each - 1 ))); first=$(( first + each ))
+    # shellcheck disable=SC2046  # one assignment a word
+    env $([ "$DEVICE" = cpu ] || [ "$each" = "$GPUS" ] || echo "CUDA_VISIBLE_DEVICES=$devices") DEVICE="$DEVICE" \
+      GPUS="$each" LENGTHS="$lengths" OUT="$OUT/async_$lengths" BUDGET=$(( LIMIT - 20 )) timeout -k 30 "$LIMIT" \
+      bash scripts/gpu/async_disagg.sh > "$OUT/async_$lengths.log" 2>&1 &
+    pids+=("$!")
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; rc=$?; status=$(( status | (rc != 0) )); done
+  echo "   exit $status after ${SECONDS}s total"
 fi
 # keep only the server logs' tails (the files that come back are limited)
 for f in "$OUT"/server_logs/*.log; do [ -f "$f" ] && tail -n 60 "$f" > "$f.tail" && rm "$f"; done
@@ -270,6 +312,6 @@ if moe:
         print(f"| {r['precision']} | {r['experts']} | {r['ep']} | {r['max_abs_diff_vs_ep1']:.3g} "
               f"| {'-' if hf is None else f'{hf:.3g}'} | {r['atol']} | {r['ok']} |")
 PY
-phase async && sed -n '/^== issue 25/,$p' "$OUT/async.log"  # async_disagg.sh's table
+for f in "$OUT"/async_*.log; do [ -f "$f" ] && sed -n '/^== issue 25/,$p' "$f"; done  # async_disagg.sh's tables
 echo "== multi_gpu.sh: exit $status"
 exit $status

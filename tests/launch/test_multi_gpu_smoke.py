@@ -31,3 +31,21 @@ def test_ep_phase_smoke_verifies_every_sync_and_moves_the_planned_bytes(tmp_path
     row = next(line for line in run.stdout.splitlines() if line.startswith("| ep_tp1_ep2_sharded |"))
     cells = [c.strip() for c in row.split("|")]
     assert cells[4] == "2/2" and cells[9] == "2/2", row  # syncs verified; bytes as planned
+
+
+def test_ep_pp_phase_smoke_trains_uneven_stages_and_moves_the_planned_bytes(tmp_path):
+    """Issue 24's four-GPU layout: TP=1 x EP=2 x PP=2, the last stage one decoder layer of three, into two generation
+    engines of TP=2 by sharded delivery; every sync verified and its bytes per rank the planner's for that layout."""
+    env = dict(os.environ, DEVICE="cpu", GPUS="4", PHASES="ep_pp", EP_DELIVERIES="sharded", OUT=str(tmp_path / "out"))
+    run = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and "== multi_gpu.sh: exit 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    log = (tmp_path / "out" / "ep_pp_ep2_pp2_sharded.log").read_text()
+    assert "world_size=4 = tp 1 x pp 2 x cp 1 x dp 2 (ep 2, last stage 1 layers)" in log
+    records = [json.loads(line) for line in (tmp_path / "out" / "ep_pp_ep2_pp2_sharded_metrics.jsonl").read_text()
+               .splitlines()]
+    syncs = [r for r in records if "sync/seconds" in r]
+    assert len(syncs) == 2 and all(r["sync/verified"] == 1.0 and r["sync/traffic_as_planned"] == 1.0 for r in syncs)
+    for r in syncs:  # expert rows moved between the EP ranks of a stage; each engine's rank got half its layers
+        assert r["sync/reshard_send_max"] == r["sync/plan_reshard_send_max"] > 0
+        assert r["sync/server_recv_max"] == r["sync/plan_server_recv_max"] > 0
