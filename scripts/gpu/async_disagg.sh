@@ -14,6 +14,8 @@
 # A 1.5B step at 512 x 1024 tokens takes ~30 s on 1+1 H200s (a guess: not run yet), so a call of <= 9 min holds about
 # two runs: RUNS=colocated_sync,disagg_sync, then RUNS=disagg_one_step_off,disagg_async_s1, then RUNS=disagg_async_s4;
 # merge the calls' tables with python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/async_grpo.json ...
+# On 4 GPUs `PHASES=async RUNS=... bash scripts/gpu/multi_gpu.sh` runs both LENGTHS at once, each on 2 GPUs (its own
+# CUDA_VISIBLE_DEVICES): the same three calls measure both workloads.
 # A run that no longer fits BUDGET (seconds, default 520) is skipped and says so. scripts/gpu/async.sh (issue 19's)
 # does the work, with ISSUE=25.
 # DEVICE=cpu: the smoke run through gloo, the transformers engine in SGLang's place (its own Ray actor), tiny shapes,

@@ -7,6 +7,7 @@ the planner's for the same layouts; the script's table says so."""
 
 import json
 import os
+import re
 import subprocess
 
 from tests.launch.launch_utils import ROOT
@@ -49,3 +50,23 @@ def test_ep_pp_phase_smoke_trains_uneven_stages_and_moves_the_planned_bytes(tmp_
     for r in syncs:  # expert rows moved between the EP ranks of a stage; each engine's rank got half its layers
         assert r["sync/reshard_send_max"] == r["sync/plan_reshard_send_max"] > 0
         assert r["sync/server_recv_max"] == r["sync/plan_server_recv_max"] > 0
+
+
+def test_async_phase_on_four_runs_both_length_settings_side_by_side(tmp_path):
+    """Issue 25 on 4+ GPUs: LENGTHS unset, the fixed and the long-tail workloads run at once, each on half the GPUs
+    with its own results; both tables come last."""
+    env = dict(os.environ, DEVICE="cpu", GPUS="4", PHASES="async", RUNS="disagg_sync", OUT=str(tmp_path / "out"))
+    env.pop("LENGTHS", None)
+    run = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0 and "== multi_gpu.sh: exit 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "lengths: fixed tail, 2 GPUs each" in run.stdout
+    walls = []
+    for lengths in ("fixed", "tail"):
+        result = json.loads((tmp_path / "out" / f"async_{lengths}" / "async_grpo.json").read_text())
+        assert result["setup"]["lengths"] == lengths and result["setup"]["gpus"] == 2
+        assert result["runs"][f"disagg_sync_{lengths}"]["status"] == "ok"
+        assert f"| disagg_sync_{lengths} | ok | 2 |" in run.stdout
+        walls.append(result["runs"][f"disagg_sync_{lengths}"]["wall_s"])
+    phase_s = int(re.search(r"exit 0 after (\d+)s total", run.stdout).group(1))
+    assert phase_s < sum(walls), (phase_s, walls)  # at once, not one after the other
