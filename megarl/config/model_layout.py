@@ -12,16 +12,7 @@ from pathlib import Path
 
 from megarl.config.validation import ConfigError
 from megarl.parallel.stages import stage_layers
-from megarl.reshard.inventory import language_fields
-
-# config.json spellings of the routed-expert count: Qwen3-MoE, transformers >= 5, DeepSeek
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def num_routed_experts(hf: dict) -> int:
-    """The model's routed experts; 0 for a dense model."""
-    return next((hf[key] for key in _EXPERT_KEYS if hf.get(key)), 0)
-
+from megarl.utils.hf_config import language_fields, routed_experts
 
 def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, ...]:
     """Raise ConfigError naming the `role`'s key (e.g. actor.parallel.pp_first_stage_layers) whose layout the
@@ -38,7 +29,7 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
                               p.vpp, keys)
     except ValueError as e:
         raise ConfigError(f"{e} ({where})") from None
-    experts = num_routed_experts(hf)
+    experts = routed_experts(hf)
     if not experts and (p.ep > 1 or p.etp > 1):
         raise ConfigError(f"{keys}.ep={p.ep} and {keys}.etp={p.etp} split experts, and {where} has none (a dense "
                           "model): leave them at 1 and 0")

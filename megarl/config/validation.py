@@ -11,6 +11,9 @@ import math
 import re
 from typing import TYPE_CHECKING
 
+from megarl.config.sglang_args import (DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args,
+                                      sglang_ep_size)
+
 if TYPE_CHECKING:
     from megarl.config.sections import Config
 
@@ -163,7 +166,6 @@ class ConfigChecks:
         if r.engine != "sglang":
             raise ConfigError(f"rollout.sglang_args={r.sglang_args}: extra SGLang arguments need rollout.engine=sglang "
                               f"(got {r.engine})")
-        from megarl.rollout.sglang_server import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
         managed = managed_args(r.sglang_args)
         if managed:
             raise ConfigError(f"rollout.sglang_args: {', '.join(managed)} is set by megarl (from rollout.sglang_tp, "
@@ -178,9 +180,8 @@ class ConfigChecks:
         r, p, t = self.rollout, self.actor.parallel, self.trainer
         if r.engine == "sglang" and (r.weight_delivery == "sharded" or (t.verify_weight_sync_every > 0
                                                                        and not t.verify_weight_sync_deep)):
-            from megarl.reshard.layout import sglang_generation
             try:  # both need SGLang's placement of the weights: a setting megarl does not model is refused by name
-                sglang_generation(r.sglang_tp, r.sglang_args)
+                sglang_ep_size(r.sglang_args)
             except ValueError as e:
                 raise ConfigError(f"{e} (rollout.weight_delivery={r.weight_delivery}, trainer.verify_weight_sync_every="
                                   f"{t.verify_weight_sync_every})") from None

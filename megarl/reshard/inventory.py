@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megarl.utils.hf_config import language_fields, routed_experts
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -76,12 +78,6 @@ class TensorSpec:
             raise ValueError(f"{self.name}: TP={tp} does not divide its dimension {self.dim} of size {length}")
         block = padded // tp
         return min(rank * block, length), min((rank + 1) * block, length)
-
-
-def language_fields(hf: dict) -> dict:
-    """The language model's fields of a config.json: the top level, with a multimodal model's text_config over it
-    (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level)."""
-    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
 
 
 def on_first_stage(spec: TensorSpec) -> bool:
@@ -137,11 +133,6 @@ def _mlp(p: str, h: int, inter: int, layer: int, **expert) -> list[TensorSpec]:
     return [TensorSpec(p + "gate_proj.weight", (inter, h), 0, layer, **expert),
             TensorSpec(p + "up_proj.weight", (inter, h), 0, layer, **expert),
             TensorSpec(p + "down_proj.weight", (h, inter), 1, layer, **expert)]
-
-
-def routed_experts(hf: dict) -> int:
-    """Routed experts per MoE layer (0 for a dense model), under any of the configs' names for them."""
-    return _get(hf, "n_routed_experts", "num_experts", "num_local_experts", default=0)  # the last: transformers >= 5's
 
 
 def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:

@@ -43,8 +43,9 @@ import functools
 import json
 from dataclasses import dataclass
 
-from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, language_fields, on_first_stage, routed_experts
+from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, on_first_stage
 from megarl.reshard.layout import TrainLayout
+from megarl.utils.hf_config import language_fields, routed_experts
 
 BF16, FP32 = 2, 4
 RECOMPUTE = ("none", "selective", "full")

@@ -26,11 +26,12 @@ import json
 from pathlib import Path
 
 from megarl.parallel.stages import default_first_last, stage_layers
-from megarl.reshard.inventory import TensorSpec, hf_inventory, language_fields, routed_experts
+from megarl.reshard.inventory import TensorSpec, hf_inventory
 from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks,
                                    resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
+from megarl.utils.hf_config import language_fields, routed_experts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 TRAIN_KEYS, GEN_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp"), ("tp", "ep")

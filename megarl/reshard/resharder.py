@@ -154,7 +154,8 @@ def engine_resharder(engine, rank: int) -> Resharder:
     resharder counts CP x DP replicas as its DP."""
     from megatron.core import parallel_state as mpu
 
-    from megarl.reshard.inventory import hf_inventory, language_fields
+    from megarl.reshard.inventory import hf_inventory
+    from megarl.utils.hf_config import language_fields
 
     specs = hf_inventory(engine.hf_config)
     train = TrainLayout(mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),

@@ -35,6 +35,7 @@ except ImportError:  # a CPU install without SGLang
         return json.dumps(value).encode()
     json_loads = json.loads
 
+from megarl.config.sglang_args import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
 from megarl.rollout.sglang_images import PROCESSOR_PACKAGE
 from megarl.rollout.transports import cuda_ipc
 
@@ -56,13 +57,6 @@ def free_port() -> int:
 # client and none serves it, so a TP>1 server waits at "Init torch distributed begin" until its start-up deadline.
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# The launch arguments megarl owns (where the server listens and on which GPUs, its share of memory, how weights
-# reach it); extra arguments may override the rest, such as the attention backend or CUDA-graph batch sizes.
-MANAGED_ARGS = ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--mem-fraction-static",
-                "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver",
-                "--enable-deterministic-inference", "--dtype")
-# The attention backends sglang 0.5.17 runs deterministic inference with (its server_args refuses the others).
-DETERMINISTIC_ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
 # sglang 0.5.17 captures decode CUDA graphs up to 256 rows at TP < 4 on 80-160 GB GPUs (H100, H200); a larger
 # batch decodes without them, 4x slower for a 0.5B model on an H200 (docs/benchmarks.md, session 7). megarl
 # captures up to a server's share of the step's batch instead, to at most 1024 rows: past that, a step's GPU work
@@ -232,22 +226,6 @@ class SGLangServer(Endpoint):
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
-
-
-def managed_args(extra_args: Iterable) -> list[str]:
-    """Those of `extra_args` (as "--flag" or "--flag=value") that megarl sets itself."""
-    return sorted({str(a).split("=")[0] for a in extra_args} & set(MANAGED_ARGS))
-
-
-def attention_backend(extra_args: Iterable) -> str:
-    """The attention backend a server launched with megarl's arguments and then `extra_args` uses."""
-    args, backend = [str(a) for a in extra_args], "triton"  # megarl's own choice, unless extra_args override it
-    for k, arg in enumerate(args):
-        if arg.startswith("--attention-backend="):
-            backend = arg.split("=", 1)[1]
-        elif arg == "--attention-backend" and k + 1 < len(args):
-            backend = args[k + 1]
-    return backend
 
 
 def allreduce_fusion_args(tp: int, extra_args: Iterable) -> list[str]:

@@ -23,7 +23,7 @@ Layouts, by rollout engine:
   0..E / EP - 1 of w13/w2, each cut into TP / EP row blocks (block t % (TP / EP)); loads of the other experts are
   dropped. Everything else (attention, dense MLPs, shared experts, the router) stays TP-cut over all TP ranks.
   Settings that place weights otherwise (DeepEP, redundant experts, EPLB, DP attention ...) are refused by
-  megarl.reshard.layout.sglang_generation, naming them.
+  megarl.config.sglang_args.sglang_ep_size, naming them.
   DeepSeek (models/deepseek_v2.py, deepseek_common/deepseek_weight_loader.py), bf16 without quantization:
   - MLA with q_lora_rank: q_a_proj and kv_a_proj_with_mqa concatenated into fused_qkv_a_proj_with_mqa
     (replicated); without it (V2-Lite) both stay as they are;
@@ -53,7 +53,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megarl.reshard.layout import GenLayout, sglang_flags, sglang_generation
+from megarl.config.sglang_args import sglang_flags
+from megarl.reshard.layout import GenLayout, sglang_generation
 from megarl.utils.checksum import ChecksumTable
 
 SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE
@@ -100,7 +101,7 @@ class WeightLayout:
     """Where each HF tensor's rows land in the engine's parameters, per engine TP rank. `hf`: the model's
     config.json (what SGLang decides from it beyond the tensors' shapes: `sglang_fuses_shared_experts`);
     `sglang_args`: the servers' extra arguments (rollout.sglang_args: --ep-size places whole experts, and settings
-    that place weights otherwise are refused by megarl.reshard.layout.sglang_generation)."""
+    that place weights otherwise are refused by megarl.config.sglang_args.sglang_ep_size)."""
 
     def __init__(self, specs: list, engine: str, tp: int = 1, hf: dict | None = None, sglang_args=()):
         if engine not in ("hf", "sglang"):

@@ -1,0 +1,18 @@
+"""Fields of a model's config.json that several layers read the same way: the config checks (megarl.config.
+model_layout), the HF tensor inventory and the planner (megarl.reshard)."""
+
+from __future__ import annotations
+
+# config.json spellings of the routed-expert count: DeepSeek, Qwen3-MoE, transformers >= 5
+_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+def language_fields(hf: dict) -> dict:
+    """The language model's fields of a config.json: the top level, with a multimodal model's text_config over it
+    (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level)."""
+    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
+
+
+def routed_experts(hf: dict) -> int:
+    """Routed experts per MoE layer under any of the configs' names for them; 0 for a dense model."""
+    return next((hf[key] for key in _EXPERT_KEYS if hf.get(key)), 0)
