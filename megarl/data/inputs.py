@@ -82,9 +82,6 @@ def image_prompts(cfg, tokenizer, examples: list[dict]):
     """The model's image processor where a prompt row has images (megarl.data.images.ImagePrompts), else None."""
     if not any(ex.get("images") for ex in examples):
         return None
-    if cfg.agent.enabled:
-        raise InputError(f"data.task={cfg.data.task}: prompt rows with images are not supported with agent.enabled "
-                         "(multi-turn rollouts take token ids only so far)")
     from megarl.data.images import ImagePrompts
 
     try:

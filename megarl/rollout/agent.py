@@ -48,8 +48,8 @@ import torch
 
 from megarl.config import AgentConfig  # the loop's settings: a recipe's `agent` section
 from megarl.protocol import Batch
-from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
-from megarl.rollout.batching import rows_to_tensors
+from megarl.rollout.base import Generation, ImageInputs, RolloutEngine, SamplingParams
+from megarl.rollout.batching import row_images, rows_to_tensors
 from megarl.rollout.tools import Tool, ToolError
 from megarl.rollout.tools.parsers import ToolCall, get_parser
 
@@ -163,25 +163,31 @@ class AgentLoop:
         self.renderer = renderer or observation_renderer(tokenizer, self.config.observation_template)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-agent-engine")
 
-    def run(self, prompts: list[list[int]], params: SamplingParams, policy_version: int = 0) -> list[Trajectory]:
+    def run(self, prompts: list[list[int]], params: SamplingParams, policy_version: int = 0,
+            images: list[ImageInputs | None] | None = None) -> list[Trajectory]:
         """`params.n` conversations per prompt, grouped by prompt in order. `params.max_new_tokens` is
         replaced, turn by turn, by the per-turn limit and what is left of the budget."""
-        finished, _, _ = asyncio.run(self.arun_groups(new_groups(prompts, params.n, policy_version), params))
+        groups = new_groups(prompts, params.n, policy_version)
+        finished, _, _ = asyncio.run(self.arun_groups(groups, params, images=images))
         return [t for group in finished for t in group]
 
     def run_groups(self, groups: list[list[Trajectory]], params: SamplingParams, needed: int | None = None,
                    accept: Callable[[list[Trajectory]], bool] | None = None,
-                   on_group: Callable[[int, list[Trajectory]], None] | None = None):
+                   on_group: Callable[[int, list[Trajectory]], None] | None = None,
+                   images: list[ImageInputs | None] | None = None):
         """See arun_groups."""
-        return asyncio.run(self.arun_groups(groups, params, needed, accept, on_group))
+        return asyncio.run(self.arun_groups(groups, params, needed, accept, on_group, images))
 
     async def arun_groups(self, groups: list[list[Trajectory]], params: SamplingParams, needed: int | None = None,
                           accept: Callable[[list[Trajectory]], bool] | None = None,
-                          on_group: Callable[[int, list[Trajectory]], None] | None = None):
+                          on_group: Callable[[int, list[Trajectory]], None] | None = None,
+                          images: list[ImageInputs | None] | None = None):
         """Continue every conversation of `groups` (new ones have no response yet; `params.n` is not used)
         until each is finished, or, with `needed`, until `needed` groups are finished and accepted by
         `accept(group)` (all are, without it): then the others are aborted. `on_group(i, groups[i])` as soon as
-        group i is accepted, while the others go on (the asynchronous modes score it then).
+        group i is accepted, while the others go on (the asynchronous modes score it then). `images`: a
+        vision-language policy's images of each prompt, by Trajectory.prompt_index (None for a text-only one):
+        every model turn of a conversation is generated with its prompt's images (tool results are text).
 
         Returns (finished groups: the accepted ones, then the others that finished (rejected, or not
         judged because the abort came first); unfinished groups; the number rejected), in the order given."""
@@ -190,7 +196,8 @@ class AgentLoop:
         accepted, rejected = [], []
 
         async def run_group(index: int, group: list[Trajectory]) -> None:
-            await asyncio.gather(*(self._converse(t, batcher, slots) for t in group if not t.finish_reason))
+            await asyncio.gather(*(self._converse(t, batcher, slots, images[t.prompt_index] if images else None)
+                                   for t in group if not t.finish_reason))
             if needed is None or (len(accepted) < needed and (accept is None or accept(group))):
                 accepted.append(group)
                 if on_group is not None:
@@ -220,7 +227,8 @@ class AgentLoop:
             tool.close()
         self._engine_thread.shutdown(wait=False)
 
-    async def _converse(self, traj: Trajectory, batcher: "_GenerationBatcher", slots: asyncio.Semaphore) -> None:
+    async def _converse(self, traj: Trajectory, batcher: "_GenerationBatcher", slots: asyncio.Semaphore,
+                        image: ImageInputs | None) -> None:
         """Take `traj` on from where it stands (a new one, or one aborted earlier) to its end."""
         async with slots:
             start = time.monotonic()
@@ -230,15 +238,15 @@ class AgentLoop:
                     if last is not None and last["role"] == "assistant" and last["tool_calls"]:
                         await self._observe(traj, last)  # (resumed after an abort between a turn and its tools)
                     else:
-                        await self._model_turn(traj, batcher)
+                        await self._model_turn(traj, batcher, image)
             finally:
                 traj.seconds += time.monotonic() - start
 
-    async def _model_turn(self, traj: Trajectory, batcher: "_GenerationBatcher") -> None:
+    async def _model_turn(self, traj: Trajectory, batcher: "_GenerationBatcher", image: ImageInputs | None) -> None:
         cfg = self.config
         room = cfg.max_response_tokens - len(traj.response_ids)
         gen = await batcher.generate(traj.prompt_ids + traj.response_ids, min(cfg.max_new_tokens_per_turn, room),
-                                     traj.conversation)
+                                     traj.conversation, image)
         stopped = gen.finish_reason == "stop"
         text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)
         calls = self.parser(text)[:cfg.max_tool_calls_per_turn]
@@ -332,7 +340,7 @@ class _GenerationBatcher:
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, thread: ThreadPoolExecutor):
         self.engine, self.params, self.thread = engine, params, thread
-        self.pending: list[tuple[list[int], int, str, asyncio.Future]] = []
+        self.pending: list[tuple[list[int], int, str, ImageInputs | None, asyncio.Future]] = []
         accepts = inspect.signature(engine.generate).parameters
         self.sticky, self.per_prompt_limits = "conversations" in accepts, "max_new_tokens" in accepts
         self.worker: asyncio.Task | None = None
@@ -350,9 +358,10 @@ class _GenerationBatcher:
         if self.inflight is not None:
             await asyncio.gather(self.inflight, return_exceptions=True)
 
-    async def generate(self, prompt: list[int], max_new_tokens: int, conversation: str) -> Generation:
+    async def generate(self, prompt: list[int], max_new_tokens: int, conversation: str,
+                       image: ImageInputs | None = None) -> Generation:
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((prompt, max_new_tokens, conversation, future))
+        self.pending.append((prompt, max_new_tokens, conversation, image, future))
         if self.worker is None or self.worker.done():
             self.worker = asyncio.create_task(self._drain())
         return await future
@@ -370,6 +379,8 @@ class _GenerationBatcher:
             extra = {"conversations": [r[2] for r in requests]} if self.sticky else {}
             if self.per_prompt_limits:
                 extra["max_new_tokens"] = [r[1] for r in requests]
+            if any(r[3] is not None for r in requests):  # a vision-language policy's turns with their prompts' images
+                extra["images"] = [r[3] for r in requests]
             call = functools.partial(self.engine.generate, [r[0] for r in requests], params, **extra)
             self.inflight = loop.run_in_executor(self.thread, call)
             try:
@@ -379,7 +390,7 @@ class _GenerationBatcher:
                     if not future.done():
                         future.set_exception(e)
                 continue
-            for (_, limit, _, future), gen in zip(requests, gens):
+            for (_, limit, _, _, future), gen in zip(requests, gens):
                 if future.done():  # its conversation was cancelled
                     continue
                 if len(gen.token_ids) > limit:
@@ -396,7 +407,8 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
 
     `prompts[i]` has `prompt` and `answer` (as for generations_to_batch). Non-tensor fields: `group`,
     `prompt`, `answer`, `response` (the last model turn's text without special tokens: the answer a
-    reward compares) and `trajectory` (Trajectory.summary(): every turn, tool call and result).
+    reward compares), `trajectory` (Trajectory.summary(): every turn, tool call and result) and, for prompts with
+    images, each row's prompt's `pixel_values` and `image_grid_thw` (as generations_to_batch gives them).
     """
     responses = []
     for t in trajectories:
@@ -411,7 +423,8 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
          "prompt": [prompts[t.prompt_index]["prompt"] for t in trajectories],
          "response": responses,
          "answer": [prompts[t.prompt_index]["answer"] for t in trajectories],
-         "trajectory": [t.summary() for t in trajectories]})
+         "trajectory": [t.summary() for t in trajectories]}
+        | row_images(prompts, [t.prompt_index for t in trajectories]))
 
 
 def agent_metrics(batch: Batch, prefix: str) -> dict:

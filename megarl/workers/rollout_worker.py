@@ -10,6 +10,7 @@ from megarl.config import Config
 from megarl.rewards import build_reward, score
 from megarl.rollout.agent import AgentLoop, OversamplingEnd, Trajectory, trajectories_to_batch
 from megarl.rollout.base import Generation, ImageInputs, SamplingParams, stream_callbacks
+from megarl.rollout.batching import prompt_images
 from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
 
@@ -70,7 +71,8 @@ class RolloutWorker:
         trip to the driver. `groups[i]` are the conversations of `prompts[i]`; with `needed`, the
         rest are aborted once that many groups are finished (and, with varied_rewards, their rewards
         differ). Returns AgentLoop.run_groups' (finished, unfinished, rejected count)."""
-        return self.agent_loop().run_groups(groups, params, needed, self.acceptance(prompts, varied_rewards))
+        return self.agent_loop().run_groups(groups, params, needed, self.acceptance(prompts, varied_rewards),
+                                            images=prompt_images(prompts))
 
     def rollout_agent_groups(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
                              needed: int | None = None, varied_rewards: bool = False):
@@ -84,7 +86,7 @@ class RolloutWorker:
             def accepted(index: int, group: list[Trajectory]) -> None:
                 streamed.add(index)
                 on_group(index, group)
-            return self.agent_loop().run_groups(groups, params, needed, accept, accepted)
+            return self.agent_loop().run_groups(groups, params, needed, accept, accepted, prompt_images(prompts))
         finished, unfinished, rejected = yield from stream_callbacks(run)
         if needed is not None:
             position = {id(group): i for i, group in enumerate(groups)}

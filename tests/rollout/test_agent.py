@@ -10,7 +10,7 @@ from megarl.data.dataset import sft_batch
 from megarl.models.tiny import build_tiny_model
 from megarl.rollout.agent import (AgentConfig, AgentLoop, ChatTemplateObservations, TextObservations, Trajectory,
                                   trajectories_to_batch)
-from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
+from megarl.rollout.base import Generation, ImageInputs, RolloutEngine, SamplingParams
 from megarl.rollout.hf import HFRolloutEngine
 from megarl.rollout.tools import Tool, build_tools
 from megarl.rollout.tools.parsers import TOOL_PARSERS, ToolCall
@@ -406,3 +406,35 @@ def test_an_abort_reaches_the_engine_call_in_flight_and_waits_for_it(tok):
 
     waited = asyncio.run(scenario())
     assert engine.aborts == 1 and waited > 0.2
+
+
+def test_every_model_turn_goes_with_its_prompts_images_and_the_rows_carry_them(tok):
+    """A vision-language policy's conversations: each turn's request carries its prompt's images (None for a text-only
+    prompt), the turns after a tool result too, and every row of an image prompt gets the prompt's image fields."""
+    picture = ImageInputs(torch.randn(4, 6), torch.tensor([[1, 2, 2]]))
+
+    class RecordingEngine(ScriptedEngine):
+        def generate(self, prompts, params, images=None):
+            self.seen += [(context[:3], None if images is None else images[i]) for i, context in enumerate(prompts)]
+            return super().generate(prompts, params)
+
+    engine = RecordingEngine(tok, {"Q1:": [call("calculator", expression="6*7"), "42"], "Q2:": ["7"]})
+    engine.seen = []
+    agent = AgentLoop(engine, tok, build_tools(["calculator"]), AgentConfig())
+    try:
+        trajectories = agent.run([ids(tok, "Q1:"), ids(tok, "Q2:")], SamplingParams(n=2), images=[picture, None])
+    finally:
+        agent.close()
+    assert [t.finish_reason for t in trajectories] == ["stop"] * 4 and len(trajectories[0].turns) == 3
+    assert len(engine.seen) == 6  # Q1's two turns and Q2's one, twice each
+    for prefix, image in engine.seen:
+        assert image is (picture if prefix == ids(tok, "Q1:") else None), prefix
+    rows = [{"prompt": "Q1:", "answer": "", "pixel_values": picture.pixel_values,
+             "image_grid_thw": picture.image_grid_thw}, {"prompt": "Q2:", "answer": "", "pixel_values": None,
+                                                          "image_grid_thw": None}]
+    batch = trajectories_to_batch(rows, trajectories, tok.pad_token_id, tok)
+    assert [p is picture.pixel_values for p in batch["pixel_values"]] == [True, True, False, False]
+    assert batch["image_grid_thw"][2] is None and batch["image_grid_thw"][0] is picture.image_grid_thw
+    text_only = trajectories_to_batch([dict(r, pixel_values=None, image_grid_thw=None) for r in rows], trajectories,
+                                      tok.pad_token_id, tok)
+    assert "pixel_values" not in text_only.non_tensors
