@@ -10,6 +10,7 @@ import torch
 from megarl.config import load_config
 from megarl.data.shapes import write_shapes_splits
 from megarl.models.tiny_vl import build_tiny_vl_model, build_tiny_vl_tokenizer
+from megarl.rollout.tools import Tool, ToolResult
 from megarl.rollout.tools.parsers import ToolCall
 from megarl.trainer import RLTrainer
 
@@ -95,3 +96,51 @@ def test_agent_loop_with_images(tmp_path, ray_local):
     image_pad = build_tiny_vl_tokenizer().convert_tokens_to_ids("<|image_pad|>")
     grids = fields["image_grid_thw"]
     assert torch.equal((rows["tokens"] == image_pad).sum(1), torch.tensor([int(g.prod(-1).sum()) // 4 for g in grids]))
+
+
+class ShowSquare(Tool):
+    """A tool that answers with an image: a red square on grey (16 x 16 pixels: 64 patches, 16 placeholders)."""
+    name = "show_square"
+
+    def run(self, **unused):
+        from PIL import Image
+
+        image = Image.new("RGB", (16, 16), (128, 128, 128))
+        image.paste((255, 0, 0), (4, 4, 12, 12))
+        return ToolResult("a square:", [image])
+
+
+def show_square_every_turn(text: str) -> list[ToolCall]:
+    return [ToolCall("show_square")]
+
+
+def test_agent_loop_with_images_from_a_tool(tmp_path, ray_local):
+    """A tool answers with an image: the observation holds its placeholders after the text (never trained on), the row's
+    images grow by it (prompt's first), the next turn is generated seeing it, and the hf engine's log-probs equal
+    Megatron's on the whole rows (both sides place the tool's image in the M-RoPE positions and the vision tower)."""
+    cfg = tiny_vl_config(tmp_path, 2, ["sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "trainer.steps=1",
+                                       "agent.enabled=true", f"agent.tools=[{__name__}:ShowSquare]",
+                                       f"agent.parser={__name__}:show_square_every_turn", "agent.max_turns=2",
+                                       "agent.max_new_tokens_per_turn=3", "agent.max_response_tokens=64",
+                                       f"rollout.dump_dir={tmp_path / 'dumps'}"])
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.prepare()
+        metrics = trainer.step()
+    finally:
+        trainer.shutdown()
+    assert metrics["rollout/logprob_abs_diff"] < 1e-5
+    dump = torch.load(next((tmp_path / "dumps").glob("*.pt")), weights_only=False)
+    fields, rows = dump["non_tensors"], dump["tensors"]
+    image_pad = build_tiny_vl_tokenizer().convert_tokens_to_ids("<|image_pad|>")
+    for i, t in enumerate(fields["trajectory"]):
+        assert [turn["role"] for turn in t["turns"]] == ["assistant", "tool", "assistant"]
+        assert t["turns"][1]["calls"][0]["images"] == 1 and t["turns"][1]["calls"][0]["result"] == "a square:"
+        grids = fields["image_grid_thw"][i]
+        assert grids[-1].tolist() == [1, 8, 8] and len(grids) >= 2  # the prompt's images, then the tool's
+        placeholders = rows["tokens"][i] == image_pad
+        assert placeholders.sum() == int(grids.prod(-1).sum()) // 4 and rows["loss_mask"][i][placeholders].sum() == 0
+        start = int(rows["attention_mask"][i].sum()) - t["turns"][-1]["span"][1]
+        observation = t["turns"][1]["span"]
+        assert placeholders[start + observation[0]:start + observation[1]].sum() == 16
+        assert fields["pixel_values"][i].shape[0] == int(grids.prod(-1).sum())

@@ -32,9 +32,12 @@ IMAGE_SLOT = VISION_START + IMAGE_PAD + VISION_END  # one image in the rendered 
 
 
 def load_image(ref, base_dir: str | Path, where: str):
-    """An RGB PIL image from a path, bytes, a data: URL, or {'bytes'|'path': ...}; `where` names the row and image."""
+    """An RGB PIL image from a path, bytes, a data: URL, {'bytes'|'path': ...} or a PIL image; `where` names the row
+    and image."""
     from PIL import Image
 
+    if isinstance(ref, Image.Image):  # a tool's answer (megarl.rollout.tools.ToolResult)
+        return ref.convert("RGB")
     if isinstance(ref, dict):
         ref = ref.get("bytes") or ref.get("path")
     try:
@@ -110,6 +113,12 @@ class ImagePrompts:
         slots = ids.count(self.image_token_id)
         if slots != len(images):
             raise InputError(f"{where}: the rendered prompt has {slots} image slots for {len(images)} images")
+        expanded, pixel_values, grids = self.expand(ids, images)
+        return {"prompt_ids": expanded, "pixel_values": pixel_values, "image_grid_thw": grids}
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Token ids holding one image placeholder per image (in order) -> (the ids with each placeholder repeated
+        t*h*w / merge^2 times, pixel_values, image_grid_thw) of the images (PIL, RGB)."""
         out = self.processor(images=images, min_pixels=self.min_pixels, max_pixels=self.max_pixels,
                              return_tensors="pt")
         grids = out["image_grid_thw"]
@@ -117,7 +126,7 @@ class ImagePrompts:
         expanded = []
         for token in ids:
             expanded += [token] * next(counts) if token == self.image_token_id else [token]
-        return {"prompt_ids": expanded, "pixel_values": out["pixel_values"], "image_grid_thw": grids}
+        return expanded, out["pixel_values"], grids
 
 
 def image_examples(examples: list[dict], tokenizer, image_prompts: ImagePrompts, base_dir: str | Path,

@@ -47,10 +47,11 @@ from typing import Callable
 import torch
 
 from megarl.config import AgentConfig  # the loop's settings: a recipe's `agent` section
-from megarl.protocol import Batch
+from megarl.data.images import IMAGE_PAD, IMAGE_SLOT, VISION_END, VISION_START, load_image
+from megarl.protocol import IMAGE_INPUTS, Batch
 from megarl.rollout.base import Generation, ImageInputs, RolloutEngine, SamplingParams
-from megarl.rollout.batching import row_images, rows_to_tensors
-from megarl.rollout.tools import Tool, ToolError
+from megarl.rollout.batching import rows_to_tensors
+from megarl.rollout.tools import Tool, ToolError, ToolResult
 from megarl.rollout.tools.parsers import ToolCall, get_parser
 
 
@@ -72,6 +73,8 @@ class Trajectory:
     policy_version: int = 0
     versions: list = field(default_factory=list)  # per response token: the policy version of a model token, else None
     conversation: str = field(default_factory=lambda: uuid.uuid4().hex)  # engines keep it on one server
+    # a vision-language policy's images in the row, in order: the prompt's, then those tool results brought
+    images: ImageInputs | None = None
 
     def append(self, token_ids: list[int], logprobs: list[float] | None,
                versions: list[int] | None = None) -> list[int]:
@@ -155,9 +158,12 @@ def observation_renderer(tokenizer, template: str = ""):
 # --- the loop ----------------------------------------------------------------------------------------
 
 class AgentLoop:
+    """`image_prompts`: a vision-language policy's image processor (megarl.data.images.ImagePrompts): its tools may
+    answer with images (ToolResult), which the observation shows after their text as the prompt shows its own."""
+
     def __init__(self, engine: RolloutEngine, tokenizer, tools: dict[str, Tool], config: AgentConfig | None = None,
-                 renderer=None):
-        self.engine, self.tokenizer, self.tools = engine, tokenizer, tools
+                 renderer=None, image_prompts=None):
+        self.engine, self.tokenizer, self.tools, self.image_prompts = engine, tokenizer, tools, image_prompts
         self.config = config or AgentConfig()
         self.parser = get_parser(self.config.parser)
         self.renderer = renderer or observation_renderer(tokenizer, self.config.observation_template)
@@ -167,8 +173,8 @@ class AgentLoop:
             images: list[ImageInputs | None] | None = None) -> list[Trajectory]:
         """`params.n` conversations per prompt, grouped by prompt in order. `params.max_new_tokens` is
         replaced, turn by turn, by the per-turn limit and what is left of the budget."""
-        groups = new_groups(prompts, params.n, policy_version)
-        finished, _, _ = asyncio.run(self.arun_groups(groups, params, images=images))
+        finished, _, _ = asyncio.run(self.arun_groups(new_groups(prompts, params.n, policy_version), params,
+                                                      images=images))
         return [t for group in finished for t in group]
 
     def run_groups(self, groups: list[list[Trajectory]], params: SamplingParams, needed: int | None = None,
@@ -186,18 +192,20 @@ class AgentLoop:
         until each is finished, or, with `needed`, until `needed` groups are finished and accepted by
         `accept(group)` (all are, without it): then the others are aborted. `on_group(i, groups[i])` as soon as
         group i is accepted, while the others go on (the asynchronous modes score it then). `images`: a
-        vision-language policy's images of each prompt, by Trajectory.prompt_index (None for a text-only one):
-        every model turn of a conversation is generated with its prompt's images (tool results are text).
+        vision-language policy's images of each prompt, by Trajectory.prompt_index (None for a text-only one): a
+        new conversation starts with its prompt's (Trajectory.images), and every model turn is generated with the
+        row's images so far.
 
         Returns (finished groups: the accepted ones, then the others that finished (rejected, or not
         judged because the abort came first); unfinished groups; the number rejected), in the order given."""
+        for t in (t for group in groups for t in group if images and not t.response_ids and t.images is None):
+            t.images = images[t.prompt_index]
         batcher = _GenerationBatcher(self.engine, params, self._engine_thread)
         slots = asyncio.Semaphore(self.config.max_concurrent)
         accepted, rejected = [], []
 
         async def run_group(index: int, group: list[Trajectory]) -> None:
-            await asyncio.gather(*(self._converse(t, batcher, slots, images[t.prompt_index] if images else None)
-                                   for t in group if not t.finish_reason))
+            await asyncio.gather(*(self._converse(t, batcher, slots) for t in group if not t.finish_reason))
             if needed is None or (len(accepted) < needed and (accept is None or accept(group))):
                 accepted.append(group)
                 if on_group is not None:
@@ -227,8 +235,7 @@ class AgentLoop:
             tool.close()
         self._engine_thread.shutdown(wait=False)
 
-    async def _converse(self, traj: Trajectory, batcher: "_GenerationBatcher", slots: asyncio.Semaphore,
-                        image: ImageInputs | None) -> None:
+    async def _converse(self, traj: Trajectory, batcher: "_GenerationBatcher", slots: asyncio.Semaphore) -> None:
         """Take `traj` on from where it stands (a new one, or one aborted earlier) to its end."""
         async with slots:
             start = time.monotonic()
@@ -238,15 +245,15 @@ class AgentLoop:
                     if last is not None and last["role"] == "assistant" and last["tool_calls"]:
                         await self._observe(traj, last)  # (resumed after an abort between a turn and its tools)
                     else:
-                        await self._model_turn(traj, batcher, image)
+                        await self._model_turn(traj, batcher)
             finally:
                 traj.seconds += time.monotonic() - start
 
-    async def _model_turn(self, traj: Trajectory, batcher: "_GenerationBatcher", image: ImageInputs | None) -> None:
+    async def _model_turn(self, traj: Trajectory, batcher: "_GenerationBatcher") -> None:
         cfg = self.config
         room = cfg.max_response_tokens - len(traj.response_ids)
         gen = await batcher.generate(traj.prompt_ids + traj.response_ids, min(cfg.max_new_tokens_per_turn, room),
-                                     traj.conversation, image)
+                                     traj.conversation, traj.images)
         stopped = gen.finish_reason == "stop"
         text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)
         calls = self.parser(text)[:cfg.max_tool_calls_per_turn]
@@ -267,17 +274,27 @@ class AgentLoop:
 
     async def _observe(self, traj: Trajectory, turn: dict) -> None:
         calls = [ToolCall(c["name"], c["arguments"], c["error"]) for c in turn["tool_calls"]]
-        results = await asyncio.gather(*(self._call_tool(c) for c in calls))
+        outcomes = await asyncio.gather(*(self._call_tool(c) for c in calls))
+        results, pictures = [r for r, _ in outcomes], [image for _, images in outcomes for image in images]
         room = self.config.max_response_tokens - len(traj.response_ids)
         end = turn["span"][1]
         stop_text = self.tokenizer.decode(traj.response_ids[end - 1:end]) if turn["stopped"] else None
-        observation = self.renderer.render([r["result"] for r in results], stop_text)
+        observation = self.renderer.render([r["result"] + IMAGE_SLOT * r.get("images", 0) for r in results], stop_text)
+        if pictures:  # each image's placeholder repeated as the prompt's are; the row's images grow by them
+            observation, pixel_values, grids = self.image_prompts.expand(observation, pictures)
+            if len(observation) > room:  # never cut inside an image: the observation is left out
+                traj.turns.append({"role": "tool", "calls": results, "span": traj.append([], None)})
+                traj.finish_reason = "length"
+                return
+            traj.images = ImageInputs(pixel_values, grids) if traj.images is None else ImageInputs(
+                torch.cat([traj.images.pixel_values, pixel_values]), torch.cat([traj.images.image_grid_thw, grids]))
         traj.turns.append({"role": "tool", "calls": results, "span": traj.append(observation[:room], None)})
         if len(observation) >= room:  # cut, or no room left for another turn
             traj.finish_reason = "length"
 
-    async def _call_tool(self, call: ToolCall) -> dict:
-        start = time.monotonic()
+    async def _call_tool(self, call: ToolCall) -> tuple[dict, list]:
+        """The call's record for the trajectory (its result text; `images`: how many it showed), and its images."""
+        start, images = time.monotonic(), []
         tool = self.tools.get(call.name)
         try:
             if call.error:
@@ -288,18 +305,28 @@ class AgentLoop:
                 pending = tool.run(**call.arguments)
             else:
                 pending = _in_own_thread(tool.run, **call.arguments)
-            result, error = str(await asyncio.wait_for(pending, self.config.tool_timeout_s)), False
+            answer = await asyncio.wait_for(pending, self.config.tool_timeout_s)
+            if isinstance(answer, ToolResult) and answer.images:
+                if self.image_prompts is None:
+                    raise ToolError(f"it answered with {len(answer.images)} image(s); this policy takes no images")
+                images = [load_image(image, ".", f"tool '{call.name}', image {k}")
+                          for k, image in enumerate(answer.images)]
+            result, error = str(answer.text if isinstance(answer, ToolResult) else answer), False
         except asyncio.TimeoutError:
             result, error = f"error: no answer within {self.config.tool_timeout_s:g} s", True
         except ToolError as e:
             result, error = f"error: {e}", True
         except Exception as e:  # a tool's bug is the model's observation, not the end of the run
             result, error = f"error: {type(e).__name__}: {e}", True
+        if self.image_prompts is not None:  # the only image slots in an observation are those of its images
+            for token in (VISION_START, IMAGE_PAD, VISION_END):
+                result = result.replace(token, "")
         limit = self.config.max_observation_chars
         if len(result) > limit:
             result = result[:limit] + "...(truncated)"
-        return {"name": call.name, "arguments": call.arguments, "result": result, "error": error,
-                "seconds": time.monotonic() - start}
+        record = {"name": call.name, "arguments": call.arguments, "result": result, "error": error,
+                  "seconds": time.monotonic() - start}
+        return record | ({"images": len(images)} if images else {}), images
 
 
 def _in_own_thread(fn, **kwargs) -> asyncio.Future:
@@ -407,14 +434,17 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
 
     `prompts[i]` has `prompt` and `answer` (as for generations_to_batch). Non-tensor fields: `group`,
     `prompt`, `answer`, `response` (the last model turn's text without special tokens: the answer a
-    reward compares), `trajectory` (Trajectory.summary(): every turn, tool call and result) and, for prompts with
-    images, each row's prompt's `pixel_values` and `image_grid_thw` (as generations_to_batch gives them).
+    reward compares), `trajectory` (Trajectory.summary(): every turn, tool call and result) and, where any row has
+    images, each row's `pixel_values` and `image_grid_thw` (Trajectory.images: its prompt's and its tools'; None for
+    a text-only row), the per-row fields MegatronEngine reads.
     """
     responses = []
     for t in trajectories:
         last = next((turn for turn in reversed(t.turns) if turn["role"] == "assistant"), None)
         ids = t.response_ids[last["span"][0]:last["span"][1] - int(last["stopped"])] if last else []
         responses.append(tokenizer.decode(ids, skip_special_tokens=True))
+    images = {} if all(t.images is None for t in trajectories) else {
+        k: [None if t.images is None else getattr(t.images, k) for t in trajectories] for k in IMAGE_INPUTS}
     tensors = rows_to_tensors([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
                               [t.loss_mask for t in trajectories], [t.logprobs for t in trajectories], pad_id)
     return Batch(
@@ -423,8 +453,7 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
          "prompt": [prompts[t.prompt_index]["prompt"] for t in trajectories],
          "response": responses,
          "answer": [prompts[t.prompt_index]["answer"] for t in trajectories],
-         "trajectory": [t.summary() for t in trajectories]}
-        | row_images(prompts, [t.prompt_index for t in trajectories]))
+         "trajectory": [t.summary() for t in trajectories]} | images)
 
 
 def agent_metrics(batch: Batch, prefix: str) -> dict:

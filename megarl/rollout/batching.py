@@ -16,15 +16,6 @@ def prompt_images(prompts: list[dict]) -> list[ImageInputs | None] | None:
     return images if any(i is not None for i in images) else None
 
 
-def row_images(prompts: list[dict], prompt_indices: list[int]) -> dict[str, list]:
-    """The per-row image fields (IMAGE_INPUTS) of rows of `prompts[i]` for i in `prompt_indices`: every row of a prompt
-    with images gets that prompt's `pixel_values` and `image_grid_thw` (None for a text-only row); {} where no prompt
-    has images."""
-    if prompt_images(prompts) is None:
-        return {}
-    return {k: [prompts[i][k] for i in prompt_indices] for k in IMAGE_INPUTS}
-
-
 def generations_to_batch(prompts: list[dict], generations: list[Generation], pad_id: int, policy_version: int,
                          tokenizer) -> Batch:
     """One row per generation: tokens = prompt_ids + response ids, right-padded with `pad_id`.
@@ -47,7 +38,8 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
                               [g.logprobs for g in generations], pad_id)
     # the oldest policy that wrote a row's tokens, where the engine reports versions (partial rollouts span several)
     versions = [min(g.versions) if g.versions else policy_version for g in generations]
-    images = row_images(prompts, [g.prompt_index for g in generations])
+    images = {k: [prompts[g.prompt_index][k] for g in generations] for k in IMAGE_INPUTS} \
+        if prompt_images(prompts) is not None else {}
     return Batch(
         tensors | {"policy_version": torch.tensor(versions, dtype=torch.long)},
         {"group": [g.prompt_index for g in generations],

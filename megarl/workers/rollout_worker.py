@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -110,12 +111,18 @@ class RolloutWorker:
         return accept
 
     def agent_loop(self) -> AgentLoop:
-        """The agent loop and its tools, built on first use."""
+        """The agent loop and its tools, built on first use; a vision-language policy's with its image processor
+        (its tools may answer with images)."""
         if self.agent is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self.agent = AgentLoop(self.engine, tokenizer, build_tools(self.cfg.agent.tools), self.cfg.agent)
+            from megarl.data.images import ImagePrompts
+
+            tokenizer, d = AutoTokenizer.from_pretrained(self.model_path), self.cfg.data
+            images = ImagePrompts(self.model_path, tokenizer, d.min_pixels, d.max_pixels) \
+                if (Path(self.model_path) / "preprocessor_config.json").exists() else None
+            self.agent = AgentLoop(self.engine, tokenizer, build_tools(self.cfg.agent.tools), self.cfg.agent,
+                                   image_prompts=images)
         return self.agent
 
     def begin_weight_update(self) -> list | None:

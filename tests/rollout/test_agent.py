@@ -12,7 +12,7 @@ from megarl.rollout.agent import (AgentConfig, AgentLoop, ChatTemplateObservatio
                                   trajectories_to_batch)
 from megarl.rollout.base import Generation, ImageInputs, RolloutEngine, SamplingParams
 from megarl.rollout.hf import HFRolloutEngine
-from megarl.rollout.tools import Tool, build_tools
+from megarl.rollout.tools import Tool, ToolResult, build_tools
 from megarl.rollout.tools.parsers import TOOL_PARSERS, ToolCall
 
 
@@ -410,7 +410,8 @@ def test_an_abort_reaches_the_engine_call_in_flight_and_waits_for_it(tok):
 
 def test_every_model_turn_goes_with_its_prompts_images_and_the_rows_carry_them(tok):
     """A vision-language policy's conversations: each turn's request carries its prompt's images (None for a text-only
-    prompt), the turns after a tool result too, and every row of an image prompt gets the prompt's image fields."""
+    prompt), the turns after a tool result too, and every row of an image prompt gets the prompt's image fields; a
+    tool that answers with images for a text policy gets an error observation."""
     picture = ImageInputs(torch.randn(4, 6), torch.tensor([[1, 2, 2]]))
 
     class RecordingEngine(ScriptedEngine):
@@ -435,6 +436,64 @@ def test_every_model_turn_goes_with_its_prompts_images_and_the_rows_carry_them(t
     batch = trajectories_to_batch(rows, trajectories, tok.pad_token_id, tok)
     assert [p is picture.pixel_values for p in batch["pixel_values"]] == [True, True, False, False]
     assert batch["image_grid_thw"][2] is None and batch["image_grid_thw"][0] is picture.image_grid_thw
-    text_only = trajectories_to_batch([dict(r, pixel_values=None, image_grid_thw=None) for r in rows], trajectories,
-                                      tok.pad_token_id, tok)
-    assert "pixel_values" not in text_only.non_tensors
+    for t in trajectories:
+        t.images = None
+    assert "pixel_values" not in trajectories_to_batch(rows, trajectories, tok.pad_token_id, tok).non_tensors
+
+    class Picture(Tool):
+        name = "picture"
+
+        def run(self):
+            return ToolResult("here it is", [b"not even an image"])
+
+    script = {"Q:": [call("picture"), "ok"]}
+    trajectories, _ = run_agent(ScriptedEngine(tok, script), tok, ["Q:"], AgentConfig(), tools={"picture": Picture()})
+    record = trajectories[0].turns[1]["calls"][0]
+    assert record["error"] and "this policy takes no images" in record["result"] and "images" not in record
+
+
+def test_a_tools_images_join_the_row_or_leave_the_observation_out_whole(tmp_path):
+    """A vision-language policy's tool answers with an image: the observation shows its expanded placeholders after
+    the text, the next turn's request and the row carry it; where the budget cannot hold the whole observation it is
+    left out (an image is never cut) and the conversation ends with `length`."""
+    from PIL import Image
+
+    from megarl.data.images import ImagePrompts
+    from megarl.models.tiny_vl import build_tiny_vl_model
+
+    model = build_tiny_vl_model(tmp_path / "vl")
+    vl_tok = AutoTokenizer.from_pretrained(model)
+    image_pad = vl_tok.convert_tokens_to_ids("<|image_pad|>")
+
+    class Picture(Tool):
+        name = "picture"
+
+        def run(self):
+            return ToolResult("seen:", [Image.new("RGB", (16, 16), (0, 0, 255))])
+
+    class RecordingEngine(ScriptedEngine):
+        def generate(self, prompts, params, images=None):
+            self.seen.append(images)
+            return super().generate(prompts, params)
+
+    first = len(ids(vl_tok, call("picture"))) + 1  # the tool call's turn
+    for budget, finish in ((first + 100, "stop"), (first + 10, "length")):
+        engine = RecordingEngine(vl_tok, {"Q:": [call("picture"), "ok"]})
+        engine.seen = []
+        agent = AgentLoop(engine, vl_tok, {"picture": Picture()}, AgentConfig(max_response_tokens=budget),
+                          image_prompts=ImagePrompts(model, vl_tok))
+        try:
+            [t] = agent.run([ids(vl_tok, "Q:")], SamplingParams(n=1))
+        finally:
+            agent.close()
+        assert t.finish_reason == finish
+        observation = t.response_ids[slice(*t.turns[1]["span"])]
+        if finish == "length":  # left out whole; no image in the row
+            assert observation == [] and t.images is None and engine.seen == [None]
+            continue
+        assert observation.count(image_pad) == 16 and t.turns[1]["calls"][0]["images"] == 1
+        assert t.images.image_grid_thw.tolist() == [[1, 8, 8]] and t.images.pixel_values.shape[0] == 64
+        assert engine.seen[0] is None and engine.seen[1][0] is t.images  # the second turn saw the image
+        batch = trajectories_to_batch([{"prompt": "Q:", "answer": ""}], [t], vl_tok.pad_token_id, vl_tok)
+        assert batch["image_grid_thw"][0] is t.images.image_grid_thw
+        assert batch["loss_mask"][0][batch["tokens"][0] == image_pad].sum() == 0

@@ -2,6 +2,8 @@
 
 A tool is a class with a `name` (what the model calls), a `description` and a JSON-schema
 `parameters` dict (what the chat template shows the model), and a `run(**arguments) -> str` method.
+For a vision-language policy `run` may answer with images too: a ToolResult, whose images the model sees after
+its text (megarl/rollout/agent.py; a text policy gets an error observation instead).
 `run` may block (each call gets its own thread, so a slow tool holds up only its own conversation)
 or be `async def`. A tool reports bad input or a failure by raising (ToolError for expected ones,
 whose message is written for the model); the agent turns any exception into an "error: ..."
@@ -16,6 +18,7 @@ such class given as `package.module:Class`. A recipe declares tools as a list of
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from megarl.utils.registry import Registry
@@ -27,12 +30,20 @@ class ToolError(Exception):
     """An expected failure (bad arguments, a limit hit); its message goes to the model."""
 
 
+@dataclass
+class ToolResult:
+    """A tool's answer with images: `text`, then `images`, each a path (relative to the working directory, or
+    absolute), raw bytes, a data: URL, {'bytes'|'path': ...} or a PIL image (megarl.data.images.load_image)."""
+    text: str
+    images: list = field(default_factory=list)
+
+
 class Tool:
     name: str = ""
     description: str = ""
     parameters: dict = {"type": "object", "properties": {}, "required": []}
 
-    def run(self, **arguments: Any) -> str:
+    def run(self, **arguments: Any) -> "str | ToolResult":
         raise NotImplementedError
 
     def schema(self) -> dict:
