@@ -48,3 +48,32 @@ def test_async_groups_stream_with_their_images(tmp_path, ray_local):
             again = prompt_record(group)  # async.stale=regenerate: the prompt goes back with its images
             assert again["prompt_ids"] == record["prompt_ids"]
             assert all(torch.equal(again[k], record[k]) for k in IMAGE_INPUTS)
+
+
+def test_async_agent_conversations_stream_with_their_prompts_and_tools_images(tmp_path, ray_local):
+    """The agent loop in trainer.mode=async with a tool that answers with an image: the streamed conversations keep
+    every image (the prompt's, then the tool's) and the engine's log-probs equal Megatron's on them, batches one
+    version old included (lr 0)."""
+    cfg = tiny_vl_config(tmp_path, 2, [
+        "sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "trainer.steps=3", "trainer.mode=async",
+        "async.max_staleness=1", "actor.optim.lr=0", "agent.enabled=true", "agent.tools=[tests.test_vl_e2e:ShowSquare]",
+        "agent.parser=tests.test_vl_e2e:show_square_every_turn", "agent.max_turns=2", "agent.max_new_tokens_per_turn=3",
+        "agent.max_response_tokens=64"])
+    trainer = build_trainer(cfg)
+    trained, metrics, train_step = [], [], trainer.train_step
+
+    def recorded(batch, *args):
+        trained.append(batch)
+        metrics.append(train_step(batch, *args))
+        return metrics[-1]
+
+    trainer.train_step = recorded
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert len(trained) == 3 and max(m["async/staleness_max"] for m in metrics) == 1
+    for batch, step in zip(trained, metrics):
+        assert step["rollout/logprob_abs_diff"] < 1e-5
+        for grids in batch["image_grid_thw"]:
+            assert len(grids) >= 2 and grids[-1].tolist() == [1, 8, 8]  # the prompt's images, then the tool's
