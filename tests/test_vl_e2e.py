@@ -63,41 +63,6 @@ def test_one_grpo_step_with_images(tmp_path, ray_local):
     assert (rows["loss_mask"][placeholders] == 0).all() and (rows["loss_mask"].sum(1) > 0).all()
 
 
-def calculator_every_turn(text: str) -> list[ToolCall]:
-    """A tool-call parser under which every model turn calls the calculator: a random policy's conversations then run
-    to agent.max_turns, each later turn generated after a tool result."""
-    return [ToolCall("calculator", {"expression": "6*7"})]
-
-
-def test_agent_loop_with_images(tmp_path, ray_local):
-    """Multi-turn tool use with image prompts: every turn after the first sees the image, the observation and the
-    earlier turns, and the hf engine's log-probs of all the model's turns equal Megatron's on the whole rows (images
-    and M-RoPE positions the same on both sides)."""
-    cfg = tiny_vl_config(tmp_path, 2, ["sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "trainer.steps=1",
-                                       "agent.enabled=true", "agent.tools=[calculator]",
-                                       f"agent.parser={__name__}:calculator_every_turn", "agent.max_turns=2",
-                                       "agent.max_new_tokens_per_turn=3", "agent.max_response_tokens=64",
-                                       f"rollout.dump_dir={tmp_path / 'dumps'}"])
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.prepare()
-        metrics = trainer.step()
-    finally:
-        trainer.shutdown()
-    assert metrics["rollout/logprob_abs_diff"] < 1e-5
-    dump = torch.load(next((tmp_path / "dumps").glob("*.pt")), weights_only=False)
-    fields, rows = dump["non_tensors"], dump["tensors"]
-    assert len(fields["trajectory"]) == 4 and all(p is not None for p in fields["pixel_values"])
-    for i, t in enumerate(fields["trajectory"]):
-        assert t["num_turns"] == 2 and [turn["role"] for turn in t["turns"]] == ["assistant", "tool", "assistant"]
-        observation = t["turns"][1]["span"]
-        start = int(rows["attention_mask"][i].sum()) - t["turns"][-1]["span"][1]  # the prompt's length
-        assert rows["loss_mask"][i, start + observation[0]:start + observation[1]].sum() == 0
-    image_pad = build_tiny_vl_tokenizer().convert_tokens_to_ids("<|image_pad|>")
-    grids = fields["image_grid_thw"]
-    assert torch.equal((rows["tokens"] == image_pad).sum(1), torch.tensor([int(g.prod(-1).sum()) // 4 for g in grids]))
-
-
 class ShowSquare(Tool):
     """A tool that answers with an image: a red square on grey (16 x 16 pixels: 64 patches, 16 placeholders)."""
     name = "show_square"
