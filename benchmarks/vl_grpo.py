@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from megarl.rollout.tools import Tool, ToolResult
+from megarl.rollout.tools.parsers import ToolCall
+
 # Qwen2.5-VL-3B-Instruct's published shapes (the vocabulary and token ids are the offline tokenizer's)
 SHAPE_3B = dict(
     text_config=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
@@ -38,6 +41,26 @@ SHAPE_3B = dict(
                        fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
     tie_word_embeddings=True)
 PIXELS_3B = 112 * 112  # every image resized to 112x112: 8x8 patches of 14 pixels, 4x4 merged tokens
+
+
+# The agent check (vl.sh AGENT=1): every model turn calls a tool that answers with an image, so each conversation is
+# two turns around it: the tool's image reaches the next turn's request (SGLang's processor_output with the prompt's
+# images and the tool's) and Megatron's rows.
+class ShowSquare(Tool):
+    """A tool that answers with an image: a red square on grey (16 x 16 pixels, resized by the image processor)."""
+    name = "show_square"
+
+    def run(self, **unused):
+        from PIL import Image
+
+        image = Image.new("RGB", (16, 16), (128, 128, 128))
+        image.paste((255, 0, 0), (4, 4, 12, 12))
+        return ToolResult("a square:", [image])
+
+
+def show_square_every_turn(text: str) -> list[ToolCall]:
+    """A tool-call parser under which every model turn calls show_square (a random policy writes no tool calls)."""
+    return [ToolCall("show_square")]
 
 
 def build(run: Path, shape: str, device: str) -> dict:

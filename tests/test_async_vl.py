@@ -9,7 +9,7 @@ from megarl.async_trainer import build_trainer
 from megarl.protocol import IMAGE_INPUTS
 from megarl.rollout_buffer import prompt_record, split_groups
 
-from tests.test_vl_e2e import tiny_vl_config
+from tests.test_vl_e2e import AGENT_SHOWING_SQUARES, tiny_vl_config
 
 
 def test_async_groups_stream_with_their_images(tmp_path, ray_local):
@@ -56,9 +56,7 @@ def test_async_agent_conversations_stream_with_their_prompts_and_tools_images(tm
     version old included (lr 0)."""
     cfg = tiny_vl_config(tmp_path, 2, [
         "sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "trainer.steps=3", "trainer.mode=async",
-        "async.max_staleness=1", "actor.optim.lr=0", "agent.enabled=true", "agent.tools=[tests.test_vl_e2e:ShowSquare]",
-        "agent.parser=tests.test_vl_e2e:show_square_every_turn", "agent.max_turns=2", "agent.max_new_tokens_per_turn=3",
-        "agent.max_response_tokens=64"])
+        "async.max_staleness=1", "actor.optim.lr=0", *AGENT_SHOWING_SQUARES])
     trainer = build_trainer(cfg)
     trained, metrics, train_step = [], [], trainer.train_step
 

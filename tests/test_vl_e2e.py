@@ -10,8 +10,6 @@ import torch
 from megarl.config import load_config
 from megarl.data.shapes import write_shapes_splits
 from megarl.models.tiny_vl import build_tiny_vl_model, build_tiny_vl_tokenizer
-from megarl.rollout.tools import Tool, ToolResult
-from megarl.rollout.tools.parsers import ToolCall
 from megarl.trainer import RLTrainer
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "quickstart_vl.yaml"
@@ -20,6 +18,12 @@ RECIPE = Path(__file__).resolve().parent.parent / "configs" / "quickstart_vl.yam
 def first_character_parity(response: str, answer: str, sample: dict) -> float:
     """A reward that differs within a group even for a random policy, so that GRPO's step has a gradient."""
     return float(ord(response[0]) % 2) if response else 0.0
+
+
+# the agent loop with a tool that answers with an image (benchmarks/vl_grpo.py: the GPU check's tool), two turns
+AGENT_SHOWING_SQUARES = ["agent.enabled=true", "agent.tools=[benchmarks.vl_grpo:ShowSquare]",
+                         "agent.parser=benchmarks.vl_grpo:show_square_every_turn", "agent.max_turns=2",
+                         "agent.max_new_tokens_per_turn=3", "agent.max_response_tokens=64"]
 
 
 def tiny_vl_config(tmp_path, val_rows: int, overrides: list[str]):
@@ -63,31 +67,12 @@ def test_one_grpo_step_with_images(tmp_path, ray_local):
     assert (rows["loss_mask"][placeholders] == 0).all() and (rows["loss_mask"].sum(1) > 0).all()
 
 
-class ShowSquare(Tool):
-    """A tool that answers with an image: a red square on grey (16 x 16 pixels: 64 patches, 16 placeholders)."""
-    name = "show_square"
-
-    def run(self, **unused):
-        from PIL import Image
-
-        image = Image.new("RGB", (16, 16), (128, 128, 128))
-        image.paste((255, 0, 0), (4, 4, 12, 12))
-        return ToolResult("a square:", [image])
-
-
-def show_square_every_turn(text: str) -> list[ToolCall]:
-    return [ToolCall("show_square")]
-
-
 def test_agent_loop_with_images_from_a_tool(tmp_path, ray_local):
     """A tool answers with an image: the observation holds its placeholders after the text (never trained on), the row's
     images grow by it (prompt's first), the next turn is generated seeing it, and the hf engine's log-probs equal
     Megatron's on the whole rows (both sides place the tool's image in the M-RoPE positions and the vision tower)."""
     cfg = tiny_vl_config(tmp_path, 2, ["sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "trainer.steps=1",
-                                       "agent.enabled=true", f"agent.tools=[{__name__}:ShowSquare]",
-                                       f"agent.parser={__name__}:show_square_every_turn", "agent.max_turns=2",
-                                       "agent.max_new_tokens_per_turn=3", "agent.max_response_tokens=64",
-                                       f"rollout.dump_dir={tmp_path / 'dumps'}"])
+                                       *AGENT_SHOWING_SQUARES, f"rollout.dump_dir={tmp_path / 'dumps'}"])
     trainer = RLTrainer(cfg)
     try:
         trainer.prepare()
