@@ -48,12 +48,12 @@ class AgentHook:
         self.local = threading.local()  # the engine thread's segment: each row's forced tokens, the decode step
         run_groups, segment, forward = agent.run_groups, self.engine._segment, self.engine.model.forward
 
-        def numbered(groups, params, needed=None, accept=None, on_group=None):
+        def numbered(groups, params, needed=None, accept=None, on_group=None, images=None):
             if on_group is not None:  # the rollout thread's (evaluation's calls have none)
                 self.batches += 1
                 self.prompts |= {tuple(g[0].prompt_ids): self.batches for g in groups}
                 self.direct = self.direct or tuple(groups[0][0].prompt_ids)
-            return run_groups(groups, params, needed, accept, on_group)
+            return run_groups(groups, params, needed, accept, on_group, images)
 
         def planned(rows, limits, seeds, seg, **kwargs):
             self.local.plans, self.local.step = [self.plan(row) for row in rows], 0

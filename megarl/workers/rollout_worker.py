@@ -87,7 +87,7 @@ class RolloutWorker:
             def accepted(index: int, group: list[Trajectory]) -> None:
                 streamed.add(index)
                 on_group(index, group)
-            return self.agent_loop().run_groups(groups, params, needed, accept, accepted, prompt_images(prompts))
+            return self.agent_loop().run_groups(groups, params, needed, accept, accepted, images=prompt_images(prompts))
         finished, unfinished, rejected = yield from stream_callbacks(run)
         if needed is not None:
             position = {id(group): i for i, group in enumerate(groups)}
