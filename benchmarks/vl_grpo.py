@@ -134,11 +134,11 @@ def table(run: Path) -> int:
     fmt = lambda r, k, p=3: f"{r[k]:.{p}f}" if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731
     print(f"\nshape {build_info.get('shape', '?')}, vision attention backend in SGLang: {mm_backend(run)}")
     print("| step | reward | mean abs(rollout - Megatron log-prob) | sync verified (checksums where held) | sync s | "
-          "verify s | step s |\n| --- | --- | --- | --- | --- | --- | --- |")
+          "verify s | step s | model turns (AGENT=1) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in steps:
         print(f"| {r.get('step')} | {fmt(r, 'train/reward')} | {fmt(r, 'rollout/logprob_abs_diff', 4)} | "
               f"{r.get('sync/verified', '-')} | {fmt(r, 'sync/seconds')} | {fmt(r, 'sync/verify_s')} | "
-              f"{fmt(r, 'timing/step')} |")
+              f"{fmt(r, 'timing/step')} | {fmt(r, 'agent/turns', 2)} |")
     if images:
         print(f"images ({images['engine']}, greedy, {len(images['a']['tokens'])} tokens): image A twice -> the same "
               f"tokens and log-probs: {images['same_image_same_output']}; image B -> other tokens: "
