@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU runs of issue 8 on 2, 4 or 8 GPUs (the phases adapt to the count), after the bundle's install.sh
-# (../shared/device/README.md). Logs, SGLang server log tails and JSON go to $OUT; a short table is printed last.
+# (../shared/device/README.md). Logs, SGLang server log tails and JSON go to $OUT; a short table is printed last and
+# kept in $OUT/table.md; on the GPU (PACK=1) the rest goes into $OUT/files.tgz (a lent machine returns 8 files).
 #   train    benchmarks/engine_throughput.py, engine vs bare megatron-core, the ~1.4B Qwen2 shape (bf16, packed
 #            sequences <= 2048, 64 per step): TP=1 x DP=N against TP=2 x PP=2 (x DP=N/4) on 4 or 8 GPUs, against
 #            TP=2 on 2; tokens/s and MFU (989 TFLOP/s peak per GPU)                      (~1.5 min per layout)
@@ -234,6 +235,7 @@ if phase async && fits async "$([ "$DEVICE" = cpu ] && echo 1500 || echo 540)"; 
 fi
 # keep only the server logs' tails (the files that come back are limited)
 for f in "$OUT"/server_logs/*.log; do [ -f "$f" ] && tail -n 60 "$f" > "$f.tail" && rm "$f"; done
+{
 echo "== multi-GPU runs [$PHASES] on $GPUS x $(head -1 "$OUT/gpu.txt"), ${SECONDS}s"
 $PY - "$OUT" <<'PY'
 import json, sys
@@ -313,5 +315,12 @@ if moe:
               f"| {'-' if hf is None else f'{hf:.3g}'} | {r['atol']} | {r['ok']} |")
 PY
 for f in "$OUT"/async_*.log; do [ -f "$f" ] && sed -n '/^== issue 25/,$p' "$f"; done  # async_disagg.sh's tables
+} | tee "$OUT/table.md"
+# The lent GPU machine returns 8 files at most: there (PACK=1, the GPU's default) everything but the table and the GPU's
+# name goes into OUT/files.tgz
+if [ "${PACK:-$([ "$DEVICE" = cpu ] && echo 0 || echo 1)}" = 1 ]; then
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name files.tgz ! -name table.md ! -name gpu.txt -printf '%P\n' \
+    | tar -czf files.tgz -T - --remove-files) && echo "(the other files: $OUT/files.tgz)"
+fi
 echo "== multi_gpu.sh: exit $status"
 exit $status
