@@ -55,7 +55,7 @@ def test_async_agent_conversations_stream_with_their_prompts_and_tools_images(tm
     every image (the prompt's, then the tool's) and the engine's log-probs equal Megatron's on them, batches one
     version old included (lr 0)."""
     cfg = tiny_vl_config(tmp_path, 2, [
-        "sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "trainer.steps=3", "trainer.mode=async",
+        "sft.steps=0", "data.prompts_per_step=2", "data.val_size=2", "trainer.steps=2", "trainer.mode=async",
         "async.max_staleness=1", "actor.optim.lr=0", *AGENT_SHOWING_SQUARES])
     trainer = build_trainer(cfg)
     trained, metrics, train_step = [], [], trainer.train_step
@@ -70,7 +70,7 @@ def test_async_agent_conversations_stream_with_their_prompts_and_tools_images(tm
         trainer.fit()
     finally:
         trainer.shutdown()
-    assert len(trained) == 3 and max(m["async/staleness_max"] for m in metrics) == 1
+    assert len(trained) == 2 and max(m["async/staleness_max"] for m in metrics) == 1
     for batch, step in zip(trained, metrics):
         assert step["rollout/logprob_abs_diff"] < 1e-5
         for grids in batch["image_grid_thw"]:
