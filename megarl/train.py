@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         return 0
 
     # every training rank (the policy's, the critic's, the reward model's) and the rollout actor
-    ranks = (cfg.actor.parallel.world_size + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
+    ranks = (cfg.actor.parallel.world_size
+             + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
              + (cfg.reward_model.parallel.world_size if cfg.reward_model.path else 0))
     ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
     from megarl.async_trainer import build_trainer

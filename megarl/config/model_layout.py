@@ -14,6 +14,7 @@ from megarl.config.validation import ConfigError
 from megarl.parallel.stages import stage_layers
 from megarl.utils.hf_config import language_fields, routed_experts
 
+
 def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, ...]:
     """Raise ConfigError naming the `role`'s key (e.g. actor.parallel.pp_first_stage_layers) whose layout the
     model (its config.json `hf`, read from `where`) cannot take; returns the decoder layers of each stage. A

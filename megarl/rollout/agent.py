@@ -406,7 +406,7 @@ class _GenerationBatcher:
             extra = {"conversations": [r[2] for r in requests]} if self.sticky else {}
             if self.per_prompt_limits:
                 extra["max_new_tokens"] = [r[1] for r in requests]
-            if any(r[3] is not None for r in requests):  # a vision-language policy's turns with their prompts' images
+            if any(r[3] is not None for r in requests):  # a vision-language policy's turns, each with its row's images
                 extra["images"] = [r[3] for r in requests]
             call = functools.partial(self.engine.generate, [r[0] for r in requests], params, **extra)
             self.inflight = loop.run_in_executor(self.thread, call)

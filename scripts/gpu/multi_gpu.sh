@@ -174,8 +174,8 @@ if { phase ep_pp || phase sglang_ep_pp; } && [ -n "$EP_MODEL" ]; then
   for name in ep_pp sglang_ep_pp; do
     phase $name || continue
     if [ "$GPUS" -lt 4 ]; then echo "== $name: SKIPPED, needs 4 GPUs (found $GPUS)"; status=1; continue; fi
-    [ $name = ep_pp ] && server="2 SGLang servers TP=2" extra="" || server="2 SGLang servers TP=2 --ep-size 2" \
-      extra=$SGLANG_EP
+    if [ $name = ep_pp ]; then server="2 SGLang servers TP=2" extra=""
+    else server="2 SGLang servers TP=2 --ep-size 2" extra=$SGLANG_EP; fi
     [ "$DEVICE" = cpu ] && server="the transformers engine in SGLang's place (2 of generation TP=2)"
     for delivery in $EP_DELIVERIES; do
       # shellcheck disable=SC2086  # UNEVEN, extra: one override a word
