@@ -1,6 +1,7 @@
 """Programs that try to score without solving the task, run through the real sandbox in every mode
 the host offers: each must score 0.0, while a correct solution scores 1.0."""
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -147,6 +148,9 @@ def test_the_secret_cannot_be_found(reward, monkeypatch):
 
     secret = "5ec2e7" * 10 + "abcd"
     monkeypatch.setattr(harness, "new_secret", lambda: secret)
+    # the search reads every visible process's memory (rlimits mode sees the host's): its time grows with what else
+    # runs there (once, in the full suite, it printed nothing: killed at the 10 s limit), not with what is tested
+    monkeypatch.setattr(reward.sandbox, "limits", dataclasses.replace(reward.sandbox.limits, wall_s=60.0))
     search = SEARCH.replace("{target}", hashlib.sha256(secret.encode()).hexdigest())
     report = harness.run_function_tests(reward.sandbox, search + WRONG, ["assert add(1, 2) == 3"])
     output = report.run.stdout + report.run.stderr
