@@ -112,6 +112,8 @@ def run_overrides(args, name: str, model_dir: Path, prompts: Path, val: Path, ru
                     f"rollout.sglang_mem_fraction={args.server_mem_fraction}"]
     if args.lengths == "tail":  # the stop tokens end rows (build_model's long_tail_stops)
         cmd.append("rollout.ignore_eos=false")
+    if args.micro_batch_tokens:
+        cmd.append(f"actor.max_tokens_per_micro_batch={args.micro_batch_tokens}")
     return cmd + [f"{k}={v}" for k, v in overrides.items()] + args.overrides
 
 
@@ -345,6 +347,9 @@ def parse_args(argv=None):
     p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
     p.add_argument("--completions", type=int, default=256, help="completions per step")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
+    p.add_argument("--micro-batch-tokens", type=int, default=0, help="actor.max_tokens_per_micro_batch (0: megarl's "
+                   "automatic width, --micro-batch rows of the longest sequence; issue 25's tail: the fixed "
+                   "workload's width, 16 x 1152, since 16 rows of 4224 tokens run a 1.5B update out of memory)")
     p.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE", help="megarl overrides for every run, "
                    "after the run's own (e.g. async.partial=restart)")
     p.add_argument("--tag", default="", help="appended to every run's name in the results (runs with --overrides)")
@@ -360,7 +365,7 @@ def parse_args(argv=None):
     if "25" in given and given[given.index("25") - 1] == "--issue":  # its workload, unless given explicitly
         tail = "tail" in given and given[given.index("tail") - 1] == "--lengths"
         p.set_defaults(model="qwen2.5-1.5b", gpus=2, completion_len=4096 if tail else 1024, completions=512,
-                       run_cap_s=400)
+                       run_cap_s=400, micro_batch_tokens=16 * (128 + 1024) if tail else 0)
     if "--smoke" in given:  # tiny sizes
         p.set_defaults(prompt_len=8, completion_len=8, n_samples=2, completions=8, micro_batch=4, warmup=1, steps=2,
                        val_size=2, run_cap_s=300, budget_s=2400)

@@ -37,7 +37,14 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
                 staleness, _, at_once = name.split("async_s")[1].partition("_k")
                 assert (cfg.async_.max_staleness, cfg.async_.batches_at_once, cfg.async_.partial) == \
                     (int(staleness), int(at_once or 1), "resume")
-    assert parse_args(["--out-dir", "o", "--issue", "25", "--lengths", "tail"]).completion_len == 4096
+            assert cfg.actor.max_tokens_per_micro_batch == 0  # megarl's automatic width
+    # the long tail: natural lengths to 4096, micro-batches as wide in tokens as the fixed workload's (16 rows of 4224
+    # tokens ran a 1.5B update out of memory on an H200)
+    tail = parse_args(["--out-dir", str(tmp_path), "--issue", "25", "--lengths", "tail", "--gpus", "4"])
+    cfg = load_config(None, run_overrides(tail, "disagg_sync", tmp_path / "m", tmp_path / "p.jsonl",
+                                          tmp_path / "v.jsonl", tmp_path / "r", "cuda")[3:])
+    assert (cfg.rollout.max_new_tokens, cfg.rollout.ignore_eos, cfg.actor.max_tokens_per_micro_batch) == \
+        (4096, False, 16 * (128 + 1024))
     with pytest.raises(SystemExit):
         parse_args(["--out-dir", str(tmp_path), "--runs", "sync,async"])
     with pytest.raises(SystemExit):  # disaggregated on one GPU
