@@ -368,7 +368,7 @@ def parse_args(argv=None):
                        run_cap_s=400, micro_batch_tokens=16 * (128 + 1024) if tail else 0)
     if "--smoke" in given:  # tiny sizes
         p.set_defaults(prompt_len=8, completion_len=8, n_samples=2, completions=8, micro_batch=4, warmup=1, steps=2,
-                       val_size=2, run_cap_s=300, budget_s=2400)
+                       val_size=2, run_cap_s=300, budget_s=2400, micro_batch_tokens=0)
     args = p.parse_args(argv)
     if not args.report and not args.out_dir:
         p.error("--out-dir is required (or --report)")

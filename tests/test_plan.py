@@ -10,8 +10,8 @@ from megarl.reshard.inventory import hf_inventory
 from megarl.reshard.layout import GenLayout, TrainLayout
 from megarl.reshard.memory import GiB, MemorySettings, predict_peak, rank_memory, stage_params
 from megarl.parallel.stages import default_first_last, stage_layers
-from megarl.reshard.plan import (fitting_layouts, kv_bytes_per_token, load_model_config, main, parse_layout, plan,
-                                 train_layout)
+from megarl.reshard.plan import (fitting_layouts, generation_layouts, kv_bytes_per_token, load_model_config, main,
+                                 parse_layout, plan, train_layout)
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -216,6 +216,23 @@ def test_gpus_and_memory_list_only_layouts_that_fit(capsys):
     main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer"])
     out = capsys.readouterr().out
     assert f": {len(found)}, best first" in out and out.count("  --train tp=") == min(len(found), 10)
+
+
+def test_gpus_and_memory_say_which_sglang_server_fits_or_that_none_does(capsys):
+    # colocated, generation holds each GPU alone: its ranks' bf16 weights and KV cache must fit the budget
+    hf = load_model_config("qwen2.5-7b")
+    layouts = {g["tp"]: g for g in generation_layouts(hf, 8, 65536)}
+    assert sorted(layouts) == [1, 2, 4]  # TP=8 does not divide the 28 heads
+    assert layouts[2]["weights"] + layouts[2]["kv_cache"] <= 10 * GiB < layouts[1]["weights"] + layouts[1]["kv_cache"]
+    assert layouts[2]["kv_cache"] == kv_bytes_per_token(hf, 2) * 65536
+    main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "10", "--seq-len", "512", "--distributed-optimizer"])
+    assert "the smallest SGLang server that fits 10 GiB is --gen tp=2,ep=1" in capsys.readouterr().out
+    # DeepSeek-V3 in bf16 needs more than a node of 8 GPUs: training fits, serving does not, and the plan says so
+    main(["--model", "deepseek-v3", "--gpus", "128", "--gpu-mem", "130", "--optimizer-offload", "--recompute", "full",
+          "--top", "1"])
+    out = capsys.readouterr().out
+    assert "  --train tp=" in out
+    assert "generation: no SGLang server within a node of 8 GPUs fits 130 GiB: at TP=8" in out
 
 
 @pytest.mark.parametrize("run", ["2026-11-22_engine_h200x2_dp2_sdpa", "2026-11-22_engine_h200x2_cp2_sdpa",

@@ -174,6 +174,22 @@ def fitting_layouts(hf: dict, gpus: int, gpu_mem: float, settings: MemorySetting
     return sorted(found, key=lambda r: (r["tp"] * r["pp"] * r["cp"], r["pp"], r["ep"], r["peak"]))
 
 
+def generation_layouts(hf: dict, gpus: int, kv_tokens: int, gpus_per_node: int = 8) -> list[dict]:
+    """The SGLang layouts megarl can start for `gpus` GPUs (TP within a node, since each server runs on the GPUs of
+    one node, and dividing `gpus`; EP 1 or TP where the experts divide), smallest TP first, each with the most bytes
+    one rank holds: bf16 weights, and `kv_tokens` of KV cache."""
+    specs, experts, layouts = hf_inventory(hf), routed_experts(hf), []
+    for tp in [d for d in _divisors(min(gpus, gpus_per_node)) if gpus % d == 0]:
+        for ep in sorted({1, tp}) if experts and experts % tp == 0 else [1]:
+            gen = GenLayout(tp, ep)
+            try:
+                weights = max(generation_bytes(specs, gen, r) for r in range(tp))
+            except ValueError:  # a TP the model cannot take (heads)
+                continue
+            layouts.append(dict(tp=tp, ep=ep, weights=weights, kv_cache=kv_bytes_per_token(hf, tp) * kv_tokens))
+    return layouts
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
@@ -284,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
         gen = GenLayout(**parse_layout(args.gen, GEN_KEYS))
         train = train_layout(hf, t, args.pp_first_stage_layers, args.pp_last_stage_layers)
         _print_plan(args.model, hf, train, t, gen, settings, args.kv_tokens, args.gpus_per_node)
+        if gen.tp > args.gpus_per_node:
+            print(f"note: megarl starts each SGLang server on the GPUs of one node; --gen tp={gen.tp} needs more "
+                  f"than --gpus-per-node {args.gpus_per_node}")
     except ValueError as e:
         raise SystemExit(f"python -m megarl.plan: {e}") from e
 
@@ -300,7 +319,23 @@ def _print_fitting(args, hf: dict, settings: MemorySettings) -> None:
         host = f"  host {r['host_per_node'] / GiB:7.1f} GiB/node" if settings.optimizer_offload else ""
         stages = ",".join(map(str, r["stage_layers"]))
         print(f"  --train {layout:40s} peak {r['peak'] / GiB:7.2f} GiB{host}  stages {stages}")
-
+    # colocated, training and generation take turns on each GPU (megarl offloads one while the other runs), so
+    # each must fit alone
+    layouts = generation_layouts(hf, args.gpus, args.kv_tokens, args.gpus_per_node)
+    fit = [g for g in layouts if g["weights"] + g["kv_cache"] <= args.gpu_mem * GiB]
+    if fit:
+        g = fit[0]
+        print(f"generation: the smallest SGLang server that fits {args.gpu_mem:g} GiB is "
+              f"--gen tp={g['tp']},ep={g['ep']} ({g['weights'] / GiB:.2f} GiB of bf16 weights + "
+              f"{g['kv_cache'] / GiB:.2f} GiB for {args.kv_tokens} tokens of KV cache per rank; "
+              f"rollout.sglang_tp={g['tp']})")
+    else:
+        least = min(layouts, key=lambda g: g["weights"], default=None)
+        held = (f": at TP={least['tp']} EP={least['ep']} a rank holds {least['weights'] / GiB:.2f} GiB of bf16 "
+                "weights before its KV cache" if least else "")
+        print(f"generation: no SGLang server within a node of {args.gpus_per_node} GPUs fits {args.gpu_mem:g} GiB"
+              f"{held}. megarl starts each server on the GPUs of one node and serves bf16 weights (no FP8), so this "
+              "model cannot be served on these GPUs")
 
 if __name__ == "__main__":
     main()

@@ -177,7 +177,8 @@ class TrainGroup:
         nodes = {i["node"] for i in self.info}
         if len(nodes) > 1:
             raise RuntimeError(f"colocated rollout servers need the training ranks on one node; they are on "
-                               f"{len(nodes)} ({', '.join(sorted(nodes))})")
+                               f"{len(nodes)} ({', '.join(sorted(nodes))}): megarl starts its SGLang servers on one "
+                               "node, so actor.parallel.world_size must fit one node's GPUs")
         return list(dict.fromkeys(g for i in self.info for g in i["gpus"]))
 
     def call(self, method: str, *args, **kwargs) -> list:
@@ -232,6 +233,10 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | N
     if cfg.rollout.sglang_gpus > int(left):
         raise RuntimeError(f"rollout.sglang_gpus={cfg.rollout.sglang_gpus}: Ray has {left:g} GPU(s) left beside the "
                            "training ranks; SGLang servers need whole GPUs of their own")
+    largest = max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]), default=0.0)
+    if cfg.rollout.sglang_gpus > largest:  # the actor takes them all on one node: else it would wait forever
+        raise RuntimeError(f"rollout.sglang_gpus={cfg.rollout.sglang_gpus}: the SGLang servers run on the rollout "
+                           f"actor's node, and the largest node of this Ray cluster has {largest:g} GPU(s)")
     # the asynchronous modes pause and resume the engine, and evaluate, while the rollout thread's generate runs
     concurrency = 1 if cfg.trainer.mode == "sync" else 4
     return ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.num_cpus, num_gpus=gpus_wanted,

@@ -31,3 +31,18 @@ def test_colocated_servers_go_on_the_training_ranks_gpus(built, tmp_path):
     make_engine(cfg, "model", "cuda", gpus=["0", "1"])
     (kwargs,) = built
     assert kwargs["gpus"] == ["0", "1"] and kwargs["colocated"] is True
+
+
+def test_disaggregated_servers_larger_than_any_node_are_refused_before_the_actor_waits_forever(monkeypatch, tmp_path):
+    from megarl.workers import group
+
+    # two nodes of 4 GPUs, 1 of them taken by training on each: 6 left in all, but at most 3 on one node
+    monkeypatch.setattr(group.ray, "available_resources", lambda: {"GPU": 6.0})
+    monkeypatch.setattr(group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 4.0}},
+                                                     {"Alive": True, "Resources": {"GPU": 4.0}},
+                                                     {"Alive": False, "Resources": {"GPU": 8.0}}])
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=6", "rollout.sglang_tp=2",
+                             f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(RuntimeError, match=r"rollout.sglang_gpus=6: the SGLang servers run on the rollout actor's "
+                                           r"node, and the largest node of this Ray cluster has 4 GPU"):
+        group.start_rollout(cfg, "model", "cuda")
