@@ -50,7 +50,8 @@ else
   source scripts/gpu/mps.sh  # MPS=1: under CUDA MPS (the trainer's and SGLang's kernels side by side)
   GPUS=${GPUS:-$(( ISSUE == 25 ? $(nvidia-smi -L | wc -l) : 1 ))}
   ARGS="--budget-s ${BUDGET:-520}"
-  [ "$ISSUE" = 19 ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256} ${STEPS:+--steps $STEPS}"
+  [ "$ISSUE" = 19 ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256}"
+  ARGS="$ARGS ${STEPS:+--steps $STEPS}"
 fi
 [ "$ISSUE" = 25 ] && ARGS="$ARGS --lengths $LENGTHS ${SERVER_GPUS:+--server-gpus $SERVER_GPUS}" && SIZE="25_$LENGTHS"
 # the model and run directories outside $OUT (what comes back is limited)

@@ -11,11 +11,16 @@
 # tokens/s/GPU (over every GPU of the run), step time, staleness histogram, each speed-up against disagg_sync beside
 # the bound (T_gen + T_train) / max(T_gen, T_train) of that run; $OUT/async_grpo.json holds the phase intervals for
 #   python benchmarks/plot_timeline.py OUT/async_grpo.json timeline_25.png     (drawn here if matplotlib imports)
-# A 1.5B step at 512 x 1024 tokens takes ~30 s on 1+1 H200s (a guess: not run yet), so a call of <= 9 min holds about
-# two runs: RUNS=colocated_sync,disagg_sync, then RUNS=disagg_one_step_off,disagg_async_s1, then RUNS=disagg_async_s4;
+# Measured on 1+1 H200s (2026-11-28, docs/benchmarks.md): a fixed-length step takes 24.5 s disaggregated synchronous
+# (generate 11.4 s, train 12.9 s) and 15.5 s colocated on both GPUs; a run's start-up is ~70 s, and the first SGLang
+# start on a fresh machine JIT-compiles for ~110 s more. So a call of <= 9 min holds about two runs of the fixed
+# workload: RUNS=disagg_sync,disagg_one_step_off, then RUNS=disagg_async_s1,disagg_async_s4, then RUNS=colocated_sync;
 # merge the calls' tables with python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/async_grpo.json ...
+# The long tail's steps are longer (4096 decode steps a rollout; ~1,700 tokens a row on average, so ~1.5x the fixed
+# workload's tokens to train; not measured yet): about one run a call, and async at max_staleness 4 (5 + 3 + 5 steps)
+# may not fit one at all (STEPS=2 shortens every run by a step).
 # On 4 GPUs `PHASES=async RUNS=... bash scripts/gpu/multi_gpu.sh` runs both LENGTHS at once, each on 2 GPUs (its own
-# CUDA_VISIBLE_DEVICES): the same three calls measure both workloads.
+# CUDA_VISIBLE_DEVICES): the same calls measure both workloads as far as each lane's budget goes.
 # A run that no longer fits BUDGET (seconds, default 520) is skipped and says so. scripts/gpu/async.sh (issue 19's)
 # does the work, with ISSUE=25.
 # DEVICE=cpu: the smoke run through gloo, the transformers engine in SGLang's place (its own Ray actor), tiny shapes,
