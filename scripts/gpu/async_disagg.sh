@@ -20,7 +20,8 @@
 # workload's tokens to train; not measured yet): about one run a call, and async at max_staleness 4 (5 + 3 + 5 steps)
 # may not fit one at all (STEPS=2 shortens every run by a step).
 # On 4 GPUs `PHASES=async RUNS=... bash scripts/gpu/multi_gpu.sh` runs both LENGTHS at once, each on 2 GPUs (its own
-# CUDA_VISIBLE_DEVICES): the same calls measure both workloads as far as each lane's budget goes.
+# CUDA_VISIBLE_DEVICES), or any lanes of LANES="lengths:runs ...": e.g. the fixed workload's runs two GPU pairs at a
+# time, LANES="fixed:disagg_sync fixed:disagg_one_step_off", then "fixed:disagg_async_s1 fixed:disagg_async_s4".
 # A run that no longer fits BUDGET (seconds, default 520) is skipped and says so. scripts/gpu/async.sh (issue 19's)
 # does the work, with ISSUE=25.
 # DEVICE=cpu: the smoke run through gloo, the transformers engine in SGLang's place (its own Ray actor), tiny shapes,

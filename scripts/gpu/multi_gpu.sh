@@ -42,6 +42,9 @@
 #   async    scripts/gpu/async_disagg.sh (its header says what runs; LENGTHS=fixed|tail, RUNS= a few of them a call):
 #            colocated sync, disaggregated sync, one_step_off, async at max_staleness 1 and 4, a 1.5B Qwen2.5 shape;
 #            on 4+ GPUs without LENGTHS both lengths side by side, each on half the GPUs (results in OUT/async_<lengths>);
+#            LANES="lengths:runs ..." picks the lanes (each an equal share of the GPUs, >= 2), e.g. the fixed workload's
+#            five runs in one call on 4 GPUs: LANES="fixed:disagg_sync,disagg_one_step_off
+#            fixed:disagg_async_s1,disagg_async_s4"; the tables merge every lane of a length setting;
 #            tokens/s/GPU, staleness, speed-ups against disaggregated sync beside its bound; DEVICE=cpu: its smoke
 # PHASES: default "train reshard disagg moe" on 4+ GPUs, which is two calls' worth: run PHASES="train moe"
 # then PHASES="reshard disagg" (each <= ~9 min). Default on 2 GPUs: "train disagg moe" (PHASES=reshard: a
@@ -216,18 +219,25 @@ if phase disagg; then
 fi
 if phase async && fits async "$([ "$DEVICE" = cpu ] && echo 1500 || echo 540)"; then  # issue 25: its own script
   # On 4+ GPUs with no LENGTHS given, both length settings in one call, side by side: each on half the GPUs (its own
-  # CUDA_VISIBLE_DEVICES, Ray, servers and results), so a comparison never crosses GPU pairs. Else LENGTHS (default
-  # fixed) on every GPU.
-  if [ "$GPUS" -ge 4 ] && [ -z "${LENGTHS:-}" ]; then lanes="fixed tail"; each=$(( GPUS / 2 )); else
-    lanes=${LENGTHS:-fixed}; each=$GPUS; fi
-  echo "== async (scripts/gpu/async_disagg.sh, lengths: $lanes, $each GPUs each, limit ${LIMIT}s, at ${SECONDS}s)"
+  # CUDA_VISIBLE_DEVICES, Ray, servers and results), so a comparison never crosses GPU pairs. LANES ("lengths:runs",
+  # space-separated) picks other lanes, each an equal share of the GPUs. Else LENGTHS (default fixed) on every GPU.
+  if [ -n "${LANES:-}" ]; then lanes=$LANES
+  elif [ "$GPUS" -ge 4 ] && [ -z "${LENGTHS:-}" ]; then lanes="fixed:${RUNS:-} tail:${RUNS:-}"
+  else lanes="${LENGTHS:-fixed}:${RUNS:-}"; fi
+  read -ra lane_list <<< "$lanes"; each=$(( GPUS / ${#lane_list[@]} ))
+  echo "== async (scripts/gpu/async_disagg.sh, lanes: $lanes, $each GPUs each, limit ${LIMIT}s, at ${SECONDS}s)"
+  if [ "$each" -lt 2 ]; then echo "   SKIPPED: ${#lane_list[@]} lanes of $GPUS GPUs (a lane needs 2)"; status=1
+    lane_list=(); fi
   first=0; pids=()
-  for lengths in $lanes; do
+  for lane in "${lane_list[@]}"; do
+    lengths=${lane%%:*} runs=${lane#*:} dir=async_${lane%%:*}
+    [ -e "$OUT/$dir" ] && dir=${dir}_$(( first / each ))  # a second lane of the same lengths
+    mkdir -p "$OUT/$dir"
     devices=$(seq -s, "$first" $(( first + each - 1 ))); first=$(( first + each ))
     # shellcheck disable=SC2046  # one assignment a word
     env $([ "$DEVICE" = cpu ] || [ "$each" = "$GPUS" ] || echo "CUDA_VISIBLE_DEVICES=$devices") DEVICE="$DEVICE" \
-      GPUS="$each" LENGTHS="$lengths" OUT="$OUT/async_$lengths" BUDGET=$(( LIMIT - 20 )) timeout -k 30 "$LIMIT" \
-      bash scripts/gpu/async_disagg.sh > "$OUT/async_$lengths.log" 2>&1 &
+      GPUS="$each" LENGTHS="$lengths" RUNS="$runs" OUT="$OUT/$dir" BUDGET=$(( LIMIT - 20 )) timeout -k 30 "$LIMIT" \
+      bash scripts/gpu/async_disagg.sh > "$OUT/$dir.log" 2>&1 &
     pids+=("$!")
   done
   for pid in "${pids[@]}"; do wait "$pid"; rc=$?; status=$(( status | (rc != 0) )); done
@@ -314,7 +324,12 @@ if moe:
         print(f"| {r['precision']} | {r['experts']} | {r['ep']} | {r['max_abs_diff_vs_ep1']:.3g} "
               f"| {'-' if hf is None else f'{hf:.3g}'} | {r['atol']} | {r['ok']} |")
 PY
-for f in "$OUT"/async_*.log; do [ -f "$f" ] && sed -n '/^== issue 25/,$p' "$f"; done  # async_disagg.sh's tables
+for lengths in fixed tail; do  # every lane's runs of a length setting in one table (speed-ups across lanes)
+  results=("$OUT"/async_"$lengths"*/async_grpo.json)
+  [ -f "${results[0]}" ] || continue
+  echo "== issue 25 ($lengths), lanes: $(for r in "${results[@]}"; do basename "$(dirname "$r")"; done | xargs)"
+  $PY -m benchmarks.async_grpo --report "${results[@]}"
+done
 } | tee "$OUT/table.md"
 # The lent GPU machine returns 8 files at most: there (PACK=1, the GPU's default) everything but the table and the GPU's
 # name goes into OUT/files.tgz

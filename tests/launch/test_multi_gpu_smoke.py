@@ -60,7 +60,7 @@ def test_async_phase_on_four_runs_both_length_settings_side_by_side(tmp_path):
     run = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0 and "== multi_gpu.sh: exit 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "lengths: fixed tail, 2 GPUs each" in run.stdout
+    assert "lanes: fixed:disagg_sync tail:disagg_sync, 2 GPUs each" in run.stdout
     walls = []
     for lengths in ("fixed", "tail"):
         result = json.loads((tmp_path / "out" / f"async_{lengths}" / "async_grpo.json").read_text())
@@ -70,3 +70,22 @@ def test_async_phase_on_four_runs_both_length_settings_side_by_side(tmp_path):
         walls.append(result["runs"][f"disagg_sync_{lengths}"]["wall_s"])
     phase_s = int(re.search(r"exit 0 after (\d+)s total", run.stdout).group(1))
     assert phase_s < sum(walls), (phase_s, walls)  # at once, not one after the other
+
+
+def test_async_lanes_split_one_workloads_runs_and_merge_their_table(tmp_path):
+    """LANES: the fixed workload's runs split over two GPU pairs of one call, each lane its own results; the table
+    merges them, so the speed-up of the one lane's run is taken against the other lane's disaggregated sync."""
+    env = dict(os.environ, DEVICE="cpu", GPUS="4", PHASES="async", LANES="fixed:disagg_sync fixed:disagg_one_step_off",
+               OUT=str(tmp_path / "out"))
+    run = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0 and "== multi_gpu.sh: exit 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    lanes = {d: json.loads((tmp_path / "out" / d / "async_grpo.json").read_text())["runs"]
+             for d in ("async_fixed", "async_fixed_1")}
+    assert set(lanes["async_fixed"]) == {"disagg_sync_fixed"} and set(lanes["async_fixed_1"]) == \
+        {"disagg_one_step_off_fixed"}
+    assert "== issue 25 (fixed), lanes: async_fixed async_fixed_1" in run.stdout
+    sync = lanes["async_fixed"]["disagg_sync_fixed"]["tokens_per_s_per_gpu"]
+    off = lanes["async_fixed_1"]["disagg_one_step_off_fixed"]["tokens_per_s_per_gpu"]
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| disagg_one_step_off_fixed |"))
+    assert f"{off / sync:.2f}x (disagg_sync_fixed)" in row, row
