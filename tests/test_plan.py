@@ -233,6 +233,14 @@ def test_gpus_and_memory_say_which_sglang_server_fits_or_that_none_does(capsys):
     out = capsys.readouterr().out
     assert "  --train tp=" in out
     assert "generation: no SGLang server within a node of 8 GPUs fits 130 GiB: at TP=8" in out
+    # one layout: whether each side fits
+    main(["--model", "deepseek-v3", "--train", "tp=1,pp=8,dp=16,ep=8", "--gen", "tp=8,ep=8", "--optimizer-offload",
+          "--recompute", "full", "--seq-len", "8192", "--gpu-mem", "130"])
+    out = capsys.readouterr().out
+    peak = float(out.split("per-GPU peak: ")[1].split()[0])
+    serving = float(out.split("generation per rank: ")[1].split(" = ")[1].split()[0])
+    assert peak < 130 < serving
+    assert f"on GPUs of 130 GiB: training fits ({peak:.2f} GiB), generation does NOT fit ({serving:.2f} GiB)" in out
 
 
 @pytest.mark.parametrize("run", ["2026-11-22_engine_h200x2_dp2_sdpa", "2026-11-22_engine_h200x2_cp2_sdpa",

@@ -202,7 +202,7 @@ def _print_assumptions(settings: MemorySettings, tp: int, cp: int, kv_tokens: in
 
 
 def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout, settings: MemorySettings,
-                kv_tokens: int, gpus_per_node: int) -> None:
+                kv_tokens: int, gpus_per_node: int) -> dict:
     result = plan(hf, train, gen, settings, kv_tokens, t["cp"])
     print(f"{name}: {result['total_params'] / 1e9:.2f}B parameters; train TP={train.tp} PP={train.pp} CP={t['cp']} "
           f"DP={t['dp']} EP={train.ep} ETP={train.etp} ({train.world} GPUs), generation TP={gen.tp} EP={gen.ep} "
@@ -234,6 +234,7 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
               f"{max(x[f'{d}_send'] for x in r) / GiB:.2f} GiB sent by one training rank, "
               f"{sum(x[f'{d}_recv'] for x in r) / GiB:.1f} GiB in all; each engine rank receives "
               f"{_span([x[f'{d}_server_recv'] for x in r[:gen.tp]])} GiB")
+    return result
 
 
 def _span(values: list[int]) -> str:
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: on when TP > 1")
     parser.add_argument("--reference", action="store_true", help="a bf16 reference snapshot on each GPU (KL)")
     parser.add_argument("--gpus", type=int, default=0, help="list the layouts of this many GPUs that fit")
-    parser.add_argument("--gpu-mem", type=float, default=0.0, help="with --gpus: GiB per GPU the peak must fit")
+    parser.add_argument("--gpu-mem", type=float, default=0.0, help="GiB per GPU: with --gpus the layouts must fit "
+                        "it; with --train the plan says whether training and generation each do")
     parser.add_argument("--host-mem", type=float, default=0.0, help="with --gpus: host GiB per node (offload)")
     parser.add_argument("--cp", type=int, default=1, help="with --gpus: the context-parallel size to plan with")
     parser.add_argument("--gpus-per-node", type=int, default=8)
@@ -299,7 +301,12 @@ def main(argv: list[str] | None = None) -> None:
         t = parse_layout(args.train, TRAIN_KEYS)
         gen = GenLayout(**parse_layout(args.gen, GEN_KEYS))
         train = train_layout(hf, t, args.pp_first_stage_layers, args.pp_last_stage_layers)
-        _print_plan(args.model, hf, train, t, gen, settings, args.kv_tokens, args.gpus_per_node)
+        result = _print_plan(args.model, hf, train, t, gen, settings, args.kv_tokens, args.gpus_per_node)
+        if args.gpu_mem:  # colocated, each side holds the GPU alone (the other offloaded): each must fit
+            serving = max(x["gen_weights"] + x["kv_cache"] for x in result["ranks"])
+            fits = [f"{'fits' if b <= args.gpu_mem * GiB else 'does NOT fit'} ({b / GiB:.2f} GiB)"
+                    for b in (result["peak"], serving)]
+            print(f"on GPUs of {args.gpu_mem:g} GiB: training {fits[0]}, generation {fits[1]}")
         if gen.tp > args.gpus_per_node:
             print(f"note: megarl starts each SGLang server on the GPUs of one node; --gen tp={gen.tp} needs more "
                   f"than --gpus-per-node {args.gpus_per_node}")
