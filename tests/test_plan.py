@@ -17,7 +17,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-3b", 3.086),
-                                           ("qwen2.5-7b", 7.616),
+                                           ("qwen2.5-7b", 7.616), ("qwen3-30b-a3b", 30.53),
                                            ("qwen3-235b-a22b", 235.09), ("deepseek-v3", 671.03)])
 def test_parameter_totals_match_the_published_sizes(name, billions):
     total = sum(s.numel for s in hf_inventory(load_model_config(name)))

@@ -83,7 +83,28 @@ def test_unknown_algorithm_names_are_refused_before_anything_starts(capsys):
     assert main(["--check-config", "algorithm.policy_loss=my_pkg.losses:mine"]) == 0  # a path: imported when used
 
 
-@pytest.mark.parametrize("name", BASELINES + ["vapo_math_qwen2.5_7b"])
+def test_the_moe_recipe_fits_one_node_as_the_planner_predicts():
+    # configs/dapo_math_qwen3_30b_a3b.yaml: DAPO's settings on Qwen3-30B-A3B, experts over the 8 GPUs, and the
+    # planner's numbers its comment quotes (training and each SGLang rank within an H200 of ~130 GiB usable)
+    from megarl.reshard.layout import GenLayout
+    from megarl.reshard.memory import GiB, MemorySettings
+    from megarl.reshard.plan import load_model_config, plan, train_layout
+
+    cfg = recipe("dapo_math_qwen3_30b_a3b")
+    a, r = cfg.actor, cfg.rollout
+    assert (a.parallel.world_size, a.parallel.tp, a.parallel.ep, a.use_distributed_optimizer, a.recompute) == \
+        (8, 1, 8, True, "full")
+    assert (r.sglang_tp, r.weight_delivery, cfg.algorithm.clip_eps_high, cfg.algorithm.dynamic_sampling) == \
+        (4, "sharded", 0.28, True)
+    hf = load_model_config("qwen3-30b-a3b")
+    layout = train_layout(hf, dict(tp=1, pp=1, cp=1, dp=8, ep=8, etp=1))
+    settings = MemorySettings(seq_len=8192, distributed_optimizer=True, recompute="full")
+    result = plan(hf, layout, GenLayout(r.sglang_tp), settings, traffic=False)
+    serving = max(x["gen_weights"] + x["kv_cache"] for x in result["ranks"])
+    assert round(result["peak"] / GiB, 1) == 85.7 and serving < 130 * GiB
+
+
+@pytest.mark.parametrize("name", BASELINES + ["vapo_math_qwen2.5_7b", "dapo_math_qwen3_30b_a3b"])
 def test_launch_scripts(name):
     script = ROOT / "scripts" / "recipes" / f"{name}.sh"
     assert subprocess.run(["bash", "-n", script]).returncode == 0

@@ -6,6 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/recipes/common.sh
 : "${MODEL:?set MODEL to the local Qwen2.5-7B directory}"
-prepare_prompts math "${MATH_TRAIN:-${MATH_DIR:?set MATH_DIR to the MATH release folder (train/<subject>/*.json)}/train}" \
-  "${MATH_TEST:?set MATH_TEST to MATH-500 test.jsonl (or a MATH test folder)}" data/math
+prepare_math
 exec bash scripts/launch.sh --config configs/vapo_math_qwen2.5_7b.yaml model.path="$MODEL" "$@"
