@@ -94,8 +94,7 @@ def test_the_moe_recipe_fits_one_node_as_the_planner_predicts():
     a, r = cfg.actor, cfg.rollout
     assert (a.parallel.world_size, a.parallel.tp, a.parallel.ep, a.use_distributed_optimizer, a.recompute) == \
         (8, 1, 8, True, "full")
-    assert (r.sglang_tp, r.weight_delivery, cfg.algorithm.clip_eps_high, cfg.algorithm.dynamic_sampling) == \
-        (4, "sharded", 0.28, True)
+    assert (r.sglang_tp, cfg.algorithm.clip_eps_high, cfg.algorithm.dynamic_sampling) == (4, 0.28, True)
     hf = load_model_config("qwen3-30b-a3b")
     layout = train_layout(hf, dict(tp=1, pp=1, cp=1, dp=8, ep=8, etp=1))
     settings = MemorySettings(seq_len=8192, distributed_optimizer=True, recompute="full")
