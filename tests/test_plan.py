@@ -285,6 +285,8 @@ def test_errors_name_the_problem():
         parse_layout("tq=2", ("tp", "pp", "dp"))
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         load_model_config("no-such-model")
+    with pytest.raises(SystemExit, match="python -m megarl.plan: --model no-such-model: not a config.json path"):
+        main(["--model", "no-such-model", "--train", "tp=1"])  # the CLI's one line, no traceback
     with pytest.raises(ValueError, match="generation TP=3"):
         plan(TINY, TrainLayout(2, 1, 2, 2), gen=3)
     with pytest.raises(ValueError, match="does not divide its 3 heads"):

@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--top", type=int, default=10, help="with --gpus: how many layouts to list")
     args = parser.parse_args(argv)
-    hf = load_model_config(args.model)
     try:
+        hf = load_model_config(args.model)
         settings = _settings(args)
         if args.gpus:
             if args.gpu_mem <= 0:
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         if gen.tp > args.gpus_per_node:
             print(f"note: megarl starts each SGLang server on the GPUs of one node; --gen tp={gen.tp} needs more "
                   f"than --gpus-per-node {args.gpus_per_node}")
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"python -m megarl.plan: {e}") from e
 
 
