@@ -63,6 +63,27 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
+def planned_memory(cfg, model_config: dict, longest_prompt: int) -> str:
+    """The dry run's memory line for the policy (megarl.reshard.plan.run_memory), checked against this machine's
+    GPU when it has one. A model the planner cannot read is said, not failed: the dry run's checks passed."""
+    from megarl.reshard.plan import run_memory
+
+    agent = cfg.agent
+    response = agent.max_response_tokens if agent.enabled else cfg.rollout.max_new_tokens
+    try:
+        line, most = run_memory(model_config, cfg.actor, cfg.rollout, cfg.algorithm.kl_coef > 0, longest_prompt,
+                                response)
+    except (KeyError, ValueError) as e:
+        return f"predicted GPU memory: not planned ({type(e).__name__}: {e})"
+    import torch
+
+    if cfg.trainer.device == "cuda" and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        line += (f"; this machine's GPU holds {total / 2**30:.1f} GiB"
+                 + (": it does NOT fit (python -m megarl.plan says what would)" if most > total else ""))
+    return line
+
+
 def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
     """Build the run's trainer, fit it and call `after(trainer)` (e.g. an export); its workers and Ray always go down
     after, and where the TensorBoard events are is printed. Returns (history, what `after` returned), or None when
@@ -106,7 +127,7 @@ def main(argv=None) -> int:
         from megarl.data.inputs import check_inputs
 
         try:
-            inputs = check_inputs(cfg)
+            inputs, model_config, longest = check_inputs(cfg)
         except InputError as e:
             print(f"input error: {e}", file=sys.stderr)
             return 2
@@ -114,6 +135,7 @@ def main(argv=None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         print(f"{config_ok}; {inputs}")
+        print(planned_memory(cfg, model_config, longest))
         return 0
 
     # every training rank (the policy's, the critic's, the reward model's) and the rollout actor

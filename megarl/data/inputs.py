@@ -104,10 +104,10 @@ def model_inputs(cfg) -> tuple[object, dict, str]:
     return load_tokenizer(cfg.model.path), model_config, str(Path(cfg.model.path) / "config.json")
 
 
-def check_inputs(cfg) -> str:
+def check_inputs(cfg) -> tuple[str, dict, int]:
     """The dry run's checks: every model directory's config.json, the policy's tokenizer, and every prompt
-    (as RLTrainer will load them). Returns a summary (a line, then the first skipped prompts); raises
-    InputError naming the problem."""
+    (as RLTrainer will load them). Returns a summary (a line, then the first skipped prompts), the policy's
+    config.json and the longest prompt in tokens; raises InputError naming the problem."""
     tokenizer, model_config, where = model_inputs(cfg)
     check_model_layout(cfg.actor, "actor", model_config, where)
     check_rollout_model(cfg, model_config, where)  # SGLang cannot start from a quantized checkpoint
@@ -118,8 +118,10 @@ def check_inputs(cfg) -> str:
                                str(Path(path) / "config.json"))
     prompts = prompt_datasets(cfg, tokenizer, prompt_limit(cfg, model_config, where))
     skipped = f", {len(prompts.skipped)} skipped (data.skip_malformed)" if prompts.skipped else ""
-    return "\n  skipped ".join([f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}",
-                                *prompts.skipped[:5]])
+    longest = max(len(ex["prompt_ids"]) for ex in [*prompts.train.examples, *prompts.val])
+    summary = "\n  skipped ".join([f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}"
+                                   f", the longest {longest} tokens", *prompts.skipped[:5]])
+    return summary, model_config, longest
 
 
 def load_tokenizer(path: str):

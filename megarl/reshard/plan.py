@@ -31,6 +31,7 @@ from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_genera
                                    resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
+from megarl.config.sglang_args import sglang_ep_size
 from megarl.utils.hf_config import language_fields, routed_experts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -188,6 +189,33 @@ def generation_layouts(hf: dict, gpus: int, kv_tokens: int, gpus_per_node: int =
                 continue
             layouts.append(dict(tp=tp, ep=ep, weights=weights, kv_cache=kv_bytes_per_token(hf, tp) * kv_tokens))
     return layouts
+
+
+def run_memory(hf: dict, actor, rollout, reference: bool, longest_prompt: int,
+               response_tokens: int) -> tuple[str, float]:
+    """The dry run's line and the largest of its byte counts: the planner's per-GPU training peak for a run's actor
+    section (its layout, micro-batches of micro_batch_size x (longest prompt + response budget) tokens, or
+    max_tokens_per_micro_batch; recompute, optimizer and offload as configured; bf16, as on GPUs) and, with SGLang,
+    each engine rank's weights."""
+    p = actor.parallel
+    t = dict(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep, etp=p.etp or p.tp)
+    train = train_layout(hf, t, p.pp_first_stage_layers, p.pp_last_stage_layers)
+    seq_len, rows = ((actor.max_tokens_per_micro_batch, 1) if actor.max_tokens_per_micro_batch
+                     else (longest_prompt + response_tokens, actor.micro_batch_size))
+    settings = MemorySettings(
+        seq_len=seq_len, micro_batch=rows, sequence_parallel=p.sequence_parallel, recompute=actor.recompute,
+        recompute_modules=tuple(actor.recompute_modules) or ("core_attn",),
+        distributed_optimizer=actor.use_distributed_optimizer, optimizer_offload=actor.optimizer_cpu_offload,
+        offload_fraction=actor.optimizer_offload_fraction, reference=reference)
+    peak = predict_peak(hf, train, settings, p.cp)
+    line = (f"predicted GPU memory (python -m megarl.plan, bf16): training peak {peak / GiB:.2f} GiB per GPU at "
+            f"micro-batches of {rows} x {seq_len} tokens")
+    weights = 0
+    if rollout.engine == "sglang":
+        gen = GenLayout(rollout.sglang_tp, sglang_ep_size(rollout.sglang_args))
+        weights = max(generation_bytes(hf_inventory(hf), gen, r) for r in range(gen.tp))
+        line += f"; SGLang weights {weights / GiB:.2f} GiB per rank at TP={gen.tp} EP={gen.ep}, before its KV cache"
+    return line, max(peak, weights)
 
 
 def _gib(x: float) -> str:
