@@ -25,13 +25,13 @@ import argparse
 import json
 from pathlib import Path
 
+from megarl.config.sglang_args import sglang_ep_size
 from megarl.parallel.stages import default_first_last, stage_layers
 from megarl.reshard.inventory import TensorSpec, hf_inventory
 from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks,
                                    resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
-from megarl.config.sglang_args import sglang_ep_size
 from megarl.utils.hf_config import language_fields, routed_experts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -371,6 +371,7 @@ def _print_fitting(args, hf: dict, settings: MemorySettings) -> None:
         print(f"generation: no SGLang server within a node of {args.gpus_per_node} GPUs fits {args.gpu_mem:g} GiB"
               f"{held}. megarl starts each server on the GPUs of one node and serves bf16 weights (no FP8), so this "
               "model cannot be served on these GPUs")
+
 
 if __name__ == "__main__":
     main()

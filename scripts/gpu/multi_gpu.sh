@@ -42,9 +42,9 @@
 #   async    scripts/gpu/async_disagg.sh (its header says what runs; LENGTHS=fixed|tail, RUNS= a few of them a call):
 #            colocated sync, disaggregated sync, one_step_off, async at max_staleness 1 and 4, a 1.5B Qwen2.5 shape;
 #            on 4+ GPUs without LENGTHS both lengths side by side, each on half the GPUs (results in OUT/async_<lengths>);
-#            LANES="lengths:runs ..." picks the lanes (each an equal share of the GPUs, >= 2), e.g. the fixed workload's
-#            five runs in one call on 4 GPUs: LANES="fixed:disagg_sync,disagg_one_step_off
-#            fixed:disagg_async_s1,disagg_async_s4"; the tables merge every lane of a length setting;
+#            LANES="lengths:runs ..." picks the lanes (each an equal share of the GPUs, >= 2), e.g. two of the fixed
+#            workload's runs at once on 4 GPUs: LANES="fixed:disagg_sync fixed:disagg_one_step_off"; the tables merge
+#            every lane of a length setting;
 #            tokens/s/GPU, staleness, speed-ups against disaggregated sync beside its bound; DEVICE=cpu: its smoke
 # PHASES: default "train reshard disagg moe" on 4+ GPUs, which is two calls' worth: run PHASES="train moe"
 # then PHASES="reshard disagg" (each <= ~9 min). Default on 2 GPUs: "train disagg moe" (PHASES=reshard: a
