@@ -110,6 +110,11 @@ def generation_bytes(specs: list[TensorSpec], gen: GenLayout, rank: int, itemsiz
     return total
 
 
+def generation_peak(specs: list[TensorSpec], gen: GenLayout) -> int:
+    """The most weight bytes one generation rank holds."""
+    return max(generation_bytes(specs, gen, rank) for rank in range(gen.tp))
+
+
 def server_bytes(specs: list[TensorSpec], gen: GenLayout, rank: int, delivery: str, itemsize: int = 2) -> int:
     """Bytes engine rank `rank % gen.tp` receives in one sync: its own rows ("sharded"), or every HF tensor whole
     ("full": the engine slices them, dropping what it does not hold)."""
@@ -120,9 +125,10 @@ def server_bytes(specs: list[TensorSpec], gen: GenLayout, rank: int, delivery: s
 
 def plan(hf: dict, train: TrainLayout, gen: int | GenLayout, settings: MemorySettings = MemorySettings(),
          kv_tokens: int = 65536, cp: int = 1, traffic: bool = True) -> dict:
-    """Everything main() prints: per-stage training memory (memory.stage_memory), and per rank its generation
-    weights, KV cache and sync traffic (bytes): what it receives and sends among the training ranks (the
-    resharder, in the layout each delivery runs: layout.resharded_layout) and what its engine rank receives.
+    """Everything main() prints: per-stage training memory (memory.stage_memory), the most a generation rank holds
+    (`serving`: weights and KV cache), and per rank its generation weights, KV cache and sync traffic (bytes):
+    what it receives and sends among the training ranks (the resharder, in the layout each delivery runs:
+    layout.resharded_layout) and what its engine rank receives.
     `train.dp` counts the CP x DP replicas; `cp` of them split each sequence."""
     gen = as_generation(gen)
     generation_ranks(train, gen)
@@ -141,7 +147,7 @@ def plan(hf: dict, train: TrainLayout, gen: int | GenLayout, settings: MemorySet
             row |= {f"{d}_recv": recv[rank], f"{d}_send": sent[rank], f"{d}_server_recv": served[d][rank % gen.tp]}
         ranks.append(row)
     return dict(total_params=sum(s.numel for s in specs), stages=stages, ranks=ranks,
-                peak=max(s["peak"] for s in stages))
+                peak=max(s["peak"] for s in stages), serving=max(held) + kv_bytes_per_token(hf, gen.tp) * kv_tokens)
 
 
 def _divisors(n: int) -> list[int]:
@@ -184,7 +190,7 @@ def generation_layouts(hf: dict, gpus: int, kv_tokens: int, gpus_per_node: int =
         for ep in sorted({1, tp}) if experts and experts % tp == 0 else [1]:
             gen = GenLayout(tp, ep)
             try:
-                weights = max(generation_bytes(specs, gen, r) for r in range(tp))
+                weights = generation_peak(specs, gen)
             except ValueError:  # a TP the model cannot take (heads)
                 continue
             layouts.append(dict(tp=tp, ep=ep, weights=weights, kv_cache=kv_bytes_per_token(hf, tp) * kv_tokens))
@@ -213,7 +219,7 @@ def run_memory(hf: dict, actor, rollout, reference: bool, longest_prompt: int,
     weights = 0
     if rollout.engine == "sglang":
         gen = GenLayout(rollout.sglang_tp, sglang_ep_size(rollout.sglang_args))
-        weights = max(generation_bytes(hf_inventory(hf), gen, r) for r in range(gen.tp))
+        weights = generation_peak(hf_inventory(hf), gen)
         line += f"; SGLang weights {weights / GiB:.2f} GiB per rank at TP={gen.tp} EP={gen.ep}, before its KV cache"
     return line, max(peak, weights)
 
@@ -254,9 +260,8 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
               f"{gpus_per_node} GPUs", end="")
     print()
     r = result["ranks"]
-    gen_total = max(x["gen_weights"] + x["kv_cache"] for x in r)
     print(f"generation per rank: weights {max(x['gen_weights'] for x in r) / GiB:.2f} GiB + KV cache "
-          f"{r[0]['kv_cache'] / GiB:.2f} GiB = {gen_total / GiB:.2f} GiB")
+          f"{r[0]['kv_cache'] / GiB:.2f} GiB = {result['serving'] / GiB:.2f} GiB")
     for d in DELIVERIES:
         print(f"weight sync, {d} delivery: at most {max(x[f'{d}_recv'] for x in r) / GiB:.2f} GiB received and "
               f"{max(x[f'{d}_send'] for x in r) / GiB:.2f} GiB sent by one training rank, "
@@ -331,9 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         train = train_layout(hf, t, args.pp_first_stage_layers, args.pp_last_stage_layers)
         result = _print_plan(args.model, hf, train, t, gen, settings, args.kv_tokens, args.gpus_per_node)
         if args.gpu_mem:  # colocated, each side holds the GPU alone (the other offloaded): each must fit
-            serving = max(x["gen_weights"] + x["kv_cache"] for x in result["ranks"])
             fits = [f"{'fits' if b <= args.gpu_mem * GiB else 'does NOT fit'} ({b / GiB:.2f} GiB)"
-                    for b in (result["peak"], serving)]
+                    for b in (result["peak"], result["serving"])]
             print(f"on GPUs of {args.gpu_mem:g} GiB: training {fits[0]}, generation {fits[1]}")
         if gen.tp > args.gpus_per_node:
             print(f"note: megarl starts each SGLang server on the GPUs of one node; --gen tp={gen.tp} needs more "
