@@ -24,6 +24,15 @@ def spans_of(run: dict, steps: int) -> list[dict]:
     return [s | {"start": s["start"] - origin, "end": s["end"] - origin} for s in spans]
 
 
+def nested(span: dict, spans: list[dict]) -> bool:
+    """Whether `span` lies within a longer span of its lane and step: the async rollout's reward span, which runs
+    from the first group's scoring to the last's while generation goes on (its time is the phase table's), is drawn
+    thin on top of generate rather than as if it had the lane to itself."""
+    return any(o is not span and o["lane"] == span["lane"] and o["step"] == span["step"]
+               and o["start"] <= span["start"] and span["end"] <= o["end"]
+               and o["end"] - o["start"] > span["end"] - span["start"] for o in spans)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", help="async_grpo.json files (runs of several calls are merged) and, last, "
@@ -53,10 +62,10 @@ def main(argv=None) -> int:
     right = max(s["end"] for spans in panels.values() for s in spans)
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.3 + 1.1 * len(panels)), sharex=True, squeeze=False)
     for ax, (name, spans) in zip(axes[:, 0], panels.items()):
-        for s in spans:
+        for s in sorted(spans, key=lambda s: s["start"] - s["end"]):  # longest first, so a nested span lies on top
             lane = LANES.index(s["lane"])
-            ax.barh(lane, s["end"] - s["start"], left=s["start"], height=0.7, color=colors[s["phase"]],
-                    edgecolor="white", linewidth=0.5)
+            ax.barh(lane, s["end"] - s["start"], left=s["start"], height=0.3 if nested(s, spans) else 0.7,
+                    color=colors[s["phase"]], edgecolor="white", linewidth=0.5)
         for step in sorted({s["step"] for s in spans}):  # where each step's trainer side ends
             end = max((s["end"] for s in spans if s["step"] == step and s["lane"] == "trainer"), default=None)
             if end is not None:
@@ -65,7 +74,8 @@ def main(argv=None) -> int:
         ax.set_ylim(-0.6, len(LANES) - 0.4)
         ax.set_xlim(0, right)
         ax.set_title(name, loc="left", fontsize=10)
-    axes[-1, 0].set_xlabel("seconds (dotted: a step's training side ends)")
+    axes[-1, 0].set_xlabel("seconds (dotted: a step's training side ends; thin: a phase within the one beneath, "
+                           "from its first interval to its last)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in phases]
     fig.legend(handles, phases, loc="upper center", ncol=min(len(phases), 8), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (1.3 + 1.1 * len(panels))))

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.async_grpo import (RUNS, long_tail_stops, main, parse_args, parse_smi, run_overrides, summarize_run,
                                    table)
-from benchmarks.plot_timeline import spans_of
+from benchmarks.plot_timeline import nested, spans_of
 from megarl.config import load_config
 
 
@@ -93,6 +93,15 @@ def test_numbers_of_a_synchronous_and_an_asynchronous_run():
     assert min(s["start"] for s in out["timeline"]) == 0.0
     assert [(s["phase"], s["start"]) for s in spans_of({"timeline": out["timeline"]}, steps=1)] == \
         [("generate", 0.0), ("train", 1.0)]
+
+
+def test_a_phase_within_another_of_its_lane_is_drawn_nested():
+    # the async rollout's reward span (first group scored to last) lies within generate: drawn thin on top of it
+    spans = [{"phase": "generate", "lane": "rollout", "step": 1, "start": 0.0, "end": 28.0},
+             {"phase": "reward", "lane": "rollout", "step": 1, "start": 9.0, "end": 27.5},
+             {"phase": "train", "lane": "trainer", "step": 1, "start": 10.0, "end": 20.0},
+             {"phase": "generate", "lane": "rollout", "step": 2, "start": 28.0, "end": 50.0}]
+    assert [nested(s, spans) for s in spans] == [False, True, False, False]
 
 
 def test_smi_samples_and_the_merged_report(tmp_path, capsys):
