@@ -11,14 +11,12 @@
 # tokens/s/GPU (over every GPU of the run), step time, staleness histogram, each speed-up against disagg_sync beside
 # the bound (T_gen + T_train) / max(T_gen, T_train) of that run; $OUT/async_grpo.json holds the phase intervals for
 #   python benchmarks/plot_timeline.py OUT/async_grpo.json timeline_25.png     (drawn here if matplotlib imports)
-# Measured on 1+1 H200s (2026-11-28, docs/benchmarks.md): a fixed-length step takes 24.5 s disaggregated synchronous
-# (generate 11.4 s, train 12.9 s) and 15.5 s colocated on both GPUs; a run's start-up is ~70 s, and the first SGLang
-# start on a fresh machine JIT-compiles for ~110 s more. So a call of <= 9 min holds about two runs of the fixed
-# workload: RUNS=disagg_sync,disagg_one_step_off, then RUNS=disagg_async_s1,disagg_async_s4, then RUNS=colocated_sync;
+# Measured on 1+1 H200s (2026-11-28, docs/benchmarks.md "Issue 25 on 4 x H200"): the fixed workload's step takes
+# 23.3 s disaggregated synchronous (generate 11.2 s, train 11.9 s), 12.4 s one_step_off, 12.0 / 12.7 s async s1 / s4,
+# 15.5 s colocated on both GPUs; the long tail's 49.4 s synchronous, 28.1 s one_step_off (STEPS=2). A run's start-up
+# is ~70 s, and the first SGLang start on a fresh machine JIT-compiles for ~110 s more: a call of <= 9 min holds two
+# runs a lane, so on 4 GPUs the fixed workload's five runs and the tail's four take four calls with LANES (below);
 # merge the calls' tables with python -m benchmarks.async_grpo --report OUT1/async_grpo.json OUT2/async_grpo.json ...
-# The long tail's steps are longer (4096 decode steps a rollout; ~1,700 tokens a row on average, so ~1.5x the fixed
-# workload's tokens to train; not measured yet): about one run a call, and async at max_staleness 4 (5 + 3 + 5 steps)
-# may not fit one at all (STEPS=2 shortens every run by a step).
 # On 4 GPUs `PHASES=async RUNS=... bash scripts/gpu/multi_gpu.sh` runs both LENGTHS at once, each on 2 GPUs (its own
 # CUDA_VISIBLE_DEVICES), or any lanes of LANES="lengths:runs ...": e.g. the fixed workload's runs two GPU pairs at a
 # time, LANES="fixed:disagg_sync fixed:disagg_one_step_off", then "fixed:disagg_async_s1 fixed:disagg_async_s4".
