@@ -351,7 +351,7 @@ def part_disagg(args, device: str) -> list[dict]:
         first = trials[0][1]
         failures = [_check_against_export(engine, first and first["sent"], bucket_bytes)]
         if server is not None:
-            from megarl.rollout.sglang import verify_inside_sglang
+            from megarl.rollout.sglang_server import verify_inside_sglang
 
             try:
                 verify_inside_sglang([server.endpoint()], {n: t.cpu() for n, t in sink.weights.items()},

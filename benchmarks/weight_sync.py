@@ -203,7 +203,7 @@ def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: s
 
 def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
     """SGLang's own check of what it holds against what the last sync sent (raises on a mismatch)."""
-    from megarl.rollout.sglang import verify_inside_sglang
+    from megarl.rollout.sglang_server import verify_inside_sglang
 
     t = time.perf_counter()
     verify_inside_sglang([server.endpoint()], policy.received(bucket_mb), str(model_dir),

@@ -312,6 +312,11 @@ class RolloutConfig:
                               "one server per rollout.sglang_tp of them, weights broadcast over NCCL, no offload "
                               "cycle; rollout.sglang_mem_fraction may then take most of each GPU); 0 = the servers "
                               "share the training ranks' GPUs (colocated, weights by CUDA IPC)")
+    sglang_gpus_per_host: int = opt(0, "SGLang, disaggregated: GPUs of each server host, a Ray actor on one node that "
+                                       "starts its servers (megarl/rollout/server_host.py), so that "
+                                       "rollout.sglang_gpus may span nodes, e.g. 8 on nodes of 8 GPUs; a multiple of "
+                                       "rollout.sglang_tp dividing rollout.sglang_gpus. 0 = every server on the "
+                                       "rollout actor's node, started by it")
     weight_delivery: str = opt("full", "weight sync through megarl.reshard: full (whole HF tensors per bucket "
                                        "from one rank; the engine slices its own TP shard, as SGLang's "
                                        "update_weights_from_tensor does) or sharded (each generation TP rank sends only "

@@ -145,6 +145,9 @@ class ConfigChecks:
 
     def _validate_disaggregated(self) -> None:
         r = self.rollout
+        if r.sglang_gpus_per_host and not r.sglang_gpus:
+            raise ConfigError(f"rollout.sglang_gpus_per_host={r.sglang_gpus_per_host} places disaggregated servers: "
+                              "it needs rollout.sglang_gpus (colocated servers run on the training ranks' GPUs)")
         if r.sglang_gpus < 0:
             raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus}: must be >= 0 (0 = colocated)")
         if not r.sglang_gpus:
@@ -155,6 +158,11 @@ class ConfigChecks:
         if r.sglang_tp < 1 or r.sglang_gpus % r.sglang_tp:
             raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus} must be a multiple of rollout.sglang_tp="
                               f"{r.sglang_tp} (one server per rollout.sglang_tp GPUs)")
+        per_host = r.sglang_gpus_per_host
+        if per_host and (per_host < 0 or per_host % r.sglang_tp or r.sglang_gpus % per_host):
+            raise ConfigError(f"rollout.sglang_gpus_per_host={per_host}: must be a multiple of rollout.sglang_tp="
+                              f"{r.sglang_tp} that divides rollout.sglang_gpus={r.sglang_gpus} (whole servers on "
+                              "each host, every host alike)")
         if self.trainer.offload_between_phases == "always":
             raise ConfigError(f"trainer.offload_between_phases=always with rollout.sglang_gpus={r.sglang_gpus}: the "
                               "servers have GPUs of their own, nothing shares memory to offload (use auto or never)")

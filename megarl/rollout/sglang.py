@@ -32,9 +32,7 @@ TP group, owned by this engine (the launch command, the server process and its H
 from __future__ import annotations
 
 import functools
-import os
 import random
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,8 +45,9 @@ import torch
 from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, RolloutEngine, SamplingParams, check_images,
                                  derive_seed)
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
+from megarl.rollout.server_host import remote_servers
 from megarl.rollout.sglang_images import image_item, placeholder_ban, request_image_data, vision_fields
-from megarl.rollout.sglang_server import (Endpoint, SGLangError, SGLangServer, json_loads, sglang_server,
+from megarl.rollout.sglang_server import (Endpoint, SGLangError, SGLangServer, sglang_server, verify_inside_sglang,
                                           vision_language)
 from megarl.rollout.transports import cuda_ipc
 
@@ -72,7 +71,7 @@ class SGLangRolloutEngine(RolloutEngine):
                  weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
                  gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0,
                  serializer: Callable[[object], str] | None = None, deterministic: bool = False,
-                 release_kv: bool | None = None, **server_kwargs):
+                 release_kv: bool | None = None, hosts: list[tuple[object, int]] | None = None, **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
         place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
         `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
@@ -83,7 +82,9 @@ class SGLangRolloutEngine(RolloutEngine):
         `deterministic`: servers in SGLang's deterministic-inference mode, and a sampling seed per response
         (SGLang ignores seeds outside that mode), so the same call with the same params.seed samples the same.
         `release_kv`: a server with no rows in flight gives its KV cache back (to the trainer) until the next
-        generate; default: when colocated (the asynchronous modes, generating beside training, keep it)."""
+        generate; default: when colocated (the asynchronous modes, generating beside training, keep it).
+        `hosts`: servers on other nodes, (ServerHost actor, its number of servers) each (server_host.py), in place
+        of `gpus` and `num_servers`."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
         self.release_kv = colocated if release_kv is None else release_kv
         self.deterministic = deterministic
@@ -91,6 +92,8 @@ class SGLangRolloutEngine(RolloutEngine):
             if len(gpus) % tp:
                 raise ValueError(f"{len(gpus)} GPUs ({','.join(gpus)}) cannot hold servers of tensor-parallel size {tp}")
             num_servers = len(gpus) // tp
+        if hosts:
+            num_servers = sum(count for _, count in hosts)
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks
         # SGLang's memory saver only where memory is released between phases (colocated): it is off in
         # sglang.Engine's defaults, and a disaggregated server has no use for it
@@ -100,7 +103,8 @@ class SGLangRolloutEngine(RolloutEngine):
             server_kwargs.setdefault("decode_rows", -(-share // 32) * 32)
         launch = launch or (lambda i: sglang_server(model_path, tp=tp, gpu=i * tp, visible_devices=gpus,
                                                     **server_kwargs))
-        self.servers = [launch(i) for i in range(num_servers)]
+        self.servers = remote_servers(hosts, model_path, tp, server_kwargs) if hosts else \
+            [launch(i) for i in range(num_servers)]
         with ThreadPoolExecutor(len(self.servers)) as pool:  # `launch` may hand over running servers
             list(pool.map(lambda s: s if s.alive() else s.start(), self.servers))
         self.state = [_ServerState() for _ in self.servers]
@@ -111,7 +115,6 @@ class SGLangRolloutEngine(RolloutEngine):
         self.weight_format = weight_format
         self._sender: cuda_ipc.CudaIpcSender | None = None
         self.serializer = serializer
-        self.checksum_dir: Path | None = None  # where SGLang's TP workers write their checksums
         self.verify_dir = Path(verify_dir) if verify_dir else None
         self.received: dict[str, torch.Tensor] = {}  # CPU copies of this sync's tensors, for verify_weights
         self.restarts = 0
@@ -238,8 +241,8 @@ class SGLangRolloutEngine(RolloutEngine):
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
         if image_data is not None:
             request["image_data"] = image_data
-        self._prepare(index)
-        try:
+        try:  # preparing (a prefix-cache flush, the KV cache back) is the first request to find a server dead
+            self._prepare(index)
             return self.servers[index].post("/generate", request, convert=convert)
         except SGLangError:
             if not self.servers[index].died():
@@ -318,45 +321,28 @@ class SGLangRolloutEngine(RolloutEngine):
             self.received.update((n, t.detach().to("cpu", copy=True)) for n, t in bucket)
 
     def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
-        """Every server's TP workers write the checksums of the parameters and persistent buffers they hold, taken on
-        their GPUs now (megarl's loader inside SGLang: cuda_ipc.inspect_weights), to files read here. A verified
-        sync asks after the rollout its weights generated and before training on it (RLTrainer.check_rollout_weights),
-        while the weights are still held."""
-        files = self._checksum_files()
-        for path in files.values():
-            path.unlink(missing_ok=True)
-        self._inspect(lambda i, r: {"checksums": str(files[i, r])})
-        held: dict[int, dict[int, dict[str, list]]] = {}
-        for (i, r), path in files.items():
-            held.setdefault(i, {})[r] = json_loads(path.read_bytes())  # orjson where SGLang is
-            path.unlink()
-        return held
-
-    def _checksum_files(self) -> dict[tuple[int, int], Path]:
-        """(server, TP rank) -> the file its checksums go to (cuda_ipc.checksum_file of the server's prefix)."""
-        if self.checksum_dir is None:
-            self.checksum_dir = Path(tempfile.mkdtemp(prefix="megarl-checksums-"))
-        return {(i, r): Path(cuda_ipc.checksum_file(str(self.checksum_dir / f"server{i}"), r))
-                for i, s in enumerate(self.servers) for r in range(s.tp)}
+        """server -> TP rank -> the checksums of the parameters and persistent buffers it holds, taken on its GPUs now
+        (megarl's loader inside SGLang: cuda_ipc.inspect_weights), each server's on its own node. A verified sync asks
+        after the rollout its weights generated and before training on it (RLTrainer.check_rollout_weights), while
+        the weights are still held."""
+        return {i: server.weight_checksums(self.serializer) for i, server in enumerate(self.servers)}
 
     def corrupt_weight(self, name: str, server: int = 0, rank: int = 0) -> None:
         """Test hook: flip a bit of parameter `name` (SGLang's name) in one TP worker's memory."""
-        self._inspect(lambda i, r: {"flip_bit": name if r == rank else None}, servers=[server])
-
-    def _inspect(self, header: Callable[[int, int], dict], servers: list[int] | None = None) -> None:
-        """Post one request per server to megarl's loader inside SGLang with header(server, rank) for each TP
-        rank; the payload's tensor is a placeholder (SGLang moves it to the rank's device first)."""
-        serialize = self.serializer or cuda_ipc.sglang_serializer()
-        placeholder = torch.zeros(1, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
-        for i in servers if servers is not None else range(len(self.servers)):
-            self.servers[i].post("/update_weights_from_tensor", cuda_ipc.inspect_request(
-                serialize, placeholder, [header(i, r) for r in range(self.servers[i].tp)]))
+        target = self.servers[server]
+        target.inspect([{"flip_bit": name if r == rank else None} for r in range(target.tp)], self.serializer)
 
     def verify_weights(self) -> None:
-        """SGLang checks itself: what it received against what its own loader reads from the exported file."""
+        """SGLang checks itself: what it received against what its own loader reads from the exported file (written
+        once for the servers of this node, by its host for a server on another: server_host.py)."""
         if self.verify_dir is None:
             raise SGLangError("verify_weights needs the engine built with verify_dir")
-        verify_inside_sglang([s.endpoint() for s in self.servers], self.received, self.model_path, self.verify_dir)
+        here = [s.endpoint() for s in self.servers if not getattr(s, "remote", False)]
+        if here:
+            verify_inside_sglang(here, self.received, self.model_path, self.verify_dir)
+        for server in self.servers:
+            if getattr(server, "remote", False):
+                server.verify(self.received, self.model_path, str(self.verify_dir))
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """After verify_weights passed, SGLang holds exactly these tensors (the trainer's digest check
@@ -394,25 +380,6 @@ class SGLangRolloutEngine(RolloutEngine):
             self._sender.close()
         for server in self.servers:
             server.shutdown()
-
-
-def verify_inside_sglang(endpoints: list[Endpoint], received: dict[str, torch.Tensor], model_path: str,
-                         directory: Path) -> None:
-    """Snapshot what the servers hold, reset, reload `received` from a file with SGLang's own loader, compare."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory) / "exported"
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(received, str(directory / "model.safetensors"))
-    for name in os.listdir(model_path):  # config and tokenizer files: SGLang's loader reads them
-        if not name.endswith(".safetensors") and not (directory / name).exists():
-            (directory / name).symlink_to(Path(model_path, name).resolve())
-    for endpoint in endpoints:
-        endpoint.post("/weights_checker", {"action": "snapshot"})
-        endpoint.post("/weights_checker", {"action": "reset_tensors"})
-        endpoint.post("/update_weights_from_disk", {"model_path": str(directory), "load_format": "safetensors",
-                                                    "flush_cache": True})
-        endpoint.post("/weights_checker", {"action": "compare"})
 
 
 _LOGPROB, _TOKEN_ID = itemgetter(0), itemgetter(1)

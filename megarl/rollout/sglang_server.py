@@ -140,13 +140,14 @@ class SGLangServer(Endpoint):
 
     def __init__(self, command: list[str], port: int, tp: int = 1, log_path: str | None = None,
                  startup_timeout: float = 900.0, request_timeout: float = 600.0, health_timeout: float = 5.0,
-                 env: dict[str, str] | None = None):
-        super().__init__(f"http://127.0.0.1:{port}", tp, request_timeout)
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1"):
+        super().__init__(f"http://{host}:{port}", tp, request_timeout)
         self.command, self.port = command, port
         self.env = env  # extra environment of the server process (its visible GPUs)
         self.startup_timeout, self.health_timeout = startup_timeout, health_timeout
         self.log_path = Path(log_path or Path(tempfile.gettempdir()) / f"sglang_{port}.log")
         self.process: subprocess.Popen | None = None
+        self.checksum_dir: Path | None = None  # where its TP workers write their checksums (weight_checksums)
 
     def endpoint(self, transport: str = "cuda_ipc") -> Endpoint:
         return Endpoint(self.url, self.tp, self.request_timeout, transport, self.process.pid if self.process else None)
@@ -217,6 +218,35 @@ class SGLangServer(Endpoint):
             return ""
         return f" (server died, exit code {self.process.returncode if self.process else None})\n{self.log_tail()}"
 
+    def inspect(self, headers: list[dict], serialize: Callable | None = None) -> None:
+        """One request to megarl's loader inside SGLang with headers[r] for TP rank r (cuda_ipc.inspect_request); its
+        tensor is a placeholder, which SGLang moves to each rank's device first. Posted from this process, on the
+        server's node: the placeholder travels by CUDA IPC on a GPU machine."""
+        import torch
+
+        serialize = serialize or cuda_ipc.sglang_serializer()
+        placeholder = torch.zeros(1, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
+        self.post("/update_weights_from_tensor", cuda_ipc.inspect_request(serialize, placeholder, headers))
+
+    def weight_checksums(self, serialize: Callable | None = None) -> dict[int, dict[str, list]]:
+        """TP rank -> the checksums of the parameters and persistent buffers it holds, taken on its GPU now
+        (cuda_ipc.inspect_weights), written to files on this node and read here."""
+        if self.checksum_dir is None:
+            self.checksum_dir = Path(tempfile.mkdtemp(prefix="megarl-checksums-"))
+        files = [Path(cuda_ipc.checksum_file(str(self.checksum_dir / "server"), r)) for r in range(self.tp)]
+        for path in files:
+            path.unlink(missing_ok=True)
+        self.inspect([{"checksums": str(path)} for path in files], serialize)
+        held = {}
+        for rank, path in enumerate(files):
+            held[rank] = json_loads(path.read_bytes())  # orjson where SGLang is
+            path.unlink()
+        return held
+
+    def verify(self, received: dict, model_path: str, directory: str) -> None:
+        """verify_inside_sglang for this server alone, its file written on this node."""
+        verify_inside_sglang([self.endpoint()], received, model_path, Path(directory))
+
     def shutdown(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
@@ -226,6 +256,25 @@ class SGLangServer(Endpoint):
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+
+
+def verify_inside_sglang(endpoints: list[Endpoint], received: dict, model_path: str, directory: Path) -> None:
+    """Snapshot what the servers hold, reset, reload `received` (name -> CPU tensor) from a file with SGLang's own
+    loader, compare. The file goes to `directory`, which every server must be able to read."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory) / "exported"
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(received, str(directory / "model.safetensors"))
+    for name in os.listdir(model_path):  # config and tokenizer files: SGLang's loader reads them
+        if not name.endswith(".safetensors") and not (directory / name).exists():
+            (directory / name).symlink_to(Path(model_path, name).resolve())
+    for endpoint in endpoints:
+        endpoint.post("/weights_checker", {"action": "snapshot"})
+        endpoint.post("/weights_checker", {"action": "reset_tensors"})
+        endpoint.post("/update_weights_from_disk", {"model_path": str(directory), "load_format": "safetensors",
+                                                    "flush_cache": True})
+        endpoint.post("/weights_checker", {"action": "compare"})
 
 
 def allreduce_fusion_args(tp: int, extra_args: Iterable) -> list[str]:
@@ -266,7 +315,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                   load_format: str | None = None, cuda_graph: bool = True, decode_rows: int = 0,
                   extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
                   env: dict | None = None, deterministic: bool = False, dtype: str = "bfloat16",
-                  **kwargs) -> SGLangServer:
+                  host: str = "127.0.0.1", **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
     `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_rows).
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
@@ -275,7 +324,9 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
     `deterministic`: SGLang's deterministic inference (batch-invariant kernels; per-request sampling seeds count).
     `dtype`: what the server holds its weights in: the policy's own (the trainer sends that). SGLang's default
     follows the checkpoint's config and takes float16 for a float32 one, so a bf16 policy was silently converted
-    to fp16 on load (out of range above 65504); checksum verification found it."""
+    to fp16 on load (out of range above 65504); checksum verification found it.
+    `host`: the address it listens on (a server host's, server_host.py, is its node's, for a rollout actor on
+    another node)."""
     managed = managed_args(extra_args)
     if managed:
         raise ValueError(f"extra SGLang arguments {', '.join(managed)}: megarl sets these itself")
@@ -285,7 +336,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
     port, graph_rows = free_port(), decode_graph_rows(decode_rows)
     vision, vision_env = vision_args(model_path, tp)
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-               "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
+               "--host", host, "--port", str(port), "--tp-size", str(tp),
                "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction), "--dtype", dtype,
                "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
@@ -298,4 +349,4 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                *map(str, extra_args)]
     log = Path(log_dir or tempfile.gettempdir()) / f"sglang_{port}.log"
     env = vision_env | dict(env or {}) | ({"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)} if visible_devices else {})
-    return SGLangServer(command, port, tp, str(log), env=env, **kwargs)
+    return SGLangServer(command, port, tp, str(log), env=env, host=host, **kwargs)

@@ -227,21 +227,54 @@ def stop_ranks(workers: list, timeout: float = 60.0) -> None:
 def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None):
     """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it. `gpus`: where
     its colocated servers go (the training ranks' GPUs); disaggregated (rollout.sglang_gpus), Ray gives it
-    whole GPUs of its own instead (none of the training bundles' fractions) and its servers go there."""
-    gpus_wanted = cfg.rollout.sglang_gpus or (0.1 if device == "cuda" else 0)
+    whole GPUs of its own instead (none of the training bundles' fractions) and its servers go there, or, with
+    rollout.sglang_gpus_per_host, to server hosts on any nodes (start_server_hosts)."""
+    r = cfg.rollout
     left = ray.available_resources().get("GPU", 0.0)  # after the training bundles: an actor asking more waits forever
-    if cfg.rollout.sglang_gpus > int(left):
-        raise RuntimeError(f"rollout.sglang_gpus={cfg.rollout.sglang_gpus}: Ray has {left:g} GPU(s) left beside the "
+    if r.sglang_gpus > int(left):
+        raise RuntimeError(f"rollout.sglang_gpus={r.sglang_gpus}: Ray has {left:g} GPU(s) left beside the "
                            "training ranks; SGLang servers need whole GPUs of their own")
+    hosts = start_server_hosts(cfg) if r.sglang_gpus_per_host else None
     largest = max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]), default=0.0)
-    if cfg.rollout.sglang_gpus > largest:  # the actor takes them all on one node: else it would wait forever
-        raise RuntimeError(f"rollout.sglang_gpus={cfg.rollout.sglang_gpus}: the SGLang servers run on the rollout "
-                           f"actor's node, and the largest node of this Ray cluster has {largest:g} GPU(s)")
+    if not hosts and r.sglang_gpus > largest:  # the actor takes them all on one node: else it would wait forever
+        raise RuntimeError(f"rollout.sglang_gpus={r.sglang_gpus}: the SGLang servers run on the rollout actor's node, "
+                           f"and the largest node of this Ray cluster has {largest:g} GPU(s); "
+                           "rollout.sglang_gpus_per_host spreads them over nodes")
+    gpus_wanted = 0 if hosts else r.sglang_gpus or (0.1 if device == "cuda" else 0)
     # the asynchronous modes pause and resume the engine, and evaluate, while the rollout thread's generate runs
     concurrency = 1 if cfg.trainer.mode == "sync" else 4
-    return ray.remote(RolloutWorker).options(num_cpus=cfg.rollout.num_cpus, num_gpus=gpus_wanted,
+    return ray.remote(RolloutWorker).options(num_cpus=r.num_cpus, num_gpus=gpus_wanted,
                                              max_concurrency=concurrency).remote(
-        cfg, model_path, device, max(1, int(cfg.rollout.num_cpus)), gpus)
+        cfg, model_path, device, max(1, int(r.num_cpus)), gpus, hosts)
+
+
+def start_server_hosts(cfg: Config, placement_s: float = 120.0,
+                       factory: Callable | None = None) -> list[tuple[object, int]]:
+    """rollout.sglang_gpus / rollout.sglang_gpus_per_host server hosts (megarl/rollout/server_host.py), each a Ray
+    actor holding that many GPUs of one node; returns (actor, its number of servers) each. Refused before placing any
+    when the nodes cannot hold them, and ended when Ray has not placed them all within `placement_s`.
+    `factory`: the hosts' stand-in of sglang_server (tests)."""
+    from megarl.rollout.server_host import ServerHost
+
+    r = cfg.rollout
+    per_host, count = r.sglang_gpus_per_host, r.sglang_gpus // r.sglang_gpus_per_host
+    room = sum(int(n["Resources"].get("GPU", 0.0) // per_host) for n in ray.nodes() if n["Alive"])
+    if room < count:
+        raise RuntimeError(f"rollout.sglang_gpus={r.sglang_gpus} in server hosts of rollout.sglang_gpus_per_host="
+                           f"{per_host}: {count} hosts, and this Ray cluster's nodes have room for {room} of "
+                           f"{per_host} GPUs")
+    servers = per_host // r.sglang_tp
+    options = {"num_cpus": 0, "num_gpus": per_host, "max_concurrency": servers + 4}  # servers start side by side
+    hosts = [ray.remote(ServerHost).options(**options).remote(*([factory] if factory else [])) for _ in range(count)]
+    ready, _ = ray.wait([h.__ray_ready__.remote() for h in hosts], num_returns=count, timeout=placement_s)
+    if len(ready) < count:
+        for host in hosts:
+            ray.kill(host)
+        raise RuntimeError(f"rollout.sglang_gpus_per_host={per_host}: Ray placed {len(ready)} of {count} server hosts "
+                           f"within {placement_s:.0f} s (the training ranks hold GPUs of those nodes?)")
+    print(f"megarl: {count} SGLang server host(s) of {servers} server(s): "
+          + "; ".join(ray.get([h.where.remote() for h in hosts])), flush=True)
+    return [(host, servers) for host in hosts]
 
 
 def stop_rollout(rollout, timeout: float = 90.0) -> None:

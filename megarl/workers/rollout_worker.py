@@ -16,7 +16,7 @@ from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
 
 
-def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None):
+def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None, hosts: list | None = None):
     if cfg.rollout.engine == "hf":
         from megarl.rollout.hf import HFRolloutEngine
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -30,11 +30,11 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
         from megarl.rollout.sglang import SGLangRolloutEngine
         r = cfg.rollout
         # colocated: on the trainer's GPUs (`gpus`), SGLang gives its KV cache back between rollouts;
-        # disaggregated: on the GPUs Ray gave this actor, SGLang keeps its memory
+        # disaggregated: on the GPUs Ray gave this actor, or on server hosts (`hosts`), SGLang keeps its memory
         colocated = not r.sglang_gpus
-        if not colocated:
+        if not colocated and not hosts:
             gpus = [str(g) for g in ray.get_gpu_ids()]
-        return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=colocated,
+        return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=colocated, hosts=hosts,
                                    mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    batch_rows=(cfg.data.prompts_per_step + cfg.agent.oversample_groups) * r.n_samples,
@@ -49,10 +49,12 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Config, model_path: str, device: str, threads: int = 1, gpus: list[str] | None = None):
+    def __init__(self, cfg: Config, model_path: str, device: str, threads: int = 1, gpus: list[str] | None = None,
+                 hosts: list | None = None):
+        """`hosts`: server hosts of rollout.sglang_gpus_per_host, (actor, its number of servers) each."""
         torch.set_num_threads(threads)
-        self.cfg, self.model_path = cfg, model_path
-        self.engine = make_engine(cfg, model_path, device, gpus)
+        self.cfg, self.model_path, self.hosts = cfg, model_path, hosts or []
+        self.engine = make_engine(cfg, model_path, device, gpus, hosts)
         self.agent = None  # the agent loop and its tools, built on first use (agent.enabled)
         self.reward_fn = None  # over-sampling with dynamic sampling scores finished groups here
 
@@ -169,5 +171,10 @@ class RolloutWorker:
         return self.engine.resident_bytes()
 
     def shutdown(self) -> None:
-        """Stop the engine's servers before the actor goes (ray.kill would leave them running)."""
+        """Stop the engine's servers before the actor goes (ray.kill would leave them running), then their hosts."""
         self.engine.shutdown()
+        if self.hosts:
+            import ray
+
+            for host, _ in self.hosts:
+                ray.kill(host)

@@ -32,8 +32,11 @@
 #            (each GPU pair one server); expert rows move between the EP ranks of each stage and the stages
 #            broadcast their layers to the servers                                      (~3-4 min a delivery)
 #   sglang_ep_pp  the same into servers of TP=2 at --ep-size 2                          (~3-4 min a delivery)
+#   hosts    the policy on GPU 0 (TP=1 x EP=1), SGLang servers disaggregated on server hosts (rollout.sglang_gpus_per_host
+#            =1: a Ray actor per server GPU starts its server, as on other nodes; megarl/rollout/server_host.py): two
+#            servers on 3+ GPUs, one on 2; full delivery over NCCL, checksums taken by each host       (~3-4 min)
 #   Run each as its own call (<= ~9 min): PHASES=ep, then PHASES=sglang_ep (on 4 GPUs also PHASES=ep_pp, then
-#   PHASES=sglang_ep_pp; EP_DELIVERIES=sharded alone halves a call).
+#   PHASES=sglang_ep_pp; EP_DELIVERIES=sharded alone halves a call). GPU only: hosts (the CPU has no SGLang).
 # The GRPO table gives per run: syncs verified, the best sync's seconds, the bytes per rank (the most received and
 # sent resharding among training ranks, the least and most an SGLang rank received) measured beside the planner's
 # for the same layouts (megarl.reshard.plan; "as planned": every rank's counts equal), the log-prob gap (mean
@@ -142,7 +145,7 @@ grpo() {  # name, limit in seconds, what it runs (for the table), megarl.train o
   echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4
   status=$(( status | (rc != 0) ))
 }
-if phase ep || phase sglang_ep || phase ep_pp || phase sglang_ep_pp; then  # the DeepSeek-V3-shaped policy the GRPO
+if phase ep || phase sglang_ep || phase ep_pp || phase sglang_ep_pp || phase hosts; then  # the DeepSeek-V3-shaped policy the GRPO
   # phases train
   EP_MODEL=/tmp/megarl-multi-gpu-ep-model-$$
   read -r layers hidden heads experts moe inter dense <<< "$EP_SHAPE"
@@ -187,6 +190,14 @@ $server; $delivery delivery; checksums" actor.parallel.world_size=4 actor.parall
         $ROLLOUT rollout.sglang_tp=2 $extra rollout.weight_delivery="$delivery"
     done
   done
+fi
+if phase hosts && [ -n "$EP_MODEL" ]; then
+  if [ "$DEVICE" = cpu ]; then echo "== hosts: SKIPPED on the CPU (server hosts start SGLang servers)"
+  else
+    servers=$(( GPUS > 2 ? 2 : 1 ))
+    grpo "hosts_${servers}x1" 280 "policy on 1 GPU; $servers SGLang server(s) TP=1 on server hosts of 1 GPU; full \
+delivery; checksums" actor.parallel.world_size=1 $ROLLOUT rollout.sglang_gpus=$servers rollout.sglang_gpus_per_host=1
+  fi
 fi
 [ -n "${EP_MODEL:-}" ] && rm -rf "$EP_MODEL"
 T=benchmarks/engine_throughput.py

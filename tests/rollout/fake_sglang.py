@@ -21,7 +21,7 @@ so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoi
   broadcast received into one flat buffer ("flattened_bucket") or a tensor per name (null), then loaded.
 - POST /destroy_weights_update_group {group_name}.
 - POST /weights_checker {action: snapshot | reset_tensors | compare}, /update_weights_from_disk {model_path}:
-  what megarl.rollout.sglang.verify_inside_sglang uses (per TP rank).
+  what megarl.rollout.sglang_server.verify_inside_sglang uses (per TP rank).
 With --tp N --model-path DIR the server has N TP ranks (`tp_model`: SGLang's sharding and presharded loading;
 a DeepSeek config.json: fake_sglang_deepseek.DeepseekRank, with --ep-size E SGLang's expert-parallel placement),
 payload r of a weight update loads into rank r. Test controls: POST /fake/config {"generate_delay", "hang",
@@ -375,6 +375,7 @@ class Handler(BaseHTTPRequestHandler):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="the address it listens on")
     parser.add_argument("--never-healthy", action="store_true")
     parser.add_argument("--context-length", type=int, default=STATE.context_length)
     parser.add_argument("--tp", type=int, default=1, help="with --model-path: a TP server (tp_model per rank)")
@@ -391,7 +392,7 @@ def main():
             STATE.ranks = [tp_model(hf, r, args.tp) for r in range(args.tp)]
     Handler.never_healthy = args.never_healthy
     STATE.context_length = args.context_length
-    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+    ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
 
 
 if __name__ == "__main__":

@@ -144,7 +144,7 @@ def _rank(rank, model_dir, work):
         expected = sync(verify=True, checksums=True)
         if rank == 0:
             # as many requests as the unverified sync's: SGLang sums nothing until the collection below asks
-            assert weight_posts() - before == plain and list(rollout.checksum_dir.iterdir()) == []
+            assert weight_posts() - before == plain and list(rollout.servers[0].checksum_dir.iterdir()) == []
             weight_sync.verify_checksums(expected, rollout.weight_checksums())
             rollout.corrupt_weight("model.norm.weight", rank=0)  # a bit flipped in SGLang's memory after loading
             with pytest.raises(weight_sync.WeightSyncError, match=r"1 differ \['server 0 rank 0: model.norm.weight'\]"):

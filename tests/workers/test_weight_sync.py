@@ -168,7 +168,7 @@ def test_verified_sync_leaves_sglangs_checksums_to_a_later_request(tmp_path):
                              True, weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer,
                              expected=ExpectedChecksums(layout, [0]))
         assert len(log(server, "/update_weights_from_tensor")) == 3  # one request per bucket, nothing more
-        assert e.checksum_dir is None or list(e.checksum_dir.iterdir()) == []  # SGLang summed nothing yet
+        assert server.checksum_dir is None or list(server.checksum_dir.iterdir()) == []  # SGLang summed nothing yet
         verify_checksums(report["expected"], e.weight_checksums())
         assert len(log(server, "/update_weights_from_tensor")) == 4  # the collection
         name = tensors[0][0]
