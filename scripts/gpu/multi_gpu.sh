@@ -196,7 +196,7 @@ if phase hosts && [ -n "$EP_MODEL" ]; then
   else
     servers=$(( GPUS > 2 ? 2 : 1 ))
     grpo "hosts_${servers}x1" 280 "policy on 1 GPU; $servers SGLang server(s) TP=1 on server hosts of 1 GPU; full \
-delivery; checksums" actor.parallel.world_size=1 $ROLLOUT rollout.sglang_gpus=$servers rollout.sglang_gpus_per_host=1
+delivery; checksums" actor.parallel.world_size=1 actor.parallel.tp=1 $ROLLOUT rollout.sglang_gpus=$servers rollout.sglang_gpus_per_host=1
   fi
 fi
 [ -n "${EP_MODEL:-}" ] && rm -rf "$EP_MODEL"
