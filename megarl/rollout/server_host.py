@@ -1,8 +1,8 @@
-"""SGLang servers on other nodes (`rollout.sglang_gpus_per_host`). A server host is a Ray actor holding GPUs of one
-node: it starts that node's servers, listening on the node's address, and does what needs the node: their processes'
-lifetime and logs, and the requests that hand SGLang a tensor or a file (checksums, the deep verification). The
-rollout engine (sglang.py) sees each server as a RemoteServer: HTTP straight to the server for generation and weight
-updates, the rest through the host.
+"""SGLang servers on server hosts, which may be on other nodes (`rollout.sglang_gpus_per_host`). A server host is a
+Ray actor holding GPUs of one node: it starts its servers there, listening on the node's address, and does what needs
+the node: their processes' lifetime and logs, and the requests that hand SGLang a tensor or a file (checksums, the
+deep verification). The rollout engine (sglang.py) sees each server as a RemoteServer: HTTP straight to the server
+for generation and weight updates, the rest through the host.
 
 Weights reach such a server over NCCL from the sending training rank (transports/nccl_broadcast.py), which
 rendezvouses at that rank's address: nothing goes through the hosts or the rollout actor.
@@ -15,8 +15,7 @@ from typing import Callable
 from megarl.rollout.sglang_server import Endpoint, SGLangError, SGLangServer, sglang_server
 
 # what a RemoteServer asks its host to do with the server of that index (ServerHost.call)
-HOST_CALLS = ("start", "restart", "alive", "died", "diagnose", "log_tail", "shutdown", "inspect", "weight_checksums",
-              "verify")
+HOST_CALLS = ("start", "restart", "died", "diagnose", "log_tail", "shutdown", "inspect", "weight_checksums", "verify")
 
 
 class HostGone(SGLangError):
