@@ -33,23 +33,29 @@ class ServerHost:
         self.address = ray.util.get_node_ip_address()
         self.servers: list[SGLangServer] = []
 
-    def where(self) -> str:
-        """Its node and GPUs, for the start-up line."""
+    def where(self, gpus: list[str] | None = None) -> str:
+        """Its node and the GPUs its servers go on (default its own), for the start-up line."""
         import ray
 
-        return f"node {self.address} ({ray.get_runtime_context().get_node_id()[:8]}) GPUs {','.join(self.gpus)}"
+        node = ray.get_runtime_context().get_node_id()[:8]
+        return f"node {self.address} ({node}) GPUs {','.join(gpus or self.gpus)}"
 
-    def launch(self, model_path: str, count: int, tp: int, server_kwargs: dict) -> list[tuple[str, int, float]]:
-        """`count` servers of `tp` GPUs each (not started), server i on this actor's GPUs [i * tp, (i + 1) * tp),
-        listening on the node's address. Returns each one's URL, TP size and request timeout."""
-        if self.gpus and len(self.gpus) < count * tp:
-            raise SGLangError(f"a server host holds {len(self.gpus)} GPU(s); {count} server(s) of TP {tp} need "
+    def launch(self, model_path: str, count: int, tp: int, server_kwargs: dict,
+               gpus: list[str] | None = None) -> tuple[str, list[tuple[str, int, float]]]:
+        """`count` servers of `tp` GPUs each (not started), server i on GPUs [i * tp, (i + 1) * tp) of `gpus` (GPU ids
+        of this node: colocated, the training ranks'; default this actor's own), listening on the node's address.
+        Returns the node's Ray id and each server's URL, TP size and request timeout."""
+        import ray
+
+        gpus = gpus or self.gpus
+        if gpus and len(gpus) < count * tp:
+            raise SGLangError(f"a server host serves on {len(gpus)} GPU(s); {count} server(s) of TP {tp} need "
                               f"{count * tp}")
-        self.servers = [self.factory(model_path, tp=tp, gpu=i * tp, visible_devices=self.gpus or None,
+        self.servers = [self.factory(model_path, tp=tp, gpu=i * tp, visible_devices=gpus or None,
                                      host=self.address, **server_kwargs) for i in range(count)]
         for server in self.servers:  # the run's output directory may be on another node's disk only
             server.log_path.parent.mkdir(parents=True, exist_ok=True)
-        return [(s.url, s.tp, s.request_timeout) for s in self.servers]
+        return ray.get_runtime_context().get_node_id(), [(s.url, s.tp, s.request_timeout) for s in self.servers]
 
     def call(self, index: int, name: str, *args):
         """Server `index`'s method `name` (one of HOST_CALLS); start and restart answer the new process's id."""
@@ -67,9 +73,9 @@ class RemoteServer(Endpoint):
 
     remote = True
 
-    def __init__(self, host, index: int, url: str, tp: int, request_timeout: float):
+    def __init__(self, host, index: int, url: str, tp: int, request_timeout: float, node: str = ""):
         super().__init__(url, tp, request_timeout)
-        self.host, self.index = host, index
+        self.host, self.index, self.node = host, index, node  # node: its host's Ray node id
         self.pid: int | None = None
         self.known_alive = False
 
@@ -131,12 +137,12 @@ class RemoteServer(Endpoint):
         self._call("verify", received, model_path, directory)
 
 
-def remote_servers(hosts: list[tuple[object, int]], model_path: str, tp: int,
+def remote_servers(hosts: list[tuple[object, int, list[str] | None]], model_path: str, tp: int,
                    server_kwargs: dict) -> list[RemoteServer]:
-    """The servers of `hosts` ((ServerHost actor, its number of servers) each), host by host, launched there with
-    `server_kwargs` (sglang_server's); not started."""
+    """The servers of `hosts` ((ServerHost actor, its number of servers, the GPUs they go on or None for the host's
+    own) each), host by host, launched there with `server_kwargs` (sglang_server's); not started."""
     import ray
 
-    described = ray.get([host.launch.remote(model_path, count, tp, server_kwargs) for host, count in hosts])
-    return [RemoteServer(host, i, url, tp, timeout)
-            for (host, _), servers in zip(hosts, described) for i, (url, tp, timeout) in enumerate(servers)]
+    described = ray.get([host.launch.remote(model_path, count, tp, server_kwargs, gpus) for host, count, gpus in hosts])
+    return [RemoteServer(host, i, url, tp, timeout, node)
+            for (host, _, _), (node, servers) in zip(hosts, described) for i, (url, tp, timeout) in enumerate(servers)]

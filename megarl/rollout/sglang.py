@@ -71,7 +71,8 @@ class SGLangRolloutEngine(RolloutEngine):
                  weight_format: str = "persistent", launch: Callable[[int], SGLangServer] | None = None,
                  gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0,
                  serializer: Callable[[object], str] | None = None, deterministic: bool = False,
-                 release_kv: bool | None = None, hosts: list[tuple[object, int]] | None = None, **server_kwargs):
+                 release_kv: bool | None = None, hosts: list[tuple] | None = None, sender_node: str | None = None,
+                 **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
         place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
         `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
@@ -83,8 +84,10 @@ class SGLangRolloutEngine(RolloutEngine):
         (SGLang ignores seeds outside that mode), so the same call with the same params.seed samples the same.
         `release_kv`: a server with no rows in flight gives its KV cache back (to the trainer) until the next
         generate; default: when colocated (the asynchronous modes, generating beside training, keep it).
-        `hosts`: servers on other nodes, (ServerHost actor, its number of servers) each (server_host.py), in place
-        of `gpus` and `num_servers`."""
+        `hosts`: servers on server hosts (server_host.py), (ServerHost actor, its number of servers, the GPUs they go
+        on or None for the host's own) each, in place of `gpus` and `num_servers`.
+        `sender_node`: colocated servers on hosts: the Ray node id of the training rank that sends the weights; the
+        servers of that node take them by CUDA IPC, the others by NCCL broadcast."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
         self.release_kv = colocated if release_kv is None else release_kv
         self.deterministic = deterministic
@@ -93,7 +96,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 raise ValueError(f"{len(gpus)} GPUs ({','.join(gpus)}) cannot hold servers of tensor-parallel size {tp}")
             num_servers = len(gpus) // tp
         if hosts:
-            num_servers = sum(count for _, count in hosts)
+            num_servers = sum(count for _, count, _ in hosts)
         self.sampling_overrides = dict(sampling_overrides or {})  # e.g. ignore_eos for benchmarks
         # SGLang's memory saver only where memory is released between phases (colocated): it is off in
         # sglang.Engine's defaults, and a disaggregated server has no use for it
@@ -110,6 +113,9 @@ class SGLangRolloutEngine(RolloutEngine):
         self.state = [_ServerState() for _ in self.servers]
         self.sticky: dict[str, int] = {}
         self.lock = threading.RLock()  # routing state and the memory transitions that depend on it
+        # how the sending training rank reaches each server: CUDA IPC on its own GPUs (colocated on its node)
+        self.transports = ["cuda_ipc" if colocated and getattr(s, "node", sender_node) == sender_node else "nccl"
+                           for s in self.servers]
         self.version = 0  # weight syncs started
         self.syncing = False
         self.weight_format = weight_format
@@ -301,7 +307,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     server.post("/resume_memory_occupation", {"tags": ["weights"]})
                     state.weights_released = False
                 state.version, state.flush = self.version, True
-        return [s.endpoint("cuda_ipc" if self.colocated else "nccl") for s in self.servers]
+        return [s.endpoint(transport) for s, transport in zip(self.servers, self.transports)]
 
     def end_weight_update(self, received: dict[str, torch.Tensor] | None = None) -> None:
         """A training rank finished posting a sync itself (after begin_weight_update). `received`: host copies

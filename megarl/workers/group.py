@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import psutil
 import ray
 from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from megarl.config import Config
 from megarl.config.validation import env_strings
@@ -171,15 +171,13 @@ class TrainGroup:
             metrics["dispatch_seconds"] = metrics.pop("started_at") - called
         return metrics
 
-    def gpus(self) -> list[str]:
-        """The GPUs of the ranks, in rank order (GPU ids as Ray names them), for colocated rollout servers:
-        those are started by the rollout actor, so the ranks must share its node."""
-        nodes = {i["node"] for i in self.info}
-        if len(nodes) > 1:
-            raise RuntimeError(f"colocated rollout servers need the training ranks on one node; they are on "
-                               f"{len(nodes)} ({', '.join(sorted(nodes))}): megarl starts its SGLang servers on one "
-                               "node, so actor.parallel.world_size must fit one node's GPUs")
-        return list(dict.fromkeys(g for i in self.info for g in i["gpus"]))
+    def gpus(self) -> list[tuple[str, list[str]]]:
+        """The ranks' GPUs by node, for colocated rollout servers: (Ray node id, its GPU ids as Ray names them) per
+        node, nodes and GPUs in rank order (rank 0's node first: the sending rank's, start_rollout)."""
+        nodes: dict[str, dict[str, None]] = {}
+        for info in self.info:
+            nodes.setdefault(info["node_id"], {}).update(dict.fromkeys(info["gpus"]))
+        return [(node, list(gpus)) for node, gpus in nodes.items()]
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Run a method on every rank (collectives need all of them); results in rank order."""
@@ -224,17 +222,26 @@ def stop_ranks(workers: list, timeout: float = 60.0) -> None:
         ray.kill(w)
 
 
-def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None):
-    """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it. `gpus`: where
-    its colocated servers go (the training ranks' GPUs); disaggregated (rollout.sglang_gpus), Ray gives it
-    whole GPUs of its own instead (none of the training bundles' fractions) and its servers go there, or, with
-    rollout.sglang_gpus_per_host, to server hosts on any nodes (start_server_hosts)."""
+def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[tuple[str, list[str]]] | None = None):
+    """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it.
+    - Colocated (`gpus`: the training ranks' GPUs by node, TrainGroup.gpus): on one node, the actor starts its servers
+      on those GPUs, placed on that node; on several, a server host on each node starts that node's servers
+      (start_colocated_hosts).
+    - Disaggregated (rollout.sglang_gpus): Ray gives the actor whole GPUs of its own (none of the training bundles'
+      fractions) and its servers go there, or, with rollout.sglang_gpus_per_host, to server hosts on any nodes
+      (start_server_hosts)."""
     r = cfg.rollout
     left = ray.available_resources().get("GPU", 0.0)  # after the training bundles: an actor asking more waits forever
     if r.sglang_gpus > int(left):
         raise RuntimeError(f"rollout.sglang_gpus={r.sglang_gpus}: Ray has {left:g} GPU(s) left beside the "
                            "training ranks; SGLang servers need whole GPUs of their own")
-    hosts = start_server_hosts(cfg) if r.sglang_gpus_per_host else None
+    hosts, sender_node, placement = None, None, {}
+    if r.sglang_gpus_per_host:
+        hosts = start_server_hosts(cfg)
+    elif gpus and len(gpus) > 1:
+        hosts, sender_node = start_colocated_hosts(cfg, gpus, device), gpus[0][0]
+    elif gpus:  # the servers are this actor's children: it goes on the training ranks' node
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(gpus[0][0], soft=False)}
     largest = max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]), default=0.0)
     if not hosts and r.sglang_gpus > largest:  # the actor takes them all on one node: else it would wait forever
         raise RuntimeError(f"rollout.sglang_gpus={r.sglang_gpus}: the SGLang servers run on the rollout actor's node, "
@@ -243,15 +250,41 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[str] | N
     gpus_wanted = 0 if hosts else r.sglang_gpus or (0.1 if device == "cuda" else 0)
     # the asynchronous modes pause and resume the engine, and evaluate, while the rollout thread's generate runs
     concurrency = 1 if cfg.trainer.mode == "sync" else 4
-    return ray.remote(RolloutWorker).options(num_cpus=r.num_cpus, num_gpus=gpus_wanted,
-                                             max_concurrency=concurrency).remote(
-        cfg, model_path, device, max(1, int(r.num_cpus)), gpus, hosts)
+    return ray.remote(RolloutWorker).options(num_cpus=r.num_cpus, num_gpus=gpus_wanted, max_concurrency=concurrency,
+                                             **placement).remote(
+        cfg, model_path, device, max(1, int(r.num_cpus)), gpus[0][1] if gpus and not hosts else None, hosts,
+        sender_node)
+
+
+def start_colocated_hosts(cfg: Config, gpus: list[tuple[str, list[str]]], device: str,
+                          factory: Callable | None = None) -> list[tuple[object, int, list[str]]]:
+    """Colocated servers for training ranks on several nodes: a server host on each node (pinned there, with a
+    sliver of one of its GPUs, as the rollout actor has on one node), whose servers go on that node's training GPUs;
+    returns (actor, its number of servers, those GPUs) each. Weights reach the servers of rank 0's node by CUDA IPC
+    and the others by NCCL broadcast, whole tensors from rank 0 (rollout.weight_delivery=full)."""
+    from megarl.rollout.server_host import ServerHost
+
+    r, tp = cfg.rollout, cfg.rollout.sglang_tp
+    if r.weight_delivery != "full":
+        raise RuntimeError(f"rollout.weight_delivery={r.weight_delivery} with training ranks on {len(gpus)} nodes: "
+                           "colocated servers across nodes take whole tensors from rank 0 (full)")
+    for node, node_gpus in gpus:
+        if len(node_gpus) % tp:
+            raise RuntimeError(f"rollout.sglang_tp={tp}: node {node[:8]} holds {len(node_gpus)} training GPU(s) "
+                               f"({','.join(node_gpus)}); a colocated server cannot span nodes")
+    hosts = [ray.remote(ServerHost).options(
+        num_cpus=0, num_gpus=0.1 if device == "cuda" else 0, max_concurrency=len(node_gpus) // tp + 4,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*([factory] if factory else []))
+        for node, node_gpus in gpus]
+    print(f"megarl: colocated SGLang servers on {len(gpus)} nodes: "
+          + "; ".join(ray.get([h.where.remote(node_gpus) for h, (_, node_gpus) in zip(hosts, gpus)])), flush=True)
+    return [(host, len(node_gpus) // tp, node_gpus) for host, (_, node_gpus) in zip(hosts, gpus)]
 
 
 def start_server_hosts(cfg: Config, placement_s: float = 120.0,
                        factory: Callable | None = None) -> list[tuple[object, int]]:
     """rollout.sglang_gpus / rollout.sglang_gpus_per_host server hosts (megarl/rollout/server_host.py), each a Ray
-    actor holding that many GPUs of one node; returns (actor, its number of servers) each. Refused before placing any
+    actor holding that many GPUs of one node; returns (actor, its number of servers, None: its own GPUs) each. Refused before placing any
     when the nodes cannot hold them, and ended when Ray has not placed them all within `placement_s`.
     `factory`: the hosts' stand-in of sglang_server (tests)."""
     from megarl.rollout.server_host import ServerHost
@@ -274,7 +307,7 @@ def start_server_hosts(cfg: Config, placement_s: float = 120.0,
                            f"within {placement_s:.0f} s (the training ranks hold GPUs of those nodes?)")
     print(f"megarl: {count} SGLang server host(s) of {servers} server(s): "
           + "; ".join(ray.get([h.where.remote() for h in hosts])), flush=True)
-    return [(host, servers) for host in hosts]
+    return [(host, servers, None) for host in hosts]
 
 
 def stop_rollout(rollout, timeout: float = 90.0) -> None:

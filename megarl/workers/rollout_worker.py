@@ -16,7 +16,8 @@ from megarl.rollout.tools import build_tools
 from megarl.workers import weight_sync
 
 
-def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None, hosts: list | None = None):
+def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None, hosts: list | None = None,
+                sender_node: str | None = None):
     if cfg.rollout.engine == "hf":
         from megarl.rollout.hf import HFRolloutEngine
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -35,6 +36,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
         if not colocated and not hosts:
             gpus = [str(g) for g in ray.get_gpu_ids()]
         return SGLangRolloutEngine(model_path, tp=r.sglang_tp, gpus=gpus, colocated=colocated, hosts=hosts,
+                                   sender_node=sender_node,
                                    mem_fraction=r.sglang_mem_fraction,
                                    weight_format=r.sglang_weight_format, log_dir=cfg.trainer.output_dir,
                                    batch_rows=(cfg.data.prompts_per_step + cfg.agent.oversample_groups) * r.n_samples,
@@ -50,11 +52,13 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
 
 class RolloutWorker:
     def __init__(self, cfg: Config, model_path: str, device: str, threads: int = 1, gpus: list[str] | None = None,
-                 hosts: list | None = None):
-        """`hosts`: server hosts of rollout.sglang_gpus_per_host, (actor, its number of servers) each."""
+                 hosts: list | None = None, sender_node: str | None = None):
+        """`hosts`: server hosts (megarl.workers.group.start_server_hosts / start_colocated_hosts), (actor, its
+        number of servers, the GPUs they go on) each; `sender_node`: colocated on hosts, the node of the rank that
+        sends the weights (SGLangRolloutEngine)."""
         torch.set_num_threads(threads)
         self.cfg, self.model_path, self.hosts = cfg, model_path, hosts or []
-        self.engine = make_engine(cfg, model_path, device, gpus, hosts)
+        self.engine = make_engine(cfg, model_path, device, gpus, hosts, sender_node)
         self.agent = None  # the agent loop and its tools, built on first use (agent.enabled)
         self.reward_fn = None  # over-sampling with dynamic sampling scores finished groups here
 
@@ -176,5 +180,5 @@ class RolloutWorker:
         if self.hosts:
             import ray
 
-            for host, _ in self.hosts:
+            for host, _, _ in self.hosts:
                 ray.kill(host)

@@ -68,7 +68,8 @@ class TrainWorker:
                                      skip_nonfinite_updates=self.cfg.trainer.skip_nonfinite_updates)
         self.resharder = self._resharder() if self.role == "actor" else None
         return {"rank": self.rank, "dp_rank": mpu.get_data_parallel_rank(), "pid": os.getpid(),
-                "node": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+                "node": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
     def _resharder(self):
         """The policy's weight sync (megarl.reshard) for the layouts it models: TP x PP (contiguous stages, even

@@ -97,9 +97,33 @@ def make_sender(endpoints: list, weight_format: str, serializer: Callable | None
     delivery) its ranks send their shards together by CUDA IPC (persistent buffers)."""
     if group is not None:
         return cuda_ipc.ShardedIpcSender(endpoints, group, serializer)
-    if endpoints[0].transport == "nccl":
-        return nccl_broadcast.NcclSender(endpoints, master_address, flattened=weight_format != "tensors")
-    return cuda_ipc.CudaIpcSender(endpoints, weight_format, serializer)
+    ipc = [e for e in endpoints if e.transport == "cuda_ipc"]
+    nccl = [e for e in endpoints if e.transport == "nccl"]
+    broadcast = nccl_broadcast.NcclSender(nccl, master_address, flattened=weight_format != "tensors") if nccl else None
+    posting = cuda_ipc.CudaIpcSender(ipc, weight_format, serializer) if ipc else None
+    return SplitSender(posting, broadcast) if posting and broadcast else posting or broadcast
+
+
+class SplitSender:
+    """Colocated servers on several nodes (megarl.workers.group.start_colocated_hosts): those on the sending rank's
+    GPUs by CUDA IPC, the others by NCCL broadcast (which cannot reach a server sharing the sender's GPU: NCCL refuses
+    two ranks of a group on one device). The IPC sender sums a verified sync's checksums; the broadcast sends the
+    same bucket."""
+
+    def __init__(self, posting, broadcast):
+        self.posting, self.broadcast = posting, broadcast
+
+    def send(self, bucket: Bucket, flush_cache: bool = False, checksums=None) -> Callable[[], None]:
+        posts = (self.broadcast.send(bucket, flush_cache), self.posting.send(bucket, flush_cache, checksums))
+
+        def post() -> None:
+            for send in posts:
+                send()
+        return post
+
+    def close(self) -> None:
+        self.posting.close()
+        self.broadcast.close()
 
 
 def close_senders(senders: dict) -> None:

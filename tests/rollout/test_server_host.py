@@ -105,7 +105,7 @@ def test_engine_on_hosts_syncs_checks_and_restarts_remote_servers(ray_two_gpus, 
     from megarl.rollout.sglang import SGLangRolloutEngine
 
     hosts = [ray.remote(ServerHost).options(num_cpus=0, max_concurrency=4).remote(fake_factory) for _ in range(2)]
-    e = SGLangRolloutEngine("unused", colocated=False, hosts=[(h, 1) for h in hosts],
+    e = SGLangRolloutEngine("unused", colocated=False, hosts=[(h, 1, None) for h in hosts],
                             serializer=cuda_ipc.plain_serializer)
     try:
         senders, bucket = {}, bucket_of(7)
@@ -133,6 +133,68 @@ def test_engine_on_hosts_syncs_checks_and_restarts_remote_servers(ray_two_gpus, 
     assert not any(process_alive(s.pid) for s in e.servers)
     for host in hosts:
         ray.kill(host)
+
+
+def test_colocated_servers_across_nodes_go_on_each_nodes_training_gpus(ray_two_gpus, tmp_path, capsys):
+    """Training ranks on two nodes, colocated servers: a server host pinned to each node starts its servers on that
+    node's training GPUs; the servers of rank 0's node take the weights by CUDA IPC, the others by NCCL. Sharded
+    delivery, and a generation TP that would span nodes, are refused."""
+    import ray
+
+    from megarl.workers.group import start_rollout, stop_rollout
+
+    model = tmp_path / "model-colocated-hosts"
+    model.mkdir()
+    (tmp_path / "out").mkdir()
+    overrides = ["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}", "trainer.verify_weight_sync_every=0"]
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU")]
+    training = [(nodes[1], ["0"]), (nodes[0], ["0"])]  # rank 0 on the second GPU node
+    for bad, why in ((["rollout.weight_delivery=sharded"], "take whole tensors from rank 0"),
+                     (["rollout.sglang_tp=2"], "a colocated server cannot span nodes")):
+        with pytest.raises(RuntimeError, match=why):
+            start_rollout(load_config(None, overrides + bad), str(model), "cpu", training)
+    actor = start_rollout(load_config(None, overrides), str(model), "cpu", training)
+    try:
+        out = ray.get(actor.generate.remote([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=5, n=2)), timeout=120)
+        assert len(out) == 8
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if "colocated SGLang servers" in x]
+        assert line.index(f"({nodes[1][:8]}) GPUs 0") < line.index(f"({nodes[0][:8]}) GPUs 0")
+        pairs = servers_of(str(model))
+        assert len(pairs) == 2
+        for _, server in pairs:  # on the node's training GPU
+            assert b"\0CUDA_VISIBLE_DEVICES=0\0" in Path(f"/proc/{server}/environ").read_bytes()
+        endpoints = ray.get(actor.begin_weight_update.remote(), timeout=60)
+        assert [e.transport for e in endpoints] == ["cuda_ipc", "nccl"]  # rank 0's node's server first
+        ray.get(actor.end_weight_update.remote(None), timeout=60)
+    finally:
+        stop_rollout(actor)
+    assert wait_gone([pid for pair in pairs for pid in pair], 30) == []
+
+
+def test_split_sender_reaches_local_servers_by_ipc_and_the_others_by_broadcast(tmp_path):
+    """One sync into a colocated server of the sender's node (CUDA IPC; pickled tensors on CPU) and a server of
+    another node (NCCL broadcast; gloo on CPU): both hold the bucket bit for bit, and the sender is one of each."""
+    from megarl.rollout.sglang import SGLangRolloutEngine
+    from megarl.workers.weight_sync import SplitSender
+
+    e = SGLangRolloutEngine("unused", num_servers=2, colocated=True,
+                            launch=lambda i: fake_server(tmp_path, request_timeout=30))
+    e.transports = ["cuda_ipc", "nccl"]  # what a second node's host gives the second server
+    try:
+        senders, bucket = {}, bucket_of(5)
+        not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
+        push_policy(iter([bucket]), e.begin_weight_update, e.end_weight_update, not_here, False,
+                    weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer)
+        (sender,) = senders.values()
+        assert isinstance(sender, SplitSender)
+        expected = {n: fake_sglang.digest(t) for n, t in bucket}
+        for server in e.servers:
+            assert requests.get(server.url + "/fake/weights", timeout=5).json() == expected
+        assert len(log(e.servers[0], "/update_weights_from_tensor")) == 1
+        assert len(log(e.servers[1], "/update_weights_from_distributed")) == 1
+        close_senders(senders)
+    finally:
+        e.shutdown()
 
 
 def test_server_hosts_are_refused_when_the_nodes_cannot_hold_them(monkeypatch, tmp_path):
