@@ -35,6 +35,9 @@
 #   hosts    the policy on GPU 0 (TP=1 x EP=1), SGLang servers disaggregated on server hosts (rollout.sglang_gpus_per_host
 #            =1: a Ray actor per server GPU starts its server, as on other nodes; megarl/rollout/server_host.py): two
 #            servers on 3+ GPUs, one on 2; full delivery over NCCL, checksums taken by each host       (~3-4 min)
+#   nodes    on 4 GPUs, two Ray nodes on this machine (scripts/ray_cluster.sh, GPUs 0-1 and 2-3): the policy at TP=1 x
+#            DP=4 over both, colocated SGLang servers of TP=2 started by a server host on each node; rank 0 posts to its
+#            node's server by CUDA IPC and broadcasts to the other's over NCCL (full delivery); checksums (~4 min)
 #   Run each as its own call (<= ~9 min): PHASES=ep, then PHASES=sglang_ep (on 4 GPUs also PHASES=ep_pp, then
 #   PHASES=sglang_ep_pp; EP_DELIVERIES=sharded alone halves a call). GPU only: hosts (the CPU has no SGLang).
 # The GRPO table gives per run: syncs verified, the best sync's seconds, the bytes per rank (the most received and
@@ -145,7 +148,7 @@ grpo() {  # name, limit in seconds, what it runs (for the table), megarl.train o
   echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4
   status=$(( status | (rc != 0) ))
 }
-if phase ep || phase sglang_ep || phase ep_pp || phase sglang_ep_pp || phase hosts; then  # the DeepSeek-V3-shaped policy the GRPO
+if phase ep || phase sglang_ep || phase ep_pp || phase sglang_ep_pp || phase hosts || phase nodes; then  # the DeepSeek-V3-shaped policy the GRPO
   # phases train
   EP_MODEL=/tmp/megarl-multi-gpu-ep-model-$$
   read -r layers hidden heads experts moe inter dense <<< "$EP_SHAPE"
@@ -197,6 +200,25 @@ if phase hosts && [ -n "$EP_MODEL" ]; then
     servers=$(( GPUS > 2 ? 2 : 1 ))
     grpo "hosts_${servers}x1" 280 "policy on 1 GPU; $servers SGLang server(s) TP=1 on server hosts of 1 GPU; full \
 delivery; checksums" actor.parallel.world_size=1 actor.parallel.tp=1 $ROLLOUT rollout.sglang_gpus=$servers rollout.sglang_gpus_per_host=1
+  fi
+fi
+if phase nodes && [ -n "$EP_MODEL" ]; then
+  if [ "$DEVICE" = cpu ] || [ "$GPUS" -lt 4 ]; then echo "== nodes: SKIPPED (4 GPUs and SGLang)"; status=1
+  else  # two Ray nodes of 2 GPUs each on this machine, as two machines would be
+    ray_dir=/tmp/megarl-nodes-$$; mkdir -p "$ray_dir"; ray_port=$(( 20000 + $$ % 20000 ))
+    export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$ray_dir/token MEGARL_DASHBOARD_PORT=$(( ray_port + 1 ))
+    if ip=$(bash -c 'source scripts/env.sh && megarl_node_ip') &&
+       CUDA_VISIBLE_DEVICES=0,1 bash scripts/ray_cluster.sh head --ip "$ip" --port "$ray_port" --num-gpus 2 \
+         --temp-dir "$ray_dir/h" > "$OUT/nodes_ray.log" 2>&1 &&
+       CUDA_VISIBLE_DEVICES=2,3 bash scripts/ray_cluster.sh worker --address "$ip:$ray_port" --num-gpus 2 \
+         --temp-dir "$ray_dir/w" >> "$OUT/nodes_ray.log" 2>&1 &&
+       bash scripts/ray_cluster.sh wait --address "$ip:$ray_port" --nodes 2 --gpus 4 --timeout 60 >> "$OUT/nodes_ray.log" 2>&1
+    then
+      grpo nodes_2x2 300 "policy TP=1 x DP=4 on 2 Ray nodes; a TP=2 server per node (host); \
+IPC + NCCL; checksums" actor.parallel.world_size=4 actor.parallel.tp=1 $ROLLOUT rollout.sglang_tp=2 \
+        trainer.ray_address="$ip:$ray_port"
+    else echo "== nodes: the two Ray nodes did not start"; tail -n 20 "$OUT/nodes_ray.log"; status=1; fi
+    ray stop --force > /dev/null 2>&1; rm -rf "$ray_dir"
   fi
 fi
 [ -n "${EP_MODEL:-}" ] && rm -rf "$EP_MODEL"
