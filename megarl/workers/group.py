@@ -256,7 +256,7 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[tuple[st
         sender_node)
 
 
-def start_colocated_hosts(cfg: Config, gpus: list[tuple[str, list[str]]], device: str,
+def start_colocated_hosts(cfg: Config, gpus: list[tuple[str, list[str]]], device: str, placement_s: float = 120.0,
                           factory: Callable | None = None) -> list[tuple[object, int, list[str]]]:
     """Colocated servers for training ranks on several nodes: a server host on each node (pinned there, with a
     sliver of one of its GPUs, as the rollout actor has on one node), whose servers go on that node's training GPUs;
@@ -276,16 +276,18 @@ def start_colocated_hosts(cfg: Config, gpus: list[tuple[str, list[str]]], device
         num_cpus=0, num_gpus=0.1 if device == "cuda" else 0, max_concurrency=len(node_gpus) // tp + 4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*([factory] if factory else []))
         for node, node_gpus in gpus]
+    wait_placed(hosts, f"colocated servers on {len(gpus)} nodes", placement_s)
     print(f"megarl: colocated SGLang servers on {len(gpus)} nodes: "
           + "; ".join(ray.get([h.where.remote(node_gpus) for h, (_, node_gpus) in zip(hosts, gpus)])), flush=True)
     return [(host, len(node_gpus) // tp, node_gpus) for host, (_, node_gpus) in zip(hosts, gpus)]
 
 
 def start_server_hosts(cfg: Config, placement_s: float = 120.0,
-                       factory: Callable | None = None) -> list[tuple[object, int]]:
+                       factory: Callable | None = None) -> list[tuple[object, int, None]]:
     """rollout.sglang_gpus / rollout.sglang_gpus_per_host server hosts (megarl/rollout/server_host.py), each a Ray
-    actor holding that many GPUs of one node; returns (actor, its number of servers, None: its own GPUs) each. Refused before placing any
-    when the nodes cannot hold them, and ended when Ray has not placed them all within `placement_s`.
+    actor holding that many GPUs of one node; returns (actor, its number of servers, None: its own GPUs) each.
+    Refused before placing any when the nodes cannot hold them, and ended when Ray has not placed them all within
+    `placement_s`.
     `factory`: the hosts' stand-in of sglang_server (tests)."""
     from megarl.rollout.server_host import ServerHost
 
@@ -299,15 +301,20 @@ def start_server_hosts(cfg: Config, placement_s: float = 120.0,
     servers = per_host // r.sglang_tp
     options = {"num_cpus": 0, "num_gpus": per_host, "max_concurrency": servers + 4}  # servers start side by side
     hosts = [ray.remote(ServerHost).options(**options).remote(*([factory] if factory else [])) for _ in range(count)]
-    ready, _ = ray.wait([h.__ray_ready__.remote() for h in hosts], num_returns=count, timeout=placement_s)
-    if len(ready) < count:
-        for host in hosts:
-            ray.kill(host)
-        raise RuntimeError(f"rollout.sglang_gpus_per_host={per_host}: Ray placed {len(ready)} of {count} server hosts "
-                           f"within {placement_s:.0f} s (the training ranks hold GPUs of those nodes?)")
+    wait_placed(hosts, f"rollout.sglang_gpus_per_host={per_host}", placement_s)
     print(f"megarl: {count} SGLang server host(s) of {servers} server(s): "
           + "; ".join(ray.get([h.where.remote() for h in hosts])), flush=True)
     return [(host, servers, None) for host in hosts]
+
+
+def wait_placed(hosts: list, what: str, placement_s: float) -> None:
+    """Until Ray has placed every server host; past `placement_s`, all of them are ended and the error says so."""
+    ready, _ = ray.wait([h.__ray_ready__.remote() for h in hosts], num_returns=len(hosts), timeout=placement_s)
+    if len(ready) < len(hosts):
+        for host in hosts:
+            ray.kill(host)
+        raise RuntimeError(f"{what}: Ray placed {len(ready)} of {len(hosts)} SGLang server hosts within "
+                           f"{placement_s:.0f} s (the training ranks or other actors hold the GPUs they need?)")
 
 
 def stop_rollout(rollout, timeout: float = 90.0) -> None:

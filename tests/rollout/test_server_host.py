@@ -6,6 +6,7 @@ engine's calls that need the server's node (checksums, a restart)."""
 from __future__ import annotations
 
 import functools
+import time
 import os
 import signal
 import tempfile
@@ -214,3 +215,22 @@ def test_server_hosts_are_refused_when_the_nodes_cannot_hold_them(monkeypatch, t
                      (["rollout.sglang_gpus_per_host=8"], "it needs rollout.sglang_gpus")):
         with pytest.raises(ConfigError, match=why):
             load_config(None, ["rollout.engine=sglang", f"trainer.output_dir={tmp_path}", *bad])
+
+
+def test_hosts_ray_cannot_place_are_ended_with_an_error(ray_two_gpus, monkeypatch, tmp_path):
+    """The node list seems to have room (4 GPUs on one node) but no node has 2 GPUs to give: after the placement
+    deadline every host is ended and the error names the setting, without waiting forever."""
+    import ray
+
+    from megarl.workers import group
+
+    monkeypatch.setattr(group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 4.0}}])
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_gpus_per_host=2",
+                             f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(RuntimeError, match=r"rollout.sglang_gpus_per_host=2: Ray placed 0 of 2 SGLang server hosts "
+                                           r"within 3 s"):
+        group.start_server_hosts(cfg, placement_s=3)
+    deadline = time.monotonic() + 30  # nothing of theirs is left holding GPUs
+    while ray.available_resources().get("GPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("GPU", 0) == 2
