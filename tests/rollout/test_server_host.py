@@ -234,3 +234,28 @@ def test_hosts_ray_cannot_place_are_ended_with_an_error(ray_two_gpus, monkeypatc
     while ray.available_resources().get("GPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("GPU", 0) == 2
+
+
+def test_colocated_servers_on_one_node_are_the_rollout_actors_on_that_node(ray_two_gpus, tmp_path):
+    """Training ranks on one node: the rollout actor is placed on that node (not wherever Ray has room) and starts
+    the servers itself, on the training GPUs, with no server host."""
+    import ray
+
+    from megarl.workers.group import start_rollout, stop_rollout
+
+    model = tmp_path / "model-one-node"
+    model.mkdir()
+    (tmp_path / "out").mkdir()
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU")]
+    cfg = load_config(None, ["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}",
+                             "trainer.verify_weight_sync_every=0"])
+    actor = start_rollout(cfg, str(model), "cpu", [(nodes[1], ["0"])])
+    try:
+        node = ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=120)
+        assert node == nodes[1]
+        ((guard, server),) = servers_of(str(model))
+        owner = int(Path(f"/proc/{guard}/cmdline").read_bytes().split(b"\0")[2])
+        assert owner == ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        assert b"\0CUDA_VISIBLE_DEVICES=0\0" in Path(f"/proc/{server}/environ").read_bytes()
+    finally:
+        stop_rollout(actor)

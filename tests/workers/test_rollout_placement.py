@@ -46,3 +46,14 @@ def test_disaggregated_servers_larger_than_any_node_are_refused_before_the_actor
     with pytest.raises(RuntimeError, match=r"rollout.sglang_gpus=6: the SGLang servers run on the rollout actor's "
                                            r"node, and the largest node of this Ray cluster has 4 GPU"):
         group.start_rollout(cfg, "model", "cuda")
+
+
+def test_training_gpus_by_node_in_rank_order():
+    """What colocated servers are placed by: each node's GPUs of the training ranks, rank 0's node first (its rank
+    sends the weights), a GPU shared by two ranks (roles) once."""
+    from megarl.workers.group import TrainGroup
+
+    group = TrainGroup.__new__(TrainGroup)
+    group.info = [{"node_id": "b", "gpus": ["1"]}, {"node_id": "a", "gpus": ["0"]}, {"node_id": "b", "gpus": ["0"]},
+                  {"node_id": "a", "gpus": ["0"]}]
+    assert group.gpus() == [("b", ["1", "0"]), ("a", ["0"])]
