@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     layout = cfg.actor.parallel.describe()
-    config_ok = f"config ok: {layout}; rollout={cfg.rollout.engine}; {cfg.trainer.steps} RL steps"
+    config_ok = f"config ok: {layout}; rollout={cfg.rollout.describe()}; {cfg.trainer.steps} RL steps"
     if args.check_config:
         print(config_ok)
         return 0

@@ -1,6 +1,7 @@
 import pytest
 
 from megarl.config import ConfigError, all_keys, help_text, load_config
+from tests.conftest import QUICKSTART
 
 
 def test_defaults_yaml_and_overrides_compose(tmp_path):
@@ -170,3 +171,18 @@ def test_the_start_up_line_names_expert_parallelism_and_uneven_stages():
                              "actor.parallel.pp_first_stage_layers=3", "actor.parallel.pp_last_stage_layers=1"])
     assert moe.actor.parallel.describe() == ("world_size=8 = tp 1 x pp 2 x cp 1 x dp 4 (ep 2, first stage 3 layers, "
                                              "last stage 1 layers)")
+
+
+def test_check_config_says_where_generation_runs(capsys):
+    from megarl.train import main
+
+    for overrides, says in (
+            ([], "rollout=hf;"),
+            (["rollout.engine=sglang", "rollout.sglang_tp=2"],
+             "rollout=sglang: servers of TP 2 on the training GPUs (colocated);"),
+            (["rollout.engine=sglang", "rollout.sglang_gpus=4"],
+             "rollout=sglang: 4 servers of TP 1 on the rollout actor's node (4 GPUs of their own);"),
+            (["rollout.engine=sglang", "rollout.sglang_gpus=16", "rollout.sglang_tp=4", "rollout.sglang_gpus_per_host=8"],
+             "rollout=sglang: 4 servers of TP 4 on 2 server hosts of 8 GPUs (16 GPUs of their own);")):
+        assert main(["--config", str(QUICKSTART), "--check-config", *overrides]) == 0
+        assert says in capsys.readouterr().out

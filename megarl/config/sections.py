@@ -345,6 +345,18 @@ class RolloutConfig:
     replay_dir: str = opt("", "train from the samples a run wrote with dump_dir (step N reads step_<N>.pt) "
                               "instead of generating them; empty = off")
 
+    def describe(self) -> str:
+        """Where generation runs, as the start-up line prints it, e.g. 'sglang: 2 servers of TP 4 on 2 server hosts
+        of 4 GPUs (8 GPUs of their own)'."""
+        if self.engine != "sglang":
+            return self.engine
+        if not self.sglang_gpus:
+            return f"sglang: servers of TP {self.sglang_tp} on the training GPUs (colocated)"
+        where = (f"{self.sglang_gpus // self.sglang_gpus_per_host} server hosts of {self.sglang_gpus_per_host} GPUs"
+                 if self.sglang_gpus_per_host else "the rollout actor's node")
+        return (f"sglang: {self.sglang_gpus // self.sglang_tp} servers of TP {self.sglang_tp} on {where} "
+                f"({self.sglang_gpus} GPUs of their own)")
+
 
 @dataclass
 class AgentConfig:
