@@ -108,6 +108,19 @@ def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
     return history, result
 
 
+def generation_placement(r) -> str:
+    """Where generation runs (the rollout section `r`), as the start-up line says it, e.g. 'sglang: 4 servers of TP 4
+    on 2 server hosts of 8 GPUs (16 GPUs of their own)'."""
+    if r.engine != "sglang":
+        return r.engine
+    if not r.sglang_gpus:
+        return f"sglang: servers of TP {r.sglang_tp} on the training GPUs (colocated)"
+    where = (f"{r.sglang_gpus // r.sglang_gpus_per_host} server hosts of {r.sglang_gpus_per_host} GPUs"
+             if r.sglang_gpus_per_host else "the rollout actor's node")
+    servers = r.sglang_gpus // r.sglang_tp
+    return f"sglang: {servers} servers of TP {r.sglang_tp} on {where} ({r.sglang_gpus} GPUs of their own)"
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -119,7 +132,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     layout = cfg.actor.parallel.describe()
-    config_ok = f"config ok: {layout}; rollout={cfg.rollout.describe()}; {cfg.trainer.steps} RL steps"
+    config_ok = f"config ok: {layout}; rollout={generation_placement(cfg.rollout)}; {cfg.trainer.steps} RL steps"
     if args.check_config:
         print(config_ok)
         return 0

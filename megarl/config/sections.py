@@ -312,11 +312,10 @@ class RolloutConfig:
                               "one server per rollout.sglang_tp of them, weights broadcast over NCCL, no offload "
                               "cycle; rollout.sglang_mem_fraction may then take most of each GPU); 0 = the servers "
                               "share the training ranks' GPUs (colocated, weights by CUDA IPC)")
-    sglang_gpus_per_host: int = opt(0, "SGLang, disaggregated: GPUs of each server host, a Ray actor on one node that "
-                                       "starts its servers (megarl/rollout/server_host.py), so that "
-                                       "rollout.sglang_gpus may span nodes, e.g. 8 on nodes of 8 GPUs; a multiple of "
-                                       "rollout.sglang_tp dividing rollout.sglang_gpus. 0 = every server on the "
-                                       "rollout actor's node, started by it")
+    sglang_gpus_per_host: int = opt(0, "SGLang, disaggregated: GPUs of each server host (a Ray actor on one node that "
+                                       "starts its servers: megarl/rollout/server_host.py), so that sglang_gpus may "
+                                       "span nodes; a multiple of sglang_tp dividing sglang_gpus. 0 = every server on "
+                                       "the rollout actor's node")
     weight_delivery: str = opt("full", "weight sync through megarl.reshard: full (whole HF tensors per bucket "
                                        "from one rank; the engine slices its own TP shard, as SGLang's "
                                        "update_weights_from_tensor does) or sharded (each generation TP rank sends only "
@@ -344,18 +343,6 @@ class RolloutConfig:
                             "calls) to <dump_dir>/step_<N>.pt; empty = off")
     replay_dir: str = opt("", "train from the samples a run wrote with dump_dir (step N reads step_<N>.pt) "
                               "instead of generating them; empty = off")
-
-    def describe(self) -> str:
-        """Where generation runs, as the start-up line prints it, e.g. 'sglang: 2 servers of TP 4 on 2 server hosts
-        of 4 GPUs (8 GPUs of their own)'."""
-        if self.engine != "sglang":
-            return self.engine
-        if not self.sglang_gpus:
-            return f"sglang: servers of TP {self.sglang_tp} on the training GPUs (colocated)"
-        where = (f"{self.sglang_gpus // self.sglang_gpus_per_host} server hosts of {self.sglang_gpus_per_host} GPUs"
-                 if self.sglang_gpus_per_host else "the rollout actor's node")
-        return (f"sglang: {self.sglang_gpus // self.sglang_tp} servers of TP {self.sglang_tp} on {where} "
-                f"({self.sglang_gpus} GPUs of their own)")
 
 
 @dataclass
