@@ -71,7 +71,7 @@ class RemoteServer(Endpoint):
     alive() answers from what is known here, without a round trip (routing asks it for every prompt): a server is
     alive until a failed request's died() (which asks the host) finds it dead, and again once restarted."""
 
-    remote = True
+    remote = True  # its `node` is its host's
 
     def __init__(self, host, index: int, url: str, tp: int, request_timeout: float, node: str = ""):
         super().__init__(url, tp, request_timeout)
@@ -144,5 +144,6 @@ def remote_servers(hosts: list[tuple[object, int, list[str] | None]], model_path
     import ray
 
     described = ray.get([host.launch.remote(model_path, count, tp, server_kwargs, gpus) for host, count, gpus in hosts])
-    return [RemoteServer(host, i, url, tp, timeout, node)
-            for (host, _, _), (node, servers) in zip(hosts, described) for i, (url, tp, timeout) in enumerate(servers)]
+    return [RemoteServer(host, i, url, server_tp, timeout, node)
+            for (host, _, _), (node, servers) in zip(hosts, described)
+            for i, (url, server_tp, timeout) in enumerate(servers)]

@@ -114,7 +114,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.sticky: dict[str, int] = {}
         self.lock = threading.RLock()  # routing state and the memory transitions that depend on it
         # how the sending training rank reaches each server: CUDA IPC on its own GPUs (colocated on its node)
-        self.transports = ["cuda_ipc" if colocated and getattr(s, "node", sender_node) == sender_node else "nccl"
+        self.transports = ["cuda_ipc" if colocated and (not s.remote or s.node == sender_node) else "nccl"
                            for s in self.servers]
         self.version = 0  # weight syncs started
         self.syncing = False
@@ -343,11 +343,11 @@ class SGLangRolloutEngine(RolloutEngine):
         once for the servers of this node, by its host for a server on another: server_host.py)."""
         if self.verify_dir is None:
             raise SGLangError("verify_weights needs the engine built with verify_dir")
-        here = [s.endpoint() for s in self.servers if not getattr(s, "remote", False)]
+        here = [s.endpoint() for s in self.servers if not s.remote]
         if here:
             verify_inside_sglang(here, self.received, self.model_path, self.verify_dir)
         for server in self.servers:
-            if getattr(server, "remote", False):
+            if server.remote:
                 server.verify(self.received, self.model_path, str(self.verify_dir))
 
     def named_weights(self) -> dict[str, torch.Tensor]:

@@ -98,6 +98,8 @@ class Endpoint:
     weights reach it (TRANSPORTS); `instance`: which process serves `url` (a restarted server is another one:
     its weight transfer state, such as a weight group, starts over)."""
 
+    remote = False  # a server on a server host (server_host.RemoteServer), whose node may be another
+
     def __init__(self, url: str, tp: int = 1, request_timeout: float = 600.0, transport: str = "cuda_ipc",
                  instance: int | None = None):
         if transport not in TRANSPORTS:
