@@ -427,7 +427,8 @@ def main(argv=None) -> int:
         print(f"== {tag(name)}: up to {cap:.0f} s", flush=True)
         with watch(metrics, gpu=device == "cuda") as seen:
             record = run_process(run_overrides(args, name, model_dir, prompts, val, run_dir, device),
-                                 out / f"{tag(name)}.log", cap, env, leftovers=str(model_dir))
+                                 out / f"{tag(name)}.log", cap, env, leftovers=str(model_dir),
+                                 server_logs=run_dir)
         if metrics.exists():
             (out / f"{tag(name)}_metrics.jsonl").write_text(metrics.read_text())
         placement, overrides = RUNS[name]

@@ -138,11 +138,13 @@ def write_prompts(path: Path, words: list[str], count: int, length: int, seed: i
 # ---- running one side under a deadline ------------------------------------------------------------------
 
 
-def run_process(cmd: list[str], log: Path, timeout: float, env: dict, leftovers: str = "") -> dict:
+def run_process(cmd: list[str], log: Path, timeout: float, env: dict, leftovers: str = "",
+                server_logs: Path | None = None) -> dict:
     """Run `cmd` in its own session with output to `log`. Past `timeout`: SIGINT (the driver's finally blocks
     shut Ray and the engines down), then SIGKILL of the whole process group after 30 s. Afterwards, SGLang
     servers whose command line holds `leftovers` (this run's model directory) are ended: they run in sessions
-    of their own and outlive a killed driver."""
+    of their own and outlive a killed driver; the tails of the SGLang logs in `server_logs` (the run's output
+    directory) go beside `log`, as `<log>_sglang_<port>.log.tail`: a run that stalls says why there."""
     start = time.monotonic()
     status = "ok"
     with log.open("w") as out:
@@ -169,6 +171,9 @@ def run_process(cmd: list[str], log: Path, timeout: float, env: dict, leftovers:
             proc.wait()
             if leftovers:
                 end_sglang_servers(leftovers)
+            for server_log in sorted(server_logs.glob("sglang_*.log")) if server_logs else ():
+                tail = server_log.read_text(errors="replace").splitlines()[-80:]
+                (log.parent / f"{log.stem}_{server_log.name}.tail").write_text("\n".join(tail) + "\n")
     if status == "ok" and proc.returncode != 0:
         status = "failed"
     return {"status": status, "returncode": proc.returncode, "wall_s": round(time.monotonic() - start, 1),
@@ -401,7 +406,7 @@ def main(argv=None) -> int:
         else:
             run_dir = work / name
             record |= run_process(megarl_command(args, model_dir, prompts, val, completions, run_dir, device),
-                                  out / f"{name}.log", cap, env, leftovers=str(model_dir))
+                                  out / f"{name}.log", cap, env, leftovers=str(model_dir), server_logs=run_dir)
             steps, warmup = megarl_steps(run_dir / "metrics.jsonl"), args.megarl_warmup
             if (run_dir / "metrics.jsonl").exists():
                 (out / f"{name}_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())

@@ -444,7 +444,7 @@ def table(out_dir: Path, parts: list[str]) -> str:
     for part in parts:
         try:
             data = json.loads((out_dir / f"{part}.json").read_text())
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError):
             lines.append(f"| {part} | no results (skipped, or failed: see {part}.log) |")
             continue
         results, dry = data.get("results"), " (dry run)" if "dry run" in str(data.get("gpu")) else ""

@@ -1,5 +1,6 @@
 # Sourced by the GPU scripts: print the GPU memory in use before anything starts and warn loudly when it
-# is more than ~1 GB (a leftover from an earlier call, e.g. an SGLang server: it skews every number).
+# is more than ~1 GB (a leftover from an earlier call, e.g. an SGLang server: it skews every number), and any
+# process of an earlier run.
 # Also written to $OUT/gpu_start.txt (the start of a long log may not come back).
 gpu_memory_check() {
   nvidia-smi ${CUDA_VISIBLE_DEVICES:+-i $CUDA_VISIBLE_DEVICES} --query-gpu=index,memory.used --format=csv,noheader,nounits | while IFS=', ' read -r gpu used; do
@@ -10,5 +11,13 @@ gpu_memory_check() {
       nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | sed 's/^/!!!!!   /'
     fi
   done
+  # A run an earlier call's `timeout` cut can outlive it (timeout signals its child only; Ray and SGLang run in
+  # sessions of their own): with no GPU memory left in use it still holds ports, CPUs and disk.
+  local left
+  left=$(pgrep -af 'sglang|megarl\.train|raylet|gcs_server' | grep -v pgrep)
+  if [ -n "$left" ]; then
+    echo "!!!!! WARNING: processes of an earlier run are still here (numbers below are measured beside them):"
+    echo "$left" | cut -c1-200 | sed 's/^/!!!!!   /'
+  fi
 }
 gpu_memory_check 2>&1 | tee "$OUT/gpu_start.txt"

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 import uuid
-from types import SimpleNamespace
 
 import pytest
 
@@ -69,11 +68,17 @@ def test_a_run_past_its_deadline_is_ended_with_its_leftover_servers(tmp_path):
     # stands in for an SGLang server the driver started in a session of its own, which outlives the driver
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "sglang.launch_server", marker],
                               start_new_session=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "sglang_30000.log").write_text("".join(f"line {i}\n" for i in range(100)) + "stuck loading\n")
     start = time.monotonic()
     record = run_process([sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "x.log", 1.0, env=None,
-                         leftovers=marker)
+                         leftovers=marker, server_logs=run_dir)
     assert record["status"] == "timeout" and time.monotonic() - start < 30
     assert server.wait(timeout=10) == -9
     assert end_sglang_servers(marker) == []
+    # the server's last 80 lines come back beside the run's log (a run's directory does not)
+    tail = (tmp_path / "x_sglang_30000.log.tail").read_text().splitlines()
+    assert len(tail) == 80 and tail[0] == "line 21" and tail[-1] == "stuck loading"
     failed = run_process([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "y.log", 30, env=None)
     assert failed["status"] == "failed" and failed["returncode"] == 3
