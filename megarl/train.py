@@ -115,10 +115,13 @@ def generation_placement(r) -> str:
         return r.engine
     if not r.sglang_gpus:
         return f"sglang: servers of TP {r.sglang_tp} on the training GPUs (colocated)"
-    where = (f"{r.sglang_gpus // r.sglang_gpus_per_host} server hosts of {r.sglang_gpus_per_host} GPUs"
+    def count(n: int, thing: str) -> str:
+        return f"{n} {thing}" + ("s" if n != 1 else "")
+
+    where = (f"{count(r.sglang_gpus // r.sglang_gpus_per_host, 'server host')} of {count(r.sglang_gpus_per_host, 'GPU')}"
              if r.sglang_gpus_per_host else "the rollout actor's node")
-    servers = r.sglang_gpus // r.sglang_tp
-    return f"sglang: {servers} servers of TP {r.sglang_tp} on {where} ({r.sglang_gpus} GPUs of their own)"
+    return (f"sglang: {count(r.sglang_gpus // r.sglang_tp, 'server')} of TP {r.sglang_tp} on {where} "
+            f"({count(r.sglang_gpus, 'GPU')} of their own)")
 
 
 def main(argv=None) -> int:

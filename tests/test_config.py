@@ -183,6 +183,8 @@ def test_check_config_says_where_generation_runs(capsys):
             (["rollout.engine=sglang", "rollout.sglang_gpus=4"],
              "rollout=sglang: 4 servers of TP 1 on the rollout actor's node (4 GPUs of their own);"),
             (["rollout.engine=sglang", "rollout.sglang_gpus=16", "rollout.sglang_tp=4", "rollout.sglang_gpus_per_host=8"],
-             "rollout=sglang: 4 servers of TP 4 on 2 server hosts of 8 GPUs (16 GPUs of their own);")):
+             "rollout=sglang: 4 servers of TP 4 on 2 server hosts of 8 GPUs (16 GPUs of their own);"),
+            (["rollout.engine=sglang", "rollout.sglang_gpus=8", "rollout.sglang_tp=8", "rollout.sglang_gpus_per_host=8"],
+             "rollout=sglang: 1 server of TP 8 on 1 server host of 8 GPUs (8 GPUs of their own);")):
         assert main(["--config", str(QUICKSTART), "--check-config", *overrides]) == 0
         assert says in capsys.readouterr().out
