@@ -142,11 +142,12 @@ class SGLangServer(Endpoint):
 
     def __init__(self, command: list[str], port: int, tp: int = 1, log_path: str | None = None,
                  startup_timeout: float = 900.0, request_timeout: float = 600.0, health_timeout: float = 5.0,
-                 env: dict[str, str] | None = None, host: str = "127.0.0.1"):
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1", progress_s: float = 120.0):
         super().__init__(f"http://{host}:{port}", tp, request_timeout)
         self.command, self.port = command, port
         self.env = env  # extra environment of the server process (its visible GPUs)
         self.startup_timeout, self.health_timeout = startup_timeout, health_timeout
+        self.progress_s = progress_s  # a start-up that long says so, and again each as long (start)
         self.log_path = Path(log_path or Path(tempfile.gettempdir()) / f"sglang_{port}.log")
         self.process: subprocess.Popen | None = None
         self.checksum_dir: Path | None = None  # where its TP workers write their checksums (weight_checksums)
@@ -161,8 +162,13 @@ class SGLangServer(Endpoint):
             self.process = subprocess.Popen([sys.executable, SERVER_GUARD, str(os.getpid()), *self.command],
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=self.server_env())
-        deadline = time.monotonic() + self.startup_timeout
+        started = time.monotonic()
+        deadline, report = started + self.startup_timeout, started + self.progress_s
         while time.monotonic() < deadline:
+            if time.monotonic() >= report:  # a slow start (a first JIT, a stall) says where to look
+                report += self.progress_s
+                print(f"megarl: SGLang server {self.url} not up after {time.monotonic() - started:.0f} s of "
+                      f"{self.startup_timeout:.0f}; its log {self.log_path} ends: {self.log_tail(1)[-200:]}", flush=True)
             if self.process.poll() is not None:
                 raise SGLangError(f"server {self.url} exited with code {self.process.returncode} during start-up:\n"
                                   f"{self.log_tail()}")

@@ -218,11 +218,15 @@ def test_hung_server_times_out_with_a_clear_error(tmp_path):
         e.shutdown()
 
 
-def test_server_that_never_gets_healthy_fails_start_with_its_log(tmp_path):
-    server = fake_server(tmp_path, "--never-healthy", startup_timeout=2)
+def test_server_that_never_gets_healthy_fails_start_with_its_log(tmp_path, capsys):
+    server = fake_server(tmp_path, "--never-healthy", startup_timeout=2.5, progress_s=1)
     with pytest.raises(SGLangError, match="not healthy after 2 s"):
         server.start()
     assert not server.alive()
+    # while it waited, it said so each second, naming the server and its log
+    said = [line for line in capsys.readouterr().out.splitlines() if "not up after" in line]
+    assert len(said) == 2 and all(server.url in line and str(server.log_path) in line for line in said)
+    assert "not up after 1 s of 2;" in said[0] and "not up after 2 s of 2;" in said[1]
 
 
 def test_abort_ends_requests_in_flight(tmp_path):
