@@ -118,8 +118,9 @@ def generation_placement(r) -> str:
     def count(n: int, thing: str) -> str:
         return f"{n} {thing}" + ("s" if n != 1 else "")
 
-    where = (f"{count(r.sglang_gpus // r.sglang_gpus_per_host, 'server host')} of {count(r.sglang_gpus_per_host, 'GPU')}"
-             if r.sglang_gpus_per_host else "the rollout actor's node")
+    where = "the rollout actor's node"
+    if r.sglang_gpus_per_host:
+        where = f"{count(r.sglang_gpus // r.sglang_gpus_per_host, 'server host')} of {count(r.sglang_gpus_per_host, 'GPU')}"
     return (f"sglang: {count(r.sglang_gpus // r.sglang_tp, 'server')} of TP {r.sglang_tp} on {where} "
             f"({count(r.sglang_gpus, 'GPU')} of their own)")
 

@@ -168,7 +168,8 @@ class SGLangServer(Endpoint):
             if time.monotonic() >= report:  # a slow start (a first JIT, a stall) says where to look
                 report += self.progress_s
                 print(f"megarl: SGLang server {self.url} not up after {time.monotonic() - started:.0f} s of "
-                      f"{self.startup_timeout:.0f}; its log {self.log_path} ends: {self.log_tail(1)[-200:]}", flush=True)
+                      f"{self.startup_timeout:.0f}; its log {self.log_path} ends: {self.log_tail(1)[-200:]}",
+                      flush=True)
             if self.process.poll() is not None:
                 raise SGLangError(f"server {self.url} exited with code {self.process.returncode} during start-up:\n"
                                   f"{self.log_tail()}")
