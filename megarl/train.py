@@ -115,12 +115,13 @@ def generation_placement(r) -> str:
         return r.engine
     if not r.sglang_gpus:
         return f"sglang: servers of TP {r.sglang_tp} on the training GPUs (colocated)"
+
     def count(n: int, thing: str) -> str:
         return f"{n} {thing}" + ("s" if n != 1 else "")
 
-    where = "the rollout actor's node"
-    if r.sglang_gpus_per_host:
-        where = f"{count(r.sglang_gpus // r.sglang_gpus_per_host, 'server host')} of {count(r.sglang_gpus_per_host, 'GPU')}"
+    per_host = r.sglang_gpus_per_host
+    where = (f"{count(r.sglang_gpus // per_host, 'server host')} of {count(per_host, 'GPU')}" if per_host
+             else "the rollout actor's node")
     return (f"sglang: {count(r.sglang_gpus // r.sglang_tp, 'server')} of TP {r.sglang_tp} on {where} "
             f"({count(r.sglang_gpus, 'GPU')} of their own)")
 
