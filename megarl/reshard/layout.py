@@ -158,11 +158,12 @@ def generation_ranks(train: TrainLayout, gen: int | GenLayout) -> list[list[int]
     return [list(range(k * gen_tp, (k + 1) * gen_tp)) for k in range(train.world // gen_tp)]
 
 
-def new_generation_group(train: TrainLayout, gen: int | GenLayout):
-    """This rank's generation TP group (collective: every rank builds every group, as torch requires)."""
+def new_generation_group(train: TrainLayout, gen: int | GenLayout, backend: str | None = None):
+    """This rank's generation TP group (collective: every rank builds every group, as torch requires), of the
+    default backend or `backend` (gloo: the CPU objects of a sharded sync)."""
     mine = None
     for ranks in generation_ranks(train, gen):
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, backend=backend)
         if dist.get_rank() in ranks:
             mine = group
     return mine

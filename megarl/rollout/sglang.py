@@ -87,7 +87,8 @@ class SGLangRolloutEngine(RolloutEngine):
         `hosts`: servers on server hosts (server_host.py), (ServerHost actor, its number of servers, the GPUs they go
         on or None for the host's own) each, in place of `gpus` and `num_servers`.
         `sender_node`: colocated servers on hosts: the Ray node id of the training rank that sends the weights; the
-        servers of that node take them by CUDA IPC, the others by NCCL broadcast."""
+        servers of that node take them by CUDA IPC, the others by NCCL broadcast. None: each server's own training
+        ranks send (sharded delivery, every generation TP group to its server): CUDA IPC for all."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
         self.release_kv = colocated if release_kv is None else release_kv
         self.deterministic = deterministic
@@ -114,8 +115,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.sticky: dict[str, int] = {}
         self.lock = threading.RLock()  # routing state and the memory transitions that depend on it
         # how the sending training rank reaches each server: CUDA IPC on its own GPUs (colocated on its node)
-        self.transports = ["cuda_ipc" if colocated and (not s.remote or s.node == sender_node) else "nccl"
-                           for s in self.servers]
+        self.transports = ["cuda_ipc" if colocated and (sender_node is None or not s.remote or s.node == sender_node)
+                           else "nccl" for s in self.servers]
         self.version = 0  # weight syncs started
         self.syncing = False
         self.weight_format = weight_format

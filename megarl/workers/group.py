@@ -238,8 +238,9 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[tuple[st
     hosts, sender_node, placement = None, None, {}
     if r.sglang_gpus_per_host:
         hosts = start_server_hosts(cfg)
-    elif gpus and len(gpus) > 1:
-        hosts, sender_node = start_colocated_hosts(cfg, gpus, device), gpus[0][0]
+    elif gpus and len(gpus) > 1:  # full: rank 0 sends to every node; sharded: each node's ranks to its servers
+        hosts = start_colocated_hosts(cfg, gpus, device)
+        sender_node = gpus[0][0] if r.weight_delivery == "full" else None
     elif gpus:  # the servers are this actor's children: it goes on the training ranks' node
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(gpus[0][0], soft=False)}
     largest = max((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]), default=0.0)
@@ -259,15 +260,13 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[tuple[st
 def start_colocated_hosts(cfg: Config, gpus: list[tuple[str, list[str]]], device: str, placement_s: float = 120.0,
                           factory: Callable | None = None) -> list[tuple[object, int, list[str]]]:
     """Colocated servers for training ranks on several nodes: a server host on each node (pinned there, with a
-    sliver of one of its GPUs, as the rollout actor has on one node), whose servers go on that node's training GPUs;
-    returns (actor, its number of servers, those GPUs) each. Weights reach the servers of rank 0's node by CUDA IPC
-    and the others by NCCL broadcast, whole tensors from rank 0 (rollout.weight_delivery=full)."""
+    sliver of one of its GPUs, as the rollout actor has on one node), whose servers go on that node's training GPUs
+    in rank order; returns (actor, its number of servers, those GPUs) each. Full delivery: whole tensors from rank
+    0, by CUDA IPC to the servers of its node and NCCL broadcast to the others; sharded: each generation TP group's
+    rows to the server on its GPUs, by CUDA IPC (TrainWorker._push_weights)."""
     from megarl.rollout.server_host import ServerHost
 
-    r, tp = cfg.rollout, cfg.rollout.sglang_tp
-    if r.weight_delivery != "full":
-        raise RuntimeError(f"rollout.weight_delivery={r.weight_delivery} with training ranks on {len(gpus)} nodes: "
-                           "colocated servers across nodes take whole tensors from rank 0 (full)")
+    tp = cfg.rollout.sglang_tp
     for node, node_gpus in gpus:
         if len(node_gpus) % tp:
             raise RuntimeError(f"rollout.sglang_tp={tp}: node {node[:8]} holds {len(node_gpus)} training GPU(s) "

@@ -14,7 +14,7 @@ import torch
 
 from megarl.config import Config
 from megarl.reshard.inventory import hf_inventory
-from megarl.reshard.layout import GenLayout, resharded_layout, sglang_generation
+from megarl.reshard.layout import GenLayout, new_generation_group, resharded_layout, sglang_generation
 from megarl.reshard.plan import server_bytes
 from megarl.reshard.transfers import transfer_bytes
 from megarl.protocol import Batch
@@ -42,7 +42,8 @@ class TrainWorker:
         self.engine = None
         self.weight_senders = {}  # weight_sync.push_policy's senders (CUDA IPC or NCCL), kept across syncs
         self.expected = {}  # (delivery, generation TP) -> weight_layout.ExpectedChecksums, kept across syncs
-        self.generation_group = None  # sharded delivery: the first generation TP group's CPU (gloo) group
+        self.generation_group = None  # sharded delivery: this rank's generation TP group, a CPU (gloo) group
+        self.replicas = None  # sharded into SGLang: every rank's CPU group, over which all the groups post together
         self.planned_traffic = {}  # delivery -> this rank's bytes of a sync as the planner predicts them (`traffic`)
         self.policy_updates = 0  # train(loss="policy") calls so far: trainer.profile_update counts them
 
@@ -183,14 +184,17 @@ class TrainWorker:
 
     def _push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool) -> dict:
         """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
-        of the first generation TP group sends its own rows (rollout.sglang_tp of them; into SGLang at --ep-size,
-        only the routed experts of its EP slice). The rollout engine picks the transport
+        sends its own rows of its generation TP group (rollout.sglang_tp ranks; into SGLang at --ep-size, only the
+        routed experts of its EP slice). The rollout engine picks the transport
         (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC (colocated) or NCCL broadcast
         (disaggregated), or the rollout actor. With `verify`, the checksums the rollout engine's parameters must
         have (weight_layout.ExpectedChecksums), or with `deep` too, digests of what was sent and host copies for
-        SGLang's reload check. Sharded into SGLang: the group's ranks pack their rows each on their own GPU, rank 0
-        posts (cuda_ipc.ShardedIpcSender). Returns this rank's report (a sender's: push_policy's) with its
-        "traffic" beside the planner's (`traffic`)."""
+        SGLang's reload check. Sharded into SGLang: every generation TP group k packs its rows on its own GPUs and
+        its first rank posts them to server k, the one on those GPUs (cuda_ipc.ShardedIpcSender; push_policy's
+        `replicas`), so no rows leave their node; the first group's rows are what the sync is verified against.
+        Sharded into the rollout actor's engine (the CPU's), the first group's ranks load theirs. Returns this rank's
+        report (a sender's of the first group: push_policy's) with its "traffic" beside the planner's
+        (`traffic`)."""
         delivery = self.cfg.rollout.weight_delivery
         gen = resharded_layout(self.served_layout(delivery), delivery)
         gen_tp = gen.tp
@@ -198,17 +202,23 @@ class TrainWorker:
             buckets = self.engine.export_hf_weights(bucket_bytes)
         else:
             buckets = self.resharder.buckets(gen, delivery, bucket_bytes, self.engine.params_dtype)
+        into_sglang = self.cfg.rollout.engine == "sglang"
         if delivery == "sharded" and self.generation_group is None:  # the first sync, on every rank alike
-            if self.cfg.rollout.engine == "sglang":  # refused before any collective, by every rank
+            if into_sglang:  # refused before any collective, by every rank
                 cuda_ipc.check_presharded_vocab(self.resharder.specs, gen_tp)
                 check_presharded_tower(self.resharder.specs)
-            self.generation_group = torch.distributed.new_group(list(range(gen_tp)), backend="gloo")
-        if self.rank >= gen_tp:  # not a sender: take part in the collectives only
+                self.generation_group = new_generation_group(self.resharder.train, gen, backend="gloo")
+                self.replicas = torch.distributed.new_group(backend="gloo")
+            else:
+                self.generation_group = torch.distributed.new_group(list(range(gen_tp)), backend="gloo")
+        first_group = self.rank < gen_tp
+        if not first_group and (delivery == "full" or not into_sglang):  # take part in the collectives only
             for _ in buckets:
                 pass
             return {"traffic": self.traffic(delivery, None)}
-        # Sharded: rank 0 alone starts and ends the sync, and tells its group the endpoints (push_policy's `group`)
+        # Sharded: rank 0 alone starts and ends the sync, and tells the others the endpoints
         talks = delivery == "full" or self.rank == 0
+        verify = verify and first_group
         sync = dict(begin=(lambda: ray.get(rollout.begin_weight_update.remote())) if talks else None,
                     end=(lambda received: ray.get(rollout.end_weight_update.remote(received))) if talks else None,
                     verify=verify, weight_format=self.cfg.rollout.sglang_weight_format, senders=self.weight_senders,
@@ -220,7 +230,10 @@ class TrainWorker:
         else:
             report = weight_sync.push_policy(buckets, load=lambda b: functools.partial(
                 ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)),
-                key=weight_sync.shard_key(self.resharder.specs, gen, self.rank), group=self.generation_group, **sync)
+                key=weight_sync.shard_key(self.resharder.specs, gen, self.rank), group=self.generation_group,
+                replicas=self.replicas, server=self.rank // gen_tp, **sync)
+        if not first_group:  # the first group's reports stand for the sync: its rows are every server's
+            return {"traffic": self.traffic(delivery, report["bytes"])}
         return report | {"traffic": self.traffic(delivery, report["bytes"])}
 
     def traffic(self, delivery: str, sent: int | None) -> dict | None:
@@ -234,8 +247,9 @@ class TrainWorker:
         if delivery not in self.planned_traffic:
             served, itemsize = self.served_layout(delivery), self.engine.params_dtype.itemsize
             recv, send = transfer_bytes(specs, train, resharded_layout(served, delivery), delivery, itemsize)
-            if delivery == "sharded":
-                fed = [self.rank] if self.rank < served.tp else []
+            if delivery == "sharded":  # into SGLang every group feeds its own server
+                into_sglang = self.cfg.rollout.engine == "sglang"
+                fed = [self.rank % served.tp] if self.rank < served.tp or into_sglang else []
             else:
                 fed = list(range(served.tp)) if self.rank == 0 else []
             self.planned_traffic[delivery] = dict(plan_recv=recv[self.rank], plan_send=send[self.rank], plan_server=[

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -137,7 +138,7 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
                 load: Callable[[Bucket], Callable[[], None]], verify: bool, key: Callable[[str], Key] = lambda n: n,
                 weight_format: str = "persistent", senders: dict | None = None,
                 serializer: Callable | None = None, master_address: str = "127.0.0.1", group=None,
-                expected: ExpectedChecksums | None = None) -> dict:
+                expected: ExpectedChecksums | None = None, replicas=None, server: int = 0) -> dict:
     """One sync from a sending rank. `begin()` starts it on the rollout engine and returns SGLang endpoints
     (the buckets are sent from here by the endpoints' transport, then `end(received)` closes the sync;
     `received` are host copies of what was sent, for SGLang's own check, on a verified sync) or None
@@ -155,6 +156,12 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     on a verified sync rank 0 gathers every rank's host copies (per bucket) and hands `end` the whole tensors
     (`assemble`).
     To any other engine each rank loads its own buckets.
+    With `replicas` (a CPU group of every generation TP group's ranks, the whole training world) each group posts
+    its own rows to its own server, the `server`-th (the servers sit on the groups' GPUs in rank order: CUDA IPC
+    stays on each group's node, so sharded delivery works with training ranks on several nodes): rank 0 broadcasts
+    the endpoints over `replicas`, and every rank waits there once its group's posts are done, before rank 0 ends
+    the sync. Rank 0's `group` alone verifies: its rows are every server's (the engine checks each server against
+    them, so a group that delivered wrong rows is found).
 
     With `verify` and `expected`, the verification is by checksums: each tensor sent goes into `expected` (by
     `key(name)`), summed where the sender packs the bucket by the pack's own copy (CUDA IPC), and nothing else is
@@ -183,10 +190,13 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
         nonlocal endpoints, begin_wait
         t = time.perf_counter()
         endpoints = begun.result() if begun is not None else None
-        if group is not None:
+        if replicas is not None or group is not None:
             box = [endpoints]
-            dist.broadcast_object_list(box, group_src=0, group=group)
+            dist.broadcast_object_list(box, group_src=0, group=replicas if replicas is not None else group)
             endpoints = box[0]
+        if replicas is not None and endpoints is not None:
+            endpoints = [own_server(endpoints, server, dist.get_world_size(replicas) // dist.get_world_size(group),
+                                    master_address)]
         begin_wait = time.perf_counter() - t
         if endpoints is None:  # the rollout actor loads each bucket: its engine's checksums come when asked
             def hand_over(bucket: Bucket, table) -> Callable[[], None]:
@@ -238,6 +248,8 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     if verify and expected is not None:
         expected.fetch()  # the sums' read-back is queued now and waited for in result(), after `end`
     t = time.perf_counter()
+    if replicas is not None:  # every server holds its rows before rank 0 ends the sync
+        dist.barrier(group=replicas)
     if endpoints is not None and group is not None and verify and expected is None and first:
         received = assemble(shards)
     if endpoints is not None and end is not None:
@@ -255,6 +267,21 @@ def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end
     report["digest_s"] = digest_s + time.perf_counter() - ended
     report["seconds"] = time.perf_counter() - start
     return report
+
+
+def own_server(endpoints: list, server: int, groups: int, address: str):
+    """The endpoint generation TP group `server` posts to, of `groups` groups: one server each, on the group's node
+    (a server elsewhere than this rank's `address` cannot map its CUDA IPC handles). Every rank checks the same
+    list, so all fail alike."""
+    if len(endpoints) != groups:
+        raise WeightSyncError(f"sharded delivery posts each generation TP group's rows to its own server: {groups} "
+                              f"groups of training ranks, {len(endpoints)} servers")
+    endpoint = endpoints[server]
+    host = urlparse(endpoint.url).hostname
+    if host not in (address, "127.0.0.1", "localhost"):
+        raise WeightSyncError(f"sharded delivery: server {endpoint.url} of generation TP group {server} is not on "
+                              f"that group's node ({address}); its CUDA IPC handles cannot reach it")
+    return endpoint
 
 
 def assemble(parts: list[dict[Key, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -36,8 +36,9 @@
 #            =1: a Ray actor per server GPU starts its server, as on other nodes; megarl/rollout/server_host.py): two
 #            servers on 3+ GPUs, one on 2; full delivery over NCCL, checksums taken by each host       (~3-4 min)
 #   nodes    on 4 GPUs, two Ray nodes on this machine (scripts/ray_cluster.sh, GPUs 0-1 and 2-3): the policy at TP=1 x
-#            DP=4 over both, colocated SGLang servers of TP=2 started by a server host on each node; rank 0 posts to its
-#            node's server by CUDA IPC and broadcasts to the other's over NCCL (full delivery); checksums (~4 min)
+#            DP=4 over both, colocated SGLang servers of TP=2 started by a server host on each node; per delivery of
+#            EP_DELIVERIES: full, rank 0 posts to its node's server by CUDA IPC and broadcasts to the other's over NCCL;
+#            sharded, each node's two ranks post their rows to their node's server by CUDA IPC; checksums (~4 min each)
 #   Run each as its own call (<= ~9 min): PHASES=ep, then PHASES=sglang_ep (on 4 GPUs also PHASES=ep_pp, then
 #   PHASES=sglang_ep_pp; EP_DELIVERIES=sharded alone halves a call). GPU only: hosts (the CPU has no SGLang).
 # The GRPO table gives per run: syncs verified, the best sync's seconds, the bytes per rank (the most received and
@@ -214,9 +215,11 @@ if phase nodes && [ -n "$EP_MODEL" ]; then
          --temp-dir "$ray_dir/w" >> "$OUT/nodes_ray.log" 2>&1 &&
        bash scripts/ray_cluster.sh wait --address "$ip:$ray_port" --nodes 2 --gpus 4 --timeout 60 >> "$OUT/nodes_ray.log" 2>&1
     then
-      grpo nodes_2x2 300 "policy TP=1 x DP=4 on 2 Ray nodes; a TP=2 server per node (host); \
-IPC + NCCL; checksums" actor.parallel.world_size=4 actor.parallel.tp=1 $ROLLOUT rollout.sglang_tp=2 \
-        trainer.ray_address="$ip:$ray_port"
+      for delivery in $EP_DELIVERIES; do  # full: rank 0 by IPC to its node, NCCL to the other; sharded: IPC per node
+        grpo "nodes_2x2_$delivery" 300 "policy TP=1 x DP=4 on 2 Ray nodes; a TP=2 server per node (host); \
+$delivery delivery; checksums" actor.parallel.world_size=4 actor.parallel.tp=1 $ROLLOUT rollout.sglang_tp=2 \
+          trainer.ray_address="$ip:$ray_port" rollout.weight_delivery="$delivery"
+      done
     else echo "== nodes: the two Ray nodes did not start"; tail -n 20 "$OUT/nodes_ray.log"; status=1; fi
     ray stop --force > /dev/null 2>&1; rm -rf "$ray_dir"
   fi

@@ -138,8 +138,9 @@ def test_engine_on_hosts_syncs_checks_and_restarts_remote_servers(ray_two_gpus, 
 
 def test_colocated_servers_across_nodes_go_on_each_nodes_training_gpus(ray_two_gpus, tmp_path, capsys):
     """Training ranks on two nodes, colocated servers: a server host pinned to each node starts its servers on that
-    node's training GPUs; the servers of rank 0's node take the weights by CUDA IPC, the others by NCCL. Sharded
-    delivery, and a generation TP that would span nodes, are refused."""
+    node's training GPUs; with full delivery the servers of rank 0's node take the weights by CUDA IPC, the others by
+    NCCL; with sharded delivery every server by CUDA IPC, from the training ranks on its GPUs. A generation TP that
+    would span nodes is refused."""
     import ray
 
     from megarl.workers.group import start_rollout, stop_rollout
@@ -150,10 +151,17 @@ def test_colocated_servers_across_nodes_go_on_each_nodes_training_gpus(ray_two_g
     overrides = ["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}", "trainer.verify_weight_sync_every=0"]
     nodes = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU")]
     training = [(nodes[1], ["0"]), (nodes[0], ["0"])]  # rank 0 on the second GPU node
-    for bad, why in ((["rollout.weight_delivery=sharded"], "take whole tensors from rank 0"),
-                     (["rollout.sglang_tp=2"], "a colocated server cannot span nodes")):
-        with pytest.raises(RuntimeError, match=why):
-            start_rollout(load_config(None, overrides + bad), str(model), "cpu", training)
+    with pytest.raises(RuntimeError, match="a colocated server cannot span nodes"):
+        start_rollout(load_config(None, overrides + ["rollout.sglang_tp=2"]), str(model), "cpu", training)
+    sharded = start_rollout(load_config(None, overrides + ["rollout.weight_delivery=sharded"]), str(model), "cpu",
+                            training)
+    try:
+        endpoints = ray.get(sharded.begin_weight_update.remote(), timeout=60)
+        assert [e.transport for e in endpoints] == ["cuda_ipc", "cuda_ipc"]
+        ray.get(sharded.end_weight_update.remote(None), timeout=60)
+    finally:
+        stop_rollout(sharded)
+    capsys.readouterr()
     actor = start_rollout(load_config(None, overrides), str(model), "cpu", training)
     try:
         out = ray.get(actor.generate.remote([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=5, n=2)), timeout=120)

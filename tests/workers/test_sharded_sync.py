@@ -219,3 +219,85 @@ def test_assemble_tiles_row_blocks_and_refuses_gaps():
     assert torch.equal(whole["k"], b[:, :1])  # a block two ranks hold (K/V heads at TP above their count), once
     with pytest.raises(weight_sync.WeightSyncError, match=r"w: the generation TP ranks' row blocks \[\(0, 3\), \(4, 5\)\]"):
         weight_sync.assemble([{("w", 0, 0, 3): a}, {("w", 0, 4, 5): b[:1]}])
+
+
+def _rank_per_group(rank, model_dir, work):
+    """Training TP=2 x DP=2 on 4 ranks, two colocated servers of TP=2: generation TP group k (ranks 2k, 2k+1)
+    posts its own rows to server k (push_policy's `replicas`), the first group's rows verify both servers."""
+    import torch.distributed as dist
+
+    from megarl.config import ActorConfig, AlgorithmConfig
+    from megarl.engine import MegatronEngine
+    from megarl.reshard.layout import TrainLayout, new_generation_group
+    from megarl.reshard.plan import plan
+    from megarl.reshard.resharder import engine_resharder
+    from megarl.rollout.sglang import SGLangRolloutEngine
+    from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, merge
+    from tests.rollout.test_sglang_engine import fake_server, log
+
+    engine = MegatronEngine(model_dir, ActorConfig(), AlgorithmConfig(), "cpu", 1, 10)
+    resharder = engine_resharder(engine, rank)
+    group = new_generation_group(resharder.train, 2, backend="gloo")
+    replicas = dist.new_group(backend="gloo")
+    hf = _hf(model_dir)
+    itemsize = torch.empty((), dtype=engine.params_dtype).element_size()
+    layout = TrainLayout(2, 1, 2, hf["num_hidden_layers"])
+    planned = plan(hf, layout, 2)["ranks"][rank]["gen_weights"] * itemsize // 2
+    rollout = None
+    if rank == 0:
+        rollout = SGLangRolloutEngine(model_dir, num_servers=2, colocated=True, serializer=cuda_ipc.plain_serializer,
+                                      launch=lambda i: fake_server(Path(work), "--tp", "2", "--model-path", model_dir,
+                                                                   tp=2))
+    senders, first = {}, rank < 2
+    try:
+        full = {n: t.clone() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
+        expected = ExpectedChecksums(WeightLayout(resharder.specs, "sglang", 2), [rank], True) if first else None
+        before = [len(log(server, "/update_weights_from_tensor")) for server in rollout.servers] if rollout else None
+        report = weight_sync.push_policy(
+            resharder.buckets(2, "sharded", BUCKET, engine.params_dtype),
+            rollout.begin_weight_update if rank == 0 else None, rollout.end_weight_update if rank == 0 else None,
+            _not_through_the_actor, first, key=weight_sync.shard_key(resharder.specs, 2, rank), senders=senders,
+            serializer=cuda_ipc.plain_serializer, group=group, expected=expected, replicas=replicas, server=rank // 2)
+        assert report["direct"] and report["bytes"] == planned, (rank, report["bytes"], planned)
+        posts = [None] * 4 if rank == 0 else None  # each group's first rank posted every bucket, the others none
+        dist.gather_object(len(report["posts_s"]) if rank % 2 == 0 else 0, posts, group_dst=0)
+        sums = [None] * 4 if rank == 0 else None
+        dist.gather_object(report.get("expected"), sums, group_dst=0)
+        if rank == 0:
+            buckets = posts[0]
+            assert buckets > 2 and posts == [buckets, 0, buckets, 0]
+            # each server is reached by its own group's sender alone: as many weight requests as the other's (the
+            # buckets, and a release where a bucket outgrew its slot), fewer than two senders would make
+            got = [len(log(server, "/update_weights_from_tensor")) - earlier for server, earlier in zip(rollout.servers,
+                                                                                                        before)]
+            assert got[0] == got[1] and buckets <= got[0] < 2 * buckets, (got, buckets)
+            for server in rollout.servers:  # and holds SGLang's shards bitwise
+                assert _held(server) == _sglang_shards(hf, full)
+            expected = merge(sums[:2])
+            weight_sync.verify_checksums(expected, rollout.weight_checksums())  # both servers against group 0's rows
+            rollout.corrupt_weight("model.norm.weight", rank=1, server=1)
+            with pytest.raises(weight_sync.WeightSyncError, match=r"1 differ \['server 1 rank 1: model.norm.weight'\]"):
+                weight_sync.verify_checksums(expected, rollout.weight_checksums())
+        weight_sync.close_senders(senders)  # every rank: each server lets go of its group's buffers
+        if rank == 0:
+            assert [_mapped(server) for server in rollout.servers] == [[], []]
+    finally:
+        if rollout is not None:
+            rollout.shutdown()
+    return True
+
+
+def test_each_generation_tp_group_posts_its_own_rows_to_its_own_server(model_dir, tmp_path):
+    assert run_distributed(_rank_per_group, 4, model_dir, str(tmp_path), tp=2, timeout=240)
+
+
+def test_a_group_is_refused_a_server_it_cannot_reach():
+    from megarl.rollout.sglang_server import Endpoint
+
+    here, there = Endpoint("http://10.0.0.1:30000", tp=2), Endpoint("http://10.0.0.2:30000", tp=2)
+    assert weight_sync.own_server([here, there], 0, 2, "10.0.0.1") is here
+    with pytest.raises(weight_sync.WeightSyncError, match=r"server http://10.0.0.2:30000 of generation TP group 1 is "
+                                                           r"not on that group's node \(10.0.0.9\)"):
+        weight_sync.own_server([here, there], 1, 2, "10.0.0.9")
+    with pytest.raises(weight_sync.WeightSyncError, match="its own server: 3 groups of training ranks, 2 servers"):
+        weight_sync.own_server([here, there], 0, 3, "10.0.0.1")
