@@ -29,8 +29,6 @@ import requests
 try:  # SGLang's own dependency: parses a rollout's answer (MBs of log-probs) several times faster than json
     from orjson import dumps as json_dumps, loads as json_loads
 except ImportError:  # a CPU install without SGLang
-    import json
-
     def json_dumps(value) -> bytes:
         return json.dumps(value).encode()
     json_loads = json.loads
