@@ -14,7 +14,7 @@ gpu_memory_check() {
   # A run an earlier call's `timeout` cut can outlive it (timeout signals its child only; Ray and SGLang run in
   # sessions of their own): with no GPU memory left in use it still holds ports, CPUs and disk.
   local left
-  left=$(pgrep -af 'sglang|megarl\.train|raylet|gcs_server' | grep -v pgrep)
+  left=$(pgrep -af 'sglang\.launch_server|megarl\.train|raylet|gcs_server')  # not this script (scripts/gpu/sglang.sh)
   if [ -n "$left" ]; then
     echo "!!!!! WARNING: processes of an earlier run are still here (numbers below are measured beside them):"
     echo "$left" | cut -c1-200 | sed 's/^/!!!!!   /'
