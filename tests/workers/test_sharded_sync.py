@@ -266,11 +266,11 @@ def _rank_per_group(rank, model_dir, work):
         if rank == 0:
             buckets = posts[0]
             assert buckets > 2 and posts == [buckets, 0, buckets, 0]
-            # each server is reached by its own group's sender alone: as many weight requests as the other's (the
-            # buckets, and a release where a bucket outgrew its slot), fewer than two senders would make
+            # each server is reached by its own group's sender alone: the buckets, and a release where a bucket
+            # outgrew its slot (whether one lands before this count varies), fewer than two senders would make
             got = [len(log(server, "/update_weights_from_tensor")) - earlier for server, earlier in zip(rollout.servers,
                                                                                                         before)]
-            assert got[0] == got[1] and buckets <= got[0] < 2 * buckets, (got, buckets)
+            assert all(buckets <= n < 2 * buckets for n in got), (got, buckets)
             for server in rollout.servers:  # and holds SGLang's shards bitwise
                 assert _held(server) == _sglang_shards(hf, full)
             expected = merge(sums[:2])
