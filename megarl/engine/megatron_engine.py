@@ -29,7 +29,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms import losses, rollout_correction
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.engine import checkpoint, context_parallel, finite, offload, output_positions, weights
+from megarl.engine import apex_ops, checkpoint, context_parallel, finite, offload, output_positions, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from megarl.engine.options import optimizer_config, precision_dtype, with_engine_options, with_fused_kernels
@@ -80,6 +80,7 @@ class MegatronEngine:
                                            first_stage_layers=actor.parallel.pp_first_stage_layers,
                                            last_stage_layers=actor.parallel.pp_last_stage_layers)
         config = with_fused_kernels(with_engine_options(config, actor), actor, device)
+        apex_ops.install(wgrad_fusion=config.gradient_accumulation_fusion)
         self.core_attention = resolve_core_attention(actor.attention, device, config.context_parallel_size)
         def spec(layer: int):  # each layer's spec by its global index (DeepSeek: dense layers, then MoE)
             return with_core_attention(family.layer_spec(self.hf_config, layer), self.core_attention)

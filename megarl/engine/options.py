@@ -1,5 +1,6 @@
 """megatron-core's configs from a role's section (actor, critic, reward_model): the TransformerConfig's engine
-options (sequence and context parallelism, virtual pipeline, recompute, router bias updates, fused kernels), the
+options (sequence and context parallelism, virtual pipeline, recompute, router bias updates, fused kernels and
+gradient-accumulation fusion), the
 optimizer's config, the parameters' dtype."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 
 from megarl.config import ActorConfig
+from megarl.engine import apex_ops
 from megarl.models import fused_rope
 from megarl.models.router import expert_bias_update_options
 from megarl.parallel.stages import stage_layers
@@ -51,7 +53,8 @@ def with_fused_kernels(config, actor: ActorConfig, device: str):
     (models/fused_rope.py; not multi-latent attention's, M-RoPE's or interleaved pairs, which keep megatron's
     path). Mixture-of-experts models keep megatron's unfused SwiGLU: their experts take the routing weights
     into it (megatron's weighted variant, compiled per expert's token count), which has not run on a GPU here.
-    The CPU runs megatron's unfused ops."""
+    And gradient-accumulation fusion, where torch can add the weight gradients' GEMMs into the float32 main_grad
+    (engine/apex_ops.py). The CPU runs megatron's unfused ops."""
     if device != "cuda" or not actor.fused_kernels:
         return config
     options = {}
@@ -60,6 +63,8 @@ def with_fused_kernels(config, actor: ActorConfig, device: str):
     if not (config.multi_latent_attention or config.mrope_section or config.rotary_interleaved):
         fused_rope.install()
         options["apply_rope_fusion"] = True
+    if apex_ops.wgrad_fusion_available(device, config.params_dtype):
+        options["gradient_accumulation_fusion"] = True
     return dataclasses.replace(config, **options) if options else config
 
 

@@ -1,6 +1,7 @@
 """The same engine on one GPU: NCCL, bf16 through Float16Module, varlen flash attention for packed rows
 (run on the device machine)."""
 
+import dataclasses
 import socket
 
 import pytest
@@ -93,7 +94,7 @@ def test_fused_kernels_match_megatrons_unfused_ops(one_gpu, tmp_path):
                             fused_kernels=fused, optim=OptimConfig(lr=1e-3))
         engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cuda", 1, 10)
         config = engine.gpt.config
-        assert config.bias_activation_fusion == config.apply_rope_fusion == fused
+        assert config.bias_activation_fusion == config.apply_rope_fusion == config.gradient_accumulation_fusion == fused
         results[fused] = engine.compute_logprobs(batch, with_entropy=True), engine.train(batch, loss="policy")
         del engine
     assert fused_rope._ROTATE.compiled is not None and not fused_rope._ROTATE.failed
@@ -102,6 +103,32 @@ def test_fused_kernels_match_megatrons_unfused_ops(one_gpu, tmp_path):
     assert (plain["entropy"] - fused["entropy"]).abs().max() < 1e-4
     assert abs(plain_step["loss"] - fused_step["loss"]) < 1e-4 * abs(plain_step["loss"]) + 1e-6
     assert abs(plain_step["grad_norm"] - fused_step["grad_norm"]) < 1e-4 * plain_step["grad_norm"]
+
+
+def test_gradient_accumulation_fusion_in_bf16_matches_megatrons_unfused_path(one_gpu, tmp_path, monkeypatch):
+    """In bf16 (the GPU default) the weight gradients' GEMMs add into the float32 main_grad themselves (torch's
+    addmm with out_dtype=float32, engine/apex_ops.py): the same loss, and the grad norm to bf16 rounding (the
+    unfused path rounds each micro-batch's weight gradient to bf16 before adding it; the fused one never does)."""
+    from megarl.engine import MegatronEngine, apex_ops, megatron_engine
+
+    assert apex_ops.wgrad_fusion_available("cuda", torch.bfloat16), \
+        "this torch's addmm(out_dtype=float32) does not accumulate bf16 products into a float32 matrix"
+    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True, layers=4)
+    batch = padded_batch(rows=8)
+    batch["advantages"] = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(0))
+    fused_kernels = megatron_engine.with_fused_kernels
+    steps = {}
+    for fused in (False, True):
+        monkeypatch.setattr(megatron_engine, "with_fused_kernels", lambda config, actor, device: dataclasses.replace(
+            fused_kernels(config, actor, device), gradient_accumulation_fusion=fused))
+        engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3)),
+                                AlgorithmConfig(), "cuda", 1, 10)
+        assert engine.params_dtype == torch.bfloat16 and engine.gpt.config.gradient_accumulation_fusion == fused
+        steps[fused] = [engine.train(batch, loss="policy") for _ in range(2)]
+        del engine
+    for plain, fused in zip(steps[False], steps[True]):
+        assert abs(plain["loss"] - fused["loss"]) < 0.01 * abs(plain["loss"]) + 1e-4
+        assert abs(plain["grad_norm"] - fused["grad_norm"]) < 0.01 * plain["grad_norm"]
 
 
 def test_flash_varlen_matches_per_segment_sdpa_with_gqa_and_a_narrower_value_head():
