@@ -129,8 +129,9 @@ class ActorConfig:
                                  "(megatron's unfused DotProductAttention)")
     fused_kernels: bool = opt(True, "on GPU: SwiGLU and RoPE each one kernel (compiled by torch.compile; megatron's "
                                     "bias_activation_fusion and apply_rope_fusion, the latter through megarl's kernel "
-                                    "where TransformerEngine is absent); false: megatron's unfused torch ops. The CPU "
-                                    "always runs them unfused")
+                                    "where TransformerEngine is absent), and the weight gradients' GEMMs adding into "
+                                    "the float32 main_grad (gradient_accumulation_fusion); false: megatron's unfused "
+                                    "torch ops. The CPU always runs them unfused")
     moe_router_bias_update_rate: float = opt(0.0, "DeepSeek-V3's aux-loss-free load balancing (megatron's "
                                                   "moe_router_enable_expert_bias): after each optimizer update every "
                                                   "MoE layer's e_score_correction_bias moves by this rate towards even "
