@@ -311,11 +311,15 @@ def vision_args(model_path: str, tp: int) -> tuple[list[str], dict[str, str]]:
     tower's attention backend (MM_ATTENTION_BACKEND; extra arguments coming later may choose another), the tower
     replicated on every TP rank (--mm-enable-dp-encoder: each rank encodes a share of the images; megarl's weight
     layout, rollout/weight_layout.py, counts on it), and megarl's processor inside the server, which decodes the
-    processed images megarl sends (sglang_images.py)."""
+    processed images megarl sends (sglang_images.py).
+    SGLang's vision-embedding cache off (SGLANG_VLM_CACHE_SIZE_MB=0): it keeps the tower's output per image hash
+    across weight updates (neither a weight update nor /flush_cache clears it), so an image seen before a sync
+    would be read with the old tower's features after it, and the rollout's log-probs would be off the policy
+    (SGLang turns it off for its own RL mode, --rl-on-policy-target, likewise). The launch's `env` may set it."""
     if not vision_language(model_path):
         return [], {}
     args = ["--mm-attention-backend", MM_ATTENTION_BACKEND] + (["--mm-enable-dp-encoder"] if tp > 1 else [])
-    return args, {"SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE": PROCESSOR_PACKAGE}
+    return args, {"SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE": PROCESSOR_PACKAGE, "SGLANG_VLM_CACHE_SIZE_MB": "0"}
 
 
 def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: float = 0.5, memory_saver: bool = True,

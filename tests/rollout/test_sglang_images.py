@@ -99,11 +99,15 @@ def test_vision_language_server_launch(tmp_path):
     assert one.command[one.command.index("--mm-attention-backend") + 1] == MM_ATTENTION_BACKEND
     assert "--mm-enable-dp-encoder" not in one.command and "--mm-enable-dp-encoder" in two.command  # tower replicated
     assert one.env["SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE"] == PROCESSOR_PACKAGE
+    # no vision-embedding cache: it would keep the old tower's features of an image across a weight sync
+    assert one.env["SGLANG_VLM_CACHE_SIZE_MB"] == two.env["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    assert sglang_server(model, env={"SGLANG_VLM_CACHE_SIZE_MB": "64"}).env["SGLANG_VLM_CACHE_SIZE_MB"] == "64"
     assert importlib.util.find_spec(PROCESSOR_PACKAGE + ".qwen_vl") is not None  # the module SGLang imports
     chosen = sglang_server(model, extra_args=("--mm-attention-backend", "sdpa"), log_dir=str(tmp_path)).command
     assert chosen[len(chosen) - 1 - chosen[::-1].index("--mm-attention-backend") + 1] == "sdpa"  # the last one counts
     text = sglang_server("model", log_dir=str(tmp_path))
     assert "--mm-attention-backend" not in text.command and "SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE" not in text.env
+    assert "SGLANG_VLM_CACHE_SIZE_MB" not in text.env
 
 
 def test_processor_loader_inside_sglang_gives_the_tokenizer_without_torchvision(tmp_path, monkeypatch):
