@@ -18,4 +18,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
 fi
-exec python -m pytest -q tests "$@"
+# Two workers: the modules that start Ray, trainers or scripts run one after another on one (tests/conftest.py),
+# the rest beside them; the suite mostly waits on subprocesses, so this halves no CPU work but overlaps the waits.
+exec python -m pytest -q -n 2 --dist loadgroup tests "$@"
