@@ -93,9 +93,11 @@ def test_oversampled_groups_are_scored_as_they_are_accepted(tok, monkeypatch):
               "C:": [call("hold", until="A:"), call("hold", until="B:"), "c"]}
     side, batch, metrics = sample_oversampled(tok, monkeypatch, script, {"hold": hold})
 
-    # A was scored while B's and C's conversations were still in their first tool call; B when it was accepted, while
-    # C's were in their second; then the call ended, C aborted
-    assert [until for until, _ in hold.released[:4]] == ["A:"] * 4 and all(ok for _, ok in hold.released)
+    # A was scored while B's and C's conversations were still in their first tool call (each waited for it); B when
+    # it was accepted, while C's were in their second; then the call ended, C aborted. (Whether both of C's
+    # conversations reach their first call before either's second is the threads' timing, not the trainer's.)
+    released = [until for until, _ in hold.released]
+    assert released.count("A:") == 4 and set(released) <= {"A:", "B:"} and all(ok for _, ok in hold.released)
     assert SCORED == ["A:", "A:", "B:", "B:"]
     assert metrics == {"agent/groups_started": 3, "agent/groups_resumed": 0, "agent/groups_aborted": 1,
                        "agent/groups_rejected": 0, "agent/stale_samples": 0}
