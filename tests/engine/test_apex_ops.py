@@ -11,6 +11,7 @@ from megarl.engine import apex_ops
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import make_qwen2_dir
 from tests.engine.test_megatron_train import ALGO, rl_batch
+from tests.models.hf_families import deepseek_v3_config, save_random
 
 
 def test_multi_tensor_ops_compute_what_megatrons_loops_compute():
@@ -46,10 +47,13 @@ def test_wgrad_accumulation_adds_the_product_into_main_grad():
     assert not apex_ops.wgrad_fusion_available("cpu", torch.bfloat16)  # the CPU keeps megatron's path in bf16
 
 
-def _fusion_rank(rank, model_dir):
+def _fusion_rank(rank, model_dir, tp=1, ep=1, etp=None):
+    import torch.distributed as dist
     from megatron.core.tensor_parallel import layers
 
+    from megarl.config import ParallelConfig
     from megarl.engine import MegatronEngine, megatron_engine
+    from tests.models.test_deepseek_moe import _relayout
 
     unfused = megatron_engine.with_fused_kernels
     runs = {}
@@ -57,8 +61,11 @@ def _fusion_rank(rank, model_dir):
         megatron_engine.with_fused_kernels = (
             (lambda config, actor, device: dataclasses.replace(config, gradient_accumulation_fusion=True))
             if fused else unfused)
+        _relayout(tp, ep, etp)
         # clip_grad low enough to clip every step: the grad norm and the in-place scale both run
-        actor = ActorConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-2, clip_grad=0.05))
+        actor = ActorConfig(parallel=ParallelConfig(world_size=dist.get_world_size(), tp=tp, ep=ep, etp=etp or 0,
+                                                    sequence_parallel=tp > 1),
+                            micro_batch_size=2, optim=OptimConfig(lr=1e-2, clip_grad=0.05))
         engine = MegatronEngine(model_dir, actor, ALGO, "cpu", 1, 10)
         assert engine.gpt.config.gradient_accumulation_fusion == fused
         calls = []
@@ -76,15 +83,8 @@ def _fusion_rank(rank, model_dir):
     return runs
 
 
-def test_gradient_accumulation_fusion_trains_to_megatrons_weights(tmp_path):
-    """Two policy steps of 4 micro-batches each, tied embeddings (the LM head's GEMM and the embedding's gradient
-    meet in one main_grad, which megatron zeroes the dummy gradient for): the same losses, grad norms and
-    weights, to float32 rounding, as megatron's unfused path."""
-    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True)
-    runs = run_distributed(_fusion_rank, 1, model_dir)
+def _assert_same_training(runs):
     (plain_metrics, plain_weights, _), (metrics, weights, calls) = runs[False], runs[True]
-    # 4 micro-batches x (2 layers x 4 linears + the tied LM head) per step, 2 steps
-    assert calls == 2 * 4 * (2 * 4 + 1), calls
     for step, (plain, fused) in enumerate(zip(plain_metrics, metrics)):
         assert plain["grad_norm"] > 0.05 * 10, "the test wants every step clipped"
         for name in ("loss", "grad_norm"):
@@ -93,3 +93,22 @@ def test_gradient_accumulation_fusion_trains_to_megatrons_weights(tmp_path):
     for name, tensor in weights.items():
         # ~1e-7 apart; Adam's step (lr 1e-2) magnifies a rounding of the sum into its smallest gradients to ~2e-6
         torch.testing.assert_close(tensor, plain_weights[name], rtol=0, atol=1e-5, msg=name)
+    return calls
+
+
+def test_gradient_accumulation_fusion_trains_to_megatrons_weights(tmp_path):
+    """Two policy steps of 4 micro-batches each, tied embeddings (the LM head's GEMM and the embedding's gradient
+    meet in one main_grad, which megatron zeroes the dummy gradient for): the same losses, grad norms and
+    weights, to float32 rounding, as megatron's unfused path."""
+    model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True)
+    calls = _assert_same_training(run_distributed(_fusion_rank, 1, model_dir))
+    assert calls == 2 * 4 * (2 * 4 + 1), calls  # 2 steps x 4 micro-batches x (2 layers x 4 linears + the LM head)
+
+
+def test_gradient_accumulation_fusion_at_tp2_ep2_with_deepseek_v3_layers(tmp_path):
+    """The same on two ranks at TP=2 (sequence parallel, as megatron wants with MoE) with the experts at EP=2
+    (expert TP 1), a DeepSeek-V3 shape: column- and row-parallel linears split over TP, multi-latent attention's
+    projections, each EP rank's experts and the shared expert."""
+    model_dir = save_random(deepseek_v3_config(layers=2, first_k_dense_replace=1), tmp_path / "v3", seed=3)
+    calls = _assert_same_training(run_distributed(_fusion_rank, 2, model_dir, 2, 2, 1, tp=2, timeout=400))
+    assert calls > 0
