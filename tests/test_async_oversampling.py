@@ -42,15 +42,18 @@ def recorded_reward(response: str, answer: str, sample: dict) -> float:
 
 
 class Hold(Tool):
-    """Returns once the prompt `until` was scored; records whether it was, per call."""
+    """Returns once the prompt `until` was scored and `calls` calls have come in (this one included); records
+    whether `until` was scored, per call."""
     name = "hold"
 
     def __init__(self):
-        self.released, self.lock = [], threading.Lock()
+        self.released, self.calls, self.lock = [], 0, threading.Lock()
 
-    def run(self, until: str) -> str:
+    def run(self, until: str, calls: int = 0) -> str:
+        with self.lock:
+            self.calls += 1
         deadline = time.monotonic() + WAIT_S
-        while until not in SCORED and time.monotonic() < deadline:
+        while (until not in SCORED or self.calls < calls) and time.monotonic() < deadline:
             time.sleep(0.01)
         with self.lock:
             self.released.append((until, until in SCORED))
@@ -89,15 +92,16 @@ def sample_oversampled(tok, monkeypatch, script: dict, tools: dict, *overrides: 
 
 def test_oversampled_groups_are_scored_as_they_are_accepted(tok, monkeypatch):
     hold = Hold()
-    script = {"A:": ["a"], "B:": [call("hold", until="A:"), "b"],
+    # B goes on only once C's conversations are in their second call (all six calls came in): on a loaded machine
+    # a thread of C's could otherwise still be in its first turn or call when B is accepted
+    script = {"A:": ["a"], "B:": [call("hold", until="A:", calls=6), "b"],
               "C:": [call("hold", until="A:"), call("hold", until="B:"), "c"]}
     side, batch, metrics = sample_oversampled(tok, monkeypatch, script, {"hold": hold})
 
     # A was scored while B's and C's conversations were still in their first tool call (each waited for it); B when
-    # it was accepted, while C's were in their second; then the call ended, C aborted. (Whether both of C's
-    # conversations reach their first call before either's second is the threads' timing, not the trainer's.)
+    # it was accepted, while C's were in their second; then the call ended, C aborted
     released = [until for until, _ in hold.released]
-    assert released.count("A:") == 4 and set(released) <= {"A:", "B:"} and all(ok for _, ok in hold.released)
+    assert sorted(released[:4]) == ["A:"] * 4 and set(released) <= {"A:", "B:"} and all(ok for _, ok in hold.released)
     assert SCORED == ["A:", "A:", "B:", "B:"]
     assert metrics == {"agent/groups_started": 3, "agent/groups_resumed": 0, "agent/groups_aborted": 1,
                        "agent/groups_rejected": 0, "agent/stale_samples": 0}
