@@ -19,12 +19,11 @@ def pytest_collection_modifyitems(items):
     start and stop a Ray of their own, which a running one would refuse).
 
     Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) every module that may start Ray, a trainer,
-    a script or the code sandbox is one group, run by one worker in that order: `ray.init()` joins the newest cluster on the
-    machine (a launch test's `ray start`), some tests count the processes left, and the sandbox's limits on
-    processes are per user (a fork bomb's cap counts the other worker's processes too). The other modules (engine,
-    models, algorithms: gloo ranks of their own on free ports) run beside them on the other worker, a module at a
-    time. The suite
-    mostly waits on subprocesses (~10 min of CPU in ~35 on 2 cores), so the two overlap."""
+    a script or the code sandbox is one group, run by one worker in that order: `ray.init()` joins the newest
+    cluster on the machine (a launch test's `ray start`), some tests count the processes left, and the sandbox's
+    limits on processes are per user. The other modules (engine, models, algorithms: gloo ranks of their own on
+    free ports) run beside them on the other worker, a module at a time. The suite mostly waits on subprocesses
+    (~11 min of CPU in ~33 on 2 cores), so the two overlap."""
     uses_ray = {item.getparent(pytest.Module) for item in items if "ray_local" in item.fixturenames}
     items.sort(key=lambda item: item.getparent(pytest.Module) in uses_ray)  # stable: order kept within each part
     groups = {}  # a module's tests stay together on one worker (its module-scoped fixtures built once)

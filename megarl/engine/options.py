@@ -1,7 +1,6 @@
 """megatron-core's configs from a role's section (actor, critic, reward_model): the TransformerConfig's engine
 options (sequence and context parallelism, virtual pipeline, recompute, router bias updates, fused kernels and
-gradient-accumulation fusion), the
-optimizer's config, the parameters' dtype."""
+gradient-accumulation fusion), the optimizer's config, the parameters' dtype."""
 
 from __future__ import annotations
 
