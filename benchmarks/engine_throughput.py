@@ -17,7 +17,7 @@ module on the same packed inputs (megarl.engine.attention.packed_attention_input
 or one_row (one row of --max-tokens per micro-batch, cut to its used length); both runs an engine of each, one
 after the other ("engine", then "engine_one_row" in the JSON). Every loop reports the token slots its
 micro-batches compute against the real tokens in them (padding_share); the bare loop packs in rows.
---fused-kernels (actor.fused_kernels: SwiGLU and RoPE compiled into one kernel each, GPU only) on, off, or both
+--fused-kernels (actor.fused_kernels: SwiGLU and RoPE as one Triton kernel each, GPU only) on, off, or both
 (then "engine_unfused" too); the bare loop runs megatron's defaults (unfused, as megatron without
 TransformerEngine does).
 
@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--packing", choices=["rows", "one_row", "both"], default="rows",
                         help="actor.packing of the engine; both: an engine of each, one after the other")
     parser.add_argument("--fused-kernels", choices=["on", "off", "both"], default="on",
-                        help="actor.fused_kernels of the engine (SwiGLU and RoPE compiled, GPU only); both: an engine "
+                        help="actor.fused_kernels of the engine (SwiGLU and RoPE as Triton kernels, GPU only); both: an engine "
                              "of each (the second named ..._unfused)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)

@@ -1,10 +1,17 @@
 """Fixtures shared by the tests that run the whole system through Ray."""
 
+import os
 import re
 import time
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, megarl's Triton kernels (megarl/models/kernels.py) run under Triton's interpreter. Triton reads
+# this when its language module is imported, which torch.compile does too: before any test imports anything.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 

@@ -127,9 +127,9 @@ class ActorConfig:
                                  "rows by flash attention over cu_seqlens, aten's kernels), sdpa "
                                  "(PyTorch SDPA; packed rows by a block-diagonal mask, no flash kernel) or local "
                                  "(megatron's unfused DotProductAttention)")
-    fused_kernels: bool = opt(True, "on GPU: SwiGLU and RoPE each one kernel (compiled by torch.compile; megatron's "
-                                    "bias_activation_fusion and apply_rope_fusion, the latter through megarl's kernel "
-                                    "where TransformerEngine is absent), and the weight gradients' GEMMs adding into "
+    fused_kernels: bool = opt(True, "on GPU: SwiGLU and RoPE each one kernel (megarl's Triton kernels through "
+                                    "megatron's bias_activation_fusion and apply_rope_fusion, the latter where "
+                                    "TransformerEngine is absent), and the weight gradients' GEMMs adding into "
                                     "the float32 main_grad (gradient_accumulation_fusion); false: megatron's unfused "
                                     "torch ops. The CPU always runs them unfused")
     moe_router_bias_update_rate: float = opt(0.0, "DeepSeek-V3's aux-loss-free load balancing (megatron's "

@@ -19,7 +19,7 @@
 #            engine on padded rows of 4, then one_row's automatic width (4 x the longest, 8192): one_row's MFU
 #            as in `packing`, its peak memory no higher than padded rows'                             (~4 min)
 #   fused  - issue 22: the engine with actor.fused_kernels on and off ("engine", "engine_unfused": SwiGLU and RoPE
-#            compiled, or megatron's unfused ops) beside the bare loop, at the e2e update's batch at 64
+#            as Triton kernels, or megatron's unfused ops) beside the bare loop, at the e2e update's batch at 64
 #            completions (0.5B shape, 64 x 640 tokens, 4 micro-batches of 16) and at the 1.4B default    (~4 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."

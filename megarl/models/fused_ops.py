@@ -1,0 +1,45 @@
+"""megatron's fusion hooks for RoPE and SwiGLU, fed by megarl's Triton kernels (models/kernels.py) where no
+TransformerEngine is installed.
+
+megatron's unfused RoPE (rope_utils._apply_rotary_pos_emb_bshd) makes about a dozen passes over the queries, and
+again over the keys, in every layer, as many in backward; it fuses them only through TransformerEngine's kernel
+(config.apply_rope_fusion). Its fused SwiGLU (config.bias_activation_fusion) is a torch.compile'd function, one
+kernel each way but ~0.2 ms of host time per call in Dynamo's and AOTAutograd's wrappers. `install()` gives
+megatron's RoPE hook a function of TE's kernel's signature, and its MLP a SwiGLU of the same signature as its own,
+both one Triton kernel each way launched directly. The engine installs them on the GPU only (with_fused_kernels)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from megarl.models import kernels
+
+
+def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False,
+                               interleaved: bool = False) -> Tensor:
+    """megatron.core.extensions.transformer_engine.fused_apply_rotary_pos_emb's signature ('sbhd' layout)."""
+    if interleaved:
+        raise ValueError("megarl's fused RoPE rotates halves, not interleaved pairs (config.rotary_interleaved)")
+    return kernels.rope(t, freqs)
+
+
+def fused_swiglu(input: Tensor, bias: Tensor | None, fp8_input_store: bool = False,
+                 cpu_offload_input: bool = False) -> Tensor:
+    """megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl's signature; with a bias, an fp8 input store or the
+    input offloaded (none of which megarl's models use), megatron's own."""
+    from megatron.core.fusions import fused_bias_swiglu
+
+    if bias is not None or fp8_input_store or cpu_offload_input:
+        return fused_bias_swiglu.bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
+    return kernels.swiglu(input.reshape(-1, input.shape[-1])).view(*input.shape[:-1], -1)
+
+
+def install() -> None:
+    """megatron's fused-RoPE hook (rope_utils.fused_apply_rotary_pos_emb), where TransformerEngine left it empty, and
+    the SwiGLU its MLP calls under bias_activation_fusion."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import mlp
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    mlp.bias_swiglu_impl = fused_swiglu
