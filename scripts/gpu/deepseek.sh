@@ -27,7 +27,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_
 OUT=${OUT:-/tmp/megarl-deepseek}; mkdir -p "$OUT"
 PARTS=${PARTS:-sglang transport grpo sync optimizer}
 GRPO_SHAPE=${GRPO_SHAPE:-"6 2048 16 16 1408 5632 1"}    # ~0.9B parameters
-SYNC_SHAPE=${SYNC_SHAPE:-"8 4096 32 32 1408 11008 1"}   # ~4.3B parameters: ~80 GB of megatron state in bf16 + Adam
+# ~2.45B parameters. 32 experts (4.38B) fit the GPU but not the host: the engine's state offloaded between phases
+# (~53 GB pinned, more while its buffer grows) ran a 125 GiB host out of memory (sessions 18 and 25).
+SYNC_SHAPE=${SYNC_SHAPE:-"8 4096 32 16 1408 11008 1"}
 SYNC_LAYERS=${SYNC_LAYERS:-8}                            # transport: ~12B parameters at DeepSeek-V3's width
 OPT_SHAPE=${OPT_SHAPE:-"4 2048 16 16 1408 5632 1"}
 OPT_STEPS=${OPT_STEPS:-4}
