@@ -119,12 +119,14 @@ def test_guard_ends_the_server_of_a_sigkilled_owner(tmp_path):
         port = free_port()
         SGLangServer([sys.executable, {str(FAKE)!r}, "--port", str(port)], port,
                      log_path={str(tmp_path / 'server.log')!r}, startup_timeout=30).start()
-        print("up", flush=True)
+        print("up", port, flush=True)
         time.sleep(600)
         """)], stdout=subprocess.PIPE, text=True)
     try:
-        assert owner.stdout.readline().strip() == "up"
-        (guard, server), = servers_of(str(FAKE) + " --port")
+        up, port = owner.stdout.readline().split()
+        assert up == "up"
+        # this owner's server alone, by its port: other modules' fake servers may run meanwhile (xdist)
+        (guard, server), = servers_of(f"{FAKE} --port {port} ")
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         assert wait_gone([guard, server], 15.0) == []
