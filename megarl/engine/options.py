@@ -49,19 +49,21 @@ def with_engine_options(config, actor: ActorConfig):
 def with_fused_kernels(config, actor: ActorConfig, device: str):
     """On the GPU, with actor.fused_kernels: SwiGLU (bias_activation_fusion, each way one pass instead of four or
     five over the MLP's widest activations) and plain RoPE (apply_rope_fusion; not multi-latent attention's,
-    M-RoPE's or interleaved pairs, which keep megatron's path) as megarl's Triton kernels (models/fused_ops.py).
+    M-RoPE's or interleaved pairs, which keep megatron's path) as megarl's Triton kernels (models/fused_ops.py),
+    where they build and compute right on this GPU (probed once).
     Mixture-of-experts models keep megatron's unfused SwiGLU: their experts take the routing weights into it
     (megatron's weighted variant, compiled per expert's token count), which has not run on a GPU here.
     And gradient-accumulation fusion, where torch can add the weight gradients' GEMMs into the float32 main_grad
     (engine/apex_ops.py). The CPU runs megatron's unfused ops."""
     if device != "cuda" or not actor.fused_kernels:
         return config
-    fused_ops.install()
     options = {}
-    if config.gated_linear_unit and config.activation_func is F.silu and not config.num_moe_experts:
-        options["bias_activation_fusion"] = True
-    if not (config.multi_latent_attention or config.mrope_section or config.rotary_interleaved):
-        options["apply_rope_fusion"] = True
+    if fused_ops.available(device):
+        fused_ops.install()
+        if config.gated_linear_unit and config.activation_func is F.silu and not config.num_moe_experts:
+            options["bias_activation_fusion"] = True
+        if not (config.multi_latent_attention or config.mrope_section or config.rotary_interleaved):
+            options["apply_rope_fusion"] = True
     if apex_ops.wgrad_fusion_available(device, config.params_dtype):
         options["gradient_accumulation_fusion"] = True
     return dataclasses.replace(config, **options) if options else config

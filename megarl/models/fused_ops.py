@@ -10,6 +10,11 @@ both one Triton kernel each way launched directly. The engine installs them on t
 
 from __future__ import annotations
 
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from megarl.models import kernels
@@ -32,6 +37,32 @@ def fused_swiglu(input: Tensor, bias: Tensor | None, fp8_input_store: bool = Fal
     if bias is not None or fp8_input_store or cpu_offload_input:
         return fused_bias_swiglu.bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
     return kernels.swiglu(input.reshape(-1, input.shape[-1])).view(*input.shape[:-1], -1)
+
+
+@functools.cache
+def available(device: str) -> bool:
+    """Whether the kernels build and compute megatron's results on `device` ('cuda': this rank's GPU), probed once
+    per process on a few tokens, forward and backward. Triton needs a GPU it supports and a C compiler for its
+    launcher; where either is missing megatron's unfused ops stay, and a warning says why."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 2, 2, 8, generator=g), torch.randn(3, 16, generator=g)
+    freqs = torch.rand(3, 1, 1, 6, generator=g) * 10
+    try:
+        x, y, freqs = x.to(device).requires_grad_(), y.to(device).requires_grad_(), freqs.to(device)
+        rotated, gated = kernels.rope(x, freqs), kernels.swiglu(y)
+        (rotated.sum() + gated.sum()).backward()
+        gate, up = y.detach().chunk(2, -1)
+        right = torch.allclose(rotated, rope_utils._apply_rotary_pos_emb_bshd(x.detach(), freqs), atol=1e-5) and \
+            torch.allclose(gated, F.silu(gate) * up, atol=1e-5) and bool(x.grad.isfinite().all())
+        problem = None if right else "results differ from megatron's unfused ops"
+    except Exception as error:  # a compiler, driver or device error of any kind: the unfused ops still run
+        problem = f"{type(error).__name__}: {error}"
+    if problem:
+        warnings.warn(f"megarl's Triton kernels for RoPE and SwiGLU do not run on {device} ({problem}); "
+                      "megatron's unfused ops stay (actor.fused_kernels)")
+    return problem is None
 
 
 def install() -> None:

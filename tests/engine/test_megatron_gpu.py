@@ -84,8 +84,9 @@ def test_fused_kernels_match_megatrons_unfused_ops(one_gpu, tmp_path, monkeypatc
     unfused ops compute: in float32 (bf16 rounds each path differently, by as much as the paths differ from
     transformers) the log-probs, the entropy and one policy step's loss and grad norm agree to float32 rounding."""
     from megarl.engine import MegatronEngine
-    from megarl.models import kernels
+    from megarl.models import fused_ops, kernels
 
+    assert fused_ops.available("cuda")  # probed (and cached) before the kernels' calls are counted
     calls = collections.Counter()
     for name in ("rope", "swiglu"):
         kernel = getattr(kernels, name)

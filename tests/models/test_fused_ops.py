@@ -2,6 +2,8 @@
 tests/conftest.py turns on) against megatron's unfused ops, values and gradients, through the hooks megatron calls;
 and which kernels with_fused_kernels turns on."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,7 @@ def _config(**kwargs):
 
 def test_fused_kernels_on_the_gpu_only_and_where_the_model_allows(monkeypatch):
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)  # no TransformerEngine
+    monkeypatch.setattr(fused_ops, "available", lambda device: True)  # "cuda" here is a name: no GPU is probed
     monkeypatch.setattr(mlp, "bias_swiglu_impl", fused_bias_swiglu.bias_swiglu_impl)
     on, off = ActorConfig(), ActorConfig(fused_kernels=False)
 
@@ -92,3 +95,29 @@ def test_fused_kernels_on_the_gpu_only_and_where_the_model_allows(monkeypatch):
     assert fusions(_config(mrope_section=[2, 1, 1])) == (True, False)  # Qwen2-VL: megatron's own M-RoPE
     assert fusions(_config(gated_linear_unit=False, activation_func=F.gelu)) == (False, True)
     assert fusions(_config(num_moe_experts=4, moe_router_topk=2)) == (False, True)  # experts: unfused SwiGLU
+
+
+def test_kernels_that_do_not_build_leave_megatrons_unfused_ops(monkeypatch):
+    """A GPU or container where Triton cannot build its kernels (no C compiler, an unsupported GPU) trains with
+    megatron's unfused ops and says why, instead of failing at the first step."""
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    monkeypatch.setattr(mlp, "bias_swiglu_impl", fused_bias_swiglu.bias_swiglu_impl)
+    fused_ops.available.cache_clear()
+    assert fused_ops.available(DEVICE)  # the real probe: the kernels build here (the interpreter without a GPU)
+
+    def broken():
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(kernels, "_triton", broken)
+    fused_ops.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="do not run on .*Failed to find C compiler.*unfused ops stay"):
+            assert not fused_ops.available(DEVICE)
+        with warnings.catch_warnings():  # without a GPU the probe of "cuda" fails on its own, and says so
+            warnings.simplefilter("ignore")
+            config = with_fused_kernels(_config(), ActorConfig(), "cuda")
+    finally:
+        fused_ops.available.cache_clear()
+    assert not config.bias_activation_fusion and not config.apply_rope_fusion
+    assert config.gradient_accumulation_fusion  # not a Triton kernel: unaffected (float32 here)
+    assert rope_utils.fused_apply_rotary_pos_emb is None and mlp.bias_swiglu_impl is fused_bias_swiglu.bias_swiglu_impl
