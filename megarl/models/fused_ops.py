@@ -54,8 +54,8 @@ def available(device: str) -> bool:
         rotated, gated = kernels.rope(x, freqs), kernels.swiglu(y)
         (rotated.sum() + gated.sum()).backward()
         gate, up = y.detach().chunk(2, -1)
-        right = torch.allclose(rotated, rope_utils._apply_rotary_pos_emb_bshd(x.detach(), freqs), atol=1e-5) and \
-            torch.allclose(gated, F.silu(gate) * up, atol=1e-5) and bool(x.grad.isfinite().all())
+        right = torch.allclose(rotated, rope_utils._apply_rotary_pos_emb_bshd(x.detach(), freqs), atol=1e-4) and \
+            torch.allclose(gated, F.silu(gate) * up, atol=1e-4) and bool(x.grad.isfinite().all())
         problem = None if right else "results differ from megatron's unfused ops"
     except Exception as error:  # a compiler, driver or device error of any kind: the unfused ops still run
         problem = f"{type(error).__name__}: {error}"
