@@ -1,5 +1,5 @@
-"""megatron's fusion hooks for RoPE and SwiGLU, fed by megarl's Triton kernels (models/kernels.py) where no
-TransformerEngine is installed.
+"""megatron's fusion hooks for RoPE and SwiGLU, fed by megarl's Triton kernels (models/kernels.py); RoPE's only where
+no TransformerEngine filled it.
 
 megatron's unfused RoPE (rope_utils._apply_rotary_pos_emb_bshd) makes about a dozen passes over the queries, and
 again over the keys, in every layer, as many in backward; it fuses them only through TransformerEngine's kernel
