@@ -1,5 +1,6 @@
 """Per-call time of RoPE and SwiGLU (forward + backward) three ways: megatron's unfused torch ops, compiled by
-torch.compile (megatron's SwiGLU under bias_activation_fusion; RoPE as megarl's before session 25), and megarl's
+torch.compile (the engine's way before session 25: megatron's SwiGLU under bias_activation_fusion as it was; for
+RoPE megatron's unfused function compiled, standing in for megarl's compiled one of the same math), and megarl's
 Triton kernels launched directly (models/kernels.py, the engine's default on the GPU since session 25).
 
 Two sizes per op: `tiny` (a few tokens: the GPU's work is negligible, so a call's time is its host time, what a
