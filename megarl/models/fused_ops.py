@@ -15,6 +15,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer import mlp
 from torch import Tensor
 
 from megarl.models import kernels
@@ -32,8 +35,6 @@ def fused_swiglu(input: Tensor, bias: Tensor | None, fp8_input_store: bool = Fal
                  cpu_offload_input: bool = False) -> Tensor:
     """megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl's signature; with a bias, an fp8 input store or the
     input offloaded (none of which megarl's models use), megatron's own."""
-    from megatron.core.fusions import fused_bias_swiglu
-
     if bias is not None or fp8_input_store or cpu_offload_input:
         return fused_bias_swiglu.bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
     return kernels.swiglu(input.reshape(-1, input.shape[-1])).view(*input.shape[:-1], -1)
@@ -44,8 +45,6 @@ def available(device: str) -> bool:
     """Whether the kernels build and compute megatron's results on `device` ('cuda': this rank's GPU), probed once
     per process on a few tokens, forward and backward. Triton needs a GPU it supports and a C compiler for its
     launcher; where either is missing megatron's unfused ops stay, and a warning says why."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(3, 2, 2, 8, generator=g), torch.randn(3, 16, generator=g)
     freqs = torch.rand(3, 1, 1, 6, generator=g) * 10
@@ -68,9 +67,6 @@ def available(device: str) -> bool:
 def install() -> None:
     """megatron's fused-RoPE hook (rope_utils.fused_apply_rotary_pos_emb), where TransformerEngine left it empty, and
     the SwiGLU its MLP calls under bias_activation_fusion."""
-    from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.transformer import mlp
-
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
     mlp.bias_swiglu_impl = fused_swiglu
