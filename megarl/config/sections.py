@@ -301,6 +301,7 @@ class RolloutConfig:
     max_new_tokens: int = opt(16, "response length limit")
     temperature: float = opt(1.0, "sampling temperature for training rollouts")
     top_p: float = opt(1.0, "nucleus sampling for training rollouts")
+    top_k: int = opt(-1, "training rollouts sample among the k most likely tokens; -1 = all (no top-k cut)")
     ignore_eos: bool = opt(False, "generate max_new_tokens for every response, past the tokenizer's EOS (benchmarks "
                                   "with fixed lengths); stop_token_ids still stop")
     eval_temperature: float = opt(0.0, "sampling temperature for validation (0 = greedy)")
@@ -375,7 +376,17 @@ class AgentConfig:
 class DataConfig:
     task: str = opt("reverse", "built-in synthetic task (reverse, add) or a .jsonl/.parquet prompt file")
     val_task: str = opt("", "held-out prompt file; empty = a held-out split of the built-in task")
-    prompts_per_step: int = opt(8, "prompts per RL step")
+    prompts_per_step: int = opt(8, "prompts per RL step (counts PROMPTS, not responses: a step trains on "
+                                   "prompts_per_step x rollout.n_samples sequences)")
+    max_prompt_length: int = opt(0, "most tokens of a rendered prompt (verl's data.max_prompt_length); a longer "
+                                    "prompt is handled by data.truncation, or left out with "
+                                    "data.filter_overlong_prompts; 0 = what the model's positions leave after "
+                                    "the response budget")
+    filter_overlong_prompts: bool = opt(False, "leave out (and count, naming the first) the prompts longer than "
+                                               "data.max_prompt_length instead of applying data.truncation")
+    truncation: str = opt("error", "a prompt longer than data.max_prompt_length: error (names the file and row), "
+                                   "left (keeps its last tokens), right (its first) or middle (its first and last "
+                                   "halves)")
     val_size: int = opt(64, "held-out prompts scored at each evaluation")
     min_len: int = opt(3, "built-in tasks: shortest operand")
     max_len: int = opt(5, "built-in tasks: longest operand")
@@ -508,7 +519,12 @@ class TrainerConfig:
                                "below a colocated SGLang server's generation: docs/async.md); CUDA_VISIBLE_DEVICES "
                                "is Ray's")
     cpus_per_rank: float = opt(0.5, "Ray CPUs reserved per training rank")
-    loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go")
+    loggers: list = opt(["console", "tensorboard", "jsonl"], "where metrics go: console, tensorboard, jsonl, and "
+                                                             "with their libraries installed (pip install "
+                                                             "megarl[trackers]) wandb, mlflow, swanlab")
+    project_name: str = opt("megarl", "the project trackers file the run under (W&B project, MLflow experiment, "
+                                      "SwanLab project)")
+    experiment_name: str = opt("", "the run's name in the trackers; empty = the last part of trainer.output_dir")
     sync_bucket_mb: int = opt(1024, "weight-sync bucket size in MiB: the most extra memory a sync takes on a sending "
                                     "rank (plus SGLang's two persistent buffers of ~half a bucket each); fewer, "
                                     "larger buckets sync faster (7B into SGLang on an H200: 2048 MiB 0.18 s, "
