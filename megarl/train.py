@@ -9,6 +9,7 @@ import signal
 import sys
 
 from megarl.config import ConfigError, help_text, load_config
+from megarl.config.summary import describe, profile_line
 from megarl.data.files import InputError
 
 
@@ -136,10 +137,15 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    print(profile_line(cfg))
+    for note in cfg.notes:
+        print(f"note: {note}")
     layout = cfg.actor.parallel.describe()
     config_ok = f"config ok: {layout}; rollout={generation_placement(cfg.rollout)}; {cfg.trainer.steps} RL steps"
+    summary = "\n".join(f"  {line}" for line in describe(cfg))
     if args.check_config:
         print(config_ok)
+        print(summary)
         return 0
     if args.dry_run:
         from megarl.data.inputs import check_inputs
@@ -153,6 +159,7 @@ def main(argv=None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         print(f"{config_ok}; {inputs}")
+        print(summary)
         print(planned_memory(cfg, model_config, longest))
         return 0
 
@@ -163,7 +170,7 @@ def main(argv=None) -> int:
     ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
     from megarl.async_trainer import build_trainer
 
-    print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
+    print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}\n{summary}", flush=True)
     done = run_trainer(cfg, ray, build_trainer)  # trainer.mode: the synchronous loop, or an asynchronous one
     if done is None:
         return 2

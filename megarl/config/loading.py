@@ -5,7 +5,6 @@ of every key with its default and help (`--help`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import keyword
 import types
 import typing
@@ -16,6 +15,7 @@ import yaml
 
 from megarl.config.sections import Config
 from megarl.config.validation import ConfigError
+from megarl.config.verl import plan, unknown_key
 
 
 def _key(name: str) -> str:
@@ -26,12 +26,6 @@ def _key(name: str) -> str:
 def _fields(obj) -> dict[str, dataclasses.Field]:
     """Fields by config key."""
     return {_key(f.name): f for f in dataclasses.fields(obj)}
-
-
-def _unknown(key: str, valid: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(valid))}"
-    return ConfigError(f"unknown config key '{key}'{hint}")
 
 
 def all_keys(obj=None, prefix: str = "") -> list[str]:
@@ -90,7 +84,7 @@ def _set(cfg, key: str, value: Any) -> None:
     for i, part in enumerate(parts):
         names = _fields(obj)
         if part not in names:
-            raise _unknown(key, all_keys())
+            raise ConfigError(unknown_key(key, all_keys()))
         attr = names[part].name
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(obj, attr)):
@@ -106,36 +100,63 @@ def _set(cfg, key: str, value: Any) -> None:
                 raise ConfigError(f"config key '{'.'.join(parts[:i + 1])}' is not a section")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten(d: dict, leaves: set[str], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a nested mapping; a mapping that is a key's value (trainer.worker_env) stays whole."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and key not in leaves:
+            out.update(_flatten(v, leaves, f"{key}."))
         else:
-            out[prefix + k] = v
+            out[key] = v
     return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- YAML recipe <- `key=value` overrides, then validation."""
+    """Defaults <- YAML recipe <- `key=value` overrides, then validation. Keys may be megarl's or verl's
+    (megarl/config/verl.py); every unknown key, refused verl setting and clash is named in one ConfigError.
+
+    The config remembers how it was read: `profile` ("megarl" or "verl"), `given` (the megarl keys the command
+    set, itself or through verl's keys) and `notes` (verl keys without effect here, said at start-up)."""
     cfg = Config()
+    keys = all_keys()
+    sources = []
     if path:
         path = Path(path)
         data = _read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
-        for key, value in _flatten(data).items():
-            _set(cfg, key, value)
+        sources.append((str(path), _flatten(data, set(keys))))
+    command = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            command[key.strip()] = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)})") from None
-        _set(cfg, key.strip(), value)
+    sources.append(("command line", command))
+    defaults = {key: _get(cfg, key) for key in keys}
+    read = plan(sources, keys, defaults)
+    errors = list(read.errors)
+    for key, value in read.assignments:
+        try:
+            _set(cfg, key, value)
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{len(errors)} problems in the command:\n" + "\n".join(f"  - {e}" for e in errors))
+    cfg.profile, cfg.given, cfg.notes = read.profile, read.given, read.notes
     return cfg.validate()
+
+
+def _get(cfg, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, _fields(obj)[part].name)
+    return obj
 
 
 def _read_yaml(path: Path):

@@ -580,6 +580,12 @@ class Config(ConfigChecks):
     trainer: TrainerConfig = section(TrainerConfig, "the loop")
     # `async` is a Python keyword: the field is async_, its key in recipes and overrides `async` (loading.py)
     async_: AsyncConfig = section(AsyncConfig, "asynchronous training (trainer.mode one_step_off or async)")
+    # how load_config read the command (class attributes, not options): the vocabulary ("megarl" or "verl"), the
+    # megarl keys the command set (itself or through verl's keys; None for a Config built in code), and notes said
+    # at start-up
+    profile = "megarl"
+    given = None
+    notes = ()
 
     def old_policy_is_the_trained_one(self) -> bool:
         """One optimizer update per step and nothing reading the old log-probs before it: the policy the

@@ -81,10 +81,13 @@ class ConfigChecks:
                    "trainer.offload_between_phases": (self.trainer.offload_between_phases,
                                                       ("auto", "always", "never")),
                    "algorithm.recompute_old_logprobs": (self.algorithm.recompute_old_logprobs,
-                                                        ("auto", "always", "never"))}
+                                                        ("auto", "always", "never")),
+                   "data.truncation": (self.data.truncation, ("error", "left", "right", "middle"))}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
+        if self.rollout.top_k != -1 and self.rollout.top_k < 1:
+            raise ConfigError(f"rollout.top_k={self.rollout.top_k}: must be -1 (off: every token) or >= 1")
         self._validate_weight_delivery()
         self._validate_sglang_args()
         check_env("trainer.worker_env", self.trainer.worker_env)
@@ -211,14 +214,20 @@ class ConfigChecks:
 
     def _validate_data_and_reward(self) -> None:
         r = self.reward
-        if not r.name and self.data.task.endswith((".jsonl", ".parquet")):
-            raise ConfigError(f"data.task={self.data.task!r} is a prompt file: set reward.name (e.g. gsm8k, math)")
+        if (self.given is not None and self.model.path != "tiny" and "data.task" not in self.given
+                and not self.data.task.endswith((".jsonl", ".parquet", ".json"))):
+            raise ConfigError(f"model.path={self.model.path} with no prompt file: data.task is the built-in toy task "
+                              f"{self.data.task!r}. Name the prompts (data.task=<file.parquet|jsonl>, or verl's "
+                              f"data.train_files=...), or set data.task={self.data.task} to train on the toy task")
         d = self.data
         if d.min_pixels < 0 or d.max_pixels < 0 or 0 < d.max_pixels < d.min_pixels:
             raise ConfigError(f"data.min_pixels={d.min_pixels}, data.max_pixels={d.max_pixels}: must be >= 0 (0 = the "
                               "model directory's) with min_pixels <= max_pixels")
         if not d.prompt_key:
             raise ConfigError("data.prompt_key is empty: name the prompt files' prompt field (default: prompt)")
+        if d.max_prompt_length < 0:
+            raise ConfigError(f"data.max_prompt_length={d.max_prompt_length}: must be >= 0 (0 = what the model's "
+                              "positions leave after the response budget)")
         if r.name == "remote" and not r.remote_url:
             raise ConfigError("reward.name=remote needs reward.remote_url")
         if r.code_sandbox not in ("auto", "bwrap", "namespaces", "rlimits"):

@@ -1,0 +1,209 @@
+"""Commands in verl's vocabulary: which keys are verl's, and the megarl keys they become (megarl/config/verl_keys.py).
+
+A command (a recipe's keys, then the command line's) is read in verl's vocabulary as soon as one of its keys is
+verl's alone (`actor_rollout_ref.*`, `data.train_files`, `trainer.total_epochs`, ...). Then verl's defaults
+apply to every verl key it does not set, so the command trains what verl would train with it; megarl's own
+keys may sit beside verl's and win over what verl's defaults would give. A megarl key and a verl key of the
+same source that set one option to two values are an error; so is every unknown key, all named in one message.
+
+`plan(sources, megarl_keys)` returns the assignments to make, in order, with the profile and the notes the run
+prints (verl keys that have no effect in megarl, engines replaced).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.config.verl_keys import (BY_KEY, MISSING, REFUSED_SECTIONS, VERL_KEYS, VERL_SECTIONS, Refusal,
+                                     has_no_effect)
+
+# settings of the verl profile that no single verl key carries: verl renders every prompt with the chat template
+VERL_FIXED = {"data.chat_template": True}
+
+
+@dataclass
+class Plan:
+    profile: str  # "megarl" or "verl"
+    assignments: list[tuple[str, Any]] = field(default_factory=list)  # (megarl key, value), applied in order
+    given: set[str] = field(default_factory=set)  # megarl keys the command set, itself or through a verl key
+    notes: list[str] = field(default_factory=list)  # said at start-up
+    errors: list[str] = field(default_factory=list)
+
+
+def strip_hydra(key: str) -> str:
+    """Hydra's `+key` / `++key` (add or force a key) name the same key here."""
+    return key.lstrip("+")
+
+
+def is_verl_key(key: str) -> bool:
+    return key in BY_KEY or key.split(".", 1)[0] in VERL_SECTIONS
+
+
+def count_rows(path: str) -> int | None:
+    """Rows of a prompt file (parquet from its footer; jsonl by non-blank lines), None when it is not there."""
+    file = Path(path)
+    if not file.is_file():
+        return None
+    try:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(file).num_rows
+        if file.suffix == ".jsonl":
+            with file.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        if file.suffix == ".json":
+            data = json.loads(file.read_text())
+            return len(data) if isinstance(data, list) else 1
+    except (OSError, ValueError):
+        return None  # unreadable: the prompt loader names the file and what is wrong with it
+    return None
+
+
+class VerlValues:
+    """The command's verl keys (the user's values over verl's defaults), as conversions read them."""
+
+    def __init__(self, given: dict[str, Any], megarl: dict[str, Any]):
+        self.given, self.megarl = given, megarl
+
+    def get(self, key: str):
+        if key in self.given:
+            return self.given[key]
+        default = BY_KEY[key].default
+        return None if default is MISSING else default
+
+    def get_megarl(self, key: str):
+        return self.megarl[key]
+
+    @staticmethod
+    def path(value) -> str:
+        return os.path.expanduser(str(value))
+
+    def train_rows(self) -> int | None:
+        return count_rows(self.path(self._one("data.train_files")))
+
+    def val_rows(self) -> int | None:
+        return count_rows(self.path(self._one("data.val_files")))
+
+    def _one(self, key: str) -> str:
+        value = self.get(key)
+        return value[0] if isinstance(value, list) and len(value) == 1 else str(value)
+
+
+def near_miss(key: str, candidates) -> str | None:
+    """The candidate `key` is a typo of, or None: a close name under the same section, or the same name under a
+    close section. Names that merely share letters (use_kl_loss, ignore_eos) are not offered."""
+    parent, _, leaf = key.rpartition(".")
+    best, score = None, 0.0
+    for candidate in candidates:
+        c_parent, _, c_leaf = candidate.rpartition(".")
+        if c_parent == parent:
+            s = difflib.SequenceMatcher(None, leaf, c_leaf).ratio()
+            s = s if s >= 0.8 else 0.0
+        elif c_leaf == leaf:
+            s = difflib.SequenceMatcher(None, parent, c_parent).ratio()
+            s = s if s >= 0.85 else 0.0
+        else:
+            s = 0.0
+        if s > score:
+            best, score = candidate, s
+    return best
+
+
+def unknown_key(key: str, megarl_keys: list[str]) -> str:
+    """The error line of an unknown key: the verl key it may stand for (and what that becomes), or a near miss."""
+    if key.split(".", 1)[0] in REFUSED_SECTIONS:
+        return f"{key}: {REFUSED_SECTIONS[key.split('.', 1)[0]]}"
+    if key.split(".", 1)[0] in VERL_SECTIONS or key in BY_KEY:
+        close = near_miss(key, BY_KEY)
+        hint = f"; did you mean '{close}'?" if close else ""
+        return f"verl key '{key}' is not one megarl reads (docs/migrating-from-verl.md lists those it does){hint}"
+    leaf = key.rpartition(".")[2]
+    verl_rows = [row for row in VERL_KEYS if row.key.rpartition(".")[2] == leaf and row.sets]
+    close = near_miss(key, megarl_keys) or near_miss(key, BY_KEY)
+    if close:
+        return f"unknown config key '{key}'; did you mean '{close}'?"
+    if verl_rows:
+        row = verl_rows[0]
+        return f"unknown config key '{key}'; verl's '{row.key}' sets {row.sets} ({row.note})"
+    section = key.split(".", 1)[0]
+    known = sorted({k.split(".", 1)[0] for k in megarl_keys})
+    where = "" if section in known else f" (sections: {', '.join(known)}; verl's: {', '.join(VERL_SECTIONS)})"
+    return f"unknown config key '{key}'{where}"
+
+
+def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], megarl_defaults: dict[str, Any]) -> Plan:
+    """The assignments of a command given as (source name, {dotted key: value}) in order of precedence (a recipe,
+    then the command line). Keys that name a section (`actor.parallel={tp: 2}`) are megarl's."""
+    megarl_names = set(megarl_keys) | {k.rsplit(".", 1)[0] for k in megarl_keys if "." in k}
+    keys = [(tier, strip_hydra(k), k, v) for tier, (_, items) in enumerate(sources) for k, v in items.items()]
+    # verl's vocabulary is on when a key is verl's alone; a key spelled the same in both is then read as verl's
+    verl_on = any(is_verl_key(key) and key not in megarl_names for _, key, _, _ in keys)
+    verl_given: dict[str, Any] = {}  # later sources win
+    verl_tier: dict[str, int] = {}
+    megarl_given: list[tuple[int, str, Any]] = []
+    errors = []
+    for tier, key, raw_key, value in keys:
+        if key.startswith("~"):
+            errors.append(f"{raw_key}: megarl has no key deletion; leave the key out")
+        elif verl_on and key in BY_KEY:
+            verl_given[key], verl_tier[key] = value, tier
+        elif key in megarl_names:
+            megarl_given.append((tier, key, value))
+        else:
+            errors.append(unknown_key(key, megarl_keys))
+    result = Plan("verl" if verl_on else "megarl", errors=errors, given={key for _, key, _ in megarl_given})
+    if not verl_on:
+        result.assignments = [(key, value) for _, key, value in megarl_given]
+        return result
+
+    # megarl's values as the conversions read them (trainer.steps for a warmup ratio, the world size for a global
+    # micro-batch): the defaults, a first pass of the conversions, the megarl keys given
+    explicit = {key: value for _, key, value in megarl_given}
+    converted: dict[str, tuple[Any, int, str]] = {}  # megarl key -> (value, source tier (-1: a default), verl key)
+    for _ in range(2):
+        values = VerlValues(verl_given, dict(megarl_defaults) | {k: v for k, (v, _, _) in converted.items()}
+                            | explicit)
+        converted, notes, refusals = {}, [], []
+        for row in VERL_KEYS:
+            given = row.key in verl_given
+            if not given and row.default is MISSING:
+                continue
+            value = values.get(row.key)
+            try:
+                out = row.convert(value, values)
+            except Refusal as e:
+                refusals.append(f"{row.key}={value!r}: {e}")
+                continue
+            tier = verl_tier.get(row.key, -1)
+            for key, v in out.items():
+                if key not in converted or converted[key][1] <= tier:  # a key the command set beats a default
+                    converted[key] = (v, tier, row.key)
+            if given and has_no_effect(row):
+                notes.append(f"{row.key}={value!r}: no effect ({row.note})")
+    for key, value in VERL_FIXED.items():
+        converted.setdefault(key, (value, -1, "verl's vocabulary"))
+    if verl_given.get("actor_rollout_ref.rollout.name") == "vllm" and "rollout.engine" in converted:
+        notes.append("actor_rollout_ref.rollout.name='vllm': megarl serves rollouts with SGLang, with the same "
+                     f"sampling settings (rollout.engine={converted['rollout.engine'][0]})")
+    if "trainer.steps" not in converted and "trainer.steps" not in explicit:
+        notes.append(f"trainer.total_epochs: data.train_files={values.get('data.train_files')!r} is not there to "
+                     "count its prompts; trainer.steps is counted once it exists")
+    for tier, key, value in megarl_given:  # a megarl key and a verl key of one source setting one option
+        if key in converted:
+            v, t, verl_key = converted[key]
+            if t == tier and v != value:
+                errors.append(f"{key}={value!r} and {verl_key}={verl_given[verl_key]!r} set the same option "
+                              f"({key}={v!r}); keep one")
+    result.notes, result.errors = notes, errors + refusals
+    # in order of precedence: verl's defaults, then each source's verl keys and then its megarl keys
+    ordered = sorted([(t, 0, key, v) for key, (v, t, _) in converted.items()]
+                     + [(t, 1, key, v) for t, key, v in megarl_given], key=lambda a: (a[0], a[1]))
+    result.assignments = [(key, v) for _, _, key, v in ordered]
+    result.given |= {key for key, (_, t, _) in converted.items() if t >= 0}
+    return result
