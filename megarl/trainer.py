@@ -421,7 +421,7 @@ class RLTrainer:
                                   seed=self.cfg.trainer.seed)
         # the draws follow from (trainer.seed, policy version, first group) alone, not from an engine's random
         # state (which no checkpoint holds): a resumed run draws what the uninterrupted run drew
-        return SamplingParams(**lengths, n=r.n_samples, temperature=r.temperature, top_p=r.top_p,
+        return SamplingParams(**lengths, n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               seed=derive_seed(self.cfg.trainer.seed, self.version, first_group))
 
     def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False,

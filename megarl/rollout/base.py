@@ -25,6 +25,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = -1  # sample among the k most likely tokens (before top_p); -1 or 0 = every token
     n: int = 1  # samples per prompt
     stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's EOS is a stop too, unless ignore_eos
     ignore_eos: bool = False  # fixed-length responses (benchmarks): EOS is sampled like any token

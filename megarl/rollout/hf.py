@@ -2,7 +2,7 @@
 
 It generates with its own sampling loop over the model's KV cache, all prompts x n samples in one
 left-padded batch, and reports the log-probability of each sampled token under the raw logits
-(temperature 1, no top-p), as megarl.rollout.base requires. It has none of a serving engine's
+(temperature 1, no top-k or top-p), as megarl.rollout.base requires. It has none of a serving engine's
 throughput machinery (no continuous batching, paged attention or CUDA graphs); use SGLang on GPUs.
 
 A Qwen2.5-VL directory loads as Qwen2_5_VLForConditionalGeneration and takes prompts with images: the first forward
@@ -124,7 +124,8 @@ class HFRolloutEngine(RolloutEngine):
                                  position_ids=step[None].expand(3, -1, -1) if self.vision else step,
                                  past_key_values=out.past_key_values, use_cache=True)
             logits = out.logits[:, -1].float()
-            token = _sample(logits, params.temperature, params.top_p, seeds, next_positions.tolist(), banned)
+            token = _sample(logits, params.temperature, params.top_p, seeds, next_positions.tolist(), banned,
+                            params.top_k)
             token = torch.where(finished, self.pad_id, token)  # finished rows idle on padding
             sampled.append(token)
             logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0])
@@ -325,16 +326,20 @@ def _eos_ids(model) -> list[int]:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, seeds: list[int],
-            positions: list[int], banned: list[int] = ()) -> torch.Tensor:
-    """One token per row: argmax at temperature 0, else drawn from the tempered, top-p-truncated distribution by
-    inverting its CDF at a uniform that follows from the row's seed and the token's position alone, so a row's
-    draws do not depend on the other rows of the batch, and a continued row (prompt + its tokens so far) draws
-    what it would have drawn uninterrupted (as SGLang's seeded sampler, by position). `banned` tokens are never
-    drawn."""
+            positions: list[int], banned: list[int] = (), top_k: int = -1) -> torch.Tensor:
+    """One token per row: argmax at temperature 0, else drawn from the tempered, top-k- then top-p-truncated
+    distribution by inverting its CDF at a uniform that follows from the row's seed and the token's position alone,
+    so a row's draws do not depend on the other rows of the batch, and a continued row (prompt + its tokens so far)
+    draws what it would have drawn uninterrupted (as SGLang's seeded sampler, by position). `banned` tokens are never
+    drawn; top_k -1 or 0 keeps every token (SGLang's order: top_k, then top_p over what it kept)."""
     if len(banned):
         logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
     if temperature == 0:
         return logits.argmax(-1)
+    if 0 < top_k < logits.shape[-1]:
+        # ties at the k-th value keep the k that topk picks, so never more than k tokens stay
+        kept = logits.topk(top_k, -1).indices
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, kept, logits.gather(-1, kept))
     probs = torch.softmax(logits / temperature, -1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)

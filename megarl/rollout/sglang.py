@@ -193,7 +193,8 @@ class SGLangRolloutEngine(RolloutEngine):
             if per_prompt is not None and len(per_prompt) != len(prompts):
                 raise ValueError(f"{len(per_prompt)} {name} for {len(prompts)} prompts")
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                    "top_p": params.top_p, "stop_token_ids": list(params.stop_token_ids),
+                    "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang's off: -1
+                    "stop_token_ids": list(params.stop_token_ids),
                     "ignore_eos": params.ignore_eos, **(placeholder_ban(self.vision[0]) if self.vision else {}),
                     **self.sampling_overrides}
         # deterministic mode: each response's seed from the call's seed, its prompt and its sample; without a seed,

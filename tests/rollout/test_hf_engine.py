@@ -69,6 +69,15 @@ def test_top_p_keeps_only_the_nucleus(engine, prompts):
     assert [g.token_ids for g in nucleus] == [g.token_ids for g in greedy]
 
 
+def test_top_k_reaches_the_sampler(engine, prompts):
+    # top_k=1 keeps only the most likely token: sampling at any temperature becomes greedy
+    greedy = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    top_1 = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.5, top_k=1, n=2, seed=3))
+    assert [g.token_ids for g in top_1] == [g.token_ids for g in greedy for _ in range(2)]
+    # and the log-probs stay the raw policy's, not the top-k distribution's (which gives the kept token 1)
+    assert all(lp < 0 for g in top_1 for lp in g.logprobs)
+
+
 def test_stops_at_eos(engine, prompts):
     eos = engine.eos_ids[0]
     gens = engine.generate(prompts, SamplingParams(max_new_tokens=32, temperature=1.0, n=8, seed=0))

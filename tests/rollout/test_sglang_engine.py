@@ -56,7 +56,8 @@ def three(tmp_path):
 
 def test_least_loaded_routing_n_samples_and_stickiness(three):
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11], [12, 13]]
-    params = SamplingParams(max_new_tokens=5, n=3, temperature=0.7, top_p=0.9, stop_token_ids=[999], seed=4)
+    params = SamplingParams(max_new_tokens=5, n=3, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[999],
+                            seed=4)
     gens = three.generate(prompts, params)
     assert [g.prompt_index for g in gens] == [i for i in range(len(prompts)) for _ in range(3)]
     assert all(len(g.token_ids) == len(g.logprobs) == 5 for g in gens)
@@ -70,7 +71,7 @@ def test_least_loaded_routing_n_samples_and_stickiness(three):
         assert all(rows[k] == rows[k - k % 3] for k in range(len(rows)))
         assert request["body"]["return_logprob"] is True
         assert request["body"]["sampling_params"] == {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9,
-                                                      "stop_token_ids": [999], "ignore_eos": False}
+                                                      "top_k": 20, "stop_token_ids": [999], "ignore_eos": False}
         rows_per_server.append(len(rows))
     assert rows_per_server == [6, 6, 6]  # least-loaded: the batch is spread evenly
     assert all(s.load == 0 for s in three.state)
@@ -84,6 +85,10 @@ def test_least_loaded_routing_n_samples_and_stickiness(three):
     assert three.sticky == first and len(set(first.values())) == 3
     a = first["a"]
     assert [len(r["body"]["input_ids"]) for r in log(three.servers[a], "/generate")[1:]] == [2, 1, 1]
+    # top_k off (SamplingParams' -1; 0 too) is SGLang's -1: every token (SGLang refuses 0)
+    assert log(three.servers[a], "/generate")[-1]["body"]["sampling_params"]["top_k"] == -1
+    three.generate([[5]], SamplingParams(max_new_tokens=2, top_k=0), conversations=["a"])
+    assert log(three.servers[a], "/generate")[-1]["body"]["sampling_params"]["top_k"] == -1
 
 
 def test_rows_split_into_concurrent_requests_keep_samples_together_and_order(tmp_path):
