@@ -1,7 +1,18 @@
-"""GSM8K -> megarl prompt file. See megarl/data/preprocess.py for the formats.
+"""GSM8K -> megarl prompt file, or verl's train.parquet/test.parquet. See megarl/data/preprocess.py for the formats.
+
+megarl's layout (one prompt file per command):
 
   python scripts/preprocess/gsm8k.py ~/data/gsm8k/train.jsonl --output data/gsm8k/train.jsonl
   python scripts/preprocess/gsm8k.py ~/data/gsm8k/test.jsonl --output data/gsm8k/test.jsonl
+
+verl's layout, from a downloaded copy of openai/gsm8k (this script downloads nothing; without
+--local_dataset_path it says what to download):
+
+  verl:    python examples/data_preprocess/gsm8k.py --local_dir ../data/gsm8k
+  megarl:  python scripts/preprocess/gsm8k.py --local_dataset_path ~/data/raw/gsm8k --local_dir ../data/gsm8k
+
+  then     data.task=../data/gsm8k/train.parquet data.val_task=../data/gsm8k/test.parquet reward.name=gsm8k
+           (verl's data.train_files and data.val_files)
 """
 
 import os
