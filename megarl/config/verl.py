@@ -68,12 +68,16 @@ def count_rows(path: str) -> int | None:
 class VerlValues:
     """The command's verl keys (the user's values over verl's defaults), as conversions read them."""
 
-    def __init__(self, given: dict[str, Any], megarl: dict[str, Any]):
-        self.given, self.megarl = given, megarl
+    def __init__(self, given: dict[str, Any], megarl: dict[str, Any], verl_defaults: bool = True):
+        self.given, self.megarl, self.verl_defaults = given, megarl, verl_defaults
 
     def get(self, key: str):
+        """The command's value; else verl's default, or beside a megarl recipe the megarl option the key names."""
         if key in self.given:
             return self.given[key]
+        target = getattr(BY_KEY[key].convert, "target", None)
+        if not self.verl_defaults and target in self.megarl:
+            return self.megarl[target]
         default = BY_KEY[key].default
         return None if default is MISSING else default
 
@@ -157,7 +161,11 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
             megarl_given.append((tier, key, value))
         else:
             errors.append(unknown_key(key, megarl_keys))
-    result = Plan("verl" if verl_on else "megarl", errors=errors, given={key for _, key, _ in megarl_given})
+    # verl's defaults apply to a command in verl's vocabulary; beside a recipe of megarl's keys, verl's keys are
+    # read as the megarl options they name and the recipe keeps the rest
+    recipe_is_megarl = any(tier < len(sources) - 1 for tier, _, _ in megarl_given)
+    verl_defaults = verl_on and not recipe_is_megarl
+    result = Plan("verl" if verl_defaults else "megarl", errors=errors, given={key for _, key, _ in megarl_given})
     if not verl_on:
         result.assignments = [(key, value) for _, key, value in megarl_given]
         return result
@@ -168,11 +176,11 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
     converted: dict[str, tuple[Any, int, str]] = {}  # megarl key -> (value, source tier (-1: a default), verl key)
     for _ in range(2):
         values = VerlValues(verl_given, dict(megarl_defaults) | {k: v for k, (v, _, _) in converted.items()}
-                            | explicit)
+                            | explicit, verl_defaults)
         converted, notes, refusals = {}, [], []
         for row in VERL_KEYS:
             given = row.key in verl_given
-            if not given and row.default is MISSING:
+            if not given and (row.default is MISSING or not verl_defaults):
                 continue
             value = values.get(row.key)
             try:
@@ -186,12 +194,12 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
                     converted[key] = (v, tier, row.key)
             if given and has_no_effect(row):
                 notes.append(f"{row.key}={value!r}: no effect ({row.note})")
-    for key, value in VERL_FIXED.items():
+    for key, value in VERL_FIXED.items() if verl_defaults else ():
         converted.setdefault(key, (value, -1, "verl's vocabulary"))
     if verl_given.get("actor_rollout_ref.rollout.name") == "vllm" and "rollout.engine" in converted:
         notes.append("actor_rollout_ref.rollout.name='vllm': megarl serves rollouts with SGLang, with the same "
                      f"sampling settings (rollout.engine={converted['rollout.engine'][0]})")
-    if "trainer.steps" not in converted and "trainer.steps" not in explicit:
+    if verl_defaults and "trainer.steps" not in converted and "trainer.steps" not in explicit:
         notes.append(f"trainer.total_epochs: data.train_files={values.get('data.train_files')!r} is not there to "
                      "count its prompts; trainer.steps is counted once it exists")
     for tier, key, value in megarl_given:  # a megarl key and a verl key of one source setting one option

@@ -35,7 +35,11 @@ class VerlKey:
 # ---- conversion builders ------------------------------------------------------------------------------------
 
 def same(target: str, cast: Callable = lambda v: v) -> Callable:
-    return lambda value, verl: {target: cast(value)}
+    """The key is megarl's `target` in the same units (a command beside a megarl recipe reads it back from there)."""
+    def convert(value, verl):
+        return {target: cast(value)}
+    convert.target = target
+    return convert
 
 
 def no_effect(value, verl) -> dict:
