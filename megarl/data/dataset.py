@@ -36,9 +36,30 @@ class Example(dict):
 
 @dataclass
 class PromptLimit:
-    """The most tokens a prompt may have, and where that number comes from (said in the error)."""
+    """The most tokens a prompt may have, where that number comes from (said in the error), and what becomes of a
+    longer prompt (verl's options): an error (or, with data.skip_malformed, a skipped row), cut as `truncation` says
+    (left, right, middle: see truncate), or with `filter` left out and counted."""
     tokens: int
     why: str
+    truncation: str = "error"
+    filter: bool = False
+
+    def over(self, ids: list[int]) -> str:
+        return f"prompt is {len(ids)} tokens, over the limit of {self.tokens} ({self.why})"
+
+
+def truncate(ids: list[int], tokens: int, side: str) -> list[int]:
+    """`tokens` of a longer prompt's ids, as verl's data.truncation keeps them: left keeps the last tokens (the end
+    of the prompt, where a chat template's assistant turn starts), right the first, middle the first tokens // 2
+    and the last tokens - tokens // 2."""
+    if side == "left":
+        return ids[len(ids) - tokens:]
+    if side == "right":
+        return ids[:tokens]
+    if side == "middle":
+        head = tokens // 2
+        return ids[:head] + ids[len(ids) - (tokens - head):]
+    raise ValueError(f"data.truncation={side!r}: a prompt can be cut left, right or middle")
 
 
 class EpochOrder:
@@ -86,6 +107,8 @@ class PromptDataset(EpochOrder):
     Each prompt is rendered and tokenized here, once; one that has no tokens, holds characters the
     tokenizer cannot encode, or is longer than `max_prompt_tokens` raises an InputError naming its row,
     or with `skip_malformed` is left out and counted (`skipped`: the problem by index in `examples`; logged).
+    A prompt longer than the limit is instead cut (its 'prompt' text becomes its cut ids' decoding) where the limit's
+    truncation says so, or left out where its filter is on (`overlong`: by index, as `skipped`; logged in one line).
     A row with `images` (megarl/data/images.py) gets `pixel_values` and `image_grid_thw` from `image_prompts` (the
     vision-language model's image processor) and its image placeholders expanded in `prompt_ids`; a missing or
     unreadable image is a problem of its row, as above.
@@ -98,15 +121,28 @@ class PromptDataset(EpochOrder):
             raise ValueError("PromptDataset needs at least one example")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.examples, self.skipped = [], {}
+        self.examples, self.skipped, self.overlong = [], {}, {}
+        limit, cut = max_prompt_tokens, 0
         for i, ex in enumerate(examples):
             where = getattr(ex, "origin", f"example {i}")
             try:
                 # 'prompt' becomes the text the model sees (chat template applied), so rewards and logs see it too
                 encoded = encode_prompt(ex, tokenizer, chat_template, system_prompt, image_prompts, where)
-                problem = token_problem(tokenizer, encoded["prompt"], encoded["prompt_ids"], max_prompt_tokens)
+                problem = token_problem(tokenizer, encoded["prompt"], encoded["prompt_ids"])
             except InputError as e:  # an image that does not load names its row already
                 encoded, problem = None, str(e).removeprefix(f"{where}: ")
+            if problem is None and limit is not None and len(encoded["prompt_ids"]) > limit.tokens:
+                if limit.filter:
+                    self.overlong[i] = f"{where}: {limit.over(encoded['prompt_ids'])}"
+                    continue
+                if limit.truncation == "error" or encoded.get(IMAGE_INPUTS[0]) is not None:
+                    # cutting a prompt with images would cut its image placeholders apart from its images
+                    problem = limit.over(encoded["prompt_ids"]) + (
+                        "; data.truncation cuts no prompt with images" if limit.truncation != "error" else "")
+                else:
+                    ids = truncate(encoded["prompt_ids"], limit.tokens, limit.truncation)
+                    encoded = dict(encoded, prompt_ids=ids, prompt=tokenizer.decode(ids, skip_special_tokens=False))
+                    cut += 1
             if problem is None:
                 self.examples.append(encoded)
                 continue
@@ -118,8 +154,15 @@ class PromptDataset(EpochOrder):
         if self.skipped:
             logger.warning("skipped %d of %d prompts (data.skip_malformed); the first: %s", len(self.skipped),
                            len(examples), first)
+        if self.overlong:
+            first = next(iter(self.overlong.values()))
+            logger.warning("left out %d of %d prompts over %d tokens (%s; data.filter_overlong_prompts); the first: %s",
+                           len(self.overlong), len(examples), limit.tokens, limit.why, first)
+        if cut:
+            logger.warning("cut %d of %d prompts to %d tokens (%s; data.truncation=%s)", cut, len(examples),
+                           limit.tokens, limit.why, limit.truncation)
         if not self.examples:
-            raise InputError(f"no usable prompts: all {len(examples)} were skipped; the first: {first}")
+            raise InputError(f"no usable prompts: all {len(examples)} were skipped or left out; the first: {first}")
         self.batch_size = batch_size
         super().__init__(len(self.examples), seed)
 
@@ -149,16 +192,14 @@ def encode_prompt(example: dict, tokenizer, chat_template: bool, system_prompt: 
                           system_prompt)[0]
 
 
-def token_problem(tokenizer, text: str, ids: list[int], limit: PromptLimit | None) -> str | None:
-    """What is wrong with a rendered prompt and its token ids, or None."""
+def token_problem(tokenizer, text: str, ids: list[int]) -> str | None:
+    """What is wrong with a rendered prompt and its token ids (its length aside), or None."""
     if not ids:
         return f"prompt {text[:60]!r} has no tokens"
     lost = unencodable_characters(tokenizer, text, ids)
     if lost:
         return (f"characters the tokenizer cannot encode (dropped, or mapped to its unknown token): {lost!r} "
                 f"in prompt {text[:60]!r}")
-    if limit is not None and len(ids) > limit.tokens:
-        return f"prompt is {len(ids)} tokens, over the limit of {limit.tokens} ({limit.why})"
     return None
 
 

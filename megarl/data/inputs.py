@@ -6,7 +6,7 @@ the file (and row) or the config key."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.config.model_layout import check_model_layout, check_rollout_model
@@ -32,29 +32,52 @@ def read_model_config(path: str | Path, key: str = "model.path") -> dict:
 
 
 def prompt_limit(cfg, model_config: dict, where: str) -> PromptLimit | None:
-    """The longest prompt that leaves room for a full response in the model's positions:
+    """The longest prompt (with what becomes of a longer one: data.truncation, data.filter_overlong_prompts):
+    data.max_prompt_length where set, else the most that leaves room for a full response in the model's positions,
     max_position_embeddings minus the response budget (rollout.max_new_tokens; agent.max_response_tokens for
     multi-turn rollouts). A longer prompt's samples would run past the positions the model was trained on
-    (or be cut by the engine), so it is refused at load time. None when the config gives no length."""
+    (or be cut by the engine), so a data.max_prompt_length beyond that room is refused too. None when neither
+    data.max_prompt_length nor the config gives a length."""
+    d = cfg.data
+    options = {"truncation": d.truncation, "filter": d.filter_overlong_prompts}
     positions = model_config.get("max_position_embeddings")
-    if not isinstance(positions, int):
+    room = None
+    if isinstance(positions, int):
+        key, budget = (("agent.max_response_tokens", cfg.agent.max_response_tokens) if cfg.agent.enabled
+                       else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+        if budget >= positions:
+            raise InputError(f"{key}={budget} leaves no room for a prompt: the model ({where}) has "
+                             f"max_position_embeddings={positions}")
+        room = positions - budget
+        if d.max_prompt_length > room:
+            raise InputError(f"data.max_prompt_length={d.max_prompt_length} with {key}={budget} runs past the "
+                             f"model's max_position_embeddings={positions} ({where}): at most {room}; lower "
+                             f"data.max_prompt_length or {key}")
+    if d.max_prompt_length:
+        return PromptLimit(d.max_prompt_length, f"data.max_prompt_length={d.max_prompt_length}", **options)
+    if room is None:
         return None
-    key, budget = (("agent.max_response_tokens", cfg.agent.max_response_tokens) if cfg.agent.enabled
-                   else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
-    if budget >= positions:
-        raise InputError(f"{key}={budget} leaves no room for a prompt: the model ({where}) has "
-                         f"max_position_embeddings={positions}")
-    return PromptLimit(positions - budget, f"max_position_embeddings {positions} of {where} - {key} {budget}")
+    return PromptLimit(room, f"max_position_embeddings {positions} of {where} - {key} {budget}", **options)
 
 
 @dataclass
 class PromptSets:
     """The prompts of a run: RL training, the supervised warm start, and the held-out batch; `skipped` says
-    what data.skip_malformed left out of them (file, row and problem), rows and tokenized prompts alike."""
+    what data.skip_malformed left out of them (file, row and problem), rows and tokenized prompts alike, and
+    `overlong` what data.filter_overlong_prompts left out (file, row and length) of `limit`."""
     train: PromptDataset
     sft: PromptDataset
     val: list[dict]
     skipped: list[str]
+    overlong: list[str] = field(default_factory=list)
+    limit: PromptLimit | None = None
+
+    def left_out(self) -> str:
+        """What data.filter_overlong_prompts left out, as the start-up line says it; empty when nothing."""
+        if not self.overlong:
+            return ""
+        return (f"{len(self.overlong)} prompts over {self.limit.tokens} tokens ({self.limit.why}) left out "
+                f"(data.filter_overlong_prompts)")
 
 
 def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
@@ -68,14 +91,16 @@ def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
     train_set = PromptDataset(train, tokenizer, cfg.data.prompts_per_step, seed, **options)
     val_set = PromptDataset(val[:cfg.data.val_size], tokenizer, 1, 0, **options)  # taken whole, below
     skipped += [*train_set.skipped.values(), *val_set.skipped.values()]
+    overlong = [*train_set.overlong.values(), *val_set.overlong.values()]
     if cfg.sft.data:  # multi-turn traces
         traces = load_prompt_file(cfg.sft.data, cfg.data.skip_malformed, skipped)
         sft_set = PromptDataset(traces, tokenizer, cfg.sft.batch_size, seed + 1, **options)
         skipped += sft_set.skipped.values()
+        overlong += sft_set.overlong.values()
     else:  # the training prompts' reference answers, those that passed above
-        sft_examples = [ex for i, ex in enumerate(train) if i not in train_set.skipped]
+        sft_examples = [ex for i, ex in enumerate(train) if i not in train_set.skipped and i not in train_set.overlong]
         sft_set = PromptDataset(sft_examples, tokenizer, cfg.sft.batch_size, seed + 1, **options)
-    return PromptSets(train_set, sft_set, val_set.next_batch(len(val_set)), skipped)
+    return PromptSets(train_set, sft_set, val_set.next_batch(len(val_set)), skipped, overlong, limit)
 
 
 def image_prompts(cfg, tokenizer, examples: list[dict]):
@@ -118,6 +143,7 @@ def check_inputs(cfg) -> tuple[str, dict, int]:
                                str(Path(path) / "config.json"))
     prompts = prompt_datasets(cfg, tokenizer, prompt_limit(cfg, model_config, where))
     skipped = f", {len(prompts.skipped)} skipped (data.skip_malformed)" if prompts.skipped else ""
+    skipped += f", {prompts.left_out()}" if prompts.overlong else ""
     longest = max(len(ex["prompt_ids"]) for ex in [*prompts.train.examples, *prompts.val])
     summary = "\n  skipped ".join([f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}"
                                    f", the longest {longest} tokens", *prompts.skipped[:5]])
@@ -125,10 +151,19 @@ def check_inputs(cfg) -> tuple[str, dict, int]:
 
 
 def load_tokenizer(path: str):
+    """The model directory's tokenizer, its end-of-sequence token also its padding where it has none (Llama 3 and
+    others; as verl does), so that every process that loads it pads with the same id. Rows are padded on the right
+    behind an attention mask, so a padding id equal to EOS is never read as a token."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError ... for a missing or broken one
         reason = " ".join(str(e).split())  # transformers' messages run over several lines
         raise InputError(f"model.path={path}: its tokenizer does not load ({type(e).__name__}: {reason})") from None
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise InputError(f"model.path={path}: its tokenizer has neither a pad token nor an eos token (set "
+                             "eos_token in its tokenizer_config.json): rows cannot be padded, responses cannot end")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
