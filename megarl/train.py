@@ -7,10 +7,11 @@ import contextlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 from megarl.config import ConfigError, help_text, load_config
-from megarl.config.summary import describe, profile_line
-from megarl.data.files import InputError
+from megarl.config.summary import PROMPT_FILES, describe, profile_line
+from megarl.data.files import InputError, MalformedRow, iter_records
 
 
 def parse_args(argv):
@@ -29,10 +30,63 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def start_ray(cfg, cpus_needed: float):
-    """Join trainer.ray_address, or start a local Ray with at least `cpus_needed` logical CPUs; returns ray."""
-    if not cfg.trainer.ray_address:
-        # A local cluster stays on loopback: without this Ray swaps 127.0.0.1 for the host's address.
+def rl_gpus_needed(cfg) -> float:
+    """The GPUs an RL run's actors take on cuda (megarl/workers/group.py): 0.9 of a GPU per training rank, split
+    among the roles (policy, critic, reward model) that share it, and the rollout actor's SGLang GPUs, or a tenth of
+    one beside the ranks."""
+    sizes = [cfg.actor.parallel.world_size]
+    sizes += [cfg.critic.parallel.world_size] if cfg.algorithm.advantage == "gae" else []
+    sizes += [cfg.reward_model.parallel.world_size] if cfg.reward_model.path else []
+    return 0.9 * sum(sizes) / len(sizes) + (cfg.rollout.sglang_gpus or 0.1)
+
+
+def refuse(problem: str):
+    """Ends the run as main() ends one on a config error: the problem on stderr, exit status 2."""
+    print(f"config error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def cluster_to_join(cfg) -> tuple[str, str] | None:
+    """The Ray cluster this run joins and what named it, in this order: trainer.ray_address; RAY_ADDRESS (what `ray
+    job submit` sets for its driver); the cluster that the last `ray start` on this node recorded, while it answers.
+    None: start a local one (also trainer.ray_address=local); trainer.ray_address=auto joins or fails."""
+    import socket
+
+    address = cfg.trainer.ray_address
+    if address not in ("", "auto", "local"):
+        return address, "trainer.ray_address"
+    if address == "local":
+        return None
+    env = os.environ.get("RAY_ADDRESS", "")
+    if env and not env.startswith(("http://", "https://")):  # a dashboard's URL serves `ray job`, not a driver
+        return env, "RAY_ADDRESS"
+    # Where `ray start` records it (Ray's get_ray_address_file), read before Ray is imported: see start_ray.
+    record = os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray",
+                          "ray_current_cluster")
+    try:
+        with open(record) as f:
+            found = f.read().strip()
+        host, _, port = found.rpartition(":")
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return found, record
+    except (OSError, ValueError):  # none; or stale: a node ended without `ray stop` leaves its record behind
+        pass
+    if address == "auto":
+        refuse(f"trainer.ray_address=auto: no Ray cluster to join (RAY_ADDRESS is unset, and {record} names no live "
+               "one): start one (ray start --head) or name it, trainer.ray_address=IP:PORT")
+    return None
+
+
+def start_ray(cfg, cpus_needed: float, gpus_needed: float | None = None):
+    """Join the Ray cluster that cluster_to_join finds, after checking that it has the CPUs (and on cuda the GPUs:
+    `gpus_needed`, an RL run's by default) the run needs; else start a local Ray with at least `cpus_needed` logical
+    CPUs. Returns ray. ray.shutdown() at the end of the run leaves a joined cluster up: it only disconnects."""
+    join = cluster_to_join(cfg)
+    host = join[0].split("://")[-1].rpartition(":")[0] if join else ""
+    if join is None or host.startswith("127.") or host == "localhost":
+        # Ray keeps 127.0.0.1 as this node's address, which it reads when imported: a local cluster stays on loopback,
+        # and one that listens there only (ray_cluster.sh head without --ip) can be joined. Without it, Ray swaps
+        # 127.0.0.1 for the host's address; a cluster on every interface is joined either way.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
@@ -40,11 +94,40 @@ def start_ray(cfg, cpus_needed: float):
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.trainer.threads_per_rank))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cfg.trainer.ray_address:
-        ray.init(address=cfg.trainer.ray_address)
-    else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)), include_dashboard=False,
-                 log_to_driver=True)
+    if join is None:
+        # "local": a new Ray even beside a cluster that Ray would find itself (it refuses num_cpus for one it joins)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+                 include_dashboard=False, log_to_driver=True)
+        return ray
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    # Where RAY_AUTH_MODE is unset, use this node's token if it has one, as `ray start` does: a cluster that `ray
+    # start` brought up where a token exists (any local ray.init() writes ~/.ray/auth_token) refuses clients without.
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    address, source = join
+    ray.init(address=address)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    cpus, gpus = (sum(n["Resources"].get(key, 0.0) for n in nodes) for key in ("CPU", "GPU"))
+    print(f"megarl: joined the Ray cluster at {address} ({source}): {len(nodes)} node(s), {cpus:g} CPUs "
+          f"({ray.available_resources().get('CPU', 0.0):g} free), {gpus:g} GPUs", flush=True)
+    from megarl.trainer import resolve_device
+
+    if resolve_device(cfg) != "cuda":
+        gpus_needed = 0.0
+    elif gpus_needed is None:
+        gpus_needed = rl_gpus_needed(cfg)
+    short = []
+    if cpus < cpus_needed:  # the placement group would wait for them until its timeout
+        short.append(f"{cpus_needed:g} CPUs, and it has {cpus:g}: trainer.cpus_per_rank={cfg.trainer.cpus_per_rank:g} "
+                     "per training rank (actor/critic/reward_model.parallel.world_size of them) and, in an RL run, "
+                     f"rollout.num_cpus={cfg.rollout.num_cpus:g} set it")
+    if gpus < gpus_needed - 1e-6:
+        short.append(f"{gpus_needed:g} GPUs, and it has {gpus:g}: 0.9 of one per training rank (the world sizes) "
+                     f"and rollout.sglang_gpus={cfg.rollout.sglang_gpus} set it")
+    if short:
+        ray.shutdown()
+        refuse(f"the Ray cluster at {address} is too small for this run, which needs " + "; and ".join(short)
+               + ". Lower them, or give the cluster more (ray start --num-cpus/--num-gpus on its nodes, or more nodes)")
     return ray
 
 
@@ -127,22 +210,43 @@ def generation_placement(r) -> str:
             f"({count(r.sglang_gpus, 'GPU')} of their own)")
 
 
+def first_prompt_row(cfg) -> dict | None:
+    """The training prompt file's first row, where data.task names one that is there: the reward is tried on it."""
+    if not cfg.data.task.endswith(PROMPT_FILES) or not Path(cfg.data.task).is_file():
+        return None
+    for _, record in iter_records(cfg.data.task):
+        return None if isinstance(record, MalformedRow) else record  # a malformed row is the prompt loader's to name
+    return None
+
+
+def reward_key(cfg) -> str:
+    """The key a reward's errors name: verl's custom_reward_function.path where a verl command named it."""
+    return "custom_reward_function.path" if cfg.profile == "verl" and cfg.reward.name else "reward.name"
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
         from megarl.algorithms import check_registry_names  # the registries live above the config layer
+        from megarl.rewards.loading import check_reward
+        from megarl.utils.tracking import check_loggers
 
         check_registry_names(cfg.algorithm)
+        check_loggers(cfg.trainer.loggers)
+        reward = check_reward(cfg, first_prompt_row(cfg), reward_key(cfg))  # imported and tried before anything starts
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except InputError as e:
+        print(f"input error: {e}", file=sys.stderr)
         return 2
     print(profile_line(cfg))
     for note in cfg.notes:
         print(f"note: {note}")
     layout = cfg.actor.parallel.describe()
     config_ok = f"config ok: {layout}; rollout={generation_placement(cfg.rollout)}; {cfg.trainer.steps} RL steps"
-    summary = "\n".join(f"  {line}" for line in describe(cfg))
+    summary = "\n".join(f"  {line}" for line in describe(cfg) + [reward])
     if args.check_config:
         print(config_ok)
         print(summary)
@@ -163,6 +267,11 @@ def main(argv=None) -> int:
         print(planned_memory(cfg, model_config, longest))
         return 0
 
+    missing = [f"{key}={path}" for key, path in (("data.task", cfg.data.task), ("data.val_task", cfg.data.val_task))
+               if path.endswith(PROMPT_FILES) and not Path(path).is_file()]
+    if missing:  # named before Ray and the workers start
+        print(f"input error: prompt file not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
     # every training rank (the policy's, the critic's, the reward model's) and the rollout actor
     ranks = (cfg.actor.parallel.world_size
              + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
