@@ -120,11 +120,10 @@ class RolloutWorker:
         """The agent loop and its tools, built on first use; a vision-language policy's with its image processor
         (its tools may answer with images)."""
         if self.agent is None:
-            from transformers import AutoTokenizer
-
             from megarl.data.images import ImagePrompts
+            from megarl.data.inputs import load_tokenizer  # its padding, the driver's (EOS where the model has none)
 
-            tokenizer, d = AutoTokenizer.from_pretrained(self.model_path), self.cfg.data
+            tokenizer, d = load_tokenizer(self.model_path), self.cfg.data
             images = ImagePrompts(self.model_path, tokenizer, d.min_pixels, d.max_pixels) \
                 if (Path(self.model_path) / "preprocessor_config.json").exists() else None
             self.agent = AgentLoop(self.engine, tokenizer, build_tools(self.cfg.agent.tools), self.cfg.agent,
