@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from megarl.config import ConfigError, help_text, load_config
-from megarl.config.summary import PROMPT_FILES, describe, profile_line
+from megarl.config.summary import PROMPT_FILES, describe, profile_line, toy_task_problem
 from megarl.data.files import InputError, MalformedRow, iter_records
 
 
@@ -247,6 +247,12 @@ def main(argv=None) -> int:
     layout = cfg.actor.parallel.describe()
     config_ok = f"config ok: {layout}; rollout={generation_placement(cfg.rollout)}; {cfg.trainer.steps} RL steps"
     summary = "\n".join(f"  {line}" for line in describe(cfg) + [reward])
+    toy = toy_task_problem(cfg)  # a run stops on it; the checks only warn, being run on configs under construction
+    if toy and (args.check_config or args.dry_run):
+        print(f"warning: {toy}")
+    elif toy:
+        print(f"config error: {toy}", file=sys.stderr)
+        return 2
     if args.check_config:
         print(config_ok)
         print(summary)

@@ -8,6 +8,15 @@ from megarl.config.verl import count_rows
 PROMPT_FILES = (".jsonl", ".parquet", ".json")
 
 
+def toy_task_problem(cfg) -> str | None:
+    """A real model given no prompts would train the built-in toy task: said unless the command named the task."""
+    if cfg.given is None or cfg.model.path == "tiny" or "data.task" in cfg.given or cfg.data.task.endswith(PROMPT_FILES):
+        return None
+    return (f"model.path={cfg.model.path} with no prompt file: data.task is the built-in toy task {cfg.data.task!r}. "
+            f"Name the prompts (data.task=<file.parquet|jsonl>, or verl's data.train_files=...), or set "
+            f"data.task={cfg.data.task} to train on the toy task")
+
+
 def profile_line(cfg) -> str:
     if cfg.profile == "verl":
         return ("profile: verl (the command's keys are verl's: verl's defaults apply to the verl keys it does not set, "

@@ -214,11 +214,6 @@ class ConfigChecks:
 
     def _validate_data_and_reward(self) -> None:
         r = self.reward
-        if (self.given is not None and self.model.path != "tiny" and "data.task" not in self.given
-                and not self.data.task.endswith((".jsonl", ".parquet", ".json"))):
-            raise ConfigError(f"model.path={self.model.path} with no prompt file: data.task is the built-in toy task "
-                              f"{self.data.task!r}. Name the prompts (data.task=<file.parquet|jsonl>, or verl's "
-                              f"data.train_files=...), or set data.task={self.data.task} to train on the toy task")
         d = self.data
         if d.min_pixels < 0 or d.max_pixels < 0 or 0 < d.max_pixels < d.min_pixels:
             raise ConfigError(f"data.min_pixels={d.min_pixels}, data.max_pixels={d.max_pixels}: must be >= 0 (0 = the "
