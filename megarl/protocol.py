@@ -12,7 +12,8 @@ Token layout, shared by every stage (token in, token out, nothing is re-tokenise
   rewards         [B]    float
   policy_version  [B]    int64   the policy step that generated the sample
 Non-tensor fields: `group` (prompt index, for group-relative advantages), `prompt`, `response`
-(text, for logs only), `answer` (what the reward compares against); a vision-language policy's rows also
+(text, for logs only), `answer` (what the reward compares against), `data_source` and `extra_info` (REWARD_FIELDS:
+the prompt row's, for the reward; None where the row has none); a vision-language policy's rows also
 `pixel_values` [patches, features] and `image_grid_thw` [images, 3] (IMAGE_INPUTS; None for a text-only row).
 """
 
@@ -24,6 +25,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw")  # per-row model inputs of a vision-language policy's batch
+REWARD_FIELDS = ("data_source", "extra_info")  # prompt-row fields (verl's layout) that reach the reward's samples
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Iterator
 
 import torch
 
-from megarl.protocol import IMAGE_INPUTS, Batch
+from megarl.protocol import IMAGE_INPUTS, REWARD_FIELDS, Batch
 
 
 @dataclass
@@ -60,13 +60,13 @@ def split_groups(batch: Batch) -> list[Batch]:
 
 
 def prompt_record(group: Batch) -> dict:
-    """A group's prompt as the data loader gives it (prompt_ids, prompt, answer, and a vision-language prompt's
-    images), from its first row: the tokens before the first model token."""
+    """A group's prompt as the data loader gives it (prompt_ids, prompt, answer, the row's REWARD_FIELDS and a
+    vision-language prompt's images), from its first row: the tokens before the first model token."""
     model_tokens = group["loss_mask"][0].nonzero()
     length = int(model_tokens[0]) if len(model_tokens) else int(group["attention_mask"][0].sum())
-    images = {k: group[k][0] for k in IMAGE_INPUTS if k in group}
+    kept = {k: group[k][0] for k in IMAGE_INPUTS + REWARD_FIELDS if k in group}
     return {"prompt_ids": group["tokens"][0, :length].tolist(), "prompt": group["prompt"][0],
-            "answer": group["answer"][0]} | images
+            "answer": group["answer"][0]} | kept
 
 
 class RolloutBuffer:

@@ -217,7 +217,8 @@ def unencodable_characters(tokenizer, text: str, ids: list[int]) -> str:
 def prompt_problem(record: dict, key: str = "prompt") -> str | None:
     """What is wrong with a prompt record, or None. A record has its prompt in field `key` (a string, or a list of
     chat messages {'role', 'content'}) and 'answer' (a string or number; verl's layout, with the answer in
-    'reward_model': {'ground_truth': ...}, is read too)."""
+    'reward_model': {'ground_truth': ...}, is read too, where it may also be a list or dict: a search task's
+    {'target': [...]}, a code task's tests)."""
     prompt = record.get(key)
     if isinstance(prompt, list):
         if not prompt:
@@ -232,7 +233,8 @@ def prompt_problem(record: dict, key: str = "prompt") -> str | None:
     elif not prompt.strip():
         return f"field {key!r} is empty ({prompt!r})"
     answer = record_answer(record)
-    if not isinstance(answer, str):
+    structured = record.get("answer") is None and isinstance(answer, (list, dict))  # verl's ground_truth
+    if not isinstance(answer, str) and not structured:
         return f"field 'answer' must be a string, got {answer!r}"
     return None
 

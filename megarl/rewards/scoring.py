@@ -125,15 +125,7 @@ def score(samples, fn: Callable, timeout_s: float | None = None, num_workers: in
     `num_workers`: calls at once."""
     samples = as_samples(samples)
     deadline = time.monotonic() + batch_timeout_s if batch_timeout_s else None
-    num_workers = max(1, num_workers)
-    if hasattr(fn, "score_batch"):
-        outcomes = _score_batch(samples, fn)
-    elif hasattr(fn, "run_calls"):
-        outcomes = fn.run_calls(samples, timeout_s, num_workers, deadline)
-    elif num_workers == 1 and threading.current_thread() is threading.main_thread():
-        outcomes = _run_one_by_one(samples, fn, timeout_s, deadline)
-    else:
-        outcomes = run_threads(samples, lambda sample: call_reward(fn, sample), timeout_s, num_workers, deadline)
+    outcomes = call_all(samples, fn, timeout_s, max(1, num_workers), deadline)
     rewards, failures = [], []
     for i, (sample, outcome) in enumerate(zip(samples, outcomes)):
         if isinstance(outcome, BaseException):
@@ -144,6 +136,19 @@ def score(samples, fn: Callable, timeout_s: float | None = None, num_workers: in
         logger.warning("reward %s failed on %d of %d samples (scored 0); the first: %s",
                        getattr(fn, "__name__", fn), len(failures), len(samples), failures[0].describe())
     return Scores(rewards, failures)
+
+
+def call_all(samples: list[dict], fn: Callable, timeout_s: float | None, num_workers: int,
+             deadline: float | None) -> list:
+    """One outcome per sample: its reward, or the exception that failed it (the module docstring says where the
+    calls run)."""
+    if hasattr(fn, "score_batch"):
+        return _score_batch(samples, fn)
+    if hasattr(fn, "run_calls"):
+        return fn.run_calls(samples, timeout_s, num_workers, deadline)
+    if num_workers == 1 and threading.current_thread() is threading.main_thread():
+        return _run_one_by_one(samples, fn, timeout_s, deadline)
+    return run_threads(samples, lambda sample: call_reward(fn, sample), timeout_s, num_workers, deadline)
 
 
 def _score_batch(samples: list[dict], fn) -> list:

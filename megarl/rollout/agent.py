@@ -48,7 +48,7 @@ import torch
 
 from megarl.config import AgentConfig  # the loop's settings: a recipe's `agent` section
 from megarl.data.images import IMAGE_PAD, IMAGE_SLOT, VISION_END, VISION_START, load_image
-from megarl.protocol import IMAGE_INPUTS, Batch
+from megarl.protocol import IMAGE_INPUTS, REWARD_FIELDS, Batch
 from megarl.rollout.base import Generation, ImageInputs, RolloutEngine, SamplingParams
 from megarl.rollout.batching import rows_to_tensors
 from megarl.rollout.tools import Tool, ToolError, ToolResult
@@ -434,7 +434,8 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
 
     `prompts[i]` has `prompt` and `answer` (as for generations_to_batch). Non-tensor fields: `group`,
     `prompt`, `answer`, `response` (the last model turn's text without special tokens: the answer a
-    reward compares), `trajectory` (Trajectory.summary(): every turn, tool call and result) and, where any row has
+    reward compares), `trajectory` (Trajectory.summary(): every turn, tool call and result), the prompt row's
+    REWARD_FIELDS and, where any row has
     images, each row's `pixel_values` and `image_grid_thw` (Trajectory.images: its prompt's and its tools'; None for
     a text-only row), the per-row fields MegatronEngine reads.
     """
@@ -453,7 +454,8 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
          "prompt": [prompts[t.prompt_index]["prompt"] for t in trajectories],
          "response": responses,
          "answer": [prompts[t.prompt_index]["answer"] for t in trajectories],
-         "trajectory": [t.summary() for t in trajectories]} | images)
+         "trajectory": [t.summary() for t in trajectories]}
+        | {k: [prompts[t.prompt_index].get(k) for t in trajectories] for k in REWARD_FIELDS} | images)
 
 
 def agent_metrics(batch: Batch, prefix: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.protocol import IMAGE_INPUTS, Batch
+from megarl.protocol import IMAGE_INPUTS, REWARD_FIELDS, Batch
 from megarl.rollout.base import Generation, ImageInputs
 
 
@@ -20,7 +20,8 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
                          tokenizer) -> Batch:
     """One row per generation: tokens = prompt_ids + response ids, right-padded with `pad_id`.
 
-    `prompts[i]` has `prompt_ids`, `prompt` and `answer`; `generations[j].prompt_index` points into it.
+    `prompts[i]` has `prompt_ids`, `prompt` and `answer` (and may have REWARD_FIELDS); `generations[j].prompt_index`
+    points into it.
     loss_mask and rollout_logprobs are set at exactly the response positions (rollout_logprobs[t] is
     the engine's log p(tokens[t] | tokens[<t])). `response` is the decoded text without the stop token.
     policy_version per row: its oldest token's version where the generation has versions, else `policy_version`.
@@ -45,7 +46,8 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
         {"group": [g.prompt_index for g in generations],
          "prompt": [prompts[g.prompt_index]["prompt"] for g in generations],
          "response": responses,
-         "answer": [prompts[g.prompt_index]["answer"] for g in generations]} | images)
+         "answer": [prompts[g.prompt_index]["answer"] for g in generations]}
+        | {k: [prompts[g.prompt_index].get(k) for g in generations] for k in REWARD_FIELDS} | images)
 
 
 def rows_to_tensors(prompt_ids: list[list[int]], response_ids: list[list[int]], loss_masks: list[list[float]],

@@ -1,14 +1,22 @@
 """Name -> function registries for what users extend (advantage estimators, policy losses, rewards, tools).
 
 A plugin is a plain function. It is either registered under a name with the `register` decorator,
-or referred to directly as `package.module:function` (imported on first use), so users extend
-megarl without editing it.
+or referred to directly as `package.module:function` (imported on first use) or `/path/to/file.py:function`
+(the file imported by its path, a relative path from the working directory), so users extend megarl
+without editing it.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import hashlib
 import importlib
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
 from typing import Callable, TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -37,7 +45,7 @@ class Registry:
         return add
 
     def get(self, name: str) -> Callable:
-        """A registered name, or a `module:function` path."""
+        """A registered name, a `module:function` path or a `file.py:function` path."""
         if name in self._entries:
             return self._entries[name]
         if ":" in name:
@@ -56,21 +64,77 @@ class Registry:
 
 
 def _load(path: str, kind: str) -> Callable:
-    module_name, _, attr = path.partition(":")
+    module_name, _, attr = path.rpartition(":")
+    if module_name.endswith(".py") and attr:
+        return FileFunction(module_name, attr, kind)
     if not module_name or not attr:
         raise ValueError(f"{kind} path '{path}' must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ImportError(f"{kind} '{path}': cannot import module '{module_name}': {e}") from e
+    return _attribute(module, attr, f"{kind} '{path}'", f"'{module_name}'")
+
+
+def _attribute(module: ModuleType, attr: str, what: str, where: str) -> Callable:
     fn = module
     for part in attr.split("."):  # allows module:Class.method
         if not hasattr(fn, part):
-            raise AttributeError(f"{kind} '{path}': '{module_name}' has no attribute '{attr}'")
+            raise AttributeError(f"{what}: {where} has no attribute '{attr}'")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise TypeError(f"{kind} '{path}' is a {type(fn).__name__}, not a function")
+        raise TypeError(f"{what} is a {type(fn).__name__}, not a function")
     return fn
+
+
+class FileFunction:
+    """A function of a .py file imported by its path, called as the function is (its signature is the function's).
+
+    It pickles as the file's path and the function's name, and unpickling imports the file: a process it is sent
+    to (a reward process) could not import the function by reference, since no module on any path holds it."""
+
+    def __init__(self, path: str, attr: str, kind: str = "plugin"):
+        self.path, self.attr, self.kind = str(Path(path).resolve()), attr, kind
+        self.fn = _attribute(_file_module(self.path, kind), attr, f"{kind} '{path}:{attr}'", self.path)
+        functools.update_wrapper(self, self.fn, updated=())  # its name and signature; not its attributes
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return FileFunction, (self.path, self.attr, self.kind)
+
+
+_FILE_MODULES: dict[str, ModuleType] = {}  # by absolute path: a file's functions share one import of it
+
+
+def _file_module(path: str, kind: str) -> ModuleType:
+    if path in _FILE_MODULES:
+        return _FILE_MODULES[path]
+    if not Path(path).is_file():
+        raise ImportError(f"{kind} file not found: {path}")
+    # in sys.modules while it runs and after, as an import would be: dataclasses and pickle look classes up there
+    name = f"megarl_file_{Path(path).stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[name]
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit
+            raise
+        raise ImportError(f"{kind} file {path} does not import: {_failure(e, path)}") from e
+    _FILE_MODULES[path] = module
+    return module
+
+
+def _failure(error: Exception, path: str) -> str:
+    """The error and the line of `path` it was raised at (a syntax error's own line)."""
+    if isinstance(error, SyntaxError) and error.filename == path:
+        return f"{type(error).__name__}: {error.msg} (line {error.lineno})"
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == path]
+    return f"{type(error).__name__}: {error}" + (f" (line {lines[-1]})" if lines else "")
 
 
 def _qualname(fn: Callable) -> str:
