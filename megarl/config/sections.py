@@ -406,8 +406,11 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = opt("", "reward function: registry name (gsm8k, gsm8k_flexible, math, countdown, code, remote, "
-                        "...) or package.module:function; empty = the built-in task's own")
+    name: str = opt("", "reward function: registry name (gsm8k, gsm8k_flexible, math, math_dapo, geo3k, qa_em, "
+                        "countdown, code, remote, data_source, ...), package.module:function or "
+                        "path/to/file.py:function (a function with verl's compute_score signature is called as verl "
+                        "calls it); empty = the built-in task's own, or for a prompt file each row's data_source "
+                        "(verl's default scorer)")
     timeout_s: float = opt(30.0, "a reward call running longer scores 0 and is counted as failed; 0 = no limit")
     batch_timeout_s: float = opt(1800.0, "a batch's reward calls all together: calls not finished when it runs out "
                                          "score 0 and are counted as failed; 0 = no limit")
