@@ -60,7 +60,8 @@ def main(argv=None) -> int:
 
     from megarl.train import run_trainer, start_ray
 
-    ray = start_ray(cfg, cfg.reward_model.parallel.world_size * cfg.trainer.cpus_per_rank)
+    ranks = cfg.reward_model.parallel.world_size  # the run's only engine: 0.9 of a GPU each on cuda
+    ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank, gpus_needed=0.9 * ranks)
     print(f"megarl reward model: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
     done = run_trainer(cfg, ray, RMTrainer, RMTrainer.export)
     if done is None:

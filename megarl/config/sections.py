@@ -544,7 +544,9 @@ class TrainerConfig:
                                               "weights, grads and optimizer state in host memory and the rollout "
                                               "engine releases its memory during training; auto (on for sglang on "
                                               "GPU), always (CPU too) or never")
-    ray_address: str = opt("", "Ray cluster to join; empty = start a local one")
+    ray_address: str = opt("", "Ray cluster to join (IP:PORT); empty = RAY_ADDRESS, else the one `ray start` "
+                               "left on this node, else a new local one; auto = join, never start; local = "
+                               "always a new local one")
     placement: str = opt("pack", "how training ranks spread over Ray nodes: pack, spread or strict_spread "
                                  "(Ray placement-group strategies)")
     save_every: int = opt(0, "write a checkpoint every N RL steps and after the last one; 0 = never")
