@@ -31,7 +31,8 @@ reward model served by a training engine role: it returns an object with `score_
 `score` calls once per batch. `score` (scoring.py) applies a reward to a batch and never lets a failing
 reward end a run by itself: a call that raises, returns anything but a finite number or times out scores 0
 and is returned as a failure; the trainer stops a run whose failures pass reward.max_failure_rate
-(failures.py). loading.check_reward tries the reward on the prompt file's first row before a run starts.
+(failures.py). megarl.rewards.loading.check_reward tries the reward on the prompt file's first row before a
+run starts.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def build_reward(cfg, task: str = ""):
     """The reward a RewardConfig names (loading.reward_name: with cfg.name empty, the built-in `task`'s own, or each
     row's data_source for a prompt file): a builder's product, or a function called as megarl calls a reward (in a
     RewardPool with reward.isolation=process). A function that does not load is a ConfigError naming reward.name."""
+    # here, not at import: loading imports the config layer, which reward processes (importing this package) need not
+    from megarl.rewards.loading import reward_function, reward_name
+
     name = reward_name(cfg, task)
     if name in REWARD_BUILDERS:
         return REWARD_BUILDERS.get(name)(cfg)
@@ -66,7 +70,5 @@ from megarl.rewards.pool import RewardPool  # noqa: E402
 from megarl.rewards.scoring import Scores, score  # noqa: E402
 from megarl.rewards import (code, countdown, data_source, geo3k, gsm8k, math, math_dapo,  # noqa: E402,F401
                             qa_em, remote, synthetic, tool_use)  # (registration)
-from megarl.rewards.loading import check_reward, reward_function, reward_name  # noqa: E402
 
-__all__ = ["REWARDS", "REWARD_BUILDERS", "RewardFn", "RewardPool", "Scores", "build_reward", "check_reward",
-           "get_reward_fn", "score"]
+__all__ = ["REWARDS", "REWARD_BUILDERS", "RewardFn", "RewardPool", "Scores", "build_reward", "get_reward_fn", "score"]

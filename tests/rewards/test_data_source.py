@@ -9,8 +9,9 @@ import pytest
 from megarl.config import ConfigError, RewardConfig, load_config
 from megarl.data.dataset import load_prompt_file
 from megarl.data.files import write_records
-from megarl.rewards import build_reward, check_reward, score
+from megarl.rewards import build_reward, score
 from megarl.rewards.data_source import DataSourceReward
+from megarl.rewards.loading import check_reward
 from megarl.rollout.base import Generation
 from megarl.rollout.batching import generations_to_batch
 

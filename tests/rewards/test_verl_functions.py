@@ -6,7 +6,8 @@ import textwrap
 import pytest
 
 from megarl.config import ConfigError, RewardConfig, load_config
-from megarl.rewards import build_reward, check_reward, score
+from megarl.rewards import build_reward, score
+from megarl.rewards.loading import check_reward
 
 # the same reward twice: verl's convention (data_source and extra_info used, so each must arrive) and megarl's
 REWARDS_PY = '''
