@@ -14,6 +14,7 @@ from megarl.rewards.data_source import DataSourceReward
 from megarl.rewards.loading import check_reward
 from megarl.rollout.base import Generation
 from megarl.rollout.batching import generations_to_batch
+from megarl.rollout_buffer import prompt_record
 
 STDIN_SUM = json.dumps({"inputs": ["1 2\n", "10 -3\n"], "outputs": ["3\n", "7\n"]})
 SUM_PROGRAM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -114,6 +115,8 @@ def test_a_verl_prompt_file_reaches_the_reward_by_data_source(tmp_path, isolatio
     batch = generations_to_batch(prompts, generations, 0, 0, CharTokenizer())
     assert batch["data_source"] == ["openai/gsm8k"] * 2 + ["searchR1_nq"] * 2
     assert batch["extra_info"][2] == {"split": "train", "index": 1}
+    regenerated = prompt_record(batch.index([2, 3]))  # a stale group's prompt, sent back to the rollout (async)
+    assert (regenerated["data_source"], regenerated["extra_info"]) == ("searchR1_nq", {"split": "train", "index": 1})
     cfg = load_config(None, [f"data.task={path}", f"reward.isolation={isolation}"])
     reward = build_reward(cfg.reward, cfg.data.task)  # reward.name empty: each row's data_source
     try:
