@@ -26,7 +26,8 @@ setup(
     python_requires=">=3.11",
     install_requires=[torch_range] + exact("common"),
     extras_require={
-        "test": exact("test"),
+        "test": exact("test") + exact("trackers"),  # the suite reads each tracker's files back
+        "trackers": exact("trackers"),
         "gpu": [f"sglang=={pins['gpu']['sglang']}"],
     },
     entry_points={"console_scripts": ["megarl-train=megarl.train:main"]},

@@ -4,15 +4,24 @@ Metric names are slash-separated (`train/reward`, `val/reward`, `timing/generate
 TensorBoard groups scalars by the part before the slash. A logger is a class built as
 `cls(output_dir, config)` with `log(metrics, step)` and `close()`; users add one with
 `@LOGGERS.register("name")` or name it as `module:Class`. Re-using an output_dir appends to it.
+
+wandb, mlflow and swanlab need their libraries (`pip install 'megarl[trackers]'`, imported only when named) and
+write to files under output_dir unless their own environment variable names a server: no run needs a network.
+Each files the run under trainer.project_name as trainer.experiment_name (default: output_dir's last part).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import time
 from pathlib import Path
 
 import yaml
 
+from megarl.config import ConfigError
 from megarl.utils.registry import Registry
 
 LOGGERS = Registry("logger")
@@ -86,11 +95,116 @@ class JsonlLogger:
         self.file.close()
 
 
+@LOGGERS.register("wandb")
+class WandbLogger:
+    """Weights & Biases, offline unless WANDB_MODE says otherwise: output_dir/wandb/offline-run-*/, the config as
+    the run's config. `wandb leet <output_dir>/wandb` shows it in the terminal, `wandb sync <run dir>` uploads it."""
+
+    package = "wandb"
+
+    def __init__(self, output_dir: str, config: dict | None):
+        # in the environment, not as init's argument: W&B's own telemetry starts before init reads its arguments,
+        # and reaches for W&B's server unless the process is offline
+        os.environ["WANDB_MODE"] = os.environ.get("WANDB_MODE") or "offline"
+        import wandb
+
+        project, name = run_names(output_dir, config)
+        # create_new: another run open in this process (another Tracker's) stays open
+        self.run = wandb.init(dir=output_dir, project=project, name=name, config=config, reinit="create_new")
+        # W&B drops a row whose step is below the last row's, and the warm start's steps come before RL's step 0:
+        # so every metric is charted against a `step` metric of its own, and W&B's step counts the log calls
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log({**metrics, "step": step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+@LOGGERS.register("mlflow")
+class MLflowLogger:
+    """MLflow: a run in the experiment trainer.project_name of the store MLFLOW_TRACKING_URI names, else of a file
+    store in output_dir/mlruns; the config as the run's params, one per dotted key. The UI is full mlflow's
+    (`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <output_dir>/mlruns`)."""
+
+    package = "mlflow"
+
+    def __init__(self, output_dir: str, config: dict | None):
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(output_dir).resolve() / "mlruns").as_uri()
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses its file store without it
+        # its usage telemetry posts to mlflow.org from a thread that the process's exit waits for
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        project, name = run_names(output_dir, config)
+        self.client, self.metric, self.batch = MlflowClient(uri), Metric, MAX_METRICS_PER_BATCH
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        params = [Param(_mlflow_name(k), str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in _flatten(config or {}).items()]
+        for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        rows = [self.metric(_mlflow_name(k), v, now, step) for k, v in metrics.items()]
+        for i in range(0, len(rows), self.batch):  # a MoE model's expert loads are thousands of metrics
+            self.client.log_batch(self.run_id, metrics=rows[i:i + self.batch])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+@LOGGERS.register("swanlab")
+class SwanLabLogger:
+    """SwanLab, offline unless SWANLAB_MODE says otherwise: output_dir/swanlog/run-*/, the config as the run's
+    config. `swanlab sync <run dir>` uploads it; SWANLAB_MODE=local also feeds `swanlab watch <output_dir>/swanlog`
+    (its dashboard: pip install 'swanlab[dashboard]')."""
+
+    package = "swanlab"
+
+    def __init__(self, output_dir: str, config: dict | None):
+        import swanlab
+
+        project, name = run_names(output_dir, config)
+        self.run = swanlab.init(log_dir=str(Path(output_dir) / "swanlog"), project=project, name=name, config=config,
+                                mode=os.environ.get("SWANLAB_MODE") or "offline")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def run_names(output_dir: str, config: dict | None) -> tuple[str, str]:
+    """The trackers' project and run name: trainer.project_name and trainer.experiment_name, by default megarl
+    and the last part of output_dir."""
+    trainer = (config or {}).get("trainer", {})
+    return trainer.get("project_name") or "megarl", trainer.get("experiment_name") or Path(output_dir).resolve().name
+
+
+def check_loggers(names: list[str]) -> None:
+    """Each of trainer.loggers a logger whose library is installed; else a ConfigError naming it and the fix."""
+    for name in names:
+        try:
+            cls = LOGGERS.get(name)
+        except (KeyError, ImportError, AttributeError, TypeError, ValueError) as e:
+            raise ConfigError(f"trainer.loggers: {e}") from None
+        package = getattr(cls, "package", None)
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"trainer.loggers: '{name}' needs the {package} package: pip install 'megarl[trackers]'")
+
+
 class Tracker:
     def __init__(self, output_dir: str, loggers: list[str], config: dict | None = None):
+        check_loggers(loggers)  # an unknown name or a missing library fails before anything is opened
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        classes = [LOGGERS.get(name) for name in loggers]  # an unknown name fails before anything is opened
-        self.loggers = [cls(output_dir, config) for cls in classes]
+        self.loggers = [LOGGERS.get(name)(output_dir, config) for name in loggers]
         self.closed = False
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -120,3 +234,19 @@ def _scalar(name: str, value) -> float:
         except (TypeError, ValueError, RuntimeError):
             pass
     raise TypeError(f"metric '{name}' must be a number, got {type(value).__name__}: {value!r:.80}")
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; other values (lists included) are leaves."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _mlflow_name(name: str) -> str:
+    """MLflow takes letters, digits and _ - . / : and space in a metric's or param's name; anything else -> _."""
+    return re.sub(r"[^\w\-./: ]", "_", name)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megarl.config import ConfigError
 from megarl.utils.tracking import Tracker
 
 STEP1 = {"train/reward": 0.5123, "val/reward": 0.6, "train/kl": 0.00123, "train/entropy": 1.234,
@@ -48,7 +49,7 @@ def test_jsonl_rows_one_per_log_call(tmp_path):
 
 
 def test_unknown_logger_and_non_numeric_metric_are_named(tmp_path):
-    with pytest.raises(KeyError, match="unknown logger 'tensorbord'; did you mean 'tensorboard'"):
+    with pytest.raises(ConfigError, match="trainer.loggers: unknown logger 'tensorbord'; did you mean 'tensorboard'"):
         Tracker(str(tmp_path), ["jsonl", "tensorbord"])
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing opened before the error
     with Tracker(str(tmp_path), ["jsonl"]) as tracker:
