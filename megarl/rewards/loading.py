@@ -102,8 +102,8 @@ def describe(fn: Callable, name: str) -> str:
 
 
 def check_reward(cfg, first_row: dict | None = None, key: str = "reward.name") -> str:
-    """Build or import the reward a Config names and, given the prompt file's first row, call it once on that row with
-    an empty response and the row's answer; a one-line description of the reward for the start-up echo.
+    """Import the reward function a Config names and, given the prompt file's first row, call it once on that row
+    with an empty response and the row's answer; a one-line description of the reward for the start-up echo.
 
     Raises ConfigError naming `key` (the config key the reward came from: reward.name, or verl's
     custom_reward_function.path) when the file is missing or does not import (the error and its line), the function
@@ -151,14 +151,15 @@ def check_by_data_source(r, sample: dict | None, where: str, key: str) -> str:
     if sample is None:
         return "reward: by each row's data_source (verl's default scorer)"
     source = sample["data_source"]
+    named = f"{key}={r.name!r}" if r.name else f"{key} is empty, so the reward follows each row's data_source"
     try:
         scorer = scorer_of(source)
     except UnknownDataSource as e:
-        raise ConfigError(f"{key} is empty, so the reward follows each row's data_source: {where}: {e}") from None
+        raise ConfigError(f"{named}: {where}: {e}") from None
     if scorer == "code":
-        check_code_tests(sample, where, f"{key} is empty, data_source {source!r}")
+        check_code_tests(sample, where, f"{named}: data_source {source!r}")
     else:
-        call_once(by_data_source, sample, r.timeout_s, where, f"{key} is empty, data_source {source!r} -> {scorer}")
+        call_once(by_data_source, sample, r.timeout_s, where, f"{named}: data_source {source!r} -> {scorer}")
     return f"reward: by data_source ({source} -> {scorer})"
 
 

@@ -138,6 +138,8 @@ def test_check_reward_names_an_unknown_data_source_with_its_file_and_row(tmp_pat
         f"reward.name is empty, so the reward follows each row's data_source: {path}, row 1: data_source "
         "'my_private_set' has no built-in scorer")
     assert str(error.value).endswith("set reward.name or custom_reward_function.path to score it")
+    with pytest.raises(ConfigError, match=f"^reward.name='data_source': {path}, row 1: data_source 'my_private_set'"):
+        check_reward(load_config(None, [f"data.task={path}", "reward.name=data_source"]), load_prompt_file(path)[0])
     write_records(path, [{"prompt": "6 x 12?", "answer": "72"}])
     with pytest.raises(ConfigError, match=f"{path}, row 1: the row has no data_source for the reward to follow"):
         check_reward(cfg, load_prompt_file(path)[0])
