@@ -240,6 +240,12 @@ def test_a_real_model_without_prompts_is_not_a_silent_toy_run(tmp_path):
     assert toy_task_problem(load_config(None, [])) is None  # the built-in tiny model trains its toy task
 
 
+def test_an_invalid_option_set_through_verl_names_the_verl_key():
+    with pytest.raises(ConfigError, match=r"actor.mini_batch_size=256 does not divide the step's batch .* \(set by "
+                                          r"verl's actor_rollout_ref.actor.ppo_mini_batch_size=256, verl's default\)"):
+        read(SEED_PPO, "data.train_batch_size=4")
+
+
 def test_hydra_spellings_and_lists():
     cfg = read(SEED_PPO, "+trainer.logger=[console,file]", "++actor_rollout_ref.rollout.n=2")
     assert cfg.trainer.loggers == ["console", "jsonl"] and cfg.rollout.n_samples == 2
@@ -256,3 +262,25 @@ def test_the_migration_doc_shows_the_table_the_code_reads():
     doc = (ROOT / "docs" / "migrating-from-verl.md").read_text()
     assert markdown_table() in doc, "regenerate: python -m megarl.config.verl_keys (docs/migrating-from-verl.md)"
     assert len({row.key for row in VERL_KEYS}) == len(VERL_KEYS)  # one row per key
+
+
+def test_a_broken_verl_reward_is_named_before_anything_starts(tmp_path, capsys):
+    from megarl.train import main
+
+    train = prompts(tmp_path / "train.parquet", 8)
+
+    def check(name: str, source: str) -> tuple[int, str, str]:
+        (tmp_path / name).write_text(source)
+        code = main(shlex.split(SEED_PPO) + [
+            f"data.train_files={train}", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "trainer.n_gpus_per_node=1", f"custom_reward_function.path={tmp_path / name}", "--check-config"])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    signature = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    code, _, err = check("raises.py", "import json\n\n" + signature + "    return json.loads(solution_str)['score']\n")
+    assert code == 2 and "custom_reward_function.path" in err and "raises.py" in err and "JSONDecodeError" in err, err
+    code, _, err = check("imports.py", signature + "    return 1.0\nimport not_a_module_anywhere\n")
+    assert code == 2 and "not_a_module_anywhere" in err and "line 3" in err, err
+    code, out, _ = check("works.py", signature + "    return float(solution_str == ground_truth)\n")
+    assert code == 0 and "reward: compute_score from" in out and "(verl signature)" in out

@@ -5,7 +5,6 @@ of every key with its default and help (`--help`).
 from __future__ import annotations
 
 import dataclasses
-import keyword
 import types
 import typing
 from pathlib import Path
@@ -13,19 +12,15 @@ from typing import Any
 
 import yaml
 
+from megarl.config.fields import config_key
 from megarl.config.sections import Config
 from megarl.config.validation import ConfigError
-from megarl.config.verl import plan, unknown_key
-
-
-def _key(name: str) -> str:
-    """A field's config key: its name, less the underscore a Python keyword needs as a name (async_ -> async)."""
-    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+from megarl.config.verl import plan, unknown_key, with_origins
 
 
 def _fields(obj) -> dict[str, dataclasses.Field]:
     """Fields by config key."""
-    return {_key(f.name): f for f in dataclasses.fields(obj)}
+    return {config_key(f.name): f for f in dataclasses.fields(obj)}
 
 
 def all_keys(obj=None, prefix: str = "") -> list[str]:
@@ -149,7 +144,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raise ConfigError(errors[0] if len(errors) == 1 else
                           f"{len(errors)} problems in the command:\n" + "\n".join(f"  - {e}" for e in errors))
     cfg.profile, cfg.given, cfg.notes = read.profile, read.given, read.notes
-    return cfg.validate()
+    try:
+        return cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(with_origins(str(e), read.origins)) from None
 
 
 def _get(cfg, key: str):
@@ -187,7 +185,8 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def help_text(sections: tuple[str, ...] = ()) -> str:
-    """Every option with its default and help, for `--help`; only those of the named top-level sections if any."""
+    """Every option with its default, the values it allows and its help, for `--help`; only those of the named
+    top-level sections if any."""
     lines = []
 
     def walk(obj, prefix):
@@ -199,7 +198,9 @@ def help_text(sections: tuple[str, ...] = ()) -> str:
                 lines.append(f"\n[{prefix}{name}]  {f.metadata.get('help', '')}")
                 walk(value, f"{prefix}{name}.")
             else:
-                lines.append(f"  {prefix}{name} = {value!r}\n      {f.metadata.get('help', '')}")
+                allowed = f.metadata.get("range")
+                shown = f"  {prefix}{name} = {value!r}" + (f"  ({allowed.describe()})" if allowed else "")
+                lines.append(f"{shown}\n      {f.metadata.get('help', '')}")
 
     walk(Config(), "")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class Plan:
     assignments: list[tuple[str, Any]] = field(default_factory=list)  # (megarl key, value), applied in order
     given: set[str] = field(default_factory=set)  # megarl keys the command set, itself or through a verl key
     notes: list[str] = field(default_factory=list)  # said at start-up
+    origins: dict[str, str] = field(default_factory=dict)  # megarl key -> the verl key and value that set it
     errors: list[str] = field(default_factory=list)
 
 
@@ -97,6 +99,12 @@ class VerlValues:
     def _one(self, key: str) -> str:
         value = self.get(key)
         return value[0] if isinstance(value, list) and len(value) == 1 else str(value)
+
+
+def with_origins(message: str, origins: dict[str, str]) -> str:
+    """A config error about options a verl key set, with the verl key that set each (the user typed that one)."""
+    named = [f"{verl}" for key, verl in origins.items() if re.search(rf"(?<![\w.]){re.escape(key)}=", message)]
+    return message + (f" (set by verl's {'; '.join(named)})" if named else "")
 
 
 def near_miss(key: str, candidates) -> str | None:
@@ -213,5 +221,7 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
     ordered = sorted([(t, 0, key, v) for key, (v, t, _) in converted.items()]
                      + [(t, 1, key, v) for t, key, v in megarl_given], key=lambda a: (a[0], a[1]))
     result.assignments = [(key, v) for _, _, key, v in ordered]
+    result.origins = {key: f"{row}={values.get(row)!r}" + (", verl's default" if t < 0 else "")
+                      for key, (_, t, row) in converted.items() if key not in explicit and row in BY_KEY}
     result.given |= {key for key, (_, t, _) in converted.items() if t >= 0}
     return result

@@ -13,6 +13,7 @@ sequences at the command's samples per prompt).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -288,7 +289,8 @@ def reward_function(value, verl) -> dict:
     if verl.get("custom_reward_function.reward_kwargs"):
         raise Refusal("custom_reward_function.reward_kwargs: megarl calls the function with verl's four arguments; "
                       "bind extra arguments in the function's file")
-    return {"reward.name": f"{verl.path(value)}:{verl.get('custom_reward_function.name')}"}
+    # absolute: the rollout actor and reward processes import it too, from working directories of their own
+    return {"reward.name": f"{os.path.abspath(verl.path(value))}:{verl.get('custom_reward_function.name')}"}
 
 
 def reward_model(value, verl) -> dict:
