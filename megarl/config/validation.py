@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import re
 from typing import TYPE_CHECKING
 
@@ -54,48 +53,27 @@ class ConfigChecks:
     """`Config.validate` and its helpers, one per concern; each raises a ConfigError that names the key."""
 
     def validate(self) -> "Config":
+        from megarl.config.fields import SEQUENCES, check_ranges  # imports ConfigError from here
+        check_ranges(self)  # every option within its field's range: the checks below relate options
         self._validate_engine_options()
         p = self.actor.parallel
-        for key, value in (("actor.parallel.world_size", p.world_size), ("actor.parallel.tp", p.tp),
-                           ("actor.parallel.pp", p.pp)):
-            if value < 1:
-                raise ConfigError(f"{key}={value}: must be >= 1")
-        if self.trainer.profile_update < 0:
-            raise ConfigError(f"trainer.profile_update={self.trainer.profile_update}: the N-th policy update to "
-                              "profile (>= 1), or 0 for none")
         batch = self.data.prompts_per_step * self.rollout.n_samples
+        if batch > SEQUENCES["max"]:
+            raise ConfigError(f"data.prompts_per_step * rollout.n_samples = {self.data.prompts_per_step} * "
+                              f"{self.rollout.n_samples} = {batch} sequences a step: must be at most "
+                              f"{SEQUENCES['max']} ({SEQUENCES['why']})")
         mini = self.actor.mini_batch_size or batch
         if batch % mini:
             raise ConfigError(f"actor.mini_batch_size={mini} does not divide the step's batch "
                               f"(data.prompts_per_step * rollout.n_samples = {batch})")
         if mini % p.dp:
             raise ConfigError(f"actor.mini_batch_size={mini} is not divisible by the data-parallel size {p.dp}")
-        choices = {"actor.precision": (self.actor.precision, ("auto", "bf16", "fp32")),
-                   "trainer.device": (self.trainer.device, ("auto", "cpu", "cuda")),
-                   "trainer.placement": (self.trainer.placement, ("pack", "spread", "strict_spread")),
-                   "actor.optim.decay_style": (self.actor.optim.decay_style, ("constant", "linear", "cosine")),
-                   "rollout.engine": (self.rollout.engine, ("hf", "sglang")),
-                   "rollout.sglang_weight_format": (self.rollout.sglang_weight_format,
-                                                    ("tensors", "flattened_bucket", "persistent")),
-                   "rollout.weight_delivery": (self.rollout.weight_delivery, ("full", "sharded")),
-                   "trainer.offload_between_phases": (self.trainer.offload_between_phases,
-                                                      ("auto", "always", "never")),
-                   "algorithm.recompute_old_logprobs": (self.algorithm.recompute_old_logprobs,
-                                                        ("auto", "always", "never")),
-                   "data.truncation": (self.data.truncation, ("error", "left", "right", "middle"))}
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
-        if self.rollout.top_k != -1 and self.rollout.top_k < 1:
-            raise ConfigError(f"rollout.top_k={self.rollout.top_k}: must be -1 (off: every token) or >= 1")
         self._validate_weight_delivery()
         self._validate_sglang_args()
         check_env("trainer.worker_env", self.trainer.worker_env)
         check_env("rollout.sglang_env", self.rollout.sglang_env)
         self._validate_disaggregated()
         a = self.algorithm
-        if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:
-            raise ConfigError(f"algorithm.clip_ratio_c={a.clip_ratio_c}: must be > 1 for the dual_clip loss")
         if a.loss_agg == "seq-mean-token-sum-norm" and a.loss_agg_norm_len < 1:
             raise ConfigError("algorithm.loss_agg=seq-mean-token-sum-norm needs algorithm.loss_agg_norm_len >= 1 "
                               "(e.g. rollout.max_new_tokens)")
@@ -104,29 +82,12 @@ class ConfigChecks:
                               f"(actor.ppo_epochs=1 and actor.mini_batch_size 0 or the step's batch; got "
                               f"{self.actor.ppo_epochs} epoch(s) of mini-batches of {mini} from {batch} samples) "
                               "and no algorithm.kl_in_reward (its KL reads the old log-probs before training)")
-        if a.tis and a.tis_cap <= 0:
-            raise ConfigError(f"algorithm.tis_cap={a.tis_cap}: must be > 0")
-        for key, value in (("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)):
-            if not 0 <= value <= 1:
-                raise ConfigError(f"{key}={value}: must be in [0, 1]")
-        if a.kl_target < 0 or a.kl_horizon < 1 or (a.kl_target > 0 and a.kl_coef <= 0):
-            raise ConfigError(f"adaptive KL needs algorithm.kl_target >= 0, kl_horizon >= 1 and, when kl_target > 0, "
-                              f"an initial kl_coef > 0; got {a.kl_target}, {a.kl_horizon}, {a.kl_coef}")
-        t = self.trainer
-        if t.save_every < 0 or t.keep_last < 0 or not t.resume:
-            raise ConfigError(f"trainer.save_every={t.save_every} and trainer.keep_last={t.keep_last} must be >= 0 "
-                              f"and trainer.resume={t.resume!r} one of auto, none or a path")
-        if t.worker_timeout_s < 0:
-            raise ConfigError(f"trainer.worker_timeout_s={t.worker_timeout_s}: must be >= 0 (0 = no deadline)")
-        if t.verify_weight_sync_every < 0:
-            raise ConfigError(f"trainer.verify_weight_sync_every={t.verify_weight_sync_every}: must be >= 0")
-        if t.eval_every < 0:
-            raise ConfigError(f"trainer.eval_every={t.eval_every}: must be >= 0 (0 = before RL and after the last "
-                              "step only)")
-        if a.max_sampling_rounds < 1:
-            raise ConfigError(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be >= 1")
+        if a.kl_target > 0 and a.kl_coef == 0:
+            raise ConfigError(f"algorithm.kl_target={a.kl_target} (adaptive KL) needs an initial kl_coef > 0; got "
+                              "algorithm.kl_coef=0")
+        if not self.trainer.resume:
+            raise ConfigError("trainer.resume='': must be auto, force, none or the path of a checkpoint")
         self._validate_data_and_reward()
-        self._validate_reward_model_and_preference()
         self._validate_agent()
         from megarl.config.algorithm_checks import check_algorithm_extras  # imports ConfigError from here
         check_algorithm_extras(self)
@@ -134,16 +95,9 @@ class ConfigChecks:
         check_kl_and_groups(self)
         check_rollout_correction(self)
         self._validate_async()
-        if not 0 <= a.overlong_buffer_len <= self.rollout.max_new_tokens:
+        if a.overlong_buffer_len > self.rollout.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
                               f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
-        for key, value in (("rollout.n_samples", self.rollout.n_samples),
-                           ("rollout.max_new_tokens", self.rollout.max_new_tokens),
-                           ("data.prompts_per_step", self.data.prompts_per_step),
-                           ("actor.micro_batch_size", self.actor.micro_batch_size),
-                           ("model.tiny_vocab_multiple", self.model.tiny_vocab_multiple)):
-            if value < 1:
-                raise ConfigError(f"{key}={value}: must be >= 1")
         return self
 
     def _validate_disaggregated(self) -> None:
@@ -151,18 +105,16 @@ class ConfigChecks:
         if r.sglang_gpus_per_host and not r.sglang_gpus:
             raise ConfigError(f"rollout.sglang_gpus_per_host={r.sglang_gpus_per_host} places disaggregated servers: "
                               "it needs rollout.sglang_gpus (colocated servers run on the training ranks' GPUs)")
-        if r.sglang_gpus < 0:
-            raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus}: must be >= 0 (0 = colocated)")
         if not r.sglang_gpus:
             return
         if r.engine != "sglang":
             raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus} reserves GPUs for SGLang servers: it needs "
                               f"rollout.engine=sglang (got {r.engine})")
-        if r.sglang_tp < 1 or r.sglang_gpus % r.sglang_tp:
+        if r.sglang_gpus % r.sglang_tp:
             raise ConfigError(f"rollout.sglang_gpus={r.sglang_gpus} must be a multiple of rollout.sglang_tp="
                               f"{r.sglang_tp} (one server per rollout.sglang_tp GPUs)")
         per_host = r.sglang_gpus_per_host
-        if per_host and (per_host < 0 or per_host % r.sglang_tp or r.sglang_gpus % per_host):
+        if per_host and (per_host % r.sglang_tp or r.sglang_gpus % per_host):
             raise ConfigError(f"rollout.sglang_gpus_per_host={per_host}: must be a multiple of rollout.sglang_tp="
                               f"{r.sglang_tp} that divides rollout.sglang_gpus={r.sglang_gpus} (whole servers on "
                               "each host, every host alike)")
@@ -204,7 +156,7 @@ class ConfigChecks:
                 f"(rollout.sglang_gpus=0, got {r.sglang_gpus}: each rank of the first generation TP group posts its "
                 f"SGLang rank's shard by CUDA IPC from its own GPU); otherwise use rollout.weight_delivery=full")
         g = r.sglang_tp
-        if g < 1 or p.world_size % g or (p.tp % g and g % p.tp):
+        if p.world_size % g or (p.tp % g and g % p.tp):
             raise ConfigError(f"rollout.weight_delivery=sharded: rollout.sglang_tp={g} (the generation TP) must divide "
                               f"actor.parallel.world_size={p.world_size} and divide or be a multiple of "
                               f"actor.parallel.tp={p.tp}")
@@ -215,70 +167,23 @@ class ConfigChecks:
     def _validate_data_and_reward(self) -> None:
         r = self.reward
         d = self.data
-        if d.min_pixels < 0 or d.max_pixels < 0 or 0 < d.max_pixels < d.min_pixels:
-            raise ConfigError(f"data.min_pixels={d.min_pixels}, data.max_pixels={d.max_pixels}: must be >= 0 (0 = the "
-                              "model directory's) with min_pixels <= max_pixels")
+        if 0 < d.max_pixels < d.min_pixels:
+            raise ConfigError(f"data.min_pixels={d.min_pixels}, data.max_pixels={d.max_pixels}: min_pixels must not "
+                              "exceed max_pixels (0 = the model directory's)")
         if not d.prompt_key:
             raise ConfigError("data.prompt_key is empty: name the prompt files' prompt field (default: prompt)")
-        if d.max_prompt_length < 0:
-            raise ConfigError(f"data.max_prompt_length={d.max_prompt_length}: must be >= 0 (0 = what the model's "
-                              "positions leave after the response budget)")
         if r.name == "remote" and not r.remote_url:
             raise ConfigError("reward.name=remote needs reward.remote_url")
-        if r.code_sandbox not in ("auto", "bwrap", "namespaces", "rlimits"):
-            raise ConfigError(f"reward.code_sandbox={r.code_sandbox!r}: must be auto, bwrap, namespaces or rlimits")
-        for key, value in (("reward.timeout_s", r.timeout_s), ("reward.remote_retries", r.remote_retries),
-                           ("reward.batch_timeout_s", r.batch_timeout_s)):
-            if value < 0:
-                raise ConfigError(f"{key}={value}: must be >= 0")
-        for key, value in (("reward.num_workers", r.num_workers), ("reward.remote_timeout_s", r.remote_timeout_s),
-                           ("reward.code_timeout_s", r.code_timeout_s), ("reward.code_memory_mb", r.code_memory_mb),
-                           ("reward.failure_window", r.failure_window),
-                           ("reward.remote_max_timeouts", r.remote_max_timeouts)):
-            if value <= 0:
-                raise ConfigError(f"{key}={value}: must be > 0")
-        if not 0 <= r.max_failure_rate <= 1:
-            raise ConfigError(f"reward.max_failure_rate={r.max_failure_rate}: must be in [0, 1]")
-        if r.isolation not in ("process", "none"):
-            raise ConfigError(f"reward.isolation={r.isolation!r}: must be process or none")
-
-    def _validate_reward_model_and_preference(self) -> None:
-        """The reward model's score in RL, and the preference pairs of python -m megarl.train_rm (which checks its
-        layout against them: megarl/rm_trainer.py)."""
-        m = self.reward_model
-        if m.normalize not in ("none", "running", "group"):
-            raise ConfigError(f"reward_model.normalize={m.normalize!r}: must be one of none, running, group")
-        for key, value in (("reward_model.weight", m.weight), ("reward_model.rule_weight", m.rule_weight),
-                           ("reward_model.missing_eos_penalty", m.missing_eos_penalty)):
-            if not math.isfinite(value):
-                raise ConfigError(f"{key}={value}: must be a finite number")
-        p = self.preference
-        for key, value in (("preference.val_size", p.val_size), ("preference.task_pairs", p.task_pairs),
-                           ("preference.pairs_per_step", p.pairs_per_step)):
-            if value < 1:
-                raise ConfigError(f"{key}={value}: must be >= 1")
-        if p.max_length < 0:
-            raise ConfigError(f"preference.max_length={p.max_length}: must be >= 0 (0 = the model's positions)")
 
     def _validate_agent(self) -> None:
         g = self.agent
-        for key, value in (("agent.max_turns", g.max_turns), ("agent.max_response_tokens", g.max_response_tokens),
-                           ("agent.max_new_tokens_per_turn", g.max_new_tokens_per_turn),
-                           ("agent.max_tool_calls_per_turn", g.max_tool_calls_per_turn),
-                           ("agent.max_concurrent", g.max_concurrent), ("agent.tool_timeout_s", g.tool_timeout_s),
-                           ("agent.max_observation_chars", g.max_observation_chars)):
-            if value <= 0:
-                raise ConfigError(f"{key}={value}: must be > 0")
         for i, tool in enumerate(g.tools):
             if not (isinstance(tool, str) or (isinstance(tool, dict) and isinstance(tool.get("name"), str))):
                 raise ConfigError(f"agent.tools[{i}]={tool!r}: must be a name or a dict with a 'name'")
         if g.observation_template and "{result}" not in g.observation_template:
             raise ConfigError(f"agent.observation_template={g.observation_template!r} has no {{result}} field")
-        if g.partial not in ("resume", "drop"):
-            raise ConfigError(f"agent.partial={g.partial!r}: must be resume or drop")
-        if g.oversample_groups < 0 or (g.oversample_groups and not g.enabled):
-            raise ConfigError(f"agent.oversample_groups={g.oversample_groups}: must be >= 0, and needs "
-                              "agent.enabled=true")
+        if g.oversample_groups and not g.enabled:
+            raise ConfigError(f"agent.oversample_groups={g.oversample_groups}: needs agent.enabled=true")
         if g.oversample_groups and self.algorithm.advantage == "remax":
             raise ConfigError("agent.oversample_groups does not combine with algorithm.advantage=remax")
         if self.rollout.dump_dir and self.rollout.replay_dir:
@@ -287,19 +192,6 @@ class ConfigChecks:
     def _validate_async(self) -> None:
         """trainer.mode and the `async` section (megarl/async_trainer.py)."""
         mode, a = self.trainer.mode, self.async_
-        choices = {"trainer.mode": (mode, ("sync", "one_step_off", "async")),
-                   "async.stale": (a.stale, ("drop", "regenerate")),
-                   "async.partial": (a.partial, ("finish", "resume", "restart")),
-                   "async.decoupled_ppo": (a.decoupled_ppo, ("auto", "on", "off"))}
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{key}={value!r}: must be one of {', '.join(allowed)}")
-        if a.max_staleness < 0 or a.buffer_batches < 0:
-            raise ConfigError(f"async.max_staleness={a.max_staleness} and async.buffer_batches={a.buffer_batches} must "
-                              "be >= 0")
-        if a.batches_at_once < 0:
-            raise ConfigError(f"async.batches_at_once={a.batches_at_once} must be >= 0 (0: all the buffer admits at "
-                              "once, 1: one step-batch a call)")
         if mode == "one_step_off" and (a.max_staleness < 1 or a.partial != "finish" or a.buffer_batches > 1
                                        or a.batches_at_once > 1):
             raise ConfigError(f"trainer.mode=one_step_off generates step t+1's batch whole from the policy one version "
@@ -329,15 +221,6 @@ class ConfigChecks:
         roles = {"actor": self.actor, "critic": self.critic, "reward_model": self.reward_model}
         for role, section_ in roles.items():
             p = section_.parallel
-            for key, value in (("vpp", p.vpp), ("cp", p.cp), ("world_size", p.world_size), ("tp", p.tp),
-                               ("pp", p.pp)):
-                if value < 1:
-                    raise ConfigError(f"{role}.parallel.{key}={value}: must be >= 1")
-            if section_.max_tokens_per_micro_batch < 0:
-                raise ConfigError(f"{role}.max_tokens_per_micro_batch={section_.max_tokens_per_micro_batch}: "
-                                  "must be >= 0")
-            if section_.packing not in PACKING_LAYOUTS:
-                raise ConfigError(f"{role}.packing={section_.packing!r}: expected one of {', '.join(PACKING_LAYOUTS)}")
             if p.vpp > 1 and p.pp < 2:
                 raise ConfigError(f"{role}.parallel.vpp={p.vpp} needs {role}.parallel.pp > 1")
             if p.world_size % (p.tp * p.pp * p.cp):
@@ -351,18 +234,11 @@ class ConfigChecks:
             if p.cp > 1 and section_.attention not in ("auto", "sdpa"):
                 raise ConfigError(f"{role}.attention={section_.attention!r} does not run context parallelism "
                                   f"({role}.parallel.cp={p.cp}): use sdpa or auto")
-            for key, allowed in (("recompute", ("none", "full", "selective")),
-                                 ("attention", ("auto", "varlen", "sdpa", "local"))):
-                if getattr(section_, key) not in allowed:
-                    raise ConfigError(f"{role}.{key}={getattr(section_, key)!r}: must be one of {', '.join(allowed)}")
 
     @staticmethod
     def _validate_experts_and_stages(role: str, p) -> None:
         """Expert parallelism (ep x etp within a pipeline stage) and uneven pipeline stages, as far as they can
         be judged without the model (megarl/config/model_layout.py checks them against its config.json)."""
-        if p.ep < 1 or p.etp < 0:
-            raise ConfigError(f"{role}.parallel.ep={p.ep} must be >= 1 and {role}.parallel.etp={p.etp} >= 0 "
-                              f"(0 = {role}.parallel.tp)")
         etp = p.etp or p.tp
         stage_ranks = p.tp * p.cp * p.dp
         if stage_ranks % (p.ep * etp):
@@ -371,8 +247,6 @@ class ConfigChecks:
                               f"experts are split over ep x etp ranks and replicated over the rest")
         first, last = p.pp_first_stage_layers, p.pp_last_stage_layers
         for key, value in (("pp_first_stage_layers", first), ("pp_last_stage_layers", last)):
-            if value < 0:
-                raise ConfigError(f"{role}.parallel.{key}={value}: must be >= 0 (0 = an even share)")
             if value and p.pp < 2:
                 raise ConfigError(f"{role}.parallel.{key}={value}: uneven pipeline stages need {role}.parallel.pp > 1 "
                                   f"(got {p.pp})")
@@ -388,9 +262,6 @@ class ConfigChecks:
             raise ConfigError(f"{role}.optimizer_cpu_offload=true with trainer.save_every={self.trainer.save_every}: "
                               "megatron-core 0.16.1's offloading optimizer cannot write or load checkpoints "
                               "(megarl/engine/checkpoint.py says why)")
-        if not 0 < section_.optimizer_offload_fraction <= 1:
-            raise ConfigError(f"{role}.optimizer_offload_fraction={section_.optimizer_offload_fraction}: must be in "
-                              "(0, 1]")
         modules = section_.recompute_modules
         if modules and section_.recompute != "selective":
             raise ConfigError(f"{role}.recompute_modules={modules} needs {role}.recompute=selective (got "

@@ -34,7 +34,7 @@ def test_consistent_algorithm_options_load():
     (["algorithm.positive_lm_coef=-0.1"], "algorithm.positive_lm_coef=-0.1: must be >= 0"),
     (["algorithm.clip_cov_lb=6"], "algorithm.clip_cov_lb=6.0 must be below algorithm.clip_cov_ub=5.0"),
     (["algorithm.kl_cov_ratio=0"], r"algorithm.kl_cov_ratio=0.0: must be in \(0, 1\]"),
-    (["algorithm.cispo_clip_eps_low=1.5"], "algorithm.cispo_clip_eps_low=1.5 must be in"),
+    (["algorithm.cispo_clip_eps_low=1.5"], r"algorithm.cispo_clip_eps_low=1.5: must be in \[0, 1\]"),
     (["algorithm.sapo_tau_neg=0"], "algorithm.sapo_tau_neg=0.0: must be > 0"),
     (["algorithm.gmpo_clip_eps=0"], "algorithm.gmpo_clip_eps=0.0: must be > 0"),
     (["algorithm.kl_cov_coef=-1"], "algorithm.kl_cov_coef=-1.0: must be >= 0"),
