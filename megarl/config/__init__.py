@@ -4,7 +4,10 @@ A run's config is built from the defaults (sections.py), then a YAML recipe, the
 overrides from the command line. Unknown keys, ill-typed values and inconsistent layouts are errors
 that name the key (and, for a typo, the closest valid key).
 
-sections.py     the typed sections (`opt`, `section`) and the root `Config` that holds them
+fields.py       `opt` and `section`: a field's default, help and allowed values (range or choices), and
+                `check_ranges`, the check of every option against its field, first in `Config.validate`
+sections.py     the typed sections and the root `Config` that holds them (algorithm_sections.py: the algorithm
+                and rollout sections)
 validation.py   `ConfigError` and `Config.validate`: the checks of one option against another
 loading.py      `load_config` (defaults <- YAML <- overrides), `all_keys`, `help_text`
 """
