@@ -3,8 +3,10 @@
 One checkpoint is one directory under the checkpoint root:
 
   step_00000012/
-    checkpoint.json        step, the driver's state (data position, policy version, ...), the roles inside;
-                           written last, just before the directory gets its final name
+    checkpoint.json        step, the driver's state (data position, policy version, ...), the roles inside, the
+                           run's training settings (megarl/config/fingerprint.py)
+    manifest.json          every file's size and checksums (megarl/engine/manifest.py), written last, just
+                           before the directory gets its final name; checked before a resume
     actor/                 one directory per engine, written by all of its ranks (save_engine):
       state/                 dist checkpoint: model, optimizer, LR scheduler, RNG of every rank
       reference/             dist checkpoint of the frozen KL reference weights (when there are any)
@@ -37,6 +39,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
+from megarl.engine.manifest import MANIFEST_FILE, check_manifest, write_manifest
 from megarl.models.hf_checkpoint import save_mtp_copy
 
 FORMAT = 1
@@ -59,9 +62,10 @@ class CheckpointError(RuntimeError):
 class Checkpoints:
     """The checkpoint root of a run."""
 
-    def __init__(self, root: str | Path, keep_last: int = 0):
+    def __init__(self, root: str | Path, keep_last: int = 0, manifest_mode: str = "sampled"):
         self.root = Path(root)
         self.keep_last = keep_last
+        self.manifest_mode = manifest_mode  # trainer.verify_checkpoint
 
     def stage(self, step: int) -> Path:
         """A fresh, empty staging directory for `step`; leftovers of interrupted saves are removed."""
@@ -73,12 +77,13 @@ class Checkpoints:
         staging.mkdir()
         return staging
 
-    def commit(self, staging: Path, step: int, driver_state: dict | None) -> Path:
-        """Make a fully written staging directory the checkpoint of `step` (atomically), then prune."""
+    def commit(self, staging: Path, step: int, driver_state: dict | None, config: dict | None = None) -> Path:
+        """Make a fully written staging directory the checkpoint of `step` (atomically), then prune. `config`: the
+        run's training settings (megarl.config.fingerprint), which a resume compares with its own."""
         final = self.root / step_name(step)
         if final.exists():  # the same step saved again (e.g. a resumed run): replace it
             _remove(final)
-        publish(staging, final, step, driver_state)
+        publish(staging, final, step, driver_state, config, self.manifest_mode)
         _atomic_write(self.root / "latest", final.name + "\n")
         self._prune()
         return final
@@ -103,11 +108,18 @@ class Checkpoints:
     def resolve(self, resume: str) -> Path | None:
         """trainer.resume: 'none' -> None; 'auto' -> the newest complete checkpoint here, if any;
         otherwise a checkpoint directory, or a checkpoint root (its newest complete checkpoint)."""
+        found = self.candidates(resume)
+        return found[0] if found else None
+
+    def candidates(self, resume: str) -> list[Path]:
+        """The checkpoints trainer.resume may start from, the preferred first (a damaged one gives way to the
+        next): 'none' -> none; 'auto' and 'force' -> the complete checkpoints here, newest first; otherwise a
+        checkpoint directory, or a checkpoint root's complete checkpoints, newest first."""
         if resume == "none":
-            return None
-        if resume == "auto":
-            return self.latest()
-        return find_checkpoint(resume)
+            return []
+        if resume in ("auto", "force"):
+            return [path for _, path in reversed(self.complete())]
+        return find_checkpoints(resume)
 
     def _prune(self) -> None:
         if self.keep_last < 1:
@@ -116,11 +128,13 @@ class Checkpoints:
             _remove(path)
 
 
-def publish(staging: Path, final: Path, step: int, driver_state: dict | None) -> None:
-    """Write checkpoint.json into a fully written staging directory, flush it all to disk, and give it
-    its final name: from that rename on it is a complete checkpoint."""
+def publish(staging: Path, final: Path, step: int, driver_state: dict | None, config: dict | None = None,
+            manifest_mode: str = "sampled") -> None:
+    """Write checkpoint.json and then the manifest of every file into a fully written staging directory, flush
+    it all to disk, and give it its final name: from that rename on it is a complete checkpoint."""
     roles = sorted(p.name for p in staging.iterdir() if (p / ENGINE_FILE).exists())
-    write_checkpoint_file(staging, step, roles, driver_state)
+    write_checkpoint_file(staging, step, roles, driver_state, config)
+    write_manifest(staging, manifest_mode)
     publish_directory(staging, final)
 
 
@@ -137,16 +151,36 @@ def step_name(step: int) -> str:
 
 def find_checkpoint(path: str | Path) -> Path:
     """A complete checkpoint directory: `path` itself, or the newest complete one under a root."""
+    return find_checkpoints(path)[0]
+
+
+def find_checkpoints(path: str | Path) -> list[Path]:
+    """`path` itself if it is a checkpoint, else the complete checkpoints under it, newest first."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if (path / CHECKPOINT_FILE).exists():
-        return path
-    newest = Checkpoints(path).latest()
-    if newest is None:
+        return [path]
+    found = [p for _, p in reversed(Checkpoints(path).complete())]
+    if not found:
         raise CheckpointError(f"{path} is neither a checkpoint (no {CHECKPOINT_FILE}) nor a directory of "
                               f"complete checkpoints (step_<N>/{CHECKPOINT_FILE})")
-    return newest
+    return found
+
+
+def checkpoint_damage(checkpoint: Path, mode: str) -> list[str] | None:
+    """What is wrong with a checkpoint's files by its manifest (trainer.verify_checkpoint `mode`), one line per
+    file naming it; [] when nothing is. None for a checkpoint written before megarl kept manifests: unchecked."""
+    problems = check_manifest(checkpoint, mode)
+    try:
+        meta = json.loads((checkpoint / CHECKPOINT_FILE).read_text())
+    except ValueError as e:  # (UnicodeDecodeError too) named once: the manifest may already have named the file
+        if not any(p.startswith(CHECKPOINT_FILE + ":") for p in problems or []):
+            problems = (problems or []) + [f"{CHECKPOINT_FILE}: not valid JSON ({e}); truncated or overwritten?"]
+        return problems
+    if problems is None and "manifest" in meta:
+        return [f"{MANIFEST_FILE}: missing"]
+    return problems
 
 
 def read_checkpoint_file(checkpoint: str | Path) -> dict:
@@ -159,9 +193,11 @@ def read_checkpoint_file(checkpoint: str | Path) -> dict:
     return meta
 
 
-def write_checkpoint_file(directory: Path, step: int, roles: list[str], driver_state: dict | None) -> None:
-    _atomic_write(directory / CHECKPOINT_FILE,
-                  json.dumps({"format": FORMAT, "step": step, "roles": roles, "driver": driver_state}, indent=1))
+def write_checkpoint_file(directory: Path, step: int, roles: list[str], driver_state: dict | None,
+                          config: dict | None = None) -> None:
+    """checkpoint.json; it names the manifest that publish writes next, so a checkpoint missing it is damaged."""
+    meta = {"format": FORMAT, "step": step, "roles": roles, "driver": driver_state, "manifest": MANIFEST_FILE}
+    _atomic_write(directory / CHECKPOINT_FILE, json.dumps(meta | ({"config": config} if config else {}), indent=1))
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -91,6 +91,28 @@ class JsonlLogger:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
 
+    def rewind(self, step: int) -> None:
+        """A run resumed after `step` redoes the steps after it: the rows logged after the last row of `step` (by the
+        stopped run) are cut, so the redone steps replace them. Cut here rather than left for readers to deduplicate:
+        a killed run may leave a half-written last row, which the next row appended would turn into an invalid line
+        (it is cut too), and the warm start's step numbers overlap RL's, so no reader could deduplicate by step.
+        Written whole beside the file and renamed over it: a crash meanwhile leaves one of the two, each valid."""
+        path = Path(self.file.name)
+        self.file.close()
+
+        def step_of(line: str):
+            try:
+                return json.loads(line).get("step")
+            except ValueError:
+                return None
+
+        lines = [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+        ends = [i for i, line in enumerate(lines) if step_of(line) == step]
+        temp = path.with_name(path.name + ".tmp")
+        temp.write_text("".join(lines[:ends[-1] + 1] if ends else lines))
+        os.replace(temp, path)
+        self.file = open(path, "a")
+
     def close(self) -> None:
         self.file.close()
 
