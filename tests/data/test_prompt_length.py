@@ -93,9 +93,10 @@ def test_max_prompt_length_sets_the_limit_within_the_models_room():
 
 @pytest.mark.parametrize("override, message", [
     ("data.truncation=both", r"data\.truncation='both': must be one of error, left, right, middle"),
-    ("data.max_prompt_length=-1", r"data\.max_prompt_length=-1: must be >= 0"),
-    ("rollout.top_k=0", r"rollout\.top_k=0: must be -1 \(off: every token\) or >= 1"),
-    ("rollout.top_k=-2", r"rollout\.top_k=-2: must be -1"),
+    ("data.max_prompt_length=-1", r"data\.max_prompt_length=-1: must be in \[0, 10000000\] \(0 = what the model's "
+                                 r"positions leave after the response budget\)"),
+    ("rollout.top_k=0", r"rollout\.top_k=0: must be >= 1 or -1 \(-1 = all \(no top-k cut\)\)"),
+    ("rollout.top_k=-2", r"rollout\.top_k=-2: must be >= 1 or -1"),
 ])
 def test_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
