@@ -5,7 +5,7 @@
 #          top_k=20, a tokenizer with no pad token (EOS pads), SGLang colocated with the memory cycle
 #   ppo  - verl's quickstart defaults: GAE with a critic, one sample per prompt, rollout.name=sglang
 # Each on a random ~60M Qwen2 shape with the character tokenizer and a chat template, prompts in verl's GSM8K parquet
-# layout (data_source openai/gsm8k: the reward follows it). Fails unless each run ends, says `profile: verl` first,
+# layout, written as jsonl (data_source openai/gsm8k: the reward follows it). Fails unless each run ends, says `profile: verl` first,
 # trains every step and verifies its weight syncs. Logs go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -20,7 +20,6 @@ source scripts/gpu/gpu_free.sh
 python3 - "$WORK" <<'PY'
 import json, sys
 from pathlib import Path
-import pyarrow as pa, pyarrow.parquet as pq
 from megarl.models.tiny import build_tiny_model
 
 work = Path(sys.argv[1])
@@ -33,10 +32,11 @@ for split, n in (("train", 96), ("test", 16)):
              "prompt": [{"role": "user", "content": f"{i} + {i % 9} = ? Answer after ####."}],
              "reward_model": {"style": "rule", "ground_truth": str(i + i % 9)},
              "extra_info": {"split": split, "index": i}} for i in range(n)]
-    pq.write_table(pa.Table.from_pylist(rows), work / f"{split}.parquet")
+    # verl's parquet layout, as jsonl: the GPU bundle has no pyarrow
+    (work / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 PY
 
-common=(data.train_files="$WORK/train.parquet" data.val_files="$WORK/test.parquet" data.max_prompt_length=64
+common=(data.train_files="$WORK/train.jsonl" data.val_files="$WORK/test.jsonl" data.max_prompt_length=64
   data.max_response_length=48 actor_rollout_ref.model.path="$WORK/model" actor_rollout_ref.rollout.tensor_model_parallel_size=1
   actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
   trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.logger="['console','file']" trainer.project_name=verl_gpu
