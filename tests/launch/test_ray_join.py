@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -28,14 +29,15 @@ from tests.launch.test_ray_multinode import free_port, wait_for_job_server
 NODE_CPUS = 4
 RUN = ["--config", "configs/quickstart.yaml", "trainer.steps=2", "sft.steps=2", "data.prompts_per_step=4",
        "rollout.n_samples=4", "data.val_size=8", "trainer.loggers=jsonl"]
+# the smallest run that joins and finishes: one training rank of one layer
+ONE_RANK = [*RUN, "actor.parallel.world_size=1", "actor.parallel.tp=1", "model.tiny_num_layers=1", "trainer.steps=1",
+            "sft.steps=0"]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """A one-node cluster of NODE_CPUS CPUs from a plain `ray start --head`, with a token of its own; yields
     (temp dir, GCS port, dashboard URL, env for clients holding the token, the head's process)."""
-    import tempfile
-
     tmp = tempfile.mkdtemp(prefix="mrj", dir="/tmp")  # short: Ray's Unix socket paths are limited to 107 bytes
     token = os.path.join(tmp, "auth_token")
     with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
@@ -120,9 +122,9 @@ def test_runtime_env_agrees_with_env_sh():
 
 def test_plain_driver_joins_ray_address_and_leaves_the_cluster_up(cluster, tmp_path):
     tmp, gcs, _, _, head = cluster
-    run = subprocess.run([sys.executable, "-m", "megarl.train", *RUN, f"trainer.output_dir={tmp_path}"], cwd=ROOT,
-                         env=driver_env(cluster, RAY_ADDRESS=f"127.0.0.1:{gcs}"), capture_output=True, text=True,
-                         timeout=400)
+    run = subprocess.run([sys.executable, "-m", "megarl.train", *ONE_RANK, f"trainer.output_dir={tmp_path}"],
+                         cwd=ROOT, env=driver_env(cluster, RAY_ADDRESS=f"127.0.0.1:{gcs}"), capture_output=True,
+                         text=True, timeout=400)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     assert (f"megarl: joined the Ray cluster at 127.0.0.1:{gcs} (RAY_ADDRESS): 1 node(s), {NODE_CPUS} CPUs"
             in run.stdout), run.stdout[-3000:]
