@@ -27,6 +27,7 @@ import torch
 from megarl.config import Config, ConfigError
 from megarl.data.inputs import read_model_config
 from megarl.protocol import Batch
+from megarl.resume import Start, plan_resume
 from megarl.reshard.memory import GiB, MemorySettings, predict_peak
 from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
@@ -41,9 +42,9 @@ from megarl.workers.group import stream_rollout
 ASYNC_BUFFER_FILE = "async_buffer.pt"  # the rollout buffer in a checkpoint (RolloutBuffer.state_dict)
 
 
-def build_trainer(cfg: Config) -> RLTrainer:
-    """The trainer for trainer.mode."""
-    return RLTrainer(cfg) if cfg.trainer.mode == "sync" else AsyncRLTrainer(cfg)
+def build_trainer(cfg: Config, start: Start | None = None) -> RLTrainer:
+    """The trainer for trainer.mode; `start`: where it starts (megarl/resume.py), planned here if not given."""
+    return RLTrainer(cfg, start) if cfg.trainer.mode == "sync" else AsyncRLTrainer(cfg, start)
 
 
 def with_async_objective(cfg: Config) -> Config:
@@ -247,11 +248,12 @@ def merge_rollout_metrics(metrics: list[dict]) -> dict:
 
 
 class AsyncRLTrainer(RLTrainer):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, start: Start | None = None):
         origin = time.perf_counter()  # phase times (phase/<name>/start|end) count from here, on both threads
         if cfg.sglang_colocated() and resolve_device(cfg) == "cuda" and cfg.model.path != "tiny":
             check_resident_memory(cfg, read_model_config(cfg.model.path), torch.cuda.mem_get_info()[1])
-        super().__init__(with_async_objective(cfg))
+        # planned from the config as given: its settings, not the objective derived from them, are the run's
+        super().__init__(with_async_objective(cfg), start if start is not None else plan_resume(cfg))
         a = self.cfg.async_
         self.timers = Timers(origin)
         self.buffer = RolloutBuffer(cfg.data.prompts_per_step, a.max_staleness, a.buffer_batches, a.stale,
@@ -318,9 +320,10 @@ class AsyncRLTrainer(RLTrainer):
 
     def resume(self) -> int:
         """RLTrainer.resume, then the buffer as the checkpoint saved it: its groups are trained on next, those over
-        async.max_staleness (a smaller bound than the saved run's) dropped or regenerated at the take."""
+        async.max_staleness (a smaller bound than the saved run's) dropped or regenerated at the take. (A checkpoint
+        missing the buffer it was written with is damaged by its manifest: megarl/resume.py skips it.)"""
         done = super().resume()
-        path = self.checkpoints.resolve(self.cfg.trainer.resume)
+        path = self.start.checkpoint
         saved = path / ASYNC_BUFFER_FILE if path is not None else None
         if saved is not None and saved.exists():
             state = torch.load(saved, weights_only=False)

@@ -278,15 +278,29 @@ def main(argv=None) -> int:
     if missing:  # named before Ray and the workers start
         print(f"input error: prompt file not found: {', '.join(missing)}", file=sys.stderr)
         return 2
-    # every training rank (the policy's, the critic's, the reward model's) and the rollout actor
-    ranks = (cfg.actor.parallel.world_size
-             + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
-             + (cfg.reward_model.parallel.world_size if cfg.reward_model.path else 0))
-    ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
-    from megarl.async_trainer import build_trainer
+    from megarl.engine.checkpoint import CheckpointError
+    from megarl.resume import claim_run
+    from megarl.utils.run_lock import RunLockError
 
-    print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}\n{summary}", flush=True)
-    done = run_trainer(cfg, ray, build_trainer)  # trainer.mode: the synchronous loop, or an asynchronous one
+    try:  # before Ray and the workers: one live run per directory, the checkpoint it resumes checked (resume.py)
+        lock, start = claim_run(cfg)
+    except (RunLockError, CheckpointError, ConfigError) as e:
+        print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
+        return 2
+    with lock:  # released when the run ends, however it ends
+        if finished := start.nothing_to_train(cfg.trainer.steps):
+            print(finished)
+            return 0
+        # every training rank (the policy's, the critic's, the reward model's) and the rollout actor
+        ranks = (cfg.actor.parallel.world_size
+                 + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
+                 + (cfg.reward_model.parallel.world_size if cfg.reward_model.path else 0))
+        ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
+        from megarl.async_trainer import build_trainer
+
+        print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}\n{summary}", flush=True)
+        # trainer.mode: the synchronous loop, or an asynchronous one
+        done = run_trainer(cfg, ray, lambda c: build_trainer(c, start))
     if done is None:
         return 2
     val = done[0]["val/reward"]

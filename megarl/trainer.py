@@ -23,6 +23,7 @@ from megarl.data.evaluation import eval_metrics
 from megarl.data.inputs import load_tokenizer, prompt_datasets, prompt_limit, read_model_config
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
+from megarl.resume import Start, plan_resume
 from megarl.rewards import build_reward, score
 from megarl.rewards.failures import RewardFailureTracker
 from megarl.rewards.mixing import ScoreMixer, ends_with
@@ -32,7 +33,7 @@ from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.utils.timers import Timers
-from megarl.utils.tracking import Tracker
+from megarl.utils.tracking import JsonlLogger, Tracker
 from megarl.workers import weight_sync
 from megarl.workers.colocation import Colocation
 from megarl.workers.group import TrainGroup, call_rollout, start_rollout, stop_rollout
@@ -73,8 +74,10 @@ PF_PPO_FILE = "pf_ppo.pt"  # PolicyFilter.state_dict
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, start: Start | None = None):
         self.cfg = cfg
+        # the checkpoint to resume, checked and its settings compared, before any worker starts (megarl/resume.py)
+        self.start = start if start is not None else plan_resume(cfg)
         self.device = resolve_device(cfg)
         self.model_path = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -117,7 +120,7 @@ class RLTrainer:
         self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
-                                       cfg.trainer.keep_last)
+                                       cfg.trainer.keep_last, cfg.trainer.verify_checkpoint)
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -247,17 +250,17 @@ class RLTrainer:
         if self.policy_filter is not None:  # PF-PPO's random state and replayed samples
             torch.save(self.policy_filter.state_dict(), staging / PF_PPO_FILE)
         self.save_beside(staging)
-        return self.checkpoints.commit(staging, step, state)
+        return self.checkpoints.commit(staging, step, state, self.start.config)
 
     def save_beside(self, staging: Path) -> None:
         """Driver state of a subclass's own into a checkpoint's staging directory (the asynchronous modes' rollout
         buffer: megarl/async_trainer.py); the synchronous loop has none."""
 
     def resume(self) -> int:
-        """Load the checkpoint trainer.resume names (auto: the newest complete one, if any) into the
+        """Load the checkpoint this run starts from (megarl/resume.py: trainer.resume, checked) into the
         engines and the driver, and the rollout engine's weights; returns the last step it completed.
         A checkpoint without driver state (megarl.convert hf-to-megatron) gives initial weights: 0."""
-        path = self.checkpoints.resolve(self.cfg.trainer.resume)
+        path = self.start.checkpoint
         if path is None:
             return 0
         meta = read_checkpoint_file(path)
@@ -288,6 +291,9 @@ class RLTrainer:
         # then the count the run stopped at, so that the next verified syncs are the uninterrupted run's
         self.syncs = state.get("syncs", self.syncs)  # (absent from checkpoints written before it was kept)
         self.timers.pop()  # the resumed policy's sync is no step's
+        for logger in self.tracker.loggers:  # the steps redone from here replace their rows, not repeat them
+            if isinstance(logger, JsonlLogger):
+                logger.rewind(state["step"])
         print(f"resumed from {path} after step {state['step']}", flush=True)
         return state["step"]
 

@@ -401,8 +401,17 @@ class TrainerConfig:
                                  "(Ray placement-group strategies)", choices=("pack", "spread", "strict_spread"))
     save_every: int = opt(0, "write a checkpoint every N RL steps and after the last one; 0 = never", min=0)
     checkpoint_dir: str = opt("", "where checkpoints go; empty = <output_dir>/checkpoints")
-    resume: str = opt("auto", "auto (the newest complete checkpoint in checkpoint_dir, if any), none, or the path "
-                              "of a checkpoint (or of a directory of checkpoints)")
+    resume: str = opt("auto", "auto (the newest intact checkpoint in checkpoint_dir, if any, when its run had this "
+                              "run's training settings: other settings are refused, naming them), force (that "
+                              "checkpoint, resumed with the changed settings), none, or the path of a checkpoint (or "
+                              "of a directory of checkpoints; changed settings are named, not refused); "
+                              "docs/failure-modes.md")
+    verify_checkpoint: str = opt("sampled", "what each checkpoint's manifest holds and a resume checks: sizes (every "
+                                            "file's size), sampled (and the sha256 of files up to 1 MiB, and of 8 "
+                                            "blocks of 64 KiB of each larger one) or full (the sha256 of every file "
+                                            "whole: reads the whole checkpoint at each save and resume); a damaged "
+                                            "checkpoint gives way to the previous one",
+                                 choices=("sizes", "sampled", "full"))
     keep_last: int = opt(2, "complete checkpoints kept (older ones are deleted); 0 = keep all", min=0)
     skip_nonfinite_updates: bool = opt(False, "an optimizer update whose loss (any micro-batch, any rank) or gradient "
                                               "norm is NaN or infinite is skipped (weights and optimizer state "

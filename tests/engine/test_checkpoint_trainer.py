@@ -7,10 +7,12 @@ import torch
 
 from megarl.config import load_config
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
+from megarl.resume import plan_resume
 from megarl.rewards.mixing import ScoreMixer
 from megarl.rollout.agent import Trajectory
 from megarl.trainer import RLTrainer
 from megarl.utils.timers import Timers
+from megarl.utils.tracking import Tracker
 
 from tests.conftest import QUICKSTART as RECIPE
 
@@ -118,10 +120,12 @@ class Stateful:
         self.state = state
 
 
-def driver_only(tmp_path) -> RLTrainer:
+def driver_only(tmp_path, *overrides) -> RLTrainer:
     """An RLTrainer without engines or workers: its checkpoint methods over the driver's own state."""
     trainer = object.__new__(RLTrainer)
-    trainer.cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0"])
+    trainer.cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0", *overrides])
+    trainer.start = plan_resume(trainer.cfg)
+    trainer.tracker = Tracker(str(tmp_path), ["jsonl"])
     trainer.checkpoints = Checkpoints(tmp_path / "checkpoints", keep_last=0)
     trainer.trained_groups = dict
     trainer.data, trainer.sft_data, trainer.kl_ctl = Stateful({}), Stateful({}), Stateful({})
@@ -135,7 +139,7 @@ def driver_only(tmp_path) -> RLTrainer:
 def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
     """Over-sampling's aborted groups (continued next step, with the turns they had), the number of weight
     syncs (which of the next ones are verified) and the reward model's running score moments come back from a
-    checkpoint as they were saved."""
+    checkpoint as they were saved; metrics.jsonl loses the rows of the steps the resumed run redoes."""
     saved = driver_only(tmp_path)
     group = [Trajectory(0, [5, 6], response_ids=[7, 8], loss_mask=[1, 1], logprobs=[-0.5, -0.25],
                         turns=[{"role": "assistant", "text": "x", "span": [0, 2], "stopped": False, "tool_calls": []}],
@@ -146,10 +150,13 @@ def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
     saved.save_checkpoint(2)
     saved.partial_groups = []
     saved.save_checkpoint(3)  # none left unfinished: nothing to continue from this one
+    for step in (1, 2, 3):
+        saved.tracker.log({"train/reward": step}, step)
+    saved.tracker.close()
 
-    resumed = driver_only(tmp_path)
-    resumed.cfg.trainer.resume = str(tmp_path / "checkpoints" / "step_00000002")
+    resumed = driver_only(tmp_path, f"trainer.resume={tmp_path / 'checkpoints' / 'step_00000002'}")
     assert resumed.resume() == 2 and resumed.version == 2
+    assert [json.loads(row)["step"] for row in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert resumed.syncs == 3  # the resume's own sync (verified: the first of this process) is not counted
     assert resumed.partial_groups == [(prompt, group)]
     assert resumed.score_mixer.state_dict() == saved.score_mixer.state_dict() and resumed.score_mixer.moments.count == 3

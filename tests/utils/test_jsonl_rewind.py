@@ -8,7 +8,8 @@ from megarl.utils.tracking import Tracker
 
 
 def rows(path) -> list[tuple[int, str]]:
-    return [(r["step"], next(iter(k for k in r if k != "step"))) for r in map(json.loads, path.read_text().splitlines())]
+    """(step, first metric name) of every row."""
+    return [(r["step"], [k for k in r if k != "step"][0]) for r in map(json.loads, path.read_text().splitlines())]
 
 
 def test_rewind_cuts_the_steps_after_the_checkpoint_and_a_torn_row(tmp_path):

@@ -1,0 +1,102 @@
+"""Where a run starts, decided before any worker starts: the checkpoint trainer.resume names, checked against its
+manifest (a damaged one gives way to the previous complete one) and against this run's training settings.
+
+  trainer.resume=auto    the newest intact checkpoint in the checkpoint directory, if its run had this run's
+                         settings (megarl/config/fingerprint.py); other settings are refused, naming each key
+  trainer.resume=force   the same checkpoint, resumed with the changed settings (named in a warning)
+  trainer.resume=<path>  that checkpoint (or the newest intact one under that directory): chosen by hand, so
+                         changed settings are named in a warning, not refused
+  trainer.resume=none    from scratch
+
+`python -m megarl.train` also holds the output directory's lock (megarl/utils/run_lock.py) for the whole run, and
+ends at once, successfully, when the checkpoint already completed trainer.steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from megarl.config import Config, ConfigError
+from megarl.config.fingerprint import differences, fingerprint
+from megarl.engine.checkpoint import CheckpointError, Checkpoints, checkpoint_damage, read_checkpoint_file
+from megarl.utils.run_lock import RunLock
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    config: dict  # this run's training settings (fingerprint): each checkpoint it writes stores them
+    checkpoint: Path | None  # the checkpoint it resumes, checked; None: from scratch
+    step: int  # the RL step that checkpoint completed (0 also for initial weights, which have no driver state)
+
+    def nothing_to_train(self, steps: int) -> str | None:
+        """Why the run would train no step (its checkpoint is at or past trainer.steps), or None."""
+        if self.checkpoint is None or self.step < steps:
+            return None
+        return (f"{self.checkpoint} completed step {self.step}, and trainer.steps={steps}: nothing to train. Raise "
+                "trainer.steps to train further, or give a new run its own trainer.output_dir")
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints")
+
+
+def claim_run(cfg: Config) -> tuple[RunLock, Start]:
+    """The lock of the run's output directory (and of its checkpoint directory, where that is elsewhere), held, and
+    where the run starts; a refused plan releases the lock again."""
+    output, root = Path(cfg.trainer.output_dir).resolve(), checkpoint_root(cfg).resolve()
+    lock = RunLock([output] + ([root] if not root.is_relative_to(output) else [])).acquire()
+    try:
+        return lock, plan_resume(cfg)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def plan_resume(cfg: Config) -> Start:
+    """The checkpoint this run resumes (see the module's docstring), with warnings for what is skipped or cannot be
+    checked. Raises CheckpointError when every candidate is damaged, ConfigError when settings differ under auto."""
+    config, resume = fingerprint(cfg), cfg.trainer.resume
+    damaged, chosen = [], None
+    for path in Checkpoints(checkpoint_root(cfg)).candidates(resume):
+        problems = checkpoint_damage(path, cfg.trainer.verify_checkpoint)
+        if problems:
+            damaged.append(f"{path}: " + "; ".join(problems))
+            continue
+        if problems is None:
+            print(f"warning: {path} was written without a manifest (by an older megarl): its files are not checked",
+                  flush=True)
+        chosen = path
+        break
+    if chosen is None and damaged:
+        raise CheckpointError(f"no intact checkpoint to resume (trainer.resume={resume}):\n  " + "\n  ".join(damaged)
+                              + "\nMove the damaged checkpoints out of the way to start from scratch, or give this "
+                                "run a new trainer.output_dir")
+    if damaged:
+        print("warning: damaged checkpoint(s) skipped:\n  " + "\n  ".join(damaged)
+              + f"\n  resuming from the previous complete one, {chosen}", flush=True)
+    if chosen is None:
+        return Start(config, None, 0)
+    meta = read_checkpoint_file(chosen)
+    if meta["driver"] is None:  # initial weights (megarl.convert hf-to-megatron): no run to compare with
+        return Start(config, chosen, 0)
+    check_settings(chosen, meta.get("config"), config, resume)
+    return Start(config, chosen, meta["step"])
+
+
+def check_settings(checkpoint: Path, saved: dict | None, config: dict, resume: str) -> None:
+    """Refuse (ConfigError) a checkpoint whose run had other training settings under trainer.resume=auto; warn
+    under force or a path; warn that a checkpoint without stored settings cannot be compared."""
+    if saved is None:
+        print(f"warning: {checkpoint} was written before checkpoints kept their run's settings: they cannot be "
+              "compared with this run's", flush=True)
+        return
+    changed = differences(saved, config)
+    if not changed:
+        return
+    listed = "\n  ".join(changed)
+    if resume == "auto":
+        raise ConfigError(f"{checkpoint} was written by a run with other settings:\n  {listed}\nResuming would "
+                          "continue that run with these changes. Either give this run a new trainer.output_dir (and "
+                          "trainer.checkpoint_dir), or resume with the changes: trainer.resume=force")
+    print(f"warning: resuming {checkpoint} with changed settings (trainer.resume={resume}):\n  {listed}", flush=True)
