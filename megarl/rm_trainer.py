@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import stops
 from megarl.config import Config, ConfigError
 from megarl.config.model_layout import check_model_layout
 from megarl.data.dataset import PromptLimit
@@ -129,12 +130,13 @@ class RMTrainer:
         if done == 0:
             self.log({"data/train_pairs": len(self.data.train), "data/val_pairs": len(self.data.val),
                       "data/skipped_pairs": len(self.data.skipped)} | self.evaluate(), 0)
-        for step in range(done + 1, cfg.trainer.steps + 1):
+        for step in stops.steps(done + 1, cfg.trainer.steps):  # a SIGINT/SIGTERM: this step is the last (stops.py)
             metrics = self.step()
             if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
                 metrics |= self.evaluate()
             self.log(metrics, step)
-            if step == cfg.trainer.steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+            if step == cfg.trainer.steps or (cfg.trainer.save_every and (step % cfg.trainer.save_every == 0
+                                                                         or stops.requested())):
                 self.save_checkpoint(step)  # the last one always: export reads it
         return self.history
 

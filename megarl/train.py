@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 from pathlib import Path
 
+from megarl import stops
 from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import PROMPT_FILES, describe, profile_line, toy_task_problem
 from megarl.data.files import InputError, MalformedRow, iter_records
@@ -171,22 +171,24 @@ def planned_memory(cfg, model_config: dict, longest_prompt: int) -> str:
 def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
     """Build the run's trainer, fit it and call `after(trainer)` (e.g. an export); its workers and Ray always go down
     after, and where the TensorBoard events are is printed. Returns (history, what `after` returned), or None when
-    an input or config error (printed) stopped the build: found before any worker starts."""
-    # SIGTERM (`timeout`, a job scheduler) exits through the finally below: SGLang servers go down with the run
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    an input or config error (printed) stopped the build: found before any worker starts. After a SIGINT or SIGTERM
+    the loop stopped for (megarl/stops.py), `after` is skipped, and stops.end exits with the stop line."""
+    stops.reclaim_signals()
     with one_torch_thread():
         try:
             trainer = build(cfg)
         except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use
             ray.shutdown()
+            stops.end()
             print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
             return None
         try:
             history = trainer.fit()
-            result = after(trainer) if after is not None else None
+            result = after(trainer) if after is not None and not stops.requested() else None
         finally:
             trainer.shutdown()
             ray.shutdown()
+            stops.end()
     print(f"\nTensorBoard events: {os.path.abspath(cfg.trainer.output_dir)}  "
           f"(tensorboard --logdir {cfg.trainer.output_dir})")
     return history, result
@@ -295,6 +297,7 @@ def main(argv=None) -> int:
         ranks = (cfg.actor.parallel.world_size
                  + (cfg.critic.parallel.world_size if cfg.algorithm.advantage == "gae" else 0)
                  + (cfg.reward_model.parallel.world_size if cfg.reward_model.path else 0))
+        stops.begin(cfg)  # SIGINT/SIGTERM end the run from here; so do the processes it starts
         ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
         from megarl.async_trainer import build_trainer
 

@@ -58,9 +58,11 @@ def main(argv=None) -> int:
             return 2
         return 0
 
+    from megarl import stops
     from megarl.train import run_trainer, start_ray
 
     ranks = cfg.reward_model.parallel.world_size  # the run's only engine: 0.9 of a GPU each on cuda
+    stops.begin(cfg)  # SIGINT/SIGTERM end the run from here; so do the processes it starts
     ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank, gpus_needed=0.9 * ranks)
     print(f"megarl reward model: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
     done = run_trainer(cfg, ray, RMTrainer, RMTrainer.export)

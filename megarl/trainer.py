@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import stops
 from megarl.algorithms import rollout_correction
 from megarl.algorithms.advantages import compute_advantages
 from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
@@ -134,13 +135,14 @@ class RLTrainer:
             metrics = self.validate()
             self.tracker.log(metrics, 0)
             self.history["val/reward"][0] = metrics["val/reward"]
-        for step in range(done + 1, cfg.trainer.steps + 1):
+        for step in stops.steps(done + 1, cfg.trainer.steps):  # a SIGINT/SIGTERM: this step is the last (stops.py)
             metrics = self.step()
             if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
                 metrics |= self.validate()
                 self.history["val/reward"][step] = metrics["val/reward"]
             self.tracker.log(metrics, step)
-            if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps):
+            if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
+                                           or stops.requested()):
                 self.save_checkpoint(step)
         self.check_rollout_weights()  # the last sync's: no update follows, but a corrupt engine still stops the run
         self.tracker.close()

@@ -114,6 +114,8 @@ while code is None:
     elif time.monotonic() > deadline:
         timed_out = True
         break
+    elif os.getppid() != spec["caller"]:  # the caller died (killed with its run): nobody waits for this run
+        break
     else:
         time.sleep(0.005)
 me = str(os.getpid())
@@ -313,6 +315,7 @@ class Sandbox:
             if mode == "rlimits":
                 env["TMPDIR"] = str(work)  # bwrap and namespaces have a private /tmp instead
             spec = {"rlimits": self._rlimits(mode, uid, wall_s, harness=private_input is not None), "uid": uid,
+                    "caller": os.getpid(),
                     "cwd": str(work), "wall_s": wall_s, "argv": self._command(mode, python, work, args),
                     "status": str(outputs / "status"), "env": env, "private_fds": private_fds,
                     "cgroup": str(cgroup / "cgroup.procs") if cgroup else None}
