@@ -11,9 +11,9 @@ rollout thread. The run's lease (megarl/workers/lease.py) ends every process it 
 a dead driver's actors elsewhere. Either way one line (stderr) says the step reached, the newest checkpoint and
 the command that resumes, and the exit status is 128 + the signal: 130 for SIGINT, 143 for SIGTERM. No traceback.
 
-`begin` (python -m megarl.train / train_rm, before Ray starts) installs the handlers and holds the lease; `end`
-(run_trainer, after the workers are down) restores the handlers, releases the lease and, after a stop, prints the
-line and exits.
+`begin` (python -m megarl.train / train_rm, before Ray starts) installs the handlers and holds the lease
+(`reclaim_signals` puts them back on top of Ray's after ray.init); `end` (run_trainer, after the workers are down)
+restores the handlers, releases the lease and, after a stop, prints the line and exits.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def begin(cfg) -> None:
 
 
 def reclaim_signals() -> None:
-    """The handlers on top again: ray.init installs its own for SIGTERM (a sys.exit, and its core worker's, which
-    aborts the process). Called once Ray is up (run_trainer)."""
+    """The handlers on top again once Ray is up: ray.init installs its own for SIGTERM (a sys.exit, then its core
+    worker's, which aborts the process)."""
     if _run is None or not _in_main_thread():  # signal.signal works there only: a caller on another keeps its own
         return
     for s in SIGNALS:

@@ -173,7 +173,6 @@ def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
     after, and where the TensorBoard events are is printed. Returns (history, what `after` returned), or None when
     an input or config error (printed) stopped the build: found before any worker starts. After a SIGINT or SIGTERM
     the loop stopped for (megarl/stops.py), `after` is skipped, and stops.end exits with the stop line."""
-    stops.reclaim_signals()
     with one_torch_thread():
         try:
             trainer = build(cfg)
@@ -299,6 +298,7 @@ def main(argv=None) -> int:
                  + (cfg.reward_model.parallel.world_size if cfg.reward_model.path else 0))
         stops.begin(cfg)  # SIGINT/SIGTERM end the run from here; so do the processes it starts
         ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
+        stops.reclaim_signals()  # from Ray's SIGTERM handlers, which ray.init installed
         from megarl.async_trainer import build_trainer
 
         print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}\n{summary}", flush=True)

@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ranks = cfg.reward_model.parallel.world_size  # the run's only engine: 0.9 of a GPU each on cuda
     stops.begin(cfg)  # SIGINT/SIGTERM end the run from here; so do the processes it starts
     ray = start_ray(cfg, ranks * cfg.trainer.cpus_per_rank, gpus_needed=0.9 * ranks)
+    stops.reclaim_signals()  # from Ray's SIGTERM handlers, which ray.init installed
     print(f"megarl reward model: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}", flush=True)
     done = run_trainer(cfg, ray, RMTrainer, RMTrainer.export)
     if done is None:

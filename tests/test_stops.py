@@ -3,6 +3,7 @@ megarl/workers/lease.py): tiny CPU runs of `python -m megarl.train` in subproces
 own. Every process a run starts inherits the marker this test puts in the driver's environment, so /proc finds them.
 """
 
+import contextlib
 import os
 import re
 import shlex
@@ -14,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import QUICKSTART
@@ -52,6 +54,7 @@ class Run:
     def __init__(self, argv: list[str], cwd: Path = ROOT, env: dict | None = None):
         self.started.append(self)
         self.mark = uuid.uuid4().hex
+        self.seen: set[tuple[int, float]] = set()  # (pid, start time) of the processes found below the driver
         self.out, self.err, self.changed = [], [], threading.Condition()
         self.process = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {}), MARK: self.mark},
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -94,17 +97,19 @@ class Run:
             return "\n".join(self.out[-30:] + ["--- stderr ---"] + self.err[-40:])
 
     def processes(self) -> dict[int, str]:
-        """Every live process carrying this run's marker (its driver's descendants, however far), by pid."""
-        entry, found = f"{MARK}={self.mark}".encode(), {}
-        for name in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if entry not in f.read().split(b"\0"):
-                        continue
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    found[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                pass
+        """The run's live processes, by pid: those descending from its driver (recorded while it lives: its death
+        orphans them to init) and those carrying the marker in their environment (which a process that sets its
+        title may overwrite: Ray's agents do)."""
+        if self.process.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self.seen |= {(p.pid, p.create_time()) for p in psutil.Process(self.process.pid).children(True)}
+        found = {}
+        for p in psutil.process_iter(["create_time", "status", "cmdline"]):
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if (p.pid, p.info["create_time"]) in self.seen or p.environ().get(MARK) == self.mark:
+                    found[p.pid] = " ".join(p.info["cmdline"] or [])
         return found
 
     def left_after(self, seconds: float) -> dict[int, str]:
@@ -169,6 +174,7 @@ def test_sigint_then_sigterm_stop_after_the_step_save_it_and_say_how_to_resume(t
     out = tmp_path / "run"
     run = train(out)
     run.wait_for(r"^step 1 \| reward", run.out)
+    assert "ray::RolloutWorker" in " ".join(run.processes().values())  # recorded: left_after checks them too
     run.process.send_signal(signal.SIGINT)
     run.wait_for(r"^megarl: SIGINT: finishing step \d+, saving it", run.err, timeout=60)
     assert run.exit_code() == 130
@@ -183,6 +189,7 @@ def test_sigint_then_sigterm_stop_after_the_step_save_it_and_say_how_to_resume(t
     resumed = Run([sys.executable, *command[1:]])
     resumed.wait_for(rf"^resumed from {re.escape(str(checkpoint(out, step)))} after step {step}$", resumed.out)
     resumed.wait_for(rf"^step {step + 1} \| reward", resumed.out)
+    assert "ray::RolloutWorker" in " ".join(resumed.processes().values())
     resumed.process.send_signal(signal.SIGTERM)
     assert resumed.exit_code() == 143
     line = resumed.stop_line()
@@ -196,6 +203,7 @@ def test_a_second_sigint_stops_at_once_and_ends_every_process(hanging_runs):
     still with one line, exit 130, and no process of the run left."""
     run, hang = hanging_runs["interrupted"]
     wait_file(run, hang)
+    assert "ray::RolloutWorker" in " ".join(run.processes().values())
     run.process.send_signal(signal.SIGINT)
     run.wait_for(r"^megarl: SIGINT: finishing step 1, saving it", run.err, timeout=60)
     run.process.send_signal(signal.SIGINT)

@@ -1,23 +1,27 @@
 """A run's lease on the processes it starts: when the driver ends, however it ends (SIGKILL too), every process it
 started on its node ends with it, within a second.
 
-`hold()` (the driver, before Ray starts: megarl/stops.py) puts the run's id in the driver's environment as
-MEGARL_RUN_ID, which every process started from then on inherits: the local Ray's own processes (GCS, raylet, its
-dashboard and runtime-env agents), its workers (the training ranks, the rollout actor, megatron's checkpoint
-writers), the reward processes, SGLang's guards, servers and schedulers. It also starts a reaper, this file run by
-path (standard library only: it starts in milliseconds), in a session of its own so that a Ctrl-C or a signal to the
-driver's process group does not reach it. The reaper waits until the driver releases the lease (`release()`, at the
-end of a run) or dies: it reads a pipe whose only writer is the driver, which the kernel closes when the driver
-dies, and watches its parent as well, in case a forked child holds the pipe's end. Then it SIGKILLs every process of
-this node whose environment holds the run's id, until none is left, and exits.
+`hold()` (the driver, before Ray starts: megarl/stops.py) starts a reaper, this file run by path (standard library
+only: it starts in milliseconds), in a session of its own so that a Ctrl-C or a signal to the driver's process group
+does not reach it, and puts the run's id in the driver's environment as MEGARL_RUN_ID, which every process started
+from then on inherits. The reaper waits until the driver releases the lease (`release()`, at the end of a run) or
+dies: it reads a pipe whose only writer is the driver, which the kernel closes when the driver dies, and watches its
+parent as well, in case a forked child holds the pipe's end. Meanwhile it records, every half second, the processes
+descending from the driver that started since the lease began. At the end it SIGKILLs those it recorded (by pid and
+start time: never a reused pid), those whose environment holds the run's id, and everything below them: the local
+Ray's GCS, raylet and agents, the training ranks, the rollout actor, megatron's checkpoint writers, the reward
+processes, SGLang's guards, servers and schedulers.
+
+Both, because each misses some: a killed driver's orphans are reparented to init at once, so a process started in
+the last half second before a SIGKILL is found by its environment only; and a process that sets its title may
+overwrite what /proc shows of its environment (Ray's agents do), or was started with an environment of its own (the
+code sandbox's supervisor: it ends its run when its parent dies, megarl/sandbox/runner.py), so it is found by its
+ancestry only.
 
 What survived a SIGKILLed driver without it: Ray ends a local cluster's workers within a few seconds of the raylet,
 which dies with the driver, but its dashboard and runtime-env agents wait ~60 s for the dead GCS before they exit.
-
-Outside its reach: processes that drop the environment (the code sandbox starts its supervisor with an empty one; the
-supervisor ends its run when its parent dies: megarl/sandbox/runner.py), and the actors of a joined cluster, which
-its raylet started (Ray ends a dead driver's actors itself, within seconds; an SGLang server's guard then ends the
-server: megarl/rollout/server_guard.py).
+Outside its reach: other nodes, and the actors of a joined cluster, which its raylets started (Ray ends a dead
+driver's actors itself, within seconds; an SGLang server's guard then ends the server: megarl/rollout/server_guard.py).
 """
 
 from __future__ import annotations

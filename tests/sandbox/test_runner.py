@@ -6,6 +6,8 @@ import re
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -237,6 +239,25 @@ def test_output_is_bounded(sandbox):
     result = sandbox.run("while True:\n    print('x' * 1000)\n", wall_s=KILL_AFTER_S)
     assert len(result.stdout) == LIMITS.max_output_bytes and result.output_truncated and not result.ok
 
+
+
+def test_a_run_ends_with_its_caller(sandbox):
+    """A caller killed mid-run (a reward process, when its run's driver was SIGKILLed: megarl/workers/lease.py): the
+    supervisor ends the code at once, not at the wall-clock limit."""
+    before = set(sandbox_processes())
+    caller = subprocess.Popen([sys.executable, "-c", "from megarl.sandbox.runner import Sandbox, SandboxLimits; "
+                               f"Sandbox(SandboxLimits(wall_s=120.0, memory_mb=256), mode={sandbox.mode!r})"
+                               ".run('import time; time.sleep(120)')"])
+    deadline = time.monotonic() + 60
+    while not set(sandbox_processes()) - before:  # the code runs
+        assert caller.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 10  # a loaded 2-core machine; the limit is 120 s
+    while set(sandbox_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(sandbox_processes()) - before
 
 @pytest.mark.skipif(not AS_ROOT, reason="separate process budgets need a uid per run, which only root can assign")
 def test_concurrent_runs_each_get_their_own_process_budget(sandbox):
