@@ -163,8 +163,9 @@ def newest_checkpoint(root: Path) -> tuple[int, Path] | None:
 
 def resume_command(run: _Run, newest) -> str:
     """This process's command line (python -m megarl.train ..., or the console script), with trainer.resume=auto
-    where a checkpoint of this directory exists and trainer.resume names something else (none, an initial
-    checkpoint): auto takes the newest one here. Without one, the command as it was (an initial checkpoint kept)."""
+    (verl's trainer.resume_mode=auto in a command that spells it so) where a checkpoint of this directory exists and
+    trainer.resume names something else (none, an initial checkpoint): auto takes the newest one here. Without one,
+    the command as it was (an initial checkpoint kept)."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is not None and spec.name:
         python = "python" if shutil.which("python") == sys.executable else sys.executable
@@ -174,7 +175,9 @@ def resume_command(run: _Run, newest) -> str:
         command = [script if shutil.which(script) == sys.argv[0] else sys.argv[0]]
     args = list(sys.argv[1:])
     if newest is not None and run.resume not in ("auto", "force"):
-        args = [a for a in args if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]
+        verl = ("trainer.resume_mode=", "trainer.resume_from_path=")  # verl's spelling: one of the two, not both
+        auto = "trainer.resume_mode=auto" if any(a.startswith(verl) for a in args) else "trainer.resume=auto"
+        args = [a for a in args if not a.startswith(("trainer.resume=", *verl))] + [auto]
     return shlex.join(command + args)
 
 

@@ -1,6 +1,7 @@
 """SIGINT and SIGTERM end a run cleanly, and a driver that dies leaves no process behind (megarl/stops.py,
 megarl/workers/lease.py): tiny CPU runs of `python -m megarl.train` in subprocesses, each with a local Ray of its
-own. Every process a run starts inherits the marker this test puts in the driver's environment, so /proc finds them.
+own. A run's processes are found as its reaper finds them: below its driver (recorded while the driver lives) and by
+a marker this test puts in the driver's environment, which they inherit.
 """
 
 import contextlib
@@ -144,15 +145,17 @@ def _nothing_left():
 @pytest.fixture(scope="module")
 def hanging_runs(tmp_path_factory) -> dict[str, tuple[Run, Path]]:
     """Two runs whose reward hangs in step 1 (one to interrupt twice, one to kill), each with the file its reward
-    writes then; started together, first thing, so that they get there while the other test runs."""
+    writes then; the second starts once the first's Ray is up (two Rays starting at once beside other work timed
+    out on 2 busy cores), and they get to the hang side by side."""
     root = tmp_path_factory.mktemp("hanging")
     (root / "hanging_reward.py").write_text(HANGING_REWARD)
     runs = {}
     for name in ("interrupted", "killed"):
         hang = root / f"{name}.hanging"
         env = {"STOPS_HANG_AFTER": "8", "STOPS_HANG_FILE": str(hang)}  # 8: data.val_size x eval_n_samples
-        runs[name] = train(root / name, f"reward.name={root / 'hanging_reward.py'}:reward", "reward.timeout_s=0",
-                           env=env), hang
+        run = train(root / name, f"reward.name={root / 'hanging_reward.py'}:reward", "reward.timeout_s=0", env=env)
+        run.wait_for(r"^megarl: world_size=", run.out)
+        runs[name] = run, hang
     return runs
 
 
@@ -167,7 +170,6 @@ def checkpoint(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step_{step:08d}"
 
 
-@pytest.mark.usefixtures("hanging_runs")
 def test_sigint_then_sigterm_stop_after_the_step_save_it_and_say_how_to_resume(tmp_path):
     """Ctrl-C after a step: that step (or the next, in progress) finishes and is saved; one line names it and the
     command; exit 130. That command resumes after it; SIGTERM there: the same, exit 143. Nothing is left running."""
@@ -179,7 +181,7 @@ def test_sigint_then_sigterm_stop_after_the_step_save_it_and_say_how_to_resume(t
     run.wait_for(r"^megarl: SIGINT: finishing step \d+, saving it", run.err, timeout=60)
     assert run.exit_code() == 130
     line = run.stop_line()
-    step = int(re.search(rf"^megarl: stopped by SIGINT after step (\d+) of {STEPS}; checkpoint (\S+); resume: ",
+    step = int(re.search(rf"^megarl: stopped by SIGINT after step (\d+) of {STEPS}; checkpoint \S+; resume: ",
                          line).group(1))
     assert f"checkpoint {checkpoint(out, step)};" in line and (checkpoint(out, step) / "checkpoint.json").is_file()
     assert not run.left_after(10)
