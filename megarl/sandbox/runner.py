@@ -406,7 +406,7 @@ class Sandbox:
             return True  # not root: the uid is the caller's own
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
-            alive = _processes_of(uid)
+            alive = _processes_of(uid, zombies=True)  # a zombie would take one of the next run's processes
             if not alive:
                 return True
             for pid in alive:
@@ -415,7 +415,8 @@ class Sandbox:
                 except ProcessLookupError:
                     pass
             time.sleep(0.01)
-        logger.warning("sandbox uid %d still has processes %s after 5 s of SIGKILL", uid, _processes_of(uid))
+        logger.warning("sandbox uid %d still has processes %s after 5 s of SIGKILL", uid,
+                       _processes_of(uid, zombies=True))
         return False
 
     # --- set-up checks -----------------------------------------------------------------------------
@@ -488,7 +489,7 @@ def _merged_usr_links() -> list[str]:
     return args
 
 
-def _process_uids():
+def _process_uids(zombies: bool = False):
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -497,12 +498,14 @@ def _process_uids():
                 status = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:  # exited meanwhile
             continue
-        if not status.get("State", "").strip().startswith("Z"):  # zombies hold no resources
+        if zombies or not status.get("State", "").strip().startswith("Z"):
             yield int(entry.name), int(status["Uid"].split()[0])
 
 
-def _processes_of(uid: int) -> list[int]:
-    return [pid for pid, owner in _process_uids() if owner == uid]
+def _processes_of(uid: int, zombies: bool = False) -> list[int]:
+    """The processes of `uid`; with `zombies`, also those exited and not yet reaped, which hold no memory but still
+    count against the uid's RLIMIT_NPROC (a supervisor whose caller died is reaped by init, later)."""
+    return [pid for pid, owner in _process_uids(zombies) if owner == uid]
 
 
 def _count_processes(uid: int) -> int:
