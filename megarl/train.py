@@ -10,8 +10,8 @@ from pathlib import Path
 
 from megarl import stops
 from megarl.config import ConfigError, help_text, load_config
-from megarl.config.summary import PROMPT_FILES, describe, profile_line, toy_task_problem
-from megarl.data.files import InputError, MalformedRow, iter_records
+from megarl.config.summary import describe, profile_line, toy_task_problem
+from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
 
 
 def parse_args(argv):
@@ -213,7 +213,7 @@ def generation_placement(r) -> str:
 
 def first_prompt_row(cfg) -> dict | None:
     """The training prompt file's first row, where data.task names one that is there: the reward is tried on it."""
-    if not cfg.data.task.endswith(PROMPT_FILES) or not Path(cfg.data.task).is_file():
+    if not cfg.data.task.endswith(SUFFIXES) or not Path(cfg.data.task).is_file():
         return None
     for _, record in iter_records(cfg.data.task):
         return None if isinstance(record, MalformedRow) else record  # a malformed row is the prompt loader's to name
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
         return 0
 
     missing = [f"{key}={path}" for key, path in (("data.task", cfg.data.task), ("data.val_task", cfg.data.val_task))
-               if path.endswith(PROMPT_FILES) and not Path(path).is_file()]
+               if path.endswith(SUFFIXES) and not Path(path).is_file()]
     if missing:  # named before Ray and the workers start
         print(f"input error: prompt file not found: {', '.join(missing)}", file=sys.stderr)
         return 2

@@ -142,7 +142,8 @@ class AlgorithmConfig:
     pf_ppo_replay: int = opt(0, "PF-PPO with resample: the highest-reward samples of earlier steps kept (with the "
                                 "advantages and log-probs of their step) and drawn from beside the step's own; "
                                 "0 = none", min=0, **SEQUENCES)
-    # issue 20's traps and rollout correction (megarl/algorithms/kl.py, rollout_correction.py)
+    # the KL estimate's bound, single-sample groups, and rollout correction (megarl/algorithms/kl.py,
+    # rollout_correction.py)
     kl_clamp: float = opt(10.0, "upper bound of the k3 (low_var_kl) KL estimate per token, as verl; 0 = none", min=0)
     allow_single_sample_groups: bool = opt(False, "allow rollout.n_samples=1 with a group estimator (grpo, rloo, "
                                                   "...): every advantage is then 0 and nothing is learned")

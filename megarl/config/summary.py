@@ -4,8 +4,7 @@ print first. Batch sizes are said in prompts and in sequences (responses), and t
 from __future__ import annotations
 
 from megarl.config.verl import count_rows
-
-PROMPT_FILES = (".jsonl", ".parquet", ".json")
+from megarl.data.files import SUFFIXES as PROMPT_FILES  # the prompt files megarl reads
 
 
 def toy_task_problem(cfg) -> str | None:
