@@ -107,13 +107,16 @@ def _flatten(d: dict, leaves: set[str], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
     """Defaults <- YAML recipe <- `key=value` overrides, then validation. Keys may be megarl's or verl's
     (megarl/config/verl.py); every unknown key, refused verl setting and clash is named in one ConfigError.
+    `base` ({dotted megarl key: value}) replaces defaults before the recipe is read (megarl/config/tiny.py).
 
     The config remembers how it was read: `profile` ("megarl" or "verl"), `given` (the megarl keys the command
     set, itself or through verl's keys) and `notes` (verl keys without effect here, said at start-up)."""
     cfg = Config()
+    for key, value in (base or {}).items():
+        _set(cfg, key, value)
     keys = all_keys()
     sources = []
     if path:
