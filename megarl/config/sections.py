@@ -58,8 +58,8 @@ class ParallelConfig:
                      "row width padded to a multiple of 2 * cp), keys and values all-gathered for attention "
                      "(attention=sdpa; no TransformerEngine needed); not with ep > 1", min=1, **CLUSTER)
     sequence_parallel: bool = opt(False, "sequence parallelism over the TP group: norms, dropout and the MoE router "
-                                         "run on 1/TP of the tokens (needs TP > 1; row width padded to a multiple "
-                                         "of TP); required for mixture-of-experts training at TP > 1")
+                                         "run on 1/TP of the tokens (needs TP > 1: refused at TP 1; row width padded "
+                                         "to a multiple of TP); required for mixture-of-experts training at TP > 1")
 
     @property
     def dp(self) -> int:

@@ -229,6 +229,9 @@ class ConfigChecks:
             if p.cp > 1 and p.ep > 1:
                 raise ConfigError(f"{role}.parallel.cp={p.cp} with {role}.parallel.ep={p.ep}: context parallelism "
                                   "with expert parallelism is not supported")
+            if p.sequence_parallel and p.tp < 2:  # megatron splits nothing: the setting would be silently ignored
+                raise ConfigError(f"{role}.parallel.sequence_parallel=true splits activations over the TP group, and "
+                                  f"{role}.parallel.tp={p.tp}: set {role}.parallel.tp > 1 or sequence_parallel=false")
             self._validate_experts_and_stages(role, p)
             self._validate_optimizer_and_recompute(role, section_)
             if p.cp > 1 and section_.attention not in ("auto", "sdpa"):

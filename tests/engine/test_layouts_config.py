@@ -44,6 +44,8 @@ def test_stage_rule_splits_the_published_models():
       "actor.parallel.pp_last_stage_layers=3"], "actor.parallel.pp_last_stage_layers=3 is not divisible by "
                                                 "actor.parallel.vpp=2"),
     (["critic.parallel.pp_last_stage_layers=-1"], "critic.parallel.pp_last_stage_layers=-1"),
+    (["actor.parallel.sequence_parallel=true"], r"actor.parallel.sequence_parallel=true .* actor.parallel.tp=1"),
+    (["critic.parallel.sequence_parallel=true"], r"critic.parallel.sequence_parallel=true .* critic.parallel.tp=1"),
     (["actor.optimizer_cpu_offload=true"], "actor.optimizer_cpu_offload=true needs actor.use_distributed_optimizer"),
     (["actor.use_distributed_optimizer=true", "actor.optimizer_cpu_offload=true",
       "actor.optimizer_offload_fraction=0"], "actor.optimizer_offload_fraction=0"),
