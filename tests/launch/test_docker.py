@@ -64,3 +64,9 @@ def test_build_args_cover_every_dockerfile_argument():
     args = load_build_args().build_args(pins)
     assert set(args) == {name for name, default in dockerfile_args().items() if default is None}
     assert args["TORCH_VERSION"] == pins["gpu"]["torch"]
+
+
+def test_the_image_installs_bubblewrap_for_the_code_sandbox():
+    # reward.code_sandbox=auto runs only under bubblewrap: an image without it could not run the code reward
+    installs = [line for line in DOCKERFILE.read_text().splitlines() if "apt-get install" in line]
+    assert any(re.search(r"\bbubblewrap\b", line) for line in installs)
