@@ -64,11 +64,11 @@ def noisy_trainer(noise: float):
 
 
 def run_one(name: str, out: Path, extra: list[str]) -> None:
-    from megarl.config import load_config
+    from megarl.config.tiny import tiny_config
     from megarl.train import start_ray
 
     recipe, overrides, noise = RUNS[name]
-    cfg = load_config(recipe, overrides + [f"trainer.output_dir={out / name}", "trainer.loggers=[jsonl]"] + extra)
+    cfg = tiny_config(overrides + [f"trainer.output_dir={out / name}", "trainer.loggers=[jsonl]"] + extra, path=recipe)
     ray = start_ray(cfg, cfg.actor.parallel.world_size * cfg.trainer.cpus_per_rank + cfg.rollout.num_cpus)
     trainer = noisy_trainer(noise)(cfg)
     try:

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.utils.provenance import source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def summary(metrics: Path) -> dict:
 def run(recipe: str, mode: str, seed: int, out: Path, smoke: bool, timeout: float) -> dict:
     config, overrides = RECIPES[recipe]
     overrides = overrides + (SMOKE if smoke else []) + MODES[mode]
-    steps = load_config(ROOT / config, overrides).trainer.steps
+    steps = tiny_config(overrides, path=ROOT / config).trainer.steps
     directory = out / recipe / f"{mode}_seed{seed}"
     reward = final_reward(directory / "metrics.jsonl", steps)
     seconds = None

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 
 RECIPES = {"count": "configs/quickstart_vl.yaml", "colour": "configs/quickstart_vl_colour.yaml"}
 RUNS = ("images", "lr0", "blank")
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     recipe = RECIPES[args.task]
-    steps = load_config(recipe, args.overrides).trainer.steps
+    steps = tiny_config(args.overrides, path=recipe).trainer.steps
     if not args.table:
         for seed in args.seeds:
             files = prepare(out, seed, args.task)

@@ -46,9 +46,14 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _single_rank(device: str):
-    """A one-rank megatron job in this process (a process group cannot be started twice per process)."""
+    """A one-rank megatron job in this process (a process group cannot be started twice per process); device
+    auto: cuda where a GPU is visible."""
+    import torch
+
     from megarl.parallel.state import destroy_parallel, init_parallel
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     init_parallel(0, 1, "127.0.0.1", _free_port(), tp=1, pp=1, device=device, seed=0)
     try:
         yield
@@ -57,6 +62,7 @@ def _single_rank(device: str):
 
 
 def _check_output(out: Path) -> Path:
+    """A new output path whose parent exists, checked before anything heavy is imported or loaded."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"output {out} already exists and is not an empty directory; choose a new path")
     if not out.parent.is_dir():
@@ -73,15 +79,15 @@ def _staging(out: Path) -> Path:
 
 
 def _check_hf_dir(hf_dir: Path) -> None:
-    from megarl.models import get_family
-    from megarl.models.hf_checkpoint import BlockFP8
-
     if not hf_dir.is_dir():
         raise ConvertError(f"HF model directory {hf_dir} does not exist")
     if not (hf_dir / "config.json").exists():
         raise ConvertError(f"{hf_dir} is not a HF model directory: no config.json")
     if not any(hf_dir.glob("*.safetensors")):
         raise ConvertError(f"{hf_dir} has no *.safetensors weights (other weight formats are not read)")
+    from megarl.models import get_family  # torch: imported once the paths are known to be good
+    from megarl.models.hf_checkpoint import BlockFP8
+
     config = json.loads((hf_dir / "config.json").read_text())
     try:
         get_family(config)
@@ -104,10 +110,10 @@ def _engine(model_dir: Path, device: str, precision: str, head: str = "lm", load
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, role: str = "actor", device: str = "cpu") -> Path:
     """Import a HF model directory as a weights-only checkpoint. Starts a process group: call it in a
     process that has none (the CLI does)."""
-    from megarl.engine.checkpoint import publish
-
     hf_dir, out = Path(hf_dir), _check_output(Path(out))
     _check_hf_dir(hf_dir)
+    from megarl.engine.checkpoint import publish
+
     with _single_rank(device):
         engine = _engine(hf_dir, device, precision="auto")
         staging = _staging(out)
@@ -135,20 +141,22 @@ def _resolve_checkpoint(path: Path, role: str) -> Path:
 
 def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor", dtype: str = "auto",
                    max_shard_gb: float = 5.0, device: str = "cpu") -> Path:
-    """Export one engine of a checkpoint as a HF model directory. Starts a process group: call it in a
-    process that has none (the CLI does)."""
+    """Export one engine of a checkpoint as a HF model directory, in `dtype` (auto: the model's own, model_dtype).
+    Starts a process group: call it in a process that has none (the CLI does)."""
+    if dtype not in FORMAT_DTYPES:
+        raise ConvertError(f"dtype={dtype!r}: expected one of {', '.join(FORMAT_DTYPES)}")
+    out = _check_output(Path(out))
+    if not Path(checkpoint).exists():
+        raise ConvertError(f"checkpoint path {checkpoint} does not exist")
     import torch
 
     from megarl.engine.checkpoint import publish_directory, read_engine_file
     from megarl.models.hf_checkpoint import MTP_FILE, export_config, iter_mtp_copy, value_model_config
 
-    if dtype not in FORMAT_DTYPES:
-        raise ConvertError(f"dtype={dtype!r}: expected one of {', '.join(FORMAT_DTYPES)}")
-    out = _check_output(Path(out))
     role_dir = _resolve_checkpoint(Path(checkpoint), role)
     meta = read_engine_file(role_dir)
     saved_dtype = meta["params_dtype"]
-    target = getattr(torch, saved_dtype if dtype == "auto" else dtype)
+    target = getattr(torch, model_dtype(role_dir, saved_dtype) if dtype == "auto" else dtype)
     max_shard_bytes = int(max_shard_gb * (1 << 30))
     with _single_rank(device):
         engine = _engine(role_dir / "hf", device, precision="bf16" if saved_dtype == "bfloat16" else "fp32",
@@ -173,6 +181,15 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
         out.rmdir()  # empty (checked above)
     publish_directory(staging, out)
     return out
+
+
+def model_dtype(role_dir: Path, saved_dtype: str) -> str:
+    """The dtype an export writes by default: the model's own, as its config.json (saved with the checkpoint) names
+    it, since a CPU import holds a bf16 model in float32 and its export would otherwise double its size; the
+    checkpoint's parameters' dtype where the config names none."""
+    config = json.loads((role_dir / "hf" / "config.json").read_text())
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if named in FORMAT_DTYPES[1:] else saved_dtype
 
 
 def _save_shard(directory: Path, index: int, bucket: list, dtype) -> tuple[str, list[str], int]:
@@ -227,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("checkpoint", type=Path, help="a checkpoint (step_<N>/) or a directory of checkpoints")
     exp.add_argument("out", type=Path, help="new HF model directory")
     exp.add_argument("--dtype", default="auto", choices=FORMAT_DTYPES,
-                     help="dtype of the written weights; auto = the checkpoint's")
+                     help="dtype of the written weights; auto = the model's own (its config.json's dtype, as "
+                          "imported), else the checkpoint's parameters'")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     for p in (imp, exp):
         p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic, reward_model)")
@@ -235,10 +253,6 @@ def main(argv: list[str] | None = None) -> int:
                        help="where the one-rank job runs; auto = cuda where a GPU is visible (the CPU layer refuses "
                             "a CUDA machine)")
     args = parser.parse_args(argv)
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         if args.command == "hf-to-megatron":
             out = hf_to_megatron(args.hf_dir, args.out, args.role, args.device)

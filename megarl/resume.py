@@ -8,6 +8,9 @@ manifest (a damaged one gives way to the previous complete one) and against this
                          changed settings are named in a warning, not refused
   trainer.resume=none    from scratch
 
+A fresh run gets a new run id, a resumed one keeps its checkpoint's (`run_id_of`): the id names the directory the
+run logs into, <trainer.output_dir>/logs/<run id>/ (megarl/utils/tracking.py).
+
 `python -m megarl.train` also holds the output directory's lock (megarl/utils/run_lock.py) for the whole run, and
 ends at once, successfully, when the checkpoint already completed trainer.steps.
 """
@@ -21,6 +24,7 @@ from megarl.config import Config, ConfigError
 from megarl.config.fingerprint import differences, fingerprint
 from megarl.engine.checkpoint import CheckpointError, Checkpoints, checkpoint_damage, read_checkpoint_file
 from megarl.utils.run_lock import RunLock
+from megarl.utils.tracking import new_run_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,7 @@ class Start:
     config: dict  # this run's training settings (fingerprint): each checkpoint it writes stores them
     checkpoint: Path | None  # the checkpoint it resumes, checked; None: from scratch
     step: int  # the RL step that checkpoint completed (0 also for initial weights, which have no driver state)
+    run_id: str  # the run's id: its checkpoint's, or a new one (megarl/utils/tracking.py: where the run logs)
 
     def nothing_to_train(self, steps: int) -> str | None:
         """Why the run would train no step (its checkpoint is at or past trainer.steps), or None."""
@@ -76,12 +81,20 @@ def plan_resume(cfg: Config) -> Start:
         print("warning: damaged checkpoint(s) skipped:\n  " + "\n  ".join(damaged)
               + f"\n  resuming from the previous complete one, {chosen}", flush=True)
     if chosen is None:
-        return Start(config, None, 0)
+        return Start(config, None, 0, new_run_id())
     meta = read_checkpoint_file(chosen)
     if meta["driver"] is None:  # initial weights (megarl.convert hf-to-megatron): no run to compare with
-        return Start(config, chosen, 0)
+        return Start(config, chosen, 0, new_run_id())
     check_settings(chosen, meta.get("config"), config, resume)
-    return Start(config, chosen, meta["step"])
+    return Start(config, chosen, meta["step"], run_id_of(meta))
+
+
+def run_id_of(meta: dict | None) -> str:
+    """The run id a checkpoint's metadata (read_checkpoint_file) keeps in its driver state; a new id for no
+    checkpoint, initial weights, or a checkpoint written before checkpoints kept one (its run's earlier logs stay
+    where they were)."""
+    state = (meta or {}).get("driver") or {}
+    return state.get("run_id") or new_run_id()
 
 
 def check_settings(checkpoint: Path, saved: dict | None, config: dict, resume: str) -> None:

@@ -35,8 +35,9 @@ from megarl.data.inputs import load_tokenizer, model_inputs, read_model_config
 from megarl.data.preferences import PreferencePair, pair_batch, preference_sets
 from megarl.engine.checkpoint import CheckpointError, Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
+from megarl.resume import run_id_of
 from megarl.trainer import evaluates_after, prepare_model, resolve_device
-from megarl.utils.tracking import Tracker
+from megarl.utils.tracking import Tracker, run_dir
 from megarl.workers.group import TrainGroup
 
 ROLE = "reward_model"  # the engine's directory in a checkpoint (megarl.convert ... --role reward_model)
@@ -114,9 +115,13 @@ class RMTrainer:
         check_export_dir(self.export_dir)
         self.data = preference_sets(cfg, self.tokenizer, pair_limit(cfg, model_config, where))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
                                        cfg.trainer.keep_last)
+        self.resumed = self.checkpoints.resolve(cfg.trainer.resume)  # the checkpoint fit() resumes, if any
+        # the run's own log directory under the output root, its id kept by a resume (megarl/utils/tracking.py)
+        self.run_id = run_id_of(read_checkpoint_file(self.resumed) if self.resumed is not None else None)
+        self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.run_id), cfg.trainer.loggers,
+                               {"run_id": self.run_id} | cfg.to_dict())
         self.group = TrainGroup(cfg, self.model_path, self.device, cfg.trainer.steps, "reward_model_training")
         self.history = {"val/pair_accuracy": {}, "val/margin": {}}
 
@@ -175,13 +180,13 @@ class RMTrainer:
         staging = self.checkpoints.stage(step)
         self.group.call("save_checkpoint", str(staging / ROLE))
         return self.checkpoints.commit(staging, step, {"step": step, "data": self.data.train.state_dict(),
-                                                       "history": self.history})
+                                                       "history": self.history, "run_id": self.run_id})
 
     def resume(self) -> int:
         """Load the checkpoint trainer.resume names (auto: the newest complete one, if any); returns the last step
         it completed. One without driver state (megarl.convert hf-to-megatron --role reward_model) gives initial
         weights: 0."""
-        path = self.checkpoints.resolve(self.cfg.trainer.resume)
+        path = self.resumed
         if path is None:
             return 0
         meta = read_checkpoint_file(path)
@@ -194,6 +199,7 @@ class RMTrainer:
         self.data.train.load_state_dict(state["data"])
         self.history = {name: {int(step): v for step, v in by_step.items()}  # JSON keys are strings
                         for name, by_step in state["history"].items()}
+        self.tracker.rewind(state["step"])  # the steps redone from here replace their rows, not repeat them
         print(f"resumed from {path} after step {state['step']}", flush=True)
         return state["step"]
 

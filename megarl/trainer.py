@@ -34,7 +34,7 @@ from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.utils.timers import Timers
-from megarl.utils.tracking import JsonlLogger, Tracker
+from megarl.utils.tracking import Tracker, run_dir
 from megarl.workers import weight_sync
 from megarl.workers.colocation import Colocation
 from megarl.workers.group import TrainGroup, call_rollout, start_rollout, stop_rollout
@@ -97,7 +97,9 @@ class RLTrainer:
         self.kl_ctl = kl_controller(cfg.algorithm)  # fixed, or adaptive towards algorithm.kl_target
         # PF-PPO: the batch filtered by reward before the update (algorithm.pf_ppo)
         self.policy_filter = PolicyFilter(cfg.algorithm, cfg.trainer.seed) if cfg.algorithm.pf_ppo != "none" else None
-        self.tracker = Tracker(cfg.trainer.output_dir, cfg.trainer.loggers, cfg.to_dict())
+        # the run's own log directory under the output root, its id kept by a resume (megarl/utils/tracking.py)
+        self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.start.run_id), cfg.trainer.loggers,
+                               {"run_id": self.start.run_id} | cfg.to_dict())
         self.timers = Timers()
         self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
@@ -246,7 +248,8 @@ class RLTrainer:
             group.call("save_checkpoint", str(staging / role))
         state = {"step": step, "version": self.version, "data": self.data.state_dict(),
                  "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict()}
+                 "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict(),
+                 "run_id": self.start.run_id}
         if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
             torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
         if self.policy_filter is not None:  # PF-PPO's random state and replayed samples
@@ -293,9 +296,7 @@ class RLTrainer:
         # then the count the run stopped at, so that the next verified syncs are the uninterrupted run's
         self.syncs = state.get("syncs", self.syncs)  # (absent from checkpoints written before it was kept)
         self.timers.pop()  # the resumed policy's sync is no step's
-        for logger in self.tracker.loggers:  # the steps redone from here replace their rows, not repeat them
-            if isinstance(logger, JsonlLogger):
-                logger.rewind(state["step"])
+        self.tracker.rewind(state["step"])  # the steps redone from here replace their rows, not repeat them
         print(f"resumed from {path} after step {state['step']}", flush=True)
         return state["step"]
 

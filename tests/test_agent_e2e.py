@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,8 +42,8 @@ def test_tool_recipe_dumps_over_samples_and_replays_bit_for_bit(tmp_path, ray_lo
     common = [f"sft.data={traces}", "sft.steps=4", "sft.batch_size=8", "data.prompts_per_step=2",
               "rollout.n_samples=2", "data.val_size=2", "trainer.steps=2", "trainer.eval_every=2",
               "trainer.loggers=jsonl", "agent.max_concurrent=4"]
-    original = run(load_config(RECIPE, common + [f"trainer.output_dir={tmp_path / 'run'}", f"rollout.dump_dir={dump}",
-                                                 "agent.oversample_groups=3"]))
+    original = run(tiny_config(common + [f"trainer.output_dir={tmp_path / 'run'}", f"rollout.dump_dir={dump}",
+                                                 "agent.oversample_groups=3"], path=RECIPE))
     steps = {r["step"]: r for r in original if "train/loss" in r}
 
     # over-sampling: 5 groups started, 2 kept; the aborted ones come back the next step with their old version
@@ -70,8 +70,8 @@ def test_tool_recipe_dumps_over_samples_and_replays_bit_for_bit(tmp_path, ray_lo
     assert (dump / "val_000000.pt").exists() and (dump / "val_000002.pt").exists()
 
     # replay: no generation for training, the same losses, gradients and rewards to the last bit
-    replayed = run(load_config(RECIPE, common + [f"trainer.output_dir={tmp_path / 'replay'}",
-                                                 f"rollout.replay_dir={dump}"]))
+    replayed = run(tiny_config(common + [f"trainer.output_dir={tmp_path / 'replay'}",
+                                                 f"rollout.replay_dir={dump}"], path=RECIPE))
     again = {r["step"]: r for r in replayed if "train/loss" in r}
     for step in (1, 2):
         train = {k: v for k, v in steps[step].items() if k.startswith("train/")}

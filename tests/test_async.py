@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megarl.async_trainer import RolloutSide, build_trainer, check_resident_memory
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.protocol import Batch
 from megarl.rewards.failures import RewardFailureError
 from megarl.reshard.memory import GiB
@@ -27,12 +28,12 @@ CLOCK = ("timing/", "perf/", "phase/", "sync/seconds", "sync/gb_per_s")
 
 
 def config(output_dir, *overrides):
-    return load_config(QUICKSTART, [
+    return tiny_config([
         f"trainer.output_dir={output_dir}", "actor.parallel.world_size=1", "actor.parallel.tp=1",
         "model.tiny_num_layers=1", "data.prompts_per_step=2", "rollout.n_samples=4", "data.val_size=4",
         "rollout.eval_n_samples=1", "sft.steps=0", "trainer.steps=3", "trainer.eval_every=3",
         "reward.name=reverse",  # partial credit: rewards differ within groups, the policy moves
-        "trainer.save_every=1", "trainer.keep_last=0", "trainer.loggers=[jsonl]", *overrides])
+        "trainer.save_every=1", "trainer.keep_last=0", "trainer.loggers=[jsonl]", *overrides], path=QUICKSTART)
 
 
 def run(cfg) -> dict[int, dict]:
@@ -181,8 +182,8 @@ def test_oversampled_groups_carried_past_the_bound_are_not_continued():
         return t
     recipe = Path(__file__).resolve().parent.parent / "configs" / "tool_calculator.yaml"
     for stale, requeued in (("regenerate", ["a"]), ("drop", [])):
-        cfg = load_config(recipe, ["trainer.mode=async", "async.max_staleness=1", "agent.oversample_groups=2",
-                                   f"async.stale={stale}"])
+        cfg = tiny_config(["trainer.mode=async", "async.max_staleness=1", "agent.oversample_groups=2",
+                                   f"async.stale={stale}"], path=recipe)
         side = RolloutSide(SimpleNamespace(cfg=cfg, tokenizer=None, rollout=None, data=None), buffer, 0.0)
         side.partial_groups = [({"prompt": "a"}, [conversation(0, 3), conversation(1, 2)]),  # a version-0 token
                                ({"prompt": "b"}, [conversation(1, 3), conversation(0, 0)]),  # version 1 onwards
@@ -193,7 +194,7 @@ def test_oversampled_groups_carried_past_the_bound_are_not_continued():
 
 
 def test_colocated_engines_resident_together_must_fit_the_gpu():
-    cfg = load_config(None, ["trainer.mode=async", "rollout.engine=sglang", "rollout.sglang_mem_fraction=0.5"])
+    cfg = tiny_config(["trainer.mode=async", "rollout.engine=sglang", "rollout.sglang_mem_fraction=0.5"])
     check_resident_memory(cfg, load_model_config("qwen2.5-0.5b"), 141 * GiB)  # an H200: fits
     with pytest.raises(ConfigError, match=r"training needs at least \d+\.\d GiB per GPU .* beside "
                                           r"rollout.sglang_mem_fraction=0.5 of 80 GiB \(40.0 GiB\)"):
@@ -215,4 +216,4 @@ def test_colocated_engines_resident_together_must_fit_the_gpu():
 ])
 def test_bad_async_config_is_refused_by_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(QUICKSTART, overrides)
+        tiny_config(overrides, path=QUICKSTART)

@@ -21,7 +21,7 @@ import ray
 
 from megarl import async_trainer
 from megarl.async_trainer import build_trainer
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 
 from tests.test_async import metrics_by_step
 from tests.test_async_rollout import RECORD, WAIT_S, Hook, hook_state  # RECORD: what reward test_async_recorded scored
@@ -105,11 +105,11 @@ def shrunk_recipe(tmp_path: Path, *overrides: str):
     traces = tmp_path / "traces.jsonl"  # the recipe's warm start is off; its file must still be readable
     traces.write_text(json.dumps({"prompt": "12*34=", "answer": "408",
                                   "messages": [{"role": "assistant", "content": "408"}]}) + "\n")
-    return load_config(RECIPE, [
+    return tiny_config([
         f"trainer.output_dir={tmp_path}", f"sft.data={traces}", "sft.steps=0", "model.tiny_num_layers=1",
         "data.prompts_per_step=2", "rollout.n_samples=2", "data.val_size=2", "rollout.eval_n_samples=1",
         "trainer.steps=2", "trainer.eval_every=0", "trainer.loggers=[jsonl]", "trainer.mode=async",
-        "async.max_staleness=1", *overrides])
+        "async.max_staleness=1", *overrides], path=RECIPE)
 
 
 def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_path, ray_local, monkeypatch):

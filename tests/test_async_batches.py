@@ -9,7 +9,7 @@ import torch
 
 import megarl.async_trainer
 from megarl.async_trainer import AsyncRLTrainer, RolloutSide
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.protocol import Batch
 from megarl.rollout_buffer import RolloutBuffer, prompt_record, split_groups
 
@@ -91,8 +91,8 @@ def test_the_agent_loop_runs_batches_admitted_together_in_one_call(tmp_path, ray
 
 def test_dynamic_sampling_and_over_sampling_generate_one_batch_at_a_time(capsys):
     for overrides in (["algorithm.dynamic_sampling=true"], ["agent.oversample_groups=2"], []):
-        cfg = load_config(RECIPE, ["trainer.mode=async", "async.max_staleness=3", "async.batches_at_once=4",
-                                   *overrides])
+        cfg = tiny_config(["trainer.mode=async", "async.max_staleness=3", "async.batches_at_once=4",
+                                   *overrides], path=RECIPE)
         side = RolloutSide(SimpleNamespace(cfg=cfg, tokenizer=None, rollout=None, data=None),
                            RolloutBuffer(1, 3, 0, "drop", 10), 0.0)
         assert side.batches_at_once == (4 if not overrides else 1), overrides

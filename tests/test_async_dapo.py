@@ -4,7 +4,7 @@ equal, generating more rounds until a batch holds data.prompts_per_step groups t
 trains on varies, within the staleness bound, and the dapo/* counts are those of the groups scored."""
 
 from megarl.async_trainer import build_trainer
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.rewards import REWARDS
 from megarl.rollout_buffer import split_groups
 
@@ -22,13 +22,13 @@ def half_flat(response: str, answer: str, sample: dict) -> float:
 
 
 def test_dynamic_sampling_in_async_mode(tmp_path, ray_local):
-    cfg = load_config(QUICKSTART, [
+    cfg = tiny_config([
         f"trainer.output_dir={tmp_path}", "actor.parallel.world_size=1", "actor.parallel.tp=1",
         "model.tiny_num_layers=1", f"data.prompts_per_step={WANT}", "rollout.n_samples=2", "rollout.max_new_tokens=4",
         "data.val_size=2", "rollout.eval_n_samples=1", "sft.steps=0", "trainer.steps=3", "trainer.eval_every=0",
         "reward.name=test_async_dapo_half_flat", "reward.isolation=none", "trainer.save_every=0",
         "trainer.loggers=[jsonl]", "trainer.mode=async", "async.max_staleness=1", "algorithm.dynamic_sampling=true",
-        "algorithm.max_sampling_rounds=6"])
+        "algorithm.max_sampling_rounds=6"], path=QUICKSTART)
     trainer = build_trainer(cfg)
     side = trainer.rollout_side
     batches, trained = [], []  # per rollout batch: its scored groups' rewards and its metrics; the trained batches

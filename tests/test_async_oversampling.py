@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from megarl import async_trainer
 from megarl.async_trainer import RolloutSide
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.models.tiny import build_tiny_model
 from megarl.rewards import REWARDS, score
 from megarl.rollout.agent import AgentLoop
@@ -69,10 +69,10 @@ def sample_oversampled(tok, monkeypatch, script: dict, tools: dict, *overrides: 
     """One rollout batch of the rollout thread (RolloutSide.sample_batch): two groups wanted, of two conversations
     each, with one group over-sampled; the prompts are `script`'s. Returns the side, the batch and its metrics."""
     SCORED.clear()
-    cfg = load_config(RECIPE, [
+    cfg = tiny_config([
         "trainer.mode=async", "async.max_staleness=1", "agent.oversample_groups=1", "data.prompts_per_step=2",
         "rollout.n_samples=2", "agent.max_response_tokens=400", "agent.max_new_tokens_per_turn=200",
-        "reward.name=test_oversampling_recorded", "reward.isolation=none", *overrides])
+        "reward.name=test_oversampling_recorded", "reward.isolation=none", *overrides], path=RECIPE)
     worker = RolloutWorker.__new__(RolloutWorker)  # its engine: the scripted one, in this process
     worker.cfg, worker.reward_fn = cfg, None
     worker.agent = AgentLoop(ScriptedEngine(tok, script), tok, tools, cfg.agent)

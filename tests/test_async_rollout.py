@@ -18,7 +18,7 @@ import ray
 import torch
 
 from megarl.async_trainer import build_trainer
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.rewards import REWARDS
 from megarl.rollout.base import SamplingParams
 
@@ -110,13 +110,13 @@ def hook_state(worker, *fields: str):
 
 def test_groups_scored_as_they_end_and_updates_land_mid_generation(tmp_path, ray_local):
     RECORD.update(scored=[], flag=tmp_path / "scored")
-    cfg = load_config(QUICKSTART, [
+    cfg = tiny_config([
         f"trainer.output_dir={tmp_path}", "actor.parallel.world_size=1", "actor.parallel.tp=1",
         "model.tiny_num_layers=1", "data.prompts_per_step=2", "rollout.n_samples=2", "data.val_size=2",
         "rollout.eval_n_samples=1", "sft.steps=0", "trainer.steps=4", "trainer.eval_every=0",
         f"rollout.max_new_tokens={TOKENS}", "reward.name=test_async_recorded", "reward.isolation=none",
         "trainer.save_every=0", "trainer.loggers=[jsonl]", "trainer.mode=async", "async.max_staleness=1",
-        "async.partial=resume", "async.batches_at_once=1"])  # one step-batch a call: each update holds the next
+        "async.partial=resume", "async.batches_at_once=1"], path=QUICKSTART)  # one step-batch a call: each update holds the next
     trainer = build_trainer(cfg)
     RECORD["val"] = {p["prompt"] for p in trainer.val}
     try:
@@ -222,7 +222,7 @@ def test_groups_scored_as_they_end_form_the_batch_built_whole(monkeypatch):
     from megarl.rollout.batching import generations_to_batch
     from megarl.utils.timers import Timers
 
-    cfg = load_config(QUICKSTART, [])
+    cfg = tiny_config([], path=QUICKSTART)
     side = object.__new__(async_trainer.RolloutSide)
     side.cfg, side.rollout, side.tokenizer, side.version = cfg, None, _DigitsTokenizer(), 3
     side.timers, side.reward_fn = Timers(time.perf_counter()), build_reward(cfg.reward, cfg.data.task)

@@ -1,13 +1,14 @@
 import pytest
 
-from megarl.config import ConfigError, all_keys, help_text, load_config
+from megarl.config import ConfigError, all_keys, help_text
+from megarl.config.tiny import tiny_config
 from tests.conftest import QUICKSTART
 
 
 def test_defaults_yaml_and_overrides_compose(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("actor:\n  parallel: {world_size: 4, tp: 2}\n  optim: {lr: 0.001}\ntrainer: {steps: 7}\n")
-    cfg = load_config(recipe, ["trainer.steps=3", "actor.optim.lr=1e-4", "trainer.loggers=console,jsonl"])
+    cfg = tiny_config(["trainer.steps=3", "actor.optim.lr=1e-4", "trainer.loggers=console,jsonl"], path=recipe)
     assert cfg.actor.parallel.world_size == 4 and cfg.actor.parallel.tp == 2 and cfg.actor.parallel.dp == 2
     assert cfg.trainer.steps == 3  # the command line wins over the recipe
     assert cfg.actor.optim.lr == pytest.approx(1e-4) and isinstance(cfg.actor.optim.lr, float)
@@ -17,74 +18,74 @@ def test_defaults_yaml_and_overrides_compose(tmp_path):
 
 def test_unknown_key_names_the_closest_valid_key(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'actor.paralel.tp'; did you mean 'actor.parallel.tp'\?"):
-        load_config(None, ["actor.paralel.tp=2"])
+        tiny_config(["actor.paralel.tp=2"])
     recipe = tmp_path / "r.yaml"
     recipe.write_text("rollout:\n  n_sample: 4\n")
     with pytest.raises(ConfigError, match=r"'rollout.n_sample'; did you mean 'rollout.n_samples'"):
-        load_config(recipe)
+        tiny_config([], path=recipe)
 
 
 def test_wrong_type_names_the_key():
     with pytest.raises(ConfigError, match=r"'trainer.steps' expects int, got 'many'"):
-        load_config(None, ["trainer.steps=many"])
+        tiny_config(["trainer.steps=many"])
     with pytest.raises(ConfigError, match=r"'actor.parallel.tp' expects int, got 1.5"):
-        load_config(None, ["actor.parallel.tp=1.5"])
+        tiny_config(["actor.parallel.tp=1.5"])
 
 
 def test_env_sections_are_checked_by_key():
-    cfg = load_config(None, ["trainer.worker_env={NCCL_DEBUG: INFO}", "rollout.sglang_env={CUDA_MPS_CLIENT_PRIORITY: 0}"])
+    cfg = tiny_config(["trainer.worker_env={NCCL_DEBUG: INFO}", "rollout.sglang_env={CUDA_MPS_CLIENT_PRIORITY: 0}"])
     assert cfg.trainer.worker_env == {"NCCL_DEBUG": "INFO"} and cfg.rollout.sglang_env == {"CUDA_MPS_CLIENT_PRIORITY": 0}
     with pytest.raises(ConfigError, match=r"trainer.worker_env: '1X' is not an environment variable name"):
-        load_config(None, ["trainer.worker_env={1X: a}"])
+        tiny_config(["trainer.worker_env={1X: a}"])
     with pytest.raises(ConfigError, match=r"rollout.sglang_env: CUDA_VISIBLE_DEVICES is set by megarl"):
-        load_config(None, ["rollout.sglang_env={CUDA_VISIBLE_DEVICES: '0'}"])
+        tiny_config(["rollout.sglang_env={CUDA_VISIBLE_DEVICES: '0'}"])
     with pytest.raises(ConfigError, match=r"rollout.sglang_env.A=\[1\]: an environment variable's value must be"):
-        load_config(None, ["rollout.sglang_env={A: [1]}"])
+        tiny_config(["rollout.sglang_env={A: [1]}"])
     with pytest.raises(ConfigError, match=r"trainer.worker_env=\[.A.\]: expected a mapping"):
-        load_config(None, ["trainer.worker_env=[A]"])
+        tiny_config(["trainer.worker_env=[A]"])
 
 def test_extra_sglang_arguments_reach_the_server_and_megarls_own_are_refused():
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--cuda-graph-max-bs-decode, 512]"])
+    cfg = tiny_config(["rollout.engine=sglang", "rollout.sglang_args=[--cuda-graph-max-bs-decode, 512]"])
     assert cfg.rollout.sglang_args == ["--cuda-graph-max-bs-decode", 512]
     with pytest.raises(ConfigError, match=r"rollout.sglang_args: --tp-size is set by megarl .*rollout.sglang_tp"):
-        load_config(None, ["rollout.engine=sglang", "rollout.sglang_args=[--tp-size=2]"])
+        tiny_config(["rollout.engine=sglang", "rollout.sglang_args=[--tp-size=2]"])
     with pytest.raises(ConfigError, match=r"extra SGLang arguments need rollout.engine=sglang \(got hf\)"):
-        load_config(None, ["rollout.sglang_args=[--attention-backend, fa3]"])
+        tiny_config(["rollout.sglang_args=[--attention-backend, fa3]"])
 
 
 def test_inconsistent_layout_is_an_error():
     with pytest.raises(ConfigError, match=r"world_size=3 is not divisible by actor.parallel.tp \* actor.parallel.pp "
                                           r"\* actor.parallel.cp = 2\*1\*1"):
-        load_config(None, ["actor.parallel.world_size=3", "actor.parallel.tp=2"])
+        tiny_config(["actor.parallel.world_size=3", "actor.parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"actor.mini_batch_size=6 does not divide the step's batch"):
-        load_config(None, ["data.prompts_per_step=2", "rollout.n_samples=4", "actor.mini_batch_size=6"])
+        tiny_config(["data.prompts_per_step=2", "rollout.n_samples=4", "actor.mini_batch_size=6"])
     with pytest.raises(ConfigError, match=r"rollout.engine='vllm': must be one of hf, sglang"):
-        load_config(None, ["rollout.engine=vllm"])
+        tiny_config(["rollout.engine=vllm"])
     with pytest.raises(ConfigError, match=r"critic.parallel.world_size=2 is not divisible by critic.parallel.tp "
                                           r"\* critic.parallel.pp \* critic.parallel.cp = 1\*1\*4"):
-        load_config(None, ["critic.parallel.world_size=2", "critic.parallel.cp=4"])
+        tiny_config(["critic.parallel.world_size=2", "critic.parallel.cp=4"])
     with pytest.raises(ConfigError, match=r"actor.parallel.cp=2 with actor.parallel.ep=2: context parallelism with "
                                           "expert parallelism is not supported"):
-        load_config(None, ["actor.parallel.world_size=8", "actor.parallel.cp=2", "actor.parallel.ep=2"])
+        tiny_config(["actor.parallel.world_size=8", "actor.parallel.cp=2", "actor.parallel.ep=2"])
     with pytest.raises(ConfigError, match=r"actor.attention='varlen' does not run context parallelism "
                                           r"\(actor.parallel.cp=2\)"):
-        load_config(None, ["actor.parallel.world_size=2", "actor.parallel.cp=2", "actor.attention=varlen"])
-    cfg = load_config(None, ["actor.parallel.world_size=8", "actor.parallel.tp=2", "actor.parallel.cp=2"])
+        tiny_config(["actor.parallel.world_size=2", "actor.parallel.cp=2", "actor.attention=varlen"])
+    cfg = tiny_config(["actor.parallel.world_size=8", "actor.parallel.tp=2", "actor.parallel.cp=2"])
     assert cfg.actor.parallel.dp == 2  # 8 ranks = TP 2 x CP 2 x DP 2
     with pytest.raises(ConfigError, match=r"critic.packing='one_rows': must be one of rows, one_row"):
-        load_config(None, ["critic.packing=one_rows"])
+        tiny_config(["critic.packing=one_rows"])
     # one_row is the default of every training role, also without a token budget (with varlen attention it then packs
     # micro_batch_size x the longest sequence per micro-batch)
-    default = load_config(None, [])
+    default = tiny_config()
     assert (default.actor.packing, default.critic.packing, default.reward_model.packing) == ("one_row",) * 3
-    assert load_config(None, ["actor.packing=rows", "actor.max_tokens_per_micro_batch=4096"]).actor.packing == "rows"
+    assert tiny_config(["actor.packing=rows", "actor.max_tokens_per_micro_batch=4096"]).actor.packing == "rows"
 
 
 def test_missing_recipe_and_section_misuse():
     with pytest.raises(ConfigError, match="config file not found"):
-        load_config("/nonexistent/recipe.yaml")
+        tiny_config([], path="/nonexistent/recipe.yaml")
     with pytest.raises(ConfigError, match="'actor' is a section"):
-        load_config(None, ["actor=3"])
+        tiny_config(["actor=3"])
 
 
 def test_malformed_recipe_names_the_file_and_where_yaml_stopped(tmp_path, capsys):
@@ -94,12 +95,12 @@ def test_malformed_recipe_names_the_file_and_where_yaml_stopped(tmp_path, capsys
     recipe.write_text("trainer:\n  steps: 3\n   eval_every: 1\n")  # a stray indent
     with pytest.raises(ConfigError, match=rf"config file {recipe}: not valid YAML: mapping values are not allowed "
                                           r"here at line 3, column 14"):
-        load_config(recipe)
+        tiny_config([], path=recipe)
     recipe.write_bytes(b"trainer:\n  output_dir: \"runs/\xff\"\n")
     with pytest.raises(ConfigError, match=rf"config file {recipe}: not valid UTF-8 \(byte 0xff at line 2, column 21\)"):
-        load_config(recipe)
+        tiny_config([], path=recipe)
     with pytest.raises(ConfigError, match=r"override 'trainer.loggers=\[console,': the value is not valid YAML"):
-        load_config(None, ["trainer.loggers=[console,"])
+        tiny_config(["trainer.loggers=[console,"])
     assert main(["--config", str(recipe), "--check-config"]) == 2  # one line, no traceback
     err = capsys.readouterr().err
     assert err.startswith(f"config error: config file {recipe}: not valid UTF-8") and err.count("\n") == 1
@@ -117,7 +118,7 @@ def test_recipes_in_configs_validate():
     recipes = sorted(pathlib.Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
     assert recipes, "no recipes found"
     for recipe in recipes:
-        load_config(recipe)
+        tiny_config([], path=recipe)
 
 
 def test_weight_delivery_and_offload_options_are_checked():
@@ -125,49 +126,49 @@ def test_weight_delivery_and_offload_options_are_checked():
     # a generation TP other than the training TP, pipeline stages, SGLang's expert parallelism: the resharder's layouts
     for more in (["rollout.sglang_tp=2"], ["actor.parallel.pp=2"], ["actor.parallel.tp=2", "rollout.sglang_tp=2"],
                  ["actor.parallel.ep=2", "rollout.sglang_tp=2", "rollout.sglang_args=[--ep-size,2]"]):
-        assert load_config(None, sharded_sglang + more).rollout.weight_delivery == "sharded"
+        assert tiny_config(sharded_sglang + more).rollout.weight_delivery == "sharded"
     # an SGLang setting that places weights otherwise: refused by name where the placement matters (sharded delivery,
     # checksums), free for full delivery verified by the deep check
     deepep = ["rollout.sglang_tp=2", "rollout.sglang_args=[--ep-size,2,--moe-a2a-backend,deepep]"]
     with pytest.raises(ConfigError, match=r"rollout.sglang_args: --moe-a2a-backend deepep places SGLang's weights "
                                           r"otherwise than megarl models them .*rollout.weight_delivery=sharded"):
-        load_config(None, sharded_sglang + deepep)
+        tiny_config(sharded_sglang + deepep)
     with pytest.raises(ConfigError, match=r"--enable-dp-attention places SGLang's weights otherwise.*"
                                           r"weight_delivery=full, trainer.verify_weight_sync_every=1\)"):
-        load_config(None, ["rollout.engine=sglang", "trainer.verify_weight_sync_every=1",
+        tiny_config(["rollout.engine=sglang", "trainer.verify_weight_sync_every=1",
                            "rollout.sglang_args=[--enable-dp-attention,--dp-size=1]"])
-    assert load_config(None, ["rollout.engine=sglang", "trainer.verify_weight_sync_deep=true"] + deepep)
+    assert tiny_config(["rollout.engine=sglang", "trainer.verify_weight_sync_deep=true"] + deepep)
     with pytest.raises(ConfigError, match=r"rollout.sglang_tp=3 \(the generation TP\) must divide actor.parallel.world_size=2"):
-        load_config(None, ["actor.parallel.world_size=2", "rollout.weight_delivery=sharded", "rollout.sglang_tp=3"])
+        tiny_config(["actor.parallel.world_size=2", "rollout.weight_delivery=sharded", "rollout.sglang_tp=3"])
     with pytest.raises(ConfigError, match=r"trainer.offload_between_phases='sometimes': must be one of auto, always, never"):
-        load_config(None, ["trainer.offload_between_phases=sometimes"])
-    assert load_config(None, ["actor.parallel.world_size=2", "actor.parallel.tp=2", "rollout.weight_delivery=sharded",
+        tiny_config(["trainer.offload_between_phases=sometimes"])
+    assert tiny_config(["actor.parallel.world_size=2", "actor.parallel.tp=2", "rollout.weight_delivery=sharded",
                               "rollout.sglang_tp=2"]).rollout.weight_delivery == "sharded"
 
 
 def test_disaggregated_sglang_options_are_checked():
     with pytest.raises(ConfigError, match=r"rollout.sglang_gpus=2 reserves GPUs for SGLang servers: it needs "
                                           r"rollout.engine=sglang \(got hf\)"):
-        load_config(None, ["rollout.sglang_gpus=2"])
+        tiny_config(["rollout.sglang_gpus=2"])
     with pytest.raises(ConfigError, match=r"rollout.sglang_gpus=3 must be a multiple of rollout.sglang_tp=2"):
-        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=3", "rollout.sglang_tp=2"])
+        tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=3", "rollout.sglang_tp=2"])
     with pytest.raises(ConfigError, match=r"rollout.sglang_gpus=-1: must be in \[0, 100000\] \(0 = the servers share"):
-        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=-1"])
+        tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=-1"])
     with pytest.raises(ConfigError, match=r"trainer.offload_between_phases=always with rollout.sglang_gpus=1"):
-        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=1", "trainer.offload_between_phases=always"])
+        tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=1", "trainer.offload_between_phases=always"])
     with pytest.raises(ConfigError, match=r"rollout.weight_delivery=sharded with rollout.engine=sglang needs colocated "
                                           r"servers \(rollout.sglang_gpus=0, got 1"):
-        load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=1", "rollout.weight_delivery=sharded"])
+        tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=1", "rollout.weight_delivery=sharded"])
     # auto: the offload cycle runs only where training and SGLang share GPUs
-    disaggregated = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_tp=2"])
+    disaggregated = tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_tp=2"])
     assert not disaggregated.offload_enabled("cuda")
-    assert load_config(None, ["rollout.engine=sglang"]).offload_enabled("cuda")
+    assert tiny_config(["rollout.engine=sglang"]).offload_enabled("cuda")
 
 
 def test_the_start_up_line_names_expert_parallelism_and_uneven_stages():
-    plain = load_config(None, ["actor.parallel.world_size=4", "actor.parallel.tp=2"]).actor.parallel
+    plain = tiny_config(["actor.parallel.world_size=4", "actor.parallel.tp=2"]).actor.parallel
     assert plain.describe() == "world_size=4 = tp 2 x pp 1 x cp 1 x dp 2"
-    moe = load_config(None, ["actor.parallel.world_size=8", "actor.parallel.pp=2", "actor.parallel.ep=2",
+    moe = tiny_config(["actor.parallel.world_size=8", "actor.parallel.pp=2", "actor.parallel.ep=2",
                              "actor.parallel.pp_first_stage_layers=3", "actor.parallel.pp_last_stage_layers=1"])
     assert moe.actor.parallel.describe() == ("world_size=8 = tp 1 x pp 2 x cp 1 x dp 4 (ep 2, first stage 3 layers, "
                                              "last stage 1 layers)")

@@ -3,7 +3,8 @@ outside it by name: hostile values (-1, 0, NaN, infinity, huge) are accepted onl
 
 import pytest
 
-from megarl.config import Config, ConfigError, help_text, load_config
+from megarl.config import Config, ConfigError, help_text
+from megarl.config.tiny import tiny_config
 from megarl.config.fields import leaves
 
 NUMERIC = ("int", "float")
@@ -71,7 +72,7 @@ CASES = [(key, value, expected) for key, row in TABLE.items() for value, expecte
 def test_hostile_values_are_accepted_or_refused_by_name(key, value, expected):
     overrides = CONTEXT.get(key, []) + [f"{key}={value}"]
     if expected is OK:
-        load_config(None, overrides)
+        tiny_config(overrides)
         return
     if expected == NOT_INT:
         expected = rf"config key '{key}' {NOT_INT.format(value=value)}"
@@ -79,7 +80,7 @@ def test_hostile_values_are_accepted_or_refused_by_name(key, value, expected):
         shown = {"-1": r"-1(\.0)?", "0": r"0(\.0)?", HUGE_FLOAT: r"1000000000000\.0"}.get(value, value)
         expected = rf"{key}={shown}: {expected}"
     with pytest.raises(ConfigError, match=f"^{expected}"):
-        load_config(None, overrides)
+        tiny_config(overrides)
 
 
 def _numeric_leaves():
@@ -98,13 +99,13 @@ def test_no_float_field_takes_nan_or_an_infinity(value):
     assert len(floats) > 60
     for key in floats:
         with pytest.raises(ConfigError, match=rf"^{key}=-?(nan|inf): must be (a|any) finite number"):
-            load_config(None, CONTEXT.get(key, []) + [f"{key}={value}"])
+            tiny_config(CONTEXT.get(key, []) + [f"{key}={value}"])
 
 
 def test_a_product_of_keys_past_the_bound_is_named():
     with pytest.raises(ConfigError, match=r"data.prompts_per_step \* rollout.n_samples = 8 \* 500000 = 4000000 "
                                           r"sequences a step: must be at most 1000000"):
-        load_config(None, ["rollout.n_samples=500000"])
+        tiny_config(["rollout.n_samples=500000"])
 
 
 def test_check_config_refuses_a_hostile_value_in_one_line(capsys):

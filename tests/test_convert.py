@@ -86,3 +86,33 @@ def test_bad_paths_fail_with_a_message(tmp_path, capsys):
     assert "has no role 'actor' (it holds: critic)" in error("megatron-to-hf", critic_only, tmp_path / "out")
     with pytest.raises(SystemExit):  # argparse: an unknown command
         main(["hf-to-hf", hf, str(tmp_path / "out")])
+
+
+def test_a_missing_output_parent_is_named_before_torch_is_imported(tmp_path):
+    """The CLI checks its paths first: the answer comes at once, not after loading torch and megatron."""
+    probe = ("import sys; from megarl.convert import main; rc = main(sys.argv[1:]); "
+             "print(rc, 'torch' in sys.modules, 'megatron.core' in sys.modules)")
+    for argv in (["hf-to-megatron", tmp_path, tmp_path / "missing" / "out"],
+                 ["megatron-to-hf", tmp_path, tmp_path / "missing" / "out"]):
+        done = subprocess.run([sys.executable, "-c", probe, *map(str, argv)], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.stdout.split() == ["2", "False", "False"], done.stderr
+        assert f"the parent directory of the output, {tmp_path / 'missing'}, does not exist" in done.stderr
+
+
+def test_a_bf16_model_comes_back_bf16_and_bit_exact(tmp_path):
+    """Imported on the CPU a bf16 model trains in float32; its export is bf16 again (the model's own dtype) unless
+    --dtype says otherwise, and equal to the original bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    hf = tmp_path / "hf"
+    model = AutoModelForCausalLM.from_pretrained(make_qwen2_dir(tmp_path / "fp32", tied=False))
+    model.to(torch.bfloat16).save_pretrained(hf)
+    convert("hf-to-megatron", hf, tmp_path / "imported")
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
+    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert {t.dtype for t in back.values()} == {torch.bfloat16}
+    assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "wide", "--dtype", "float32")
+    assert {t.dtype for t in load_file(tmp_path / "wide" / "model.safetensors").values()} == {torch.float32}

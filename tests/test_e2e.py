@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.reshard.inventory import hf_inventory
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
 from megarl.trainer import RLTrainer
@@ -17,11 +17,11 @@ from tests.conftest import QUICKSTART as RECIPE
 
 
 def tiny_grpo(tmp_path, *overrides):
-    return load_config(RECIPE, [
+    return tiny_config([
         f"trainer.output_dir={tmp_path}", "actor.parallel.world_size=2", "actor.parallel.tp=2",
         "data.prompts_per_step=4", "rollout.n_samples=4", "data.val_size=16", "sft.steps=10",
         "reward.name=reverse",  # partial credit: rewards differ within groups even for a weak policy
-        "trainer.loggers=jsonl", *overrides])
+        "trainer.loggers=jsonl", *overrides], path=RECIPE)
 
 
 def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
@@ -93,9 +93,9 @@ def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
     val, steps = {}, 60
     for lr, n in ((5e-4, steps), (0.0, 4)):
         out = tmp_path / f"lr{lr}"
-        cfg = load_config(RECIPE, [f"trainer.output_dir={out}", f"actor.optim.lr={lr}", f"trainer.steps={n}",
+        cfg = tiny_config([f"trainer.output_dir={out}", f"actor.optim.lr={lr}", f"trainer.steps={n}",
                                    f"trainer.eval_every={n}", "trainer.seed=1", "data.val_size=256",
-                                   "rollout.eval_n_samples=8", "trainer.loggers=jsonl"])
+                                   "rollout.eval_n_samples=8", "trainer.loggers=jsonl"], path=RECIPE)
         trainer = RLTrainer(cfg)
         try:
             val[lr] = trainer.fit()["val/reward"]
@@ -130,7 +130,7 @@ def test_the_driver_runs_on_one_torch_thread_and_gives_the_pool_back(tmp_path):
         def shutdown(self):
             pass
 
-    cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}"])
+    cfg = tiny_config([f"trainer.output_dir={tmp_path}"], path=RECIPE)
     with pytest.raises(RuntimeError, match="a step failed"):
         run_trainer(cfg, Ray(), Trainer)
     assert seen == [1] and torch.get_num_threads() == before

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer, evaluates_after
 
 from tests.conftest import QUICKSTART
@@ -17,14 +18,14 @@ def test_eval_every_steps():
     assert [s for s in range(1, 8) if evaluates_after(s, 0, 7)] == [7]
     assert [s for s in range(1, 8) if evaluates_after(s, 1, 7)] == list(range(1, 8))
     with pytest.raises(ConfigError, match="trainer.eval_every=-1: must be >= 0"):
-        load_config(QUICKSTART, ["trainer.eval_every=-1"])
+        tiny_config(["trainer.eval_every=-1"], path=QUICKSTART)
 
 
 def test_eval_every_0_evaluates_before_rl_and_after_the_last_step(tmp_path, ray_local):
-    cfg = load_config(QUICKSTART, [
+    cfg = tiny_config([
         f"trainer.output_dir={tmp_path}", "trainer.steps=2", "trainer.eval_every=0", "data.prompts_per_step=2",
         "rollout.n_samples=2", "data.val_size=2", "rollout.eval_n_samples=1", "sft.steps=0", "actor.parallel.tp=1",
-        "actor.parallel.world_size=1", "trainer.loggers=jsonl", "model.tiny_num_layers=1"])
+        "actor.parallel.world_size=1", "trainer.loggers=jsonl", "model.tiny_num_layers=1"], path=QUICKSTART)
     trainer = RLTrainer(cfg)
     try:
         history = trainer.fit()

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.data.files import InputError
 from megarl.data.inputs import load_tokenizer
 from megarl.models.tiny import EOS_TOKEN, build_tiny_model
@@ -48,10 +48,10 @@ def test_load_tokenizer_pads_with_eos(no_pad_model, tmp_path):
 
 
 def test_a_run_with_no_pad_token_finishes(no_pad_model, tmp_path, ray_local):
-    cfg = load_config(QUICKSTART, [f"model.path={no_pad_model}", "trainer.steps=1", "sft.steps=1",
+    cfg = tiny_config([f"model.path={no_pad_model}", "trainer.steps=1", "sft.steps=1",
                                    "data.prompts_per_step=4", "rollout.n_samples=2", "data.val_size=4",
                                    "actor.micro_batch_size=8", "trainer.loggers=jsonl",
-                                   f"trainer.output_dir={tmp_path}"])
+                                   f"trainer.output_dir={tmp_path}"], path=QUICKSTART)
     trainer = RLTrainer(cfg)
     try:
         history = trainer.fit()

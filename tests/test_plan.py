@@ -120,7 +120,7 @@ def test_default_split_is_what_megatron_builds_from_the_printed_keys(model, pp):
     import torch
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    from megarl.config import load_config
+    from megarl.config.tiny import tiny_config
     from megarl.config.model_layout import check_model_layout
     from megarl.models import get_family
 
@@ -130,7 +130,7 @@ def test_default_split_is_what_megatron_builds_from_the_printed_keys(model, pp):
     with pytest.raises(ValueError, match=f"actor.parallel.pp_first_stage_layers={first} "
                                          f"actor.parallel.pp_last_stage_layers={last}"):
         stage_layers(hf["num_hidden_layers"], pp, keys="actor.parallel")  # the engine's error suggests them
-    cfg = load_config(None, [f"actor.parallel.world_size={8 * pp}", f"actor.parallel.pp={pp}", "actor.parallel.ep=8",
+    cfg = tiny_config([f"actor.parallel.world_size={8 * pp}", f"actor.parallel.pp={pp}", "actor.parallel.ep=8",
                              f"actor.parallel.pp_first_stage_layers={first}",
                              f"actor.parallel.pp_last_stage_layers={last}"])
     p = cfg.actor.parallel

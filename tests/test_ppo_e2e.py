@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.models.tiny import build_tiny_model
 from megarl.trainer import RLTrainer
 
@@ -26,7 +26,7 @@ def tiny_reward_model(path: Path) -> str:
 
 
 def test_ppo_with_critic_reference_and_reward_model(tmp_path, ray_local):
-    cfg = load_config(RECIPE, [
+    cfg = tiny_config([
         f"trainer.output_dir={tmp_path}", "trainer.loggers=jsonl", "trainer.steps=2", "sft.steps=0",
         "actor.parallel.world_size=1", "actor.parallel.tp=1", "actor.max_tokens_per_micro_batch=64",
         "data.prompts_per_step=4", "rollout.n_samples=2", "data.val_size=4",
@@ -35,7 +35,7 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path, ray_local):
         f"reward_model.path={tiny_reward_model(tmp_path / 'reward_model')}",
         "algorithm.critic_lam=1.0", "algorithm.lam_length_alpha=2.0", "algorithm.positive_lm_coef=0.1",
         "algorithm.positive_lm_threshold=-1e9", "algorithm.pf_ppo=pow", "algorithm.pf_ppo_replay=4",
-        "algorithm.recompute_old_logprobs=always"])
+        "algorithm.recompute_old_logprobs=always"], path=RECIPE)
     trainer = RLTrainer(cfg)
     try:
         trainer.prepare()

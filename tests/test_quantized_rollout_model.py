@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.config.model_layout import check_rollout_model
 from megarl.models.tiny import build_char_tokenizer
 from megarl.train import main
@@ -31,10 +32,10 @@ def test_fp8_model_path_with_sglang_is_refused_naming_the_conversion_that_fixes_
     build_char_tokenizer().save_pretrained(fp8)
     hf = json.loads((fp8 / "config.json").read_text())
 
-    sglang = load_config(None, BATCH + [f"model.path={fp8}", "rollout.engine=sglang"])
+    sglang = tiny_config(BATCH + [f"model.path={fp8}", "rollout.engine=sglang"])
     with pytest.raises(ConfigError, match=f"model.path={fp8} is a quantized checkpoint"):
         check_rollout_model(sglang, hf, "config.json")
-    check_rollout_model(load_config(None, BATCH + [f"model.path={fp8}"]), hf, "config.json")  # the hf engine: no check
+    check_rollout_model(tiny_config(BATCH + [f"model.path={fp8}"]), hf, "config.json")  # the hf engine: no check
 
     capsys.readouterr()  # the model writers' progress bars
     assert main(["--dry-run", f"model.path={fp8}", "rollout.engine=sglang"] + BATCH) == 2

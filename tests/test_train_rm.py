@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.data.files import write_records
 from megarl.data.preferences import pair_batch
 from megarl.rm_trainer import RMTrainer
@@ -33,7 +33,7 @@ def easy_pairs(path, n: int, seed: int) -> str:
 
 
 def rm_config(tmp_path, out: str, *overrides):
-    return load_config(None, [
+    return tiny_config([
         "model.path=tiny", "model.tiny_num_layers=1", "model.tiny_hidden_size=32",
         "model.tiny_intermediate_size=64", f"preference.train={easy_pairs(tmp_path / 'train.jsonl', 200, 0)}",
         f"preference.val={easy_pairs(tmp_path / 'val.jsonl', 16, 1)}", "preference.pairs_per_step=16",

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.data.dataset import PromptLimit
 from megarl.data.files import InputError, write_records
 from megarl.data.preferences import PairOptions, load_preference_file, pair_batch, task_preferences
@@ -99,9 +100,9 @@ def test_malformed_rows_are_named_or_skipped_and_counted(tmp_path, tokenizer):
         load_preference_file(only_bad, tokenizer, PairOptions(skip_malformed=True))
     # config keys are checked by name
     with pytest.raises(ConfigError, match=r"preference.pairs_per_step=0: must be in \[1, 1000000\]"):
-        load_config(None, ["preference.pairs_per_step=0"])
+        tiny_config(["preference.pairs_per_step=0"])
     with pytest.raises(ConfigError, match="reward_model.normalize='batch': must be one of none, running, group"):
-        load_config(None, ["reward_model.normalize=batch"])
+        tiny_config(["reward_model.normalize=batch"])
 
 
 def test_train_rm_help_and_config_check(capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.data.shapes import write_shapes_splits
 from megarl.models.tiny_vl import build_tiny_vl_model, build_tiny_vl_tokenizer
 from megarl.trainer import RLTrainer
@@ -30,11 +30,11 @@ def tiny_vl_config(tmp_path, val_rows: int, overrides: list[str]):
     """The recipe on a tiny random Qwen2.5-VL and 8 training rows of shapes images, 2 samples of 3 tokens per
     prompt, rewarded by first_character_parity; `overrides` after those."""
     splits = write_shapes_splits(tmp_path / "shapes", train_rows=8, val_rows=val_rows)
-    return load_config(RECIPE, [
+    return tiny_config([
         f"model.path={build_tiny_vl_model(tmp_path / 'model')}", f"data.task={splits['train']}",
         f"data.val_task={splits['val']}", f"sft.data={splits['train']}", "rollout.n_samples=2",
         "rollout.max_new_tokens=3", "trainer.eval_every=0", "trainer.loggers=[jsonl]", f"trainer.output_dir={tmp_path}",
-        f"reward.name={__name__}:first_character_parity", "reward.isolation=none", *overrides])
+        f"reward.name={__name__}:first_character_parity", "reward.isolation=none", *overrides], path=RECIPE)
 
 
 def test_one_grpo_step_with_images(tmp_path, ray_local):

@@ -262,6 +262,18 @@ class RewardConfig:
                                     "timeout_s) or none (the driver's process: for rewards that cannot be pickled, "
                                     "e.g. closures or objects holding locks); remote, code and reward-model rewards "
                                     "bound their own calls and always run in the driver", choices=("process", "none"))
+    worker_memory_mb: int = opt(4096, "isolation=process: memory of one reward process and everything it starts, "
+                                      "together (a memory cgroup where the host allows one, else each process's "
+                                      "address space); a call that passes it fails, named, and its process is "
+                                      "replaced; one holding over 3/4 of it after a call is replaced before the next",
+                                min=64, **MEBIBYTES)
+    worker_max_threads: int = opt(1024, "isolation=process: threads of one reward process and every process it "
+                                        "starts, together (a process counts one at least; BLAS and OpenMP pools "
+                                        "count, about one per core); a call that passes it fails, named, and its "
+                                        "process is replaced", min=1, max=1_000_000,
+                                  why="the bound against typos: past it the host's pid space is the limit")
+    worker_max_calls: int = opt(1000, "isolation=process: a reward process is replaced after this many calls (what a "
+                                      "reward keeps between calls goes with it); 0 = never", min=0)
     max_failure_rate: float = opt(0.5, "stop the run (with the reward's own first error and its sample) when more "
                                        "than this fraction of reward calls failed over the last failure_window steps, "
                                        "or in one evaluation: past half, the rewards say more about the reward than "
@@ -280,9 +292,12 @@ class RewardConfig:
                                 min=0, min_exclusive=True, **SECONDS)
     code_memory_mb: int = opt(1024, "code reward: memory of one test run in the sandbox, all its processes together "
                                     "(a memory cgroup where the host allows one; else one process)", min=1, **MEBIBYTES)
-    code_sandbox: str = opt("auto", "code reward: sandbox mode: auto (bwrap, else namespaces; an error if neither "
-                                    "works), bwrap, namespaces, or rlimits (no network or caller isolation: only "
-                                    "when named here)", choices=("auto", "bwrap", "namespaces", "rlimits"))
+    code_sandbox: str = opt("auto", "code reward: sandbox mode: auto or bwrap (bubblewrap: the program sees only its own "
+                                    "files and Python, no network; a start-up error where bubblewrap does not run), "
+                                    "or, without bubblewrap and knowing what they leave open (docs/failure-modes.md), "
+                                    "unsafe-namespaces (host files readable by permissions: data sets too) or "
+                                    "unsafe-rlimits (host files, the network and the caller reachable)",
+                            choices=("auto", "bwrap", "unsafe-namespaces", "unsafe-rlimits"))
 
 
 @dataclass

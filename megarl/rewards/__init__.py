@@ -22,7 +22,8 @@ with "score", is called as verl calls it (loading.py reads the convention from i
                               (data_source.py); the reward of a prompt file when reward.name is empty
 
 A reward function runs in reward processes that are killed and replaced when a call runs past its
-limit (reward.isolation=process, pool.py), or in the driver's process (reward.isolation=none).
+limit or its process's memory or threads pass theirs (reward.isolation=process, pool.py, worker_limits.py), or in
+the driver's process (reward.isolation=none).
 
 Rewards with settings (remote, code, data_source) are built from the RewardConfig by a function registered in
 REWARD_BUILDERS; remote and code bound their own calls (HTTP timeouts, the sandbox's wall clock), keep state across
@@ -63,11 +64,12 @@ def build_reward(cfg, task: str = ""):
     if name in REWARD_BUILDERS:
         return REWARD_BUILDERS.get(name)(cfg)
     fn = reward_function(name)
-    return RewardPool(fn, name) if cfg.isolation == "process" else fn
+    return RewardPool(fn, name, WorkerLimits.from_config(cfg)) if cfg.isolation == "process" else fn
 
 
 from megarl.rewards.pool import RewardPool  # noqa: E402
 from megarl.rewards.scoring import Scores, score  # noqa: E402
+from megarl.rewards.worker_limits import WorkerLimits  # noqa: E402
 from megarl.rewards import (code, countdown, data_source, geo3k, gsm8k, math, math_dapo,  # noqa: E402,F401
                             qa_em, remote, synthetic, tool_use)  # (registration)
 

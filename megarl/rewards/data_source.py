@@ -24,6 +24,7 @@ import threading
 from megarl.rewards import REWARD_BUILDERS, REWARDS
 from megarl.rewards.code import CodeReward, build_code_reward
 from megarl.rewards.pool import RewardPool
+from megarl.rewards.worker_limits import WorkerLimits
 from megarl.rewards.scoring import call_all
 
 SOURCES = {"openai/gsm8k": "gsm8k",
@@ -66,7 +67,8 @@ class DataSourceReward:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.rules = RewardPool(by_data_source, "data_source") if cfg.isolation == "process" else by_data_source
+        self.rules = (RewardPool(by_data_source, "data_source", WorkerLimits.from_config(cfg))
+                      if cfg.isolation == "process" else by_data_source)
         self.code: CodeReward | None = None
         self.lock = threading.Lock()  # one sandbox, however many threads meet code rows first
 

@@ -27,6 +27,7 @@ from megarl.rewards.code import code_tests
 from megarl.rewards.data_source import UnknownDataSource, by_data_source, scorer_of
 from megarl.rewards.scoring import RewardValueError, error_text, score
 from megarl.rewards.worker import portable
+from megarl.sandbox.runner import advice, missing_tool
 from megarl.utils.registry import FileFunction, UnknownNameError
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -157,10 +158,18 @@ def check_by_data_source(r, sample: dict | None, where: str, key: str) -> str:
     except UnknownDataSource as e:
         raise ConfigError(f"{named}: {where}: {e}") from None
     if scorer == "code":
+        check_code_sandbox(r)
         check_code_tests(sample, where, f"{named}: data_source {source!r}")
     else:
         call_once(by_data_source, sample, r.timeout_s, where, f"{named}: data_source {source!r} -> {scorer}")
     return f"reward: by data_source ({source} -> {scorer})"
+
+
+def check_code_sandbox(r) -> None:
+    """The code reward's sandbox mode can run here, as far as a look for its program tells (a run's start probes it)."""
+    if missing := missing_tool(r.code_sandbox):
+        raise ConfigError(f"reward.code_sandbox={r.code_sandbox}: the code reward's sandbox cannot run here ({missing})"
+                          f": {advice(r.code_sandbox)}")
 
 
 def check_code_tests(sample: dict, where: str, what: str) -> None:
@@ -175,6 +184,7 @@ def describe_builder(r, name: str, sample: dict | None, where: str, key: str) ->
         return (f"reward: remote, a JSON POST per sample to {r.remote_url} ({r.remote_timeout_s:g} s a request, "
                 f"{r.remote_retries} retries; not called by the check)")
     if name == "code":
+        check_code_sandbox(r)
         if sample is not None:
             check_code_tests(sample, where, f"{key}='code'")
         return (f"reward: code, the response's program against the row's tests in the sandbox ({r.code_sandbox}, "

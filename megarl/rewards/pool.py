@@ -10,6 +10,12 @@ and the sample fails. A worker's start-up is on no call's clock: a call's starts
 that dies (seen by its exit, not only its socket, which a process it forked may hold open), a sample that does
 not pickle here or unpickle there, an answer that does not come back: each fails its sample only, never waits.
 
+Each worker is bounded (worker_limits.py): memory (reward.worker_memory_mb, a memory cgroup where the host allows
+one, else each process's address space) and threads (reward.worker_max_threads) of the worker and all it starts,
+measured while a call runs (every WATCH_INTERVAL_S) and after it; a call that passes a limit fails, named, and its
+worker is replaced, as is a worker past reward.worker_max_calls calls or 3/4 of its memory after a call. A worker
+is ended with everything below it, daemonised (double fork, setsid) or not.
+
 Workers are plain interpreters (`python -m megarl.rewards.worker`), not multiprocessing children: they do
 not re-import the driver's main module (megarl.train imports torch and megatron), and a reward may start
 processes of its own (a multiprocessing child marked daemon may not). The reward function goes to them
@@ -19,9 +25,10 @@ lock (those run with reward.isolation=none).
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -32,8 +39,14 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable
 
 from megarl.rewards.scoring import RewardCallError, batch_timeout, call_timeout
+from megarl.rewards.worker_limits import (RECYCLE_FRACTION, RewardLimitError, Usage, WorkerLimits, end_worker,
+                                          oom_kills, usage)
+from megarl.sandbox.cgroup import MemoryCgroups
+
+logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 60.0
+WATCH_INTERVAL_S = 0.5  # a busy worker's memory and threads are measured this often (a /proc walk of its processes)
 
 
 class RewardIsolationError(RuntimeError):
@@ -61,30 +74,53 @@ def exit_descriptor(process: subprocess.Popen) -> int:
         return read
 
 
-class _Worker:
-    """One worker process, the socket to it and a descriptor that is readable once the process has exited (its
-    socket may outlive it in a process it forked); `index`/`started`: the call it runs, if any."""
+@functools.cache
+def memory_cgroups() -> MemoryCgroups | None:
+    """Where reward processes get their memory cgroups (found once per process: finding one creates a probe)."""
+    cgroups, where = MemoryCgroups.find()
+    logger.info("reward processes: memory bounded %s (%s)",
+                "for each with what it starts, by a cgroup" if cgroups else "per process (RLIMIT_AS)", where)
+    return cgroups
 
-    def __init__(self, payload: bytes):
+
+class _Worker:
+    """One worker process, the socket to it, a descriptor that is readable once the process has exited (its
+    socket may outlive it in a process it forked) and its memory cgroup, if any; `index`/`started`: the call it runs,
+    if any; `calls`: those it answered."""
+
+    def __init__(self, payload: bytes, limits: WorkerLimits):
         ours, theirs = socket.socketpair()
         self.process = subprocess.Popen([sys.executable, "-m", "megarl.rewards.worker", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),), start_new_session=True)
+                                        pass_fds=(theirs.fileno(),), start_new_session=True)  # no terminal's Ctrl-C
         theirs.close()
         self.exited = exit_descriptor(self.process)
         self.conn = Connection(ours.detach())
-        self.conn.send((sys.path, payload))  # the path: a reward's module must import there as it does here
+        self.cgroup = None
+        cgroups = memory_cgroups()
+        try:
+            if cgroups:  # joined before it receives the reward: everything the reward starts is inside
+                self.cgroup = cgroups.create(f"reward-{os.getpid()}-{self.process.pid}", limits.memory_mb << 20)
+                (self.cgroup / "cgroup.procs").write_text(str(self.process.pid))
+            # the path: a reward's module must import there as it does here; the address space, where no cgroup
+            self.conn.send((sys.path, payload, None if self.cgroup else limits.memory_mb))
+        except OSError as e:
+            self.kill()
+            raise RewardIsolationError(f"cannot start a reward process in a memory cgroup ({e}); the log says "
+                                       "where cgroups are created at start") from e
         self.ready, self.born = False, time.monotonic()
         self.index: int | None = None
-        self.started = 0.0
+        self.started, self.calls = 0.0, 0
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # its session: the worker and any process it started
-        except ProcessLookupError:
-            pass
+        end_worker(self.process.pid, self.cgroup)  # and every process below it, daemonised or not
         self.process.wait()
         self.conn.close()
         os.close(self.exited)
+        if self.cgroup:
+            try:
+                MemoryCgroups.remove(self.cgroup)
+            except OSError as e:  # a process stuck in the kernel holds it: an empty cgroup left, nothing running
+                logger.warning("cannot remove the reward process's cgroup %s: %s", self.cgroup, e)
 
 
 def _kill_all(workers: list[_Worker]) -> None:
@@ -94,15 +130,16 @@ def _kill_all(workers: list[_Worker]) -> None:
 
 
 class RewardPool:
-    """`fn` run in worker processes; `score` calls `run_calls`."""
+    """`fn` run in worker processes bounded by `limits`; `score` calls `run_calls`."""
 
-    def __init__(self, fn: Callable, name: str):
+    def __init__(self, fn: Callable, name: str, limits: WorkerLimits):
         try:
             self.payload = pickle.dumps(fn)
         except Exception as e:  # closures, lambdas, objects holding locks or sockets
             raise RewardIsolationError(isolation_hint(name, f"it cannot be pickled ({type(e).__name__}: {e})")) from None
-        self.fn, self.__name__ = fn, name
+        self.fn, self.__name__, self.limits = fn, name, limits
         self.workers: list[_Worker] = []
+        self.recycled = 0  # workers replaced over their memory after a call (a leak), or after max_calls
         self.lock = threading.Lock()  # one batch at a time
         self._finalizer = weakref.finalize(self, _kill_all, self.workers)  # also at interpreter exit
 
@@ -122,9 +159,9 @@ class RewardPool:
     def _run_calls(self, samples: list[dict], timeout_s: float | None, num_workers: int,
                    deadline: float | None) -> list:
         outcomes: list = [None] * len(samples)
-        following = 0
+        following, watched = 0, time.monotonic()
         while len(self.workers) < min(num_workers, len(samples)):
-            self.workers.append(_Worker(self.payload))
+            self.workers.append(_Worker(self.payload, self.limits))
         while following < len(samples) or any(w.index is not None for w in self.workers):
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -149,6 +186,7 @@ class RewardPool:
             ends = [w.started + timeout_s for w in self.workers if w.index is not None and timeout_s]
             ends += [w.born + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
             ends += [deadline] if deadline is not None else []
+            ends += [watched + WATCH_INTERVAL_S] if any(w.index is not None for w in self.workers) else []
             waits = {w.conn: w for w in self.workers} | {w.exited: w for w in self.workers}
             for ready in wait(list(waits), max(min(ends) - now, 0.001) if ends else None):
                 worker = waits[ready]
@@ -158,7 +196,27 @@ class RewardPool:
                     self._receive(worker, outcomes)
                 else:
                     self._lost(worker, outcomes)
+            if time.monotonic() >= watched + WATCH_INTERVAL_S:
+                watched = time.monotonic()
+                for worker in [w for w in self.workers if w.index is not None]:
+                    breach, _ = self._measure(worker)
+                    if breach:
+                        outcomes[worker.index] = breach
+                        self._replace(worker)
         return outcomes
+
+    def _measure(self, worker: _Worker) -> tuple[RewardLimitError | None, Usage]:
+        """The limit `worker` has passed, if any, and what it and its descendants hold."""
+        used = usage(worker.process.pid)
+        if worker.cgroup and oom_kills(worker.cgroup):  # a cgroup of its own: any kill there was its
+            return self.limits.memory_breach(self.__name__, "the kernel killed a process in its reward process's "
+                                                            "memory cgroup"), used
+        if used.rss_bytes > self.limits.memory_mb << 20:
+            return self.limits.memory_breach(self.__name__, f"its reward process and the processes it started held "
+                                                            f"{used.rss_bytes >> 20} MiB"), used
+        if used.threads > self.limits.max_threads:
+            return self.limits.thread_breach(self.__name__, used.threads), used
+        return None, used
 
     def _send(self, worker: _Worker, index: int, sample: dict, outcomes: list) -> None:
         # pickled by value: Connection.send would pass a torch tensor as shared memory, which only a multiprocessing
@@ -190,20 +248,37 @@ class RewardPool:
             if problem is not None:  # the function did not unpickle there
                 raise RewardIsolationError(isolation_hint(self.__name__, problem))
             return
-        outcomes[worker.index], worker.index = message, None
+        index, worker.index = worker.index, None
+        worker.calls += 1
+        breach, used = self._measure(worker)
+        if isinstance(message, MemoryError):  # its heap may be left fragmented: replaced too
+            breach = breach or self.limits.memory_breach(self.__name__, f"an allocation failed (MemoryError: "
+                                                                        f"{message})")
+        outcomes[index] = breach or message
+        over = used.rss_bytes > RECYCLE_FRACTION * (self.limits.memory_mb << 20)
+        if over and not breach:
+            self.recycled += 1
+            (logger.warning if self.recycled == 1 else logger.debug)(
+                "reward %r: a reward process held %d MiB after a call, over 3/4 of reward.worker_memory_mb=%d: "
+                "replaced (does the reward keep memory between calls?)", self.__name__, used.rss_bytes >> 20,
+                self.limits.memory_mb)
+        if breach or over or (self.limits.max_calls and worker.calls >= self.limits.max_calls):
+            self._replace(worker)
 
     def _lost(self, worker: _Worker, outcomes: list) -> None:
         """The worker exited (os._exit or a crash in the reward, killed from outside) or closed its socket: the
         call it ran fails; it is replaced."""
+        killed = worker.cgroup is not None and oom_kills(worker.cgroup) > 0
         self._replace(worker)  # killed with what it started: a process it forked may hold its socket open
         status = worker.process.returncode
+        why = (self.limits.memory_breach(self.__name__, "the kernel killed its reward process") if killed
+               else RewardCallError(f"the reward process exited with status {status} during the call"))
         if not worker.ready:
             raise RewardIsolationError(f"a reward process for {self.__name__!r} exited with status {status} "
-                                       "while starting")
+                                       f"while starting" + (f": {why}" if killed else ""))
         if worker.index is not None:
-            outcomes[worker.index] = RewardCallError(f"the reward process exited with status {status} during "
-                                                     "the call")
+            outcomes[worker.index] = why
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self.workers[self.workers.index(worker)] = _Worker(self.payload)
+        self.workers[self.workers.index(worker)] = _Worker(self.payload, self.limits)

@@ -17,6 +17,10 @@ program's exit status: a program that exits early (`os._exit(0)`, an `atexit` ha
   Comparisons, truth tests and the rest of the test happen in the parent, so an object whose
   `__eq__` or `__bool__` always says yes never reaches them (it fails its test), and the child sees
   only the arguments of its functions, never the expected values.
+- A test may expect an exception (`try: f(-1)` ... `except ValueError:`, as APPS and verl tests write it): what
+  the program's code raises comes back as the builtin exception class it derives from (a program's
+  `class NegativeError(ValueError)` as ValueError), made in the parent with the message; one that is no Exception
+  (SystemExit) comes back as a failure no test catches by type.
 - The parent writes its verdict with the secret on the private output, which no process of the
   program holds; the caller accepts only a verdict with the right secret and every test passed. If
   the child ends early (any way), its next answer is missing and the test fails.
@@ -25,9 +29,9 @@ Residual risks: builtins and modules importable in the parent (math, ...) are al
 own, so a program function named like one (`def test():`) cannot be tested by that name; a test whose
 expected value is itself computed by the program (`assert f(1) == f(2)`) is only as strong as the
 program; arguments are copies (a test that checks an in-place change of its own list fails); a
-parent-side function or lambda cannot be passed to the program. In rlimits mode for a non-root caller
-(runner.py), the program runs as the caller's uid and could read the caller's memory, where the
-tests are.
+parent-side function or lambda cannot be passed to the program; a test cannot catch a program's own exception class
+by its name (`except NegativeError:`), only by a builtin one it derives from. In unsafe-rlimits mode for a non-root
+caller (runner.py), the program runs as the caller's uid and could read the caller's memory, where the tests are.
 """
 
 from __future__ import annotations

@@ -114,10 +114,21 @@ def serve(requests, replies):
                 value = objects[request[1]](*decode(request[2], objects.__getitem__),
                                              **decode(request[3], objects.__getitem__))
             reply = ["ok", encode(value, handle)]
-        except BaseException as e:
-            reply = ["error", f"{type(e).__name__}: {e}"[:1000]]
+        except BaseException as e:  # the test sees it as the nearest builtin exception (raised_here)
+            reply = ["raised", *describe_exception(e)]
         answer(reply)
     os._exit(0)
+
+
+def describe_exception(e):
+    """(the builtin class it derives from, its message): str(e) for a builtin one, else prefixed with its class."""
+    kind = type(e)
+    builtin = next(c for c in kind.__mro__ if getattr(builtins, c.__name__, None) is c)
+    try:
+        text = str(e)
+    except BaseException:  # a __str__ of the program's that fails
+        text = ""
+    return builtin.__name__, (text if kind is builtin else f"{kind.__name__}: {text}")[:1000]
 
 
 def _undefined(name):
@@ -128,6 +139,20 @@ def _undefined(name):
 
 class ChildFailed(Exception):
     """The child reported an error, or ended (exit, signal, limit) before answering."""
+
+
+def raised_here(name, message):
+    """What the program's code raised, as a test can catch it (`except ValueError:`, `except Exception:`): the
+    builtin exception class it derives from, made here with its message; never one that is not an Exception
+    (SystemExit, KeyboardInterrupt), which a test must not be able to catch by accident."""
+    kind = getattr(builtins, name, None) if type(name) is str and type(message) is str else None
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        return ChildFailed(f"{message}" if type(message) is str else "malformed reply")
+    for cls in kind.__mro__:  # UnicodeDecodeError takes five arguments: the nearest base that takes one message
+        try:
+            return cls(message)
+        except TypeError:
+            continue
 
 
 class Channel:
@@ -144,10 +169,12 @@ class Channel:
         if not line.endswith(b"\n"):
             raise ChildFailed("the program's process ended before answering" if len(line) < MAX_REPLY
                               else f"a value larger than {MAX_REPLY} bytes")
-        status, body = loads(line)
+        status, *body = loads(line)
+        if status == "raised":
+            raise raised_here(*body)
         if status != "ok":
-            raise ChildFailed(str(body))
-        return decode(body, self.remote)
+            raise ChildFailed(str(body[0]))
+        return decode(body[0], self.remote)
 
     def remote(self, number):
         if type(number) is not int:

@@ -12,22 +12,31 @@ start up to `max_processes` more processes. Elsewhere a run may start no process
 (a harness run: its one child), each process keeping RLIMIT_AS = memory_mb, so processes x limit
 stays within the budget. The log says which at start.
 
-Isolation, strongest first; mode="auto" takes the strongest the host offers and logs which at start:
+Isolation. Only bwrap keeps a program to its own files; mode="auto" means bwrap, and is an error
+naming how to install bubblewrap or opt in where it does not work. The weaker modes run only when
+named by their unsafe- names, so that every config and log line that names one says what it is:
 
-  bwrap       bubblewrap (Debian package `bubblewrap`): new user, mount, pid, network, ipc and uts
-              namespaces. The file system is an empty root with read-only binds of only what Python
-              needs (its prefix, /usr/lib), private tmpfs /tmp and /var/tmp, the run's directory at /sandbox, a
-              fresh /proc of the sandbox's own pid namespace and a minimal /dev. No network (only a
-              loopback of its own), no nested user namespaces, no capabilities.
-  namespaces  util-linux `unshare` (no bubblewrap, user namespaces available): new user, pid, network,
-              ipc, uts and mount namespaces with a fresh /proc; private tmpfs over /tmp, /var/tmp,
-              /dev/shm, the megarl checkout, the caller's working directory and home (the run's
-              directory and Python are bound back where they live); no capabilities. WEAKER: the rest
-              of the host file system is visible, protected only by file permissions.
-  rlimits     no namespaces at all: rlimits, a private directory and TMPDIR and (when started as root)
-              a dedicated uid. It cannot keep the code off the network (127.0.0.1 included), the host
-              file system (file permissions only) or, for a non-root caller, the caller itself (same
-              uid: its environment, its memory, signals). Never chosen by "auto": only by name.
+  bwrap              bubblewrap (Debian package `bubblewrap`): new user, mount, pid, network, ipc and
+                     uts namespaces. The file system is an empty root with read-only binds of only what
+                     Python needs (its prefix, /usr/lib), the run's directory at /sandbox, a fresh /proc
+                     of the sandbox's own pid namespace and a read-only minimal /dev. No network (only a
+                     loopback of its own), no nested user namespaces, no capabilities.
+  unsafe-namespaces  util-linux `unshare` (no bubblewrap, user namespaces available): new user, pid,
+                     network, ipc, uts and mount namespaces with a fresh /proc; the megarl checkout, the
+                     caller's working directory and home are hidden under empty read-only tmpfs (the
+                     run's directory and Python are bound back where they live); no capabilities. UNSAFE:
+                     the rest of the host file system (data sets included) is visible, protected only by
+                     file permissions.
+  unsafe-rlimits     no namespaces at all: rlimits, a private directory as working directory, HOME and
+                     TMPDIR, and (when started as root) a dedicated uid. UNSAFE: the network (127.0.0.1
+                     included), the host file system and, for a non-root caller, the caller itself (same
+                     uid: its environment, its memory, signals) are all reachable. A file written by path
+                     outside the private directory stays on the host; as root, those the run's uid left
+                     directly in /tmp, /var/tmp or /dev/shm are removed after it.
+
+Temporary files are memory: in bwrap and unsafe-namespaces, /tmp (with /var/tmp) and /dev/shm are
+private tmpfs of limits.tmp_mb each. A memory cgroup counts them with the run's processes; without
+one, each process's address space is memory_mb less both, so the run stays within memory_mb.
 
 Started as root (as in CI), every run also drops to an unprivileged uid that no other run uses at
 the same time (from uid_base up; a lock file per uid in the temp directory makes this hold across
@@ -66,13 +75,20 @@ from megarl.sandbox.cgroup import MemoryCgroups
 
 logger = logging.getLogger(__name__)
 
-MODES = ("bwrap", "namespaces", "rlimits")
+MODES = ("bwrap", "unsafe-namespaces", "unsafe-rlimits")
+# what each mode that is not bwrap leaves open: the refusal of its short name says it
+UNSAFE = {"unsafe-namespaces": "the host's files outside /tmp, the checkout, the working directory and home "
+                               "(data sets included) are readable wherever file permissions allow",
+          "unsafe-rlimits": "the host's files (the checkout and data sets included), the network (127.0.0.1 "
+                            "included) and, for a non-root caller, the caller's own processes are reachable"}
 SANDBOX_DIR = "/sandbox"  # where the run's directory appears inside the bwrap sandbox
 UID_RANGE = 4096  # as root, runs take uids uid_base ... uid_base + UID_RANGE - 1
 SUPERVISOR_MB = 32  # the supervisor's own memory, inside the run's cgroup beside the code's budget
-OPT_IN = ("mode='rlimits' (the code reward: reward.code_sandbox=rlimits; the python tool: "
-          "{\"name\": \"python\", \"mode\": \"rlimits\"}), knowing that it does not isolate the network or the "
-          "caller; or install bubblewrap (Debian package 'bubblewrap') for full isolation")
+INSTALL = ("install bubblewrap (apt-get install -y bubblewrap on Debian/Ubuntu, dnf install bubblewrap on Fedora; "
+           "the megarl image has it) and allow unprivileged user namespaces")
+OPT_IN = ("or, knowing what it leaves open, name a weaker mode: the code reward's reward.code_sandbox="
+          "unsafe-namespaces or unsafe-rlimits (the python tool: {\"name\": \"python\", \"mode\": "
+          "\"unsafe-rlimits\"})")
 
 # The supervisor of one run, a separate process started as the caller's user: it joins the run's
 # memory cgroup, sets the limits, drops to the sandbox uid, starts the sandbox command, enforces the
@@ -144,9 +160,10 @@ while True:  # kill our children until none are left; orphaned descendants becom
 json.dump({"exit_code": code, "timed_out": timed_out}, status)
 """
 
-# namespaces mode, inside the new namespaces and as root of the new user namespace: private tmpfs over
-# what the code must not see or fill, the run's directory and Python bound back where they live, then
-# every capability given up for good (securebits: uid 0 gains none at exec) before the script starts.
+# unsafe-namespaces mode, inside the new namespaces and as root of the new user namespace: a private tmpfs of
+# tmp_mb at /tmp (bound at /var/tmp too) and at /dev/shm; empty read-only tmpfs over what the code must not see;
+# the run's directory and Python bound back where they live, then every capability given up for good
+# (securebits: uid 0 gains none at exec) before the script starts.
 _NAMESPACE_SETUP = r"""
 import ctypes, json, os, sys
 spec = json.loads(sys.argv[1])
@@ -157,13 +174,19 @@ def mount(source, target, fstype, flags, data):
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 kept = {path: os.open(path, os.O_PATH) for path in spec["keep"]}
 for path in spec["hide"]:
-    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmpfs_mb']}m,mode=1777")
+    if path == "/var/tmp" and "/tmp" in spec["hide"]:
+        mount("/tmp", path, None, MS_BIND, None)  # one size for both
+    else:
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmp_mb']}m,mode=1777")
 for path, fd in kept.items():
     os.makedirs(path, exist_ok=True)
     mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
     if path != spec["cwd"]:
         mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
     os.close(fd)
+for path in spec["hide"]:
+    if path not in ("/tmp", "/var/tmp", "/dev/shm") and path not in kept:  # hidden, not for files
+        mount("none", path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
 os.chdir(spec["cwd"])
 for cap in range(64):
     libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (fails past the last capability)
@@ -182,6 +205,11 @@ class SandboxLimits:
     max_file_mb: int = 16  # largest file the code may write; stdout and stderr count as files
     max_output_bytes: int = 16384  # how much of stdout, of stderr and of the private output comes back
     max_open_files: int = 64
+
+    @property
+    def tmp_mb(self) -> int:
+        """Size of the private /tmp, and of /dev/shm: an eighth of memory_mb each, inside it (module docstring)."""
+        return max(1, self.memory_mb // 8)
 
 
 @dataclass
@@ -211,6 +239,10 @@ class Sandbox:
 
     def __init__(self, limits: SandboxLimits | None = None, mode: str = "auto", python: str | None = None,
                  slots: int = 4, uid_base: int = 1_500_000, extra_ro_paths: tuple[str, ...] = ()):
+        if f"unsafe-{mode}" in UNSAFE:
+            raise ValueError(f"sandbox mode '{mode}' does not keep a program to its own files: {UNSAFE['unsafe-' + mode]}"
+                             f". Use bwrap (mode 'auto'): {INSTALL}; or, to run it anyway, name it 'unsafe-{mode}' "
+                             f"(the code reward: reward.code_sandbox=unsafe-{mode})")
         if mode not in ("auto",) + MODES:
             raise ValueError(f"sandbox mode '{mode}' is not one of auto, {', '.join(MODES)}")
         self.limits = limits or SandboxLimits()
@@ -225,11 +257,8 @@ class Sandbox:
         self.cgroups, where = MemoryCgroups.find()
         self.python = self._find_python(python, extra_ro_paths)
         self.mode = self._choose_mode(mode)
-        note = {"bwrap": "full isolation: namespaces, a minimal read-only file system, no network",
-                "namespaces": "WEAKER: the host file system outside /tmp, the checkout and home is visible, protected "
-                              "only by file permissions; install the Debian package 'bubblewrap' for full isolation",
-                "rlimits": "WEAKEST, chosen by name: the network and the caller are reachable, the file system is "
-                           "protected only by file permissions"}[self.mode]
+        note = "full isolation: namespaces, a minimal read-only file system, no network" if self.mode == "bwrap" \
+            else f"UNSAFE, chosen by name: {UNSAFE[self.mode]}"
         (logger.info if self.mode == "bwrap" else logger.warning)(
             "sandbox mode '%s' (%s), python %s, uid %s", self.mode, note, self.python.executable,
             f"{uid_base} and up" if self.as_root else f"{os.getuid()} (not root: runs keep the caller's uid)")
@@ -312,8 +341,8 @@ class Sandbox:
             env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_DIR if mode == "bwrap" else str(work), "LANG": "C.UTF-8",
                    # a pool per core would need processes or threads the run may not have
                    "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            if mode == "rlimits":
-                env["TMPDIR"] = str(work)  # bwrap and namespaces have a private /tmp instead
+            if mode == "unsafe-rlimits":
+                env["TMPDIR"] = str(work)  # the other modes have a private /tmp instead
             spec = {"rlimits": self._rlimits(mode, uid, wall_s, harness=private_input is not None), "uid": uid,
                     "caller": os.getpid(),
                     "cwd": str(work), "wall_s": wall_s, "argv": self._command(mode, python, work, args),
@@ -335,6 +364,8 @@ class Sandbox:
                     proc.wait()
             seconds = time.monotonic() - start
             self._kill_leftovers(uid)
+            if mode == "unsafe-rlimits" and uid is not None:
+                _remove_temporary_files_of(uid)
             try:
                 report = json.loads((outputs / "status").read_text())
             except ValueError:  # the supervisor died before reporting (the code killed it: same uid)
@@ -356,28 +387,35 @@ class Sandbox:
         script = [python.executable, "-I", "-B", "main.py", *args]
         if mode == "bwrap":
             ro = [a for p in python.ro_paths for a in ("--ro-bind", p, p)]
+            tmp = str(self.limits.tmp_mb << 20)
+            # /dev (bwrap's own tmpfs, of no size limit) read-only, with a sized tmpfs at /dev/shm; /tmp first: python
+            # may live there
             return [shutil.which("bwrap"), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL",
                     "--die-with-parent", "--new-session",
-                    "--tmpfs", "/tmp", "--tmpfs", "/var/tmp", *ro, *_merged_usr_links(),  # tmpfs first: python may live there
-                    "--bind", str(work), SANDBOX_DIR, "--chdir", SANDBOX_DIR,
-                    "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--", *script]
-        if mode == "namespaces":
+                    "--size", tmp, "--tmpfs", "/tmp", "--symlink", "/tmp", "/var/tmp", *ro, *_merged_usr_links(),
+                    "--bind", str(work), SANDBOX_DIR, "--chdir", SANDBOX_DIR, "--proc", "/proc",
+                    "--dev", "/dev", "--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                    "--remount-ro", "/", "--", *script]
+        if mode == "unsafe-namespaces":
             hide = _private_paths()
             keep = [str(work)] + [p for p in python.ro_paths if any(_inside(p, h) for h in hide)]
-            setup = {"hide": hide, "keep": keep, "cwd": str(work), "argv": script, "tmpfs_mb": self.limits.memory_mb}
+            setup = {"hide": hide, "keep": keep, "cwd": str(work), "argv": script, "tmp_mb": self.limits.tmp_mb}
             return [shutil.which("unshare"), "--map-root-user", "--net", "--pid", "--ipc", "--uts", "--mount",
                     "--mount-proc", "--fork", "--kill-child", "--",
                     python.executable, "-I", "-S", "-c", _NAMESPACE_SETUP, json.dumps(setup)]
         return script
 
     def _rlimits(self, mode: str, uid: int | None, wall_s: float, harness: bool) -> dict[str, int]:
-        supervisors = {"bwrap": 2, "namespaces": 1, "rlimits": 0}[mode]  # their own processes
+        supervisors = {"bwrap": 2, "unsafe-namespaces": 1, "unsafe-rlimits": 0}[mode]  # their own processes
         # our supervisor, the script (a harness: and its child), and only with a cgroup to bound their
         # memory together, the processes the code may start
         nproc = 2 + harness + supervisors + (self.limits.max_processes if self.cgroups else 0)
         if uid is None:  # the caller's uid: its other processes count against the limit as well
             nproc += _count_processes(os.getuid())
-        return {"RLIMIT_AS": self.limits.memory_mb << 20, "RLIMIT_NPROC": nproc,
+        memory_mb = self.limits.memory_mb
+        if not self.cgroups and mode != "unsafe-rlimits":  # the private /tmp and /dev/shm hold memory of the budget
+            memory_mb -= 2 * self.limits.tmp_mb
+        return {"RLIMIT_AS": memory_mb << 20, "RLIMIT_NPROC": nproc,
                 "RLIMIT_FSIZE": self.limits.max_file_mb << 20, "RLIMIT_NOFILE": self.limits.max_open_files,
                 "RLIMIT_CPU": int(wall_s) + 2, "RLIMIT_CORE": 0}
 
@@ -433,7 +471,7 @@ class Sandbox:
         tried = []
         for candidate in dict.fromkeys(c for c in candidates if c):
             exe = os.path.realpath(candidate)
-            result = self._probe("rlimits", _Python(exe))
+            result = self._probe("unsafe-rlimits", _Python(exe))
             if result.ok:
                 prefixes = result.stdout.split()
                 ro = [*prefixes, str(Path(exe).parent), "/usr/lib", "/usr/lib64", *extra_ro_paths]
@@ -446,24 +484,45 @@ class Sandbox:
                            + ". Pass python=<path to an interpreter readable by all users>")
 
     def _choose_mode(self, mode: str) -> str:
-        tools = {"bwrap": "bwrap", "namespaces": "unshare"}
-        failures = []
-        for candidate in (("bwrap", "namespaces") if mode == "auto" else (mode,)):
-            if candidate in tools and not shutil.which(tools[candidate]):
-                failures.append(f"{candidate}: '{tools[candidate]}' is not installed")
-                continue
+        """`mode`, or for auto bwrap, once a probe run works in it; else RuntimeError saying why and what to do."""
+        candidate = "bwrap" if mode == "auto" else mode
+        why = missing_tool(mode)
+        if not why:
             result = self._probe(candidate, self.python)
             if result.ok:
-                if failures:
-                    logger.warning("sandbox: stronger modes unavailable: %s", "; ".join(failures))
                 return candidate
-            failures.append(f"{candidate}: {result.stderr.strip()[-300:] or f'exit {result.exit_code}'}")
-        opt_in = f". The remaining mode must be chosen by name: {OPT_IN}" if mode == "auto" else ""
-        raise RuntimeError(f"sandbox mode '{mode}' does not work on this host: " + "; ".join(failures) + opt_in)
+            why = f"{candidate}: {result.stderr.strip()[-300:] or f'exit {result.exit_code}'}"
+        raise RuntimeError(f"sandbox mode '{mode}' does not work on this host ({why}): {advice(mode)}")
+
+
+def missing_tool(mode: str) -> str:
+    """Why `mode` cannot run here, as far as a look for its program tells without running it; '' if it is there."""
+    tool = {"auto": "bwrap", "bwrap": "bwrap", "unsafe-namespaces": "unshare"}.get(mode)
+    return f"'{tool}' is not installed" if tool and not shutil.which(tool) else ""
+
+
+def advice(mode: str) -> str:
+    """What to do when `mode` does not work."""
+    return f"{INSTALL}; {OPT_IN}" if mode in ("auto", "bwrap") else "install its program or name another mode"
 
 
 def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _remove_temporary_files_of(uid: int) -> None:
+    """What a run of `uid` left directly in the host's shared temporary directories (its own uid owns nothing else
+    there). Deeper files, in other users' world-writable directories, would take a walk of the whole tree per run."""
+    for directory in ("/tmp", "/var/tmp", "/dev/shm"):
+        with contextlib.suppress(OSError), os.scandir(directory) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
 
 
 def _private_paths() -> list[str]:

@@ -1,13 +1,20 @@
-"""Where metrics go: `Tracker(output_dir, ["console", "tensorboard", "jsonl"], config).log(metrics, step)`.
+"""Where metrics go: `Tracker(log_dir, ["console", "tensorboard", "jsonl"], config).log(metrics, step)`.
+
+A run logs into a directory of its own under the output root, `<trainer.output_dir>/logs/<run id>/` (`run_dir`):
+its metrics.jsonl, TensorBoard event files and trackers' offline files, so that runs sharing an output root stay
+apart (`tensorboard --logdir <output_dir>` shows each as a run of its own). A fresh run gets a new id (`new_run_id`:
+its start, UTC, and a random suffix, so ids sort by start); a resumed run keeps its checkpoint's id and continues its
+own files, cut back to the resumed step first (`Tracker.rewind`).
 
 Metric names are slash-separated (`train/reward`, `val/reward`, `timing/generate`, `perf/tokens_per_s`);
 TensorBoard groups scalars by the part before the slash. A logger is a class built as
-`cls(output_dir, config)` with `log(metrics, step)` and `close()`; users add one with
-`@LOGGERS.register("name")` or name it as `module:Class`. Re-using an output_dir appends to it.
+`cls(log_dir, config)` with `log(metrics, step)` and `close()`, and `rewind(step)` where it keeps what it logged;
+users add one with `@LOGGERS.register("name")` or name it as `module:Class`.
 
 wandb, mlflow and swanlab need their libraries (`pip install 'megarl[trackers]'`, imported only when named) and
-write to files under output_dir unless their own environment variable names a server: no run needs a network.
-Each files the run under trainer.project_name as trainer.experiment_name (default: output_dir's last part).
+write to files under log_dir unless their own environment variable names a server: no run needs a network.
+Each files the run under trainer.project_name as `<experiment>-<run id>` (experiment: trainer.experiment_name, by
+default the output root's last part).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import time
 from pathlib import Path
 
@@ -25,6 +33,7 @@ from megarl.config import ConfigError
 from megarl.utils.registry import Registry
 
 LOGGERS = Registry("logger")
+LOGS = "logs"  # <output_dir>/logs/<run id>/: each run's metrics, events and trackers' files
 
 
 @LOGGERS.register("console")
@@ -40,7 +49,7 @@ class ConsoleLogger:
               ("val/pair_accuracy", "val acc", "{:.3g}"), ("val/margin", "val margin", "{:.3g}"),
               ("timing/step", "", "{:.3g}s"), ("perf/tokens_per_s", "", "{:.0f} tok/s")]
 
-    def __init__(self, output_dir: str, config: dict | None):
+    def __init__(self, log_dir: str, config: dict | None):
         pass
 
     def line(self, metrics: dict[str, float], step: int) -> str:
@@ -59,12 +68,13 @@ class ConsoleLogger:
 
 @LOGGERS.register("tensorboard")
 class TensorBoardLogger:
-    """Event files in output_dir: every metric as a scalar under its own name, the config as text."""
+    """Event files in log_dir: every metric as a scalar under its own name, the config as text (at step 0)."""
 
-    def __init__(self, output_dir: str, config: dict | None):
+    def __init__(self, log_dir: str, config: dict | None):
         from torch.utils.tensorboard import SummaryWriter  # imported here: only this logger needs it
 
-        self.writer = SummaryWriter(log_dir=output_dir)
+        self.directory = Path(log_dir)
+        self.writer = SummaryWriter(log_dir=log_dir)
         if config is not None:
             # indented by four spaces: TensorBoard renders text as Markdown, and this keeps it verbatim
             text = yaml.safe_dump(config, sort_keys=False)
@@ -75,16 +85,51 @@ class TensorBoardLogger:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()  # a crashed run keeps every logged step
 
+    def rewind(self, step: int) -> None:
+        """As JsonlLogger.rewind: the events logged after the last one of `step` are cut, so that TensorBoard shows
+        one value per step for the redone steps. Not TensorBoard's own purge (SummaryWriter's purge_step): that hides
+        every event past the step, the warm start's too, whose step numbers overlap RL's. The config text is not
+        logged again: the first one stays the run's."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        cut_events(self.directory, step)
+        self.writer = SummaryWriter(log_dir=str(self.directory))
+
     def close(self) -> None:
         self.writer.close()
 
 
+def cut_events(directory: Path, step: int) -> None:
+    """The event files in `directory` as one, holding the events up to the last one of `step` (all of them when
+    none is of `step`). A record half-written by a killed run is dropped. Written beside under a name TensorBoard
+    does not read, then renamed over the first file and the others removed: a resumed run's files are one file and
+    the one its last process opened, so a crash leaves either the old events or the cut ones, never both."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    files = sorted(directory.glob("*tfevents*"))  # by name: their creation time, as TensorBoard orders them
+    if not files:
+        return
+    records = [record for path in files for record in RawEventFileLoader(str(path)).Load()]
+    ends = [i for i, record in enumerate(records) if (e := Event.FromString(record)).step == step and e.summary.value]
+    temp = directory / ".events.rewind"
+    with open(temp, "wb") as f:
+        writer = RecordWriter(f)
+        for record in records[:ends[-1] + 1] if ends else records:
+            writer.write(record)
+    os.replace(temp, files[0])
+    for path in files[1:]:
+        path.unlink()
+
+
 @LOGGERS.register("jsonl")
 class JsonlLogger:
-    """output_dir/metrics.jsonl: one JSON object per log call, {"step": N, <name>: value, ...}."""
+    """log_dir/metrics.jsonl: one JSON object per log call, {"step": N, <name>: value, ...}."""
 
-    def __init__(self, output_dir: str, config: dict | None):
-        self.file = open(Path(output_dir) / "metrics.jsonl", "a")
+    def __init__(self, log_dir: str, config: dict | None):
+        self.file = open(Path(log_dir) / "metrics.jsonl", "a")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # NaN/inf are written as bare NaN/Infinity, which Python's json reads back
@@ -119,20 +164,20 @@ class JsonlLogger:
 
 @LOGGERS.register("wandb")
 class WandbLogger:
-    """Weights & Biases, offline unless WANDB_MODE says otherwise: output_dir/wandb/offline-run-*/, the config as
-    the run's config. `wandb leet <output_dir>/wandb` shows it in the terminal, `wandb sync <run dir>` uploads it."""
+    """Weights & Biases, offline unless WANDB_MODE says otherwise: log_dir/wandb/offline-run-*/, the config as
+    the run's config. `wandb leet <log_dir>/wandb` shows it in the terminal, `wandb sync <run dir>` uploads it."""
 
     package = "wandb"
 
-    def __init__(self, output_dir: str, config: dict | None):
+    def __init__(self, log_dir: str, config: dict | None):
         # in the environment, not as init's argument: W&B's own telemetry starts before init reads its arguments,
         # and reaches for W&B's server unless the process is offline
         os.environ["WANDB_MODE"] = os.environ.get("WANDB_MODE") or "offline"
         import wandb
 
-        project, name = run_names(output_dir, config)
+        project, name = run_names(log_dir, config)
         # create_new: another run open in this process (another Tracker's) stays open
-        self.run = wandb.init(dir=output_dir, project=project, name=name, config=config, reinit="create_new")
+        self.run = wandb.init(dir=log_dir, project=project, name=name, config=config, reinit="create_new")
         # W&B drops a row whose step is below the last row's, and the warm start's steps come before RL's step 0:
         # so every metric is charted against a `step` metric of its own, and W&B's step counts the log calls
         self.run.define_metric("*", step_metric="step")
@@ -147,13 +192,13 @@ class WandbLogger:
 @LOGGERS.register("mlflow")
 class MLflowLogger:
     """MLflow: a run in the experiment trainer.project_name of the store MLFLOW_TRACKING_URI names, else of a file
-    store in output_dir/mlruns; the config as the run's params, one per dotted key. The UI is full mlflow's
-    (`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <output_dir>/mlruns`)."""
+    store in log_dir/mlruns; the config as the run's params, one per dotted key. The UI is full mlflow's
+    (`MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri <log_dir>/mlruns`)."""
 
     package = "mlflow"
 
-    def __init__(self, output_dir: str, config: dict | None):
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(output_dir).resolve() / "mlruns").as_uri()
+    def __init__(self, log_dir: str, config: dict | None):
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(log_dir).resolve() / "mlruns").as_uri()
         if uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses its file store without it
         # its usage telemetry posts to mlflow.org from a thread that the process's exit waits for
@@ -162,7 +207,7 @@ class MLflowLogger:
         from mlflow.tracking import MlflowClient
         from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-        project, name = run_names(output_dir, config)
+        project, name = run_names(log_dir, config)
         self.client, self.metric, self.batch = MlflowClient(uri), Metric, MAX_METRICS_PER_BATCH
         experiment = self.client.get_experiment_by_name(project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
@@ -183,17 +228,17 @@ class MLflowLogger:
 
 @LOGGERS.register("swanlab")
 class SwanLabLogger:
-    """SwanLab, offline unless SWANLAB_MODE says otherwise: output_dir/swanlog/run-*/, the config as the run's
-    config. `swanlab sync <run dir>` uploads it; SWANLAB_MODE=local also feeds `swanlab watch <output_dir>/swanlog`
+    """SwanLab, offline unless SWANLAB_MODE says otherwise: log_dir/swanlog/run-*/, the config as the run's
+    config. `swanlab sync <run dir>` uploads it; SWANLAB_MODE=local also feeds `swanlab watch <log_dir>/swanlog`
     (its dashboard: pip install 'swanlab[dashboard]')."""
 
     package = "swanlab"
 
-    def __init__(self, output_dir: str, config: dict | None):
+    def __init__(self, log_dir: str, config: dict | None):
         import swanlab
 
-        project, name = run_names(output_dir, config)
-        self.run = swanlab.init(log_dir=str(Path(output_dir) / "swanlog"), project=project, name=name, config=config,
+        project, name = run_names(log_dir, config)
+        self.run = swanlab.init(log_dir=str(Path(log_dir) / "swanlog"), project=project, name=name, config=config,
                                 mode=os.environ.get("SWANLAB_MODE") or "offline")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -203,11 +248,34 @@ class SwanLabLogger:
         self.run.finish()
 
 
-def run_names(output_dir: str, config: dict | None) -> tuple[str, str]:
-    """The trackers' project and run name: trainer.project_name and trainer.experiment_name, by default megarl
-    and the last part of output_dir."""
-    trainer = (config or {}).get("trainer", {})
-    return trainer.get("project_name") or "megarl", trainer.get("experiment_name") or Path(output_dir).resolve().name
+def run_names(log_dir: str, config: dict | None) -> tuple[str, str]:
+    """The trackers' project and run name: trainer.project_name (default megarl), and the experiment followed by
+    the run id where the config names one (`run_id`, as the trainers' does): `<experiment>-<run id>`, so that the
+    runs of one output root are told apart and a resumed run keeps its name. The experiment is
+    trainer.experiment_name, by default the last part of trainer.output_dir (else of log_dir)."""
+    config = config or {}
+    trainer = config.get("trainer", {})
+    experiment = trainer.get("experiment_name") or Path(trainer.get("output_dir") or log_dir).resolve().name
+    run_id = config.get("run_id")
+    return trainer.get("project_name") or "megarl", f"{experiment}-{run_id}" if run_id else experiment
+
+
+def new_run_id() -> str:
+    """A fresh run's id: its start (UTC, to the second) and a random suffix, e.g. 20261206-225102-3f9a; ids sort by
+    start."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
+
+
+def run_dir(output_dir: str | Path, run_id: str | None = None) -> Path:
+    """The directory run `run_id` of an output root logs into; without an id, the newest run's (the last to start)
+    or a FileNotFoundError naming the root."""
+    logs = Path(output_dir) / LOGS
+    if run_id is not None:
+        return logs / run_id
+    runs = sorted(p.name for p in logs.glob("*") if p.is_dir()) if logs.is_dir() else []
+    if not runs:
+        raise FileNotFoundError(f"{output_dir} holds no run's logs ({logs} has no run directory)")
+    return logs / runs[-1]
 
 
 def check_loggers(names: list[str]) -> None:
@@ -223,10 +291,11 @@ def check_loggers(names: list[str]) -> None:
 
 
 class Tracker:
-    def __init__(self, output_dir: str, loggers: list[str], config: dict | None = None):
+    def __init__(self, log_dir: str | Path, loggers: list[str], config: dict | None = None):
         check_loggers(loggers)  # an unknown name or a missing library fails before anything is opened
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.loggers = [LOGGERS.get(name)(output_dir, config) for name in loggers]
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.directory = Path(log_dir)
+        self.loggers = [LOGGERS.get(name)(str(log_dir), config) for name in loggers]
         self.closed = False
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -234,6 +303,13 @@ class Tracker:
         values = {name: _scalar(name, value) for name, value in metrics.items()}
         for logger in self.loggers:
             logger.log(values, step)
+
+    def rewind(self, step: int) -> None:
+        """A resumed run redoes the steps after `step`: each logger that keeps what it logged cuts what came after
+        (JsonlLogger.rewind, TensorBoardLogger.rewind)."""
+        for logger in self.loggers:
+            if hasattr(logger, "rewind"):
+                logger.rewind(step)
 
     def close(self) -> None:
         if not self.closed:

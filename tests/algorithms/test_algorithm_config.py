@@ -1,6 +1,7 @@
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -14,11 +15,11 @@ from megarl.config import ConfigError, load_config
 ])
 def test_inconsistent_algorithm_options_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        tiny_config(overrides)
 
 
 def test_consistent_algorithm_options_load():
-    cfg = load_config(None, ["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-sum-norm",
+    cfg = tiny_config(["algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-sum-norm",
                              "algorithm.loss_agg_norm_len=16", "algorithm.tis=true", "algorithm.kl_coef=0.01",
                              "algorithm.kl_target=0.05", "algorithm.overlong_buffer_len=4"])
     assert cfg.algorithm.loss_agg_norm_len == 16 and cfg.algorithm.kl_target == 0.05
@@ -47,4 +48,4 @@ def test_consistent_algorithm_options_load():
 ])
 def test_inconsistent_issue_20_options_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        tiny_config(overrides)

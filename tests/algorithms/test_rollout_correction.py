@@ -9,7 +9,8 @@ import torch
 from megarl.algorithms import ADVANTAGES, actor_loss
 from megarl.algorithms.rollout_correction import (apply_rollout_correction, mismatch_metrics,
                                                   perturb_rollout_logprobs)
-from megarl.config import AlgorithmConfig, ConfigError, load_config
+from megarl.config import AlgorithmConfig, ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.config.correction_checks import GROUP_ESTIMATORS
 from megarl.config.sections import RolloutCorrectionConfig
 from megarl.protocol import Batch
@@ -181,11 +182,11 @@ def test_every_registered_estimator_that_gives_a_lone_sample_nothing_is_refused_
         if lone_is_zero:
             with pytest.raises(ConfigError, match=rf"algorithm\.advantage={name}.*rollout\.n_samples|rollout\.n_samples=1 "
                                                   rf"with algorithm\.advantage={name}"):
-                load_config(None, overrides)
+                tiny_config(overrides)
             if name != "grpo_passk":  # its own check needs 2 samples whatever this says
-                load_config(None, overrides + ["algorithm.allow_single_sample_groups=true"])
+                tiny_config(overrides + ["algorithm.allow_single_sample_groups=true"])
         else:
-            load_config(None, overrides)
+            tiny_config(overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -206,13 +207,13 @@ def test_every_registered_estimator_that_gives_a_lone_sample_nothing_is_refused_
 ])
 def test_bad_rollout_correction_options_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        tiny_config(overrides)
 
 
 def test_where_the_old_logprobs_come_from():
     one_update = ["data.prompts_per_step=4", "rollout.n_samples=2"]
-    assert not load_config(None, one_update).recompute_old_logprobs()  # the update's own forward
+    assert not tiny_config(one_update).recompute_old_logprobs()  # the update's own forward
     # the driver's weights and rejection need them before training; bypass mode takes the rollout's
-    assert load_config(None, one_update + ["algorithm.rollout_correction.rollout_rs=seq_mean_k1"]).recompute_old_logprobs()
-    bypass = load_config(None, one_update + ["actor.ppo_epochs=2", "algorithm.rollout_correction.bypass_mode=true"])
+    assert tiny_config(one_update + ["algorithm.rollout_correction.rollout_rs=seq_mean_k1"]).recompute_old_logprobs()
+    bypass = tiny_config(one_update + ["actor.ppo_epochs=2", "algorithm.rollout_correction.bypass_mode=true"])
     assert not bypass.recompute_old_logprobs()

@@ -4,7 +4,7 @@ driven by a scripted generator in place of the rollout engine so every reward is
 import torch
 
 from megarl.algorithms.kl import kl_controller
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.protocol import Batch
 from megarl.rewards import get_reward_fn
 from megarl.rewards.failures import RewardFailureTracker
@@ -24,7 +24,7 @@ class Prompts:
 def scripted_trainer(responses_per_round, greedy_responses=None, *overrides):
     """An RLTrainer whose generate() answers round r with responses_per_round[r] (2 prompts x 2 samples)."""
     trainer = RLTrainer.__new__(RLTrainer)
-    trainer.cfg = load_config(None, ["data.prompts_per_step=2", "rollout.n_samples=2", *overrides])
+    trainer.cfg = tiny_config(["data.prompts_per_step=2", "rollout.n_samples=2", *overrides])
     trainer.data, trainer.timers = Prompts(), Timers()
     trainer.reward_fn = get_reward_fn("exact_match")
     trainer.reward_failures = RewardFailureTracker.from_config(trainer.cfg.reward)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.data.dataset import load_prompt_file
 from megarl.data.files import InputError
 from megarl.data.images import ImagePrompts, image_examples, loss_mask_without_images
@@ -80,14 +81,14 @@ def test_max_pixels_from_the_config_gives_the_same_image_fewer_patches(tmp_path,
     rows = _prompts(tmp_path, [{"prompt": "<image>how many?", "images": ["a.png"], "answer": "1"}])
 
     def grid(*overrides):
-        prompts = image_prompts(load_config(None, [f"model.path={model_dir}", *overrides]), tokenizer, rows)
+        prompts = image_prompts(tiny_config([f"model.path={model_dir}", *overrides]), tokenizer, rows)
         return image_examples(rows, tokenizer, prompts, tmp_path, chat_template=False)[0]["image_grid_thw"].tolist()
 
     assert grid() == [[1, 6, 10]]  # the directory's bounds (16..1024 pixels): 12x20 pixels in 2x2 patches
     assert grid("data.max_pixels=64") == [[1, 2, 4]]  # 4x8 pixels: sides multiples of patch 2 x merge 2
     assert grid("data.min_pixels=960") == [[1, 12, 20]]
     with pytest.raises(ConfigError, match="data.min_pixels=100, data.max_pixels=50"):
-        load_config(None, ["data.min_pixels=100", "data.max_pixels=50"])
+        tiny_config(["data.min_pixels=100", "data.max_pixels=50"])
     with pytest.raises(InputError, match=r"data.max_pixels=8 .* >= 16 \(one merged patch"):
         grid("data.max_pixels=8")
 

@@ -5,7 +5,8 @@ import logging
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.data.dataset import PromptDataset, PromptLimit, load_prompt_file, truncate
 from megarl.data.files import InputError, write_records
 from megarl.data.inputs import prompt_datasets, prompt_limit
@@ -72,7 +73,7 @@ def test_filter_leaves_out_and_counts_in_one_line(tmp_path, tokenizer, caplog):
 
 
 def config(*overrides):
-    return load_config(None, ["rollout.max_new_tokens=8", *overrides])
+    return tiny_config(["rollout.max_new_tokens=8", *overrides])
 
 
 def test_max_prompt_length_sets_the_limit_within_the_models_room():

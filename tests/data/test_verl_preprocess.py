@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.data.files import write_records
 from megarl.data.inputs import prompt_datasets
 from megarl.data.preprocess import GSM8K_INSTRUCTION, MATH_INSTRUCTION, main
@@ -175,7 +175,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 def test_megarl_reads_the_written_files_as_data_task(tmp_path, capsys):
     out = tmp_path / "gsm8k"
     assert run(capsys, "gsm8k", "--local_dataset_path", gsm8k_hf_layout(tmp_path / "raw"), "--local_dir", out)[0] == 0
-    cfg = load_config(None, [f"data.task={out / 'train.parquet'}", f"data.val_task={out / 'test.parquet'}",
+    cfg = tiny_config([f"data.task={out / 'train.parquet'}", f"data.val_task={out / 'test.parquet'}",
                              "reward.name=gsm8k", "data.prompts_per_step=3", "data.val_size=1"])
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = CHATML

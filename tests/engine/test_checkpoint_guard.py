@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.config.fingerprint import NOT_TRAINING, differences, fingerprint
 from megarl.engine.checkpoint import CheckpointError, Checkpoints, checkpoint_damage
 from megarl.engine.manifest import BLOCK_BYTES, SMALL_FILE_BYTES
@@ -23,7 +24,7 @@ SHARD_BYTES = 3 * SMALL_FILE_BYTES  # past the small-file size: checked by sampl
 
 
 def config(tmp_path, *overrides):
-    return load_config(QUICKSTART, [f"trainer.output_dir={tmp_path}", *overrides])
+    return tiny_config([f"trainer.output_dir={tmp_path}", *overrides], path=QUICKSTART)
 
 
 def save(cfg, step: int, beside: tuple[str, ...] = (), settings: bool = True) -> Path:
@@ -198,7 +199,7 @@ def test_main_ends_at_once_when_the_checkpoint_completed_trainer_steps(tmp_path,
 
     monkeypatch.setattr(megarl.train, "start_ray", no_ray)
     args = ["--config", str(QUICKSTART), f"trainer.output_dir={tmp_path}"]
-    save(load_config(QUICKSTART, args[2:]), 120)
+    save(tiny_config(args[2:], path=QUICKSTART), 120)
     assert megarl.train.main(args + ["trainer.steps=5"]) == 0
     assert (f"{tmp_path}/checkpoints/step_00000120 completed step 120, and trainer.steps=5: nothing to train"
             in capsys.readouterr().out)

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.resume import plan_resume
 from megarl.rewards.mixing import ScoreMixer
@@ -18,10 +18,10 @@ from tests.conftest import QUICKSTART as RECIPE
 
 
 def config(tmp_path, *overrides):
-    return load_config(RECIPE, [
+    return tiny_config([
         f"trainer.output_dir={tmp_path}", "data.prompts_per_step=4", "rollout.n_samples=4", "data.val_size=8",
         "rollout.eval_n_samples=1", "sft.steps=2", "sft.batch_size=8", "trainer.eval_every=2",
-        "trainer.save_every=1", "trainer.keep_last=2", "trainer.loggers=jsonl", *overrides])
+        "trainer.save_every=1", "trainer.keep_last=2", "trainer.loggers=jsonl", *overrides], path=RECIPE)
 
 
 def test_trainer_resumes_at_another_layout(tmp_path, ray_local):
@@ -123,7 +123,7 @@ class Stateful:
 def driver_only(tmp_path, *overrides) -> RLTrainer:
     """An RLTrainer without engines or workers: its checkpoint methods over the driver's own state."""
     trainer = object.__new__(RLTrainer)
-    trainer.cfg = load_config(RECIPE, [f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0", *overrides])
+    trainer.cfg = tiny_config([f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0", *overrides], path=RECIPE)
     trainer.start = plan_resume(trainer.cfg)
     trainer.tracker = Tracker(str(tmp_path), ["jsonl"])
     trainer.checkpoints = Checkpoints(tmp_path / "checkpoints", keep_last=0)

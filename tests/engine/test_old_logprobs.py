@@ -7,7 +7,8 @@ are refused."""
 import pytest
 import torch
 
-from megarl.config import ActorConfig, AlgorithmConfig, ConfigError, OptimConfig, load_config
+from megarl.config import ActorConfig, AlgorithmConfig, ConfigError, OptimConfig
+from megarl.config.tiny import tiny_config
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import make_qwen2_dir, padded_batch
 
@@ -82,15 +83,15 @@ def test_several_updates_need_the_old_logprobs(tmp_path):
 
 def test_config_decides_when_to_recompute():
     base = ["data.prompts_per_step=4", "rollout.n_samples=4"]
-    assert not load_config(None, base).recompute_old_logprobs()  # auto, one update: skipped
-    assert load_config(None, base + ["actor.mini_batch_size=8"]).recompute_old_logprobs()
-    assert load_config(None, base + ["actor.ppo_epochs=2"]).recompute_old_logprobs()
-    assert load_config(None, base + ["algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
+    assert not tiny_config(base).recompute_old_logprobs()  # auto, one update: skipped
+    assert tiny_config(base + ["actor.mini_batch_size=8"]).recompute_old_logprobs()
+    assert tiny_config(base + ["actor.ppo_epochs=2"]).recompute_old_logprobs()
+    assert tiny_config(base + ["algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
                                      "algorithm.advantage=reinforce_plus_plus"]).recompute_old_logprobs()
-    assert load_config(None, base + ["algorithm.recompute_old_logprobs=always"]).recompute_old_logprobs()
-    assert not load_config(None, base + ["actor.mini_batch_size=16",
+    assert tiny_config(base + ["algorithm.recompute_old_logprobs=always"]).recompute_old_logprobs()
+    assert not tiny_config(base + ["actor.mini_batch_size=16",
                                          "algorithm.recompute_old_logprobs=never"]).recompute_old_logprobs()
     with pytest.raises(ConfigError, match="recompute_old_logprobs=never needs one optimizer update"):
-        load_config(None, base + ["actor.ppo_epochs=2", "algorithm.recompute_old_logprobs=never"])
+        tiny_config(base + ["actor.ppo_epochs=2", "algorithm.recompute_old_logprobs=never"])
     with pytest.raises(ConfigError, match="algorithm.recompute_old_logprobs='sometimes'"):
-        load_config(None, base + ["algorithm.recompute_old_logprobs=sometimes"])
+        tiny_config(base + ["algorithm.recompute_old_logprobs=sometimes"])

@@ -184,13 +184,12 @@ def test_join_order(monkeypatch, tmp_path, capsys):
 
 
 def test_rl_gpus_needed_counts_shared_rank_gpus_and_sglang_gpus():
-    from megarl.config import load_config
+    from megarl.config.tiny import tiny_config
 
-    grpo = load_config(str(ROOT / "configs" / "quickstart.yaml"), ["actor.parallel.world_size=2"])
+    grpo = tiny_config(["actor.parallel.world_size=2"], path=str(ROOT / "configs" / "quickstart.yaml"))
     assert rl_gpus_needed(grpo) == pytest.approx(0.9 * 2 + 0.1)  # two ranks, and a sliver for the rollout actor
-    ppo = load_config(str(ROOT / "configs" / "quickstart.yaml"),
-                      ["algorithm.advantage=gae", "critic.parallel.world_size=2", "rollout.engine=sglang",
-                       "rollout.sglang_gpus=2"])
+    ppo = tiny_config(["algorithm.advantage=gae", "critic.parallel.world_size=2", "rollout.engine=sglang",
+                       "rollout.sglang_gpus=2"], path=str(ROOT / "configs" / "quickstart.yaml"))
     assert rl_gpus_needed(ppo) == pytest.approx(0.9 * 2 + 2)  # the critic shares the policy's GPUs
 
 

@@ -9,7 +9,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
 from megarl.workers import weight_sync
 from tests.conftest import QUICKSTART as RECIPE
@@ -27,11 +27,11 @@ def test_grpo_with_a_deepseek_v3_policy_at_ep2(tmp_path, ray_local):
     import ray
 
     model = _deepseek_model(tmp_path / "deepseek")
-    cfg = load_config(RECIPE, [
+    cfg = tiny_config([
         f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}", "actor.parallel.world_size=2",
         "actor.parallel.tp=1", "actor.parallel.ep=2", "actor.micro_batch_size=8",
         "actor.moe_router_bias_update_rate=0.01", "data.prompts_per_step=2", "rollout.n_samples=2", "data.val_size=2", "sft.steps=0", "trainer.steps=2",
-        "trainer.eval_every=2", "reward.name=reverse", "trainer.loggers=jsonl", "trainer.verify_weight_sync_every=1"])
+        "trainer.eval_every=2", "reward.name=reverse", "trainer.loggers=jsonl", "trainer.verify_weight_sync_every=1"], path=RECIPE)
     trainer = RLTrainer(cfg)
     try:
         trainer.fit()

@@ -15,7 +15,7 @@ ADD_TESTS = json.dumps({"asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) 
 CORRECT = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return 0\n"
 MODES = [pytest.param(mode, marks=pytest.mark.skipif(not shutil.which(tool), reason=f"'{tool}' is not installed"))
-         for mode, tool in (("bwrap", "bwrap"), ("namespaces", "unshare"), ("rlimits", "python3"))]
+         for mode, tool in (("bwrap", "bwrap"), ("unsafe-namespaces", "unshare"), ("unsafe-rlimits", "python3"))]
 
 # Each is a wrong solution plus a trick that made the old reward (program + asserts, exit status 0 =
 # success) pay, or that tries to reach the harness's verdict.

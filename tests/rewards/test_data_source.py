@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megarl.config import ConfigError, RewardConfig, load_config
+from megarl.config import ConfigError, RewardConfig
+from megarl.config.tiny import tiny_config
 from megarl.data.dataset import load_prompt_file
 from megarl.data.files import write_records
 from megarl.rewards import build_reward, score
@@ -117,7 +118,7 @@ def test_a_verl_prompt_file_reaches_the_reward_by_data_source(tmp_path, isolatio
     assert batch["extra_info"][2] == {"split": "train", "index": 1}
     regenerated = prompt_record(batch.index([2, 3]))  # a stale group's prompt, sent back to the rollout (async)
     assert (regenerated["data_source"], regenerated["extra_info"]) == ("searchR1_nq", {"split": "train", "index": 1})
-    cfg = load_config(None, [f"data.task={path}", f"reward.isolation={isolation}"])
+    cfg = tiny_config([f"data.task={path}", f"reward.isolation={isolation}"])
     reward = build_reward(cfg.reward, cfg.data.task)  # reward.name empty: each row's data_source
     try:
         assert isinstance(reward, DataSourceReward)
@@ -131,7 +132,7 @@ def test_a_verl_prompt_file_reaches_the_reward_by_data_source(tmp_path, isolatio
 def test_check_reward_names_an_unknown_data_source_with_its_file_and_row(tmp_path):
     path = tmp_path / "train.jsonl"
     write_records(path, [dict(VERL_ROWS[0], data_source="my_private_set")])
-    cfg = load_config(None, [f"data.task={path}"])
+    cfg = tiny_config([f"data.task={path}"])
     with pytest.raises(ConfigError) as error:
         check_reward(cfg, load_prompt_file(path)[0])
     assert str(error.value).startswith(
@@ -139,14 +140,14 @@ def test_check_reward_names_an_unknown_data_source_with_its_file_and_row(tmp_pat
         "'my_private_set' has no built-in scorer")
     assert str(error.value).endswith("set reward.name or custom_reward_function.path to score it")
     with pytest.raises(ConfigError, match=f"^reward.name='data_source': {path}, row 1: data_source 'my_private_set'"):
-        check_reward(load_config(None, [f"data.task={path}", "reward.name=data_source"]), load_prompt_file(path)[0])
+        check_reward(tiny_config([f"data.task={path}", "reward.name=data_source"]), load_prompt_file(path)[0])
     write_records(path, [{"prompt": "6 x 12?", "answer": "72"}])
     with pytest.raises(ConfigError, match=f"{path}, row 1: the row has no data_source for the reward to follow"):
         check_reward(cfg, load_prompt_file(path)[0])
 
 
 def test_check_reward_tries_the_routed_scorer_on_the_first_row(tmp_path):
-    cfg = load_config(None, [f"data.task={tmp_path / 'train.parquet'}"])
+    cfg = tiny_config([f"data.task={tmp_path / 'train.parquet'}"])
     bad = dict(VERL_ROWS[0], reward_model={"ground_truth": "seventy-two"})
     with pytest.raises(ConfigError, match="data_source 'openai/gsm8k' -> gsm8k: the call on .* failed: ValueError: "
                                           "GSM8K reference answer 'seventy-two' is not a number"):

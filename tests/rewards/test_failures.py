@@ -71,15 +71,15 @@ def right_then_broken(response, answer, sample):
 
 
 def test_a_run_whose_rewards_fail_stops_before_training_on_them(tmp_path, ray_local):
-    from megarl.config import load_config
+    from megarl.config.tiny import tiny_config
     from megarl.trainer import RLTrainer
 
     from tests.conftest import QUICKSTART
 
-    cfg = load_config(QUICKSTART, [
+    cfg = tiny_config([
         f"trainer.output_dir={tmp_path}", "actor.parallel.world_size=1", "actor.parallel.tp=1", "sft.steps=0",
         "data.prompts_per_step=2", "rollout.n_samples=2", "data.val_size=2", "trainer.steps=3",
-        "trainer.loggers=[jsonl]", f"reward.name={__name__}:right_then_broken", "reward.isolation=none"])
+        "trainer.loggers=[jsonl]", f"reward.name={__name__}:right_then_broken", "reward.isolation=none"], path=QUICKSTART)
     calls.clear()
     trainer = RLTrainer(cfg)
     try:

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from megarl.config import ConfigError, RewardConfig, load_config
+from megarl.config import ConfigError, RewardConfig
+from megarl.config.tiny import tiny_config
 from megarl.rewards import REWARD_BUILDERS, build_reward, get_reward_fn, score
 
 
@@ -83,10 +84,10 @@ def test_build_reward_by_name_default_and_path():
 
 def test_reward_config_is_checked():
     with pytest.raises(ConfigError, match="reward.remote_url"):
-        load_config(None, ["reward.name=remote"])
+        tiny_config(["reward.name=remote"])
     with pytest.raises(ConfigError, match="reward.num_workers=0"):
-        load_config(None, ["reward.num_workers=0"])
-    assert load_config(None, ["data.task=a.parquet", "reward.name=gsm8k"]).reward.timeout_s == 30.0
+        tiny_config(["reward.num_workers=0"])
+    assert tiny_config(["data.task=a.parquet", "reward.name=gsm8k"]).reward.timeout_s == 30.0
 
 
 def sleep_for_response(response, answer, sample):
@@ -109,8 +110,8 @@ def test_reward_config_keys_for_failures_are_checked():
     for key, bad in (("isolation", "thread"), ("max_failure_rate", 1.5), ("failure_window", 0),
                      ("batch_timeout_s", -1), ("remote_max_timeouts", 0)):
         with pytest.raises(ConfigError, match=f"reward.{key}="):
-            load_config(None, [f"reward.{key}={bad}"])
-    assert load_config(None, []).reward.isolation == "process"
+            tiny_config([f"reward.{key}={bad}"])
+    assert tiny_config().reward.isolation == "process"
 
 
 def test_a_process_reward_scores_rows_with_images():

@@ -5,7 +5,8 @@ import textwrap
 
 import pytest
 
-from megarl.config import ConfigError, RewardConfig, load_config
+from megarl.config import ConfigError, RewardConfig
+from megarl.config.tiny import tiny_config
 from megarl.rewards import build_reward, score
 from megarl.rewards.loading import check_reward
 
@@ -88,7 +89,7 @@ def test_a_dict_return_counts_its_score(reward_file, isolation):
 
 
 def config(name, *overrides):
-    return load_config(None, [f"reward.name={name}", "data.task=prompts.parquet", *overrides])
+    return tiny_config([f"reward.name={name}", "data.task=prompts.parquet", *overrides])
 
 
 ROW = {"prompt": [{"role": "user", "content": "6 x 12?"}], "data_source": "openai/gsm8k",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.transports import cuda_ipc
 from megarl.workers.weight_sync import close_senders, push_policy
@@ -70,7 +70,7 @@ def test_rollout_actor_places_its_servers_on_hosts_and_stops_them(ray_two_gpus, 
     model = tmp_path / "model-on-hosts"  # unique: marks these servers in /proc
     model.mkdir()
     (tmp_path / "out").mkdir()
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=2", "rollout.sglang_gpus_per_host=1",
+    cfg = tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=2", "rollout.sglang_gpus_per_host=1",
                              f"trainer.output_dir={tmp_path / 'out'}", "trainer.verify_weight_sync_every=0"])
     actor = start_rollout(cfg, str(model), "cpu")
     try:
@@ -152,8 +152,8 @@ def test_colocated_servers_across_nodes_go_on_each_nodes_training_gpus(ray_two_g
     nodes = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU")]
     training = [(nodes[1], ["0"]), (nodes[0], ["0"])]  # rank 0 on the second GPU node
     with pytest.raises(RuntimeError, match="a colocated server cannot span nodes"):
-        start_rollout(load_config(None, overrides + ["rollout.sglang_tp=2"]), str(model), "cpu", training)
-    sharded = start_rollout(load_config(None, overrides + ["rollout.weight_delivery=sharded"]), str(model), "cpu",
+        start_rollout(tiny_config(overrides + ["rollout.sglang_tp=2"]), str(model), "cpu", training)
+    sharded = start_rollout(tiny_config(overrides + ["rollout.weight_delivery=sharded"]), str(model), "cpu",
                             training)
     try:
         endpoints = ray.get(sharded.begin_weight_update.remote(), timeout=60)
@@ -162,7 +162,7 @@ def test_colocated_servers_across_nodes_go_on_each_nodes_training_gpus(ray_two_g
     finally:
         stop_rollout(sharded)
     capsys.readouterr()
-    actor = start_rollout(load_config(None, overrides), str(model), "cpu", training)
+    actor = start_rollout(tiny_config(overrides), str(model), "cpu", training)
     try:
         out = ray.get(actor.generate.remote([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=5, n=2)), timeout=120)
         assert len(out) == 8
@@ -212,7 +212,7 @@ def test_server_hosts_are_refused_when_the_nodes_cannot_hold_them(monkeypatch, t
 
     monkeypatch.setattr(group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 8.0}},
                                                      {"Alive": True, "Resources": {"GPU": 6.0}}])
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=16", "rollout.sglang_gpus_per_host=8",
+    cfg = tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=16", "rollout.sglang_gpus_per_host=8",
                              f"trainer.output_dir={tmp_path}"])
     with pytest.raises(RuntimeError, match=r"rollout.sglang_gpus=16 in server hosts of rollout.sglang_gpus_per_host="
                                            r"8: 2 hosts, and this Ray cluster's nodes have room for 1 of 8 GPUs"):
@@ -222,7 +222,7 @@ def test_server_hosts_are_refused_when_the_nodes_cannot_hold_them(monkeypatch, t
                       "must be a multiple of rollout.sglang_tp=4"),
                      (["rollout.sglang_gpus_per_host=8"], "it needs rollout.sglang_gpus")):
         with pytest.raises(ConfigError, match=why):
-            load_config(None, ["rollout.engine=sglang", f"trainer.output_dir={tmp_path}", *bad])
+            tiny_config(["rollout.engine=sglang", f"trainer.output_dir={tmp_path}", *bad])
 
 
 def test_hosts_ray_cannot_place_are_ended_with_an_error(ray_two_gpus, monkeypatch, tmp_path):
@@ -233,7 +233,7 @@ def test_hosts_ray_cannot_place_are_ended_with_an_error(ray_two_gpus, monkeypatc
     from megarl.workers import group
 
     monkeypatch.setattr(group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 4.0}}])
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_gpus_per_host=2",
+    cfg = tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=4", "rollout.sglang_gpus_per_host=2",
                              f"trainer.output_dir={tmp_path}"])
     with pytest.raises(RuntimeError, match=r"rollout.sglang_gpus_per_host=2: Ray placed 0 of 2 SGLang server hosts "
                                            r"within 3 s"):
@@ -255,7 +255,7 @@ def test_colocated_servers_on_one_node_are_the_rollout_actors_on_that_node(ray_t
     model.mkdir()
     (tmp_path / "out").mkdir()
     nodes = [n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU")]
-    cfg = load_config(None, ["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}",
+    cfg = tiny_config(["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}",
                              "trainer.verify_weight_sync_every=0"])
     actor = start_rollout(cfg, str(model), "cpu", [(nodes[1], ["0"])])
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).with_name("fake_sglang.py")
@@ -82,7 +82,7 @@ def rollout_actor(tmp_path, name: str, overrides: tuple = ()):
     model = tmp_path / name  # unique: marks this actor's server in /proc
     model.mkdir()
     (tmp_path / "out").mkdir(exist_ok=True)  # the trainer makes it before the actors start
-    cfg = load_config(None, ["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}",
+    cfg = tiny_config(["rollout.engine=sglang", f"trainer.output_dir={tmp_path / 'out'}",
                              "trainer.verify_weight_sync_every=0", *overrides])
     actor = start_rollout(cfg, str(model), "cpu")
     ray.get(actor.resident_bytes.remote(), timeout=120)  # constructed: the server is up

@@ -4,7 +4,8 @@ request log; that the seeds make SGLang sample alike is SGLang's part, measured 
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import tiny_config
 from megarl.rollout import sglang as sglang_module
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.sglang import SGLangRolloutEngine
@@ -38,12 +39,12 @@ def test_deterministic_servers_launch_with_sglangs_flag_on_a_backend_that_suppor
 
 def test_config_refuses_a_backend_without_deterministic_inference():
     overrides = ["rollout.engine=sglang", "rollout.deterministic=true"]
-    assert load_config(QUICKSTART, overrides).rollout.deterministic
+    assert tiny_config(overrides, path=QUICKSTART).rollout.deterministic
     with pytest.raises(ConfigError, match="rollout.deterministic=true with rollout.sglang_args' --attention-backend "
                                           "torch_native"):
-        load_config(QUICKSTART, overrides + ["rollout.sglang_args=[--attention-backend, torch_native]"])
+        tiny_config(overrides + ["rollout.sglang_args=[--attention-backend, torch_native]"], path=QUICKSTART)
     with pytest.raises(ConfigError, match=f"{FLAG} is set by megarl .*rollout.deterministic"):
-        load_config(QUICKSTART, ["rollout.engine=sglang", f"rollout.sglang_args=[{FLAG}]"])
+        tiny_config(["rollout.engine=sglang", f"rollout.sglang_args=[{FLAG}]"], path=QUICKSTART)
 
 
 def sent_seeds(e) -> list[list[int]]:

@@ -22,10 +22,10 @@ from megarl.sandbox.runner import Sandbox, SandboxLimits
 AS_ROOT = os.geteuid() == 0
 LIMITS = SandboxLimits(wall_s=10.0, memory_mb=256, max_processes=8)  # generous: the test machine may be busy
 KILL_AFTER_S = 1.5  # the tests of the wall-clock limit use this one
-NAMESPACED = [m for m, tool in (("bwrap", "bwrap"), ("namespaces", "unshare")) if shutil.which(tool)]
+NAMESPACED = [m for m, tool in (("bwrap", "bwrap"), ("unsafe-namespaces", "unshare")) if shutil.which(tool)]
 
 
-@pytest.fixture(scope="module", params=NAMESPACED + ["rlimits"])
+@pytest.fixture(scope="module", params=NAMESPACED + ["unsafe-rlimits"])
 def sandbox(request):
     box = Sandbox(LIMITS, mode=request.param, slots=3)
     yield box
@@ -199,7 +199,7 @@ def test_fork_bomb_is_capped_and_leaves_nothing_behind(sandbox):
 def test_a_daemonised_child_does_not_outlive_the_run(sandbox):
     if not fork_budget(sandbox):
         pytest.skip("without a memory cgroup a run may not fork")
-    if sandbox.mode == "rlimits" and not AS_ROOT:
+    if sandbox.mode == "unsafe-rlimits" and not AS_ROOT:
         pytest.skip("documented gap: without namespaces or root, a child that leaves the process group survives")
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n"
     result = sandbox.run(code)
@@ -290,7 +290,7 @@ def test_python_tool_reports_violations_and_carries_on():
 
 
 def test_the_sandbox_work_directory_is_private_and_removed():
-    box = Sandbox(LIMITS, mode="rlimits")
+    box = Sandbox(LIMITS, mode="unsafe-rlimits")
     try:
         result = box.run("import os; open('f', 'w').write('x'); print(os.getcwd())")
         assert not os.path.exists(result.stdout.strip())  # removed after the run
@@ -304,7 +304,7 @@ def test_the_sandbox_work_directory_is_private_and_removed():
 def test_a_uid_left_with_unkillable_processes_is_not_used_again(monkeypatch):
     """Zombies under an init that does not reap survive SIGKILL and would count against the next
     run's process limit: such a uid is skipped, once looked at, for the rest of the sandbox's life."""
-    box = Sandbox(LIMITS, mode="rlimits", uid_base=1_600_000)
+    box = Sandbox(LIMITS, mode="unsafe-rlimits", uid_base=1_600_000)
     looked_at = []
 
     def kill_leftovers(uid):
@@ -370,7 +370,7 @@ def test_without_a_memory_cgroup_a_run_is_one_process(monkeypatch, caplog):
 
     monkeypatch.setattr(runner.MemoryCgroups, "find", classmethod(lambda cls: (None, "not delegated here")))
     with caplog.at_level("WARNING", logger=runner.__name__):
-        box = Sandbox(LIMITS, mode=NAMESPACED[0] if NAMESPACED else "rlimits")
+        box = Sandbox(LIMITS, mode=NAMESPACED[0] if NAMESPACED else "unsafe-rlimits")
     try:
         assert "no further process or thread per run (no memory cgroup: not delegated here)" in caplog.text
         result = box.run("import os, threading\ntry:\n    os.fork()\nexcept OSError:\n    print('no fork')\n"

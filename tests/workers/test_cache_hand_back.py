@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.workers.train_worker import TrainWorker
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -18,7 +18,7 @@ GB = 1 << 30
 
 
 def events(monkeypatch, overrides: list[str], free_gb: float, total_gb: float = 100) -> list[str]:
-    cfg = load_config(QUICKSTART, ["rollout.engine=sglang", "rollout.sglang_mem_fraction=0.4", *overrides])
+    cfg = tiny_config(["rollout.engine=sglang", "rollout.sglang_mem_fraction=0.4", *overrides], path=QUICKSTART)
     worker, seen = TrainWorker(0, cfg, "unused", "cuda"), []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (int(free_gb * GB), int(total_gb * GB)))

@@ -11,7 +11,7 @@ import json
 import ray
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
 from megarl.workers import weight_sync
 
@@ -19,10 +19,10 @@ from tests.conftest import QUICKSTART as RECIPE
 
 
 def _run(out, *overrides) -> dict:
-    cfg = load_config(RECIPE, [
+    cfg = tiny_config([
         f"trainer.output_dir={out}", "actor.parallel.world_size=2", "actor.parallel.tp=2", "data.prompts_per_step=4",
         "rollout.n_samples=4", "data.val_size=4", "sft.steps=2", "trainer.steps=2", "trainer.eval_every=2",
-        "reward.name=reverse", "trainer.loggers=jsonl", *overrides])
+        "reward.name=reverse", "trainer.loggers=jsonl", *overrides], path=RECIPE)
     trainer = RLTrainer(cfg)
     try:
         trainer.fit()

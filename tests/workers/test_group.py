@@ -8,7 +8,7 @@ import psutil
 import pytest
 import ray
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.workers.group import TrainGroup, WorkerError, WorkerTimeout, call_rollout, get_all, stop_ranks
 from tests.conftest import QUICKSTART
 from tests.engine.hf_models import make_qwen2_dir, padded_batch
@@ -76,8 +76,8 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_stopped_rank_fails_the_call_at_its_deadline_naming_it_and_every_rank_is_killed(tmp_path, ray_local):
-    cfg = load_config(QUICKSTART, [f"trainer.output_dir={tmp_path}", "actor.parallel.tp=1",
-                                   "trainer.worker_env={MEGARL_ENV_PROBE: 7, MEGARL_FLAG: true}"])
+    cfg = tiny_config([f"trainer.output_dir={tmp_path}", "actor.parallel.tp=1",
+                                   "trainer.worker_env={MEGARL_ENV_PROBE: 7, MEGARL_FLAG: true}"], path=QUICKSTART)
     model = make_qwen2_dir(tmp_path / "model", tied=False, layers=1)
     group = TrainGroup(cfg, model, "cpu", total_steps=1)  # DP=2: train all-reduces across the two
     pids = [info["pid"] for info in group.info]

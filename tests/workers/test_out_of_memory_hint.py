@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.workers.train_worker import TrainWorker
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -25,7 +25,7 @@ class OutOfMemoryEngine:
 
 
 def message(overrides: list[str], call: str = "train") -> str:
-    cfg = load_config(QUICKSTART, ["rollout.engine=sglang", *overrides])
+    cfg = tiny_config(["rollout.engine=sglang", *overrides], path=QUICKSTART)
     worker = TrainWorker(0, cfg, "unused", "cuda")
     worker.engine = OutOfMemoryEngine()
     with pytest.raises(torch.OutOfMemoryError) as caught:

@@ -5,7 +5,7 @@ import pytest
 import ray
 
 import megarl.rollout.sglang
-from megarl.config import load_config
+from megarl.config.tiny import tiny_config
 from megarl.workers.rollout_worker import make_engine
 
 
@@ -19,7 +19,7 @@ def built(monkeypatch):
 
 
 def test_disaggregated_servers_go_on_the_actors_own_gpus_without_the_memory_saver(built, tmp_path):
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=2", "rollout.sglang_tp=2",
+    cfg = tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=2", "rollout.sglang_tp=2",
                              f"trainer.output_dir={tmp_path}"])
     make_engine(cfg, "model", "cuda", gpus=None)
     (kwargs,) = built
@@ -27,7 +27,7 @@ def test_disaggregated_servers_go_on_the_actors_own_gpus_without_the_memory_save
 
 
 def test_colocated_servers_go_on_the_training_ranks_gpus(built, tmp_path):
-    cfg = load_config(None, ["rollout.engine=sglang", f"trainer.output_dir={tmp_path}"])
+    cfg = tiny_config(["rollout.engine=sglang", f"trainer.output_dir={tmp_path}"])
     make_engine(cfg, "model", "cuda", gpus=["0", "1"])
     (kwargs,) = built
     assert kwargs["gpus"] == ["0", "1"] and kwargs["colocated"] is True
@@ -41,7 +41,7 @@ def test_disaggregated_servers_larger_than_any_node_are_refused_before_the_actor
     monkeypatch.setattr(group.ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 4.0}},
                                                      {"Alive": True, "Resources": {"GPU": 4.0}},
                                                      {"Alive": False, "Resources": {"GPU": 8.0}}])
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang_gpus=6", "rollout.sglang_tp=2",
+    cfg = tiny_config(["rollout.engine=sglang", "rollout.sglang_gpus=6", "rollout.sglang_tp=2",
                              f"trainer.output_dir={tmp_path}"])
     with pytest.raises(RuntimeError, match=r"rollout.sglang_gpus=6: the SGLang servers run on the rollout actor's "
                                            r"node, and the largest node of this Ray cluster has 4 GPU"):
