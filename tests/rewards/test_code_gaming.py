@@ -68,6 +68,27 @@ def test_a_correct_solution_still_scores(reward):
     assert score(reward, program, methods) == 1.0
 
 
+# a test that expects an exception, as APPS and verl write them: a raise the program's code makes reaches it as the
+# builtin class it derives from
+RAISES = json.dumps({"asserts": [
+    "assert root(9) == 3",
+    "try:\n    root(-1)\nexcept ValueError as e:\n    assert str(e) == 'NegativeError: no root of -1'\n"
+    "else:\n    raise AssertionError('root(-1) did not raise')",
+    "try:\n    root('x')\n    assert False, 'no TypeError'\nexcept TypeError:\n    pass"]})
+ROOT = ("class NegativeError(ValueError):\n    pass\n"
+        "def root(n):\n    if not isinstance(n, int):\n        raise TypeError(n)\n"
+        "    if n < 0:\n        raise NegativeError(f'no root of {n}')\n    return round(n ** 0.5)\n")
+
+
+def test_a_test_may_expect_an_exception(reward):
+    assert score(reward, ROOT, RAISES) == 1.0
+    for wrong in ("def root(n):\n    return round(abs(n) ** 0.5) if isinstance(n, int) else 0\n",  # no raise
+                  ROOT.replace("raise NegativeError", "raise KeyError"),  # the wrong exception
+                  ROOT.replace("raise NegativeError(f'no root of {n}')", "raise SystemExit(0)"),  # no Exception
+                  ROOT.replace("raise TypeError(n)", "import os; os._exit(0)")):  # ends instead
+        assert score(reward, wrong, RAISES) == 0.0
+
+
 @pytest.mark.parametrize("trick", sorted(HOSTILE))
 def test_hostile_program_scores_zero(reward, trick):
     assert score(reward, HOSTILE[trick]) == 0.0
