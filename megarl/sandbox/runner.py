@@ -9,8 +9,8 @@ caller such as the agent loop passes them to the model as a tool error and goes 
 Memory is bounded per run, not per process: where this process may create memory cgroups (v2 or v1;
 root in most containers) each run gets one of `memory_mb` (plus the supervisor's own share), and may
 start up to `max_processes` more processes. Elsewhere a run may start no process or thread at all
-(a harness run: its one child), each process keeping RLIMIT_AS = memory_mb, so processes x limit
-stays within the budget. The log says which at start.
+(a harness run: its one child), each process keeping RLIMIT_AS = memory_mb (less the private /tmp and
+/dev/shm, below), so processes x limit stays within the budget. The log says which at start.
 
 Isolation. Only bwrap keeps a program to its own files; mode="auto" means bwrap, and is an error
 naming how to install bubblewrap or opt in where it does not work. The weaker modes run only when
