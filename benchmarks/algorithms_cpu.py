@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.utils.tracking import run_metrics
+
 VAPO_OFF = ["algorithm.critic_warmup_steps=0", "algorithm.critic_lam=-1", "algorithm.lam_length_alpha=0",
             "algorithm.positive_lm_coef=0", "algorithm.clip_eps_high=0"]
 GRPO = ["algorithm.pf_ppo=none", "algorithm.pf_ppo_replay=0"]
@@ -79,7 +81,7 @@ def run_one(name: str, out: Path, extra: list[str]) -> None:
 
 
 def read(out: Path, name: str) -> list[dict]:
-    path = out / name / "metrics.jsonl"
+    path = run_metrics(out / name)
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from megarl.config.tiny import tiny_config
 from megarl.utils.provenance import source_commit
+from megarl.utils.tracking import run_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"sync": [], "one_step_off": ["trainer.mode=one_step_off"],
@@ -63,11 +64,11 @@ def run(recipe: str, mode: str, seed: int, out: Path, smoke: bool, timeout: floa
     overrides = overrides + (SMOKE if smoke else []) + MODES[mode]
     steps = tiny_config(overrides, path=ROOT / config).trainer.steps
     directory = out / recipe / f"{mode}_seed{seed}"
-    reward = final_reward(directory / "metrics.jsonl", steps)
+    reward = final_reward(run_metrics(directory), steps)
     seconds = None
     if reward is None:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "metrics.jsonl").unlink(missing_ok=True)
+        (run_metrics(directory)).unlink(missing_ok=True)
         extra = [f"sft.data={out / 'traces.jsonl'}"] if recipe == "tool_calculator" else []
         command = [sys.executable, "-m", "megarl.train", "--config", str(ROOT / config), *overrides, *extra,
                    f"trainer.seed={seed}", "trainer.eval_every=0", f"trainer.output_dir={directory}",
@@ -77,16 +78,16 @@ def run(recipe: str, mode: str, seed: int, out: Path, smoke: bool, timeout: floa
             with open(directory / f"log{attempt}.txt", "w") as log:
                 done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
             seconds = time.perf_counter() - start
-            reward = final_reward(directory / "metrics.jsonl", steps)
+            reward = final_reward(run_metrics(directory), steps)
             ray_failed = "node timed out during startup" in (directory / f"log{attempt}.txt").read_text()
             if reward is not None or not ray_failed:
                 break
-            (directory / "metrics.jsonl").unlink(missing_ok=True)
+            (run_metrics(directory)).unlink(missing_ok=True)
         if done.returncode or reward is None:
             print(f"{recipe} {mode} seed {seed}: failed (exit {done.returncode}); see {directory}/log*.txt", flush=True)
             return {"recipe": recipe, "mode": mode, "seed": seed, "failed": True}
     result = {"recipe": recipe, "mode": mode, "seed": seed, "final_reward": reward, "wall_s": seconds,
-              **summary(directory / "metrics.jsonl")}
+              **summary(run_metrics(directory))}
     print(json.dumps(result), flush=True)
     return result
 

@@ -60,6 +60,7 @@ from types import SimpleNamespace
 
 from benchmarks.e2e_vs_trl import (ROOT, build_model, end_sglang_servers, environment, megarl_command, model_shape,
                                    run_process, start_run, write_prompts)
+from megarl.utils.tracking import run_metrics
 
 ONE_STEP_OFF = {"trainer.mode": "one_step_off", "async.partial": "finish"}
 ASYNC = {"trainer.mode": "async", "async.partial": "resume"}
@@ -136,17 +137,22 @@ def long_tail_stops(model_dir: Path, cap: int, share: float) -> int:
 
 
 @contextmanager
-def watch(metrics_file: Path, gpu: bool):
-    """While the run goes: the wall-clock time at which each step's metrics line appeared (polled every 0.1 s) and,
+def watch(output_dir: Path, gpu: bool):
+    """While the run goes: the wall-clock time at which each step's metrics line appeared in the metrics.jsonl of the
+    run that starts in `output_dir` (its own under logs/, not one that was there before; polled every 0.1 s) and,
     on GPUs, nvidia-smi's utilization.gpu of each every 100 ms. Yields a dict filled with "step_end" {step: unix s} and
     "gpu" [(unix s, percent)]."""
     seen: dict = {"step_end": {}, "gpu": []}
     stop = threading.Event()
 
+    earlier = set(output_dir.glob("logs/*"))
+
     def follow_metrics():
         offset = 0
         while not stop.wait(0.1):
-            if not metrics_file.exists():
+            started = sorted(set(output_dir.glob("logs/*")) - earlier)
+            metrics_file = started[-1] / "metrics.jsonl" if started else None
+            if metrics_file is None or not metrics_file.exists():
                 continue
             with metrics_file.open() as f:
                 f.seek(offset)
@@ -423,12 +429,12 @@ def main(argv=None) -> int:
                                                    f"--runs {name})"}
             continue
         run_dir = work / name
-        metrics = run_dir / "metrics.jsonl"
         print(f"== {tag(name)}: up to {cap:.0f} s", flush=True)
-        with watch(metrics, gpu=device == "cuda") as seen:
+        with watch(run_dir, gpu=device == "cuda") as seen:
             record = run_process(run_overrides(args, name, model_dir, prompts, val, run_dir, device),
                                  out / f"{tag(name)}.log", cap, env, leftovers=str(model_dir),
                                  server_logs=run_dir)
+        metrics = run_metrics(run_dir)
         if metrics.exists():
             (out / f"{tag(name)}_metrics.jsonl").write_text(metrics.read_text())
         placement, overrides = RUNS[name]

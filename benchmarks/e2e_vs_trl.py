@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 
 from megarl.utils.provenance import source_commit
+from megarl.utils.tracking import run_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 VOWELS = frozenset("aeiou")
@@ -407,9 +408,9 @@ def main(argv=None) -> int:
             run_dir = work / name
             record |= run_process(megarl_command(args, model_dir, prompts, val, completions, run_dir, device),
                                   out / f"{name}.log", cap, env, leftovers=str(model_dir), server_logs=run_dir)
-            steps, warmup = megarl_steps(run_dir / "metrics.jsonl"), args.megarl_warmup
-            if (run_dir / "metrics.jsonl").exists():
-                (out / f"{name}_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+            steps, warmup = megarl_steps(run_metrics(run_dir)), args.megarl_warmup
+            if run_metrics(run_dir).exists():
+                (out / f"{name}_metrics.jsonl").write_text(run_metrics(run_dir).read_text())
             for server_log in sorted(run_dir.glob("sglang_*.log")):  # the SGLang server's own log, its end
                 tail = server_log.read_text(errors="replace").splitlines()[-80:]
                 (out / f"{name}_{server_log.name}").write_text("\n".join(tail) + "\n")

@@ -51,6 +51,7 @@ from pathlib import Path
 from benchmarks.e2e_vs_trl import (_gpu_memory_used, _parameter_counts, build_model, environment, megarl_command,
                                    megarl_steps, model_shape, run_process, start_run, summarize, write_prompts)
 from benchmarks.verl_model_dir import PLAIN_CHAT_TEMPLATE, QWEN_CHAT_TOKENS, model_dir_problems, verl_prompt_check
+from megarl.utils.tracking import run_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 VERL_PHASES = {  # verl's top-level timing_s/<name> of a v1 synchronous step -> phase; the rest of step is 'other'
@@ -320,15 +321,16 @@ def run_megarl(args, env: dict, model_dir: Path, work: Path, out: Path, cap: flo
     cmd += [f"actor.max_tokens_per_micro_batch={args.micro_batch * seq}",
             f"algorithm.recompute_old_logprobs={args.megarl_old_logprobs}"]
     record = run_process(cmd, out / "megarl.log", cap, env, leftovers=str(model_dir))
-    if (run_dir / "metrics.jsonl").exists():
-        (out / "megarl_metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+    if run_metrics(run_dir).exists():
+        (out / "megarl_metrics.jsonl").write_text(run_metrics(run_dir).read_text())
     return record, side_steps("megarl", work)
 
 
 def side_steps(side: str, work: Path) -> list[dict]:
     """The steps a side's run has logged so far (its metrics file, as summarize() rows)."""
-    read = verl_steps if side == "verl" else megarl_steps
-    return read(work / f"{side}_run" / "metrics.jsonl")
+    if side == "verl":
+        return verl_steps(work / "verl_run" / "metrics.jsonl")  # verl's file logger, at the path the command names
+    return megarl_steps(run_metrics(work / "megarl_run"))
 
 
 def side_record(args, side: str, shape: dict, record: dict, steps: list[dict], probe: dict) -> dict:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.e2e_vs_trl import build_model, model_shape
 from benchmarks.e2e_vs_verl import QWEN_CHAT_TOKENS
+from megarl.utils.tracking import run_metrics
 
 # Qwen2.5-Instruct's layout of a conversation without tools (without its default system message: see above)
 QWEN_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -97,7 +98,7 @@ def prompt_tokens(out: Path, count: int = 200) -> dict:
 
 def step_rows(run_dir: Path) -> list[dict]:
     """The RL steps' rows of a run's metrics.jsonl (evaluation-only rows have no timing/step)."""
-    path = run_dir / "metrics.jsonl"
+    path = run_metrics(run_dir)
     if not path.exists():
         return []
     return [r for r in map(json.loads, path.read_text().splitlines()) if "timing/step" in r]
@@ -125,7 +126,7 @@ def table(run_dirs: list[Path], warmup: int = 1) -> str:
     for run in run_dirs:
         s = summarize(step_rows(run), warmup)
         if s is None:
-            lines.append(f"| {run.name} | no step after the warm-up in {run / 'metrics.jsonl'} | | | | | |")
+            lines.append(f"| {run.name} | no step after the warm-up in {run_metrics(run)} | | | | | |")
             continue
         medians[run.name] = s["step_s"]
         lines.append(f"| {run.name} | {s['steps']} | {s['step_s']:.2f} | {s['verify_s']:.3f} | "

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from megarl.data.files import write_records  # noqa: E402
 from megarl.data.preferences import task_preferences  # noqa: E402
+from megarl.utils.tracking import run_metrics  # noqa: E402
 
 
 def write_preferences(out: Path, pairs: int, val: int, seed: int) -> dict[str, Path]:
@@ -64,7 +65,7 @@ def run(name: str, command: list[str], out: Path) -> float:
 
 
 def metric(run_dir: Path, name: str) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in run_metrics(run_dir).read_text().splitlines()]
     return {row["step"]: row[name] for row in rows if name in row}
 
 
@@ -82,10 +83,10 @@ def report(out: Path, seconds: dict[str, float]) -> dict:
     results = {"reward_models": {name: {"seconds": seconds.get(name), "val/pair_accuracy":
                                         metric(out / name, "val/pair_accuracy"),
                                         "val/margin": metric(out / name, "val/margin")}
-                                 for name in ("rm", "rm_shuffled") if (out / name / "metrics.jsonl").exists()},
+                                 for name in ("rm", "rm_shuffled") if run_metrics(out / name).exists()},
                "rl": {name: {"seconds": seconds.get(name), "reward_model": reward_model, "overrides": extra}
                       | {key: metric(out / name, key) for key in RL_METRICS}
-                      for name, (reward_model, extra) in RL_RUNS.items() if (out / name / "metrics.jsonl").exists()}}
+                      for name, (reward_model, extra) in RL_RUNS.items() if run_metrics(out / name).exists()}}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n| reward model | held-out pair accuracy before -> after | margin after | seconds |")
     print("| --- | --- | --- | --- |")

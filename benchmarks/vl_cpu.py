@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from megarl.config.tiny import tiny_config
+from megarl.utils.tracking import run_metrics
 
 RECIPES = {"count": "configs/quickstart_vl.yaml", "colour": "configs/quickstart_vl_colour.yaml"}
 RUNS = ("images", "lr0", "blank")
@@ -64,7 +65,7 @@ def read(path: Path) -> list[dict]:
 
 
 def held_out(out: Path, seed: int, run: str) -> dict[int, float]:
-    return {r["step"]: r["val/reward"] for r in read(out / f"seed{seed}" / run / "metrics.jsonl") if "val/reward" in r}
+    return {r["step"]: r["val/reward"] for r in read(run_metrics(out / f"seed{seed}" / run)) if "val/reward" in r}
 
 
 def text_only_best(val_file: Path) -> float:
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
                     continue
                 run_dir = out / f"seed{seed}" / run
                 run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+                run_metrics(run_dir).unlink(missing_ok=True)
                 start = time.perf_counter()
                 with open(run_dir / "run.log", "w") as log:
                     code = subprocess.call([sys.executable, "-m", "megarl.train", "--config", recipe,

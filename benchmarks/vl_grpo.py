@@ -30,6 +30,7 @@ import torch
 
 from megarl.rollout.tools import Tool, ToolResult
 from megarl.rollout.tools.parsers import ToolCall
+from megarl.utils.tracking import run_metrics
 
 # Qwen2.5-VL-3B-Instruct's published shapes (the vocabulary and token ids are the offline tokenizer's)
 SHAPE_3B = dict(
@@ -126,7 +127,7 @@ def mm_backend(run: Path) -> str:
 
 
 def table(run: Path) -> int:
-    metrics = run / "train" / "metrics.jsonl"
+    metrics = run_metrics(run / "train")
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "timing/step" in r] \
         if metrics.exists() else []
     images = json.loads((run / "images.json").read_text()) if (run / "images.json").exists() else {}

@@ -117,9 +117,9 @@ class RMTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
                                        cfg.trainer.keep_last)
-        self.resumed = self.checkpoints.resolve(cfg.trainer.resume)  # the checkpoint fit() resumes, if any
         # the run's own log directory under the output root, its id kept by a resume (megarl/utils/tracking.py)
-        self.run_id = run_id_of(read_checkpoint_file(self.resumed) if self.resumed is not None else None)
+        resumed = self.checkpoints.resolve(cfg.trainer.resume)
+        self.run_id = run_id_of(read_checkpoint_file(resumed) if resumed is not None else None)
         self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.run_id), cfg.trainer.loggers,
                                {"run_id": self.run_id} | cfg.to_dict())
         self.group = TrainGroup(cfg, self.model_path, self.device, cfg.trainer.steps, "reward_model_training")
@@ -186,7 +186,7 @@ class RMTrainer:
         """Load the checkpoint trainer.resume names (auto: the newest complete one, if any); returns the last step
         it completed. One without driver state (megarl.convert hf-to-megatron --role reward_model) gives initial
         weights: 0."""
-        path = self.resumed
+        path = self.checkpoints.resolve(self.cfg.trainer.resume)
         if path is None:
             return 0
         meta = read_checkpoint_file(path)

@@ -188,8 +188,8 @@ def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
             trainer.shutdown()
             ray.shutdown()
             stops.end()
-    print(f"\nTensorBoard events: {os.path.abspath(cfg.trainer.output_dir)}  "
-          f"(tensorboard --logdir {cfg.trainer.output_dir})")
+    print(f"\nmetrics.jsonl and TensorBoard events: {os.path.abspath(trainer.tracker.directory)}  "
+          f"(tensorboard --logdir {cfg.trainer.output_dir}: each run of this output directory apart)")
     return history, result
 
 
@@ -301,7 +301,8 @@ def main(argv=None) -> int:
         stops.reclaim_signals()  # from Ray's SIGTERM handlers, which ray.init installed
         from megarl.async_trainer import build_trainer
 
-        print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}\n{summary}", flush=True)
+        print(f"megarl: {layout}, device={cfg.trainer.device}, output={cfg.trainer.output_dir}, "
+              f"run {start.run_id} ({'resumed' if start.step else 'new'})\n{summary}", flush=True)
         # trainer.mode: the synchronous loop, or an asynchronous one
         done = run_trainer(cfg, ray, lambda c: build_trainer(c, start))
     if done is None:

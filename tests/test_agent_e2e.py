@@ -11,6 +11,7 @@ import torch
 
 from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
+from megarl.utils.tracking import run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "tool_calculator.yaml"
@@ -22,7 +23,7 @@ def run(cfg) -> list[dict]:
         trainer.fit()
     finally:
         trainer.shutdown()
-    return [json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_tool_recipe_dumps_over_samples_and_replays_bit_for_bit(tmp_path, ray_local):

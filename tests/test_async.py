@@ -21,6 +21,7 @@ from megarl.reshard.memory import GiB
 from megarl.reshard.plan import load_model_config
 from megarl.rollout.agent import Trajectory
 from megarl.rollout_buffer import RolloutBuffer
+from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART
 
@@ -49,7 +50,7 @@ def run(cfg) -> dict[int, dict]:
 def metrics_by_step(output_dir) -> dict[int, dict]:
     """A run's metrics.jsonl rows, merged by step."""
     rows: dict[int, dict] = {}
-    for line in open(f"{output_dir}/metrics.jsonl"):
+    for line in open(run_dir(output_dir) / "metrics.jsonl"):
         row = json.loads(line)
         rows.setdefault(row["step"], {}).update(row)
     return rows

@@ -11,6 +11,7 @@ from megarl.config.tiny import tiny_config
 from megarl.reshard.inventory import hf_inventory
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
 from megarl.trainer import RLTrainer
+from megarl.utils.tracking import run_dir
 from megarl.workers import weight_sync
 
 from tests.conftest import QUICKSTART as RECIPE
@@ -101,7 +102,7 @@ def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
             val[lr] = trainer.fit()["val/reward"]
         finally:
             trainer.shutdown()
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (run_dir(out) / "metrics.jsonl").read_text().splitlines()]
         assert any("train/kl" in r for r in rows)
     assert val[0.0] == {0: val[5e-4][0], 4: val[5e-4][0]}, val  # one seeded warm start; the control's reward stays
     assert val[5e-4][steps] > val[0.0][4] + 0.05, val

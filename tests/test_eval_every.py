@@ -8,6 +8,7 @@ import pytest
 from megarl.config import ConfigError
 from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer, evaluates_after
+from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART
 
@@ -32,6 +33,6 @@ def test_eval_every_0_evaluates_before_rl_and_after_the_last_step(tmp_path, ray_
     finally:
         trainer.shutdown()
     assert sorted(history["val/reward"]) == [0, 2]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val/reward" in r] == [0, 2]
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2]

@@ -11,6 +11,7 @@ from megarl.data.files import InputError
 from megarl.data.inputs import load_tokenizer
 from megarl.models.tiny import EOS_TOKEN, build_tiny_model
 from megarl.trainer import RLTrainer
+from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART
 
@@ -58,5 +59,5 @@ def test_a_run_with_no_pad_token_finishes(no_pad_model, tmp_path, ray_local):
     finally:
         trainer.shutdown()
     assert sorted(history["val/reward"]) == [0, 1]  # evaluated before RL and after its one step
-    step = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    step = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()][-1]
     assert step["step"] == 1 and "train/grad_norm" in step

@@ -6,6 +6,7 @@ import json
 
 from megarl.engine.checkpoint import checkpoint_damage
 from megarl.train import main
+from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART
 
@@ -26,7 +27,7 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_previous_one(tmp_path, cap
     named = f"{newest}: {shard.relative_to(newest)}: contents differ from the manifest"
     assert named in out and "zero-filled" in out.split(named)[1].splitlines()[0]
     assert f"resumed from {tmp_path}/checkpoints/step_00000001 after step 1" in out
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2]  # step 2 redone: its row replaced
     assert checkpoint_damage(newest, "full") == []  # written again by the resumed run
     assert (tmp_path / "run.lock").read_text() == ""

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from megarl.train import main
+from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART
 
@@ -23,7 +24,7 @@ def test_perturbed_rollout_logprobs_give_the_hand_computed_mismatch_and_rejectio
                  "algorithm.rollout_correction.perturb_rollout_logprobs=-1.0",
                  "algorithm.rollout_correction.rollout_rs=token_k1",
                  "algorithm.rollout_correction.rollout_is=token"]) == 0
-    step = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    step = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()
             if '"train/loss"' in line][0]
     m = {k.removeprefix("rollout_corr/"): v for k, v in step.items() if k.startswith("rollout_corr/")}
     hit, e = 6 / 20, math.e

@@ -15,6 +15,7 @@ from megarl.data.preferences import pair_batch
 from megarl.rm_trainer import RMTrainer
 from megarl.train_rm import main
 from megarl.train import main as train_main
+from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART
 
@@ -54,7 +55,7 @@ def trained(tmp_path_factory, ray_local):
 
 
 def metrics_rows(path) -> list[dict]:
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir(path) / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_reward_model_learns_and_resumes_exactly(trained):
@@ -63,6 +64,7 @@ def test_reward_model_learns_and_resumes_exactly(trained):
     assert sorted(accuracy) == [0, 3, 6]
     assert accuracy[0] == 0.5  # a zero-initialised head scores every side 0: a tie, half right
     assert accuracy[6] >= 0.9 and history["val/margin"][6] > history["val/margin"][3] > 0, history
+    logged = [row["step"] for row in metrics_rows(tmp_path / "a")]
     first = {row["step"]: row for row in metrics_rows(tmp_path / "a")}
     assert first[0]["data/train_pairs"] == 200 and first[0]["data/skipped_pairs"] == 0
     assert first[6]["rm/loss"] < first[1]["rm/loss"]
@@ -71,8 +73,9 @@ def test_reward_model_learns_and_resumes_exactly(trained):
     # LR schedule, RNG, data position) must come back from the checkpoint, or steps 4-6 would differ
     trainer.cfg.trainer.resume = str(tmp_path / "a" / "checkpoints" / "step_00000003")
     assert trainer.fit()["val/pair_accuracy"] == accuracy
-    second = {row["step"]: row for row in metrics_rows(tmp_path / "a")[len(first):]}
-    assert sorted(second) == [4, 5, 6]
+    rows = metrics_rows(tmp_path / "a")  # the rows of steps 4-6 replaced by the resumed run's (Tracker.rewind)
+    assert [row["step"] for row in rows] == logged
+    second = {row["step"]: row for row in rows}
     for step in (4, 5, 6):
         assert {k: second[step][k] for k in ("rm/loss", "rm/grad_norm", "rm/lr", "rm/accuracy")} == \
                {k: first[step][k] for k in ("rm/loss", "rm/grad_norm", "rm/lr", "rm/accuracy")}

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megarl.models.tiny import build_tiny_model
+from megarl.utils.tracking import run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a chat template for the character tokenizer
@@ -57,7 +58,7 @@ def test_verls_ppo_quickstart_trains_ppo_with_a_critic(tmp_path):
                  "micro-batch 4 sequences", "steps: 1 RL steps", "no KL to the reference"):
         assert said in log, said
     out = tmp_path / "runs" / "quickstart" / tmp_path.name
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir(out) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1]
     assert all(any(k.startswith("critic/") for k in r) for r in steps), sorted(steps[0])

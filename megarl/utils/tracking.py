@@ -278,6 +278,15 @@ def run_dir(output_dir: str | Path, run_id: str | None = None) -> Path:
     return logs / runs[-1]
 
 
+def run_metrics(output_dir: str | Path) -> Path:
+    """The newest run's metrics.jsonl under an output root; where no run has logged there, a path that does not
+    exist (<output_dir>/logs/metrics.jsonl, which no run writes), for readers that check first."""
+    try:
+        return run_dir(output_dir) / "metrics.jsonl"
+    except FileNotFoundError:
+        return Path(output_dir) / LOGS / "metrics.jsonl"
+
+
 def check_loggers(names: list[str]) -> None:
     """Each of trainer.loggers a logger whose library is installed; else a ConfigError naming it and the fix."""
     for name in names:

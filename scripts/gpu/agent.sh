@@ -69,7 +69,7 @@ run_phase() {  # name, extra overrides...
     "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 20 "$OUT/$name.log"
-  cp "$RUN/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  cp "$(ls -d "$RUN/$name"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
   ls "$RUN/$name"/sglang_*.log >/dev/null 2>&1 && tail -n 40 "$RUN/$name"/sglang_*.log > "$OUT/${name}_sglang_server.log"
   echo "== $name: exit $rc"
   return $rc

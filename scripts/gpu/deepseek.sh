@@ -56,7 +56,7 @@ grpo_run() {
     trainer.cpus_per_rank=1 trainer.output_dir="$run" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
   tail -n 25 "$OUT/$name.log"
-  cp "$run/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  cp "$(ls -d "$run"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
   ls "$run"/sglang_*.log >/dev/null 2>&1 && tail -n 60 "$run"/sglang_*.log > "$OUT/${name}_sglang_server.log"
   return $rc
 }

@@ -143,7 +143,7 @@ grpo() {  # name, limit in seconds, what it runs (for the table), megarl.train o
     trainer.device="$DEVICE" trainer.output_dir="$run" trainer.loggers=jsonl trainer.verify_weight_sync_every=1 \
     $GRPO_ARGS "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  cp "$run/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  cp "$(ls -d "$run"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
   for f in "$run"/sglang_*.log; do [ -f "$f" ] && tail -n 60 "$f" > "$OUT/server_logs/${name}_$(basename "$f").tail"; done
   rm -rf "$run"
   echo "   exit $rc after ${SECONDS}s total"; grep -v -i "warn" "$OUT/$name.log" | tail -n 4

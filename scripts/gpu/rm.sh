@@ -82,7 +82,7 @@ if phase train; then
     trainer.device="$DEVICE" trainer.steps="$STEPS" trainer.eval_every=$((STEPS / 3)) trainer.cpus_per_rank=1 \
     trainer.output_dir="$RUN/rm" trainer.loggers=[console,tensorboard,jsonl] > "$OUT/train_rm.log" 2>&1
   echo "== train_rm exit $?: $(tail -3 "$OUT/train_rm.log" | tr '\n' ' ')"
-  cp "$RUN/rm/metrics.jsonl" "$OUT/train_rm_metrics.jsonl" 2>/dev/null
+  cp "$(ls -d "$RUN/rm"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$OUT/train_rm_metrics.jsonl" 2>/dev/null
   # the export in transformers: a sequence classifier scoring the held-out pairs
   python3 - "$RUN/rm/reward_model" "$RUN/pairs_val.jsonl" "$DEVICE" <<'PY' > "$OUT/transformers.json" 2> "$OUT/transformers.log"
 import json, sys, torch
@@ -109,7 +109,7 @@ if phase rl; then
     trainer.cpus_per_rank=1 trainer.output_dir="$RUN/rl" trainer.loggers=[console,tensorboard,jsonl] \
     > "$OUT/rl.log" 2>&1
   echo "== RL exit $?: $(tail -2 "$OUT/rl.log" | tr '\n' ' ')"
-  cp "$RUN/rl/metrics.jsonl" "$OUT/rl_metrics.jsonl" 2>/dev/null
+  cp "$(ls -d "$RUN/rl"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$OUT/rl_metrics.jsonl" 2>/dev/null
 fi
 
 echo "== reward model on $DEVICE $(head -1 "$OUT/gpu.txt" 2>/dev/null)"

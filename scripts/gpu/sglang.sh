@@ -53,7 +53,7 @@ grpo_run() {
   rc=$?
   kill "$smi" "$apps" 2>/dev/null
   tail -n 25 "$OUT/$name.log"
-  cp "$RUN/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  cp "$(ls -d "$RUN"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
   ls "$RUN"/sglang_*.log >/dev/null 2>&1 && tail -n 40 "$RUN"/sglang_*.log > "$OUT/${name}_sglang_server.log"
   python3 - "$OUT/${name}_metrics.jsonl" "$mode" "$OUT/${name}_gpu_memory.csv" <<'PY'
 import csv, json, sys

@@ -16,6 +16,6 @@ python3 -m megarl.train --config configs/quickstart.yaml trainer.device=cuda \
   trainer.cpus_per_rank=1 "$@" 2>&1 | tee "$OUT/quickstart.log"
 status=${PIPESTATUS[0]}
 echo "== GPU tests: exit $tests_status; quickstart recipe on $(cat "$OUT/gpu.txt"): exit $status"
-cp /tmp/megarl-quickstart/metrics.jsonl "$OUT/quickstart_metrics.jsonl"
+cp "$(ls -d /tmp/megarl-quickstart/logs/*/ | tail -1)metrics.jsonl" "$OUT/quickstart_metrics.jsonl"
 python3 scripts/summarize_run.py /tmp/megarl-quickstart
 [ "$status" = 0 ] && [ "$tests_status" = 0 ]

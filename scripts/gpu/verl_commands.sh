@@ -48,7 +48,7 @@ run() {
     > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 15 "$OUT/$name.log"
-  cp "$WORK/runs/verl_gpu/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  cp "$(ls -d "$WORK/runs/verl_gpu/$name"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
   python3 - "$OUT/$name.log" "$OUT/${name}_metrics.jsonl" "$name" "$rc" >> "$OUT/table.md" <<'PY' || status=1
 import json, sys
 log, metrics, name, rc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

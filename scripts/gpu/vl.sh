@@ -59,7 +59,7 @@ if [[ " $PHASES " == *" grpo "* ]]; then
     trainer.output_dir="$RUN/train" "${devices[@]}" "${agent[@]}" > "$OUT/train.log" 2>&1 \
     || { status=1; tail -n 30 "$OUT/train.log"; }
   for log in $(find "$RUN" -name 'sglang_*.log' 2>/dev/null); do tail -n 40 "$log" > "$OUT/$(basename "$log")"; done
-  cp "$RUN/train/metrics.jsonl" "$RUN"/*.json "$OUT/" 2>/dev/null
+  cp "$(ls -d "$RUN/train"/logs/*/ 2>/dev/null | tail -1)metrics.jsonl" "$RUN"/*.json "$OUT/" 2>/dev/null
   python3 benchmarks/vl_grpo.py table "$RUN" | tee "$OUT/grpo_table.md"
   status=$((status | PIPESTATUS[0]))
   rm -rf "$RUN"

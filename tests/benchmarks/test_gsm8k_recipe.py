@@ -10,6 +10,7 @@ from pathlib import Path
 
 from benchmarks.gsm8k_recipe import prepare, table
 from megarl.rewards.gsm8k import gsm8k_strict
+from megarl.utils.tracking import run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,8 +39,9 @@ def test_synthetic_gsm8k_goes_through_the_recipe(tmp_path):
 
 def test_table_reads_step_and_verification_seconds(tmp_path):
     def run(name, rows):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        logs = run_dir(tmp_path / name, "20261206-100000-aaaa")  # a run's own directory under its output root
+        logs.mkdir(parents=True)
+        (logs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return tmp_path / name
 
     evaluation = {"step": 0, "val/reward": 0.0}

@@ -13,6 +13,7 @@ from megarl.rollout.agent import Trajectory
 from megarl.trainer import RLTrainer
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker
+from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART as RECIPE
 
@@ -54,7 +55,7 @@ def test_trainer_resumes_at_another_layout(tmp_path, ray_local):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
     state = read_checkpoint_file(root / "step_00000003")
     assert state["step"] == 3 and state["driver"]["version"] == 3 and state["roles"] == ["actor"]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3]  # the resumed run did not redo 1-2
 
 
@@ -62,7 +63,7 @@ def metric_rows(output_dir, after_step: int) -> dict[int, dict]:
     """metrics.jsonl's rows of the steps after `after_step`, without wall-clock readings (timings, rates)."""
     clock = ("timing/", "perf/", "sync/seconds", "sync/gb_per_s")
     rows = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
+    for line in (run_dir(output_dir) / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row["step"] > after_step and "train/reward" in row:
             rows[row["step"]] = {k: v for k, v in row.items()
@@ -156,7 +157,7 @@ def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
 
     resumed = driver_only(tmp_path, f"trainer.resume={tmp_path / 'checkpoints' / 'step_00000002'}")
     assert resumed.resume() == 2 and resumed.version == 2
-    assert [json.loads(row)["step"] for row in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [json.loads(row)["step"] for row in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert resumed.syncs == 3  # the resume's own sync (verified: the first of this process) is not counted
     assert resumed.partial_groups == [(prompt, group)]
     assert resumed.score_mixer.state_dict() == saved.score_mixer.state_dict() and resumed.score_mixer.moments.count == 3

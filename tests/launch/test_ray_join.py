@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from megarl.train import cluster_to_join, rl_gpus_needed
+from megarl.utils.tracking import run_dir
 from tests.launch.launch_utils import ROOT, processes_with, script_env, stop_process_group, wait_until_gone
 from tests.launch.test_ray_multinode import free_port, wait_for_job_server
 
@@ -96,7 +97,7 @@ def test_job_submit_with_the_runtime_env_runs_the_recipe(cluster, tmp_path):
     assert job.returncode == 0 and "succeeded" in job.stdout, (job.stdout[-4000:], job.stderr[-2000:])
     assert f":{gcs} (RAY_ADDRESS): 1 node(s), {NODE_CPUS} CPUs" in job.stdout, job.stdout[-4000:]
     assert "held-out reward" in job.stdout
-    assert (tmp_path / "metrics.jsonl").exists()  # the absolute output path, outside the job's unpacked copy
+    assert (run_dir(tmp_path) / "metrics.jsonl").exists()  # the absolute output path, outside the job's unpacked copy
 
 
 def test_runtime_env_reaches_the_workers_and_uploads_the_checkout_without_venv_or_runs(cluster):
@@ -148,7 +149,7 @@ def test_too_small_a_cluster_is_refused_at_once_naming_the_keys(cluster, tmp_pat
     assert (f"needs 5 CPUs, and it has {NODE_CPUS}: trainer.cpus_per_rank=2 per training rank" in run.stderr
             and "rollout.num_cpus=1" in run.stderr), run.stderr[-2000:]
     assert time.monotonic() - start < 90  # refused before any placement group waits
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "logs").exists()
 
 
 def config(address: str = ""):

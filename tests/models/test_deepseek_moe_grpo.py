@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
+from megarl.utils.tracking import run_dir
 from megarl.workers import weight_sync
 from tests.conftest import QUICKSTART as RECIPE
 from tests.models.hf_families import deepseek_v3_config, save_random_for_recipe
@@ -44,7 +45,7 @@ def test_grpo_with_a_deepseek_v3_policy_at_ep2(tmp_path, ray_local):
 
     assert held == {n: weight_sync.tensor_digest(t) for n, t in state.items()}
     assert not torch.equal(state[BIAS], load_file(f"{model}/model.safetensors")[BIAS])  # moved, and synced
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir(tmp_path / "run") / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert len(steps) == 2 and all(r["sync/verified"] == 1.0 for r in steps)
     for r in steps:

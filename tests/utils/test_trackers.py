@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from megarl.config import ConfigError
-from megarl.utils.tracking import Tracker, check_loggers
+from megarl.utils.tracking import Tracker, check_loggers, run_dir
 
 from tests.conftest import QUICKSTART
 
@@ -173,10 +173,11 @@ def test_a_run_writes_every_scalar_to_every_tracker(tmp_path):
          "data.prompts_per_step=4", "rollout.n_samples=4", "data.val_size=8", "rollout.eval_n_samples=1",
          "actor.parallel.world_size=1", "actor.parallel.tp=1", "model.tiny_num_layers=1"],
         tmp_path, timeout=300)  # ~40 s alone on 2 cores
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logs = run_dir(out)  # the run's own directory under the output root, named by its id
+    rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     scalars = sorted((k, row["step"], v) for row in rows for k, v in row.items() if k != "step")
     assert [step for k, step, _ in scalars if k == "val/reward"] == [0, 2]
     assert [step for k, step, _ in scalars if k == "sft/loss"] == [1, 2]
-    for got, expected in ((wandb_run(out), scalars), (mlflow_run(out), as_mlflow_names(scalars)),
-                          (swanlab_run(out), scalars)):
-        assert (got["project"], got["name"], got["scalars"]) == ("megarl", "run", expected)
+    for got, expected in ((wandb_run(logs), scalars), (mlflow_run(logs), as_mlflow_names(scalars)),
+                          (swanlab_run(logs), scalars)):
+        assert (got["project"], got["name"], got["scalars"]) == ("megarl", f"run-{logs.name}", expected)

@@ -13,6 +13,7 @@ import torch
 
 from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
+from megarl.utils.tracking import run_dir
 from megarl.workers import weight_sync
 
 from tests.conftest import QUICKSTART as RECIPE
@@ -38,7 +39,7 @@ def _run(out, *overrides) -> dict:
         result["held"] = ray.get(trainer.rollout.weight_digests.remote({n: t.dtype for n, t in result["state"].items()}))
     finally:
         trainer.shutdown()
-    result["rows"] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    result["rows"] = [json.loads(line) for line in (run_dir(out) / "metrics.jsonl").read_text().splitlines()]
     return result
 
 
