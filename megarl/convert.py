@@ -46,19 +46,21 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _single_rank(device: str):
-    """A one-rank megatron job in this process (a process group cannot be started twice per process); device
-    auto: cuda where a GPU is visible."""
-    import torch
-
+    """A one-rank megatron job in this process (a process group cannot be started twice per process)."""
     from megarl.parallel.state import destroy_parallel, init_parallel
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     init_parallel(0, 1, "127.0.0.1", _free_port(), tp=1, pp=1, device=device, seed=0)
     try:
         yield
     finally:
         destroy_parallel()
+
+
+def _resolve_device(device: str) -> str:
+    """auto: cuda where a GPU is visible (imports torch: called once the paths are checked)."""
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
 def _check_output(out: Path) -> Path:
@@ -114,6 +116,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, role: str = "actor", dev
     _check_hf_dir(hf_dir)
     from megarl.engine.checkpoint import publish
 
+    device = _resolve_device(device)
     with _single_rank(device):
         engine = _engine(hf_dir, device, precision="auto")
         staging = _staging(out)
@@ -158,6 +161,7 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
     saved_dtype = meta["params_dtype"]
     target = getattr(torch, model_dtype(role_dir, saved_dtype) if dtype == "auto" else dtype)
     max_shard_bytes = int(max_shard_gb * (1 << 30))
+    device = _resolve_device(device)
     with _single_rank(device):
         engine = _engine(role_dir / "hf", device, precision="bf16" if saved_dtype == "bfloat16" else "fp32",
                          head=meta.get("head", "lm"), load_hf_weights=False)
