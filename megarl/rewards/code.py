@@ -7,7 +7,8 @@ The reference answer is JSON (or, from verl's reward_model.ground_truth, the obj
         compared line by line with trailing whitespace and trailing blank lines ignored.
   {"asserts": ["assert add(1, 2) == 3", ...]}              function tests (MBPP, HumanEval style): the
         program runs once, then each test runs in a trusted harness that decides the result; the
-        program's exit status counts for nothing (megarl/sandbox/harness.py says how and what remains).
+        program's exit status counts for nothing (megarl/sandbox/harness.py says how and what remains). A test
+        may expect an exception: `try: f(-1)` ... `except ValueError:` catches what the program raises.
 
 The program is the last ```python fenced block of the response (else the last fenced block, else the
 whole response). The score is 1.0 when every test passes, else 0.0; testing stops at the first failure.
