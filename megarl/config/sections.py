@@ -374,7 +374,8 @@ class TrainerConfig:
     steps: int = opt(10, "RL steps", min=1)
     eval_every: int = opt(5, "evaluate on the held-out set before RL, every N steps and after the last step; "
                              "0 = before RL and after the last step only", min=0)
-    output_dir: str = opt("runs/default", "where TensorBoard events, metrics.jsonl and the tiny model go")
+    output_dir: str = opt("runs/default", "the runs' root: each run's metrics.jsonl and TensorBoard events go to "
+                                          "<output_dir>/logs/<run id>/, checkpoints and the tiny model beside")
     seed: int = opt(1, "random seed", min=0, max=2**32 - 1)
     device: str = opt("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     threads_per_rank: int = opt(1, "torch threads per training rank (CPU)",
@@ -392,7 +393,8 @@ class TrainerConfig:
                                                              "megarl[trackers]) wandb, mlflow, swanlab")
     project_name: str = opt("megarl", "the project trackers file the run under (W&B project, MLflow experiment, "
                                       "SwanLab project)")
-    experiment_name: str = opt("", "the run's name in the trackers; empty = the last part of trainer.output_dir")
+    experiment_name: str = opt("", "the run's name in the trackers, followed by its run id; empty = the last part "
+                                   "of trainer.output_dir")
     sync_bucket_mb: int = opt(1024, "weight-sync bucket size in MiB: the most extra memory a sync takes on a sending "
                                     "rank (plus SGLang's two persistent buffers of ~half a bucket each); fewer, "
                                     "larger buckets sync faster (7B into SGLang on an H200: 2048 MiB 0.18 s, "
