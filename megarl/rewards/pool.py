@@ -255,12 +255,13 @@ class RewardPool:
             breach = breach or self.limits.memory_breach(self.__name__, f"an allocation failed (MemoryError: "
                                                                         f"{message})")
         outcomes[index] = breach or message
-        over = used.rss_bytes > RECYCLE_FRACTION * (self.limits.memory_mb << 20)
+        over = used.nearly_full(self.limits, per_process=worker.cgroup is None)
         if over and not breach:
             self.recycled += 1
             (logger.warning if self.recycled == 1 else logger.debug)(
-                "reward %r: a reward process held %d MiB after a call, over 3/4 of reward.worker_memory_mb=%d: "
-                "replaced (does the reward keep memory between calls?)", self.__name__, used.rss_bytes >> 20,
+                "reward %r: a reward process held %d MiB (its largest address space: %d MiB) after a call, over %g "
+                "of reward.worker_memory_mb=%d: replaced (does the reward keep memory between calls?)",
+                self.__name__, used.rss_bytes >> 20, used.largest_address_space >> 20, RECYCLE_FRACTION,
                 self.limits.memory_mb)
         if breach or over or (self.limits.max_calls and worker.calls >= self.limits.max_calls):
             self._replace(worker)

@@ -1,0 +1,215 @@
+"""What a reward process (pool.py) may hold, how it is measured, and ending it with everything it started.
+
+A reward process lives for many calls, so a reward that keeps memory, threads or processes between calls grows it
+without bound (one keeping 8 MiB a call grew its process to 6.3 GB in three quickstart steps), and a process it
+daemonises (a double fork, with setsid or not) outlives a kill of the worker's process group. So:
+
+- memory (reward.worker_memory_mb): where this process may create memory cgroups (megarl/sandbox/cgroup.py: root in
+  most containers, or a cgroup delegated to the user) each reward process and all it starts share one, which the
+  kernel enforces (it kills inside the group past the limit); elsewhere each process gets RLIMIT_AS of that size
+  (an allocation past it raises MemoryError; thread stacks reserve address space, so it also caps a process's
+  threads). Either way the pool sums the resident memory of the process and its descendants while a call runs and
+  after it (RSS: pages shared after a fork count in each process, an overestimate).
+- threads (reward.worker_max_threads): of the process and its descendants together, measured as memory is. Not
+  RLIMIT_NPROC: it counts every process of the user (the driver's, Ray's, another run's), so a limit tight enough to
+  bound a reward fails other forks as the host gets busier, and root is exempt from it.
+- a call during which a limit is passed fails, named (RewardLimitError: the reward, the limit, the key that raises
+  it); its process is replaced. A process that has run reward.worker_max_calls calls, or holds more than
+  RECYCLE_FRACTION of its memory after a call, is replaced before its next one (a leak then costs no sample).
+- ending a reward process works for any user: the worker makes itself a child subreaper (PR_SET_CHILD_SUBREAPER),
+  so a process orphaned below it (a double fork) is reparented to it instead of to init; `end_worker` stops it
+  (SIGSTOP: a stopped subreaper still adopts orphans), kills what is below it until nothing lives there, with its
+  cgroup's processes where it has one, then kills it. Without a cgroup, a worker that dies on its own (a segfault)
+  first has its daemonised descendants reparented to init: those end with the run (its lease:
+  megarl/workers/lease.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from megarl.rewards.scoring import RewardCallError
+
+logger = logging.getLogger(__name__)
+
+RECYCLE_FRACTION = 0.75
+KILL_WAIT_S = 10.0  # a process in uninterruptible sleep (a hung file system) may not die sooner
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PR_SET_CHILD_SUBREAPER = 36
+# the kernel lists each thread's children in /proc/<pid>/task/<tid>/children where built with CONFIG_PROC_CHILDREN;
+# elsewhere the process table is read whole
+CHILDREN_FILES = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+class RewardLimitError(RewardCallError):
+    """A reward call passed its reward process's memory or thread limit."""
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    memory_mb: int
+    max_threads: int
+    max_calls: int  # 0: no limit
+
+    @classmethod
+    def from_config(cls, reward_cfg) -> "WorkerLimits":
+        return cls(reward_cfg.worker_memory_mb, reward_cfg.worker_max_threads, reward_cfg.worker_max_calls)
+
+    def memory_breach(self, name: str, held: str) -> RewardLimitError:
+        return RewardLimitError(f"reward {name!r} passed its memory limit: {held}, over reward.worker_memory_mb="
+                                f"{self.memory_mb} (raise it if the reward needs more; one that keeps memory between "
+                                "calls leaks)")
+
+    def thread_breach(self, name: str, threads: int) -> RewardLimitError:
+        return RewardLimitError(f"reward {name!r} passed its thread limit: its reward process and the processes it "
+                                f"started ran {threads} threads, over reward.worker_max_threads={self.max_threads} "
+                                "(raise it if the reward needs more; one that leaves threads or processes running "
+                                "leaks)")
+
+
+class Usage(NamedTuple):
+    rss_bytes: int
+    threads: int  # a process counts one at least (a zombie holds a pid until it is reaped)
+    largest_address_space: int  # bytes, of one process: what RLIMIT_AS bounds
+
+    def nearly_full(self, limits: WorkerLimits, per_process: bool) -> bool:
+        """Past RECYCLE_FRACTION of the memory budget: what its processes hold, and with `per_process` (RLIMIT_AS)
+        the address space of the largest (an interpreter reserves far more than it touches)."""
+        budget = RECYCLE_FRACTION * (limits.memory_mb << 20)
+        return self.rss_bytes > budget or (per_process and self.largest_address_space > budget)
+
+
+class _Process(NamedTuple):
+    parent: int
+    zombie: bool
+    threads: int
+    rss_bytes: int
+    address_space: int
+
+
+def become_subreaper() -> None:
+    """Orphans below this process are reparented to it, not to init (Linux 3.4+)."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0):
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _read(pid: int) -> _Process | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command's name, which may hold anything
+    except (OSError, IndexError):  # gone meanwhile
+        return None
+    return _Process(int(fields[1]), fields[0] in (b"Z", b"X"), int(fields[17]), int(fields[21]) * PAGE,
+                    int(fields[20]))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += map(int, f.read().split())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return found
+
+
+def tree(root: int) -> dict[int, _Process]:
+    """`root` and every process below it, zombies included."""
+    if CHILDREN_FILES:
+        found, following = {}, [root]
+        while following:
+            pid = following.pop()
+            process = _read(pid)
+            if process is not None and pid not in found:
+                found[pid] = process
+                following += _children(pid)
+        return found
+    table = {int(name): p for name in os.listdir("/proc") if name.isdigit() and (p := _read(int(name))) is not None}
+    found, grew = ({root: table[root]} if root in table else {}), True
+    while grew:
+        grew = False
+        for pid, process in table.items():
+            if process.parent in found and pid not in found:
+                found[pid] = process
+                grew = True
+    return found
+
+
+def usage(root: int) -> Usage:
+    processes = tree(root).values()
+    return Usage(sum(p.rss_bytes for p in processes), sum(max(1, p.threads) for p in processes),
+                 max((p.address_space for p in processes), default=0))
+
+
+def kill_below(root: int, cgroup: Path | None = None) -> None:
+    """SIGKILL every process below `root`, and in its cgroup, until none lives: a process killed meanwhile leaves its
+    own children orphaned, which come to `root` while it is a subreaper."""
+    deadline = time.monotonic() + KILL_WAIT_S
+    while True:
+        living = {pid for pid, p in tree(root).items() if not p.zombie}
+        living |= {pid for pid in cgroup_processes(cgroup) if _alive(pid)}
+        living.discard(root)
+        if not living:
+            return
+        if time.monotonic() > deadline:
+            logger.warning("reward process %d: processes %s did not end within %g s of SIGKILL (in uninterruptible "
+                           "sleep?)", root, sorted(living), KILL_WAIT_S)
+            return
+        for pid in living:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.002)
+
+
+def _alive(pid: int) -> bool:
+    process = _read(pid)
+    return process is not None and not process.zombie
+
+
+def end_worker(pid: int, cgroup: Path | None) -> None:
+    """Kill a reward process (a subreaper) and everything below it, daemonised or not; the caller reaps it."""
+    try:
+        os.kill(pid, signal.SIGSTOP)  # it neither runs the reward nor reaps while we kill below it
+    except ProcessLookupError:
+        pass
+    kill_below(pid, cgroup)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def cgroup_processes(path: Path | None) -> list[int]:
+    """The processes in a cgroup (what a v1 or v2 cgroup.procs lists)."""
+    if path is None:
+        return []
+    try:
+        return [int(pid) for pid in (path / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def oom_kills(path: Path) -> int:
+    """Processes the kernel killed in a memory cgroup for passing its limit (v2's memory.events, v1's
+    memory.oom_control: Linux 4.13+)."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            lines = (path / name).read_text().splitlines()
+        except OSError:
+            continue
+        return next((int(line.split()[1]) for line in lines if line.startswith("oom_kill ")), 0)
+    return 0
