@@ -21,7 +21,8 @@ from megarl.config import Config
 from megarl.config.model_layout import check_model_layout, check_rollout_model
 from megarl.data.dataset import sft_batch
 from megarl.data.evaluation import eval_metrics
-from megarl.data.inputs import load_tokenizer, prompt_datasets, prompt_limit, read_model_config
+from megarl.data.inputs import (eos_disagreement, load_tokenizer, prompt_datasets, prompt_limit,
+                                 read_model_config)
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.resume import Start, plan_resume
@@ -82,6 +83,8 @@ class RLTrainer:
         self.device = resolve_device(cfg)
         self.model_path = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_path)
+        if eos := eos_disagreement(self.model_path, self.tokenizer, cfg.rollout.engine):
+            print(f"warning: {eos}", flush=True)
         # every prompt checked now (empty, unencodable, longer than the model's positions leave), its row named
         model_config, where = read_model_config(self.model_path), str(Path(self.model_path) / "config.json")
         check_model_layout(cfg.actor, "actor", model_config, where)  # a ConfigError naming the key, before workers

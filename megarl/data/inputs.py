@@ -147,6 +147,8 @@ def check_inputs(cfg) -> tuple[str, dict, int]:
     longest = max(len(ex["prompt_ids"]) for ex in [*prompts.train.examples, *prompts.val])
     summary = "\n  skipped ".join([f"prompts ok: {len(prompts.train)} training, {len(prompts.val)} held-out{skipped}"
                                    f", the longest {longest} tokens", *prompts.skipped[:5]])
+    if cfg.model.path != "tiny" and (eos := eos_disagreement(cfg.model.path, tokenizer, cfg.rollout.engine)):
+        summary += f"\nwarning: {eos}"
     return summary, model_config, longest
 
 
@@ -167,3 +169,31 @@ def load_tokenizer(path: str):
                              "eos_token in its tokenizer_config.json): rows cannot be padded, responses cannot end")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def generation_eos_ids(path: str | Path) -> list[int]:
+    """The eos ids of the model directory's generation_config.json ([] where it has none)."""
+    file = Path(path) / "generation_config.json"
+    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+
+
+def eos_disagreement(path: str, tokenizer, engine: str) -> str | None:
+    """Where the tokenizer's own end-of-sequence token is not among generation_config.json's eos ids (transformers'
+    GGUF import makes such a tokenizer): what responses stop at, and the eos token megarl writes and looks for
+    (`tokenizer` as load_tokenizer gives it); None where they agree."""
+    stops = generation_eos_ids(path)
+    own = tokenizer.init_kwargs.get("eos_token")
+    own_id = tokenizer.convert_tokens_to_ids(str(own)) if own is not None else None
+    if not stops or own_id in stops:
+        return None
+    names = ", ".join(f"{tokenizer.convert_ids_to_tokens(i)!r} (id {i})" for i in stops)
+    sglang = " (and, under SGLang, at the tokenizer's own too)" if engine == "sglang" else ""
+    line = (f"model.path={path}: its tokenizer's end-of-sequence token {str(own)!r} (id {own_id}) is not among "
+            f"generation_config.json's eos_token_id: responses stop at {names}{sglang}; megarl's eos token (warm-start "
+            f"targets, tool-turn ends, padding, reward_model.missing_eos_penalty) is {tokenizer.eos_token!r} (id "
+            f"{tokenizer.eos_token_id})")
+    if tokenizer.eos_token_id not in stops:
+        line += (", which ends no response: make tokenizer_config.json's eos_token and generation_config.json's "
+                 "eos_token_id agree")
+    return line
