@@ -12,6 +12,7 @@ from megarl import stops
 from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import describe, profile_line, toy_task_problem
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
+from megarl.data.run_paths import path_problems
 
 
 def parse_args(argv):
@@ -258,6 +259,9 @@ def main(argv=None) -> int:
         print(config_ok)
         print(summary)
         return 0
+    if problems := path_problems(cfg):  # every one named at once, before anything loads and before Ray starts
+        print(f"input error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     if args.dry_run:
         from megarl.data.inputs import check_inputs
 
@@ -274,11 +278,6 @@ def main(argv=None) -> int:
         print(planned_memory(cfg, model_config, longest))
         return 0
 
-    missing = [f"{key}={path}" for key, path in (("data.task", cfg.data.task), ("data.val_task", cfg.data.val_task))
-               if path.endswith(SUFFIXES) and not Path(path).is_file()]
-    if missing:  # named before Ray and the workers start
-        print(f"input error: prompt file not found: {', '.join(missing)}", file=sys.stderr)
-        return 2
     from megarl.engine.checkpoint import CheckpointError
     from megarl.resume import claim_run
     from megarl.utils.run_lock import RunLockError
