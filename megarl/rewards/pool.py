@@ -46,7 +46,9 @@ from megarl.sandbox.cgroup import MemoryCgroups
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 60.0
-WATCH_INTERVAL_S = 0.5  # a busy worker's memory and threads are measured this often (a /proc walk of its processes)
+# a busy worker's memory and threads, with its descendants', are measured this often (a walk of its processes in
+# /proc and a read of its cgroup's kills), and after each call
+WATCH_INTERVAL_S = 0.5
 
 
 class RewardIsolationError(RuntimeError):

@@ -148,6 +148,7 @@ def tree(root: int) -> dict[int, _Process]:
 
 
 def usage(root: int) -> Usage:
+    """What `root` and every process below it hold."""
     processes = tree(root).values()
     return Usage(sum(p.rss_bytes for p in processes), sum(max(1, p.threads) for p in processes),
                  max((p.address_space for p in processes), default=0))
