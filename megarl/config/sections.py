@@ -262,9 +262,10 @@ class RewardConfig:
                                     "timeout_s) or none (the driver's process: for rewards that cannot be pickled, "
                                     "e.g. closures or objects holding locks); remote, code and reward-model rewards "
                                     "bound their own calls and always run in the driver", choices=("process", "none"))
-    worker_memory_mb: int = opt(4096, "isolation=process: memory of one reward process and everything it starts, "
-                                      "together (a memory cgroup where the host allows one, else each process's "
-                                      "address space); a call that passes it fails, named, and its process is "
+    worker_memory_mb: int = opt(4096, "isolation=process: resident memory of one reward process and everything it "
+                                      "starts, together, measured during and after each call (also a memory cgroup "
+                                      "of this size where the host allows one, else each process's address space "
+                                      "capped at twice it); a call that passes it fails, named, and its process is "
                                       "replaced; one holding over 3/4 of it after a call is replaced before the next",
                                 min=64, **MEBIBYTES)
     worker_max_threads: int = opt(1024, "isolation=process: threads of one reward process and every process it "

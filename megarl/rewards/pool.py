@@ -5,16 +5,15 @@ A reward stuck inside one C call (a regex or a big-number computation that check
 call) cannot be interrupted in the process that made the call, and a thread left running it holds the
 process's GIL. So the calls run in worker processes, at most num_workers at once (started as needed,
 reused from batch to batch); a call past its limit has its worker killed (with everything the worker
-started, e.g. math-verify's checking process: each worker leads its own process group) and replaced,
-and the sample fails. A worker's start-up is on no call's clock: a call's starts when it is sent. A worker
+started, e.g. math-verify's checking process) and replaced, and the sample fails. A worker's start-up is on no call's clock: a call's starts when it is sent. A worker
 that dies (seen by its exit, not only its socket, which a process it forked may hold open), a sample that does
 not pickle here or unpickle there, an answer that does not come back: each fails its sample only, never waits.
 
-Each worker is bounded (worker_limits.py): memory (reward.worker_memory_mb, a memory cgroup where the host allows
-one, else each process's address space) and threads (reward.worker_max_threads) of the worker and all it starts,
-measured while a call runs (every WATCH_INTERVAL_S) and after it; a call that passes a limit fails, named, and its
-worker is replaced, as is a worker past reward.worker_max_calls calls or 3/4 of its memory after a call. A worker
-is ended with everything below it, daemonised (double fork, setsid) or not.
+Each worker is bounded with all it starts (worker_limits.py): resident memory (reward.worker_memory_mb; also a
+memory cgroup where the host allows one, else a cap on each process's address space) and threads
+(reward.worker_max_threads), measured while a call runs (every WATCH_INTERVAL_S) and after it; a call that passes a
+limit fails, named, and its worker is replaced, as is a worker past reward.worker_max_calls calls or 3/4 of its
+memory after a call. A worker is ended with everything below it, daemonised (double fork, setsid) or not.
 
 Workers are plain interpreters (`python -m megarl.rewards.worker`), not multiprocessing children: they do
 not re-import the driver's main module (megarl.train imports torch and megatron), and a reward may start
@@ -39,8 +38,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable
 
 from megarl.rewards.scoring import RewardCallError, batch_timeout, call_timeout
-from megarl.rewards.worker_limits import (RECYCLE_FRACTION, RewardLimitError, Usage, WorkerLimits, end_worker,
-                                          oom_kills, usage)
+from megarl.rewards.worker_limits import (ADDRESS_SPACE_FACTOR, RECYCLE_FRACTION, RewardLimitError, Usage,
+                                          WorkerLimits, end_worker, oom_kills, usage)
 from megarl.sandbox.cgroup import MemoryCgroups
 
 logger = logging.getLogger(__name__)
@@ -104,7 +103,7 @@ class _Worker:
                 self.cgroup = cgroups.create(f"reward-{os.getpid()}-{self.process.pid}", limits.memory_mb << 20)
                 (self.cgroup / "cgroup.procs").write_text(str(self.process.pid))
             # the path: a reward's module must import there as it does here; the address space, where no cgroup
-            self.conn.send((sys.path, payload, None if self.cgroup else limits.memory_mb))
+            self.conn.send((sys.path, payload, None if self.cgroup else limits.memory_mb * ADDRESS_SPACE_FACTOR))
         except OSError as e:
             self.kill()
             raise RewardIsolationError(f"cannot start a reward process in a memory cgroup ({e}); the log says "
@@ -141,7 +140,7 @@ class RewardPool:
             raise RewardIsolationError(isolation_hint(name, f"it cannot be pickled ({type(e).__name__}: {e})")) from None
         self.fn, self.__name__, self.limits = fn, name, limits
         self.workers: list[_Worker] = []
-        self.recycled = 0  # workers replaced over their memory after a call (a leak), or after max_calls
+        self.recycled = 0  # workers replaced for holding over RECYCLE_FRACTION of their memory after a call
         self.lock = threading.Lock()  # one batch at a time
         self._finalizer = weakref.finalize(self, _kill_all, self.workers)  # also at interpreter exit
 
@@ -257,14 +256,13 @@ class RewardPool:
             breach = breach or self.limits.memory_breach(self.__name__, f"an allocation failed (MemoryError: "
                                                                         f"{message})")
         outcomes[index] = breach or message
-        over = used.nearly_full(self.limits, per_process=worker.cgroup is None)
+        over = used.rss_bytes > RECYCLE_FRACTION * (self.limits.memory_mb << 20)
         if over and not breach:
             self.recycled += 1
             (logger.warning if self.recycled == 1 else logger.debug)(
-                "reward %r: a reward process held %d MiB (its largest address space: %d MiB) after a call, over %g "
-                "of reward.worker_memory_mb=%d: replaced (does the reward keep memory between calls?)",
-                self.__name__, used.rss_bytes >> 20, used.largest_address_space >> 20, RECYCLE_FRACTION,
-                self.limits.memory_mb)
+                "reward %r: a reward process held %d MiB after a call, over %g of reward.worker_memory_mb=%d: replaced "
+                "(does the reward keep memory between calls?)", self.__name__, used.rss_bytes >> 20,
+                RECYCLE_FRACTION, self.limits.memory_mb)
         if breach or over or (self.limits.max_calls and worker.calls >= self.limits.max_calls):
             self._replace(worker)
 

@@ -1,27 +1,31 @@
 """What a reward process (pool.py) may hold, how it is measured, and ending it with everything it started.
 
 A reward process lives for many calls, so a reward that keeps memory, threads or processes between calls grows it
-without bound (one keeping 8 MiB a call grew its process to 6.3 GB in three quickstart steps), and a process it
+without bound (a reward keeping 8 MiB a call reaches gigabytes within a few steps), and a process it
 daemonises (a double fork, with setsid or not) outlives a kill of the worker's process group. So:
 
-- memory (reward.worker_memory_mb): where this process may create memory cgroups (megarl/sandbox/cgroup.py: root in
-  most containers, or a cgroup delegated to the user) each reward process and all it starts share one, which the
-  kernel enforces (it kills inside the group past the limit); elsewhere each process gets RLIMIT_AS of that size
-  (an allocation past it raises MemoryError; thread stacks reserve address space, so it also caps a process's
-  threads). Either way the pool sums the resident memory of the process and its descendants while a call runs and
-  after it (RSS: pages shared after a fork count in each process, an overestimate).
+- memory (reward.worker_memory_mb): the pool sums the resident memory of the process and its descendants while a
+  call runs and after it (RSS: pages shared after a fork count in each process, an overestimate). Where this process
+  may create memory cgroups (megarl/sandbox/cgroup.py: root in most containers, or a cgroup delegated to the user)
+  each reward process and all it starts also share one of that size, which the kernel enforces (it kills inside the
+  group); elsewhere each process gets RLIMIT_AS of ADDRESS_SPACE_FACTOR times it, a backstop against one allocation
+  too fast to measure (an allocation past it raises MemoryError): an interpreter reserves far more address space
+  than it touches (Python alone ~110 MiB for ~30 MiB resident; torch's libraries gigabytes), and thread stacks
+  reserve it too, so the cap also bounds a process's threads.
 - threads (reward.worker_max_threads): of the process and its descendants together, measured as memory is. Not
   RLIMIT_NPROC: it counts every process of the user (the driver's, Ray's, another run's), so a limit tight enough to
-  bound a reward fails other forks as the host gets busier, and root is exempt from it.
+  bound a reward fails other forks as the host gets busier, and root is exempt from it. Being measured, a fork or
+  thread bomb is stopped at the next measurement (within pool.py's WATCH_INTERVAL_S), not at its first thread.
 - a call during which a limit is passed fails, named (RewardLimitError: the reward, the limit, the key that raises
   it); its process is replaced. A process that has run reward.worker_max_calls calls, or holds more than
   RECYCLE_FRACTION of its memory after a call, is replaced before its next one (a leak then costs no sample).
 - ending a reward process works for any user: the worker makes itself a child subreaper (PR_SET_CHILD_SUBREAPER),
-  so a process orphaned below it (a double fork) is reparented to it instead of to init; `end_worker` stops it
-  (SIGSTOP: a stopped subreaper still adopts orphans), kills what is below it until nothing lives there, with its
-  cgroup's processes where it has one, then kills it. Without a cgroup, a worker that dies on its own (a segfault)
-  first has its daemonised descendants reparented to init: those end with the run (its lease:
-  megarl/workers/lease.py).
+  so a process orphaned below it (a double fork) is reparented to it instead of to init (and, once exited, stays a
+  zombie there, counted as a thread: reaping it could take the exit status of one of the reward's own children
+  instead); `end_worker` stops it (SIGSTOP: a stopped subreaper still adopts orphans), kills what is below it until
+  nothing lives there, with its cgroup's processes where it has one, then kills it. Without a cgroup, a worker that
+  dies on its own (a segfault) first has its daemonised descendants reparented to init: those end with the run (its
+  lease: megarl/workers/lease.py).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from megarl.rewards.scoring import RewardCallError
 logger = logging.getLogger(__name__)
 
 RECYCLE_FRACTION = 0.75
+ADDRESS_SPACE_FACTOR = 2
 KILL_WAIT_S = 10.0  # a process in uninterruptible sleep (a hung file system) may not die sooner
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PR_SET_CHILD_SUBREAPER = 36
@@ -77,13 +82,6 @@ class WorkerLimits:
 class Usage(NamedTuple):
     rss_bytes: int
     threads: int  # a process counts one at least (a zombie holds a pid until it is reaped)
-    largest_address_space: int  # bytes, of one process: what RLIMIT_AS bounds
-
-    def nearly_full(self, limits: WorkerLimits, per_process: bool) -> bool:
-        """Past RECYCLE_FRACTION of the memory budget: what its processes hold, and with `per_process` (RLIMIT_AS)
-        the address space of the largest (an interpreter reserves far more than it touches)."""
-        budget = RECYCLE_FRACTION * (limits.memory_mb << 20)
-        return self.rss_bytes > budget or (per_process and self.largest_address_space > budget)
 
 
 class _Process(NamedTuple):
@@ -91,7 +89,6 @@ class _Process(NamedTuple):
     zombie: bool
     threads: int
     rss_bytes: int
-    address_space: int
 
 
 def become_subreaper() -> None:
@@ -106,8 +103,7 @@ def _read(pid: int) -> _Process | None:
             fields = f.read().rsplit(b")", 1)[1].split()  # after the command's name, which may hold anything
     except (OSError, IndexError):  # gone meanwhile
         return None
-    return _Process(int(fields[1]), fields[0] in (b"Z", b"X"), int(fields[17]), int(fields[21]) * PAGE,
-                    int(fields[20]))
+    return _Process(int(fields[1]), fields[0] in (b"Z", b"X"), int(fields[17]), int(fields[21]) * PAGE)
 
 
 def _children(pid: int) -> list[int]:
@@ -150,8 +146,7 @@ def tree(root: int) -> dict[int, _Process]:
 def usage(root: int) -> Usage:
     """What `root` and every process below it hold."""
     processes = tree(root).values()
-    return Usage(sum(p.rss_bytes for p in processes), sum(max(1, p.threads) for p in processes),
-                 max((p.address_space for p in processes), default=0))
+    return Usage(sum(p.rss_bytes for p in processes), sum(max(1, p.threads) for p in processes))
 
 
 def kill_below(root: int, cgroup: Path | None = None) -> None:

@@ -26,7 +26,7 @@ def keep_8_mib(response, answer, sample):
 
 def allocate_at_once(response, answer, sample):
     if response == "big":
-        held = bytearray(b"\1") * (400 << 20)
+        held = bytearray(b"\1") * (600 << 20)  # past the cgroup, or RLIMIT_AS (twice the limit)
         return float(len(held))
     return 1.0
 
