@@ -96,7 +96,7 @@ def memory_bound(request, monkeypatch):
 def test_a_leaking_reward_is_recycled_before_its_memory_limit_and_loses_no_sample(memory_bound):
     reward = RewardPool(keep_8_mib, "keep_8_mib", WorkerLimits(memory_mb=256, max_threads=64, max_calls=0))
     try:
-        scores = score(samples(*"x" * 40), reward, timeout_s=20.0)
+        scores = score(samples(*"x" * 30), reward, timeout_s=20.0)
     finally:
         reward.close()
     assert scores.failed == 0
@@ -156,7 +156,7 @@ def test_a_daemonised_grandchild_ends_with_its_reward_process(end):
     reward = RewardPool(daemonise, "daemonise", WorkerLimits(memory_mb=4096, max_threads=64,
                                                              max_calls=1 if end == "recycled" else 0))
     try:
-        scores = score(samples("hang" if end == "timed_out" else "a", marker=marker), reward, timeout_s=5.0)
+        scores = score(samples("hang" if end == "timed_out" else "a", marker=marker), reward, timeout_s=3.0)
         assert scores.failed == (end == "timed_out")
         if end == "closed":
             assert len(marked(marker)) == 1  # it outlived the call, in a session of its own
