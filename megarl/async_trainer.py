@@ -255,7 +255,7 @@ class AsyncRLTrainer(RLTrainer):
         # planned from the config as given: its settings, not the objective derived from them, are the run's
         super().__init__(with_async_objective(cfg), start if start is not None else plan_resume(cfg))
         a = self.cfg.async_
-        self.timers = Timers(origin)
+        self.timers = Timers(origin, on_start=self.tracker.stage)
         self.buffer = RolloutBuffer(cfg.data.prompts_per_step, a.max_staleness, a.buffer_batches, a.stale,
                                     cfg.trainer.steps)
         self.rollout_side = RolloutSide(self, self.buffer, origin)

@@ -31,6 +31,9 @@ import socket
 import sys
 from pathlib import Path
 
+from megarl.utils import quiet
+from megarl.utils.progress import phases
+
 FORMAT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -118,9 +121,11 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, role: str = "actor", dev
 
     device = _resolve_device(device)
     with _single_rank(device):
-        engine = _engine(hf_dir, device, precision="auto")
+        with phases(f"loading {hf_dir} into a one-rank Megatron engine"):
+            engine = _engine(hf_dir, device, precision="auto")
         staging = _staging(out)
-        engine.save_checkpoint(str(staging / role), weights_only=True)
+        with phases(f"writing the checkpoint {out}"):
+            engine.save_checkpoint(str(staging / role), weights_only=True)
     if out.exists():
         out.rmdir()  # empty (checked above)
     publish(staging, out, step=0, driver_state=None)
@@ -163,12 +168,14 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
     max_shard_bytes = int(max_shard_gb * (1 << 30))
     device = _resolve_device(device)
     with _single_rank(device):
-        engine = _engine(role_dir / "hf", device, precision="bf16" if saved_dtype == "bfloat16" else "fp32",
-                         head=meta.get("head", "lm"), load_hf_weights=False)
-        engine.load_checkpoint(str(role_dir), optimizer=False)
+        with phases(f"loading {role_dir} into a one-rank Megatron engine"):
+            engine = _engine(role_dir / "hf", device, precision="bf16" if saved_dtype == "bfloat16" else "fp32",
+                             head=meta.get("head", "lm"), load_hf_weights=False)
+            engine.load_checkpoint(str(role_dir), optimizer=False)
         staging = _staging(out)
-        shards = [_save_shard(staging, i, bucket, target)
-                  for i, bucket in enumerate(engine.export_hf_weights(max_shard_bytes))]
+        with phases(f"writing {out} as safetensors shards of up to {max_shard_gb:g} GB"):
+            shards = [_save_shard(staging, i, bucket, target)
+                      for i, bucket in enumerate(engine.export_hf_weights(max_shard_bytes))]
     # The multi-token-prediction layers megarl does not train: the source's own copy, after the trained weights.
     mtp = iter_mtp_copy(role_dir / "hf")
     shards += [_save_shard(staging, len(shards) + i, bucket, target)
@@ -253,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
     for p in (imp, exp):
         p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic, reward_model)")
+        p.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
         p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                        help="where the one-rank job runs; auto = cuda where a GPU is visible (the CPU layer refuses "
                             "a CUDA machine)")
     args = parser.parse_args(argv)
+    quiet.install(args.verbose)  # before megatron and transformers are imported
     try:
         if args.command == "hf-to-megatron":
             out = hf_to_megatron(args.hf_dir, args.out, args.role, args.device)

@@ -36,6 +36,7 @@ from megarl.data.preferences import PreferencePair, pair_batch, preference_sets
 from megarl.engine.checkpoint import CheckpointError, Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.resume import run_id_of
+from megarl.utils.progress import PLAIN_EVERY_S, phases
 from megarl.trainer import evaluates_after, prepare_model, resolve_device
 from megarl.utils.tracking import Tracker, run_dir
 from megarl.workers.group import TrainGroup
@@ -122,7 +123,8 @@ class RMTrainer:
         self.run_id = run_id_of(read_checkpoint_file(resumed) if resumed is not None else None)
         self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.run_id), cfg.trainer.loggers,
                                {"run_id": self.run_id} | cfg.to_dict())
-        self.group = TrainGroup(cfg, self.model_path, self.device, cfg.trainer.steps, "reward_model_training")
+        with phases(f"starting {cfg.reward_model.parallel.world_size} training rank(s) (the reward model)"):
+            self.group = TrainGroup(cfg, self.model_path, self.device, cfg.trainer.steps, "reward_model_training")
         self.history = {"val/pair_accuracy": {}, "val/margin": {}}
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -135,14 +137,16 @@ class RMTrainer:
         if done == 0:
             self.log({"data/train_pairs": len(self.data.train), "data/val_pairs": len(self.data.val),
                       "data/skipped_pairs": len(self.data.skipped)} | self.evaluate(), 0)
-        for step in stops.steps(done + 1, cfg.trainer.steps):  # a SIGINT/SIGTERM: this step is the last (stops.py)
-            metrics = self.step()
-            if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
-                metrics |= self.evaluate()
-            self.log(metrics, step)
-            if step == cfg.trainer.steps or (cfg.trainer.save_every and (step % cfg.trainer.save_every == 0
-                                                                         or stops.requested())):
-                self.save_checkpoint(step)  # the last one always: export reads it
+        # thousands of short steps: a console line per interval (and at each evaluation), the bar on a terminal
+        with self.tracker.steps("reward model", cfg.trainer.steps, done, every_s=PLAIN_EVERY_S):
+            for step in stops.steps(done + 1, cfg.trainer.steps):  # a SIGINT/SIGTERM: this step is the last
+                metrics = self.step()
+                if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
+                    metrics |= self.evaluate()
+                self.log(metrics, step)
+                if step == cfg.trainer.steps or (cfg.trainer.save_every and (step % cfg.trainer.save_every == 0
+                                                                             or stops.requested())):
+                    self.save_checkpoint(step)  # the last one always: export reads it
         return self.history
 
     def step(self) -> dict:
@@ -156,7 +160,8 @@ class RMTrainer:
                 | {"timing/step": seconds, "perf/tokens_per_s": tokens / seconds})
 
     def evaluate(self) -> dict:
-        return pair_metrics(self.score(pair_batch(self.data.val, self.pad_id)), "val")
+        with phases(f"evaluating {len(self.data.val)} held-out pairs", kind="evaluation"):
+            return pair_metrics(self.score(pair_batch(self.data.val, self.pad_id)), "val")
 
     def score(self, batch: Batch) -> torch.Tensor:
         """The model's score of every row [B] (rows added to fill the data-parallel ranks evenly are cut)."""
@@ -178,7 +183,8 @@ class RMTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         staging = self.checkpoints.stage(step)
-        self.group.call("save_checkpoint", str(staging / ROLE))
+        with phases(f"writing checkpoint step {step}", kind="checkpoint write"):
+            self.group.call("save_checkpoint", str(staging / ROLE))
         return self.checkpoints.commit(staging, step, {"step": step, "data": self.data.train.state_dict(),
                                                        "history": self.history, "run_id": self.run_id})
 
@@ -214,7 +220,8 @@ class RMTrainer:
         self.export_dir.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "megarl.convert", "megatron-to-hf", str(checkpoint), str(staging),
                    "--role", ROLE, "--device", self.device]
-        done = subprocess.run(command, capture_output=True, text=True)
+        with phases(f"exporting {checkpoint} as a HF directory (megarl.convert megatron-to-hf)"):
+            done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"exporting {checkpoint} failed ({' '.join(command)}):\n{done.stderr[-3000:]}")
         step = read_checkpoint_file(checkpoint)["step"]

@@ -12,6 +12,8 @@ from megarl import stops
 from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import describe, profile_line, toy_task_problem
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
+from megarl.utils import quiet
+from megarl.utils.progress import phases
 from megarl.data.run_paths import path_problems
 
 
@@ -24,6 +26,7 @@ def parse_args(argv):
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config and layout, the model directory (config.json, tokenizer; no weights "
                              "loaded) and every prompt, then exit")
+    parser.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config and layout only, then exit: no model directory or prompt file "
                              "needed (a recipe checked on a machine without them)")
@@ -97,8 +100,9 @@ def start_ray(cfg, cpus_needed: float, gpus_needed: float | None = None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if join is None:
         # "local": a new Ray even beside a cluster that Ray would find itself (it refuses num_cpus for one it joins)
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
-                 include_dashboard=False, log_to_driver=True)
+        with phases("starting a local Ray cluster"):
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+                     include_dashboard=False, log_to_driver=True)
         return ray
     from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
@@ -223,6 +227,7 @@ def first_prompt_row(cfg) -> dict | None:
 
 def reward_key(cfg) -> str:
     """The key a reward's errors name: verl's custom_reward_function.path where a verl command named it."""
+    quiet.install(args.verbose)  # before megatron and transformers are imported, here and in every worker
     return "custom_reward_function.path" if cfg.profile == "verl" and cfg.reward.name else "reward.name"
 
 

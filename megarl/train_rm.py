@@ -11,6 +11,7 @@ import sys
 
 from megarl.config import ConfigError, help_text, load_config
 from megarl.data.files import InputError
+from megarl.utils import quiet
 
 SECTIONS = ("model", "reward_model", "preference", "trainer")  # what train_rm reads (and data.min_len/max_len)
 
@@ -30,12 +31,14 @@ def parse_args(argv):
                              "loaded), the export path and every preference pair, then exit")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config and layout only, then exit: no model directory or pair file needed")
+    parser.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    quiet.install(args.verbose)  # before megatron and transformers are imported, here and in every worker
     from megarl.rm_trainer import RMTrainer, check_rm_config, check_rm_inputs
 
     try:

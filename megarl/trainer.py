@@ -33,6 +33,7 @@ from megarl.rollout.agent import (Trajectory, agent_metrics, new_groups, observa
                                  trajectories_to_batch)
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch, prompt_images
+from megarl.utils.progress import phases
 from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker, run_dir
@@ -103,8 +104,9 @@ class RLTrainer:
         # the run's own log directory under the output root, its id kept by a resume (megarl/utils/tracking.py)
         self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.start.run_id), cfg.trainer.loggers,
                                {"run_id": self.start.run_id} | cfg.to_dict())
-        self.timers = Timers()
-        self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
+        self.timers = Timers(on_start=self.tracker.stage)
+        with phases(f"starting {cfg.actor.parallel.world_size} training rank(s) (the policy's model)"):
+            self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
         # (its LR schedule also counts VAPO's value-pretraining steps, algorithm.critic_warmup_steps)
         critic_steps = cfg.trainer.steps + cfg.algorithm.critic_warmup_steps
@@ -114,8 +116,9 @@ class RLTrainer:
                              if cfg.reward_model.path else None)
         self.score_mixer = ScoreMixer.from_config(cfg.reward_model)  # its scores normalised, mixed with the rule's
         # colocated SGLang servers go on the policy's GPUs; disaggregated ones on GPUs of their own
-        self.rollout = start_rollout(cfg, self.model_path, self.device,
-                                     self.actor.gpus() if cfg.sglang_colocated() else None)
+        with phases(f"starting the rollout engine ({cfg.rollout.engine})"):
+            self.rollout = start_rollout(cfg, self.model_path, self.device,
+                                         self.actor.gpus() if cfg.sglang_colocated() else None)
         # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
                                      self.rollout, cfg.offload_enabled(self.device), cfg.trainer.worker_timeout_s)
@@ -140,15 +143,16 @@ class RLTrainer:
             metrics = self.validate()
             self.tracker.log(metrics, 0)
             self.history["val/reward"][0] = metrics["val/reward"]
-        for step in stops.steps(done + 1, cfg.trainer.steps):  # a SIGINT/SIGTERM: this step is the last (stops.py)
-            metrics = self.step()
-            if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
-                metrics |= self.validate()
-                self.history["val/reward"][step] = metrics["val/reward"]
-            self.tracker.log(metrics, step)
-            if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
-                                           or stops.requested()):
-                self.save_checkpoint(step)
+        with self.tracker.steps("RL", cfg.trainer.steps, done):  # the step lines say step N/T and the ETA
+            for step in stops.steps(done + 1, cfg.trainer.steps):  # a SIGINT/SIGTERM: this step is the last
+                metrics = self.step()
+                if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
+                    metrics |= self.validate()
+                    self.history["val/reward"][step] = metrics["val/reward"]
+                self.tracker.log(metrics, step)
+                if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
+                                               or stops.requested()):
+                    self.save_checkpoint(step)
         self.check_rollout_weights()  # the last sync's: no update follows, but a corrupt engine still stops the run
         self.tracker.close()
         return self.history
@@ -160,8 +164,10 @@ class RLTrainer:
             self.actor.call("snapshot_reference")
         self.publish_policy()
         self.timers.pop()  # the warm-started policy's sync is no step's
-        for step in range(1, self.cfg.algorithm.critic_warmup_steps + 1):
-            self.tracker.log(self.warm_up_critic(), step)
+        warmup = self.cfg.algorithm.critic_warmup_steps
+        with self.tracker.steps("critic warm-up", warmup, label="critic warm-up"):
+            for step in range(1, warmup + 1):
+                self.tracker.log(self.warm_up_critic(), step)
 
     def step(self) -> dict:
         """One RL step: the whole algorithm, stage by stage."""
@@ -247,8 +253,9 @@ class RLTrainer:
     def save_checkpoint(self, step: int) -> Path:
         """Every engine, then the driver's state, committed atomically as checkpoint `step`."""
         staging = self.checkpoints.stage(step)
-        for role, group in self.trained_groups().items():
-            group.call("save_checkpoint", str(staging / role))
+        with phases(f"writing checkpoint step {step}", kind="checkpoint write"):
+            for role, group in self.trained_groups().items():
+                group.call("save_checkpoint", str(staging / role))
         state = {"step": step, "version": self.version, "data": self.data.state_dict(),
                  "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                  "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict(),
@@ -276,8 +283,9 @@ class RLTrainer:
         missing = sorted(set(groups) - set(meta["roles"]))
         if missing and meta["driver"] is not None:
             raise FileNotFoundError(f"checkpoint {path} holds {meta['roles']}, this run also trains {missing}")
-        for role in set(groups) & set(meta["roles"]):
-            groups[role].call("load_checkpoint", str(path / role))
+        with phases(f"loading checkpoint {path}"):
+            for role in set(groups) & set(meta["roles"]):
+                groups[role].call("load_checkpoint", str(path / role))
         state = meta["driver"]
         if state is None:
             return 0
@@ -307,11 +315,14 @@ class RLTrainer:
 
     def warm_start(self) -> None:
         """Supervised warm start on the task's reference answers, through the same engine."""
-        for step in range(1, self.cfg.sft.steps + 1):
-            examples = self.sft_data.next_batch()
-            m = self.actor.train(sft_batch(self.tokenizer, examples, self.renderer), loss="sft", lr=self.cfg.sft.lr)
-            if step % max(1, self.cfg.sft.steps // 5) == 0 or step == self.cfg.sft.steps:
-                self.tracker.log({f"sft/{k}": m[k] for k in ("loss", "skipped_updates") if k in m}, step)
+        total = self.cfg.sft.steps
+        with self.tracker.steps("SFT warm start", total, label="sft") as bar:
+            for step in range(1, total + 1):
+                examples = self.sft_data.next_batch()
+                m = self.actor.train(sft_batch(self.tokenizer, examples, self.renderer), loss="sft", lr=self.cfg.sft.lr)
+                bar.set(step)
+                if step % max(1, total // 5) == 0 or step == total:
+                    self.tracker.log({f"sft/{k}": m[k] for k in ("loss", "skipped_updates") if k in m}, step)
 
     def warm_up_critic(self) -> dict:
         """One step of VAPO's value pretraining (algorithm.critic_warmup_steps, before RL): samples from the policy
@@ -516,7 +527,9 @@ class RLTrainer:
     def validate(self) -> dict:
         """The held-out prompts, rollout.eval_n_samples = k each at rollout.eval_temperature: mean reward,
         exact-answer rate, mean@k and pass@k (megarl/data/evaluation.py)."""
-        batch = self.score(self.generate(self.val, evaluation=True), evaluation=True)
+        k = self.cfg.rollout.eval_n_samples
+        with phases(f"evaluating {len(self.val)} held-out prompts x {k} samples", kind="evaluation"):
+            batch = self.score(self.generate(self.val, evaluation=True), evaluation=True)
         if self.cfg.rollout.dump_dir:
             self.dump(batch, {}, Path(self.cfg.rollout.dump_dir) / f"val_{self.version:06d}.pt")
         failures = self.val_reward_failures.end_step(self.version)  # past reward.max_failure_rate: stop

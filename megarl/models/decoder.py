@@ -146,6 +146,9 @@ class DecoderFamily:
             # Fused kernels are GPU/apex-only; the local spec uses the unfused torch paths.
             bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
             apply_rope_fusion=False, gradient_accumulation_fusion=False,
+            # megatron's default scope, "full", is its deprecated spelling of this one (and warns in every rank);
+            # megarl captures no CUDA graphs in training either way
+            cuda_graph_scope=[],
             **self.moe_config(hf, ep))
 
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:

@@ -19,6 +19,7 @@ default the output root's last part).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -26,10 +27,12 @@ import re
 import secrets
 import time
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
 from megarl.config import ConfigError
+from megarl.utils.progress import Progress, duration, write
 from megarl.utils.registry import Registry
 
 LOGGERS = Registry("logger")
@@ -39,7 +42,10 @@ LOGS = "logs"  # <output_dir>/logs/<run id>/: each run's metrics, events and tra
 @LOGGERS.register("console")
 class ConsoleLogger:
     """One compact line per step with the headline numbers that are present, e.g.
-    `step 3 | reward 0.512 | val 0.6 | kl 0.0012 | entropy 1.23 | len 12.5 | 3.21s | 1520 tok/s`."""
+    `step 3/120 | reward 0.512 | val 0.6 | kl 0.0012 | entropy 1.23 | len 12.5 | 3.21s | 1520 tok/s | ETA 04:10`:
+    the total and ETA from the Progress that the Tracker follows (Tracker.steps), without one `step 3`. With
+    `every_s`, a line at most every that many seconds, and always for a step that evaluated (val/*), the phase's
+    first step and its last: a run of thousands of short steps prints a line per interval."""
 
     # (metric name, label, format); fields whose metric is absent are left out of the line
     FIELDS = [("sft/loss", "sft loss", "{:.4g}"), ("train/reward", "reward", "{:.4g}"),
@@ -50,17 +56,34 @@ class ConsoleLogger:
               ("timing/step", "", "{:.3g}s"), ("perf/tokens_per_s", "", "{:.0f} tok/s")]
 
     def __init__(self, log_dir: str, config: dict | None):
-        pass
+        self.progress: Progress | None = None
+        self.every_s: float | None = None
+        self.last_line = 0.0
+
+    def follow(self, progress: Progress | None, every_s: float | None = None) -> None:
+        self.progress, self.every_s = progress, every_s
 
     def line(self, metrics: dict[str, float], step: int) -> str:
-        parts = [f"step {step}"]
+        p = self.progress
+        parts = [f"{p.label} {step}/{p.total}" if p is not None else f"step {step}"]
         for key, label, fmt in self.FIELDS:
             if key in metrics:
                 parts.append(f"{label} {fmt.format(metrics[key])}".strip())
-        return " | ".join(parts)
+        eta = p.eta() if p is not None and step < p.total else None
+        return " | ".join(parts + ([f"ETA {duration(eta)}"] if eta is not None else []))
+
+    def due(self, metrics: dict[str, float], step: int) -> bool:
+        p = self.progress
+        if p is None or not self.every_s or step in (p.first + 1, p.total):
+            return True
+        if any(name.startswith("val/") for name in metrics):  # an evaluation's numbers are always shown
+            return True
+        return time.monotonic() - self.last_line >= self.every_s
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        print(self.line(metrics, step), flush=True)
+        if self.due(metrics, step):
+            self.last_line = time.monotonic()
+            write(self.line(metrics, step))
 
     def close(self) -> None:
         pass
@@ -305,11 +328,39 @@ class Tracker:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.directory = Path(log_dir)
         self.loggers = [LOGGERS.get(name)(str(log_dir), config) for name in loggers]
+        self.progress: Progress | None = None
         self.closed = False
+
+    @contextlib.contextmanager
+    def steps(self, desc: str, total: int, done: int = 0, label: str = "step",
+              every_s: float | None = None) -> Iterator[Progress]:
+        """A phase of `total` logged steps (`done` of them finished before: a resumed run's): a bar on a terminal,
+        and the console's lines say `<label> N/T` and the ETA; every_s: the console's interval between lines
+        (None: every logged step). Each log call moves the bar to its step; the loop may move it between calls."""
+        self.progress = Progress(desc, total, done=done, label=label, every_s=None)  # the console's lines say it
+        self._follow(self.progress, every_s)
+        try:
+            yield self.progress
+        finally:
+            self.progress.close()
+            self.progress = None
+            self._follow(None)
+
+    def _follow(self, progress: Progress | None, every_s: float | None = None) -> None:
+        for logger in self.loggers:
+            if isinstance(logger, ConsoleLogger):
+                logger.follow(progress, every_s)
+
+    def stage(self, name: str) -> None:
+        """The stage the current step is in, on the bar (a terminal's)."""
+        if self.progress is not None:
+            self.progress.stage(name)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Log scalar metrics (numbers, or one-element tensors/arrays) at `step`."""
         values = {name: _scalar(name, value) for name, value in metrics.items()}
+        if self.progress is not None:
+            self.progress.set(step)
         for logger in self.loggers:
             logger.log(values, step)
 

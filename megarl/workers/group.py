@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from megarl.config import Config
 from megarl.config.validation import env_strings
 from megarl.protocol import Batch
+from megarl.utils import quiet
 from megarl.workers.rollout_worker import RolloutWorker
 from megarl.engine.packing import balanced_partition, sequence_lengths
 from megarl.workers.train_worker import ROLES, TrainWorker
@@ -113,7 +114,7 @@ class TrainGroup:
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
         ray.get(self.pg.ready(), timeout=300)
         actor = ray.remote(TrainWorker)
-        env = env_strings(cfg.trainer.worker_env)
+        env = env_strings(cfg.trainer.worker_env) | quiet.env()  # quiet's: a joined cluster's workers do not inherit
         options = {"runtime_env": {"env_vars": env}} if env else {}
         self.workers = [
             actor.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
@@ -251,8 +252,9 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[tuple[st
     gpus_wanted = 0 if hosts else r.sglang_gpus or (0.1 if device == "cuda" else 0)
     # the asynchronous modes pause and resume the engine, and evaluate, while the rollout thread's generate runs
     concurrency = 1 if cfg.trainer.mode == "sync" else 4
+    env = {"runtime_env": {"env_vars": quiet.env()}} if quiet.env() else {}  # the known warnings filtered there too
     return ray.remote(RolloutWorker).options(num_cpus=r.num_cpus, num_gpus=gpus_wanted, max_concurrency=concurrency,
-                                             **placement).remote(
+                                             **placement, **env).remote(
         cfg, model_path, device, max(1, int(r.num_cpus)), gpus[0][1] if gpus and not hosts else None, hosts,
         sender_node)
 

@@ -20,6 +20,7 @@ from megarl.reshard.transfers import transfer_bytes
 from megarl.protocol import Batch
 from megarl.rollout.transports import cuda_ipc
 from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, check_presharded_tower
+from megarl.utils import quiet
 from megarl.utils.profiling import profiled
 from megarl.workers import weight_sync
 
@@ -39,6 +40,7 @@ class TrainWorker:
         if device == "cpu":
             from megarl.parallel.compat import install_cpu_compat
             install_cpu_compat()
+            quiet.filter_gpu_advice()
         self.engine = None
         self.weight_senders = {}  # weight_sync.push_policy's senders (CUDA IPC or NCCL), kept across syncs
         self.expected = {}  # (delivery, generation TP) -> weight_layout.ExpectedChecksums, kept across syncs
