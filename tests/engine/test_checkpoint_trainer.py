@@ -12,8 +12,7 @@ from megarl.rewards.mixing import ScoreMixer
 from megarl.rollout.agent import Trajectory
 from megarl.trainer import RLTrainer
 from megarl.utils.timers import Timers
-from megarl.utils.tracking import Tracker
-from megarl.utils.tracking import run_dir
+from megarl.utils.tracking import Tracker, run_dir
 
 from tests.conftest import QUICKSTART as RECIPE
 
@@ -126,7 +125,7 @@ def driver_only(tmp_path, *overrides) -> RLTrainer:
     trainer = object.__new__(RLTrainer)
     trainer.cfg = tiny_config([f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0", *overrides], path=RECIPE)
     trainer.start = plan_resume(trainer.cfg)
-    trainer.tracker = Tracker(str(tmp_path), ["jsonl"])
+    trainer.tracker = Tracker(run_dir(tmp_path, trainer.start.run_id), ["jsonl"])  # a resume: the checkpoint's id
     trainer.checkpoints = Checkpoints(tmp_path / "checkpoints", keep_last=0)
     trainer.trained_groups = dict
     trainer.data, trainer.sft_data, trainer.kl_ctl = Stateful({}), Stateful({}), Stateful({})
