@@ -35,12 +35,13 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Callable
 
 from megarl.rewards.scoring import RewardCallError, batch_timeout, call_timeout
 from megarl.rewards.worker_limits import (ADDRESS_SPACE_FACTOR, RECYCLE_FRACTION, RewardLimitError, Usage,
                                           WorkerLimits, end_worker, oom_kills, usage)
-from megarl.sandbox.cgroup import MemoryCgroups
+from megarl.sandbox.cgroup import PREFIX, MemoryCgroups
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +80,21 @@ def exit_descriptor(process: subprocess.Popen) -> int:
 def memory_cgroups() -> MemoryCgroups | None:
     """Where reward processes get their memory cgroups (found once per process: finding one creates a probe)."""
     cgroups, where = MemoryCgroups.find()
+    if cgroups:
+        remove_stale_cgroups(cgroups.parent)
     logger.info("reward processes: memory bounded %s (%s)",
                 "for each with what it starts, by a cgroup" if cgroups else "per process (RLIMIT_AS)", where)
     return cgroups
+
+
+def remove_stale_cgroups(parent: Path) -> None:
+    """Remove the empty cgroups of reward processes whose driver is gone (a SIGKILLed driver cannot)."""
+    for path in parent.glob(f"{PREFIX}reward-*"):
+        if not os.path.exists(f"/proc/{path.name.split('-')[-2]}"):
+            try:
+                path.rmdir()
+            except OSError:  # it still holds a process, or another process removed it first
+                pass
 
 
 class _Worker:
@@ -100,6 +113,7 @@ class _Worker:
         cgroups = memory_cgroups()
         try:
             if cgroups:  # joined before it receives the reward: everything the reward starts is inside
+                # named by the driver's pid too: remove_stale_cgroups reads it
                 self.cgroup = cgroups.create(f"reward-{os.getpid()}-{self.process.pid}", limits.memory_mb << 20)
                 (self.cgroup / "cgroup.procs").write_text(str(self.process.pid))
             # the path: a reward's module must import there as it does here; the address space, where no cgroup

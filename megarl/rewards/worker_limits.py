@@ -182,11 +182,13 @@ def end_worker(pid: int, cgroup: Path | None) -> None:
         os.kill(pid, signal.SIGSTOP)  # it neither runs the reward nor reaps while we kill below it
     except ProcessLookupError:
         pass
-    kill_below(pid, cgroup)
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        kill_below(pid, cgroup)
+    finally:  # a stopped worker left behind would never notice its driver's end
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def cgroup_processes(path: Path | None) -> list[int]:

@@ -173,3 +173,20 @@ def test_a_reward_process_is_replaced_after_worker_max_calls():
     finally:
         reward.close()
     assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+
+
+def test_the_cgroups_of_a_driver_that_is_gone_are_removed_at_start():
+    cgroups = pool_module.memory_cgroups()
+    if cgroups is None:
+        pytest.skip("this host gives no memory cgroup")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid names no process now
+    stale = cgroups.create(f"reward-{gone.pid}-1", 64 << 20)
+    ours = cgroups.create(f"reward-{os.getpid()}-1", 64 << 20)
+    try:
+        pool_module.remove_stale_cgroups(cgroups.parent)
+        assert not stale.exists() and ours.exists()
+    finally:
+        cgroups.remove(ours)
+        if stale.exists():
+            cgroups.remove(stale)
