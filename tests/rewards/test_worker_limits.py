@@ -151,7 +151,8 @@ def test_threads_or_processes_left_running_past_the_limit_fail_the_call_by_name(
 
 
 @pytest.mark.parametrize("end", ["closed", "timed_out", "recycled"])
-def test_a_daemonised_grandchild_ends_with_its_reward_process(end):
+def test_a_daemonised_grandchild_ends_with_its_reward_process(end, memory_bound):
+    """Found below its reward process (a subreaper) without a cgroup, as any user; in its cgroup too with one."""
     marker = uuid.uuid4().hex
     reward = RewardPool(daemonise, "daemonise", WorkerLimits(memory_mb=4096, max_threads=64,
                                                              max_calls=1 if end == "recycled" else 0))
