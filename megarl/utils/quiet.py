@@ -38,9 +38,10 @@ GPU_ADVICE = [
 # (logger name, message pattern searched in the line, why)
 KNOWN_LOG_LINES = [
     ("transformers.tokenization_utils_base", r"will result in indexing errors",
-     "megarl checks every prompt against the model's positions itself and names the row (data.max_prompt_length, "
-     "the model's max_position_embeddings); transformers warns from the tokenizer's model_max_length, which a "
-     "tokenizer directory may set below the model's positions, about a model call megarl never makes with the text"),
+     "megarl bounds every sequence it feeds a model itself: prompts against the model's positions "
+     "(data.max_prompt_length, named by row), responses and tool turns by rollout.max_new_tokens and "
+     "agent.max_response_tokens; transformers warns when a text (e.g. a long tool result) is merely tokenized past "
+     "the tokenizer's model_max_length, about a model call megarl does not make with it"),
     ("ray._private.authentication.authentication_token_setup", r"Token authentication is enabled for this Ray cluster",
      "the local Ray cluster a run starts for itself listens on this host only; its token is Ray's default"),
 ]
@@ -70,7 +71,9 @@ def apply() -> None:
     for pattern, category, _ in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category)
     for name, pattern, _ in KNOWN_LOG_LINES:
-        logging.getLogger(name).addFilter(DropLines(pattern))
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropLines) and f.pattern.pattern == pattern for f in logger.filters):  # once
+            logger.addFilter(DropLines(pattern))
     if not sys.stdout.isatty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when transformers is imported
 
