@@ -24,7 +24,7 @@ fi
 # its kill and process-count tests fail (seen with the other worker idle; they pass with -n 1 and without xdist).
 # Exit 5 (no test selected, e.g. a -k that matches only one part) counts as a pass of that part.
 parallel=0 sandbox=0
-python -m pytest -q -n 2 --dist loadgroup --ignore=tests/sandbox tests "$@" || parallel=$?
+python -m pytest -q -n 2 --dist loadgroup --durations=25 --ignore=tests/sandbox tests "$@" || parallel=$?
 python -m pytest -q tests/sandbox "$@" || sandbox=$?
 for rc in parallel sandbox; do [ "${!rc}" = 5 ] && printf -v "$rc" 0; done
 exit $(( parallel != 0 ? parallel : sandbox ))
