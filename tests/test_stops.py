@@ -52,13 +52,16 @@ class Run:
 
     started: list["Run"] = []
 
-    def __init__(self, argv: list[str], cwd: Path = ROOT, env: dict | None = None):
+    def __init__(self, argv: list[str], cwd: Path = ROOT, env: dict | None = None, own_group: bool = False):
+        """own_group: the driver leads a process group (and session) of its own, as under `timeout` or a shell's
+        job control, so that a test can signal the whole group as they do."""
         self.started.append(self)
         self.mark = uuid.uuid4().hex
         self.seen: set[tuple[int, float]] = set()  # (pid, start time) of the processes found below the driver
         self.out, self.err, self.changed = [], [], threading.Condition()
         self.process = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {}), MARK: self.mark},
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=own_group)
         for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err)):
             threading.Thread(target=self._read, args=(stream, lines), daemon=True).start()
 
@@ -166,16 +169,25 @@ def wait_file(run: Run, path: Path, timeout: float = START_S) -> None:
         time.sleep(0.2)
 
 
+def process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:  # ended meanwhile
+        return None
+
+
 def checkpoint(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step_{step:08d}"
 
 
 def test_sigint_then_sigterm_stop_after_the_step_save_it_and_say_how_to_resume(tmp_path):
     """Ctrl-C after a step: that step (or the next, in progress) finishes and is saved; one line names it and the
-    command; exit 130. That command resumes after it; SIGTERM there: the same, exit 143. Nothing is left running."""
+    command; exit 130. That command resumes after it; SIGTERM there, to the driver's whole process group as `timeout`
+    sends it: the same, exit 143 (the local Ray's processes are in sessions of their own: the signal does not end
+    Ray's GCS under the driver). Nothing is left running."""
     out = tmp_path / "run"
     run = train(out)
-    run.wait_for(r"^step 1 \| reward", run.out)
+    run.wait_for(r"^step 1(/\d+)? \| reward", run.out)  # "step 1/50": with the run's total
     assert "ray::RolloutWorker" in " ".join(run.processes().values())  # recorded: left_after checks them too
     run.process.send_signal(signal.SIGINT)
     run.wait_for(r"^megarl: SIGINT: finishing step \d+, saving it", run.err, timeout=60)
@@ -188,12 +200,16 @@ def test_sigint_then_sigterm_stop_after_the_step_save_it_and_say_how_to_resume(t
 
     command = shlex.split(line.split("; resume: ", 1)[1])
     assert command[1:] == ["-m", "megarl.train", *run.process.args[3:]]  # the same command line
-    resumed = Run([sys.executable, *command[1:]])
+    resumed = Run([sys.executable, *command[1:]], own_group=True)
     resumed.wait_for(rf"^resumed from {re.escape(str(checkpoint(out, step)))} after step {step}$", resumed.out)
-    resumed.wait_for(rf"^step {step + 1} \| reward", resumed.out)
-    assert "ray::RolloutWorker" in " ".join(resumed.processes().values())
-    resumed.process.send_signal(signal.SIGTERM)
+    resumed.wait_for(rf"^step {step + 1}(/\d+)? \| reward", resumed.out)
+    started = resumed.processes()
+    assert "ray::RolloutWorker" in " ".join(started.values())
+    in_group = {pid: line for pid, line in started.items() if process_group(pid) == resumed.process.pid}
+    assert list(in_group) == [resumed.process.pid], in_group  # Ray's processes have sessions of their own
+    os.killpg(resumed.process.pid, signal.SIGTERM)
     assert resumed.exit_code() == 143
+    assert not any("GCS" in line for line in resumed.err), resumed.log()
     line = resumed.stop_line()
     later = int(re.search(rf"^megarl: stopped by SIGTERM after step (\d+) of {STEPS}; checkpoint ", line).group(1))
     assert later > step and (checkpoint(out, later) / "checkpoint.json").is_file()
