@@ -1,6 +1,8 @@
 """`python -m megarl.plan`: the layout planner (megarl/reshard/plan.py)."""
 
+import sys
+
 from megarl.reshard.plan import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -213,9 +213,75 @@ def test_gpus_and_memory_list_only_layouts_that_fit(capsys):
         assert predict_peak(hf, train, settings) == r["peak"]
     assert (1, 1) not in {(r["tp"], r["pp"]) for r in found}  # all on every GPU needs ~19 B x 7.6B
     assert predict_peak(hf, TrainLayout(1, 1, 8, 28), settings) > budget
-    main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer"])
+    # the CLI keeps a margin (5% by default) free: a layout fits 40 GiB at a peak of at most 38 GiB
+    listed = fitting_layouts(hf, 8, 0.95 * budget, settings)
+    tight = [r for r in found if r not in listed]
+    assert len(listed) == 6 and len(tight) == 1  # tp=1,pp=2 at 38.74 GiB: inside the margin
+    assert main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048",
+                 "--distributed-optimizer", "--top", "4"]) == 0
     out = capsys.readouterr().out
-    assert f": {len(found)}, best first" in out and out.count("  --train tp=") == min(len(found), 10)
+    assert out.startswith("qwen2.5-7b: 6 layout(s) of 8 GPUs fit 40 GiB per GPU with a 5% margin (predicted peak at "
+                          "most 38.00 GiB") and "; best 4 shown (--top 4), best first" in out
+    assert [line.split()[2] for line in out.splitlines() if ". --train tp=" in line] == [
+        ",".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp", "dp", "ep", "etp")) for r in listed[:4]]
+    assert "  1. --train tp=4,pp=1,cp=1,dp=2,ep=1,etp=4 " in out and "peak   24.83 GiB,  15.17 GiB free" in out
+    assert f"  1 more fit 40 GiB only inside the 5% margin (peak {tight[0]['peak'] / GiB:.2f} GiB): not counted" in out
+    main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer",
+          "--margin", "0"])
+    out = capsys.readouterr().out
+    assert "7 layout(s) of 8 GPUs fit 40 GiB per GPU with a 0% margin" in out and "; all shown" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80", "--optimizer-offload", "--recompute", "selective",
+     "--recompute-modules", "moe,core_attn", "--seq-len", "8192", "--top", "30"],
+    ["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer"],
+    ["--model", "deepseek-v3", "--gpus", "128", "--gpu-mem", "130", "--optimizer-offload", "--recompute", "full",
+     "--top", "6"],
+])
+def test_each_listed_layout_is_a_line_of_run_keys_that_plans_to_the_same_peak(argv, capsys):
+    """Each printed override line, loaded by megarl's config loader, is a valid config with the listed layout, which
+    the dry run's checks against the model accept and for which the dry run's memory line predicts the listed peak."""
+    import shlex
+
+    from megarl.config import load_config
+    from megarl.config.model_layout import check_model_layout
+    from megarl.reshard.plan import run_memory
+
+    main(argv)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [(line, lines[i + 1]) for i, line in enumerate(lines) if ". --train tp=" in line]
+    assert rows
+    hf = load_model_config(argv[1])
+    for row, keys in rows:
+        layout = dict(part.split("=") for part in row.split()[2].split(","))
+        cfg = load_config(None, shlex.split(keys))
+        p = cfg.actor.parallel
+        assert {k: str(v) for k, v in dict(tp=p.tp, pp=p.pp, cp=p.cp, dp=p.dp, ep=p.ep, etp=p.etp or p.tp).items()} \
+            == layout
+        check_model_layout(cfg.actor, "actor", hf, "config.json")
+        line, _ = run_memory(hf, cfg.actor, cfg.rollout, reference=False, longest_prompt=0, response_tokens=0)
+        assert f"training peak {row.split('peak')[1].split()[0]} GiB" in line, (row, line)
+
+
+def test_when_nothing_fits_the_nearest_layouts_and_what_would_fit_are_named(capsys):
+    assert main(["--model", "qwen2.5-7b", "--gpus", "2", "--gpu-mem", "24", "--seq-len", "4096"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("qwen2.5-7b: 0 layout(s) of 2 GPUs fit 24 GiB per GPU")
+    nearest = out.split("The nearest:\n")[1].split("what would make one fit:")[0].splitlines()
+    assert len(nearest) == 3 and nearest[0].startswith("  --train tp=2,pp=1,cp=1,dp=1,ep=1,etp=2") \
+        and nearest[0].endswith("GiB over")
+    assert "  - more GPUs: --gpus 8: 1 layout(s) fit, the best --train tp=4,pp=2" in out
+    assert "  - --optimizer-offload (actor.use_distributed_optimizer=true actor.optimizer_cpu_offload=true" in out
+    assert "  - --recompute full (actor.recompute=full): still none" in out
+    assert "  - LoRA: megarl trains every weight" in out
+    # a plan of one layout that misses --gpu-mem exits 1 too; inside the margin is said apart from over the memory
+    assert main(["--model", "qwen2.5-7b", "--train", "tp=2", "--gen", "tp=1", "--seq-len", "4096",
+                 "--gpu-mem", "80"]) == 1
+    out = capsys.readouterr().out
+    assert "run keys: actor.parallel.world_size=2 actor.parallel.tp=2 actor.parallel.pp=1 " in out
+    assert "training fits (78.02 GiB" not in out and "does NOT fit with the 5% margin (78.02 GiB, only 1.98 GiB free)" \
+        in out
 
 
 def test_gpus_and_memory_say_which_sglang_server_fits_or_that_none_does(capsys):
@@ -226,13 +292,13 @@ def test_gpus_and_memory_say_which_sglang_server_fits_or_that_none_does(capsys):
     assert layouts[2]["weights"] + layouts[2]["kv_cache"] <= 10 * GiB < layouts[1]["weights"] + layouts[1]["kv_cache"]
     assert layouts[2]["kv_cache"] == kv_bytes_per_token(hf, 2) * 65536
     main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "10", "--seq-len", "512", "--distributed-optimizer"])
-    assert "the smallest SGLang server that fits 10 GiB is --gen tp=2,ep=1" in capsys.readouterr().out
+    assert "the smallest SGLang server that fits is --gen tp=2,ep=1" in capsys.readouterr().out
     # DeepSeek-V3 in bf16 needs more than a node of 8 GPUs: training fits, serving does not, and the plan says so
     main(["--model", "deepseek-v3", "--gpus", "128", "--gpu-mem", "130", "--optimizer-offload", "--recompute", "full",
           "--top", "1"])
     out = capsys.readouterr().out
-    assert "  --train tp=" in out
-    assert "generation: no SGLang server within a node of 8 GPUs fits 130 GiB: at TP=8" in out
+    assert "  1. --train tp=" in out
+    assert "generation: no SGLang server within a node of 8 GPUs fits 123.50 GiB: at TP=8" in out
     # one layout: whether each side fits
     main(["--model", "deepseek-v3", "--train", "tp=1,pp=8,dp=16,ep=8", "--gen", "tp=8,ep=8", "--optimizer-offload",
           "--recompute", "full", "--seq-len", "8192", "--gpu-mem", "130"])
@@ -240,7 +306,8 @@ def test_gpus_and_memory_say_which_sglang_server_fits_or_that_none_does(capsys):
     peak = float(out.split("per-GPU peak: ")[1].split()[0])
     serving = float(out.split("generation per rank: ")[1].split(" = ")[1].split()[0])
     assert peak < 130 < serving
-    assert f"on GPUs of 130 GiB: training fits ({peak:.2f} GiB), generation does NOT fit ({serving:.2f} GiB)" in out
+    assert (f"on GPUs of 130 GiB with a 5% margin (--margin: for what the memory model leaves out): training fits "
+            f"({peak:.2f} GiB, {130 - peak:.2f} GiB free), generation does NOT fit ({serving:.2f} GiB)") in out
 
 
 @pytest.mark.parametrize("run", ["2026-11-22_engine_h200x2_dp2_sdpa", "2026-11-22_engine_h200x2_cp2_sdpa",

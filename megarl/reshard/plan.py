@@ -11,7 +11,9 @@ split megatron's way (uneven first/last stages, megarl/parallel/stages.py: the e
 ceil(layers / PP) each and splits the rest over the first and the last (61 over PP 8: 7 + 6 x 8 + 6), and
 prints the actor.parallel keys that make the engine build that split. With --gpus N --gpu-mem GiB it lists
 the layouts of N GPUs whose predicted per-GPU peak fits (and, with --host-mem, whose offloaded optimizer fits
-each node's host memory), best first. --optimizer-offload is megarl's engine's (actor.optimizer_cpu_offload:
+each node's host memory) with a margin left free (--margin, 5% by default), best first, each with the
+`key=value` overrides that make a run train that way; when none fits, the nearest ones and what would make one
+fit, and exit status 1 (so too for --train with a --gpu-mem it does not fit). --optimizer-offload is megarl's engine's (actor.optimizer_cpu_offload:
 Adam's moments leave the GPU, the fp32 master weights stay); --te-precision-aware-optimizer plans megatron's
 TransformerEngine offload instead (the master weights leave too). --model takes a HF config.json path or a
 name in configs/models/. The memory model and its assumptions are megarl/reshard/memory.py's
@@ -22,6 +24,7 @@ whole HF tensors to every rank; "sharded": only the rank's generation shard, min
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -156,14 +159,23 @@ def _divisors(n: int) -> list[int]:
 
 def fitting_layouts(hf: dict, gpus: int, gpu_mem: float, settings: MemorySettings, host_mem: float = 0.0,
                     gpus_per_node: int = 8, cp: int = 1) -> list[dict]:
-    """Layouts of `gpus` GPUs (TP within a node, default stage splits, ETP 1 or TP) whose predicted per-GPU
-    peak fits `gpu_mem` bytes (and whose offloaded optimizer fits `host_mem` bytes per node, when given), best
-    first: the least model parallelism (TP x PP x CP; more data parallelism), then fewer pipeline stages, then
-    the least expert parallelism, then the lowest peak."""
-    experts = routed_experts(hf)
+    """Layouts of `gpus` GPUs (candidate_layouts) whose predicted per-GPU peak fits `gpu_mem` bytes (and whose
+    offloaded optimizer fits `host_mem` bytes per node, when given), best first."""
+    return [r for r in candidate_layouts(hf, gpus, settings, gpus_per_node, cp)
+            if r["peak"] <= gpu_mem and (not host_mem or r["host_per_node"] <= host_mem)]
+
+
+def candidate_layouts(hf: dict, gpus: int, settings: MemorySettings, gpus_per_node: int = 8,
+                      cp: int = 1) -> list[dict]:
+    """Every layout of `gpus` GPUs the model can take (TP within a node, default stage splits, ETP 1 or TP), with
+    its predicted per-GPU peak and host memory per node, best first: the least model parallelism (TP x PP x CP; more
+    data parallelism), then fewer pipeline stages, then the least expert parallelism, then the lowest peak."""
+    experts, fields = routed_experts(hf), language_fields(hf)
+    # the engine gives each TP rank whole query groups (megarl/config/model_layout.py refuses other TP sizes)
+    kv_heads = fields.get("num_key_value_heads") or fields["num_attention_heads"]
     found = []
-    for tp in [d for d in _divisors(gpus) if d <= gpus_per_node]:
-        for pp in [d for d in _divisors(gpus // tp) if d <= language_fields(hf)["num_hidden_layers"]]:
+    for tp in [d for d in _divisors(gpus) if d <= gpus_per_node and kv_heads % d == 0]:
+        for pp in [d for d in _divisors(gpus // tp) if d <= fields["num_hidden_layers"]]:
             if (gpus // (tp * pp)) % cp:
                 continue
             dp = gpus // (tp * pp * cp)
@@ -176,8 +188,7 @@ def fitting_layouts(hf: dict, gpus: int, gpu_mem: float, settings: MemorySetting
                     except ValueError:  # a split this model cannot take (heads, experts, stages)
                         continue
                     host = host_per_node(hf, train, settings, gpus_per_node, cp) if settings.optimizer_offload else 0
-                    if peak <= gpu_mem and (not host_mem or host <= host_mem):
-                        found.append(dict(t, stage_layers=train.stage_layers, peak=peak, host_per_node=host))
+                    found.append(dict(t, stage_layers=train.stage_layers, peak=peak, host_per_node=host))
     return sorted(found, key=lambda r: (r["tp"] * r["pp"] * r["cp"], r["pp"], r["ep"], r["peak"]))
 
 
@@ -285,7 +296,8 @@ def _settings(args) -> MemorySettings:
         te_precision_aware_optimizer=args.te_precision_aware_optimizer, reference=args.reference)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; returns the exit status: 1 where --gpu-mem cannot be met."""
     parser = argparse.ArgumentParser(prog="python -m megarl.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="config.json path or name in configs/models/")
     parser.add_argument("--train", default="", help="training layout, e.g. tp=1,pp=16,dp=8,ep=8[,etp=1][,cp=2]")
@@ -320,62 +332,178 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cp", type=int, default=1, help="with --gpus: the context-parallel size to plan with")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--top", type=int, default=10, help="with --gpus: how many layouts to list")
+    parser.add_argument("--margin", type=float, default=0.05,
+                        help="share of --gpu-mem kept free for what the memory model leaves out (CUDA context, NCCL "
+                             "buffers, allocator fragmentation): a layout fits when its predicted peak is at most "
+                             "(1 - margin) x --gpu-mem")
     args = parser.parse_args(argv)
     try:
         hf = load_model_config(args.model)
         settings = _settings(args)
+        if not 0 <= args.margin < 1:
+            raise ValueError(f"--margin {args.margin:g}: a share of --gpu-mem in [0, 1)")
         if args.gpus:
             if args.gpu_mem <= 0:
                 raise ValueError("--gpus needs --gpu-mem (GiB per GPU)")
-            _print_fitting(args, hf, settings)
-            return
+            return _print_fitting(args, hf, settings)
         if not args.train:
             raise ValueError("give --train (a layout to plan) or --gpus/--gpu-mem (layouts that fit)")
         t = parse_layout(args.train, TRAIN_KEYS)
         gen = GenLayout(**parse_layout(args.gen, GEN_KEYS))
         train = train_layout(hf, t, args.pp_first_stage_layers, args.pp_last_stage_layers)
         result = _print_plan(args.model, hf, train, t, gen, settings, args.kv_tokens, args.gpus_per_node)
-        if args.gpu_mem:  # colocated, each side holds the GPU alone (the other offloaded): each must fit
-            fits = [f"{'fits' if b <= args.gpu_mem * GiB else 'does NOT fit'} ({b / GiB:.2f} GiB)"
-                    for b in (result["peak"], result["serving"])]
-            print(f"on GPUs of {args.gpu_mem:g} GiB: training {fits[0]}, generation {fits[1]}")
+        print(f"run keys: {run_overrides(t, train.stage_layers, settings, dict(tp=gen.tp, ep=gen.ep))}")
         if gen.tp > args.gpus_per_node:
             print(f"note: megarl starts each SGLang server on the GPUs of one node; --gen tp={gen.tp} needs more "
                   f"than --gpus-per-node {args.gpus_per_node}")
+        if args.gpu_mem:  # colocated, each side holds the GPU alone (the other offloaded): each must fit
+            return _print_fit(args, result["peak"], result["serving"])
+        return 0
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"python -m megarl.plan: {e}") from e
 
 
-def _print_fitting(args, hf: dict, settings: MemorySettings) -> None:
-    found = fitting_layouts(hf, args.gpus, args.gpu_mem * GiB, settings, args.host_mem * GiB, args.gpus_per_node,
-                            args.cp)
-    print(f"{args.model}: layouts of {args.gpus} GPUs whose predicted per-GPU peak fits {args.gpu_mem:g} GiB"
-          + (f" and whose offloaded optimizer fits {args.host_mem:g} GiB of host memory per node" if args.host_mem
-             else "") + f": {len(found)}, best first (least TP x PP x CP, then fewest stages, then least EP)")
+def _print_fit(args, *peaks: float) -> int:
+    """Whether training and generation (peaks in bytes) each fit --gpu-mem less the margin; 1 if one does not."""
+    budget = args.gpu_mem * GiB * (1 - args.margin)
+
+    def fit(peak: float) -> str:
+        free = f"{args.gpu_mem - peak / GiB:.2f} GiB free"
+        if peak <= budget:
+            return f"fits ({peak / GiB:.2f} GiB, {free})"
+        if peak <= args.gpu_mem * GiB:
+            return f"does NOT fit with the {args.margin:.0%} margin ({peak / GiB:.2f} GiB, only {free})"
+        return f"does NOT fit ({peak / GiB:.2f} GiB)"
+
+    training, generation = map(fit, peaks)
+    print(f"on GPUs of {args.gpu_mem:g} GiB with a {args.margin:.0%} margin (--margin: for what the memory model "
+          f"leaves out): training {training}, generation {generation}")
+    return 0 if max(peaks) <= budget else 1
+
+
+def run_overrides(t: dict, stage_layers: tuple[int, ...], settings: MemorySettings, gen: dict | None) -> str:
+    """The `key=value` overrides that make a run train (and generate) as planned: the layout t (TRAIN_KEYS and
+    world size), its uneven stages, the memory settings the plan assumed, and the generation layout `gen` (tp, ep)."""
+    tp, world = t["tp"], t["tp"] * t["pp"] * t["cp"] * t["dp"]
+    keys = {"actor.parallel.world_size": world, "actor.parallel.tp": tp, "actor.parallel.pp": t["pp"]}
+    keys |= {f"actor.parallel.{k}": t[k] for k in ("cp", "ep") if t[k] > 1}
+    if t["ep"] > 1 and t["etp"] != tp:
+        keys["actor.parallel.etp"] = t["etp"]
+    if len(set(stage_layers)) > 1:
+        keys |= {"actor.parallel.pp_first_stage_layers": stage_layers[0],
+                 "actor.parallel.pp_last_stage_layers": stage_layers[-1]}
+    if settings.sp(tp):
+        keys["actor.parallel.sequence_parallel"] = "true"
+    keys["actor.max_tokens_per_micro_batch"] = settings.seq_len * settings.micro_batch
+    if settings.recompute != "none":
+        keys["actor.recompute"] = settings.recompute
+        if settings.recompute == "selective":
+            keys["actor.recompute_modules"] = f"[{','.join(settings.recompute_modules)}]"
+    if settings.distributed_optimizer or settings.optimizer_offload:
+        keys["actor.use_distributed_optimizer"] = "true"
+    if settings.optimizer_offload:
+        keys["actor.optimizer_cpu_offload"] = "true"
+        if settings.offload_fraction != 1.0:
+            keys["actor.optimizer_offload_fraction"] = f"{settings.offload_fraction:g}"
+    if gen is not None:
+        keys |= {"rollout.engine": "sglang", "rollout.sglang_tp": gen["tp"]}
+        if gen["ep"] > 1:
+            keys["rollout.sglang_args"] = f"[--ep-size,{gen['ep']}]"
+    return " ".join(f"{k}={v}" for k, v in keys.items())
+
+
+def _layout_text(r: dict) -> str:
+    return ",".join(f"{k}={r[k]}" for k in TRAIN_KEYS)
+
+
+def _print_fitting(args, hf: dict, settings: MemorySettings) -> int:
+    """The layouts that fit --gpu-mem less the margin, each with the run's overrides; when none does, the nearest
+    and what would make one fit. Returns the exit status: 1 when no training layout or no SGLang server fits."""
+    budget, host_mem = args.gpu_mem * GiB * (1 - args.margin), args.host_mem * GiB
+    every = candidate_layouts(hf, args.gpus, settings, args.gpus_per_node, args.cp)
+    found = [r for r in every if r["peak"] <= budget and (not host_mem or r["host_per_node"] <= host_mem)]
+    tight = [r for r in every if budget < r["peak"] <= args.gpu_mem * GiB]
+    shown = "" if not found else "; " + (f"best {args.top} shown (--top {args.top})" if len(found) > args.top
+                                         else "all shown") + ", best first (least TP x PP x CP, then fewest stages, "\
+                                        "then least EP)"
+    host = f" and whose offloaded optimizer fits {args.host_mem:g} GiB of host memory per node" if host_mem else ""
+    print(f"{args.model}: {len(found)} layout(s) of {args.gpus} GPUs fit {args.gpu_mem:g} GiB per GPU with a "
+          f"{args.margin:.0%} margin (predicted peak at most {budget / GiB:.2f} GiB: the margin is for what the memory "
+          f"model leaves out: CUDA context, NCCL buffers, allocator fragmentation){host}{shown}")
     _print_assumptions(settings, 0, args.cp, None)
-    for r in found[:args.top]:
-        layout = ",".join(f"{k}={r[k]}" for k in TRAIN_KEYS)
-        host = f"  host {r['host_per_node'] / GiB:7.1f} GiB/node" if settings.optimizer_offload else ""
-        stages = ",".join(map(str, r["stage_layers"]))
-        print(f"  --train {layout:40s} peak {r['peak'] / GiB:7.2f} GiB{host}  stages {stages}")
     # colocated, training and generation take turns on each GPU (megarl offloads one while the other runs), so
     # each must fit alone
     layouts = generation_layouts(hf, args.gpus, args.kv_tokens, args.gpus_per_node)
-    fit = [g for g in layouts if g["weights"] + g["kv_cache"] <= args.gpu_mem * GiB]
-    if fit:
-        g = fit[0]
-        print(f"generation: the smallest SGLang server that fits {args.gpu_mem:g} GiB is "
-              f"--gen tp={g['tp']},ep={g['ep']} ({g['weights'] / GiB:.2f} GiB of bf16 weights + "
-              f"{g['kv_cache'] / GiB:.2f} GiB for {args.kv_tokens} tokens of KV cache per rank; "
-              f"rollout.sglang_tp={g['tp']})")
+    fit = [g for g in layouts if g["weights"] + g["kv_cache"] <= budget]
+    gen = fit[0] if fit else None
+    for i, r in enumerate(found[:args.top], 1):
+        host_text = f", host {r['host_per_node'] / GiB:.1f} GiB/node" if settings.optimizer_offload else ""
+        print(f"  {i}. --train {_layout_text(r):40s} peak {r['peak'] / GiB:7.2f} GiB, "
+              f"{args.gpu_mem - r['peak'] / GiB:6.2f} GiB free{host_text}; stages {','.join(map(str, r['stage_layers']))}")
+        print(f"     {run_overrides(r, r['stage_layers'], settings, gen)}")
+    if tight:
+        print(f"  {len(tight)} more fit {args.gpu_mem:g} GiB only inside the {args.margin:.0%} margin (peak "
+              f"{_span([r['peak'] for r in tight])} GiB): not counted; --margin 0 counts them")
+    if not found:
+        _print_nearest(args, hf, settings, every, budget)
+    if gen is not None:
+        print(f"generation: the smallest SGLang server that fits is --gen tp={gen['tp']},ep={gen['ep']} "
+              f"({gen['weights'] / GiB:.2f} GiB of bf16 weights + {gen['kv_cache'] / GiB:.2f} GiB for "
+              f"{args.kv_tokens} tokens of KV cache per rank; rollout.sglang_tp={gen['tp']})")
     else:
         least = min(layouts, key=lambda g: g["weights"], default=None)
         held = (f": at TP={least['tp']} EP={least['ep']} a rank holds {least['weights'] / GiB:.2f} GiB of bf16 "
                 "weights before its KV cache" if least else "")
-        print(f"generation: no SGLang server within a node of {args.gpus_per_node} GPUs fits {args.gpu_mem:g} GiB"
+        print(f"generation: no SGLang server within a node of {args.gpus_per_node} GPUs fits {budget / GiB:.2f} GiB"
               f"{held}. megarl starts each server on the GPUs of one node and serves bf16 weights (no FP8), so this "
-              "model cannot be served on these GPUs")
+              f"model cannot be served on these GPUs (fewer --kv-tokens than {args.kv_tokens} shrink the KV cache)")
+    return 0 if found and gen is not None else 1
+
+
+def _print_nearest(args, hf: dict, settings: MemorySettings, every: list[dict], budget: float) -> None:
+    """When nothing fits: the layouts closest to fitting, and each change that would make one fit, tried."""
+    print(f"no layout of {args.gpus} GPUs fits. The nearest:")
+    for r in sorted(every, key=lambda r: r["peak"])[:3]:
+        print(f"  --train {_layout_text(r):40s} peak {r['peak'] / GiB:7.2f} GiB, {(r['peak'] - budget) / GiB:.2f} GiB "
+              "over")
+    print("what would make one fit:")
+
+    def best(gpus: int, s: MemorySettings) -> str:
+        found = fitting_layouts(hf, gpus, budget, s, args.host_mem * GiB, args.gpus_per_node, args.cp)
+        if found:
+            return f"{len(found)} layout(s) fit, the best --train {_layout_text(found[0])} at " \
+                   f"{found[0]['peak'] / GiB:.2f} GiB"
+        least = min(candidate_layouts(hf, gpus, s, args.gpus_per_node, args.cp), key=lambda r: r["peak"], default=None)
+        return "still none" + (f" (the nearest at {least['peak'] / GiB:.2f} GiB)" if least else "")
+
+    nodes = max(1, args.gpus // args.gpus_per_node)
+    more = next((g for g in (args.gpus * k for k in (2, 4, 8)) if fitting_layouts(
+        hf, g, budget, settings, args.host_mem * GiB, args.gpus_per_node, args.cp)), args.gpus * 8)
+    print(f"  - more GPUs: --gpus {more}: {best(more, settings)}" + (f" ({more // args.gpus_per_node} nodes of "
+          f"{args.gpus_per_node}, now {nodes})" if more > args.gpus_per_node else ""))
+    changes = []
+    if not settings.optimizer_offload:
+        changes.append(("--optimizer-offload (actor.use_distributed_optimizer=true actor.optimizer_cpu_offload=true: "
+                        "Adam's moments on the host)",
+                        dataclasses.replace(settings, distributed_optimizer=True, optimizer_offload=True)))
+    elif not settings.distributed_optimizer:
+        changes.append(("--distributed-optimizer (actor.use_distributed_optimizer=true)",
+                        dataclasses.replace(settings, distributed_optimizer=True)))
+    if settings.recompute != "full":
+        changes.append(("--recompute full (actor.recompute=full)", dataclasses.replace(settings, recompute="full")))
+    if settings.seq_len * settings.micro_batch > 1024:
+        half = settings.seq_len // 2
+        changes.append((f"--seq-len {half} (actor.max_tokens_per_micro_batch={half * settings.micro_batch}: half the "
+                        "tokens per micro-batch)", dataclasses.replace(settings, seq_len=half)))
+    for what, changed in changes:
+        print(f"  - {what}: {best(args.gpus, changed)}")
+    experts = routed_experts(hf)
+    if experts:
+        print(f"  - expert parallelism: every EP dividing the {experts} experts and the GPUs of a stage was tried above; "
+              "more GPUs allow more")
+    print("  - LoRA: megarl trains every weight (no LoRA adapters), so a frozen base cannot shed its gradients and "
+          "optimizer state")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
