@@ -221,6 +221,8 @@ def megarl_command(args, model_dir: Path, prompts: Path, val: Path, completions:
         "data.prompts_per_step": completions // args.n_samples, "reward.name": "benchmarks.e2e_vs_trl:vowel_share",
         "algorithm.advantage": "grpo", "algorithm.kl_coef": 0.0, "actor.micro_batch_size": args.micro_batch,
         "actor.mini_batch_size": 0, "actor.ppo_epochs": 1, "actor.optim.lr": 1e-6, "sft.steps": 0,
+        # the measured workload: prompts as they are (TRL's side takes them so) and TRL's AdamW without weight decay
+        "data.chat_template": "false", "actor.optim.weight_decay": 0.0,
         "trainer.steps": args.megarl_warmup + args.megarl_steps, "trainer.eval_every": 1_000_000,
         "trainer.verify_weight_sync_every": 0, "trainer.loggers": "console,jsonl", "trainer.resume": "none",
         "trainer.cpus_per_rank": 1, "trainer.offload_between_phases": args.offload}

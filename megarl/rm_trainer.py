@@ -50,7 +50,14 @@ def export_dir(cfg: Config) -> Path:
 
 
 def check_rm_config(cfg: Config) -> None:
-    """The layout against the pairs: each data-parallel rank takes whole pairs, each mini-batch whole pairs."""
+    """The model and the steps, which have no default here, and the layout against the pairs: each data-parallel
+    rank takes whole pairs, each mini-batch whole pairs."""
+    if not cfg.model.path:
+        raise ConfigError("model.path is not set: name the model the reward model starts from (a HF directory; "
+                          "tiny, the built-in tiny model, in configs/rm_quickstart.yaml)")
+    if not cfg.trainer.steps:
+        raise ConfigError("trainer.steps=0: set the reward model's training steps (trainer.steps=0 counts a pass "
+                          "over data.task's prompts, not over preference pairs)")
     p, pairs = cfg.reward_model.parallel, cfg.preference.pairs_per_step
     if pairs % p.dp:
         raise ConfigError(f"preference.pairs_per_step={pairs} must be divisible by the reward model's data-parallel "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megarl import stops
 from megarl.config import ConfigError, help_text, load_config
-from megarl.config.summary import describe, profile_line, toy_task_problem
+from megarl.config.summary import describe, profile_line, required_problem
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
 from megarl.utils import quiet
 from megarl.utils.progress import phases
@@ -100,7 +100,7 @@ def start_ray(cfg, cpus_needed: float, gpus_needed: float | None = None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if join is None:
         # "local": a new Ray even beside a cluster that Ray would find itself (it refuses num_cpus for one it joins)
-        with phases("starting a local Ray cluster"), own_sessions():
+        with phases("starting a local Ray cluster"):
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
                      include_dashboard=False, log_to_driver=True)
         return ray
@@ -134,30 +134,6 @@ def start_ray(cfg, cpus_needed: float, gpus_needed: float | None = None):
         refuse(f"the Ray cluster at {address} is too small for this run, which needs " + "; and ".join(short)
                + ". Lower them, or give the cluster more (ray start --num-cpus/--num-gpus on its nodes, or more nodes)")
     return ray
-
-
-@contextlib.contextmanager
-def own_sessions():
-    """The processes a local ray.init starts (GCS, raylet, log monitor; the raylet's workers and agents inherit
-    theirs) each in a session of its own. A signal to the driver's process group (Ctrl-C, `timeout`, a scheduler's
-    SIGTERM to the job) then reaches the driver alone, which stops the run (megarl/stops.py) and ends Ray itself;
-    inside the group, SIGTERM ended the GCS first and the driver died on "Failed to connect to GCS". Ray has no
-    option for it: its children call ray._private.utils.set_kill_on_parent_death_linux between fork and exec (they
-    still die with the driver by that call; the run's lease ends what is left: megarl/workers/lease.py), so setsid
-    joins that call while Ray starts. tests/test_stops.py fails if Ray stops calling it."""
-    from ray._private import utils
-
-    die_with_parent = utils.set_kill_on_parent_death_linux
-
-    def detach_and_die_with_parent():
-        os.setsid()
-        die_with_parent()
-
-    utils.set_kill_on_parent_death_linux = detach_and_die_with_parent
-    try:
-        yield
-    finally:
-        utils.set_kill_on_parent_death_linux = die_with_parent
 
 
 @contextlib.contextmanager
@@ -251,18 +227,20 @@ def first_prompt_row(cfg) -> dict | None:
 
 def reward_key(cfg) -> str:
     """The key a reward's errors name: verl's custom_reward_function.path where a verl command named it."""
-    quiet.install(args.verbose)  # before megatron and transformers are imported, here and in every worker
     return "custom_reward_function.path" if cfg.profile == "verl" and cfg.reward.name else "reward.name"
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    quiet.install(args.verbose)  # before megatron and transformers are imported, here and in every worker
     try:
         cfg = load_config(args.config, args.overrides)
         from megarl.algorithms import check_registry_names  # the registries live above the config layer
         from megarl.rewards.loading import check_reward
         from megarl.utils.tracking import check_loggers
 
+        if problem := required_problem(cfg):  # before the reward is tried on a prompt file that is not named
+            raise ConfigError(problem)
         check_registry_names(cfg.algorithm)
         check_loggers(cfg.trainer.loggers)
         reward = check_reward(cfg, first_prompt_row(cfg), reward_key(cfg))  # imported and tried before anything starts
@@ -278,12 +256,6 @@ def main(argv=None) -> int:
     layout = cfg.actor.parallel.describe()
     config_ok = f"config ok: {layout}; rollout={generation_placement(cfg.rollout)}; {cfg.trainer.steps} RL steps"
     summary = "\n".join(f"  {line}" for line in describe(cfg) + [reward])
-    toy = toy_task_problem(cfg)  # a run stops on it; the checks only warn, being run on configs under construction
-    if toy and (args.check_config or args.dry_run):
-        print(f"warning: {toy}")
-    elif toy:
-        print(f"config error: {toy}", file=sys.stderr)
-        return 2
     if args.check_config:
         print(config_ok)
         print(summary)

@@ -19,6 +19,7 @@ from megarl.algorithms.filtering import PolicyFilter
 from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
 from megarl.config.model_layout import check_model_layout, check_rollout_model
+from megarl.config.run_defaults import training_device
 from megarl.data.dataset import sft_batch
 from megarl.data.evaluation import eval_metrics
 from megarl.data.inputs import (eos_disagreement, load_tokenizer, prompt_datasets, prompt_limit,
@@ -43,11 +44,9 @@ from megarl.workers.group import TrainGroup, call_rollout, start_rollout, stop_r
 
 
 def resolve_device(cfg: Config) -> str:
-    if cfg.trainer.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but no GPU is visible")
-    return cfg.trainer.device
+    return training_device(cfg.trainer.device)
 
 
 def evaluates_after(step: int, eval_every: int, steps: int) -> bool:

@@ -59,7 +59,7 @@ def test_inconsistent_layout_is_an_error():
         tiny_config(["actor.parallel.world_size=3", "actor.parallel.tp=2"])
     with pytest.raises(ConfigError, match=r"actor.mini_batch_size=6 does not divide the step's batch"):
         tiny_config(["data.prompts_per_step=2", "rollout.n_samples=4", "actor.mini_batch_size=6"])
-    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': must be one of hf, sglang"):
+    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': must be one of auto, hf, sglang"):
         tiny_config(["rollout.engine=vllm"])
     with pytest.raises(ConfigError, match=r"critic.parallel.world_size=2 is not divisible by critic.parallel.tp "
                                           r"\* critic.parallel.pp \* critic.parallel.cp = 1\*1\*4"):

@@ -4,7 +4,7 @@ outside it by name: hostile values (-1, 0, NaN, infinity, huge) are accepted onl
 import pytest
 
 from megarl.config import Config, ConfigError, help_text
-from megarl.config.tiny import tiny_config
+from megarl.config.tiny import TINY_ARGS, tiny_config
 from megarl.config.fields import leaves
 
 NUMERIC = ("int", "float")
@@ -44,7 +44,9 @@ TABLE = {
                               "0": OK, "nan": NOT_INT, "inf": NOT_INT, HUGE_INT: "must be in"},
     "actor.ppo_epochs": {"-1": "must be in", "0": r"must be in \[1, 1000\]", "nan": NOT_INT, "inf": NOT_INT,
                          HUGE_INT: r"must be in \[1, 1000\] \(.*a whole pass"},
-    "trainer.steps": {"-1": "must be >= 1", "0": "must be >= 1", "nan": NOT_INT, "inf": NOT_INT, HUGE_INT: OK},
+    "trainer.steps": {"-1": r"must be >= 0 \(0 = one pass over data.task's prompt file",
+                      "0": "one pass over data.task's prompt file, and data.task='reverse' is a built-in task",
+                      "nan": NOT_INT, "inf": NOT_INT, HUGE_INT: OK},
     "trainer.eval_every": {"-1": r"must be >= 0 \(0 = before RL and after the last step only\)", "0": OK,
                            "nan": NOT_INT, "inf": NOT_INT, HUGE_INT: OK},
     "trainer.seed": {"-1": r"must be in \[0, 4294967295\]", "0": OK, "nan": NOT_INT, "inf": NOT_INT,
@@ -111,14 +113,14 @@ def test_a_product_of_keys_past_the_bound_is_named():
 def test_check_config_refuses_a_hostile_value_in_one_line(capsys):
     from megarl.train import main
 
-    assert main(["--check-config", "actor.optim.clip_grad=nan"]) == 2
+    assert main(["--check-config", *TINY_ARGS, "actor.optim.clip_grad=nan"]) == 2
     assert capsys.readouterr().err == "config error: actor.optim.clip_grad=nan: must be a finite number >= 0 (0 = off)\n"
 
 
 def test_help_shows_each_keys_range_or_choices_after_its_default():
     text = help_text()
     for line in ("rollout.top_p = 1.0  (in (0, 1])", "rollout.top_k = -1  (>= 1 or -1)",
-                 "rollout.engine = 'hf'  (one of hf, sglang)", "rollout.n_samples = 8  (in [1, 1000000])",
+                 "rollout.engine = 'auto'  (one of auto, hf, sglang)", "rollout.n_samples = 8  (in [1, 1000000])",
                  "reward_model.weight = 1.0  (any finite number)", "actor.optim.adam_beta1 = 0.9  (in [0, 1))",
                  "async.stale = 'drop'  (one of drop, regenerate)"):
         assert f"  {line}\n" in text, line

@@ -4,6 +4,7 @@ rank's weights; the numbers are megarl.reshard's for the same inputs, and they m
 
 import re
 
+from megarl.config.tiny import TINY_ARGS
 from megarl.models.tiny import build_char_tokenizer
 from megarl.reshard.inventory import hf_inventory
 from megarl.reshard.layout import GenLayout
@@ -17,7 +18,7 @@ BATCH = ["data.prompts_per_step=4", "rollout.n_samples=4", "rollout.engine=sglan
 
 def _line(capsys, args) -> str:
     capsys.readouterr()
-    assert main(["--dry-run"] + args) == 0
+    assert main(["--dry-run", *TINY_ARGS] + args) == 0
     out = capsys.readouterr().out
     return next(line for line in out.splitlines() if line.startswith("predicted GPU memory"))
 
@@ -26,7 +27,7 @@ def test_dry_run_predicts_the_runs_memory_as_the_planner_does(tmp_path, capsys):
     model = save_random(deepseek_v3_config(layers=3, first_k_dense_replace=1), tmp_path / "v3", seed=3)
     build_char_tokenizer().save_pretrained(model)
     capsys.readouterr()
-    assert main(["--dry-run", f"model.path={model}"] + BATCH) == 0
+    assert main(["--dry-run", *TINY_ARGS, f"model.path={model}"] + BATCH) == 0
     out = capsys.readouterr().out
     longest = int(re.search(r"the longest (\d+) tokens", out).group(1))
     hf = load_model_config(str(model))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.config import ConfigError
-from megarl.config.tiny import tiny_config
+from megarl.config.tiny import TINY_ARGS, tiny_config
 from megarl.config.model_layout import check_rollout_model
 from megarl.models.tiny import build_char_tokenizer
 from megarl.train import main
@@ -38,7 +38,7 @@ def test_fp8_model_path_with_sglang_is_refused_naming_the_conversion_that_fixes_
     check_rollout_model(tiny_config(BATCH + [f"model.path={fp8}"]), hf, "config.json")  # the hf engine: no check
 
     capsys.readouterr()  # the model writers' progress bars
-    assert main(["--dry-run", f"model.path={fp8}", "rollout.engine=sglang"] + BATCH) == 2
+    assert main(["--dry-run", *TINY_ARGS, f"model.path={fp8}", "rollout.engine=sglang"] + BATCH) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"config error: model.path={fp8} is a quantized checkpoint ({fp8}/config.json has "
                           'quantization_config={"quant_method": "fp8"'), err
@@ -51,7 +51,7 @@ def test_fp8_model_path_with_sglang_is_refused_naming_the_conversion_that_fixes_
         assert done.returncode == 0, done.stderr[-3000:]
     bf16 = tmp_path / "v3-fp8-bf16"
     assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
-    assert main(["--dry-run", f"model.path={bf16}", "rollout.engine=sglang"] + BATCH) == 0
+    assert main(["--dry-run", *TINY_ARGS, f"model.path={bf16}", "rollout.engine=sglang"] + BATCH) == 0
     written, dequantized = load_file(f"{bf16}/model.safetensors"), load_file(f"{tmp_path}/dequantized/model.safetensors")
     assert sorted(written) == sorted(dequantized)
     for name, tensor in written.items():

@@ -8,16 +8,21 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
+from megarl.config.tiny import TINY_ARGS
 from megarl.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
+REWARD_MODEL_RECIPES = {"rm_quickstart"}  # python -m megarl.train_rm's (no RL prompts)
 BASELINES = ["ppo_gsm8k_qwen2.5_0.5b", "grpo_gsm8k_qwen2.5_0.5b", "grpo_math_qwen2.5_7b", "dapo_math_qwen2.5_7b"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_dry_run(recipe, capsys):
-    assert main(["--config", str(recipe), "--check-config"]) == 0
+    from megarl.train_rm import main as train_rm_main
+
+    entry = train_rm_main if recipe.stem in REWARD_MODEL_RECIPES else main
+    assert entry(["--config", str(recipe), "--check-config"]) == 0
     assert "config ok" in capsys.readouterr().out
 
 
@@ -77,10 +82,10 @@ def test_unknown_algorithm_names_are_refused_before_anything_starts(capsys):
     # the registries' names, checked by python -m megarl.train before Ray, the warm start or the first rollout
     for key, typo, hint in (("advantage", "gpgg", "gpg"), ("policy_loss", "cispoo", "cispo"),
                             ("loss_agg", "token_mean", "token-mean")):
-        assert main(["--check-config", f"algorithm.{key}={typo}"]) == 2
+        assert main(["--check-config", *TINY_ARGS, f"algorithm.{key}={typo}"]) == 2
         err = capsys.readouterr().err
         assert f"algorithm.{key}='{typo}': unknown" in err and f"did you mean '{hint}'" in err, err
-    assert main(["--check-config", "algorithm.policy_loss=my_pkg.losses:mine"]) == 0  # a path: imported when used
+    assert main(["--check-config", *TINY_ARGS, "algorithm.policy_loss=my_pkg.losses:mine"]) == 0  # a path: imported when used
 
 
 def test_the_moe_recipe_fits_one_node_as_the_planner_predicts():

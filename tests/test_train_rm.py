@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from megarl.config.tiny import tiny_config
+from megarl.config.tiny import TINY_ARGS, tiny_config
 from megarl.data.files import write_records
 from megarl.data.preferences import pair_batch
 from megarl.rm_trainer import RMTrainer
@@ -123,7 +123,7 @@ def test_export_scores_as_trained_in_transformers_and_in_rl(trained):
     # directory's score.weight in RL: tests/test_ppo_e2e.py)
     assert train_main(["--config", str(QUICKSTART), "--dry-run", f"reward_model.path={exported}"]) == 0
     # an earlier export of train_rm at reward_model.path may be replaced; anything else there is refused before training
-    assert main(["--dry-run", f"trainer.output_dir={tmp_path / 'a'}", "preference.task_pairs=10"]) == 0
+    assert main(["--dry-run", *TINY_ARGS, f"trainer.output_dir={tmp_path / 'a'}", "preference.task_pairs=10"]) == 0
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "weights.bin").write_text("x")
-    assert main(["--dry-run", f"reward_model.path={tmp_path / 'other'}", "preference.task_pairs=10"]) == 2
+    assert main(["--dry-run", *TINY_ARGS, f"reward_model.path={tmp_path / 'other'}", "preference.task_pairs=10"]) == 2

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError
-from megarl.config.tiny import tiny_config
+from megarl.config.tiny import TINY_ARGS, tiny_config
 from megarl.data.dataset import PromptLimit
 from megarl.data.files import InputError, write_records
 from megarl.data.preferences import PairOptions, load_preference_file, pair_batch, task_preferences
@@ -118,7 +118,7 @@ def test_train_rm_help_and_config_check(capsys):
     assert capsys.readouterr().out == ("config ok: world_size=1 = tp 1 x pp 1 x cp 1 x dp 1; 3000 steps of 64 "
                                        "preference pairs\n")
     # each data-parallel rank trains on whole pairs
-    assert main(["--check-config", "reward_model.parallel.world_size=2", "preference.pairs_per_step=3"]) == 2
+    assert main(["--check-config", *TINY_ARGS, "reward_model.parallel.world_size=2", "preference.pairs_per_step=3"]) == 2
     assert "preference.pairs_per_step=3 must be divisible by the reward model's data-parallel size 2" in \
         capsys.readouterr().err
 
@@ -129,8 +129,8 @@ def test_train_rm_dry_run_names_a_malformed_row_or_skips_and_counts_it(tmp_path,
     rows = [{"prompt": f"{w}>", "chosen": w[::-1], "rejected": w} for w in ("abc", "xyz", "pqrs")]
     write_records(tmp_path / "val.jsonl", rows)
     write_records(tmp_path / "train.parquet", rows + [{"prompt": "ab>", "chosen": "ba", "rejected": None}])
-    dry_run = ["--dry-run", f"trainer.output_dir={tmp_path / 'rm'}", f"preference.train={tmp_path / 'train.parquet'}",
-               f"preference.val={tmp_path / 'val.jsonl'}"]
+    dry_run = ["--dry-run", *TINY_ARGS, f"trainer.output_dir={tmp_path / 'rm'}",
+               f"preference.train={tmp_path / 'train.parquet'}", f"preference.val={tmp_path / 'val.jsonl'}"]
     assert main(dry_run) == 2
     assert capsys.readouterr().err == f"input error: {tmp_path / 'train.parquet'}, row 4: field 'rejected' is null\n"
     assert main(dry_run + ["preference.skip_malformed=true"]) == 0

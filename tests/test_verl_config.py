@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.config import ConfigError, load_config
-from megarl.config.summary import toy_task_problem
 from megarl.config.verl import near_miss
 from megarl.config.verl_keys import VERL_KEYS, markdown_table
 
@@ -228,16 +227,6 @@ def test_a_megarl_key_and_a_verl_key_for_one_option_clash_and_a_recipe_yields_to
     cfg = read(SEED_MULTINODE, "rollout.max_new_tokens=64", "trainer.steps=3")
     assert (cfg.rollout.max_new_tokens, cfg.trainer.steps) == (64, 3)
     assert read(SEED_MULTINODE).rollout.max_new_tokens == 512
-
-
-def test_a_real_model_without_prompts_is_not_a_silent_toy_run(tmp_path):
-    from megarl.train import main
-
-    assert main(["model.path=/models/qwen", f"trainer.output_dir={tmp_path}"]) == 2  # before Ray starts
-    problem = toy_task_problem(load_config(None, ["model.path=/models/qwen"]))
-    assert problem.startswith("model.path=/models/qwen with no prompt file: data.task is the built-in toy task 'reverse'")
-    assert toy_task_problem(load_config(None, ["model.path=/models/qwen", "data.task=reverse"])) is None
-    assert toy_task_problem(load_config(None, [])) is None  # the built-in tiny model trains its toy task
 
 
 def test_an_invalid_option_set_through_verl_names_the_verl_key():

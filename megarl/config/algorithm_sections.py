@@ -83,7 +83,7 @@ class AlgorithmConfig:
     kl_horizon: int = opt(10000, "adaptive KL coefficient: horizon of the update, in samples", min=1)
     entropy_coef: float = opt(0.0, "entropy bonus coefficient", min=0)
     gamma: float = opt(1.0, "discount of token-level returns (gae, reinforce_plus_plus)", min=0, max=1)
-    lam: float = opt(0.95, "GAE lambda", min=0, max=1)
+    lam: float = opt(1.0, "GAE lambda (verl's default)", min=0, max=1)
     dynamic_sampling: bool = opt(False, "DAPO: drop groups whose rewards are all equal and generate more prompts "
                                         "to refill the step's batch")
     max_sampling_rounds: int = opt(3, "DAPO dynamic sampling: most generation rounds per step; a batch still short "
@@ -154,9 +154,11 @@ class AlgorithmConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "rollout engine: hf (transformers, CPU/debug) or sglang (GPU)", choices=("hf", "sglang"))
+    engine: str = opt("auto", "rollout engine: sglang (GPU), hf (transformers, CPU/debug) or auto (sglang where "
+                              "trainer.device resolves to cuda, else hf; resolved when the config is read)",
+                      choices=("auto", "hf", "sglang"))
     n_samples: int = opt(8, "responses per prompt (the GRPO group size)", min=1, **SEQUENCES)
-    max_new_tokens: int = opt(16, "response length limit", min=1, **TOKENS)
+    max_new_tokens: int = opt(1024, "response length limit", min=1, **TOKENS)
     temperature: float = opt(1.0, "sampling temperature for training rollouts (0 = greedy)", min=0)
     top_p: float = opt(1.0, "nucleus sampling for training rollouts", min=0, max=1, min_exclusive=True)
     top_k: int = opt(-1, "training rollouts sample among the k most likely tokens; -1 = all (no top-k cut)",

@@ -114,8 +114,17 @@ def opt(default, help: str, *, min: float | None = None, max: float | None = Non
     return field(default=default, metadata=metadata)
 
 
-def section(cls, help: str):
-    return field(default_factory=cls, metadata={"help": help})
+def section(cls, help: str, **defaults):
+    """A section of the config. `defaults` replace the section class's own where the whole config's differ (a
+    sub-section's as a dict of its keys): a run's policy optimizer starts from a real run's learning rate, while an
+    ActorConfig built alone (an engine in a test, megarl/convert.py) keeps the class's."""
+    return field(default_factory=lambda: _with_defaults(cls(), defaults), metadata={"help": help})
+
+
+def _with_defaults(obj, defaults: dict):
+    for name, value in defaults.items():
+        setattr(obj, name, _with_defaults(getattr(obj, name), value) if isinstance(value, dict) else value)
+    return obj
 
 
 def config_key(name: str) -> str:

@@ -13,6 +13,8 @@ from megarl.config.algorithm_sections import AlgorithmConfig, RolloutConfig, Rol
 from megarl.config.fields import CLUSTER, MEBIBYTES, PASSES, SECONDS, SEQUENCES, TOKENS, opt, section
 from megarl.config.validation import PACKING_LAYOUTS, ConfigChecks
 
+BUILT_IN_VAL_SIZE = 256  # held-out prompts of a built-in task at data.val_size=0 (it can draw any number)
+
 # upper bounds of the sections below, each saying what it protects (megarl/config/fields.py has the shared ones)
 TINY = {"max": 65536, "why": "the built-in tiny model is for tests and CPU runs, and is built in memory at that size"}
 PIXELS = {"max": 100_000_000, "why": "the bound against typos: an image resized to that many pixels exhausts memory"}
@@ -22,8 +24,8 @@ AHEAD = {"max": 1000, "why": "the bound against typos: the rollout may run that 
 
 @dataclass
 class ModelConfig:
-    path: str = opt("tiny", "HF model directory (config.json, safetensors, tokenizer), or 'tiny' to build the "
-                            "built-in tiny Qwen2 model offline under trainer.output_dir")
+    path: str = opt("", "HF model directory (config.json, safetensors, tokenizer), or 'tiny' to build the built-in "
+                        "tiny Qwen2 model offline under trainer.output_dir; required")
     tiny_hidden_size: int = opt(64, "hidden size of the built-in tiny model", min=1, **TINY)
     tiny_num_layers: int = opt(2, "layers of the built-in tiny model", min=1, **TINY)
     tiny_num_heads: int = opt(4, "attention heads of the built-in tiny model", min=1, **TINY)
@@ -211,9 +213,10 @@ class AgentConfig:
 
 @dataclass
 class DataConfig:
-    task: str = opt("reverse", "built-in synthetic task (reverse, add) or a .jsonl/.parquet prompt file")
+    task: str = opt("", "the training prompts: a .jsonl/.parquet prompt file, or a built-in synthetic task (reverse, "
+                        "add) for the tiny model's CPU runs; required")
     val_task: str = opt("", "held-out prompt file; empty = a held-out split of the built-in task")
-    prompts_per_step: int = opt(8, "prompts per RL step (counts PROMPTS, not responses: a step trains on "
+    prompts_per_step: int = opt(64, "prompts per RL step (counts PROMPTS, not responses: a step trains on "
                                    "prompts_per_step x rollout.n_samples sequences)", min=1, **SEQUENCES)
     max_prompt_length: int = opt(0, "most tokens of a rendered prompt (verl's data.max_prompt_length); a longer "
                                     "prompt is handled by data.truncation, or left out with "
@@ -224,11 +227,15 @@ class DataConfig:
     truncation: str = opt("error", "a prompt longer than data.max_prompt_length: error (names the file and row), "
                                    "left (keeps its last tokens), right (its first) or middle (its first and last "
                                    "halves)", choices=("error", "left", "right", "middle"))
-    val_size: int = opt(64, "held-out prompts scored at each evaluation", min=1, **SEQUENCES)
+    val_size: int = opt(0, "held-out prompts scored at each evaluation (the first this many); 0 = every one: every "
+                           "row of the held-out file (data.val_task, or the held-out split of data.task's file), or "
+                           f"{BUILT_IN_VAL_SIZE} prompts of a built-in task", min=0, **SEQUENCES)
     min_len: int = opt(3, "built-in tasks: shortest operand", min=1, **TOKENS)
     max_len: int = opt(5, "built-in tasks: longest operand", min=1, **TOKENS)
-    chat_template: bool = opt(False, "render prompts with the tokenizer's chat template (a string prompt becomes "
-                                     "one user message; a prompt given as a list of messages always is rendered)")
+    chat_template: bool = opt(True, "render prompts with the tokenizer's chat template (a string prompt becomes "
+                                    "one user message; a prompt given as a list of messages always is rendered); a "
+                                    "tokenizer without one is an error naming this key: false feeds prompts as they "
+                                    "are")
     system_prompt: str = opt("", "with chat_template: a system message put before each prompt; empty = none")
     skip_malformed: bool = opt(False, "prompt files: skip (and count) malformed rows instead of stopping with an "
                                       "error that names the file and row")
@@ -327,7 +334,7 @@ class PreferenceConfig:
 class SFTConfig:
     steps: int = opt(0, "supervised warm-start steps before RL (0 = none)", min=0)
     batch_size: int = opt(32, "sequences per SFT step", min=1, **SEQUENCES)
-    lr: float = opt(1e-3, "SFT learning rate", min=0)
+    lr: float = opt(1e-5, "SFT learning rate", min=0)
     data: str = opt("", "SFT examples: empty = the task's reference answers; or a .jsonl of multi-turn traces "
                         "{prompt, messages: [{role: assistant|tool, content}]} (scripts/make_tool_traces.py), "
                         "trained on the assistant turns only")
@@ -372,8 +379,10 @@ class TrainerConfig:
                             "rollout keeps generating into a buffer; the trainer takes a batch whenever one is "
                             "ready; bounded by async.max_staleness); docs/async.md",
                     choices=("sync", "one_step_off", "async"))
-    steps: int = opt(10, "RL steps", min=1)
-    eval_every: int = opt(5, "evaluate on the held-out set before RL, every N steps and after the last step; "
+    steps: int = opt(0, "RL steps; 0 = one pass over data.task's prompt file: its rows // data.prompts_per_step "
+                        "(verl's epoch, its dataloader dropping the last partial batch; without data.val_task the "
+                        "held-out ~10% is counted among the rows); a built-in task needs a number", min=0)
+    eval_every: int = opt(10, "evaluate on the held-out set before RL, every N steps and after the last step; "
                              "0 = before RL and after the last step only", min=0)
     output_dir: str = opt("runs/default", "the runs' root: each run's metrics.jsonl and TensorBoard events go to "
                                           "<output_dir>/logs/<run id>/, checkpoints and the tiny model beside")
@@ -447,12 +456,14 @@ class TrainerConfig:
 @dataclass
 class Config(ConfigChecks):
     model: ModelConfig = section(ModelConfig, "policy model")
-    actor: ActorConfig = section(ActorConfig, "policy training")
+    # a real run's optimizers (verl's: the policy's lr 1e-6, the critic's 1e-5, both with AdamW weight decay 0.01)
+    actor: ActorConfig = section(ActorConfig, "policy training", optim={"lr": 1e-6, "weight_decay": 0.01})
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and losses")
     rollout: RolloutConfig = section(RolloutConfig, "generation")
     data: DataConfig = section(DataConfig, "prompts")
     reward: RewardConfig = section(RewardConfig, "reward")
-    critic: CriticConfig = section(CriticConfig, "the critic (algorithm.advantage=gae): its own layout and optimizer")
+    critic: CriticConfig = section(CriticConfig, "the critic (algorithm.advantage=gae): its own layout and optimizer",
+                                   optim={"weight_decay": 0.01})
     reward_model: RewardModelConfig = section(RewardModelConfig, "a reward model: the one python -m megarl.train_rm "
                                                                  "trains, or RL's (when reward_model.path is set)")
     agent: AgentConfig = section(AgentConfig, "multi-turn, tool-using rollouts")

@@ -3,17 +3,21 @@ print first. Batch sizes are said in prompts and in sequences (responses), and t
 
 from __future__ import annotations
 
+from megarl.config.sections import BUILT_IN_VAL_SIZE
 from megarl.config.verl import count_rows
 from megarl.data.files import SUFFIXES as PROMPT_FILES  # the prompt files megarl reads
 
 
-def toy_task_problem(cfg) -> str | None:
-    """A real model given no prompts would train the built-in toy task: said unless the command named the task."""
-    if cfg.given is None or cfg.model.path == "tiny" or "data.task" in cfg.given or cfg.data.task.endswith(PROMPT_FILES):
+def required_problem(cfg) -> str | None:
+    """model.path and data.task have no default (a real run's model and prompts): the one error naming each unset."""
+    unset = [key for key, value in (("model.path", cfg.model.path), ("data.task", cfg.data.task)) if not value]
+    if not unset:
         return None
-    return (f"model.path={cfg.model.path} with no prompt file: data.task is the built-in toy task {cfg.data.task!r}. "
-            f"Name the prompts (data.task=<file.parquet|jsonl>, or verl's data.train_files=...), or set "
-            f"data.task={cfg.data.task} to train on the toy task")
+    what = {"model.path": "model.path=<HF model directory> (verl's actor_rollout_ref.model.path)",
+            "data.task": "data.task=<prompts.parquet|jsonl> (verl's data.train_files)"}
+    return (f"{' and '.join(unset)} {'is' if len(unset) == 1 else 'are'} not set: name {' and '.join(map(what.get, unset))}. "
+            "The tiny CPU demo (a built-in model and task): bash scripts/quickstart.sh, or python -m megarl.train "
+            "--config configs/quickstart.yaml")
 
 
 def profile_line(cfg) -> str:
@@ -52,9 +56,10 @@ def _file(path: str) -> str:
 def _data(cfg) -> str:
     d = cfg.data
     if not d.task.endswith(PROMPT_FILES):
-        return f"data: the built-in task {d.task!r} (a toy task for CPU runs); {d.val_size} held-out prompts"
+        return (f"data: the built-in task {d.task!r} (a toy task for CPU runs); "
+                f"{d.val_size or BUILT_IN_VAL_SIZE} held-out prompts")
     val = _file(d.val_task) if d.val_task else "a held-out split of the training file"
-    return f"data: train {_file(d.task)}; held-out {val}, at most {d.val_size} scored"
+    return f"data: train {_file(d.task)}; held-out {val}, {f'at most {d.val_size}' if d.val_size else 'all'} scored"
 
 
 def _checkpoints(t) -> str:
@@ -74,6 +79,8 @@ def describe(cfg) -> list[str]:
     steps = f"{cfg.trainer.steps} RL steps"
     if d.task.endswith(PROMPT_FILES) and (rows := count_rows(d.task)):
         steps += f" ({cfg.trainer.steps * d.prompts_per_step / rows:.3g} epochs of {rows} prompts)"
+    elif not cfg.trainer.steps:
+        steps = "one pass over data.task's prompts (trainer.steps=0; counted once the file is there)"
     return [
         f"model: {cfg.model.path}",
         _algorithm(cfg),

@@ -55,6 +55,8 @@ class ConfigChecks:
     def validate(self) -> "Config":
         from megarl.config.fields import SEQUENCES, check_ranges  # imports ConfigError from here
         check_ranges(self)  # every option within its field's range: the checks below relate options
+        from megarl.config.run_defaults import resolve_run_defaults
+        resolve_run_defaults(self)  # rollout.engine=auto and trainer.steps=0, before the checks that read them
         self._validate_engine_options()
         p = self.actor.parallel
         batch = self.data.prompts_per_step * self.rollout.n_samples

@@ -82,6 +82,10 @@ class PromptSets:
 
 def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
     """Every prompt of the run loaded, rendered, tokenized and checked (see PromptDataset)."""
+    if cfg.data.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise InputError(f"data.chat_template=true (the default) renders every prompt with the tokenizer's chat "
+                         f"template, and the tokenizer of model.path={cfg.model.path} has none: set "
+                         "data.chat_template=false to feed the prompts as they are")
     skipped: list[str] = []
     train, val = load_examples(cfg.data, cfg.trainer.seed, skipped)
     options = {"chat_template": cfg.data.chat_template, "system_prompt": cfg.data.system_prompt,
@@ -89,7 +93,7 @@ def prompt_datasets(cfg, tokenizer, limit: PromptLimit | None) -> PromptSets:
                "image_prompts": image_prompts(cfg, tokenizer, train + val)}
     seed = cfg.trainer.seed
     train_set = PromptDataset(train, tokenizer, cfg.data.prompts_per_step, seed, **options)
-    val_set = PromptDataset(val[:cfg.data.val_size], tokenizer, 1, 0, **options)  # taken whole, below
+    val_set = PromptDataset(val[:cfg.data.val_size or None], tokenizer, 1, 0, **options)  # taken whole, below
     skipped += [*train_set.skipped.values(), *val_set.skipped.values()]
     overlong = [*train_set.overlong.values(), *val_set.overlong.values()]
     if cfg.sft.data:  # multi-turn traces

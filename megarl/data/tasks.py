@@ -19,6 +19,7 @@ import json
 import random
 from dataclasses import dataclass
 
+from megarl.config.sections import BUILT_IN_VAL_SIZE
 from megarl.data.dataset import Example, load_prompt_file
 
 SPLITS = ("train", "val")
@@ -128,7 +129,7 @@ def load_examples(data_cfg, seed: int, skipped: list[str] | None = None) -> tupl
         task = make_task(data_cfg.task, min_len=data_cfg.min_len, max_len=data_cfg.max_len)
         # a small task (2-digit products: 8100 prompts) gives half its prompts, all found by random draws
         train = task_examples(task, min(TRAIN_POOL, (task.num_prompts() or 2 * TRAIN_POOL) // 2), seed, "train")
-        val = [] if data_cfg.val_task else task_examples(task, data_cfg.val_size, seed, "val")
+        val = [] if data_cfg.val_task else task_examples(task, data_cfg.val_size or BUILT_IN_VAL_SIZE, seed, "val")
     elif data_cfg.task.endswith((".jsonl", ".parquet")):
         rows = load_prompt_file(data_cfg.task, skip, skipped, data_cfg.prompt_key)
         train = rows if data_cfg.val_task else [r for r in rows if split_of(prompt_key(r)) == "train"]

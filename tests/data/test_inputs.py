@@ -3,6 +3,7 @@ prompt, and exits 2 naming the problem; a real run stops on the same problems wi
 
 import pytest
 
+from megarl.config.tiny import TINY_ARGS
 from megarl.data.files import write_records
 from megarl.models.tiny import build_tiny_model
 from megarl.train import main
@@ -16,7 +17,7 @@ def model_dir(tmp_path_factory):
 
 
 def dry_run(capsys, *overrides):
-    code = main(["--dry-run", "reward.name=exact_match", *overrides])
+    code = main(["--dry-run", *TINY_ARGS, "reward.name=exact_match", *overrides])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -83,7 +84,8 @@ def test_a_run_stops_on_a_corrupt_prompt_file_before_any_worker(tmp_path, capsys
     task, val = prompt_file(tmp_path, PROMPTS, "p.parquet")
     path = tmp_path / "p.parquet"
     path.write_bytes(path.read_bytes()[:-20])  # truncated: no footer
-    code = main(["reward.name=exact_match", f"model.path={model_dir}", task, val, f"trainer.output_dir={tmp_path}"])
+    code = main([*TINY_ARGS, "reward.name=exact_match", f"model.path={model_dir}", task, val,
+                 f"trainer.output_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and f"input error: {path}: not a readable parquet file" in err
 

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from megarl.config import ConfigError
-from megarl.config.tiny import tiny_config
+from megarl.config.tiny import TINY_ARGS, tiny_config
 from megarl.data.dataset import PromptDataset, PromptLimit, load_prompt_file, truncate
 from megarl.data.files import InputError, write_records
 from megarl.data.inputs import prompt_datasets, prompt_limit
@@ -117,6 +117,6 @@ def test_run_prompts_count_what_the_filter_left_out(tmp_path, tokenizer, capsys)
     assert prompts.left_out() == "3 prompts over 6 tokens (data.max_prompt_length=6) left out " \
                                  "(data.filter_overlong_prompts)"
     # the dry run's start-up line says it
-    assert main(["--dry-run", "model.path=tiny", *overrides]) == 0
+    assert main(["--dry-run", *TINY_ARGS, "model.path=tiny", *overrides]) == 0
     assert "prompts ok: 8 training, 2 held-out, 3 prompts over 6 tokens (data.max_prompt_length=6) left out" \
         in capsys.readouterr().out

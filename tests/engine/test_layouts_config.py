@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.config.tiny import TINY_ARGS, tiny_config
 from megarl.config.model_layout import check_model_layout
 from megarl.parallel.stages import stage_layers
 from megarl.train import main
@@ -57,18 +58,18 @@ def test_stage_rule_splits_the_published_models():
 ])
 def test_config_check_refuses_layouts_by_key(overrides, key, capsys):
     with pytest.raises(ConfigError, match=key):
-        load_config(None, BATCH + overrides)
-    assert main(["--check-config"] + BATCH + overrides) == 2
+        tiny_config(BATCH + overrides)
+    assert main(["--check-config", *TINY_ARGS] + BATCH + overrides) == 2
     assert "config error" in capsys.readouterr().err
 
 
 def test_layouts_that_fit_pass_the_config_check():
-    cfg = load_config(None, BATCH + ["actor.parallel.world_size=4", "actor.parallel.tp=2", "actor.parallel.ep=2",
+    cfg = tiny_config(BATCH + ["actor.parallel.world_size=4", "actor.parallel.tp=2", "actor.parallel.ep=2",
                                      "actor.parallel.etp=1", "actor.parallel.sequence_parallel=true",
                                      "actor.use_distributed_optimizer=true", "actor.optimizer_cpu_offload=true",
                                      "actor.recompute=selective", "actor.recompute_modules=[moe,core_attn]"])
     assert (cfg.actor.parallel.etp, cfg.actor.optimizer_offload_fraction) == (1, 1.0)
-    two_stages = load_config(None, BATCH + ["actor.parallel.world_size=2", "actor.parallel.pp=2",
+    two_stages = tiny_config(BATCH + ["actor.parallel.world_size=2", "actor.parallel.pp=2",
                                             "actor.parallel.pp_first_stage_layers=1"])
     assert check_model_layout(two_stages.actor, "actor", MOE, "moe/config.json") == (1, 2)
 
@@ -89,7 +90,7 @@ def test_layouts_that_fit_pass_the_config_check():
      "actor.parallel.ep=2 and actor.parallel.etp=0 split experts, and .* has none"),
 ])
 def test_dry_run_refuses_layouts_the_model_cannot_take(overrides, model, key, tmp_path, capsys):
-    cfg = load_config(None, BATCH + overrides)
+    cfg = tiny_config(BATCH + overrides)
     with pytest.raises(ConfigError, match=key):
         check_model_layout(cfg.actor, "actor", model, "moe/config.json")
     # The dry run reads the model directory's config.json and reports the same error.
@@ -97,7 +98,7 @@ def test_dry_run_refuses_layouts_the_model_cannot_take(overrides, model, key, tm
 
     build_char_tokenizer().save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(model))
-    assert main(["--dry-run", f"model.path={tmp_path}"] + BATCH + overrides) == 2
+    assert main(["--dry-run", *TINY_ARGS, f"model.path={tmp_path}"] + BATCH + overrides) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and key.split(" ")[0] in err, err
 
