@@ -24,10 +24,12 @@ lock (those run with reward.isolation=none).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -127,7 +129,12 @@ class _Worker:
         self.started, self.calls = 0.0, 0
 
     def kill(self) -> None:
-        end_worker(self.process.pid, self.cgroup)  # and every process below it, daemonised or not
+        # and every process below it, daemonised or not; by pid only while the pid is its own (not yet reaped)
+        alive = self.process.poll() is None
+        end_worker(self.process.pid if alive else None, self.cgroup)
+        if not alive:  # it died on its own, its children orphaned to init; those it did not move out of its group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.conn.close()
         os.close(self.exited)

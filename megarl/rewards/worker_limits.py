@@ -24,8 +24,8 @@ daemonises (a double fork, with setsid or not) outlives a kill of the worker's p
   zombie there, counted as a thread: reaping it could take the exit status of one of the reward's own children
   instead); `end_worker` stops it (SIGSTOP: a stopped subreaper still adopts orphans), kills what is below it until
   nothing lives there, with its cgroup's processes where it has one, then kills it. Without a cgroup, a worker that
-  dies on its own (a segfault) first has its daemonised descendants reparented to init: those end with the run (its
-  lease: megarl/workers/lease.py).
+  dies on its own (a segfault) first has its descendants reparented to init: those still in its process group are
+  killed by the group, daemonised ones end with the run (its lease: megarl/workers/lease.py).
 """
 
 from __future__ import annotations
@@ -149,12 +149,12 @@ def usage(root: int) -> Usage:
     return Usage(sum(p.rss_bytes for p in processes), sum(max(1, p.threads) for p in processes))
 
 
-def kill_below(root: int, cgroup: Path | None = None) -> None:
-    """SIGKILL every process below `root`, and in its cgroup, until none lives: a process killed meanwhile leaves its
-    own children orphaned, which come to `root` while it is a subreaper."""
+def kill_below(root: int | None, cgroup: Path | None = None) -> None:
+    """SIGKILL every process below `root` (None: none), and in its cgroup, until none lives: a process killed
+    meanwhile leaves its own children orphaned, which come to `root` while it is a subreaper."""
     deadline = time.monotonic() + KILL_WAIT_S
     while True:
-        living = {pid for pid, p in tree(root).items() if not p.zombie}
+        living = {pid for pid, p in tree(root).items() if not p.zombie} if root else set()
         living |= {pid for pid in cgroup_processes(cgroup) if _alive(pid)}
         living.discard(root)
         if not living:
@@ -176,8 +176,12 @@ def _alive(pid: int) -> bool:
     return process is not None and not process.zombie
 
 
-def end_worker(pid: int, cgroup: Path | None) -> None:
-    """Kill a reward process (a subreaper) and everything below it, daemonised or not; the caller reaps it."""
+def end_worker(pid: int | None, cgroup: Path | None) -> None:
+    """Kill a reward process (a subreaper) and everything below it, daemonised or not; the caller reaps it. `pid`
+    None: it has exited and been reaped (its pid may be another process's now): what is in its cgroup, if any."""
+    if pid is None:
+        kill_below(None, cgroup)
+        return
     try:
         os.kill(pid, signal.SIGSTOP)  # it neither runs the reward nor reaps while we kill below it
     except ProcessLookupError:

@@ -62,6 +62,12 @@ def daemonise(response, answer, sample):
     return 1.0
 
 
+def die_leaving_a_child(response, answer, sample):
+    env = dict(os.environ, MEGARL_TEST_MARKER=sample["marker"])
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env=env)
+    os._exit(3)
+
+
 def own_pid(response, answer, sample):
     return float(os.getpid())
 
@@ -162,6 +168,17 @@ def test_a_daemonised_grandchild_ends_with_its_reward_process(end, memory_bound)
         if end == "closed":
             assert len(marked(marker)) == 1  # it outlived the call, in a session of its own
             reward.close()
+        assert not marked(marker)
+    finally:
+        reward.close()
+
+
+def test_a_reward_process_that_dies_on_its_own_leaves_no_child(memory_bound):
+    marker = uuid.uuid4().hex
+    reward = RewardPool(die_leaving_a_child, "die", WorkerLimits(memory_mb=4096, max_threads=64, max_calls=0))
+    try:
+        scores = score(samples("a", marker=marker), reward, timeout_s=20.0)
+        assert str(scores.failures[0].error) == "the reward process exited with status 3 during the call"
         assert not marked(marker)
     finally:
         reward.close()
