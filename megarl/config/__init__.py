@@ -10,6 +10,10 @@ sections.py     the typed sections and the root `Config` that holds them (algori
                 and rollout sections)
 validation.py   `ConfigError` and `Config.validate`: the checks of one option against another
 loading.py      `load_config` (defaults <- YAML <- overrides), `all_keys`, `help_text`
+run_defaults.py the defaults resolved at validation: rollout.engine=auto by the device, trainer.steps=0 by the
+                prompt file's rows
+tiny.py         `tiny_config` and `TINY_ARGS`: the built-in tiny CPU run's small values over the defaults (a real
+                GPU run's)
 """
 
 from megarl.config.loading import all_keys, help_text, load_config
