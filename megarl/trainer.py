@@ -163,10 +163,10 @@ class RLTrainer:
             self.actor.call("snapshot_reference")
         self.publish_policy()
         self.timers.pop()  # the warm-started policy's sync is no step's
-        warmup = self.cfg.algorithm.critic_warmup_steps
-        with self.tracker.steps("critic warm-up", warmup, label="critic warm-up"):
-            for step in range(1, warmup + 1):
-                self.tracker.log(self.warm_up_critic(), step)
+        if warmup := self.cfg.algorithm.critic_warmup_steps:
+            with self.tracker.steps("critic warm-up", warmup, label="critic warm-up"):
+                for step in range(1, warmup + 1):
+                    self.tracker.log(self.warm_up_critic(), step)
 
     def step(self) -> dict:
         """One RL step: the whole algorithm, stage by stage."""

@@ -223,6 +223,12 @@ def stop_ranks(workers: list, timeout: float = 60.0) -> None:
         ray.kill(w)
 
 
+def quiet_options() -> dict:
+    """An actor's options that carry the run's warning filter (megarl/utils/quiet.py) to it: the workers of a cluster
+    the driver joined do not inherit its environment."""
+    return {"runtime_env": {"env_vars": quiet.env()}} if quiet.env() else {}
+
+
 def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[tuple[str, list[str]]] | None = None):
     """The rollout actor. On CPU it gets its own CPUs, so the training bundles cannot starve it.
     - Colocated (`gpus`: the training ranks' GPUs by node, TrainGroup.gpus): on one node, the actor starts its servers
@@ -252,9 +258,8 @@ def start_rollout(cfg: Config, model_path: str, device: str, gpus: list[tuple[st
     gpus_wanted = 0 if hosts else r.sglang_gpus or (0.1 if device == "cuda" else 0)
     # the asynchronous modes pause and resume the engine, and evaluate, while the rollout thread's generate runs
     concurrency = 1 if cfg.trainer.mode == "sync" else 4
-    env = {"runtime_env": {"env_vars": quiet.env()}} if quiet.env() else {}  # the known warnings filtered there too
     return ray.remote(RolloutWorker).options(num_cpus=r.num_cpus, num_gpus=gpus_wanted, max_concurrency=concurrency,
-                                             **placement, **env).remote(
+                                             **placement, **quiet_options()).remote(
         cfg, model_path, device, max(1, int(r.num_cpus)), gpus[0][1] if gpus and not hosts else None, hosts,
         sender_node)
 
@@ -275,7 +280,8 @@ def start_colocated_hosts(cfg: Config, gpus: list[tuple[str, list[str]]], device
                                f"({','.join(node_gpus)}); a colocated server cannot span nodes")
     hosts = [ray.remote(ServerHost).options(
         num_cpus=0, num_gpus=0.1 if device == "cuda" else 0, max_concurrency=len(node_gpus) // tp + 4,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*([factory] if factory else []))
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), **quiet_options()).remote(
+            *([factory] if factory else []))
         for node, node_gpus in gpus]
     wait_placed(hosts, f"colocated servers on {len(gpus)} nodes", placement_s)
     print(f"megarl: colocated SGLang servers on {len(gpus)} nodes: "
@@ -300,7 +306,8 @@ def start_server_hosts(cfg: Config, placement_s: float = 120.0,
                            f"{per_host}: {count} hosts, and this Ray cluster's nodes have room for {room} of "
                            f"{per_host} GPUs")
     servers = per_host // r.sglang_tp
-    options = {"num_cpus": 0, "num_gpus": per_host, "max_concurrency": servers + 4}  # servers start side by side
+    options = {"num_cpus": 0, "num_gpus": per_host, "max_concurrency": servers + 4,  # servers start side by side
+               **quiet_options()}
     hosts = [ray.remote(ServerHost).options(**options).remote(*([factory] if factory else [])) for _ in range(count)]
     wait_placed(hosts, f"rollout.sglang_gpus_per_host={per_host}", placement_s)
     print(f"megarl: {count} SGLang server host(s) of {servers} server(s): "
