@@ -5,9 +5,10 @@ A reward stuck inside one C call (a regex or a big-number computation that check
 call) cannot be interrupted in the process that made the call, and a thread left running it holds the
 process's GIL. So the calls run in worker processes, at most num_workers at once (started as needed,
 reused from batch to batch); a call past its limit has its worker killed (with everything the worker
-started, e.g. math-verify's checking process) and replaced, and the sample fails. A worker's start-up is on no call's clock: a call's starts when it is sent. A worker
-that dies (seen by its exit, not only its socket, which a process it forked may hold open), a sample that does
-not pickle here or unpickle there, an answer that does not come back: each fails its sample only, never waits.
+started, e.g. math-verify's checking process) and replaced, and the sample fails. A worker's start-up is on
+no call's clock: a call's starts when it is sent. A worker that dies (seen by its exit, not only its socket,
+which a process it forked may hold open), a sample that does not pickle here or unpickle there, an answer that
+does not come back: each fails its sample only, never waits.
 
 Each worker is bounded with all it starts (worker_limits.py): resident memory (reward.worker_memory_mb; also a
 memory cgroup where the host allows one, else a cap on each process's address space) and threads
