@@ -100,6 +100,10 @@ class ActorConfig:
                                min=0, **SEQUENCES)
     ppo_epochs: int = opt(1, "passes over each step's batch", min=1, **PASSES)
     precision: str = opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32", choices=("auto", "bf16", "fp32"))
+    fp32_lm_head: bool = opt(False, "under bf16: the output layer (the vocabulary projection) and the log-softmax "
+                                    "in float32, and the rollout engine's too (SGLang's --enable-fp32-lm-head, the "
+                                    "hf engine's lm_head): rollout and training log-probs closer; fp32 logits take "
+                                    "twice the memory. No effect at fp32")
     use_distributed_optimizer: bool = opt(False, "megatron's distributed optimizer: optimizer state and fp32 main "
                                                  "weights sharded over data-parallel ranks")
     optimizer_cpu_offload: bool = opt(False, "megatron's optimizer CPU offload (HybridDeviceOptimizer): Adam's "

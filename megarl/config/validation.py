@@ -134,8 +134,8 @@ class ConfigChecks:
         managed = managed_args(r.sglang_args)
         if managed:
             raise ConfigError(f"rollout.sglang_args: {', '.join(managed)} is set by megarl (from rollout.sglang_tp, "
-                              f"rollout.sglang_mem_fraction, rollout.deterministic, actor.precision, the GPUs and the "
-                              f"weight loader)")
+                              f"rollout.sglang_mem_fraction, rollout.deterministic, actor.precision, actor.fp32_lm_head, "
+                              f"the GPUs and the weight loader)")
         backend = attention_backend(r.sglang_args)
         if r.deterministic and backend not in DETERMINISTIC_ATTENTION_BACKENDS:
             raise ConfigError(f"rollout.deterministic=true with rollout.sglang_args' --attention-backend {backend}: "

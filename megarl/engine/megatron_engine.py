@@ -29,7 +29,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megarl.algorithms import losses, rollout_correction
 from megarl.config import ActorConfig, AlgorithmConfig
-from megarl.engine import apex_ops, checkpoint, context_parallel, finite, offload, output_positions, weights
+from megarl.engine import apex_ops, checkpoint, context_parallel, finite, fp32_head, offload, output_positions, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from megarl.engine.options import optimizer_config, precision_dtype, with_engine_options, with_fused_kernels
@@ -158,6 +158,8 @@ class MegatronEngine:
                 attach_value_head(gpt, config.hidden_size, self.params_dtype, self.device)
             elif gpt.post_process:  # the LM head projects the real positions only (output_positions.py)
                 self._output_positions.append(output_positions.OutputPositions(gpt))
+                if self.actor.fp32_lm_head and self.params_dtype == torch.bfloat16:
+                    fp32_head.install(gpt)
             chunks.append(gpt)
         return chunks
 

@@ -29,7 +29,8 @@ from megarl.utils.checksum import module_checksums
 
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0):
+                 seed: int = 0, fp32_lm_head: bool = False):
+        """`fp32_lm_head`: under a 16-bit dtype the output layer (and so the logits) in float32 (actor.fp32_lm_head)."""
         from transformers import AutoConfig, AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
         self.device = torch.device(device)
@@ -42,6 +43,8 @@ class HFRolloutEngine(RolloutEngine):
             for p in self.model.parameters():  # (a tied lm_head is the same Parameter: it stays tied)
                 p.data = p.data.clone()
         self.tied = bool(self.model.config.tie_word_embeddings)
+        if fp32_lm_head and dtype != torch.float32:
+            _fp32_output_layer(self.model.get_output_embeddings())
         text = self.model.config.get_text_config()  # a vision-language config holds the text model's pad id there
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = text.pad_token_id if text.pad_token_id is not None else self.eos_ids[0]
@@ -314,6 +317,15 @@ class VisionInputs:
             return positions, {}
         return positions, {"pixel_values": torch.cat([image.pixel_values for image in given]),
                            "image_grid_thw": torch.cat([image.image_grid_thw for image in given])}
+
+
+def _fp32_output_layer(head: torch.nn.Linear) -> None:
+    """The output layer computes in float32 from its 16-bit weight and input (a cast per call, no float32 copy kept:
+    weight updates write into the 16-bit parameter)."""
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+    head.forward = forward
 
 
 def _eos_ids(model) -> list[int]:
