@@ -100,7 +100,7 @@ def start_ray(cfg, cpus_needed: float, gpus_needed: float | None = None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if join is None:
         # "local": a new Ray even beside a cluster that Ray would find itself (it refuses num_cpus for one it joins)
-        with phases("starting a local Ray cluster"):
+        with phases("starting a local Ray cluster"), own_sessions():
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
                      include_dashboard=False, log_to_driver=True)
         return ray
@@ -134,6 +134,30 @@ def start_ray(cfg, cpus_needed: float, gpus_needed: float | None = None):
         refuse(f"the Ray cluster at {address} is too small for this run, which needs " + "; and ".join(short)
                + ". Lower them, or give the cluster more (ray start --num-cpus/--num-gpus on its nodes, or more nodes)")
     return ray
+
+
+@contextlib.contextmanager
+def own_sessions():
+    """The processes a local ray.init starts (GCS, raylet, log monitor; the raylet's workers and agents inherit
+    theirs) each in a session of its own. A signal to the driver's process group (Ctrl-C, `timeout`, a scheduler's
+    SIGTERM to the job) then reaches the driver alone, which stops the run (megarl/stops.py) and ends Ray itself;
+    inside the group, SIGTERM ended the GCS first and the driver died on "Failed to connect to GCS". Ray has no
+    option for it: its children call ray._private.utils.set_kill_on_parent_death_linux between fork and exec (they
+    still die with the driver by that call; the run's lease ends what is left: megarl/workers/lease.py), so setsid
+    joins that call while Ray starts. tests/test_stops.py fails if Ray stops calling it."""
+    from ray._private import utils
+
+    die_with_parent = utils.set_kill_on_parent_death_linux
+
+    def detach_and_die_with_parent():
+        os.setsid()
+        die_with_parent()
+
+    utils.set_kill_on_parent_death_linux = detach_and_die_with_parent
+    try:
+        yield
+    finally:
+        utils.set_kill_on_parent_death_linux = die_with_parent
 
 
 @contextlib.contextmanager
