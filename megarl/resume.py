@@ -113,3 +113,21 @@ def check_settings(checkpoint: Path, saved: dict | None, config: dict, resume: s
                           "continue that run with these changes. Either give this run a new trainer.output_dir (and "
                           "trainer.checkpoint_dir), or resume with the changes: trainer.resume=force")
     print(f"warning: resuming {checkpoint} with changed settings (trainer.resume={resume}):\n  {listed}", flush=True)
+
+
+def checkpoint_estimate(cfg: Config, model_config: dict, device: str) -> int:
+    """The bytes a run's first checkpoint takes, about: each trained engine's weights (bf16 on a GPU unless
+    actor.precision says otherwise, else fp32) and Adam's state (two fp32 moments, and an fp32 master copy of bf16
+    weights), and the KL reference's weights; 0 for a model the inventory does not know (no check before the first
+    save). Later saves are checked against the size of the checkpoint before them (Checkpoints.stage)."""
+    from megarl.reshard.inventory import hf_inventory
+
+    try:
+        params = sum(spec.numel for spec in hf_inventory(model_config))
+    except (KeyError, ValueError):
+        return 0
+    precision = cfg.actor.precision if cfg.actor.precision != "auto" else "bf16" if device == "cuda" else "fp32"
+    weight = 2 if precision == "bf16" else 4
+    engine = params * (weight + 8 + (4 if weight == 2 else 0))
+    engines = 1 + (cfg.algorithm.advantage == "gae")  # the critic: about the policy's size
+    return engines * engine + (params * weight if cfg.algorithm.kl_coef > 0 else 0)

@@ -189,11 +189,11 @@ class RMTrainer:
     # ---- checkpoints and export ---------------------------------------------------------------------
 
     def save_checkpoint(self, step: int) -> Path:
-        staging = self.checkpoints.stage(step)
-        with phases(f"writing checkpoint step {step}", kind="checkpoint write"):
-            self.group.call("save_checkpoint", str(staging / ROLE))
-        return self.checkpoints.commit(staging, step, {"step": step, "data": self.data.train.state_dict(),
-                                                       "history": self.history, "run_id": self.run_id})
+        with self.checkpoints.writing(step) as staging:  # on a full disk: a DiskSpaceError naming it
+            with phases(f"writing checkpoint step {step}", kind="checkpoint write"):
+                self.group.call("save_checkpoint", str(staging / ROLE))
+            return self.checkpoints.commit(staging, step, {"step": step, "data": self.data.train.state_dict(),
+                                                           "history": self.history, "run_id": self.run_id})
 
     def resume(self) -> int:
         """Load the checkpoint trainer.resume names (auto: the newest complete one, if any); returns the last step

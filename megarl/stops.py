@@ -13,7 +13,9 @@ the command that resumes, and the exit status is 128 + the signal: 130 for SIGIN
 
 `begin` (python -m megarl.train / train_rm, before Ray starts) installs the handlers and holds the lease
 (`reclaim_signals` puts them back on top of Ray's after ray.init); `end` (run_trainer, after the workers are down)
-restores the handlers, releases the lease and, after a stop, prints the line and exits.
+restores the handlers, releases the lease and, after a stop, prints the line and exits. A run that ends on a full disk
+(a DiskSpaceError from a checkpoint save: megarl/engine/checkpoint.py) ends the same way, exit status 1: one line with
+the directory, the newest complete checkpoint (intact) and the command that resumes, no traceback.
 """
 
 from __future__ import annotations
@@ -75,8 +77,13 @@ def end() -> None:
     for s, handler in run.previous.items():
         signal.signal(s, handler)
     lease.release()
+    error = sys.exc_info()[1]
+    if run.signum is None and _disk_full(error):
+        at = f"at step {run.current} of {run.steps}" if run.current is not None else "before its first step"
+        say(f"megarl: stopped {at}: {error}; resume once there is room: "
+            f"{resume_command(run, newest_checkpoint(run.root))}")
+        raise SystemExit(1)
     if run.signum is not None:
-        error = sys.exc_info()[1]
         failed = f"; the step in progress failed meanwhile ({type(error).__name__}: {first_line(error)})" \
             if isinstance(error, Exception) else ""
         say(stop_line(run, "") + failed)
@@ -152,6 +159,12 @@ def stop_line(run: _Run, how: str, where: str | None = None) -> str:
             " (trainer.save_every=0: none written by this run)" if not run.save_every else "")
     again = "resume" if newest is not None else "start again"
     return f"megarl: stopped {how or 'by ' + name} {where}; {saved}; {again}: {resume_command(run, newest)}"
+
+
+def _disk_full(error: BaseException | None) -> bool:
+    """Whether `error` is a checkpoint save's DiskSpaceError (its module is loaded wherever one can be raised)."""
+    checkpoint = sys.modules.get("megarl.engine.checkpoint")
+    return checkpoint is not None and isinstance(error, checkpoint.DiskSpaceError)
 
 
 def newest_checkpoint(root: Path) -> tuple[int, Path] | None:

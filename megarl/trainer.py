@@ -26,7 +26,7 @@ from megarl.data.inputs import (eos_disagreement, load_tokenizer, prompt_dataset
                                  read_model_config)
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
-from megarl.resume import Start, plan_resume
+from megarl.resume import Start, checkpoint_estimate, plan_resume
 from megarl.rewards import build_reward, score
 from megarl.rewards.failures import RewardFailureTracker
 from megarl.rewards.mixing import ScoreMixer, ends_with
@@ -128,7 +128,8 @@ class RLTrainer:
         self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
-                                       cfg.trainer.keep_last, cfg.trainer.verify_checkpoint)
+                                       cfg.trainer.keep_last, cfg.trainer.verify_checkpoint,
+                                       checkpoint_estimate(cfg, model_config, self.device))
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -250,21 +251,22 @@ class RLTrainer:
         return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
 
     def save_checkpoint(self, step: int) -> Path:
-        """Every engine, then the driver's state, committed atomically as checkpoint `step`."""
-        staging = self.checkpoints.stage(step)
-        with phases(f"writing checkpoint step {step}", kind="checkpoint write"):
-            for role, group in self.trained_groups().items():
-                group.call("save_checkpoint", str(staging / role))
-        state = {"step": step, "version": self.version, "data": self.data.state_dict(),
-                 "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict(),
-                 "run_id": self.start.run_id}
-        if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
-            torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
-        if self.policy_filter is not None:  # PF-PPO's random state and replayed samples
-            torch.save(self.policy_filter.state_dict(), staging / PF_PPO_FILE)
-        self.save_beside(staging)
-        return self.checkpoints.commit(staging, step, state, self.start.config)
+        """Every engine, then the driver's state, committed atomically as checkpoint `step` (on a full disk: a
+        DiskSpaceError naming it, the previous checkpoint intact)."""
+        with self.checkpoints.writing(step) as staging:
+            with phases(f"writing checkpoint step {step}", kind="checkpoint write"):
+                for role, group in self.trained_groups().items():
+                    group.call("save_checkpoint", str(staging / role))
+            state = {"step": step, "version": self.version, "data": self.data.state_dict(),
+                     "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                     "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict(),
+                     "run_id": self.start.run_id}
+            if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
+                torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
+            if self.policy_filter is not None:  # PF-PPO's random state and replayed samples
+                torch.save(self.policy_filter.state_dict(), staging / PF_PPO_FILE)
+            self.save_beside(staging)
+            return self.checkpoints.commit(staging, step, state, self.start.config)
 
     def save_beside(self, staging: Path) -> None:
         """Driver state of a subclass's own into a checkpoint's staging directory (the asynchronous modes' rollout

@@ -15,6 +15,11 @@ One checkpoint is one directory under the checkpoint root:
       engine.json            layout it was written at, what is inside, the engine's step counter
   latest                   the name of the newest complete checkpoint, replaced after each commit
 
+Room: before a save the checkpoint root must have as much free space as the newest complete checkpoint takes (or,
+before the first, the estimate the trainer gives: its parameters and optimizer state); a save that runs out of space
+anyway (ENOSPC, or torch's "unexpected pos" from a short write, on a disk found full) is removed and named, with the
+directory, as a DiskSpaceError. Either way the previous checkpoint stays the newest complete one.
+
 Atomic: a save writes into `.tmp-step_<N>`, fsyncs every file and directory, then renames it to
 `step_<N>` (rename is atomic on POSIX) and replaces `latest` last. A save that dies part-way leaves
 only the .tmp directory, which is never read and is removed by the next save, so the previous
@@ -25,6 +30,7 @@ written at TP=2 loads at DP=2 or PP=2 (RNG states are restored only at the same 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -55,6 +61,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the engine; the message says which."""
 
 
+class DiskSpaceError(CheckpointError):
+    """The checkpoint root has no room for a checkpoint; the message names the directory, the bytes free and needed,
+    and the newest complete checkpoint, which is intact. The run ends on it with that message alone (stops.end)."""
+
+
+# After a failed write, a disk with less than this free is taken as the cause: torch's zip writer reports a short
+# write as "unexpected pos", not as ENOSPC.
+FULL_DISK_BYTES = 64 << 20
+
+
 # -------------------------------------------------------------------------------------------------
 # Driver side: one process stages, commits, prunes and finds checkpoints.
 
@@ -62,20 +78,54 @@ class CheckpointError(RuntimeError):
 class Checkpoints:
     """The checkpoint root of a run."""
 
-    def __init__(self, root: str | Path, keep_last: int = 0, manifest_mode: str = "sampled"):
+    def __init__(self, root: str | Path, keep_last: int = 0, manifest_mode: str = "sampled", first_bytes: int = 0):
+        """first_bytes: what the first checkpoint is expected to take (its engines' parameters and optimizer
+        state); later ones are expected to take what the newest complete one does. 0: no check before the first."""
         self.root = Path(root)
         self.keep_last = keep_last
         self.manifest_mode = manifest_mode  # trainer.verify_checkpoint
+        self.first_bytes = first_bytes
 
     def stage(self, step: int) -> Path:
-        """A fresh, empty staging directory for `step`; leftovers of interrupted saves are removed."""
+        """A fresh, empty staging directory for `step`; leftovers of interrupted saves are removed. DiskSpaceError
+        when the root has less free space than the checkpoint is expected to take."""
         self.root.mkdir(parents=True, exist_ok=True)
         for path in self.root.iterdir():
             if path.name.startswith(_TEMP_PREFIXES):
                 shutil.rmtree(path)
+        done = self.complete()
+        expected, measured = (checkpoint_bytes(done[-1][1]), f"what {done[-1][1].name} takes") if done \
+            else (self.first_bytes, "the parameters and optimizer state")
+        free = shutil.disk_usage(self.root).free
+        if free < expected:
+            raise DiskSpaceError(f"no room for checkpoint {step_name(step)} in {self.root}: {_gib(free)} free, and it "
+                                 f"needs about {_gib(expected)} ({measured}). {self._what_to_do()}")
         staging = self.root / f".tmp-{step_name(step)}"
         staging.mkdir()
         return staging
+
+    @contextlib.contextmanager
+    def writing(self, step: int):
+        """The staging directory of checkpoint `step` (stage) for the writes and the commit inside the block. A
+        failure there on a full disk (disk_full) removes the staging directory and becomes a DiskSpaceError naming
+        the directory; other failures pass as they are."""
+        staging = self.stage(step)
+        try:
+            yield staging
+        except Exception as error:
+            if not disk_full(error, self.root):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)  # its partial files would only take more of the space
+            free = shutil.disk_usage(self.root).free
+            raise DiskSpaceError(f"the disk of {self.root} filled up writing checkpoint {step_name(step)} "
+                                 f"({_gib(free)} free after removing the partial checkpoint; "
+                                 f"{type(error).__name__}: {_summary(error)}). {self._what_to_do()}") from error
+
+    def _what_to_do(self) -> str:
+        newest = self.latest()
+        kept = f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was completed"
+        return (f"Free space there, or set trainer.checkpoint_dir to a disk with room (trainer.keep_last keeps fewer "
+                f"checkpoints); {kept}")
 
     def commit(self, staging: Path, step: int, driver_state: dict | None, config: dict | None = None) -> Path:
         """Make a fully written staging directory the checkpoint of `step` (atomically), then prune. `config`: the
@@ -147,6 +197,42 @@ def publish_directory(staging: Path, final: Path) -> None:
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def checkpoint_bytes(checkpoint: Path) -> int:
+    """The bytes a checkpoint's files take (its manifest's sizes where it has one, else its files')."""
+    try:
+        manifest = checkpoint / MANIFEST_FILE
+        files = json.loads(manifest.read_text())["files"].values()
+        return manifest.stat().st_size + sum(entry["size"] for entry in files)
+    except (OSError, ValueError, KeyError, TypeError):  # none, or damaged: the files as they are
+        return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+
+def disk_full(error: BaseException, directory: Path) -> bool:
+    """Whether a failed write into `directory` ran out of space: ENOSPC (or EDQUOT) anywhere in the error's chain
+    or its text (a worker's error arrives as text), or less than FULL_DISK_BYTES left there."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if any(text in str(error) for text in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < FULL_DISK_BYTES
+    except OSError:
+        return False
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _summary(error: BaseException) -> str:
+    """An error's first line and, for a traceback that came as text (a worker's), its last: the exception raised."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return " ... ".join(dict.fromkeys(line[:300] for line in lines[:1] + lines[-1:]))
 
 
 def find_checkpoint(path: str | Path) -> Path:
