@@ -25,8 +25,8 @@ def training_device(device: str) -> str:
 
 def one_pass_steps(cfg: "Config") -> int:
     """RL steps of one pass over data.task's prompt file (rows // data.prompts_per_step, as verl's dataloader drops
-    the last partial batch); 0 while data.task is unset or the file is not there (a --check-config away from the data: the run itself
-    names the missing file before anything starts)."""
+    the last partial batch); 0 while data.task is unset or the file is not there (a --check-config away from the
+    data: the run itself names the missing file before anything starts)."""
     task, batch = cfg.data.task, cfg.data.prompts_per_step
     if not task:  # python -m megarl.train names the missing data.task
         return 0
