@@ -17,13 +17,20 @@ PY
 )
   local stamp=".venv/.megarl-installed$extra"
   if [ ! -f "$stamp" ] || [ "$stamp" -ot setup.py ] || [ "$stamp" -ot pins.toml ]; then
+    # pip stays quiet (-q): its own lines would bury these; each step says what it installs and the time so far
+    local t0=$SECONDS
+    echo "[install 1/3] pip into .venv ..."
     python -m pip install -q --upgrade pip
+    echo "[install 2/3] torch $torch_pin (CPU build) ... ($((SECONDS - t0)) s so far)"
     python -m pip install -q "torch==$torch_pin"
+    echo "[install 3/3] megarl$extra and its dependencies (megatron-core, transformers, ray, ...: minutes on a fresh" \
+         "machine) ... ($((SECONDS - t0)) s so far)"
     python -m pip install -q -e ".$extra"
     if [ "$extra" = "[test]" ]; then  # pins.toml [test-no-deps]: packages whose dependencies megarl does not use
       # shellcheck disable=SC2046
       python -m pip install -q --no-deps $(python -c 'from megarl.pins import requirements; print(*requirements("test-no-deps"))')
     fi
+    echo "[install] done in $((SECONDS - t0)) s (later runs skip it)"
     touch "$stamp"
   fi
 }
