@@ -80,8 +80,9 @@ def end() -> None:
     error = sys.exc_info()[1]
     if run.signum is None and _disk_full(error):
         at = f"at step {run.current} of {run.steps}" if run.current is not None else "before its first step"
-        say(f"megarl: stopped {at}: {error}; resume once there is room: "
-            f"{resume_command(run, newest_checkpoint(run.root))}")
+        newest = newest_checkpoint(run.root)
+        say(f"megarl: stopped {at}: {error}; {'resume' if newest else 'start again'} once there is room: "
+            f"{resume_command(run, newest)}")
         raise SystemExit(1)
     if run.signum is not None:
         failed = f"; the step in progress failed meanwhile ({type(error).__name__}: {first_line(error)})" \

@@ -98,8 +98,8 @@ class Checkpoints:
             else (self.first_bytes, "the parameters and optimizer state")
         free = shutil.disk_usage(self.root).free
         if free < expected:
-            raise DiskSpaceError(f"no room for checkpoint {step_name(step)} in {self.root}: {_gib(free)} free, and it "
-                                 f"needs about {_gib(expected)} ({measured}). {self._what_to_do()}")
+            raise DiskSpaceError(f"no room for checkpoint {step_name(step)} in {self.root}: {_size(free)} free, and it "
+                                 f"needs about {_size(expected)} ({measured}). {self._what_to_do()}")
         staging = self.root / f".tmp-{step_name(step)}"
         staging.mkdir()
         return staging
@@ -118,7 +118,7 @@ class Checkpoints:
             shutil.rmtree(staging, ignore_errors=True)  # its partial files would only take more of the space
             free = shutil.disk_usage(self.root).free
             raise DiskSpaceError(f"the disk of {self.root} filled up writing checkpoint {step_name(step)} "
-                                 f"({_gib(free)} free after removing the partial checkpoint; "
+                                 f"({_size(free)} free after removing the partial checkpoint; "
                                  f"{type(error).__name__}: {_summary(error)}). {self._what_to_do()}") from error
 
     def _what_to_do(self) -> str:
@@ -225,8 +225,12 @@ def disk_full(error: BaseException, directory: Path) -> bool:
         return False
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a number above 1 (1.50 GiB, 704.0 KiB)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} bytes"
 
 
 def _summary(error: BaseException) -> str:

@@ -38,9 +38,10 @@ def test_a_save_without_room_for_it_is_refused_before_anything_is_written(tmp_pa
     free_space(monkeypatch, size - 1)
     with pytest.raises(DiskSpaceError) as refused:
         save(checkpoints, 2)
-    assert str(refused.value).startswith(f"no room for checkpoint step_00000002 in {tmp_path / 'ckpt'}: 0.00 GiB free, "
-                                         f"and it needs about 0.00 GiB (what step_00000001 takes). Free space there, "
-                                         "or set trainer.checkpoint_dir to a disk with room")
+    assert str(refused.value).startswith(
+        f"no room for checkpoint step_00000002 in {tmp_path / 'ckpt'}: {(size - 1) / 1024:.2f} KiB free, and it needs "
+        f"about {size / 1024:.2f} KiB (what step_00000001 takes). Free space there, or set trainer.checkpoint_dir to a "
+        "disk with room")
     assert f"the newest complete checkpoint, {first}, is intact" in str(refused.value)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000001"]
     free_space(monkeypatch, size)
@@ -96,20 +97,27 @@ def test_on_a_full_tmpfs_the_real_write_error_is_named(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_the_run_ends_on_it_with_one_line_and_status_1(capfd, monkeypatch):
-    run = stops._Run(tiny_config(["trainer.save_every=5"]))
+def test_the_run_ends_on_it_with_one_line_and_status_1(tmp_path, capfd, monkeypatch):
+    run = stops._Run(tiny_config(["trainer.save_every=5", f"trainer.output_dir={tmp_path}"]))
     run.current = 7
     monkeypatch.setattr(stops, "_run", run)
-    with pytest.raises(SystemExit) as ended:
-        try:
-            raise DiskSpaceError("the disk of runs/x/checkpoints filled up writing checkpoint step_00000007")
-        except DiskSpaceError:
-            stops.end()
-    assert ended.value.code == 1
-    err = capfd.readouterr().err
-    assert err.strip().startswith("megarl: stopped at step 7 of 10: the disk of runs/x/checkpoints filled up writing "
-                                  "checkpoint step_00000007; resume once there is room: ")
-    assert "Traceback" not in err
+
+    def end_on_a_full_disk() -> str:
+        with pytest.raises(SystemExit) as ended:
+            try:
+                raise DiskSpaceError("the disk of runs/x/checkpoints filled up writing checkpoint step_00000007")
+            except DiskSpaceError:
+                stops.end()
+        assert ended.value.code == 1
+        err = capfd.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+        return err.strip()
+
+    assert end_on_a_full_disk().startswith("megarl: stopped at step 7 of 10: the disk of runs/x/checkpoints filled up "
+                                           "writing checkpoint step_00000007; start again once there is room: ")
+    save(Checkpoints(tmp_path / "checkpoints"), 5)
+    monkeypatch.setattr(stops, "_run", run)  # end() let go of it
+    assert "; resume once there is room: " in end_on_a_full_disk()
 
 
 def test_the_first_checkpoint_is_expected_to_hold_the_weights_and_adams_state():
