@@ -234,9 +234,11 @@ def _size(n: int) -> str:
 
 
 def _summary(error: BaseException) -> str:
-    """An error's first line and, for a traceback that came as text (a worker's), its last: the exception raised."""
+    """An error's first line and, for a traceback that came as text (a worker's), the line that names the short write
+    (ENOSPC, torch's "unexpected pos"), else its last: the exception raised."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return " ... ".join(dict.fromkeys(line[:300] for line in lines[:1] + lines[-1:]))
+    named = [line for line in lines[1:] if os.strerror(errno.ENOSPC) in line or "unexpected pos" in line]
+    return " ... ".join(dict.fromkeys(line[:300] for line in lines[:1] + (named or lines)[-1:]))
 
 
 def find_checkpoint(path: str | Path) -> Path:
