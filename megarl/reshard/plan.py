@@ -13,9 +13,9 @@ prints the actor.parallel keys that make the engine build that split. With --gpu
 the layouts of N GPUs whose predicted per-GPU peak fits (and, with --host-mem, whose offloaded optimizer fits
 each node's host memory) with a margin left free (--margin, 5% by default), best first, each with the
 `key=value` overrides that make a run train that way; when none fits, the nearest ones and what would make one
-fit, and exit status 1 (so too for --train with a --gpu-mem it does not fit). --optimizer-offload is megarl's engine's (actor.optimizer_cpu_offload:
-Adam's moments leave the GPU, the fp32 master weights stay); --te-precision-aware-optimizer plans megatron's
-TransformerEngine offload instead (the master weights leave too). --model takes a HF config.json path or a
+fit, and exit status 1 (so too for --train with a --gpu-mem it does not fit). --optimizer-offload is megarl's
+engine's (actor.optimizer_cpu_offload: Adam's moments leave the GPU, the fp32 master weights stay);
+--te-precision-aware-optimizer plans megatron's TransformerEngine offload instead (the master weights leave too). --model takes a HF config.json path or a
 name in configs/models/. The memory model and its assumptions are megarl/reshard/memory.py's
 (docs/planner.md); sync traffic comes from megarl.reshard's own transfer plan, for both deliveries ("full":
 whole HF tensors to every rank; "sharded": only the rank's generation shard, minus what it holds).
@@ -438,8 +438,9 @@ def _print_fitting(args, hf: dict, settings: MemorySettings) -> int:
     gen = fit[0] if fit else None
     for i, r in enumerate(found[:args.top], 1):
         host_text = f", host {r['host_per_node'] / GiB:.1f} GiB/node" if settings.optimizer_offload else ""
+        stages = ",".join(map(str, r["stage_layers"]))
         print(f"  {i}. --train {_layout_text(r):40s} peak {r['peak'] / GiB:7.2f} GiB, "
-              f"{args.gpu_mem - r['peak'] / GiB:6.2f} GiB free{host_text}; stages {','.join(map(str, r['stage_layers']))}")
+              f"{args.gpu_mem - r['peak'] / GiB:6.2f} GiB free{host_text}; stages {stages}")
         print(f"     {run_overrides(r, r['stage_layers'], settings, gen)}")
     if tight:
         print(f"  {len(tight)} more fit {args.gpu_mem:g} GiB only inside the {args.margin:.0%} margin (peak "
@@ -499,8 +500,8 @@ def _print_nearest(args, hf: dict, settings: MemorySettings, every: list[dict], 
         print(f"  - {what}: {best(args.gpus, changed)}")
     experts = routed_experts(hf)
     if experts:
-        print(f"  - expert parallelism: every EP dividing the {experts} experts and the GPUs of a stage was tried above; "
-              "more GPUs allow more")
+        print(f"  - expert parallelism: every EP dividing the {experts} experts and the GPUs of a stage was tried "
+              "above; more GPUs allow more")
     print("  - LoRA: megarl trains every weight (no LoRA adapters), so a frozen base cannot shed its gradients and "
           "optimizer state")
 
