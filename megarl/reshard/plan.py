@@ -16,9 +16,10 @@ each node's host memory) with a margin left free (--margin, 5% by default), best
 fit, and exit status 1 (so too for --train with a --gpu-mem it does not fit). --optimizer-offload is megarl's
 engine's (actor.optimizer_cpu_offload: Adam's moments leave the GPU, the fp32 master weights stay);
 --te-precision-aware-optimizer plans megatron's TransformerEngine offload instead (the master weights leave too).
---model takes a HF config.json path or a name in configs/models/. The memory model and its assumptions are megarl/reshard/memory.py's
-(docs/planner.md); sync traffic comes from megarl.reshard's own transfer plan, for both deliveries ("full":
-whole HF tensors to every rank; "sharded": only the rank's generation shard, minus what it holds).
+--model takes a HF config.json path or a name in configs/models/. The memory model and its assumptions are
+megarl/reshard/memory.py's (docs/planner.md); sync traffic comes from megarl.reshard's own transfer plan, for both
+deliveries ("full": whole HF tensors to every rank; "sharded": only the rank's generation shard, minus what it
+holds).
 """
 
 from __future__ import annotations
