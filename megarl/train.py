@@ -283,6 +283,15 @@ def main(argv=None) -> int:
     if args.check_config:
         print(config_ok)
         print(summary)
+        if cfg.model.path != "tiny" and Path(cfg.model.path).is_dir():  # the model is on this machine: its eos token
+            from megarl.data.inputs import eos_disagreement, load_tokenizer
+
+            try:
+                eos = eos_disagreement(cfg.model.path, load_tokenizer(cfg.model.path), cfg.rollout.engine)
+            except InputError:  # a tokenizer that does not load: --dry-run names it
+                eos = None
+            if eos:
+                print(f"warning: {eos}")
         return 0
     if problems := path_problems(cfg):  # every one named at once, before anything loads and before Ray starts
         print(f"input error: {'; '.join(problems)}", file=sys.stderr)

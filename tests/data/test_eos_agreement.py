@@ -48,3 +48,12 @@ def test_the_dry_run_warns_of_it(models, capsys):
     assert main(["--dry-run", *args]) == 0
     out = capsys.readouterr().out
     assert f"\nwarning: model.path={disagreeing}: its tokenizer's end-of-sequence token {EOS_TOKEN!r} (id {eos})" in out
+
+
+def test_the_config_check_warns_of_it_where_the_model_is_on_the_machine(models, capsys):
+    _, disagreeing, eos, _ = models
+    args = [f"{k}={v}" for k, v in TINY_RUN.items()] + ["reward.name=exact_match", f"model.path={disagreeing}"]
+    assert main(["--check-config", *args]) == 0
+    assert f"\nwarning: model.path={disagreeing}: its tokenizer's end-of-sequence token" in capsys.readouterr().out
+    assert main(["--check-config", *args[:-1], f"model.path={disagreeing.parent / 'elsewhere'}"]) == 0
+    assert "end-of-sequence" not in capsys.readouterr().out  # no model directory needed, none read
