@@ -9,7 +9,7 @@ from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy
 
-# Measured on the CPU at fp32 over 30 layers: at most ~2e-5 apart from transformers' at every layout.
+# Measured on the CPU at fp32 over 30 layers: at most 4.0e-5 apart from transformers' at every layout.
 ATOL = 1e-4
 TIMEOUT = 900  # each rank loads the 135M model; on a loaded 2-core machine that took minutes
 
