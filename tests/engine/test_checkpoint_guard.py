@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError
+from megarl.config import ConfigError, load_config
 from megarl.config.tiny import tiny_config
 from megarl.config.fingerprint import NOT_TRAINING, differences, fingerprint
 from megarl.engine.checkpoint import CheckpointError, Checkpoints, checkpoint_damage
@@ -199,7 +199,7 @@ def test_main_ends_at_once_when_the_checkpoint_completed_trainer_steps(tmp_path,
 
     monkeypatch.setattr(megarl.train, "start_ray", no_ray)
     args = ["--config", str(QUICKSTART), f"trainer.output_dir={tmp_path}"]
-    save(tiny_config(args[2:], path=QUICKSTART), 120)
+    save(load_config(QUICKSTART, args[2:]), 120)  # the recipe's config as main reads it: the same fingerprint
     assert megarl.train.main(args + ["trainer.steps=5"]) == 0
     assert (f"{tmp_path}/checkpoints/step_00000120 completed step 120, and trainer.steps=5: nothing to train"
             in capsys.readouterr().out)
