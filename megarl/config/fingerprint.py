@@ -2,7 +2,9 @@
 
 Every checkpoint stores them (megarl/engine/checkpoint.py); a resume compares them with the resuming run's
 (megarl/resume.py), so a run restarted in the same directory with other settings is refused by name instead of
-silently continuing the old run under new numbers.
+silently continuing the old run under new numbers. A checkpoint stores every training key; the comparison leaves out
+those that neither run reads (`unread_keys`: a critic's settings where no critic is trained, the knobs of losses and
+estimators not selected), so a changed default of a setting a run never used does not refuse its checkpoint.
 """
 
 from __future__ import annotations
@@ -54,8 +56,49 @@ NOT_TRAINING = {
 }
 
 
+# Each advantage estimator's and policy loss's own knobs (algorithm.<knob>, as megarl/algorithms/advantages.py,
+# losses.py and loss_variants.py read them): a run reads those of the estimator and loss it selects. A name not listed
+# (a plugin, `package.module:function`) may read any of them: all are compared for it.
+ESTIMATOR_KNOBS = {
+    "grpo": ("norm_adv_by_std",), "grpo_passk": ("norm_adv_by_std",), "rloo": (), "opo": (), "remax": (),
+    "gpg": ("gpg_norm_by_std",), "optimal_token_baseline": ("otb_zero_tail",),
+    "reinforce_plus_plus": ("gamma",), "reinforce_plus_plus_baseline": ("gamma",),
+    "gae": ("gamma", "lam", "critic_lam", "lam_length_alpha", "critic_warmup_steps"),
+}
+LOSS_KNOBS = {
+    "ppo_clip": ("clip_eps", "clip_eps_high"), "dual_clip": ("clip_eps", "clip_eps_high", "clip_ratio_c"),
+    "clip_cov": ("clip_eps", "clip_eps_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"), "gspo": ("gspo_clip_eps", "gspo_clip_eps_high"),
+    "gmpo": ("gmpo_clip_eps",), "cispo": ("cispo_clip_eps_low", "cispo_clip_eps_high"),
+    "sapo": ("sapo_tau_pos", "sapo_tau_neg"), "reinforce": (), "gpg": (),
+}
+
+
 def is_training_key(key: str) -> bool:
     return not any(key == k or key.startswith(k + ".") for k in NOT_TRAINING)
+
+
+def _within(key: str, prefixes: set[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def unread_keys(values: dict) -> set[str]:
+    """The keys (or sections, by prefix) that a run of these training settings never reads."""
+    def knobs(table: dict, chosen: str) -> set[str]:
+        if chosen not in table:
+            return set()
+        return {f"algorithm.{k}" for ks in table.values() for k in ks} - {f"algorithm.{k}" for k in table[chosen]}
+
+    unread = knobs(ESTIMATOR_KNOBS, values["algorithm.advantage"]) | knobs(LOSS_KNOBS, values["algorithm.policy_loss"])
+    if values["algorithm.advantage"] != "gae":  # only gae trains a critic (megarl/trainer.py)
+        unread.add("critic")
+    if not values["reward_model.path"]:  # no reward model scores; its section is train_rm's
+        unread.add("reward_model")
+    if values["algorithm.loss_agg"] != "seq-mean-token-sum-norm":
+        unread.add("algorithm.loss_agg_norm_len")
+    if values["trainer.mode"] == "sync":
+        unread.add("async")
+    return unread | {"preference"}  # train_rm's pairs: an RL run reads none
 
 
 def _options(obj, prefix: str = "") -> dict:
@@ -78,13 +121,16 @@ def fingerprint(cfg: Config) -> dict:
 
 
 def differences(saved: dict, current: dict) -> list[str]:
-    """The training keys whose values differ, as `key: old -> new`. A key the saved run did not know (added to megarl
-    since) counts as its default there; a key megarl no longer has cannot be set, so it is not named."""
+    """The training keys whose values differ, as `key: old -> new`, of those that either run reads (unread_keys). A
+    key the saved run did not know (added to megarl since) counts as its default there; a key megarl no longer has
+    cannot be set, so it is not named."""
     if saved["sha256"] == current["sha256"]:
         return []
-    old, new, defaults = saved["values"], current["values"], _options(Config())
-    return [f"{key}: {_show(old.get(key, defaults.get(key)))} -> {_show(value)}"
-            for key, value in new.items() if old.get(key, defaults.get(key)) != value]
+    new = current["values"]
+    old = {key: saved["values"].get(key, default) for key, default in _options(Config()).items()}
+    unread = unread_keys(old) & unread_keys(new)  # a prefix both leave unread (a key read by one run is compared)
+    return [f"{key}: {_show(old[key])} -> {_show(value)}"
+            for key, value in new.items() if old.get(key) != value and not _within(key, unread)]
 
 
 def _show(value) -> str:

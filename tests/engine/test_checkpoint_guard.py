@@ -12,7 +12,7 @@ import pytest
 
 from megarl.config import ConfigError, load_config
 from megarl.config.tiny import tiny_config
-from megarl.config.fingerprint import NOT_TRAINING, differences, fingerprint
+from megarl.config.fingerprint import ESTIMATOR_KNOBS, LOSS_KNOBS, NOT_TRAINING, differences, fingerprint, unread_keys
 from megarl.engine.checkpoint import CheckpointError, Checkpoints, checkpoint_damage
 from megarl.engine.manifest import BLOCK_BYTES, SMALL_FILE_BYTES
 from megarl.resume import plan_resume
@@ -164,6 +164,49 @@ def test_a_key_the_saved_run_did_not_have_counts_as_its_default(tmp_path):
     assert differences(older, current) == []
     changed = fingerprint(config(tmp_path, "algorithm.tis_cap=3.0"))
     assert differences(older, changed) == ["algorithm.tis_cap: 2.0 -> 3.0"]
+
+
+def test_settings_the_run_does_not_read_do_not_refuse_its_checkpoint(tmp_path, capsys):
+    """A GRPO run reads no critic, no GAE lambda or discount, no reward model and no other loss's knobs: their values
+    (megarl's defaults changed: algorithm.lam 0.95 -> 1.0, critic.optim.weight_decay 0 -> 0.01) pass; a read one is
+    refused by name."""
+    save(config(tmp_path, "algorithm.lam=0.95", "critic.optim.weight_decay=0.0"), 5)
+    unread = ["algorithm.lam=1.0", "algorithm.gamma=0.9", "critic.optim.weight_decay=0.01", "critic.value_clip=0.2",
+              "reward_model.optim.lr=0.1", "reward_model.weight=2.0", "algorithm.gspo_clip_eps=0.01",
+              "algorithm.clip_ratio_c=5.0", "algorithm.sapo_tau_neg=2.0", "algorithm.otb_zero_tail=false",
+              "algorithm.loss_agg_norm_len=512", "async.max_staleness=3", "preference.pairs_per_step=4"]
+    assert plan_resume(config(tmp_path, *unread)).step == 5 and capsys.readouterr().out == ""
+    for key, old, new in (("algorithm.norm_adv_by_std", "true", "false"), ("algorithm.clip_eps", "0.2", "0.3"),
+                          ("algorithm.advantage", '"grpo"', '"rloo"')):
+        with pytest.raises(ConfigError, match=f"\n  {key}: {old} -> {new}\n"):
+            plan_resume(config(tmp_path, *unread, f"{key}={new.strip(chr(34))}"))
+
+
+def test_a_setting_either_run_reads_is_compared(tmp_path):
+    """A critic run's lam and critic are read; a switch of estimator names the knobs the saved run read too."""
+    gae = ("algorithm.advantage=gae", "algorithm.lam=0.9", "critic.optim.weight_decay=0.01")  # tiny: 0.95, 0.0
+    save(config(tmp_path / "gae", *gae), 5)
+    with pytest.raises(ConfigError) as error:
+        plan_resume(config(tmp_path / "gae", *gae[:1]))
+    assert "\n  algorithm.lam: 0.9 -> 0.95\n  critic.optim.weight_decay: 0.01 -> 0.0\n" in str(error.value)
+    assert differences(fingerprint(config(tmp_path, *gae)), fingerprint(config(tmp_path))) == [
+        'algorithm.advantage: "gae" -> "grpo"', "algorithm.lam: 0.9 -> 0.95", "critic.optim.weight_decay: 0.01 -> 0.0"]
+    with_rm = fingerprint(config(tmp_path, "reward_model.path=/models/rm", "reward_model.weight=2.0"))
+    assert differences(with_rm, fingerprint(config(tmp_path, "reward_model.path=/models/rm"))) == \
+        ["reward_model.weight: 2.0 -> 1.0"]
+
+
+def test_every_estimator_and_loss_has_its_knobs_listed_and_a_plugin_reads_all():
+    from megarl.algorithms.advantages import ADVANTAGES
+    from megarl.algorithms.losses import POLICY_LOSSES
+    import megarl.algorithms.loss_variants  # noqa: F401  (registers the other losses)
+
+    assert sorted(ESTIMATOR_KNOBS) == ADVANTAGES.names() and sorted(LOSS_KNOBS) == POLICY_LOSSES.names()
+    values = fingerprint(tiny_config())["values"]
+    knobs = {f"algorithm.{k}" for table in (ESTIMATOR_KNOBS, LOSS_KNOBS) for ks in table.values() for k in ks}
+    assert knobs <= set(values)  # each an option of the algorithm section
+    plugin = unread_keys(values | {"algorithm.advantage": "my_pkg.adv:fn", "algorithm.policy_loss": "my_pkg.loss:fn"})
+    assert not plugin & knobs and "critic" in plugin  # a plugin estimator may read any knob; only gae has a critic
 
 
 def test_a_checkpoint_from_before_settings_and_manifests_resumes_with_warnings(tmp_path, capsys):
