@@ -34,13 +34,14 @@ from megarl.rollout.agent import (Trajectory, agent_metrics, new_groups, observa
                                  trajectories_to_batch)
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch, prompt_images
-from megarl.utils.progress import phases
 from megarl.rollout.weight_layout import merge as merge_checksums
+from megarl.utils.progress import phases
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker, run_dir
 from megarl.workers import weight_sync
 from megarl.workers.colocation import Colocation
-from megarl.workers.group import TrainGroup, call_rollout, start_rollout, stop_rollout
+from megarl.workers.group import (TrainGroup, WorkerError, call_rollout, rollout_hang_behind, start_rollout,
+                                  stop_rollout)
 
 
 def resolve_device(cfg: Config) -> str:
@@ -488,7 +489,13 @@ class RLTrainer:
         every = self.cfg.trainer.verify_weight_sync_every
         verify, self.syncs = every > 0 and self.syncs % every == 0, self.syncs + 1
         deep = self.cfg.trainer.verify_weight_sync_deep
-        ranks = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20, verify, deep)
+        try:
+            ranks = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20, verify, deep)
+        except WorkerError as error:  # the ranks wait on the rollout actor: a hang of it is named as such
+            hang = rollout_hang_behind(error, self.rollout, "push_weights", "receiving their weights")
+            if hang is None:
+                raise
+            raise hang from None
         reports = [r for r in ranks if "seconds" in r]  # the senders'
         start = time.perf_counter()
         if verify and deep:

@@ -60,15 +60,66 @@ def get_all(refs: list, call: str = "the call", describe: Callable[[int], str] =
     return ray.get(refs)
 
 
+# The rollout actors megarl killed for missing a deadline, by actor id: the hang's message. In the asynchronous modes
+# the rollout thread and the trainer wait on the one actor at once; the deadline of one kills it, and the other's call
+# then fails with a death that is this hang.
+_hung_rollouts: dict[str, str] = {}
+
+
+def rollout_process(rollout) -> str:
+    """What the OS says of the rollout actor's process (process_state), looked up in Ray's actor table: a hung actor
+    cannot be asked."""
+    info = ray._private.state.actors(rollout._actor_id.hex())  # Ray's only lookup without the dashboard
+    if not info.get("Pid"):
+        return "not started"
+    return process_state(info["Pid"], info["Address"]["IPAddress"])
+
+
+def kill_hung_rollout(rollout, what: str) -> str:
+    """Kill the rollout actor (its SGLang servers' guards end them: megarl/rollout/server_guard.py) for the hang
+    `what` says, which reads on with its process state ('the rollout actor (pid 7, stopped)' + what); returns the
+    message, which every other wait on the actor then reports (rollout_result)."""
+    message = f"the rollout actor ({rollout_process(rollout)}){what}; killed it (and so its servers)"
+    ray.kill(rollout)
+    _hung_rollouts[rollout._actor_id.hex()] = message
+    return message
+
+
+def rollout_result(rollout, ref, method: str):
+    """ray.get of a call on the rollout actor (WorkerError naming it and the call); where megarl killed the actor for
+    a hang while this call waited, WorkerTimeout with that hang, not the death it caused."""
+    try:
+        return get_all([ref], method, lambda _: "the rollout actor")[0]
+    except WorkerError as error:
+        hang = _hung_rollouts.get(rollout._actor_id.hex())
+        if hang is None or not isinstance(error.__cause__, ray.exceptions.RayActorError):
+            raise
+        raise WorkerTimeout(f"{hang} (the call {method} ended with it)") from None
+
+
+def rollout_hang_behind(error: WorkerError, rollout, call: str, doing: str) -> WorkerTimeout | None:
+    """The hang behind a failed `call` of the training ranks that waits on the rollout actor (a weight sync): past
+    the call's deadline, the rollout actor named after the ranks, with its state (stopped: the cause) and what it was
+    `doing` for them, and killed too; failed because megarl killed the actor for a hang meanwhile (the rollout
+    thread's deadline), that hang. None for any other failure."""
+    if isinstance(error, WorkerTimeout):
+        return WorkerTimeout(f"{error}; " + kill_hung_rollout(rollout, f" was {doing} ({call})"))
+    hang = _hung_rollouts.get(rollout._actor_id.hex())
+    return WorkerTimeout(f"{hang} (the training ranks' {call} ended with it)") if hang else None
+
+
+def _rollout_deadline(rollout, method: str, timeout: float) -> WorkerTimeout:
+    return WorkerTimeout(kill_hung_rollout(rollout, f" did not answer {method} within {timeout:g} s "
+                                                    "(trainer.worker_timeout_s)"))
+
+
 def call_rollout(rollout, method: str, *args, timeout: float = 0.0):
     """rollout.method(*args) on the rollout actor, with the same deadline as the training ranks' calls; past it the
-    actor is killed at once (its SGLang servers' guards end them: megarl/rollout/server_guard.py), as a shutdown
-    call would only queue behind the hung one."""
-    try:
-        return get_all([getattr(rollout, method).remote(*args)], method, lambda _: "the rollout actor", timeout)[0]
-    except WorkerTimeout as error:
-        ray.kill(rollout)
-        raise WorkerTimeout(f"{error}; killed it (and so its servers)") from None
+    actor is killed at once, as a shutdown call would only queue behind the hung one."""
+    ref = getattr(rollout, method).remote(*args)
+    if not ray.wait([ref], timeout=timeout or None)[0]:
+        raise _rollout_deadline(rollout, method, timeout)
+    return rollout_result(rollout, ref, method)
 
 
 def stream_rollout(rollout, method: str, *args, timeout: float = 0.0) -> Iterator:
@@ -77,14 +128,12 @@ def stream_rollout(rollout, method: str, *args, timeout: float = 0.0) -> Iterato
     stream = getattr(rollout, method).options(num_returns="streaming").remote(*args)
     while True:
         if not ray.wait([stream], timeout=timeout or None)[0]:
-            ray.kill(rollout)
-            raise WorkerTimeout(f"the rollout actor did not answer {method} within {timeout:g} s "
-                                "(trainer.worker_timeout_s); killed it (and so its servers)")
+            raise _rollout_deadline(rollout, method, timeout)
         try:
             ref = next(stream)
         except StopIteration:
             return
-        yield get_all([ref], method, lambda _: "the rollout actor")[0]
+        yield rollout_result(rollout, ref, method)
 
 
 def process_state(pid: int, node: str) -> str:
@@ -328,6 +377,8 @@ def wait_placed(hosts: list, what: str, placement_s: float) -> None:
 def stop_rollout(rollout, timeout: float = 90.0) -> None:
     """Shut the rollout actor's engine down (its SGLang servers: up to 60 s each), then kill the actor. Should
     the actor be dead or hung, the servers' guards (megarl/rollout/server_guard.py) end them once it is gone."""
+    if rollout._actor_id.hex() in _hung_rollouts:  # killed already, for the hang the run stops with
+        return
     try:
         ray.get(rollout.shutdown.remote(), timeout=timeout)
     except (ray.exceptions.RayError, TimeoutError) as error:

@@ -1,15 +1,19 @@
 """The driver's wait on the training ranks: it fails fast, names the rank and the call, and has a deadline."""
 
 import os
+import re
 import signal
+import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
 import ray
 
 from megarl.config.tiny import tiny_config
-from megarl.workers.group import TrainGroup, WorkerError, WorkerTimeout, call_rollout, get_all, stop_ranks
+from megarl.workers.group import (TrainGroup, WorkerError, WorkerTimeout, call_rollout, get_all, stop_ranks,
+                                  stop_rollout, stream_rollout)
 from tests.conftest import QUICKSTART
 from tests.engine.hf_models import make_qwen2_dir, padded_batch
 
@@ -24,6 +28,13 @@ class Rank:
 
     def die(self) -> None:
         os._exit(1)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def items(self, count: int):
+        for item in range(count):  # Ray send()s into it: `yield from range(...)` has no send
+            yield item
 
     def shutdown(self) -> None:
         pass
@@ -60,12 +71,78 @@ def test_a_rollout_call_past_its_deadline_names_the_call_and_kills_the_actor(ray
     rollout = Rank.remote()
     assert call_rollout(rollout, "step", False, timeout=30) == "done"
     start = time.monotonic()
-    with pytest.raises(WorkerTimeout, match=r"the rollout actor did not answer step within 1 s \(trainer.worker_timeout_s\); "
-                                           "killed it"):
+    with pytest.raises(WorkerTimeout, match=r"the rollout actor \(pid \d+, sleeping\) did not answer step within 1 s "
+                                           r"\(trainer.worker_timeout_s\); killed it"):
         call_rollout(rollout, "step", False, 600, timeout=1)
     assert time.monotonic() - start < 20
     with pytest.raises(ray.exceptions.RayActorError):  # killed: a shutdown call would have queued for 600 s
         ray.get(rollout.step.remote(False), timeout=30)
+
+
+def test_a_stopped_rollout_actor_is_a_hang_for_every_call_waiting_on_it(ray_local):
+    """The asynchronous modes' two waiters on the rollout actor: the rollout thread's stream and the trainer's calls.
+    The deadline of one kills the SIGSTOPped actor; the other's call then reports that hang, not the death."""
+    rollout = Rank.remote()
+    assert list(stream_rollout(rollout, "items", 3, timeout=30)) == [0, 1, 2]
+    pid = ray.get(rollout.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    hang = (rf"the rollout actor \(pid {pid}, stopped\) did not answer items within 2 s "
+            r"\(trainer.worker_timeout_s\); killed it \(and so its servers\)")
+    trainer_call = {}
+
+    def trainer_waits() -> None:  # the trainer's pause_generation, with the run's deadline (longer than the stream's)
+        try:
+            call_rollout(rollout, "step", False, timeout=60)
+        except WorkerError as error:
+            trainer_call["error"] = error
+
+    trainer = threading.Thread(target=trainer_waits)
+    trainer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=hang):
+        list(stream_rollout(rollout, "items", 3, timeout=2))
+    trainer.join(timeout=30)
+    assert time.monotonic() - start < 30
+    assert isinstance(trainer_call["error"], WorkerTimeout)
+    assert re.fullmatch(hang + r" \(the call step ended with it\)", str(trainer_call["error"]))
+    start = time.monotonic()
+    stop_rollout(rollout)  # killed already: no shutdown call queued behind the hang
+    assert time.monotonic() - start < 5
+
+
+def test_a_weight_sync_past_its_deadline_names_the_rollout_actor_it_sends_to_and_kills_it(ray_local):
+    """The training ranks wait on the rollout actor inside push_weights: a stopped actor leaves them sleeping, and the
+    error names it beside them, with its state."""
+    from megarl.trainer import RLTrainer
+
+    class RanksFailed:  # a sync that failed on the ranks' side
+        def call(self, method, *args):
+            raise WorkerError(f"actor rank 0 failed in {method}: ray::TrainWorker.push_weights() ... actor died")
+
+    rollout = Rank.remote()
+    with pytest.raises(WorkerError) as error:  # the rollout actor healthy: the ranks' own error, as it was
+        RLTrainer.sync_weights(SimpleNamespace(actor=RanksFailed(), rollout=rollout, cfg=tiny_config(), syncs=0))
+    assert type(error.value) is WorkerError and str(error.value).startswith("actor rank 0 failed in push_weights")
+    pid = ray.get(rollout.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    ranks_missed = "actor rank 0 (pid 1, sleeping) did not answer push_weights within 1 s (trainer.worker_timeout_s)"
+
+    class Ranks:  # the policy's TrainGroup, past its deadline
+        def call(self, method, *args):
+            raise WorkerTimeout(f"{ranks_missed}; killed all 1 actor ranks")
+
+    trainer = SimpleNamespace(actor=Ranks(), rollout=rollout, cfg=tiny_config(), syncs=0)
+    with pytest.raises(WorkerTimeout) as error:
+        RLTrainer.sync_weights(trainer)
+    assert str(error.value) == (f"{ranks_missed}; killed all 1 actor ranks; the rollout actor (pid {pid}, stopped) was "
+                                "receiving their weights (push_weights); killed it (and so its servers)")
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(rollout.pid.remote(), timeout=30)
+
+    with pytest.raises(WorkerTimeout) as error:  # its rollout actor killed for its hang meanwhile (another deadline)
+        RLTrainer.sync_weights(SimpleNamespace(actor=RanksFailed(), rollout=rollout, cfg=tiny_config(), syncs=0))
+    assert str(error.value) == (f"the rollout actor (pid {pid}, stopped) was receiving their weights (push_weights); "
+                                "killed it (and so its servers) (the training ranks' push_weights ended with it)")
 
 
 def _gone(pid: int) -> bool:
