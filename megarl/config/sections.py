@@ -100,10 +100,11 @@ class ActorConfig:
                                min=0, **SEQUENCES)
     ppo_epochs: int = opt(1, "passes over each step's batch", min=1, **PASSES)
     precision: str = opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32", choices=("auto", "bf16", "fp32"))
-    fp32_lm_head: bool = opt(False, "under bf16: the output layer (the vocabulary projection) and the log-softmax "
-                                    "in float32, and the rollout engine's too (SGLang's --enable-fp32-lm-head, the "
-                                    "hf engine's lm_head): rollout and training log-probs closer; fp32 logits take "
-                                    "twice the memory. No effect at fp32")
+    fp32_lm_head: bool = opt(True, "under bf16: the output layer (the vocabulary projection) and the log-softmax "
+                                   "in float32, and the rollout engine's too (SGLang's --enable-fp32-lm-head, the "
+                                   "hf engine's lm_head): rollout and training log-probs closer (SmolLM2-135M on an "
+                                   "H100: k3 KL 1.65e-3 -> 7.9e-4 per token, step time unchanged; "
+                                   "docs/benchmarks.md); the logits take twice the memory of bf16's. No effect at fp32")
     use_distributed_optimizer: bool = opt(False, "megatron's distributed optimizer: optimizer state and fp32 main "
                                                  "weights sharded over data-parallel ranks")
     optimizer_cpu_offload: bool = opt(False, "megatron's optimizer CPU offload (HybridDeviceOptimizer): Adam's "
