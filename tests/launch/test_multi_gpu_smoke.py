@@ -1,37 +1,15 @@
-"""scripts/gpu/multi_gpu.sh's CPU smoke mode for the expert-parallel GRPO run (issue 24), as the lead's GPU call runs
-it: a tiny DeepSeek-V3 trained by GRPO at TP=1 x EP=2 on two gloo ranks (each holding half the routed experts),
-synced into generation TP=2 (the transformers engine in SGLang's place) by sharded delivery: each generation rank
-gets its TP rows of every tensor, expert rows pulled by the resharder from the EP rank owning them. Every sync is
-verified by checksums, and its bytes per rank (received and sent resharding, received by each generation rank) equal
-the planner's for the same layouts; the script's table says so."""
+"""scripts/gpu/multi_gpu.sh's CPU smoke mode, as the lead's GPU call runs it: a tiny DeepSeek-V3 trained by GRPO at
+TP=1 x EP=2 x PP=2 on four gloo ranks (each holding half the routed experts of its stage), synced into two generation
+engines of TP=2 (the transformers engine in SGLang's place) by sharded delivery: each generation rank gets its TP rows
+of every tensor, expert rows pulled by the resharder from the EP rank owning them. Every sync is verified by
+checksums, and its bytes per rank (received and sent resharding, received by each generation rank) equal the
+planner's for the same layouts; the script's table says so. The async phase's lanes run side by side."""
 
 import json
 import os
-import re
 import subprocess
 
 from tests.launch.launch_utils import ROOT
-
-
-def test_ep_phase_smoke_verifies_every_sync_and_moves_the_planned_bytes(tmp_path):
-    env = dict(os.environ, DEVICE="cpu", GPUS="2", PHASES="ep", EP_DELIVERIES="sharded", OUT=str(tmp_path / "out"))
-    run = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and "== multi_gpu.sh: exit 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "out" / "ep_tp1_ep2_sharded_metrics.jsonl").read_text()
-               .splitlines()]
-    syncs = [r for r in records if "sync/seconds" in r]
-    assert len(syncs) == 2 and all(r["sync/verified"] == 1.0 and r["sync/traffic_as_planned"] == 1.0 for r in syncs)
-    for r in syncs:
-        # expert rows moved between the EP ranks, as many as planned; each generation rank got half the policy
-        assert r["sync/reshard_recv_max"] == r["sync/plan_reshard_recv_max"] > 0
-        assert r["sync/reshard_send_max"] == r["sync/plan_reshard_send_max"] > 0
-        assert r["sync/server_recv_min"] == r["sync/plan_server_recv_min"]
-        assert r["sync/server_recv_max"] + r["sync/server_recv_min"] == r["sync/bytes"]
-    assert any("rollout/logprob_abs_diff" in r for r in records)
-    row = next(line for line in run.stdout.splitlines() if line.startswith("| ep_tp1_ep2_sharded |"))
-    cells = [c.strip() for c in row.split("|")]
-    assert cells[4] == "2/2" and cells[9] == "2/2", row  # syncs verified; bytes as planned
 
 
 def test_ep_pp_phase_smoke_trains_uneven_stages_and_moves_the_planned_bytes(tmp_path):
@@ -49,27 +27,13 @@ def test_ep_pp_phase_smoke_trains_uneven_stages_and_moves_the_planned_bytes(tmp_
     assert len(syncs) == 2 and all(r["sync/verified"] == 1.0 and r["sync/traffic_as_planned"] == 1.0 for r in syncs)
     for r in syncs:  # expert rows moved between the EP ranks of a stage; each engine's rank got half its layers
         assert r["sync/reshard_send_max"] == r["sync/plan_reshard_send_max"] > 0
+        assert r["sync/reshard_recv_max"] == r["sync/plan_reshard_recv_max"] > 0
         assert r["sync/server_recv_max"] == r["sync/plan_server_recv_max"] > 0
-
-
-def test_async_phase_on_four_runs_both_length_settings_side_by_side(tmp_path):
-    """Issue 25 on 4+ GPUs: LENGTHS unset, the fixed and the long-tail workloads run at once, each on half the GPUs
-    with its own results; both tables come last."""
-    env = dict(os.environ, DEVICE="cpu", GPUS="4", PHASES="async", RUNS="disagg_sync", OUT=str(tmp_path / "out"))
-    env.pop("LENGTHS", None)
-    run = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0 and "== multi_gpu.sh: exit 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "lanes: fixed:disagg_sync tail:disagg_sync, 2 GPUs each" in run.stdout
-    walls = []
-    for lengths in ("fixed", "tail"):
-        result = json.loads((tmp_path / "out" / f"async_{lengths}" / "async_grpo.json").read_text())
-        assert result["setup"]["lengths"] == lengths and result["setup"]["gpus"] == 2
-        assert result["runs"][f"disagg_sync_{lengths}"]["status"] == "ok"
-        assert f"| disagg_sync_{lengths} | ok | 2 |" in run.stdout
-        walls.append(result["runs"][f"disagg_sync_{lengths}"]["wall_s"])
-    phase_s = int(re.search(r"exit 0 after (\d+)s total", run.stdout).group(1))
-    assert phase_s < sum(walls), (phase_s, walls)  # at once, not one after the other
+        assert r["sync/server_recv_min"] == r["sync/plan_server_recv_min"]
+    assert any("rollout/logprob_abs_diff" in r for r in records)
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| ep_pp_ep2_pp2_sharded |"))
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[4] == "2/2" and cells[9] == "2/2", row  # syncs verified; bytes as planned
 
 
 def test_async_lanes_split_one_workloads_runs_and_merge_their_table(tmp_path):
