@@ -36,8 +36,8 @@ from megarl.data.preferences import PreferencePair, pair_batch, preference_sets
 from megarl.engine.checkpoint import CheckpointError, Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.resume import run_id_of
-from megarl.utils.progress import PLAIN_EVERY_S, phases
 from megarl.trainer import evaluates_after, prepare_model, resolve_device
+from megarl.utils.progress import PLAIN_EVERY_S, phases
 from megarl.utils.tracking import Tracker, run_dir
 from megarl.workers.group import TrainGroup
 

@@ -12,9 +12,9 @@ from megarl import stops
 from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import describe, profile_line, required_problem
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
+from megarl.data.run_paths import path_problems
 from megarl.utils import quiet
 from megarl.utils.progress import phases
-from megarl.data.run_paths import path_problems
 
 
 def parse_args(argv):
@@ -26,10 +26,10 @@ def parse_args(argv):
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config and layout, the model directory (config.json, tokenizer; no weights "
                              "loaded) and every prompt, then exit")
-    parser.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config and layout only, then exit: no model directory or prompt file "
                              "needed (a recipe checked on a machine without them)")
+    parser.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value")
     return parser.parse_args(argv)
 
