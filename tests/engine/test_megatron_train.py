@@ -125,7 +125,8 @@ def _bf16_logits_rank(rank, model_dir):
     megatron_engine.vocab_parallel_logprobs = spy
     runs = {}
     for upcast in (True, False):  # Float16Module's float32 logits (megatron's default), then the engine's own
-        engine = MegatronEngine(model_dir, ActorConfig(precision="bf16", micro_batch_size=2), ALGO, "cpu", 1, 10)
+        engine = MegatronEngine(model_dir, ActorConfig(precision="bf16", fp32_lm_head=False, micro_batch_size=2), ALGO,
+                                "cpu", 1, 10)
         engine._forward_kwargs = {} if upcast else engine._forward_kwargs
         seen.clear()
         batch = rl_batch()
@@ -137,9 +138,9 @@ def _bf16_logits_rank(rank, model_dir):
 
 
 def test_bf16_logits_reach_the_logprob_kernel_without_a_float32_copy(tmp_path):
-    """A bf16 engine hands the LM head's logits to the log-prob kernel in bf16 (the float32 copy Float16Module
-    makes by default is the size of the logits, twice over with its gradient), to the same log-probs, metrics
-    and updated weights, bit for bit."""
+    """A bf16 engine with the bf16 LM head (actor.fp32_lm_head=false) hands the LM head's logits to the log-prob
+    kernel in bf16 (the float32 copy Float16Module makes by default is the size of the logits, twice over with its
+    gradient), to the same log-probs, metrics and updated weights, bit for bit."""
     model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True)
     runs = run_distributed(_bf16_logits_rank, 1, model_dir)
     (up_dtypes, up_logprobs, up_metrics, up_weights), (dtypes, logprobs, metrics, weights) = runs[True], runs[False]
