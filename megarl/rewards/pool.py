@@ -25,12 +25,10 @@ lock (those run with reward.isolation=none).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -43,7 +41,7 @@ from typing import Callable
 
 from megarl.rewards.scoring import RewardCallError, batch_timeout, call_timeout
 from megarl.rewards.worker_limits import (ADDRESS_SPACE_FACTOR, RECYCLE_FRACTION, RewardLimitError, Usage,
-                                          WorkerLimits, end_worker, oom_kills, usage)
+                                          WorkerLimits, end_worker, kill_group, oom_kills, usage)
 from megarl.sandbox.cgroup import PREFIX, MemoryCgroups
 
 logger = logging.getLogger(__name__)
@@ -134,8 +132,7 @@ class _Worker:
         alive = self.process.poll() is None
         end_worker(self.process.pid if alive else None, self.cgroup)
         if not alive:  # it died on its own, its children orphaned to init; those it did not move out of its group:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
+            kill_group(self.process.pid)
         self.process.wait()
         self.conn.close()
         os.close(self.exited)

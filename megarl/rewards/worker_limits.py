@@ -34,12 +34,12 @@ import ctypes
 import logging
 import os
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from megarl.rewards.scoring import RewardCallError
+from megarl.utils.processes import group_members, kill_until_gone
 
 logger = logging.getLogger(__name__)
 
@@ -152,23 +152,23 @@ def usage(root: int) -> Usage:
 def kill_below(root: int | None, cgroup: Path | None = None) -> None:
     """SIGKILL every process below `root` (None: none), and in its cgroup, until none lives: a process killed
     meanwhile leaves its own children orphaned, which come to `root` while it is a subreaper."""
-    deadline = time.monotonic() + KILL_WAIT_S
-    while True:
-        living = {pid for pid, p in tree(root).items() if not p.zombie} if root else set()
-        living |= {pid for pid in cgroup_processes(cgroup) if _alive(pid)}
-        living.discard(root)
-        if not living:
-            return
-        if time.monotonic() > deadline:
-            logger.warning("reward process %d: processes %s did not end within %g s of SIGKILL (in uninterruptible "
-                           "sleep?)", root, sorted(living), KILL_WAIT_S)
-            return
-        for pid in living:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.002)
+    def living() -> set[int]:
+        found = {pid for pid, p in tree(root).items() if not p.zombie} if root else set()
+        found |= {pid for pid in cgroup_processes(cgroup) if _alive(pid)}
+        found.discard(root)
+        return found
+
+    if left := kill_until_gone(living, KILL_WAIT_S):
+        logger.warning("reward process %s: processes %s did not end within %g s of SIGKILL (in uninterruptible "
+                       "sleep?)", root, sorted(left), KILL_WAIT_S)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL the processes of group `pgid` (a reward process that died on its own: its children, orphaned to init,
+    that did not leave its group) and see them gone."""
+    if left := kill_until_gone(lambda: group_members(pgid), KILL_WAIT_S):
+        logger.warning("processes %s of reward process group %d did not end within %g s of SIGKILL", sorted(left),
+                       pgid, KILL_WAIT_S)
 
 
 def _alive(pid: int) -> bool:

@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.sandbox.cgroup import MemoryCgroups
+from megarl.utils.processes import kill_until_gone
 
 logger = logging.getLogger(__name__)
 
@@ -442,20 +443,11 @@ class Sandbox:
         when some of it is still there after 5 s."""
         if uid is None:
             return True  # not root: the uid is the caller's own
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            alive = _processes_of(uid, zombies=True)  # a zombie would take one of the next run's processes
-            if not alive:
-                return True
-            for pid in alive:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
-        logger.warning("sandbox uid %d still has processes %s after 5 s of SIGKILL", uid,
-                       _processes_of(uid, zombies=True))
-        return False
+        # a zombie would take one of the next run's processes
+        if left := kill_until_gone(lambda: _processes_of(uid, zombies=True), 5.0, poll_s=0.01):
+            logger.warning("sandbox uid %d still has processes %s after 5 s of SIGKILL", uid, sorted(left))
+            return False
+        return True
 
     # --- set-up checks -----------------------------------------------------------------------------
 
