@@ -187,10 +187,18 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{e.problem} at {at(e.problem_mark)}{context}"
 
 
-def help_text(sections: tuple[str, ...] = ()) -> str:
-    """Every option with its default, the values it allows and its help, for `--help`; only those of the named
-    top-level sections if any."""
-    lines = []
+# What most runs set, shown first by `--help` (the full list by section follows)
+COMMON_KEYS = ("model.path", "data.task", "data.val_task", "data.prompts_per_step", "data.max_prompt_length",
+               "rollout.n_samples", "rollout.max_new_tokens", "rollout.temperature", "reward.name",
+               "algorithm.advantage", "algorithm.policy_loss", "algorithm.kl_coef", "actor.optim.lr",
+               "actor.mini_batch_size", "actor.parallel.world_size", "actor.parallel.tp", "trainer.steps",
+               "trainer.eval_every", "trainer.save_every", "trainer.output_dir")
+
+
+def help_text(sections: tuple[str, ...] = (), common: tuple[str, ...] = COMMON_KEYS) -> str:
+    """Every option with its default, the values it allows and its help, for `--help`: `common` first, then all by
+    section; only those of the named top-level sections if any."""
+    entries, lines = {}, []
 
     def walk(obj, prefix):
         for name, f in _fields(obj).items():
@@ -203,7 +211,12 @@ def help_text(sections: tuple[str, ...] = ()) -> str:
             else:
                 allowed = f.metadata.get("range")
                 shown = f"  {prefix}{name} = {value!r}" + (f"  ({allowed.describe()})" if allowed else "")
-                lines.append(f"{shown}\n      {f.metadata.get('help', '')}")
+                entries[prefix + name] = f"{shown}\n      {f.metadata.get('help', '')}"
+                lines.append(entries[prefix + name])
 
     walk(Config(), "")
-    return "\n".join(lines)
+    first = [entries[key] for key in common if key in entries]
+    if not first:
+        return "\n".join(lines)
+    return "\n".join([f"\n[most runs set]  the {len(first)} keys most runs change; every key by section below",
+                      *first, "", "every key, by section:", *lines])
