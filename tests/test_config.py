@@ -25,6 +25,22 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
         tiny_config([], path=recipe)
 
 
+def test_a_key_of_another_training_role_names_the_roles_it_applies_to(tmp_path):
+    with pytest.raises(ConfigError, match=r"config key 'reward_model.ppo_epochs' does not apply to reward_model: "
+                                          r"ppo_epochs is a key of actor and critic only \(actor.ppo_epochs, "
+                                          r"critic.ppo_epochs\)"):
+        tiny_config(["reward_model.ppo_epochs=2"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("critic:\n  fp32_lm_head: false\n")
+    with pytest.raises(ConfigError, match=r"'critic.fp32_lm_head' does not apply to critic: fp32_lm_head is a key "
+                                          r"of actor only \(actor.fp32_lm_head\)"):
+        tiny_config([], path=recipe)
+    with pytest.raises(ConfigError, match=r"'actor.value_clip' does not apply to actor: value_clip is a key of "
+                                          r"critic only"):
+        tiny_config(["actor.value_clip=0.2"])
+    assert tiny_config(["critic.ppo_epochs=2"]).critic.ppo_epochs == 2
+
+
 def test_wrong_type_names_the_key():
     with pytest.raises(ConfigError, match=r"'trainer.steps' expects int, got 'many'"):
         tiny_config(["trainer.steps=many"])

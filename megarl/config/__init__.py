@@ -18,10 +18,10 @@ tiny.py         `tiny_config` and `TINY_ARGS`: the built-in tiny CPU run's small
 
 from megarl.config.loading import all_keys, help_text, load_config
 from megarl.config.sections import (ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig,
-                                    ModelConfig, OptimConfig, ParallelConfig, RewardConfig, RewardModelConfig,
-                                    RolloutConfig, SFTConfig, TrainerConfig, opt, section)
+                                    EngineConfig, ModelConfig, OptimConfig, ParallelConfig, RewardConfig,
+                                    RewardModelConfig, RolloutConfig, SFTConfig, TrainerConfig, opt, section)
 from megarl.config.validation import ConfigError
 
 __all__ = ["ActorConfig", "AgentConfig", "AlgorithmConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
-           "SFTConfig", "TrainerConfig", "all_keys", "help_text", "load_config", "opt", "section"]
+           "EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RewardModelConfig",
+           "RolloutConfig", "SFTConfig", "TrainerConfig", "all_keys", "help_text", "load_config", "opt", "section"]

@@ -92,19 +92,15 @@ class OptimConfig:
 
 
 @dataclass
-class ActorConfig:
-    parallel: ParallelConfig = section(ParallelConfig, "training layout of the policy")
-    optim: OptimConfig = section(OptimConfig, "optimizer of the policy")
+class EngineConfig:
+    """The keys every training role's engine reads (megarl/engine/megatron_engine.py): layout, optimizer,
+    micro-batches, precision, kernels. Each role's section adds its own keys."""
+    parallel: ParallelConfig = section(ParallelConfig, "training layout of the model")
+    optim: OptimConfig = section(OptimConfig, "optimizer of the model")
     micro_batch_size: int = opt(8, "sequences per micro-batch in forward/backward", min=1, **SEQUENCES)
     mini_batch_size: int = opt(0, "sequences per optimizer step; 0 = the whole step's batch in one update",
                                min=0, **SEQUENCES)
-    ppo_epochs: int = opt(1, "passes over each step's batch", min=1, **PASSES)
     precision: str = opt("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32", choices=("auto", "bf16", "fp32"))
-    fp32_lm_head: bool = opt(True, "under bf16: the output layer (the vocabulary projection) and the log-softmax "
-                                   "in float32, and the rollout engine's too (SGLang's --enable-fp32-lm-head, the "
-                                   "hf engine's lm_head): rollout and training log-probs closer (SmolLM2-135M on an "
-                                   "H100: k3 KL 1.65e-3 -> 7.9e-4 per token, step time unchanged; "
-                                   "docs/benchmarks.md); the logits take twice the memory of bf16's. No effect at fp32")
     use_distributed_optimizer: bool = opt(False, "megatron's distributed optimizer: optimizer state and fp32 main "
                                                  "weights sharded over data-parallel ranks")
     optimizer_cpu_offload: bool = opt(False, "megatron's optimizer CPU offload (HybridDeviceOptimizer): Adam's "
@@ -150,14 +146,27 @@ class ActorConfig:
                                                   "expert load and is synced to the rollout engine like a weight; "
                                                   "0 = off, the default for RL (routing keeps the checkpoint's bias; "
                                                   "DeepSeek-V3's pre-training used 1e-3)", min=0)
-    freeze_vision_tower: bool = opt(False, "vision-language policies (Qwen2.5-VL): the vision tower is not trained "
+    freeze_vision_tower: bool = opt(False, "vision-language models (Qwen2.5-VL): the vision tower is not trained "
                                            "(no gradients, no optimizer state); the language model is")
 
 
 @dataclass
-class CriticConfig(ActorConfig):
+class ActorConfig(EngineConfig):
+    parallel: ParallelConfig = section(ParallelConfig, "training layout of the policy")
+    optim: OptimConfig = section(OptimConfig, "optimizer of the policy")
+    ppo_epochs: int = opt(1, "passes of the policy over each step's batch", min=1, **PASSES)
+    fp32_lm_head: bool = opt(True, "under bf16: the output layer (the vocabulary projection) and the log-softmax "
+                                   "in float32, and the rollout engine's too (SGLang's --enable-fp32-lm-head, the "
+                                   "hf engine's lm_head): rollout and training log-probs closer (SmolLM2-135M on an "
+                                   "H100: k3 KL 1.65e-3 -> 7.9e-4 per token, step time unchanged; "
+                                   "docs/benchmarks.md); the logits take twice the memory of bf16's. No effect at fp32")
+
+
+@dataclass
+class CriticConfig(EngineConfig):
     parallel: ParallelConfig = section(ParallelConfig, "training layout of the critic")
     optim: OptimConfig = section(OptimConfig, "optimizer of the critic")
+    ppo_epochs: int = opt(1, "passes of the critic over each step's batch", min=1, **PASSES)
     path: str = opt("", "the critic's HF directory; empty = the policy's (model.path) with a zero-initialised "
                         "value head")
     value_clip: float = opt(0.5, "PPO value clipping: new values stay within this of the values before the step; "
@@ -165,7 +174,7 @@ class CriticConfig(ActorConfig):
 
 
 @dataclass
-class RewardModelConfig(ActorConfig):
+class RewardModelConfig(EngineConfig):
     parallel: ParallelConfig = section(ParallelConfig, "layout of the reward model's ranks (training in "
                                                        "python -m megarl.train_rm, scoring in RL)")
     optim: OptimConfig = section(OptimConfig, "optimizer of the reward model (python -m megarl.train_rm)")
@@ -456,6 +465,10 @@ class TrainerConfig:
                                           "non-zero. 30 min: far longer than any healthy call (a 671B step's train "
                                           "or checkpoint call takes minutes), as long as the ranks' own collective "
                                           "timeout (megarl/parallel/state.py). 0 = wait forever", min=0, **SECONDS)
+
+
+# the sections of the training roles: each an EngineConfig plus the keys of its own
+TRAINING_ROLES = ("actor", "critic", "reward_model")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.config.sections import TRAINING_ROLES
 from megarl.config.verl_keys import (BY_KEY, MISSING, REFUSED_SECTIONS, VERL_KEYS, VERL_SECTIONS, Refusal,
                                      has_no_effect)
 
@@ -131,6 +132,9 @@ def unknown_key(key: str, megarl_keys: list[str]) -> str:
     """The error line of an unknown key: the verl key it may stand for (and what that becomes), or a near miss."""
     if key.split(".", 1)[0] in REFUSED_SECTIONS:
         return f"{key}: {REFUSED_SECTIONS[key.split('.', 1)[0]]}"
+    misplaced = _other_roles_key(key, megarl_keys)
+    if misplaced:
+        return misplaced
     if key.split(".", 1)[0] in VERL_SECTIONS or key in BY_KEY:
         close = near_miss(key, BY_KEY)
         hint = f"; did you mean '{close}'?" if close else ""
@@ -147,6 +151,17 @@ def unknown_key(key: str, megarl_keys: list[str]) -> str:
     known = sorted({k.split(".", 1)[0] for k in megarl_keys})
     where = "" if section in known else f" (sections: {', '.join(known)}; verl's: {', '.join(VERL_SECTIONS)})"
     return f"unknown config key '{key}'{where}"
+
+
+def _other_roles_key(key: str, megarl_keys: list[str]) -> str:
+    """The error line of a key of a training role's section that only other roles have (reward_model.ppo_epochs),
+    naming the roles it applies to; else ''."""
+    role, _, rest = key.partition(".")
+    owners = [other for other in TRAINING_ROLES if other != role and f"{other}.{rest}" in megarl_keys]
+    if role not in TRAINING_ROLES or not owners:
+        return ""
+    return (f"config key '{key}' does not apply to {role}: {rest} is a key of {' and '.join(owners)} only "
+            f"({', '.join(f'{owner}.{rest}' for owner in owners)})")
 
 
 def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], megarl_defaults: dict[str, Any]) -> Plan:
