@@ -1,13 +1,14 @@
 """The asynchronous modes (trainer.mode one_step_off and async): rollouts for the next steps are generated while
 the trainer trains, with bounded staleness. docs/async.md tells the whole story; in short:
 
-  rollout thread (RolloutSide.run)               trainer (AsyncRLTrainer.step, the main thread)
+  rollout thread (RolloutLoop.run)               trainer (AsyncRLTrainer.step, the main thread)
     wait for admission (rollout_buffer.py)         take data.prompts_per_step groups from the buffer
-    sample_batch(): generate, each group scored    RLTrainer.train_step: log-probs, advantages, update, and
-      as it ends, DAPO ...
+    AsyncSampler.sample_batch(): generate, each    RLTrainer.train_step: log-probs, advantages, update, and
+      group scored as it ends, DAPO ...
     put its groups in the buffer                   publish: pause the rollout engine, sync, resume it
 
-Both sides run the synchronous loop's own stage helpers, so async with async.max_staleness=0 is the sync loop,
+The rollout thread's AsyncSampler is the synchronous loop's Sampler (megarl/sampler.py) with each group scored as it
+ends, and the trainer runs the synchronous loop's train_step, so async with async.max_staleness=0 is the sync loop,
 bit for bit. The rollout engine stamps every token with the policy version that produced it
 (resume_generation), and pauses itself around a weight update (pause_generation: async.partial), so no lock is
 held across an update. one_step_off is the deterministic special case: step t+1's batch is generated whole from
@@ -20,7 +21,6 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -31,13 +31,10 @@ from megarl.resume import Start, plan_resume
 from megarl.reshard.memory import GiB, MemorySettings, predict_peak
 from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
-from megarl.rewards.failures import RewardFailureTracker
-from megarl.rollout.agent import OversamplingEnd, Trajectory, new_groups, trajectories_to_batch
-from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
+from megarl.sampler import AsyncSampler
 from megarl.trainer import RLTrainer, resolve_device
 from megarl.utils.timers import Timers
-from megarl.workers.group import stream_rollout
 
 ASYNC_BUFFER_FILE = "async_buffer.pt"  # the rollout buffer in a checkpoint (RolloutBuffer.state_dict)
 
@@ -97,137 +94,51 @@ class PromptSource:
         return again + (self.data.next_batch(size - len(again)) if len(again) < size else [])
 
 
-class RolloutSide:
-    """The rollout thread's half of the trainer: the synchronous loop's sampling helpers, named here one by one,
-    over state of its own (the policy version the rollout engine held when the batch began, timers, a reward
-    function and its failure counts, over-sampling's unfinished groups), so that it shares nothing mutable with
-    the trainer but the buffer and the data loader, which only this thread draws from while the trainer runs."""
+class RolloutLoop:
+    """The rollout thread's loop: rollout batches as the buffer admits them, sampled by an AsyncSampler of its own,
+    put in the buffer. It shares nothing mutable with the trainer but the buffer and the data loader, which only
+    this thread draws from while the trainer runs."""
 
-    sample_batch = RLTrainer.sample_batch
-    sample_oversampled = RLTrainer.sample_oversampled
-    generate_and_score = RLTrainer.generate_and_score
-    generate = RLTrainer.generate
-    rollout_call = RLTrainer.rollout_call
-    score = RLTrainer.score
-
-    def __init__(self, trainer: RLTrainer, buffer: RolloutBuffer, origin: float):
-        self.cfg, self.tokenizer, self.rollout, self.buffer = trainer.cfg, trainer.tokenizer, trainer.rollout, buffer
-        self.data = PromptSource(trainer.data, buffer)
-        self.reward_fn = build_reward(self.cfg.reward, self.cfg.data.task)  # the trainer's evaluates meanwhile
-        self.reward_failures = RewardFailureTracker.from_config(self.cfg.reward)
-        self.timers = Timers(origin)
-        self.version = 0
-        self.partial_groups = []
+    def __init__(self, sampler: AsyncSampler, buffer: RolloutBuffer):
+        self.sampler, self.buffer, cfg = sampler, buffer, sampler.cfg
         # one_step_off generates each step's batch alone, one version behind the trainer (0 or 1 there)
-        self.batches_at_once = 1 if self.cfg.trainer.mode == "one_step_off" else self.cfg.async_.batches_at_once
-        if self.batches_at_once != 1 and (self.cfg.algorithm.dynamic_sampling or self.cfg.agent.oversample_groups):
+        self.batches_at_once = 1 if cfg.trainer.mode == "one_step_off" else cfg.async_.batches_at_once
+        if self.batches_at_once != 1 and (cfg.algorithm.dynamic_sampling or cfg.agent.oversample_groups):
             # their rounds and carried groups belong to one step-batch each: the synchronous loop's, batch by batch
             print(f"async.batches_at_once={self.batches_at_once}: 1 with DAPO dynamic sampling or over-sampling, "
                   "which fill each step-batch in rounds of their own", flush=True)
             self.batches_at_once = 1
-
-    def sampling_params(self, *args, **kwargs):
-        # a response interrupted by more weight updates than the bound would be too stale to train on: it ends there
-        params = RLTrainer.sampling_params(self, *args, **kwargs)
-        return dataclasses.replace(params, max_interruptions=self.cfg.async_.max_staleness)
-
-    def generate_scored(self, prompts: list[dict], first_group: int = 0) -> Batch:
-        """Each prompt's group scored as soon as its samples have all been generated, while the others still generate
-        (the engine's generate_groups: the SGLang engine's groups end with their requests, the transformers engine's
-        at the decode step of their last row's end; the agent loop's when its group's last conversation ends): the
-        batch and rewards of RLTrainer.generate_scored."""
-        params = self.sampling_params(first_group=first_group)
-        if self.cfg.agent.enabled:  # multi-turn conversations with tool calls (megarl/rollout/agent.py)
-            groups = new_groups([p["prompt_ids"] for p in prompts], params.n, self.version)
-            return self.stream_scored("rollout_agent_groups", (prompts, groups, params), self.agent_rows(prompts))[0]
-        pad = self.tokenizer.pad_token_id
-
-        def to_batch(rows: list) -> Batch:
-            return generations_to_batch(prompts, rows, pad, self.version, self.tokenizer)
-        # a vision-language policy's prompts go with their images
-        args = ([p["prompt_ids"] for p in prompts], params, prompt_images(prompts))
-        return self.stream_scored("generate_groups", args, to_batch)[0]
-
-    def generate_oversampled(self, prompts: list[dict], groups: list[list[Trajectory]],
-                             want: int) -> tuple[Batch, list[list[Trajectory]], int]:
-        """RLTrainer.generate_oversampled with each group scored as soon as it is accepted, while the other
-        conversations go on (finished groups filling the batch in, short of `want` accepted, once the call ends)."""
-        args = (prompts, groups, self.sampling_params(), want, self.cfg.algorithm.dynamic_sampling)
-        batch, end = self.stream_scored("rollout_agent_groups", args, self.agent_rows(prompts))
-        return batch, end.unfinished, end.rejected
-
-    def agent_rows(self, prompts: list[dict]) -> Callable[[list[Trajectory]], Batch]:
-        """Conversations of `prompts` to a batch's rows."""
-        return lambda rows: trajectories_to_batch(prompts, rows, self.tokenizer.pad_token_id, self.tokenizer)
-
-    def stream_scored(self, method: str, args: tuple,
-                      to_batch: Callable[[list], Batch]) -> tuple[Batch, OversamplingEnd | None]:
-        """The groups rollout.method(*args) streams, (index, its rows), each scored as it arrives while the rest
-        generate; the batch built in prompt order (an over-sampled call's: the order its OversamplingEnd gives, which
-        is returned too) whatever order the groups ended in, so that its numbers are those of scoring it whole; its
-        meta's group_reward_failures: each group's failed reward calls, in that order."""
-        scored, end = {}, None
-        with self.timers("generate"):  # the reward phase lies within it
-            for item in stream_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s):
-                if isinstance(item, OversamplingEnd):
-                    end = item
-                    continue
-                index, group = item
-                with self.timers("reward"):
-                    scored[index] = self.score(to_batch(group))
-        order = end.order if end is not None else sorted(scored)
-        # The scored groups' rows as they are, not built again from the generations: that decoding and tensor
-        # building of the whole batch would run after the last group, on the rollout's critical path.
-        batch = Batch.concat([scored[i] for i in order], pad={"tokens": self.tokenizer.pad_token_id})
-        batch.meta["group_reward_failures"] = [scored[i].meta["reward_failures"] for i in order]
-        batch.meta["reward_failures"] = sum(batch.meta["group_reward_failures"])
-        return batch, end
-
-    def sample_batches(self, count: int) -> list[tuple[Batch, dict]]:
-        """`count` step-batches admitted together (async.batches_at_once): one engine call over the prompts of all
-        of them, its groups scored as they end, split back into step-batches in prompt order. A batch's reward
-        failures are its groups' (ReMax's greedy baseline is scored for the whole call: its failures go to the
-        first)."""
-        if count == 1:
-            return [self.sample_batch()]
-        want = self.cfg.data.prompts_per_step
-        whole = self.generate_and_score(self.data.next_batch(count * want))
-        per_group, batches = whole.meta["group_reward_failures"], []
-        for k in range(count):
-            batch = whole.index([row for row, g in enumerate(whole["group"]) if k * want <= g < (k + 1) * want])
-            batch.meta["reward_failures"] = sum(per_group[k * want:(k + 1) * want])
-            batches.append((batch, {}))
-        batches[0][0].meta["reward_failures"] += whole.meta["reward_failures"] - sum(per_group)
-        return batches
 
     def retire_stale_groups(self, trained_at: int) -> dict:
         """Over-sampling's unfinished groups carried into a batch trained at version `trained_at` (at the latest) are
         continued only if their oldest token would be within async.max_staleness then: the others would be dropped
         at the take after all their generation, so they are not continued; as the take does with a stale group, their
         prompts are dropped or go back first in line (async.stale=regenerate). Returns the count, a metric."""
-        if not self.cfg.agent.oversample_groups:
+        cfg = self.sampler.cfg
+        if not cfg.agent.oversample_groups:
             return {}
-        bound, kept, stale = trained_at - self.cfg.async_.max_staleness, [], []
-        for prompt, group in self.partial_groups:  # (a conversation without a model token yet has no age)
+        bound, kept, stale = trained_at - cfg.async_.max_staleness, [], []
+        for prompt, group in self.sampler.partial_groups:  # (a conversation without a model token yet has no age)
             oldest = min((t.policy_version for t in group if any(t.loss_mask)), default=bound)
             (stale if oldest < bound else kept).append((prompt, group))
-        self.partial_groups = kept
-        if self.cfg.async_.stale == "regenerate":
+        self.sampler.partial_groups = kept
+        if cfg.async_.stale == "regenerate":
             self.buffer.requeue([prompt for prompt, _ in stale])
         return {"agent/groups_stale": len(stale)}
 
     def run(self) -> None:
         """Rollout batches as the buffer admits them, up to async.batches_at_once of those admitted at once in one
         engine call, until it is closed."""
+        sampler = self.sampler
         try:
             while (begun := self.buffer.begin_batches(self.batches_at_once)) is not None:
-                numbered, self.version, waited = begun
+                numbered, sampler.version, waited = begun
                 retired = self.retire_stale_groups(numbered[0][1])  # (over-sampling: one batch at a time)
-                with self.timers("rollout"):
-                    batches = self.sample_batches(len(numbered))
-                self.reward_failures.end_step(numbered[-1][0])  # a reward failing past its limit: the trainer stops
-                shared = self.timers.pop() | retired | {
-                    "async/rollout_wait_s": waited, "async/rollout_version": self.version,
+                with sampler.timers("rollout"):
+                    batches = sampler.sample_batches(len(numbered))
+                sampler.reward_failures.end_step(numbered[-1][0])  # failing past its limit: the trainer stops
+                shared = sampler.timers.pop() | retired | {
+                    "async/rollout_wait_s": waited, "async/rollout_version": sampler.version,
                     "async/batches_at_once": len(numbered)}
                 for (number, _), (batch, metrics) in zip(numbered, batches):  # in the order they began
                     self.buffer.put_batch(number, batch, metrics | shared | {
@@ -253,12 +164,15 @@ class AsyncRLTrainer(RLTrainer):
         if cfg.sglang_colocated() and resolve_device(cfg) == "cuda" and cfg.model.path != "tiny":
             check_resident_memory(cfg, read_model_config(cfg.model.path), torch.cuda.mem_get_info()[1])
         # planned from the config as given: its settings, not the objective derived from them, are the run's
-        super().__init__(with_async_objective(cfg), start if start is not None else plan_resume(cfg))
+        super().__init__(with_async_objective(cfg), start if start is not None else plan_resume(cfg), origin)
         a = self.cfg.async_
-        self.timers = Timers(origin, on_start=self.tracker.stage)
         self.buffer = RolloutBuffer(cfg.data.prompts_per_step, a.max_staleness, a.buffer_batches, a.stale,
                                     cfg.trainer.steps)
-        self.rollout_side = RolloutSide(self, self.buffer, origin)
+        # the rollout thread's own sampler, reward function and timers: the trainer's evaluate meanwhile
+        prompts = PromptSource(self.data, self.buffer)
+        self.rollout_sampler = AsyncSampler(self.cfg, self.tokenizer, self.rollout, prompts,
+                                            build_reward(self.cfg.reward, self.cfg.data.task), Timers(origin))
+        self.rollout_loop = RolloutLoop(self.rollout_sampler, self.buffer)
         self.rollout_thread: threading.Thread | None = None
 
     def fit(self) -> dict:
@@ -271,7 +185,7 @@ class AsyncRLTrainer(RLTrainer):
         """One RL step on groups the rollout thread generated (RLTrainer.train_step does the rest)."""
         start = time.perf_counter()
         if self.rollout_thread is None:
-            self.rollout_thread = threading.Thread(target=self.rollout_side.run, name="megarl-rollout", daemon=True)
+            self.rollout_thread = threading.Thread(target=self.rollout_loop.run, name="megarl-rollout", daemon=True)
             self.rollout_thread.start()
         with self.timers("wait"):
             taken = self.buffer.take(self.version)
@@ -315,7 +229,7 @@ class AsyncRLTrainer(RLTrainer):
             return super().save_checkpoint(step)
 
     def save_beside(self, staging: Path) -> None:
-        torch.save(self.buffer.state_dict() | {"partial_groups": self.rollout_side.partial_groups},
+        torch.save(self.buffer.state_dict() | {"partial_groups": self.rollout_sampler.partial_groups},
                    staging / ASYNC_BUFFER_FILE)
 
     def resume(self) -> int:
@@ -328,7 +242,7 @@ class AsyncRLTrainer(RLTrainer):
         if saved is not None and saved.exists():
             state = torch.load(saved, weights_only=False)
             self.buffer.load_state_dict(state)
-            self.rollout_side.partial_groups = state["partial_groups"]
+            self.rollout_sampler.partial_groups = state["partial_groups"]
         else:
             self.buffer.start_at(done)
         return done

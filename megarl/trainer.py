@@ -1,6 +1,8 @@
 """The RL loop: one driver, a handful of calls per step, each moving a Batch.
 
-Read `RLTrainer.fit` top to bottom; everything else here is one small helper per stage.
+Read `RLTrainer.fit` and `RLTrainer.train_step` top to bottom: sample (generate and score: megarl/sampler.py),
+shape the rewards, log-probs and values, advantages, update, sync the policy into the rollout engine, log.
+Everything else here is one small helper per stage.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from megarl import stops
 from megarl.algorithms import rollout_correction
 from megarl.algorithms.advantages import compute_advantages
-from megarl.algorithms.dapo import dynamic_sampling_filter, overlong_reward_shaping, take_groups
+from megarl.algorithms.dapo import overlong_reward_shaping
 from megarl.algorithms.filtering import PolicyFilter
 from megarl.algorithms.kl import kl_controller
 from megarl.config import Config
@@ -27,14 +29,11 @@ from megarl.data.inputs import (eos_disagreement, load_tokenizer, prompt_dataset
 from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.resume import Start, checkpoint_estimate, plan_resume
-from megarl.rewards import build_reward, score
-from megarl.rewards.failures import RewardFailureTracker
+from megarl.rewards import build_reward
 from megarl.rewards.mixing import ScoreMixer, ends_with
-from megarl.rollout.agent import (Trajectory, agent_metrics, new_groups, observation_renderer,
-                                 trajectories_to_batch)
-from megarl.rollout.base import SamplingParams, derive_seed
-from megarl.rollout.batching import generations_to_batch, prompt_images
+from megarl.rollout.agent import agent_metrics, observation_renderer
 from megarl.rollout.weight_layout import merge as merge_checksums
+from megarl.sampler import Sampler
 from megarl.utils.progress import phases
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker, run_dir
@@ -71,13 +70,15 @@ def prepare_model(cfg: Config) -> str:
                                 seed=cfg.trainer.seed))
 
 
-# over-sampling's unfinished groups (RLTrainer.partial_groups) in a checkpoint, continued by the resumed run
+# over-sampling's unfinished groups (Sampler.partial_groups) in a checkpoint, continued by the resumed run
 PARTIAL_GROUPS_FILE = "partial_groups.pt"
 PF_PPO_FILE = "pf_ppo.pt"  # PolicyFilter.state_dict
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config, start: Start | None = None):
+    def __init__(self, cfg: Config, start: Start | None = None, origin: float | None = None):
+        """origin: a time.perf_counter() reading that phase times count from (the asynchronous modes: both threads'
+        timers share it, megarl/utils/timers.py)."""
         self.cfg = cfg
         # the checkpoint to resume, checked and its settings compared, before any worker starts (megarl/resume.py)
         self.start = start if start is not None else plan_resume(cfg)
@@ -94,17 +95,14 @@ class RLTrainer:
         prompts = prompt_datasets(cfg, self.tokenizer, limit)
         self.data, self.sft_data, self.val = prompts.train, prompts.sft, prompts.val
         self.renderer = observation_renderer(self.tokenizer, cfg.agent.observation_template)  # tool results
-        self.reward_fn = build_reward(cfg.reward, cfg.data.task)
-        # reward calls failing past reward.max_failure_rate stop the run: over steps, and per evaluation
-        self.reward_failures = RewardFailureTracker.from_config(cfg.reward)
-        self.val_reward_failures = RewardFailureTracker.from_config(cfg.reward, evaluation=True)
+        reward_fn = build_reward(cfg.reward, cfg.data.task)  # one that does not load: a ConfigError, before workers
         self.kl_ctl = kl_controller(cfg.algorithm)  # fixed, or adaptive towards algorithm.kl_target
         # PF-PPO: the batch filtered by reward before the update (algorithm.pf_ppo)
         self.policy_filter = PolicyFilter(cfg.algorithm, cfg.trainer.seed) if cfg.algorithm.pf_ppo != "none" else None
         # the run's own log directory under the output root, its id kept by a resume (megarl/utils/tracking.py)
         self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.start.run_id), cfg.trainer.loggers,
                                {"run_id": self.start.run_id} | cfg.to_dict())
-        self.timers = Timers(on_start=self.tracker.stage)
+        self.timers = Timers(origin, on_start=self.tracker.stage)
         with phases(f"starting {cfg.actor.parallel.world_size} training rank(s) (the policy's model)"):
             self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
@@ -122,11 +120,12 @@ class RLTrainer:
         # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
         self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
                                      self.rollout, cfg.offload_enabled(self.device), cfg.trainer.worker_timeout_s)
+        # a step's prompts generated, scored and assembled into its Batch (evaluation's too): megarl/sampler.py
+        self.sampler = Sampler(cfg, self.tokenizer, self.rollout, self.data, reward_fn, self.timers)
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.syncs = 0  # weight syncs done (trainer.verify_weight_sync_every counts them)
         self.rollout_buffers = None  # the rollout engine's non-weight buffers' checksums at the first verification
         self.unchecked = None  # the last verified sync's expected checksums, until check_rollout_weights compares
-        self.partial_groups: list[tuple[dict, list[Trajectory]]] = []  # aborted by over-sampling, resumed next step
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
                                        cfg.trainer.keep_last, cfg.trainer.verify_checkpoint,
@@ -176,34 +175,52 @@ class RLTrainer:
         if cfg.rollout.replay_dir:  # a dumped run's samples: no generation
             batch, metrics = self.load_dump(Path(cfg.rollout.replay_dir) / f"step_{self.version + 1:06d}.pt")
         else:  # generate and score (DAPO dynamic sampling, over-sampling, ReMax baseline)
-            batch, metrics = self.sample_batch()
+            batch, metrics = self.sampler.sample_batch()
             if cfg.rollout.dump_dir:
                 self.dump(batch, metrics, Path(cfg.rollout.dump_dir) / f"step_{self.version + 1:06d}.pt")
-            self.reward_failures.end_step(self.version + 1)  # a reward failing past its limit: stop, do not train
+            self.sampler.reward_failures.end_step(self.version + 1)  # failing past its limit: stop, do not train
         return self.train_step(batch, metrics, start)
 
     def train_step(self, batch: Batch, metrics: dict, start: float, train_policy: bool = True) -> dict:
         """The step's stages after sampling, up to the new policy in the rollout engine (the asynchronous modes
         run them on batches their rollout thread generated: megarl/async_trainer.py). train_policy=False: the
         critic alone learns (VAPO's value pretraining, warm_up_critic)."""
-        cfg = self.cfg
         metrics |= self.check_rollout_weights()  # before the weights' memory is released and before any update
         with self.timers("onload"):
             metrics |= self.colocation.to_training()  # the rollout engine releases its memory, Megatron's is back
-        if self.reward_model is not None:  # the model's score, mixed with the rule reward (which is logged)
+        metrics |= self.shape_rewards(batch)
+        metrics |= self.logprobs_and_values(batch)
+        batch = compute_advantages(batch, dataclasses.replace(self.cfg.algorithm, kl_coef=self.kl_ctl.value))
+        metrics |= self.update(batch, train_policy)
+        if train_policy:
+            metrics |= self.update_kl_coef(batch, metrics)
+            self.version += 1
+        metrics |= self.publish_policy()  # unchanged weights too: a colocated engine released its copy
+        return metrics | self.batch_metrics(batch, time.perf_counter() - start) | self.timers.pop()
+
+    def shape_rewards(self, batch: Batch) -> dict:
+        """The rewards the advantages see: the reward model's score mixed with the rule reward (which is logged),
+        DAPO's overlong penalty added."""
+        metrics, a = {}, self.cfg.algorithm
+        if self.reward_model is not None:
             with self.timers("reward_model"):
                 scores = self.reward_model.compute_rewards(batch)["rewards"]
                 ended = ends_with(batch, self.tokenizer.eos_token_id)  # unfinished responses: missing_eos_penalty
                 batch["rewards"], mixed = self.score_mixer(scores, batch["rewards"], batch["group"], ended)
                 metrics |= mixed
-        a = cfg.algorithm
         if a.overlong_buffer_len:
-            penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), cfg.rollout.max_new_tokens,
+            penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), self.cfg.rollout.max_new_tokens,
                                               a.overlong_buffer_len, a.overlong_penalty_factor)
             batch["rewards"] = batch["rewards"] + penalty
             metrics["train/overlong_penalty"] = penalty.mean().item()
+        return metrics
+
+    def logprobs_and_values(self, batch: Batch) -> dict:
+        """The forward passes the advantages and the loss need, into `batch`: the old policy's log-probs (with the
+        rollout correction's weights), the reference's, the critic's values."""
+        cfg, metrics = self.cfg, {}
+        a = cfg.algorithm
         correction = a.rollout_correction  # megarl/algorithms/rollout_correction.py
-        rollout_correction.perturb_rollout_logprobs(batch, correction.perturb_rollout_logprobs)  # a test hook; 0: off
         if correction.bypass_mode:  # the rollout engine's log-probs are the old ones
             batch["old_logprobs"] = batch["rollout_logprobs"]
         if cfg.recompute_old_logprobs():  # else the update's own forward gives them (algorithm.recompute_old_logprobs)
@@ -218,20 +235,23 @@ class RLTrainer:
                 metrics["rollout/logprob_abs_diff"] = (batch["old_logprobs"] - batch["rollout_logprobs"])[real].abs().mean().item()
                 # the mismatch metrics; importance weights and rejection when configured (before the advantages)
                 metrics |= rollout_correction.apply_rollout_correction(batch, correction)
-        if cfg.algorithm.kl_coef > 0:
+        if a.kl_coef > 0:
             with self.timers("ref_logprobs"):
                 batch.update(self.actor.compute_logprobs(batch, reference=True))  # ref_logprobs
         if self.critic is not None:
             with self.timers("values"):
                 batch.update(self.critic.compute_values(batch))  # values, GAE's baseline
-        batch = compute_advantages(batch, dataclasses.replace(a, kl_coef=self.kl_ctl.value))
-        trained_batch, filtered = self.policy_filter(batch) if self.policy_filter is not None else (batch, {})
-        metrics |= filtered
+        return metrics
+
+    def update(self, batch: Batch, train_policy: bool) -> dict:
+        """The critic's update on the returns GAE left in the batch, then the policy's (train_policy), on the batch
+        PF-PPO's filter keeps (algorithm.pf_ppo)."""
+        batch, metrics = self.policy_filter(batch) if self.policy_filter is not None else (batch, {})
         with self.timers("train"):
-            if self.critic is not None:  # on the returns GAE left in the batch
-                metrics |= {f"critic/{k}": v for k, v in self.critic.train(trained_batch, loss="value").items()}
+            if self.critic is not None:
+                metrics |= {f"critic/{k}": v for k, v in self.critic.train(batch, loss="value").items()}
             if train_policy:
-                trained = self.actor.train(trained_batch)
+                trained = self.actor.train(batch)
                 # rank 0's update in its engine, and the call's way there (timing/train minus both: the way back)
                 metrics["perf/engine_update_s"] = trained.pop("engine_seconds")
                 metrics["perf/update_dispatch_s"] = trained.pop("dispatch_seconds")
@@ -239,11 +259,7 @@ class RLTrainer:
                     metrics["rollout/logprob_abs_diff"] = trained.pop("rollout_logprob_abs_diff")
                 metrics |= {k: trained.pop(k) for k in list(trained) if k.startswith(rollout_correction.PREFIX)}
                 metrics |= {f"train/{k}": v for k, v in trained.items()}
-        if train_policy:
-            metrics |= self.update_kl_coef(batch, metrics)
-            self.version += 1
-        metrics |= self.publish_policy()  # unchanged weights too: a colocated engine released its copy
-        return metrics | self.batch_metrics(batch, time.perf_counter() - start) | self.timers.pop()
+        return metrics
 
     # ---- checkpoints (megarl.engine.checkpoint) -----------------------------------------------------
 
@@ -262,8 +278,8 @@ class RLTrainer:
                      "sft_data": self.sft_data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                      "history": self.history, "syncs": self.syncs, "score_mixer": self.score_mixer.state_dict(),
                      "run_id": self.start.run_id}
-            if self.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
-                torch.save(self.partial_groups, staging / PARTIAL_GROUPS_FILE)
+            if self.sampler.partial_groups:  # pickled beside: prompt records may hold any field a dataset file had
+                torch.save(self.sampler.partial_groups, staging / PARTIAL_GROUPS_FILE)
             if self.policy_filter is not None:  # PF-PPO's random state and replayed samples
                 torch.save(self.policy_filter.state_dict(), staging / PF_PPO_FILE)
             self.save_beside(staging)
@@ -302,7 +318,7 @@ class RLTrainer:
         self.history = {name: {int(step): v for step, v in by_step.items()}  # JSON keys are strings
                         for name, by_step in state["history"].items()}
         partial = path / PARTIAL_GROUPS_FILE
-        self.partial_groups = torch.load(partial, weights_only=False) if partial.exists() else []
+        self.sampler.partial_groups = torch.load(partial, weights_only=False) if partial.exists() else []
         if self.policy_filter is not None and (path / PF_PPO_FILE).exists():
             self.policy_filter.load_state_dict(torch.load(path / PF_PPO_FILE, weights_only=False))
         self.publish_policy()  # verified: the first sync of this process
@@ -330,65 +346,11 @@ class RLTrainer:
         """One step of VAPO's value pretraining (algorithm.critic_warmup_steps, before RL): samples from the policy
         as it is, the critic trained on their returns (algorithm.critic_lam), the policy left alone. Metrics
         critic_warmup/*: the critic's, and the samples' mean reward."""
-        batch, metrics = self.sample_batch()
-        self.reward_failures.end_step(0)
+        batch, metrics = self.sampler.sample_batch()
+        self.sampler.reward_failures.end_step(0)
         metrics = self.train_step(batch, metrics, time.perf_counter(), train_policy=False)
         kept = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("critic/")}
         return {f"critic_warmup/{k}": v for k, v in kept.items()} | {"critic_warmup/reward": metrics["train/reward"]}
-
-    def sample_batch(self) -> tuple[Batch, dict]:
-        """A step's scored samples. With DAPO dynamic sampling, groups whose rewards are all equal are set aside
-        and more prompts generated until prompts_per_step groups with differing rewards are in hand, for at
-        most algorithm.max_sampling_rounds rounds (a batch still short is filled with set-aside groups)."""
-        a, want = self.cfg.algorithm, self.cfg.data.prompts_per_step
-        if self.cfg.agent.oversample_groups:
-            return self.sample_oversampled()
-        rounds, dropped = [], 0
-        while True:
-            rounds.append(self.generate_and_score(self.data.next_batch(), first_group=len(rounds) * want))
-            if not a.dynamic_sampling:
-                return rounds[0], {}
-            dropped += dynamic_sampling_filter(rounds[-1])[1]
-            if len(rounds) * want - dropped >= want or len(rounds) == a.max_sampling_rounds:
-                break
-        batch, filler = take_groups(rounds, want)
-        batch.meta["reward_failures"] = sum(b.meta["reward_failures"] for b in rounds)
-        return batch, {"dapo/rounds": len(rounds), "dapo/groups_dropped": dropped, "dapo/filler_groups": filler}
-
-    def sample_oversampled(self) -> tuple[Batch, dict]:
-        """agent.oversample_groups more groups than the step needs are started (the groups an abort left
-        unfinished last step first); generation stops once prompts_per_step groups are finished (with
-        dynamic sampling: finished with rewards that differ, else the first finished fill in). The
-        unfinished ones are kept for the next step (agent.partial=resume) or dropped."""
-        g, want, n = self.cfg.agent, self.cfg.data.prompts_per_step, self.cfg.rollout.n_samples
-        carried, self.partial_groups = self.partial_groups, []
-        fresh = self.data.next_batch(want + g.oversample_groups - len(carried))
-        prompts = [p for p, _ in carried] + fresh
-        groups = [group for _, group in carried] + [[Trajectory(0, p["prompt_ids"], policy_version=self.version)
-                                                     for _ in range(n)] for p in fresh]
-        for i, group in enumerate(groups):
-            for t in group:
-                t.prompt_index = i
-        batch, unfinished, rejected = self.generate_oversampled(prompts, groups, want)
-        if g.partial == "resume":
-            self.partial_groups = [(prompts[group[0].prompt_index], group) for group in unfinished]
-        return batch, {"agent/groups_started": len(groups), "agent/groups_resumed": len(carried),
-                       "agent/groups_aborted": len(unfinished), "agent/groups_rejected": rejected,
-                       "agent/stale_samples": (batch["policy_version"] < self.version).sum().item()}
-
-    def generate_oversampled(self, prompts: list[dict], groups: list[list[Trajectory]],
-                             want: int) -> tuple[Batch, list[list[Trajectory]], int]:
-        """Over-sampling's rollout: `groups` (those of `prompts`) go on until `want` are finished and accepted, the
-        rest are aborted; the first `want` finished groups scored as one batch (the asynchronous modes' rollout thread
-        scores each as it is accepted: megarl/async_trainer.py), the unfinished groups, the number rejected."""
-        with self.timers("generate"):
-            finished, unfinished, rejected = self.rollout_call(
-                "rollout_agent", prompts, groups, self.sampling_params(), want, self.cfg.algorithm.dynamic_sampling)
-        trajectories = [t for group in finished[:want] for t in group]
-        with self.timers("reward"):
-            batch = self.score(trajectories_to_batch(prompts, trajectories, self.tokenizer.pad_token_id,
-                                                     self.tokenizer))
-        return batch, unfinished, rejected
 
     def dump(self, batch: Batch, metrics: dict, path: Path) -> None:
         """A step's scored samples (every tensor, and the trajectories' turns, tool calls and results), for
@@ -403,26 +365,6 @@ class RLTrainer:
         saved = torch.load(path, weights_only=False)
         return Batch(saved["tensors"], saved["non_tensors"], saved["meta"]), saved["metrics"]
 
-    def generate_and_score(self, prompts: list[dict], first_group: int = 0) -> Batch:
-        """Samples for `prompts` with rewards; groups numbered from `first_group` (distinct across rounds)."""
-        batch = self.generate_scored(prompts, first_group)
-        if self.cfg.algorithm.advantage == "remax":  # ReMax's baseline: the reward of one greedy response
-            with self.timers("generate_baseline"):
-                greedy = self.score(self.generate(prompts, greedy=True))
-            baseline = dict(zip(greedy["group"], greedy["rewards"].tolist()))
-            batch["baseline_rewards"] = torch.tensor([baseline[g] for g in batch["group"]])
-            batch.meta["reward_failures"] += greedy.meta["reward_failures"]
-        batch["group"] = [first_group + g for g in batch["group"]]
-        return batch
-
-    def generate_scored(self, prompts: list[dict], first_group: int = 0) -> Batch:
-        """Generate, then score the whole batch (the asynchronous modes' rollout thread scores each group as it
-        ends: megarl/async_trainer.py)."""
-        with self.timers("generate"):
-            batch = self.generate(prompts, first_group=first_group)
-        with self.timers("reward"):
-            return self.score(batch)
-
     def update_kl_coef(self, batch: Batch, metrics: dict) -> dict:
         """Feed this step's KL to the controller; an adaptive one moves the coefficient towards kl_target."""
         a = self.cfg.algorithm
@@ -436,42 +378,9 @@ class RLTrainer:
             self.actor.call("set_kl_coef", self.kl_ctl.value)
         return {"algorithm/kl_coef": used} | ({"algorithm/kl": kl} if kl is not None else {})
 
-    def sampling_params(self, evaluation: bool = False, greedy: bool = False, first_group: int = 0) -> SamplingParams:
-        r = self.cfg.rollout
-        lengths = {"max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
-        if greedy:  # ReMax's baseline
-            return SamplingParams(**lengths, n=1, temperature=0.0)
-        if evaluation:  # the same random draws at every evaluation: differences come from the policy
-            return SamplingParams(**lengths, n=r.eval_n_samples, temperature=r.eval_temperature,
-                                  seed=self.cfg.trainer.seed)
-        # the draws follow from (trainer.seed, policy version, first group) alone, not from an engine's random
-        # state (which no checkpoint holds): a resumed run draws what the uninterrupted run drew
-        return SamplingParams(**lengths, n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              seed=derive_seed(self.cfg.trainer.seed, self.version, first_group))
-
-    def generate(self, prompts: list[dict], evaluation: bool = False, greedy: bool = False,
-                 first_group: int = 0) -> Batch:
-        params = self.sampling_params(evaluation, greedy, first_group)
-        if self.cfg.agent.enabled:  # multi-turn conversations with tool calls, run next to the engine
-            groups = new_groups([p["prompt_ids"] for p in prompts], params.n, self.version)
-            finished, _, _ = self.rollout_call("rollout_agent", prompts, groups, params)
-            return trajectories_to_batch(prompts, [t for group in finished for t in group],
-                                         self.tokenizer.pad_token_id, self.tokenizer)
-        images = prompt_images(prompts)  # a vision-language policy's prompts with images
-        gens = self.rollout_call("generate", [p["prompt_ids"] for p in prompts], params, *([images] if images else []))
-        return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
-
     def rollout_call(self, method: str, *args):
         """A call on the rollout actor, with the deadline every wait on a worker has (trainer.worker_timeout_s)."""
         return call_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s)
-
-    def score(self, batch: Batch, evaluation: bool = False) -> Batch:
-        r = self.cfg.reward
-        scores = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers, r.batch_timeout_s or None)
-        (self.val_reward_failures if evaluation else self.reward_failures).add(scores)
-        batch["rewards"] = torch.tensor(scores.rewards, dtype=torch.float32)
-        batch.meta["reward_failures"] = scores.failed
-        return batch
 
     def publish_policy(self) -> dict:
         """Training done: the policy into the rollout engine, verified; then, colocated, the training engines
@@ -479,6 +388,7 @@ class RLTrainer:
         metrics = self.colocation.memory("trained")
         with self.timers("sync"):  # a released rollout engine takes its weights memory back first
             metrics |= self.sync_weights() | self.colocation.memory("synced")
+        self.sampler.version = self.version  # what the engine generates next is this policy's
         with self.timers("offload"):
             return metrics | self.colocation.to_rollout()
 
@@ -537,10 +447,10 @@ class RLTrainer:
         exact-answer rate, mean@k and pass@k (megarl/data/evaluation.py)."""
         k = self.cfg.rollout.eval_n_samples
         with phases(f"evaluating {len(self.val)} held-out prompts x {k} samples", kind="evaluation"):
-            batch = self.score(self.generate(self.val, evaluation=True), evaluation=True)
+            batch = self.sampler.evaluate(self.val)
         if self.cfg.rollout.dump_dir:
             self.dump(batch, {}, Path(self.cfg.rollout.dump_dir) / f"val_{self.version:06d}.pt")
-        failures = self.val_reward_failures.end_step(self.version)  # past reward.max_failure_rate: stop
+        failures = self.sampler.val_reward_failures.end_step(self.version)  # past reward.max_failure_rate: stop
         return (eval_metrics(batch["rewards"], batch["group"]) | agent_metrics(batch, "val")
                 | {"val/reward_failures": failures})
 

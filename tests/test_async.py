@@ -7,12 +7,11 @@ smaller one."""
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megarl.async_trainer import RolloutSide, build_trainer, check_resident_memory
+from megarl.async_trainer import RolloutLoop, build_trainer, check_resident_memory
 from megarl.config import ConfigError
 from megarl.config.tiny import tiny_config
 from megarl.protocol import Batch
@@ -21,6 +20,8 @@ from megarl.reshard.memory import GiB
 from megarl.reshard.plan import load_model_config
 from megarl.rollout.agent import Trajectory
 from megarl.rollout_buffer import RolloutBuffer
+from megarl.sampler import AsyncSampler
+from megarl.utils.timers import Timers
 from megarl.utils.tracking import run_dir
 
 from tests.conftest import QUICKSTART
@@ -185,12 +186,12 @@ def test_oversampled_groups_carried_past_the_bound_are_not_continued():
     for stale, requeued in (("regenerate", ["a"]), ("drop", [])):
         cfg = tiny_config(["trainer.mode=async", "async.max_staleness=1", "agent.oversample_groups=2",
                                    f"async.stale={stale}"], path=recipe)
-        side = RolloutSide(SimpleNamespace(cfg=cfg, tokenizer=None, rollout=None, data=None), buffer, 0.0)
-        side.partial_groups = [({"prompt": "a"}, [conversation(0, 3), conversation(1, 2)]),  # a version-0 token
+        loop = RolloutLoop(AsyncSampler(cfg, None, None, None, None, Timers()), buffer)
+        loop.sampler.partial_groups = [({"prompt": "a"}, [conversation(0, 3), conversation(1, 2)]),  # a version-0 token
                                ({"prompt": "b"}, [conversation(1, 3), conversation(0, 0)]),  # version 1 onwards
                                ({"prompt": "c"}, [conversation(0, 0)])]  # no token yet: begins now
-        assert side.retire_stale_groups(trained_at=2) == {"agent/groups_stale": 1}
-        assert [p["prompt"] for p, _ in side.partial_groups] == ["b", "c"]
+        assert loop.retire_stale_groups(trained_at=2) == {"agent/groups_stale": 1}
+        assert [p["prompt"] for p, _ in loop.sampler.partial_groups] == ["b", "c"]
         assert [p["prompt"] for p in buffer.take_requeued(4)] == requeued
 
 

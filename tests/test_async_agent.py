@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from megarl import async_trainer
+from megarl import sampler
 from megarl.async_trainer import build_trainer
 from megarl.config.tiny import tiny_config
 
@@ -118,13 +118,13 @@ def test_agent_groups_scored_as_they_end_and_an_update_lands_mid_episode(tmp_pat
     cfg = shrunk_recipe(tmp_path, "reward.name=test_async_recorded", "reward.isolation=none", "async.partial=resume",
                         "async.batches_at_once=1")
     streamed = []  # (method, (group index, its conversations)) as the rollout thread received them
-    stream = async_trainer.stream_rollout
+    stream = sampler.stream_rollout
 
     def recorded_stream(rollout, method, *args, **kwargs):
         for item in stream(rollout, method, *args, **kwargs):
             streamed.append((method, item))
             yield item
-    monkeypatch.setattr(async_trainer, "stream_rollout", recorded_stream)
+    monkeypatch.setattr(sampler, "stream_rollout", recorded_stream)
     trainer = build_trainer(cfg)
     RECORD["val"] = {p["prompt"] for p in trainer.val}
     try:

@@ -3,15 +3,15 @@ step-batches the buffer admits at once in one engine call (the agent loop's too)
 within its own bound, in the order its prompts were drawn, also across a kill and resume; DAPO dynamic sampling and
 over-sampling generate one step-batch a call."""
 
-from types import SimpleNamespace
-
 import torch
 
-import megarl.async_trainer
-from megarl.async_trainer import AsyncRLTrainer, RolloutSide
+import megarl.sampler
+from megarl.async_trainer import AsyncRLTrainer, RolloutLoop
 from megarl.config.tiny import tiny_config
 from megarl.protocol import Batch
 from megarl.rollout_buffer import RolloutBuffer, prompt_record, split_groups
+from megarl.sampler import AsyncSampler
+from megarl.utils.timers import Timers
 
 from tests.test_async import begin, config, run
 from tests.test_async_agent import RECIPE, shrunk_recipe
@@ -41,7 +41,7 @@ def record_run(monkeypatch, cfg) -> tuple[dict, list[list], dict[int, list]]:
     """run(cfg), recording the rollout engine's calls (each call's prompts) and each step's trained prompts (by
     group, in order)."""
     calls, trained = [], {}
-    stream, train_step = megarl.async_trainer.stream_rollout, AsyncRLTrainer.train_step
+    stream, train_step = megarl.sampler.stream_rollout, AsyncRLTrainer.train_step
 
     def recording_stream(rollout, method, *args, **kwargs):
         calls.append([p["prompt_ids"] if isinstance(p, dict) else p for p in args[0]])  # (the agent loop's: dicts)
@@ -50,7 +50,7 @@ def record_run(monkeypatch, cfg) -> tuple[dict, list[list], dict[int, list]]:
     def recording_train_step(self, batch, metrics, start):
         trained[self.version + 1] = [prompt_record(g)["prompt_ids"] for g in split_groups(batch)]
         return train_step(self, batch, metrics, start)
-    monkeypatch.setattr(megarl.async_trainer, "stream_rollout", recording_stream)
+    monkeypatch.setattr(megarl.sampler, "stream_rollout", recording_stream)
     monkeypatch.setattr(AsyncRLTrainer, "train_step", recording_train_step)
     return run(cfg), calls, trained
 
@@ -93,7 +93,6 @@ def test_dynamic_sampling_and_over_sampling_generate_one_batch_at_a_time(capsys)
     for overrides in (["algorithm.dynamic_sampling=true"], ["agent.oversample_groups=2"], []):
         cfg = tiny_config(["trainer.mode=async", "async.max_staleness=3", "async.batches_at_once=4",
                                    *overrides], path=RECIPE)
-        side = RolloutSide(SimpleNamespace(cfg=cfg, tokenizer=None, rollout=None, data=None),
-                           RolloutBuffer(1, 3, 0, "drop", 10), 0.0)
-        assert side.batches_at_once == (4 if not overrides else 1), overrides
+        loop = RolloutLoop(AsyncSampler(cfg, None, None, None, None, Timers()), RolloutBuffer(1, 3, 0, "drop", 10))
+        assert loop.batches_at_once == (4 if not overrides else 1), overrides
     assert capsys.readouterr().out.count("async.batches_at_once=4: 1 with DAPO dynamic sampling or over-sampling") == 2

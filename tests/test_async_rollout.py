@@ -212,26 +212,24 @@ class _DigitsTokenizer:
 
 
 def test_groups_scored_as_they_end_form_the_batch_built_whole(monkeypatch):
-    """RolloutSide.stream_scored: groups that end out of order and differ in width give the batch that
+    """AsyncSampler.stream_scored: groups that end out of order and differ in width give the batch that
     generations_to_batch builds from all rows in prompt order (pad tokens included), with the rewards of scoring
     it whole."""
-    from megarl import async_trainer
+    from megarl import sampler as sampler_module
     from megarl.rewards import build_reward
-    from megarl.rewards.failures import RewardFailureTracker
     from megarl.rollout.base import Generation
     from megarl.rollout.batching import generations_to_batch
     from megarl.utils.timers import Timers
 
     cfg = tiny_config([], path=QUICKSTART)
-    side = object.__new__(async_trainer.RolloutSide)
-    side.cfg, side.rollout, side.tokenizer, side.version = cfg, None, _DigitsTokenizer(), 3
-    side.timers, side.reward_fn = Timers(time.perf_counter()), build_reward(cfg.reward, cfg.data.task)
-    side.reward_failures = RewardFailureTracker.from_config(cfg.reward)
+    side = sampler_module.AsyncSampler(cfg, _DigitsTokenizer(), None, None, build_reward(cfg.reward, cfg.data.task),
+                                       Timers(time.perf_counter()))
+    side.version = 3
     prompts = [{"prompt": f"p{i}", "prompt_ids": [5] * (i + 1), "answer": "1 1"} for i in range(3)]
     groups = {i: [Generation(i, [1] * (2 * i + 1 + j), [-0.5] * (2 * i + 1 + j), "length") for j in range(2)]
               for i in range(3)}
-    monkeypatch.setattr(async_trainer, "stream_rollout", lambda *_, **__: iter([(2, groups[2]), (0, groups[0]),
-                                                                                 (1, groups[1])]))
+    monkeypatch.setattr(sampler_module, "stream_rollout", lambda *_, **__: iter([(2, groups[2]), (0, groups[0]),
+                                                                                  (1, groups[1])]))
 
     def to_batch(rows):
         return generations_to_batch(prompts, rows, side.tokenizer.pad_token_id, side.version, side.tokenizer)

@@ -40,7 +40,7 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path, ray_local):
     try:
         trainer.prepare()
         # VAPO's value pretraining (algorithm.critic_warmup_steps): the critic learns, the policy stays as it was
-        probe = trainer.generate_and_score(trainer.val)
+        probe = trainer.sampler.generate_and_score(trainer.val)
         before = trainer.actor.compute_logprobs(probe)["logprobs"]
         values_before = trainer.critic.compute_values(probe)["values"]
         assert trainer.warm_up_critic()["critic_warmup/grad_norm"] > 0 and trainer.version == 0

@@ -10,6 +10,7 @@ from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
 from megarl.resume import plan_resume
 from megarl.rewards.mixing import ScoreMixer
 from megarl.rollout.agent import Trajectory
+from megarl.sampler import Sampler
 from megarl.trainer import RLTrainer
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker, run_dir
@@ -130,8 +131,9 @@ def driver_only(tmp_path, *overrides) -> RLTrainer:
     trainer.trained_groups = dict
     trainer.data, trainer.sft_data, trainer.kl_ctl = Stateful({}), Stateful({}), Stateful({})
     trainer.score_mixer, trainer.policy_filter = ScoreMixer.from_config(trainer.cfg.reward_model), None
-    trainer.version, trainer.syncs, trainer.partial_groups, trainer.history = 0, 0, [], {"val/reward": {}}
+    trainer.version, trainer.syncs, trainer.history = 0, 0, {"val/reward": {}}
     trainer.timers = Timers()
+    trainer.sampler = Sampler(trainer.cfg, None, None, trainer.data, None, trainer.timers)
     trainer.publish_policy = lambda: setattr(trainer, "syncs", trainer.syncs + 1)  # a sync, counted
     return trainer
 
@@ -145,10 +147,10 @@ def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
                         turns=[{"role": "assistant", "text": "x", "span": [0, 2], "stopped": False, "tool_calls": []}],
                         policy_version=1) for _ in range(2)]
     prompt = {"prompt": "p", "answer": "a", "prompt_ids": [5, 6], "extra": {"id": 7}}  # any field of the data file
-    saved.version, saved.syncs, saved.partial_groups = 2, 3, [(prompt, group)]
+    saved.version, saved.syncs, saved.sampler.partial_groups = 2, 3, [(prompt, group)]
     saved.score_mixer.moments.update(torch.tensor([1.0, 2.0, 4.0]))  # reward_model.normalize=running's moments
     saved.save_checkpoint(2)
-    saved.partial_groups = []
+    saved.sampler.partial_groups = []
     saved.save_checkpoint(3)  # none left unfinished: nothing to continue from this one
     for step in (1, 2, 3):
         saved.tracker.log({"train/reward": step}, step)
@@ -158,8 +160,8 @@ def test_checkpoint_keeps_unfinished_groups_and_the_sync_count(tmp_path):
     assert resumed.resume() == 2 and resumed.version == 2
     assert [json.loads(row)["step"] for row in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert resumed.syncs == 3  # the resume's own sync (verified: the first of this process) is not counted
-    assert resumed.partial_groups == [(prompt, group)]
+    assert resumed.sampler.partial_groups == [(prompt, group)]
     assert resumed.score_mixer.state_dict() == saved.score_mixer.state_dict() and resumed.score_mixer.moments.count == 3
     latest = driver_only(tmp_path)
-    assert latest.resume() == 3 and latest.partial_groups == []
+    assert latest.resume() == 3 and latest.sampler.partial_groups == []
 

@@ -6,7 +6,7 @@ from megarl.config import RewardConfig
 from megarl.rewards import score
 from megarl.rewards.failures import RewardFailureError, RewardFailureTracker
 
-from tests.algorithms.test_sampling_loop import scripted_trainer
+from tests.algorithms.test_sampling_loop import ScriptedSampler
 
 
 def fail_on_boom(response, answer, sample):
@@ -47,11 +47,13 @@ def test_a_reward_failing_everywhere_stops_at_the_first_step():
 
 
 def test_evaluation_counts_reward_failures_and_stops_past_the_limit():
-    trainer = scripted_trainer([["ok", "boom", "ok", "ok"], ["boom", "boom", "boom", "ok"]])
-    trainer.reward_fn = fail_on_boom
+    from megarl.trainer import RLTrainer
+
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.sampler = ScriptedSampler([["ok", "boom", "ok", "ok"], ["boom", "boom", "boom", "ok"]])
+    trainer.sampler.reward_fn = fail_on_boom
+    trainer.cfg, trainer.version = trainer.sampler.cfg, 0
     trainer.val = [{"prompt": "a", "answer": "ok"}, {"prompt": "b", "answer": "ok"}]
-    trainer.version = 0
-    trainer.val_reward_failures = RewardFailureTracker.from_config(trainer.cfg.reward, evaluation=True)
     metrics = trainer.validate()
     assert metrics["val/reward_failures"] == 1 and metrics["val/reward"] == 0.75
     with pytest.raises(RewardFailureError, match="^evaluation reward calls failed 3 of 4 times in step 0 "):
