@@ -1,4 +1,4 @@
-"""Issue 20's learning runs on CPU, each beside its baseline and a learning-rate-0 control (same seed, same
+"""VAPO's and PF-PPO's learning runs on CPU, each beside its baseline and a learning-rate-0 control (same seed, same
 warm start, same held-out draws):
 
   vapo    configs/vapo_quickstart.yaml            against PPO with the same critic and none of VAPO's pieces

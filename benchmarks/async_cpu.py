@@ -1,4 +1,4 @@
-"""Does asynchronous training still learn? The CPU comparison of issue 19: the training modes on the same recipes.
+"""Does asynchronous training still learn? The CPU comparison: the training modes on the same recipes.
 
     python -m benchmarks.async_cpu --out-dir runs/async_cpu                 # everything: hours on 2 cores
     python -m benchmarks.async_cpu --out-dir runs/async_smoke --smoke       # one seed, a few steps: minutes

@@ -1,7 +1,7 @@
 """Asynchronous GRPO: the synchronous loop against one_step_off and async on the same workload, on one GPU
-(issue 19) or disaggregated over several (issue 25).
+(`--issue 19`, the default) or disaggregated over several (`--issue 25`); the flag's values name the two suites.
 
-    python -m benchmarks.async_grpo --model qwen2.5-0.5b --out-dir OUT     # issue 19, one H200: every run, ~9 min
+    python -m benchmarks.async_grpo --model qwen2.5-0.5b --out-dir OUT     # one H200: every run, ~9 min
     python -m benchmarks.async_grpo --issue 25 --lengths fixed --runs disagg_sync,disagg_async_s1 --out-dir OUT
     python -m benchmarks.async_grpo --smoke [--issue 25] --out-dir OUT     # CPU: tiny shapes, the transformers engine
     python -m benchmarks.async_grpo --report OUT1/async_grpo.json ...      # one table from several calls' results
@@ -23,8 +23,8 @@ process under a deadline (warm-up steps left out of the numbers):
 An asynchronous run measures its steady state only: its first and last max_staleness + 1 steps are left out (the
 buffer's first fill, made before any update; the steps after the rollout has made the run's last batch: run_margins).
 
-Issue 25 (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64 prompts
-per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: so
+Disaggregated (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64
+prompts per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: so
 many of the random model's vocabulary are stop tokens that --tail-share (10%) of its near-uniform samples run to
 4096 and the rest end before, geometrically: partial rollouts matter; long_tail_stops); runs named <run>_<lengths>:
   colocated_sync        trainer.mode=sync on all --gpus, a colocated SGLang server on each, the offload cycle
@@ -77,7 +77,7 @@ RUNS = {  # run -> (placement, megarl.train overrides beside the workload's)
     "disagg_async_s1": ("disaggregated", ASYNC | {"async.max_staleness": 1}),
     "disagg_async_s4": ("disaggregated", ASYNC | {"async.max_staleness": 4}),
 }
-# in order of need: a call that runs out of time skips the last ones (issue 19: the offload cycle is the slowest sync)
+# in order of need: a call that runs out of time skips the last ones (on one GPU the offload cycle is the slowest sync)
 SUITES = {19: ["sync_resident", "async_s1", "async_s4", "async_s4_k0", "one_step_off", "sync_offload"],
           25: ["colocated_sync", "disagg_sync", "disagg_one_step_off", "disagg_async_s1", "disagg_async_s4"]}
 ROLLOUT_PHASES = ("generate", "reward", "generate_baseline")  # the rollout side's lane; the rest are the trainer's
@@ -307,7 +307,7 @@ def timeline(rows: list[dict], step_end: dict) -> list[dict]:
 
 
 def table(runs: dict) -> str:
-    """One row per run. The speed-up is against the run's `baseline` (issue 25: disagg_sync of the same lengths),
+    """One row per run. The speed-up is against the run's `baseline` (disaggregated: disagg_sync of the same lengths),
     else against the best synchronous run's tokens/s/GPU; the bound beside it is that baseline's (a synchronous run's:
     its own)."""
     sync = [r for r in runs.values() if r.get("synchronous") and r.get("tokens_per_s_per_gpu")]
@@ -337,7 +337,7 @@ def parse_args(argv=None):
     p.add_argument("--report", nargs="+", metavar="JSON", help="print one table from these results files and exit")
     p.add_argument("--work-dir", default="", help="the model, prompts and run directories (default OUT/work)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model and lengths, the transformers engine")
-    p.add_argument("--issue", type=int, choices=sorted(SUITES), default=19, help="the runs and workload of issue 19 "
+    p.add_argument("--issue", type=int, choices=sorted(SUITES), default=19, help="the suite of runs and workload: 19 "
                    "(one GPU) or 25 (several, disaggregated)")
     p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
     p.add_argument("--runs", default="", help=f"comma-separated, of {', '.join(RUNS)} (default: the issue's)")
@@ -354,7 +354,7 @@ def parse_args(argv=None):
     p.add_argument("--completions", type=int, default=256, help="completions per step")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
     p.add_argument("--micro-batch-tokens", type=int, default=0, help="actor.max_tokens_per_micro_batch (0: megarl's "
-                   "automatic width, --micro-batch rows of the longest sequence; issue 25's tail: the fixed "
+                   "automatic width, --micro-batch rows of the longest sequence; the disaggregated tail: the fixed "
                    "workload's width, 16 x 1152, since 16 rows of 4224 tokens run a 1.5B update out of memory)")
     p.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE", help="megarl overrides for every run, "
                    "after the run's own (e.g. async.partial=restart)")

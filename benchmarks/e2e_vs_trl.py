@@ -1,4 +1,4 @@
-"""End-to-end GRPO speed: megarl against TRL's GRPOTrainer, one after the other on the same GPU (issue 9).
+"""End-to-end GRPO speed: megarl against TRL's GRPOTrainer, one after the other on the same GPU.
 
     python -m benchmarks.e2e_vs_trl --out-dir OUT            # one H200: TRL, then megarl at 64 and 256
     python -m benchmarks.e2e_vs_trl --smoke --out-dir OUT    # CPU: tiny shapes, megarl with the HF engine

@@ -1,4 +1,4 @@
-"""End-to-end GRPO speed: megarl against verl 0.9.1, one after the other on the same GPU (issue 22).
+"""End-to-end GRPO speed: megarl against verl 0.9.1, one after the other on the same GPU.
 
     python -m benchmarks.e2e_vs_verl --out-dir OUT --verl-site /tmp/site-verl    # one GPU, one model size
     python -m benchmarks.e2e_vs_verl --smoke --out-dir OUT                       # CPU: megarl side + plumbing

@@ -1,7 +1,7 @@
 """Per-call time of RoPE and SwiGLU (forward + backward) three ways: megatron's unfused torch ops, compiled by
-torch.compile (the engine's way before session 25: megatron's SwiGLU under bias_activation_fusion as it was; for
+torch.compile (the engine's earlier way: megatron's SwiGLU under bias_activation_fusion as it was; for
 RoPE megatron's unfused function compiled, standing in for megarl's compiled one of the same math), and megarl's
-Triton kernels launched directly (models/kernels.py, the engine's default on the GPU since session 25).
+Triton kernels launched directly (models/kernels.py, the engine's default on the GPU).
 
 Two sizes per op: `tiny` (a few tokens: the GPU's work is negligible, so a call's time is its host time, what a
 host-bound update pays per layer and micro-batch) and `e2e` (the update of the TRL comparison at 64 completions: one

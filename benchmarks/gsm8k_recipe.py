@@ -1,6 +1,6 @@
 """The GSM8K GRPO recipe (scripts/recipes/grpo_gsm8k_qwen2.5_0.5b.sh) where the GSM8K files cannot be had: synthetic
-GSM8K-format data and a random Qwen2.5-0.5B-shaped model, built offline, for issue 17's evidence (the recipe with
-weight-sync verification on and off: scripts/gpu/verify.sh PARTS=gsm8k).
+GSM8K-format data and a random Qwen2.5-0.5B-shaped model, built offline, to measure what weight-sync verification
+costs the recipe (the recipe with verification on and off: scripts/gpu/verify.sh PARTS=gsm8k).
 
     python -m benchmarks.gsm8k_recipe prepare --out DIR [--smoke]   # DIR/model, DIR/raw/{train,test}.jsonl
     python -m benchmarks.gsm8k_recipe table RUN_DIR...              # per run: step and verification seconds

@@ -1,4 +1,4 @@
-"""The RLHF pipeline on a CPU, end to end (issue 21): preferences built offline -> reward model -> RL against it.
+"""The RLHF pipeline on a CPU, end to end: preferences built offline -> reward model -> RL against it.
 
 1. Preferences from the quickstart's task (string reversal, megarl/data/tasks.py): for each prompt "abcd>", chosen
    the reversed string "dcba", rejected a wrong answer (a near miss: one letter replaced, two swapped, one dropped

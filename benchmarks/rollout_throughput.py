@@ -99,7 +99,7 @@ def part_throughput(args) -> dict:
             return flush
 
         # every batch starts from an empty prefix cache, as after a weight sync in training; otherwise the server
-        # that two paths share fills its cache first and pays for evictions in the later rounds (session 7's run)
+        # that two paths share fills its cache first and pays for evictions in the later rounds
         flushes = dict(sglang_engine=llm.flush_cache, megarl=flush_servers(megarl), megarl_split=flush_servers(megarl),
                        megarl_memory_saver=flush_servers(saver))
         runs = dict(sglang_engine=engine_tokens, megarl=megarl_tokens(megarl, 0),

@@ -1,4 +1,4 @@
-"""What verl 0.9.1 asks of a model directory on the way from a data row to a scored sample (issue 22), and the
+"""What verl 0.9.1 asks of a model directory on the way from a data row to a scored sample, and the
 tokenizer both sides of benchmarks/e2e_vs_verl.py share: Qwen's chat tokens inside the vocabulary and a chat
 template that renders a user message as its bare text (read in verl's sources: docs/benchmarks.md, 'Side by
 side with verl')."""

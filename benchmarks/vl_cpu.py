@@ -1,4 +1,4 @@
-"""Does vision-language GRPO learn from the images? Issue 23's CPU evidence, on configs/quickstart_vl.yaml
+"""Does vision-language GRPO learn from the images? On a CPU, on configs/quickstart_vl.yaml
 (--task count: "How many red squares?") or configs/quickstart_vl_colour.yaml (--task colour: "What colour is the
 shape?"):
 

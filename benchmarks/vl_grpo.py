@@ -1,4 +1,4 @@
-"""Issue 23's GPU evidence: GRPO on a random Qwen2.5-VL-3B-shaped policy with Megatron and a real SGLang server
+"""Vision-language GRPO on the GPU: a random Qwen2.5-VL-3B-shaped policy with Megatron and a real SGLang server
 (scripts/gpu/vl.sh runs the steps below around `python -m megarl.train`, the trainer itself).
 
   build   the model directory: Qwen2.5-VL-3B's shapes (36 layers, hidden 2048, the 32-block vision tower, whose MLP

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL on megarl's Megatron engine against transformers, on one device (issue 23's model side).
+"""Qwen2.5-VL on megarl's Megatron engine against transformers, on one device (the model side of
+vision-language RL).
 
 A random Qwen2.5-VL (--shape 3b: Qwen2.5-VL-3B's shapes, built and saved by transformers; tiny: the tests' model)
 reads --rows image+text rows (random text ids, one or two images of random pixel values per row, 28x28 patches:

@@ -165,7 +165,7 @@ def one_torch_thread():
     """The driver's own tensor work (row selection for the ranks, advantages, metrics) is small. Over torch's
     default pool of every core, each op waits for all its threads, and with SGLang's scheduler spinning and the
     ranks busy some are always descheduled: on a 16-core GPU host the update call's row selection took 40 ms,
-    against 0.6 ms on one thread (docs/benchmarks.md, issue 22). Restored after: a caller's process goes on."""
+    against 0.6 ms on one thread. Restored after: a caller's process goes on."""
     import torch
 
     threads = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""The checks of the algorithm options issue 20 added (VAPO, PF-PPO, the estimators and losses of the field);
+"""The checks of the VAPO and PF-PPO options and of the further estimators' and losses' knobs;
 each raises a ConfigError that names the key. Called from ConfigChecks.validate."""
 
 from __future__ import annotations

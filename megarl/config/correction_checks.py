@@ -1,4 +1,4 @@
-"""The checks of the KL estimator, the single-sample-group trap and algorithm.rollout_correction (issue 20); each
+"""The checks of the KL estimator, the single-sample-group trap and algorithm.rollout_correction; each
 raises a ConfigError that names the key. Called from ConfigChecks.validate."""
 
 from __future__ import annotations

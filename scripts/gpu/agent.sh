@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU run of issue 5 on one GPU (one H200: ~6 min, at most 9.5: each phase is cut at 270 s): multi-turn tool use with a real SGLang server.
+# Multi-turn tool use with a real SGLang server on one GPU (one H200: ~6 min, at most 9.5: each phase is cut at
+# 270 s).
 #   agent      - configs/tool_calculator.yaml colocated on one GPU: a tiny-tokenizer Qwen2 (256 hidden,
 #                4 layers) after an SFT warm start on the recipe's calculator traces (60% answer unaided,
 #                40% call the tool: the recipe's mixed warm start), then GRPO steps whose rollouts
@@ -8,7 +9,7 @@
 #                routing). Prints per step: reward, turns, tool calls, turns/s and model tokens/s of generation.
 #   oversample - the same with agent.oversample_groups: more groups started than needed, the rest
 #                aborted through SGLang's /abort_request and resumed the next step.
-#   async      - the agent phase in trainer.mode=async (issue 19: async.max_staleness=1, async.partial=resume):
+#   async      - the agent phase in trainer.mode=async (async.max_staleness=1, async.partial=resume):
 #                each group scored as its last conversation ends, weight updates landing mid-episode; the default
 #                async.batches_at_once=0 puts the two step-batches the bound admits together in one call (not by default).
 #   async_oversample - async with agent.oversample_groups=16: the over-sampled groups streamed and scored as each is

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 19 on one GPU (one H200), after the bundle's install.sh (../shared/device/README.md):
+# Asynchronous GRPO against synchronous on one H200, after the bundle's install.sh (../shared/device/README.md):
 # benchmarks/async_grpo.py on a random Qwen2.5 shape (SIZE=0.5b or 1.5b), 128-token prompts, 512-token completions
 # (ignore_eos), 8 per prompt, COMPLETIONS per step (default 256), colocated SGLang; one `python -m megarl.train` a
 # run (~70 s of start-up each: Ray, Megatron, the SGLang server; the first on a fresh machine JIT-compiles ~60 s
@@ -24,7 +24,8 @@
 # call's budget (BUDGET seconds, default 520) is skipped and says so: run it in a second call (RUNS=async_s4).
 # MPS=1: every process under CUDA MPS (scripts/gpu/mps.sh), so the two engines' kernels can run side by side.
 # OVERRIDES="k=v ...": megarl overrides for every run (e.g. async.partial=restart), TAG: a suffix to the run names.
-# ISSUE=25: issue 25's runs on several GPUs instead (scripts/gpu/async_disagg.sh says which; LENGTHS, SERVER_GPUS).
+# ISSUE=25: the disaggregated runs on several GPUs instead (scripts/gpu/async_disagg.sh says which; LENGTHS,
+# SERVER_GPUS).
 # Results: $OUT/async_grpo.json (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where
 # matplotlib imports, else run
 #   python benchmarks/plot_timeline.py OUT/async_grpo.json docs/timeline.png    (on a machine that has it)

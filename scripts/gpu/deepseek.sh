@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 18's DeepSeek evidence on one H200, after the bundle's install.sh (../shared/device/README.md; the
+# The DeepSeek path at one-GPU scale on one H200, after the bundle's install.sh (../shared/device/README.md; the
 # megatron chunk too for grpo, sync and optimizer). PARTS, each able to run alone (default all, in this order):
 #   sglang     benchmarks/deepseek_sglang.py check, no megatron: a DeepSeek-V3-shaped checkpoint (MLA with DeepSeek-V3's
 #              attention dimensions, YaRN, 16 routed experts with group-limited top-k and a routing bias, a shared
@@ -28,7 +28,7 @@ OUT=${OUT:-/tmp/megarl-deepseek}; mkdir -p "$OUT"
 PARTS=${PARTS:-sglang transport grpo sync optimizer}
 GRPO_SHAPE=${GRPO_SHAPE:-"6 2048 16 16 1408 5632 1"}    # ~0.9B parameters
 # ~2.45B parameters. 32 experts (4.38B) fit the GPU but not the host: the engine's state offloaded between phases
-# (~53 GB pinned, more while its buffer grows) ran a 125 GiB host out of memory (sessions 18 and 25).
+# (~53 GB pinned, more while its buffer grows) ran a 125 GiB host out of memory.
 SYNC_SHAPE=${SYNC_SHAPE:-"8 4096 32 16 1408 11008 1"}
 SYNC_LAYERS=${SYNC_LAYERS:-8}                            # transport: ~12B parameters at DeepSeek-V3's width
 OPT_SHAPE=${OPT_SHAPE:-"4 2048 16 16 1408 5632 1"}

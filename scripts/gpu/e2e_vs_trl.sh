@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 9 on one GPU (one H200: ~8 min, 9 at most): benchmarks/e2e_vs_trl.py, end-to-end GRPO speed
+# megarl against TRL on one GPU (one H200: ~8 min, 9 at most): benchmarks/e2e_vs_trl.py, end-to-end GRPO speed
 # side by side, one after the other on the same GPU: TRL's GRPOTrainer (HF generate, bf16; 1 warm-up + 2
 # measured steps of 64 completions), then megarl GRPO (Megatron + SGLang colocated; 2 warm-up + 4 measured
 # steps) at 64 and at 256 completions per step. Random-init Qwen2.5-0.5B shape with an offline 151,936-token

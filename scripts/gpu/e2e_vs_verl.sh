@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 22 on one GPU, one model size per call (~9 min): benchmarks/e2e_vs_verl.py, verl 0.9.1's GRPO
+# megarl against verl on one GPU, one model size per call (~9 min): benchmarks/e2e_vs_verl.py, verl 0.9.1's GRPO
 # (FSDP + SGLang 0.5.12 colocated, its synchronous hybrid engine, its fused LM head) then megarl's (Megatron +
 # SGLang 0.5.17), one after the other on the same GPU, each after a bare sglang.Engine of its own SGLang version on
 # the same batch (the Engine first, in a slice of its own). Random-init Qwen2.5 shape (--model, default

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the Megatron engine (issue 3), after the bundle's install.sh; JSON and logs go to $OUT, a short
+# GPU check of the Megatron engine, after the bundle's install.sh; JSON and logs go to $OUT, a short
 # table is printed last. PHASES (default "tests tp1 tp1sdpa tp2 tp2sp cp2"; tp2, tp2sp and cp2 need two GPUs):
 #   tests  - tests/engine/test_megatron_gpu.py: bf16 engine vs transformers; varlen flash attention vs masked
 #            SDPA on packed rows (log-probs, one SFT step)                                            (~1.5 min)
@@ -12,13 +12,13 @@
 #   cp2    - context parallelism (K/V all-gathered, masked SDPA) on two GPUs: the engine at CP=2 and, on the
 #            same two GPUs and kernel, at DP=2 (CP=1); CP=2's log-probs checked against a CP=1 engine holding
 #            the same weights (cp_check). Sequences up to CP_SEQ (default 2048) tokens              (~3 min)
-#   packing - issue 22: the bare loop, then the engine with actor.packing=rows and with one_row (one row of
+#   packing - the bare loop, then the engine with actor.packing=rows and with one_row (one row of
 #            8192 tokens per micro-batch, cut to its used length; the LM head at real positions only), on
 #            the same batch: token slots, padding share and MFU of each (the goal: one_row >= 38% MFU) (~4 min)
-#   packing_defaults - issue 22 at the defaults (no token budget; micro_batch_size 4): the bare loop and the
+#   packing_defaults - packing at the defaults (no token budget; micro_batch_size 4): the bare loop and the
 #            engine on padded rows of 4, then one_row's automatic width (4 x the longest, 8192): one_row's MFU
 #            as in `packing`, its peak memory no higher than padded rows'                             (~4 min)
-#   fused  - issue 22: the engine with actor.fused_kernels on and off ("engine", "engine_unfused": SwiGLU and RoPE
+#   fused  - the engine with actor.fused_kernels on and off ("engine", "engine_unfused": SwiGLU and RoPE
 #            as Triton kernels, or megatron's unfused ops) beside the bare loop, at the e2e update's batch at 64
 #            completions (0.5B shape, 64 x 640 tokens, 4 micro-batches of 16) and at the 1.4B default    (~4 min)
 set -uo pipefail

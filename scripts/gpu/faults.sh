@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 17's faults (one GPU, ~3 min), after the bundle's install.sh (../shared/device/README.md):
+# Faults on the GPU (one GPU, ~3 min), after the bundle's install.sh (../shared/device/README.md):
 #   nan   the quickstart on the GPU with an SFT learning rate that overflows (sft.lr=1e36): the run must stop
 #         naming the rank and micro-batch, exit non-zero, and write no NaN into the weights (NCCL, bf16)
 #   hang  the quickstart on the GPU with trainer.worker_timeout_s=40; its training rank is SIGSTOPped mid-run:

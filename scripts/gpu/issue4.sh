@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 4's GPU evidence in one call, after the bundle's install.sh (../shared/device/README.md): steps of
-# scripts/gpu/sglang.sh and scripts/gpu/weight_sync.sh in lanes that run in parallel, each step on GPUs of
-# its own. Every step gets what is left of BUDGET seconds (default 560); its output goes to $OUT/<step>/,
-# all of $OUT but weight files is packed into $OUT/all.tgz (few files come back from a call), and each
+# SGLang rollouts and weight sync on several GPUs in one call, after the bundle's install.sh
+# (../shared/device/README.md): steps of scripts/gpu/sglang.sh and scripts/gpu/weight_sync.sh in lanes that run in
+# parallel, each step on GPUs of its own. Every step gets what is left of BUDGET seconds (default 560); its output goes
+# to $OUT/<step>/, all of $OUT but weight files is packed into $OUT/all.tgz (few files come back from a call), and each
 # step's exit code and the tail of its output are printed last.
 #   LANES: lanes separated by ";", each a sequence of "GPUS=STEP" (run STEP with CUDA_VISIBLE_DEVICES=GPUS)
 #   and "wait:STEP" (until that step of another lane has ended). A STEP:
@@ -14,10 +14,9 @@
 #                       TP=2 server, full then sharded delivery, 8 GiB buckets, verified then timed; SGLang at
 #                       --mem-fraction 0.6 (its KV cache: what is left after the trainer's ~40 GB)  (~5-7 min)
 #     any part of weight_sync.sh (sync_7b, sync_tp2, sync_tp2_small, sync_0.5b, throughput, nccl)
-#   The default (3 GPUs, ~7 min) runs the 7B full-vs-sharded reshard beside the rollout throughput part. Session 6's
-#   calls: "0,1=grpo_tp2 0,1=sync_tp2; 2,3=grpo_tp2_sharded 2,3=sync_tp2_small", "0,1=grpo_tp2; 2,3=reshard_tp2",
-#   "0=throughput"; session 7's, on one H200 and then two: "0=throughput" three times, "0,1=reshard_tp2" twice
-#   (docs/benchmarks.md).
+#   The default (3 GPUs, ~7 min) runs the 7B full-vs-sharded reshard beside the rollout throughput part. Other
+#   lanes: "0,1=grpo_tp2 0,1=sync_tp2; 2,3=grpo_tp2_sharded 2,3=sync_tp2_small", "0,1=grpo_tp2; 2,3=reshard_tp2";
+#   the rollout throughput alone on a GPU: "0=throughput" (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/megarl-issue4}; mkdir -p "$OUT"

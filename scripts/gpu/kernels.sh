@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of megarl's Triton kernels for RoPE and SwiGLU (megarl/models/kernels.py, the engine's fused kernels
-# since session 25), after the bundle's install.sh (../shared/device/README.md). One call, ~6 min:
+# on the GPU), after the bundle's install.sh (../shared/device/README.md). One call, ~6 min:
 #   - tests/models/test_fused_ops.py on the GPU (the kernels against megatron's unfused ops, values and gradients)
 #     and tests/engine/test_megatron_gpu.py (fused against unfused engines, the kernels counted);
 #   - benchmarks/fused_ops.py: per-call time of each op unfused, compiled by torch.compile, and as the Triton kernel;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multi-GPU runs of issue 8 on 2, 4 or 8 GPUs (the phases adapt to the count), after the bundle's install.sh
+# Multi-GPU runs on 2, 4 or 8 GPUs (the phases adapt to the count), after the bundle's install.sh
 # (../shared/device/README.md). Logs, SGLang server log tails and JSON go to $OUT; a short table is printed last and
 # kept in $OUT/table.md; on the GPU (PACK=1) the rest goes into $OUT/files.tgz (a lent machine returns 8 files).
 #   train    benchmarks/engine_throughput.py, engine vs bare megatron-core, the ~1.4B Qwen2 shape (bf16, packed
@@ -15,7 +15,7 @@
 #            broadcast; on 2 GPUs 1 + 1; verified, sync seconds and GB/s                 (~2-3 min)
 #   moe      benchmarks/multi_gpu.py moe: a random Qwen3-MoE with 8 experts at EP=N vs EP=1 (fp32, bf16) and
 #            transformers                                                               (~1 min)
-# Expert parallelism in GRPO (issues 18 and 24), `python -m megarl.train` on the quickstart task with a DeepSeek-V3-shaped
+# Expert parallelism in GRPO, `python -m megarl.train` on the quickstart task with a DeepSeek-V3-shaped
 # policy (benchmarks/deepseek_sglang.py build, EP_SHAPE "layers hidden heads experts moe_intermediate intermediate
 # dense": MLA with DeepSeek-V3's own head dimensions, EP_SHAPE's routed experts, a shared one, dense first layers),
 # 10 SFT steps then 3 GRPO steps, colocated with ONE SGLang server of TP=EP (EP = min(GPUs, 4)), every sync verified by
@@ -45,7 +45,7 @@
 # sent resharding among training ranks, the least and most an SGLang rank received) measured beside the planner's
 # for the same layouts (megarl.reshard.plan; "as planned": every rank's counts equal), the log-prob gap (mean
 # |rollout - Megatron| log-prob per token: rollout/logprob_abs_diff, mean and worst step), expert load, reward.
-# Asynchronous GRPO disaggregated against synchronous (issue 25), in a call of its own (not in the default PHASES):
+# Asynchronous GRPO disaggregated against synchronous, in a call of its own (not in the default PHASES):
 #   async    scripts/gpu/async_disagg.sh (its header says what runs; LENGTHS=fixed|tail, RUNS= a few of them a call):
 #            colocated sync, disaggregated sync, one_step_off, async at max_staleness 1 and 4, a 1.5B Qwen2.5 shape;
 #            on 4+ GPUs without LENGTHS both lengths side by side, each on half the GPUs (results in OUT/async_<lengths>);
@@ -253,7 +253,7 @@ if phase disagg; then
     launch disagg_1_1 170 1 $M disagg --tp 1 --server-tp 1 $TINY $LOGS --out "$OUT/disagg_1_1.json"
   fi
 fi
-if phase async && fits async "$([ "$DEVICE" = cpu ] && echo 1500 || echo 540)"; then  # issue 25: its own script
+if phase async && fits async "$([ "$DEVICE" = cpu ] && echo 1500 || echo 540)"; then  # async_disagg.sh does the work
   # On 4+ GPUs with no LENGTHS given, both length settings in one call, side by side: each on half the GPUs (its own
   # CUDA_VISIBLE_DEVICES, Ray, servers and results), so a comparison never crosses GPU pairs. LANES ("lengths:runs",
   # space-separated) picks other lanes, each an equal share of the GPUs. Else LENGTHS (default fixed) on every GPU.

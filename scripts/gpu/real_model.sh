@@ -9,7 +9,7 @@
 #   read every run's there), KEEP=/tmp/megarl-real-model-keep
 #   STEPS=30 (GRPO steps), CONTROL_STEPS=10 (the lr=0 control's: its weights cannot move, so its held-out accuracy
 #   after 10 steps is what it would be after 30; CONTROL_STEPS=30 adds ~1.5 min), MISMATCH_STEPS=5
-# Estimated on an H100 at ~3 s a step (issue 43's run): conversion ~1 min, grpo ~4 min with SGLang's first start
+# Estimated on an H100 at ~3 s a step: conversion ~1 min, grpo ~4 min with SGLang's first start
 # (~110 s of JIT), control ~1.5 min, bf16_head ~1.3 min: ~8 min.
 # Runs: grpo (STEPS steps, held-out accuracy before and after: greedy, 256 prompts), control (lr=0), bf16_head
 # (MISMATCH_STEPS steps with actor.fp32_lm_head=false, the float32 head off). The mismatch table compares its steps

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 21 (reward models) on one GPU (one H200: ~5 min, at most 8), after the bundle's install.sh
+# Reward models on one GPU (one H200: ~5 min, at most 8), after the bundle's install.sh
 # (../shared/device/README.md); logs, metrics and JSON go to $OUT, a short table is printed last.
 #   train - python -m megarl.train_rm on a random Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads / 2 KV heads,
 #           FFN 4864, vocabulary 151,936, tied; megarl's character tokenizer) with a scalar head, bf16, on pairs

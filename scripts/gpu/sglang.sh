@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 4 on one GPU (one H200: ~8 min for both phases; grpo alone ~5 min), after the bundle's
+# GRPO with real SGLang servers on one GPU (one H200: ~8 min for both phases; grpo alone ~5 min), after the bundle's
 # install.sh (../shared/device/README.md):
 #   grpo  - GRPO end to end, colocated, with the offload cycle (trainer.offload_between_phases=always):
 #           train -> SGLang resumes its weights memory -> the train rank posts the weights by CUDA IPC itself, verified

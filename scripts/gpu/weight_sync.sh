@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 4's weight sync and rollout throughput (benchmarks/weight_sync.py), after the bundle's
+# Weight sync into SGLang and rollout throughput (benchmarks/weight_sync.py), after the bundle's
 # install.sh (../shared/device/README.md). One call each, within BUDGET seconds (default 530) of parts:
 #   1 GPU  (default PARTS="sync_7b sync_1.5b sync_0.5b throughput"): ~9 min expected: over BUDGET, the last part is skipped.
 #   2 GPUs (default PARTS="sync_tp2 nccl"):                           ~4.5 min expected, 9 at most.
