@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
 from megarl.utils.tracking import Tracker, new_run_id, run_dir, run_names
-from scripts.summarize_run import summarize
+from scripts.summarize_run import summarize, summary
 
 
 def scalars(directory, tag: str) -> list[tuple[int, float]]:
@@ -50,6 +50,9 @@ def test_two_runs_in_one_root_stay_apart_in_tensorboard_and_the_summary(tmp_path
     older = summarize(str(tmp_path), skip=0, run_id=first)
     assert "(5 steps after 0 warm-up)" in older and "| val/reward step 0 -> 5 | 0.250 -> 0.500 |" in older
     assert "| timing/step | 4 |" in older  # the median of 2..6
+    as_json = summary(str(tmp_path), skip=0, run_id=first)  # what --json prints, and docs/results/ records
+    assert as_json["val_reward"] == {"first": {"step": 0, "reward": 0.25}, "last": {"step": 5, "reward": 0.5}}
+    assert as_json["median"]["timing/step"] == {"median": 4, "steps": 5} and as_json["steps"] == 5
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl for run nope"):
         summarize(str(tmp_path), run_id="nope")
     with pytest.raises(FileNotFoundError, match="holds no run's logs"):
