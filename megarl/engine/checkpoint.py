@@ -374,7 +374,7 @@ def _layout() -> dict[str, int]:
 def _optimizer_metadata(engine) -> dict:
     # Without TE/Apex the distributed optimizer's default format (fully_sharded_model_space) cannot be
     # written; fully_reshardable gathers each parameter's state in model space, so it reshards freely.
-    if engine.actor.use_distributed_optimizer:
+    if engine.section.use_distributed_optimizer:
         return {"metadata": {"distrib_optim_sharding_type": "fully_reshardable"}}
     return {}
 
@@ -502,7 +502,7 @@ def save_engine(engine, directory: str | Path, weights_only: bool = False) -> No
         contents = list(state) + (["reference"] if has_reference else [])
         meta = {"format": FORMAT, "layout": _layout(), "contents": contents,
                 "step_count": 0 if weights_only else engine.step_count, "head": getattr(engine, "head", "lm"),
-                "distributed_optimizer": not weights_only and bool(engine.actor.use_distributed_optimizer),
+                "distributed_optimizer": not weights_only and bool(engine.section.use_distributed_optimizer),
                 "params_dtype": str(engine.params_dtype).removeprefix("torch.")}
         _atomic_write(directory / ENGINE_FILE, json.dumps(meta, indent=1))
     dist.barrier()
@@ -529,17 +529,17 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
     contents = set(meta["contents"])
     _refuse_offloaded_optimizer(engine, directory)
     with_optimizer = optimizer and "optimizer" in contents and engine.optimizer is not None
-    if with_optimizer and meta["distributed_optimizer"] != bool(engine.actor.use_distributed_optimizer):
+    if with_optimizer and meta["distributed_optimizer"] != bool(engine.section.use_distributed_optimizer):
         raise CheckpointError(
             f"{directory}: optimizer state written with use_distributed_optimizer={meta['distributed_optimizer']}, "
-            f"this engine has {engine.actor.use_distributed_optimizer}; set use_distributed_optimizer to match, "
+            f"this engine has {engine.section.use_distributed_optimizer}; set use_distributed_optimizer to match, "
             f"or load the weights only")
     with _onloaded(engine), torch.no_grad():  # no_grad: loading copies into leaf parameters in place
         if "reference" in contents:
             loaded = dist_checkpointing.load({"model": _model_state(engine)}, str(directory / "reference"))
             _load_model_state(engine, loaded["model"])
             engine.snapshot_reference()
-        if with_optimizer and engine.actor.use_distributed_optimizer:
+        if with_optimizer and engine.section.use_distributed_optimizer:
             _init_optimizer_state(engine)
         model_sd = _model_state(engine)
         request = {"model": model_sd}

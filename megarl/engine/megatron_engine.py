@@ -27,10 +27,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megarl.algorithms import losses, rollout_correction
-from megarl.config import ActorConfig, AlgorithmConfig
+from megarl.config import AlgorithmConfig, EngineConfig
 from megarl.engine import apex_ops, checkpoint, context_parallel, finite, fp32_head, offload, output_positions, weights
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
+from megarl.engine.loss_kinds import LOSS_KINDS, LossKind, Totals
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from megarl.engine.options import optimizer_config, precision_dtype, with_engine_options, with_fused_kernels
 from megarl.engine.packing import (IMAGE_INPUTS, align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
@@ -42,22 +42,20 @@ from megarl.models.router import expert_load_metrics, reset_expert_load, restore
 from megarl.protocol import Batch
 
 
-# train(loss=...) -> the head it needs
-LOSSES = {"policy": "lm", "sft": "lm", "value": "value", "bradley_terry": "value"}
 # actor.packing=one_row without pipeline stages: each micro-batch's row is cut to its used length rounded up to
 # this (times the width multiple of SP / CP): little padding, and few distinct shapes for the kernels' caches.
 ONE_ROW_TRIM_MULTIPLE = 64
 
 
 class MegatronEngine:
-    def __init__(self, model_path: str, actor: ActorConfig, algorithm: AlgorithmConfig, device: str,
+    def __init__(self, model_path: str, section: EngineConfig, algorithm: AlgorithmConfig, device: str,
                  seed: int, total_steps: int, load_hf_weights: bool = True, head: str = "lm",
                  trainable: bool = True, skip_nonfinite_updates: bool = False):
         """load_hf_weights=False: model_path needs only config.json; the weights come from a megatron
         checkpoint loaded next (load_checkpoint), e.g. in megarl.convert.
         head='value': a scalar value head instead of the LM head (critic, reward model: value_head.py).
         trainable=False: no DDP, optimizer or gradients (a frozen reference or a scoring reward model).
-        `actor` is the role's section (ActorConfig, CriticConfig, RewardModelConfig).
+        `section` is the role's config section (ActorConfig, CriticConfig, RewardModelConfig).
         skip_nonfinite_updates: an update with a NaN or infinite loss or gradient norm is skipped (counted in the
         metrics) instead of raising FloatingPointError (trainer.skip_nonfinite_updates)."""
         if head not in ("lm", "value"):
@@ -65,30 +63,30 @@ class MegatronEngine:
         self.head, self.trainable, self.skip_nonfinite_updates = head, trainable, skip_nonfinite_updates
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronEngine needs megarl.parallel.state.init_parallel() first")
-        self.actor, self.algorithm, self.model_path = actor, algorithm, model_path
+        self.section, self.algorithm, self.model_path = section, algorithm, model_path
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.hf_config = weights.read_hf_config(model_path)
         self.vocab_size = text_config(self.hf_config)["vocab_size"]
         family = self.family = get_family(self.hf_config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        self.params_dtype = precision_dtype(actor.precision, device)
+        self.params_dtype = precision_dtype(section.precision, device)
         config = family.transformer_config(self.hf_config, tp, pp, self.params_dtype,
                                            use_cpu_initialization=device == "cpu",
                                            ep=parallel_state.get_expert_model_parallel_world_size(),
                                            etp=parallel_state.get_expert_tensor_parallel_world_size(),
-                                           first_stage_layers=actor.parallel.pp_first_stage_layers,
-                                           last_stage_layers=actor.parallel.pp_last_stage_layers)
-        config = with_fused_kernels(with_engine_options(config, actor), actor, device)
+                                           first_stage_layers=section.parallel.pp_first_stage_layers,
+                                           last_stage_layers=section.parallel.pp_last_stage_layers)
+        config = with_fused_kernels(with_engine_options(config, section), section, device)
         apex_ops.install(wgrad_fusion=config.gradient_accumulation_fusion)
-        self.core_attention = resolve_core_attention(actor.attention, device, config.context_parallel_size)
+        self.core_attention = resolve_core_attention(section.attention, device, config.context_parallel_size)
         def spec(layer: int):  # each layer's spec by its global index (DeepSeek: dense layers, then MoE)
             return with_core_attention(family.layer_spec(self.hf_config, layer), self.core_attention)
         gpt_kwargs = family.gpt_model_kwargs(self.hf_config, tp)
         if head == "value":
             gpt_kwargs["share_embeddings_and_output_weights"] = False
         self.gpts = self._build_chunks(config, spec, gpt_kwargs)
-        self.gpt = self.gpts[0]  # the whole model unless actor.parallel.vpp > 1 (then use self.gpts)
+        self.gpt = self.gpts[0]  # the whole model unless section.parallel.vpp > 1 (then use self.gpts)
         self.weight_maps = family.weight_maps(self.hf_config, tp)
         if head == "value":
             self.weight_maps = value_weight_maps(self.weight_maps)
@@ -107,12 +105,12 @@ class MegatronEngine:
         # that of its gradient are two more passes over the largest tensors of a step; the log-prob kernel and the
         # value readers compute in float32 from the bf16 values themselves, to the same numbers.
         self._forward_kwargs = {"fp32_output": False} if self.params_dtype == torch.bfloat16 else {}
-        if actor.freeze_vision_tower:
+        if section.freeze_vision_tower:
             self._freeze_vision_tower()
         # after the cast: each HF tensor's dtype is its parameter's (DeepSeek-V3's routing bias stays fp32)
         self.hf_tensors = checkpoint.hf_tensors_from_model(self.gpts, self.weight_maps, self.layout)
-        self._forward_backward = get_forward_backward_func(pp_size=pp, vp_size=actor.parallel.vpp
-                                                           if actor.parallel.vpp > 1 else None)
+        self._forward_backward = get_forward_backward_func(pp_size=pp, vp_size=section.parallel.vpp
+                                                           if section.parallel.vpp > 1 else None)
         self._reference: list[torch.Tensor] | None = None
         self._offloader = offload.Offloader()
         self.step_count = 0
@@ -124,15 +122,15 @@ class MegatronEngine:
         # One DDP per virtual-pipeline chunk; only the first buckets its grads (as megatron's training does).
         self.models = [DistributedDataParallel(
             config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                  use_distributed_optimizer=actor.use_distributed_optimizer),
+                                                  use_distributed_optimizer=section.use_distributed_optimizer),
             module, disable_bucketing=i > 0) for i, module in enumerate(modules)]
-        self.model = self.models[0]  # the whole model unless actor.parallel.vpp > 1 (then use self.models)
+        self.model = self.models[0]  # the whole model unless section.parallel.vpp > 1 (then use self.models)
         # The schedule calls these: DP grad all-reduce (+ tied-embedding grads across PP stages).
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = [m.no_sync for m in self.models] if len(self.models) > 1 else self.model.no_sync
 
-        self.optimizer = get_megatron_optimizer(optimizer_config(actor, self.params_dtype, self.device), self.models)
-        o = actor.optim
+        self.optimizer = get_megatron_optimizer(optimizer_config(section, self.params_dtype, self.device), self.models)
+        o = section.optim
         # Advanced once per policy train() call (one RL step), so warmup/decay count RL steps.
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
@@ -141,8 +139,8 @@ class MegatronEngine:
             wd_incr_style="constant")
 
     def _build_chunks(self, config, spec: Callable[[int], object], gpt_kwargs: dict) -> list[GPTModel]:
-        """This rank's GPTModel, or its actor.parallel.vpp virtual-pipeline chunks (interleaved layers)."""
-        vpp = self.actor.parallel.vpp
+        """This rank's GPTModel, or its section.parallel.vpp virtual-pipeline chunks (interleaved layers)."""
+        vpp = self.section.parallel.vpp
         self._output_positions: list[output_positions.OutputPositions] = []
         # megatron's tied-embedding and grad-finalising code reads the virtual size from parallel_state.
         parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
@@ -158,7 +156,7 @@ class MegatronEngine:
                 attach_value_head(gpt, config.hidden_size, self.params_dtype, self.device)
             elif gpt.post_process:  # the LM head projects the real positions only (output_positions.py)
                 self._output_positions.append(output_positions.OutputPositions(gpt))
-                if self.actor.fp32_lm_head and self.params_dtype == torch.bfloat16:
+                if self.section.fp32_lm_head and self.params_dtype == torch.bfloat16:
                     fp32_head.install(gpt)
             chunks.append(gpt)
         return chunks
@@ -205,14 +203,14 @@ class MegatronEngine:
         # one_row: pipeline stages exchange fixed-shape activations and EP ranks agree on shapes, so rows stay
         # max_tokens wide there; elsewhere each row is cut to its used length
         trim = 0 if pp > 1 or experts else math.lcm(ONE_ROW_TRIM_MULTIPLE, width_multiple)
-        layout = self.actor.packing
-        if not self.actor.max_tokens_per_micro_batch and self.core_attention != "varlen":
+        layout = self.section.packing
+        if not self.section.max_tokens_per_micro_batch and self.core_attention != "varlen":
             # one_row's automatic width (micro_batch_size x the longest sequence) costs nothing extra where attention
             # runs per segment (varlen's cu_seqlens); a dense mask (local, sdpa, CP) is W x W, micro_batch_size
             # times the padded rows' masks in memory and compute: padded rows there
             layout = "rows"
-        mbs = pack_micro_batches(batch, keys, self.device, self.actor.micro_batch_size,
-                                 self.actor.max_tokens_per_micro_batch, group_size, width_multiple, longest,
+        mbs = pack_micro_batches(batch, keys, self.device, self.section.micro_batch_size,
+                                 self.section.max_tokens_per_micro_batch, group_size, width_multiple, longest,
                                  layout=layout, trim_multiple=trim)
         # the LM head at the real positions only; under CP a rank holds chunks of each row: every position there
         if self._output_positions and config.context_parallel_size == 1:
@@ -253,7 +251,7 @@ class MegatronEngine:
             num_microbatches=len(mbs), seq_length=mbs[0]["tokens"].shape[1],
             micro_batch_size=mbs[0]["tokens"].shape[0], forward_only=forward_only)
 
-    def _aligned_logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool):
+    def aligned_logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool):
         """Per sequence [S, T]: log p(tokens[t] | tokens[<t]) (and the entropy of that distribution), 0 at
         t=0 and padding. Under context parallelism `logits` are this CP rank's positions of the rows; with
         mb['output_positions'] the logits [1, N, V / TP] of those positions only (output_positions.py)."""
@@ -270,13 +268,13 @@ class MegatronEngine:
         rows = context_parallel.gather_rows(output_positions.to_rows(per_position, mb))
         return align_to_tokens(unpack(rows, mb), mb)
 
-    def _aligned_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
+    def aligned_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
         """Per sequence [S, T]: V(tokens[<t]), the value of the state in which token t is generated (the
         layout of log-probs and of GAE's values), 0 at t=0 and padding."""
         self._require_head("value")
         return align_to_tokens(unpack(context_parallel.gather_rows(output[..., 0].float()), mb), mb)
 
-    def _last_token_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
+    def last_token_values(self, mb: dict, output: torch.Tensor) -> torch.Tensor:
         """Per sequence [S]: the value head read at the sequence's last token (a reward model's score)."""
         self._require_head("value")
         values = unpack(context_parallel.gather_rows(output[..., 0].float()), mb)
@@ -323,7 +321,7 @@ class MegatronEngine:
         over the vocabulary of p^2, the optimal token baseline's), [B, T] float32, the same on every rank of the
         model-parallel group."""
         def outputs(mb, logits):
-            logprobs, entropy = self._aligned_logprobs(mb, logits, with_entropy)
+            logprobs, entropy = self.aligned_logprobs(mb, logits, with_entropy)
             out = {"logprobs": logprobs} | ({"entropy": entropy} if with_entropy else {})
             if with_sum_pi_squared:
                 squares = vocab_parallel_sum_squared_probs(logits, self.vocab_size)
@@ -340,12 +338,12 @@ class MegatronEngine:
     def compute_values(self, batch: Batch) -> Batch:
         """The critic's 'values' [B, T] float32: V(tokens[<t]) at every real position t >= 1 (GAE reads
         the response positions), the same on every rank of the model-parallel group."""
-        return self._forward(batch, lambda mb, output: {"values": self._aligned_values(mb, output)})
+        return self._forward(batch, lambda mb, output: {"values": self.aligned_values(mb, output)})
 
     @torch.no_grad()
     def compute_rewards(self, batch: Batch) -> Batch:
         """A reward model's 'rewards' [B] float32: the value head at each sequence's last token."""
-        return self._forward(batch, lambda mb, output: {"rewards": self._last_token_values(mb, output)})
+        return self._forward(batch, lambda mb, output: {"rewards": self.last_token_values(mb, output)})
 
     def _forward(self, batch: Batch, outputs: Callable[[dict, torch.Tensor], dict]) -> Batch:
         """Forward-only pass; `outputs(mb, model output)` gives per-sequence tensors ([S, T] or [S]), which
@@ -391,34 +389,36 @@ class MegatronEngine:
     # Training
 
     def train(self, batch: Batch, loss: str = "policy", lr: float | None = None) -> dict[str, float]:
-        """Optimizer steps over this DP rank's share of the batch; metrics averaged over the steps applied, and
-        'skipped_updates': those skipped for a non-finite loss or gradient norm (skip_nonfinite_updates; the LR
-        schedule advances all the same: it counts RL steps)."""
-        if loss not in LOSSES:
-            raise ValueError(f"loss={loss!r}: expected one of {', '.join(LOSSES)}")
+        """Optimizer steps over this DP rank's share of the batch, of the loss kind `loss` (loss_kinds.py: policy,
+        value, bradley_terry, sft); metrics averaged over the steps applied, and 'skipped_updates': those skipped for
+        a non-finite loss or gradient norm (skip_nonfinite_updates; the LR schedule advances all the same: it counts
+        RL steps)."""
+        kind = LOSS_KINDS.get(loss)()
         if not self.trainable:
             raise RuntimeError("this engine was built with trainable=False (no optimizer)")
-        self._require_head(LOSSES[loss])
+        self._require_head(kind.head)
+        missing = [key for key in kind.section_keys if not hasattr(self.section, key)]
+        if missing:
+            raise ValueError(f"loss={loss!r} reads {', '.join(missing)}, which this engine's section "
+                             f"({type(self.section).__name__}) does not have")
         self._set_mode(True)
         reset_expert_load(self.models)
-        if loss in ("policy", "value", "bradley_terry"):  # one RL step, or one step of reward-model training
+        if kind.schedule_step:
             self.scheduler.step(increment=1)
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         dp = parallel_state.get_data_parallel_world_size()
-        mini = self.actor.mini_batch_size // dp if self.actor.mini_batch_size else len(batch)
+        mini = self.section.mini_batch_size // dp if self.section.mini_batch_size else len(batch)
         if mini < 1 or len(batch) % mini:
             raise ValueError(f"this DP rank's batch of {len(batch)} rows is not divisible into mini-batches of "
-                             f"{mini} (actor.mini_batch_size={self.actor.mini_batch_size} over DP={dp})")
-        epochs = self.actor.ppo_epochs if loss in ("policy", "value") else 1
+                             f"{mini} (actor.mini_batch_size={self.section.mini_batch_size} over DP={dp})")
+        epochs = self.section.ppo_epochs if kind.repeats else 1
         updates = epochs * (len(batch) // mini)
-        if loss == "policy" and "old_logprobs" not in batch and updates > 1:
-            raise ValueError(f"the batch has no 'old_logprobs' and makes {updates} optimizer updates: after the first, "
-                             "the policy is no longer the old one (algorithm.recompute_old_logprobs=always)")
-        step = f"RL step {self.scheduler.num_steps}, " if loss in ("policy", "value") else ""
+        kind.check(batch, updates)
+        step = f"RL step {self.scheduler.num_steps}, " if kind.repeats else ""
         mini_batches = [mini_batch for _ in range(epochs) for mini_batch in batch.split(mini)]
-        steps = [self._optimizer_step(mini_batch, loss, f"{step}update {i + 1} of {updates} of this call")
+        steps = [self._optimizer_step(mini_batch, loss, kind, f"{step}update {i + 1} of {updates} of this call")
                  for i, mini_batch in enumerate(mini_batches)]
         applied = [s for s in steps if s is not None]
         metrics = ({k: sum(s[k] for s in applied) / len(applied) for k in applied[0]} if applied
@@ -427,58 +427,25 @@ class MegatronEngine:
         load = expert_load_metrics(self.models, self.gpt.config)
         return metrics | {"skipped_updates": float(len(steps) - len(applied))} | load
 
-    def _optimizer_step(self, batch: Batch, loss: str, where: str) -> dict[str, float] | None:
-        """One update; None if skipped (a non-finite loss or gradient norm under skip_nonfinite_updates)."""
+    def _optimizer_step(self, batch: Batch, loss: str, kind: LossKind, where: str) -> dict[str, float] | None:
+        """One update of the loss kind `kind` (named `loss`); None if skipped (a non-finite loss or gradient norm
+        under skip_nonfinite_updates)."""
         dp_group = parallel_state.get_data_parallel_group()
-        # the response tokens of VAPO's positive-example LM loss (algorithm.positive_lm_coef) are a count of their own
-        lm_tokens = batch["lm_mask"].sum().item() if loss == "policy" and "lm_mask" in batch else 0.0
+        lm_tokens = batch["lm_mask"].sum().item() if "lm_mask" in batch else 0.0
         counts = torch.tensor([batch["loss_mask"].sum().item(), len(batch), lm_tokens], dtype=torch.float64,
                               device=self.device)
         dist.all_reduce(counts, group=dp_group)
-        total_tokens, total_seqs, total_lm_tokens = counts.tolist()
-        keys = ["loss_mask"]
-        # Without 'old_logprobs' this one update starts from the old policy: its forward gives them (detached),
-        # and the rollout engine's log-prob gap is measured on it.
-        on_policy = loss == "policy" and "old_logprobs" not in batch
-        if loss == "policy":
-            keys += ["advantages"] + ([] if on_policy else ["old_logprobs"])
-            keys += ["ref_logprobs"] if self.algorithm.kl_coef > 0 else []
-            keys += ["rollout_logprobs"] if on_policy and "rollout_logprobs" in batch else []
-            keys += [k for k in losses.policy_batch_keys(self.algorithm) if k not in keys]
-        elif loss == "value":
-            keys += ["values", "returns"]
-        pairs = loss == "bradley_terry"
-        if pairs and len(batch) % 2:
-            raise ValueError(f"bradley_terry needs (chosen, rejected) row pairs; this mini-batch has {len(batch)} rows")
-        mbs = self._micro_batches(batch, keys, group_size=2 if pairs else 1)
-        # Each loss_fn returns its micro-batch's share of the global mean; megatron divides it by the
-        # number of micro-batches and DDP averages gradients over DP, so undo both.
+        if len(batch) % kind.group_size:
+            raise ValueError(f"{loss} needs {kind.groups}; this mini-batch has {len(batch)} rows")
+        mbs = self._micro_batches(batch, kind.batch_keys(batch, self.algorithm), group_size=kind.group_size)
+        micro_batch_loss = kind.micro_batch_loss(self, batch, Totals(*counts.tolist()))
+        # Each micro-batch's loss is its share of the global mean; megatron divides it by the number of
+        # micro-batches and DDP averages gradients over DP, so undo both.
         scale = len(mbs) * dist.get_world_size(dp_group)
         mb_losses = []  # this stage's micro-batch losses in order (the last stage's), checked after the schedule
 
         def loss_fn(mb, output):
-            if loss == "value":
-                value, metrics = losses.value_loss(self._aligned_values(mb, output), mb, self.algorithm,
-                                                   getattr(self.actor, "value_clip", 0.0), total_tokens, total_seqs)
-            elif pairs:  # rows 2k (chosen) and 2k+1 (rejected) share a micro-batch, in any order
-                rewards = self._last_token_values(mb, output)[mb["seq_index"].argsort()]
-                value, metrics = losses.bradley_terry_loss(rewards[0::2], rewards[1::2], total_seqs / 2)
-            else:
-                logprobs, entropy = self._aligned_logprobs(mb, output, with_entropy=loss == "policy")
-                if loss == "policy":
-                    if on_policy:
-                        mb = dict(mb, old_logprobs=logprobs.detach())
-                    value, metrics = losses.actor_loss(self.algorithm, logprobs, entropy, mb, total_tokens,
-                                                       total_seqs, total_lm_tokens)
-                    if on_policy and "rollout_logprobs" in mb:
-                        metrics["rollout_logprob_abs_diff"] = losses.token_mean(
-                            (logprobs.detach() - mb["rollout_logprobs"]).abs(), mb["loss_mask"], total_tokens, total_seqs)
-                    # the policy trained against the rollout's: the old one (on_policy), or the moving one (bypass)
-                    if "rollout_logprobs" in mb and (on_policy or self.algorithm.rollout_correction.bypass_mode):
-                        metrics |= rollout_correction.mismatch_metrics(logprobs, mb["rollout_logprobs"], mb["loss_mask"],
-                                                                       total_tokens, total_seqs)
-                else:
-                    value, metrics = losses.sft_loss(logprobs, mb["loss_mask"], total_tokens), {}
+            value, metrics = micro_batch_loss(mb, output)
             metrics = {"loss": value} | metrics
             mb_losses.append(value.detach())
             return value * scale, {k: v.detach().float().reshape(()) for k, v in metrics.items()}
@@ -541,7 +508,7 @@ class MegatronEngine:
         remade += [p for p in params if id(p) in master_copied]
         kept = [p for p in params if id(p) not in master_copied] + (self._reference or [])
         kept += [t for m in self.models for t in offload.ddp_param_buffers(m)]
-        # State the optimizer keeps in host memory itself (actor.optimizer_cpu_offload) stays where it is.
+        # State the optimizer keeps in host memory itself (section.optimizer_cpu_offload) stays where it is.
         kept += [t for t in offload.optimizer_tensors(self.optimizer) if t.device == self.device]
         return kept, remade
 

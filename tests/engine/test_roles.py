@@ -103,6 +103,11 @@ def _roles_rank(rank, policy_dir):
     out["pairs"] = pairs
     out["pair_rewards"] = rm.compute_rewards(pairs)["rewards"]
     out["rm_weights"] = {n: t for bucket in rm.export_hf_weights(1 << 30) for n, t in bucket}
+    try:  # the critic's loss reads keys a reward model's section does not have
+        rm.train(value_task(4, seed=0), loss="value")
+        out["rm_value_error"] = None
+    except ValueError as e:
+        out["rm_value_error"] = str(e)
 
     # --- the frozen reference: no optimizer, offloadable -------------------------------------------------
     ref = MegatronEngine(policy_dir, ActorConfig(parallel=tp2, micro_batch_size=4), AlgorithmConfig(), "cpu", 1, 10,
@@ -164,6 +169,8 @@ def test_critic_reward_model_reference_and_offload(tmp_path):
     hf = _hf_values(policy_dir, out["rm_weights"], pairs)
     last = pairs["attention_mask"].sum(1) - 1
     torch.testing.assert_close(rewards, hf[torch.arange(len(pairs)), last], rtol=0, atol=1e-4)
+    assert out["rm_value_error"] == ("loss='value' reads ppo_epochs, value_clip, which this engine's section "
+                                     "(RewardModelConfig) does not have")
 
     # The frozen reference: the policy's log-probs, no optimizer, no training, offloadable.
     ref_logprobs, _ = hf_logprobs_entropy(policy_dir, padded_batch())
