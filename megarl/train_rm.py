@@ -39,6 +39,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     quiet.install(args.verbose)  # before megatron and transformers are imported, here and in every worker
+    from megarl.data.run_paths import rm_path_problems
     from megarl.rm_trainer import RMTrainer, check_rm_config, check_rm_inputs
 
     try:
@@ -53,6 +54,9 @@ def main(argv=None) -> int:
     if args.check_config:
         print(config_ok)
         return 0
+    if problems := rm_path_problems(cfg):  # every one named at once, before anything loads and before Ray starts
+        print(f"input error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     if args.dry_run:
         try:
             print(f"{config_ok}; {check_rm_inputs(cfg)}")

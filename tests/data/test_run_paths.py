@@ -1,9 +1,22 @@
-"""Every path a run's config names is checked before Ray starts, each problem naming its key, all at once."""
+"""Every path a run's config names is checked before Ray starts, each problem naming its key, all at once: the RL
+run's (python -m megarl.train) and the reward model's (python -m megarl.train_rm)."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import megarl.rm_trainer
 import megarl.train
 from megarl.config.tiny import TINY_RUN, tiny_config
-from megarl.data.run_paths import path_problems, unwritable
+from megarl.data.run_paths import path_problems, rm_path_problems, unwritable
 from megarl.train import main
+from megarl.train_rm import main as train_rm_main
+
+REPO = Path(megarl.train.__file__).parents[1]
 
 
 def test_each_missing_input_and_blocked_output_is_named_by_its_key(tmp_path):
@@ -44,3 +57,60 @@ def test_a_run_names_them_before_ray_or_the_run_lock(tmp_path, capsys, monkeypat
         assert err.strip() == (f"input error: data.task={tmp_path / 'p.jsonl'}: no such prompt file; "
                                f"trainer.checkpoint_dir={tmp_path / 'model' / 'ckpt'}: {tmp_path / 'model'} is a "
                                "file, not a directory")
+
+
+def test_reward_model_training_names_its_missing_inputs_and_blocked_outputs_by_key(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "pairs.jsonl").mkdir()
+    cfg = tiny_config([f"preference.train={tmp_path / 'pairs.jsonl'}", f"preference.val={tmp_path / 'val.jsonl'}",
+                       f"model.path={tmp_path / 'base'}", f"trainer.output_dir={tmp_path / 'a_file' / 'run'}",
+                       f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", f"reward_model.path={tmp_path / 'a_file'}"])
+    assert rm_path_problems(cfg) == [
+        f"preference.train={tmp_path / 'pairs.jsonl'}: a directory, not a file",
+        f"preference.val={tmp_path / 'val.jsonl'}: no such file",
+        f"model.path={tmp_path / 'base'}: no such model directory",
+        f"trainer.output_dir={tmp_path / 'a_file' / 'run'}: {tmp_path / 'a_file'} is a file, not a directory",
+        f"reward_model.path={tmp_path / 'a_file'}: a file, not a directory"]
+    # a built-in task names no file, the built-in tiny model no directory; reward_model.path is written, not read
+    assert rm_path_problems(tiny_config(["preference.train=reverse", "model.path=tiny",
+                                         f"reward_model.path={tmp_path / 'new' / 'rm'}"])) == []
+
+
+def test_an_input_this_user_cannot_read_is_named(tmp_path):
+    """Checked in a process without root's override of file permissions where the tests run as root."""
+    (tmp_path / "pairs.jsonl").write_text("{}\n")
+    (tmp_path / "pairs.jsonl").chmod(0o200)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").chmod(0o200)
+    tmp_path.chmod(0o555)  # nothing can be made in it
+    check = ("from megarl.config.tiny import tiny_config; from megarl.data.run_paths import rm_path_problems; "
+             f"print(rm_path_problems(tiny_config(['preference.train={tmp_path / 'pairs.jsonl'}', "
+             f"'model.path={tmp_path / 'model'}', 'trainer.output_dir={tmp_path / 'out'}'])))")
+    command = [sys.executable, "-c", check]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("root reads any file, and setpriv (util-linux), which takes that from a process, is missing")
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] + command
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    finally:
+        tmp_path.chmod(0o755)
+    assert out.stdout.strip() == str([f"preference.train={tmp_path / 'pairs.jsonl'}: not readable by this user",
+                                      f"model.path={tmp_path / 'model'}: its config.json is not readable by this user",
+                                      f"trainer.output_dir={tmp_path / 'out'}: {tmp_path} is not writable by this "
+                                      "user"]), out.stderr
+
+
+def test_train_rm_names_them_before_ray(tmp_path, capsys, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("reached past the path check")
+
+    monkeypatch.setattr(megarl.train, "start_ray", must_not_run)
+    monkeypatch.setattr(megarl.rm_trainer, "check_rm_inputs", must_not_run)
+    args = ["model.path=tiny", "trainer.steps=2", "trainer.device=cpu", f"trainer.output_dir={tmp_path}",
+            f"preference.train={tmp_path / 'pairs.jsonl'}"]
+    for dry_run in ([], ["--dry-run"]):
+        assert train_rm_main(dry_run + args) == 2
+        assert capsys.readouterr().err.strip() == (f"input error: preference.train={tmp_path / 'pairs.jsonl'}: no "
+                                                   "such file")
