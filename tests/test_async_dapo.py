@@ -30,9 +30,9 @@ def test_dynamic_sampling_in_async_mode(tmp_path, ray_local):
         "trainer.loggers=[jsonl]", "trainer.mode=async", "async.max_staleness=1", "algorithm.dynamic_sampling=true",
         "algorithm.max_sampling_rounds=6"], path=QUICKSTART)
     trainer = build_trainer(cfg)
-    side = trainer.rollout_side
+    sampler = trainer.rollout_sampler
     batches, trained = [], []  # per rollout batch: its scored groups' rewards and its metrics; the trained batches
-    score, sample_batch, train_step = side.score, side.sample_batch, trainer.train_step
+    score, sample_batch, train_step = sampler.score, sampler.sample_batch, trainer.train_step
 
     def scored(batch, *args):  # the rollout thread scores one group per call
         out = score(batch, *args)
@@ -49,7 +49,7 @@ def test_dynamic_sampling_in_async_mode(tmp_path, ray_local):
         trained.append([group["rewards"].tolist() for group in split_groups(batch)])
         return train_step(batch, *args)
 
-    side.score, side.sample_batch, trainer.train_step = scored, sampled, training
+    sampler.score, sampler.sample_batch, trainer.train_step = scored, sampled, training
     try:
         trainer.fit()
     finally:
