@@ -134,19 +134,6 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
 # On the driver
 
 
-def perturb_rollout_logprobs(batch: Batch, delta: float) -> None:
-    """A test hook (algorithm.rollout_correction.perturb_rollout_logprobs): add `delta` to the rollout log-prob
-    of the 1st, 3rd, 5th ... response token of rows 0, 2, 4 ... of the batch, so that the mismatch metrics and
-    the rejection have values a test computes by hand. delta = 0 changes nothing."""
-    if not delta:
-        return
-    valid = batch["loss_mask"] > 0
-    nth = valid.long().cumsum(-1) - 1  # index of each response token within its response
-    rows = torch.arange(len(batch))[:, None] % 2 == 0
-    hit = valid & (nth % 2 == 0) & rows
-    batch["rollout_logprobs"] = batch["rollout_logprobs"] + hit.to(batch["rollout_logprobs"].dtype) * delta
-
-
 def apply_rollout_correction(batch: Batch, rc: RolloutCorrectionConfig) -> dict[str, float]:
     """The driver's part (outside bypass mode), on the batch with its 'old_logprobs' and 'rollout_logprobs':
     sets batch['rollout_is_weights'] [B, T] (rc.rollout_is), removes rejected tokens from batch['loss_mask']

@@ -44,10 +44,6 @@ class RolloutCorrectionConfig:
     decoupled_cap_mode: str = opt("truncate", "decoupled objective: truncate (min(w, decoupled_cap)) or mask (a "
                                               "token whose weight exceeds the cap gets weight 0, as AReaL)",
                                   choices=("truncate", "mask"))
-    perturb_rollout_logprobs: float = opt(0.0, "testing: added to the rollout log-prob of every other response "
-                                               "token (the 1st, 3rd, ... of each) of every other sample (rows 0, 2, "
-                                               "... of the step's batch), so the mismatch metrics and the rejection "
-                                               "have known values; 0 = off", unbounded=True)
 
 
 @dataclass

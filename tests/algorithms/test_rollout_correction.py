@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from megarl.algorithms import ADVANTAGES, actor_loss
-from megarl.algorithms.rollout_correction import (apply_rollout_correction, mismatch_metrics,
-                                                  perturb_rollout_logprobs)
+from megarl.algorithms.rollout_correction import apply_rollout_correction, mismatch_metrics
 from megarl.config import AlgorithmConfig, ConfigError
 from megarl.config.tiny import tiny_config
 from megarl.config.correction_checks import GROUP_ESTIMATORS
@@ -83,13 +82,6 @@ def test_rejection_removes_tokens_or_sequences_from_the_loss_mask(mode, kept, to
     assert batch["loss_mask"].tolist() == kept
     assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(tokens)
     assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(seqs)
-
-
-def test_perturbation_hook_hits_every_other_response_token_of_every_other_row():
-    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0, 1.0]])
-    batch = Batch({"loss_mask": mask, "rollout_logprobs": torch.zeros(3, 5)})
-    perturb_rollout_logprobs(batch, -0.5)
-    assert batch["rollout_logprobs"].tolist() == [[0, -0.5, 0, -0.5, 0], [0] * 5, [0, 0, -0.5, 0, -0.5]]
 
 
 # ---- in the loss ------------------------------------------------------------------------------------
