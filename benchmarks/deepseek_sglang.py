@@ -135,9 +135,9 @@ class Verifier:
 
     def __init__(self, engine, hf: dict):
         from megarl.reshard.inventory import hf_inventory
-        from megarl.rollout.weight_layout import WeightLayout
+        from megarl.rollout.weight_layout import layout_for
 
-        self.engine, self.layout = engine, WeightLayout(hf_inventory(hf), "sglang", engine.servers[0].tp, hf=hf)
+        self.engine, self.layout = engine, layout_for(hf_inventory(hf), "sglang", engine.servers[0].tp, hf=hf)
 
     def expected(self):
         from megarl.rollout.weight_layout import ExpectedChecksums
@@ -152,7 +152,8 @@ class Verifier:
 
     def check(self, expected: dict) -> dict:
         """{"ok", "error", "checked", "derived", "seconds"} of one verification (SGLang's checksums and compare)."""
-        from megarl.workers.weight_sync import WeightSyncError, verify_checksums
+        from megarl.workers.sync_checks import WeightSyncError
+        from megarl.workers.weight_sync import verify_checksums
 
         t = time.perf_counter()
         held = self.engine.weight_checksums()
@@ -169,23 +170,21 @@ class Verifier:
         return row
 
 
-def push(engine, buckets, fmt: str, expected, senders: dict) -> dict:
-    """One sync through megarl's push_policy, as a training rank runs it; `expected`: an ExpectedChecksums to fill
-    (a verified sync), or None. `senders`: per format, the senders kept across syncs (one per format)."""
-    from megarl.workers.weight_sync import push_policy
+def push(engine, buckets, fmt: str, expected, syncs: dict) -> dict:
+    """One sync through megarl's weight_sync.PolicySync, as a training rank runs it; `expected`: an ExpectedChecksums
+    to fill (a verified sync), or None. `syncs`: per format, the PolicySync kept across syncs (one per format)."""
+    from megarl.workers.weight_sync import PolicySync, RolloutSide
 
     torch.cuda.synchronize()
-    report = push_policy(buckets, begin=engine.begin_weight_update, end=engine.end_weight_update, load=None,
-                         verify=expected is not None, weight_format=fmt, senders=senders.setdefault(fmt, {}),
-                         expected=expected)
-    return dict(sync_s=report["seconds"], bytes=report["bytes"], gb_per_s=report["bytes"] / report["seconds"] / 1e9,
-                sender_checksum_s=report["digest_s"], expected=report.get("expected"))
+    sync = syncs.setdefault(fmt, PolicySync(fmt))
+    report = sync.push(buckets, RolloutSide.of_engine(engine), expected is not None, expected=expected)
+    return dict(sync_s=report.seconds, bytes=report.bytes, gb_per_s=report.bytes / report.seconds / 1e9,
+                sender_checksum_s=report.digest_s, expected=report.expected)
 
 
-def close(senders: dict) -> None:
-    for by_servers in senders.values():
-        for sender in by_servers.values():
-            sender.close()
+def close(syncs: dict) -> None:
+    for sync in syncs.values():
+        sync.close()
 
 
 def logprob_gap(engine, directory: Path, prompts: list[list[int]], new_tokens: int) -> dict:

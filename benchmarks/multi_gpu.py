@@ -8,7 +8,7 @@ NCCL broadcast, and MoE expert parallelism against EP=1. One process per GPU, la
            same GPUs (dummy weights; generation TP=g x DP=world/g), and for each --delivery the sync as
            TrainWorker.push_weights does it: every rank reshards (megarl.reshard, point-to-point over
            NCCL); "full": the first rank of each generation group posts whole tensors into its server by CUDA
-           IPC (weight_sync.push_policy); "sharded" (g = --tp = world): each rank packs its own TP shard, rank 0
+           IPC (weight_sync.PolicySync, as TrainWorker); "sharded" (g = --tp = world): each rank packs its own TP shard, rank 0
            posts one request per bucket with every rank's payload (cuda_ipc.ShardedIpcSender). The first
            sync is verified per server: what was sent equals the policy exported by megatron's gather path
            (engine.export_hf_weights, another code path), and SGLang holds exactly what was sent (its weights
@@ -33,6 +33,7 @@ NCCL broadcast, and MoE expert parallelism against EP=1. One process per GPU, la
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -47,9 +48,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.rollout import sglang_layout
 from megarl.rollout.transports import cuda_ipc
 from megarl.utils.provenance import source_commit
-from megarl.workers import weight_sync
+from megarl.workers import sync_checks, weight_sync
 
 
 class RecordingEngine:
@@ -59,7 +61,7 @@ class RecordingEngine:
         self.weights: dict[str, torch.Tensor] = {}
 
     def begin_weight_update(self):
-        return None  # no endpoints: push_policy hands each bucket to update_weights
+        return None  # no endpoints: the sync hands each bucket to update_weights
 
     def end_weight_update(self, received) -> None:
         pass
@@ -123,19 +125,19 @@ def _policy(args, device: str):
 
 
 def _check_against_export(engine, sent: dict | None, bucket_bytes: int) -> str | None:
-    """Collective. What this rank sent (push_policy's digests by HF name, or by (name, dim, lo, hi) for a TP shard)
+    """Collective. What this rank sent (the deep check's digests by HF name, or by (name, dim, lo, hi) for a TP shard)
     against megatron's own gather of the policy (export_hf_weights); None where equal, else the mismatch."""
     dtypes = {key: dtype for key, (dtype, _) in (sent or {}).items()}
     exported = {}
     for bucket in engine.export_hf_weights(bucket_bytes):
         names = {n for n, _ in bucket}
-        exported |= weight_sync.digests_of(dict(bucket), {k: d for k, d in dtypes.items()
+        exported |= sync_checks.digests_of(dict(bucket), {k: d for k, d in dtypes.items()
                                                           if (k if isinstance(k, str) else k[0]) in names})
     if sent is None:
         return None
     try:
         weight_sync.verify(sent, exported)
-    except weight_sync.WeightSyncError as error:
+    except sync_checks.WeightSyncError as error:
         return str(error)
     return None
 
@@ -144,35 +146,31 @@ def _check_rollout(rollout, sent: dict) -> str | None:
     """The rollout engine holds exactly what was sent (SGLang first checks itself: verify_inside_sglang)."""
     try:
         dtypes = {name: dtype for name, (dtype, _) in sent.items()}
-        weight_sync.verify(sent, weight_sync.digests_of(rollout.named_weights(), dtypes))
+        weight_sync.verify(sent, sync_checks.digests_of(rollout.named_weights(), dtypes))
     except Exception as error:  # SGLangError from its checker, or WeightSyncError
         return f"{type(error).__name__}: {error}"
     return None
 
 
-def _sync(resharder, rollout, gen_tp: int, bucket_bytes: int, dtype, verify: bool, senders: dict,
-          load=None, delivery: str = "full", group=None, serializer=None) -> dict | None:
-    """One sync, as TrainWorker.push_weights does it: every rank reshards; full delivery: the rank holding a
-    rollout engine posts whole tensors; sharded: the first generation group's ranks (`group`) each send their
-    TP shard, its rank 0 (the one holding the engine) posts."""
+def _sync(resharder, rollout, gen_tp: int, bucket_bytes: int, dtype, verify: bool, syncs: weight_sync.PolicySync,
+          side: weight_sync.RolloutSide | None = None, delivery: str = "full",
+          group=None) -> weight_sync.SyncReport | None:
+    """One sync, as TrainWorker.push_weights does it (weight_sync.PolicySync.push): every rank reshards; full
+    delivery: the rank holding a rollout engine posts whole tensors; sharded: the first generation group's ranks
+    (`group`) each send their TP shard, its rank 0 (the one holding the engine) posts. `side`: how the engine is
+    reached, if not as an engine in this process (RolloutSide.of_engine)."""
     buckets = resharder.buckets(gen_tp, delivery, bucket_bytes, dtype)
     if delivery == "sharded" and dist.get_rank() < gen_tp:
         talks = rollout is not None
-        return weight_sync.push_policy(
-            buckets, rollout.begin_weight_update if talks else None, rollout.end_weight_update if talks else None,
-            load=_no_actor_load, verify=verify, key=weight_sync.shard_key(resharder.specs, gen_tp, dist.get_rank()),
-            senders=senders, serializer=serializer, group=group)
+        side = weight_sync.RolloutSide(rollout.begin_weight_update if talks else None,
+                                       rollout.end_weight_update if talks else None, _no_actor_load)
+        sharding = weight_sync.Sharding(group, sync_checks.shard_key(resharder.specs, gen_tp, dist.get_rank()))
+        return syncs.push(buckets, side, verify, sharding=sharding)
     if rollout is None:
         for _ in buckets:  # the collectives only
             pass
         return None
-
-    def into_rollout(bucket):
-        rollout.update_weights(bucket)
-        return lambda: None
-
-    return weight_sync.push_policy(buckets, begin=rollout.begin_weight_update, end=rollout.end_weight_update,
-                                   load=load or into_rollout, verify=verify, senders=senders, serializer=serializer)
+    return syncs.push(buckets, side or weight_sync.RolloutSide.of_engine(rollout), verify)
 
 
 def _no_actor_load(bucket):
@@ -183,10 +181,6 @@ def _gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def _split(report: dict) -> dict:
-    return {k: report[k] for k in ("begin_s", "gather_convert_s", "pack_s", "transfer_s", "end_s")}
 
 
 def part_reshard(args, device: str) -> list[dict]:
@@ -238,12 +232,12 @@ def _measure(args, device: str, engine, resharder, rollout, gen_tp: int, deliver
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if delivery == "sharded":
-        cuda_ipc.check_presharded_vocab(resharder.specs, gen_tp)
-    senders = {}
-    how = dict(delivery=delivery, group=group, serializer=cuda_ipc.plain_serializer if device == "cpu" else None)
-    first = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, True, senders, **how)
-    checks = [_check_against_export(engine, first and first["sent"], bucket_bytes)]
-    sent = _gather(first and first["sent"])  # sharded: every rank's shards make what the server holds
+        sglang_layout.check_presharded_vocab(resharder.specs, gen_tp)
+    syncs = weight_sync.PolicySync(serializer=cuda_ipc.plain_serializer if device == "cpu" else None)
+    how = dict(delivery=delivery, group=group)
+    first = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, True, syncs, **how)
+    checks = [_check_against_export(engine, first and first.sent, bucket_bytes)]
+    sent = _gather(first and first.sent)  # sharded: every rank's shards make what the server holds
     if rollout is not None:
         server_sent = {k: v for r in range(rank, rank + gen_tp) for k, v in (sent[r] or {}).items()}
         checks.append(_check_rollout(rollout, server_sent))
@@ -258,29 +252,29 @@ def _measure(args, device: str, engine, resharder, rollout, gen_tp: int, deliver
             rollout.release_memory()  # as after a train step
         dist.barrier()
         t0 = _now(device)
-        report = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, False, senders, **how)
+        report = _sync(resharder, rollout, gen_tp, bucket_bytes, engine.params_dtype, False, syncs, **how)
         if rollout is not None:
             rollout.resume_kv_cache()
         _now(device)
         dist.barrier()
         trials.append((time.perf_counter() - t0, report))
-    weight_sync.close_senders(senders)  # the next delivery's buffers take their memory
-    del senders
+    syncs.close()  # the next delivery's buffers take their memory
+    del syncs
     if device == "cuda":
         torch.cuda.empty_cache()
-    reports = _gather([r and {k: v for k, v in r.items() if k != "sent"} for _, r in trials])
-    sent_bytes = _gather(first["bytes"] if first else 0)
+    reports = _gather([r and dataclasses.replace(r, sent={}) for _, r in trials])
+    sent_bytes = _gather(first.bytes if first else 0)
     # what one server receives: rank 0's whole tensors (full), or the sum of its TP ranks' shards (sharded)
     per_server = sum(sent_bytes[:gen_tp]) if delivery == "sharded" else max(sent_bytes)
     seconds = [t for t, _ in trials]  # rank 0's (every trial ends at a barrier)
     best = min(range(args.trials), key=seconds.__getitem__)
     total_s = seconds[best]
-    slowest = max((r[best] for r in reports if r[best] is not None), key=lambda r: r["seconds"])
+    slowest = max((r[best] for r in reports if r[best] is not None), key=lambda r: r.seconds)
     return dict(servers=world // gen_tp, bytes_per_rank=sent_bytes, bytes_per_server=per_server,
                 bytes_total=per_server * (world // gen_tp), trials_total_s=seconds, total_s=total_s,
                 gb_per_s_per_server=per_server / total_s / 1e9,
                 gb_per_s_total=per_server * (world // gen_tp) / total_s / 1e9,
-                slowest_sender=_split(slowest) | {"seconds": slowest["seconds"]},
+                slowest_sender=slowest.phases() | {"seconds": slowest.seconds},
                 verified=not failures, failures=failures)
 
 
@@ -341,15 +335,16 @@ def part_disagg(args, device: str) -> list[dict]:
             recording = trial == 0
             dist.barrier()
             t0 = _now(device)
-            report = _sync(resharder, sink, args.tp, bucket_bytes, engine.params_dtype, trial == 0, {},
-                           load=broadcast)
+            side = weight_sync.RolloutSide(sink.begin_weight_update, sink.end_weight_update, broadcast)
+            report = _sync(resharder, sink, args.tp, bucket_bytes, engine.params_dtype, trial == 0,
+                           weight_sync.PolicySync(), side)
             if server is not None:
                 server.post("/flush_cache")
             _now(device)
             dist.barrier()
             trials.append((time.perf_counter() - t0, report))
         first = trials[0][1]
-        failures = [_check_against_export(engine, first and first["sent"], bucket_bytes)]
+        failures = [_check_against_export(engine, first and first.sent, bucket_bytes)]
         if server is not None:
             from megarl.rollout.sglang_server import verify_inside_sglang
 
@@ -364,9 +359,9 @@ def part_disagg(args, device: str) -> list[dict]:
         if rank == 0:
             timed = trials[1:]
             best = min(timed, key=lambda t: t[0])
-            nbytes = best[1]["bytes"]
+            nbytes = best[1].bytes
             row |= dict(bytes=nbytes, trials_total_s=[t for t, _ in timed], total_s=best[0],
-                        gb_per_s=nbytes / best[0] / 1e9, sender=_split(best[1]) | {"seconds": best[1]["seconds"]},
+                        gb_per_s=nbytes / best[0] / 1e9, sender=best[1].phases() | {"seconds": best[1].seconds},
                         flattened=True)
     except Exception as error:
         row |= dict(verified=False, error=repr(error), trace=traceback.format_exc()[-3000:],

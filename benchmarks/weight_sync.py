@@ -3,7 +3,7 @@
 Parts (one process each; each writes its JSON to --out after every measurement, so one failing part, or
 a time limit, loses nothing already measured):
   sync        colocated CUDA IPC through megarl's own path: SGLangRolloutEngine (colocated) and
-              workers.weight_sync.push_policy, as the trainer runs them. Per model (random Qwen2 shape,
+              workers.weight_sync.PolicySync, as the trainer runs them. Per model (random Qwen2 shape,
               SGLang --load-format dummy, one server per model), per --bucket-mb and payload format of
               transports/cuda_ipc.py: a warm-up sync, then the best of --trials timed syncs from the end of
               a train step (CUDA synchronised; SGLang holds neither weights nor KV cache, as after a
@@ -143,7 +143,7 @@ def time_posts(server, seconds: dict) -> None:
 def server_loads(server) -> dict:
     """What the server's loads took since the last call (the MEGARL_TIME_WEIGHT_LOADS lines of its log), per
     rank summed, slowest rank: seconds inside the loader, and of those the loaders' Python work (queued)."""
-    from megarl.rollout.transports.cuda_ipc import LOAD_TIMING
+    from megarl.rollout.transports.sglang_loader import LOAD_TIMING
 
     offset = getattr(server, "load_log_offset", 0)
     with open(server.log_path, "rb") as log:
@@ -160,16 +160,17 @@ def server_loads(server) -> dict:
     return dict(server_load_s=max(seconds.values(), default=0.0), server_queued_s=max(queued.values(), default=0.0))
 
 
-def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: str = "released",
-               expected=None, collect: bool = True) -> dict:
-    """One colocated sync as the trainer runs it: from the end of a train step through push_policy (resume
+def timed_sync(engine, buckets, syncs, posts: dict, weights: str = "released", expected=None,
+               collect: bool = True) -> dict:
+    """One colocated sync as the trainer runs it: from the end of a train step through `syncs` (a
+    weight_sync.PolicySync of one CUDA IPC format, kept across its syncs, as TrainWorker keeps its own: resume
     the weights memory, stream the buckets) to resume_kv_cache. `weights`: "released", SGLang released its
     weights and KV cache during training (trainer.offload_between_phases on); "resident", it kept both
     (offload off: nothing to resume, the ready step only drops the prefix cache). `expected`: a verified sync
     (the default verification: weight_layout.ExpectedChecksums of the sender; SGLang sums nothing during the sync).
     With `collect`, after the timed sync SGLang's TP workers checksum what they hold and the two are compared,
     timed apart, as the trainer does before its next update (RLTrainer.check_rollout_weights, after generation)."""
-    from megarl.workers.weight_sync import push_policy, verify_checksums
+    from megarl.workers.weight_sync import RolloutSide, verify_checksums
 
     if weights == "released":
         engine.release_memory()  # as during training
@@ -178,27 +179,26 @@ def timed_sync(engine, buckets, fmt: str, senders: dict, posts: dict, weights: s
     server_loads(engine.servers[0])  # skip the lines of earlier syncs
     posts.clear()
     t0 = _now()
-    report = push_policy(buckets, begin=engine.begin_weight_update, end=engine.end_weight_update, load=None,
-                         verify=expected is not None, weight_format=fmt, senders=senders, expected=expected)
+    report = syncs.push(buckets, RolloutSide.of_engine(engine), expected is not None, expected=expected)
     t1 = time.perf_counter()
     engine.resume_kv_cache()
     t2 = time.perf_counter()  # the sync as the trainer pays it
     checked = {}
     if expected is not None:
-        checked = dict(expected=report["expected"], sender_checksum_s=report["digest_s"])
+        checked = dict(expected=report.expected, sender_checksum_s=report.digest_s)
     if expected is not None and collect:
         held = engine.weight_checksums()
         t = time.perf_counter()
-        verify_checksums(report["expected"], held)
+        verify_checksums(report.expected, held)
         checked |= dict(collect_s=t - t2, compare_s=time.perf_counter() - t,
                         parameters_checked=sum(len(r) for r in held[0].values()))
-    return checked | dict(bytes=report["bytes"], total_s=t2 - t0, resume_s=report["begin_s"], gather_s=0.0,
-                convert_s=report["gather_convert_s"], pack_s=report["pack_s"], transfer_s=report["transfer_s"],
-                end_s=report["end_s"], ready_s=t2 - t1, flush_s=posts.get("/flush_cache", 0.0),
+    return checked | dict(bytes=report.bytes, total_s=t2 - t0, resume_s=report.begin_s, gather_s=0.0,
+                convert_s=report.gather_convert_s, pack_s=report.pack_s, transfer_s=report.transfer_s,
+                end_s=report.end_s, ready_s=t2 - t1, flush_s=posts.get("/flush_cache", 0.0),
                 kv_s=posts.get("/resume_memory_occupation kv_cache cuda_graph", 0.0),
-                posts=len(report["posts_s"]), posts_s=sum(report["posts_s"]), post_max_s=max(report["posts_s"]),
-                **(server_loads(engine.servers[0]) if fmt == "persistent" else {}),
-                gb_per_s=report["bytes"] / (t2 - t0) / 1e9)
+                posts=len(report.posts_s), posts_s=sum(report.posts_s), post_max_s=max(report.posts_s),
+                **(server_loads(engine.servers[0]) if syncs.settings.weight_format == "persistent" else {}),
+                gb_per_s=report.bytes / (t2 - t0) / 1e9)
 
 
 def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
@@ -211,7 +211,7 @@ def verified(server, policy, bucket_mb: int, model_dir: Path) -> dict:
     return dict(verified=True, verify_s=time.perf_counter() - t)
 
 
-def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: dict, weights: str,
+def checksummed(engine, policy, bucket_mb: int, syncs, posts: dict, weights: str,
                 rounds: int, profile: Path | None = None) -> dict:
     """The default verification (trainer.verify_weight_sync_every=1), in medians of `rounds` rounds of one
     unverified and one verified sync (after one verified sync that compiles the kernels and plans the layout's
@@ -222,13 +222,14 @@ def checksummed(engine, policy, bucket_mb: int, fmt: str, senders: dict, posts: 
     (c) SGLang's sums' GPU time (CUDA events around them, from the server's log).
     `profile`: then one more verified sync under torch.profiler (`profiled`). Then a bit flipped in SGLang's memory
     after a verified sync and before its collection must fail that collection, naming the tensor."""
-    from megarl.rollout.transports.cuda_ipc import CHECKSUM_TIMING
-    from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
-    from megarl.workers.weight_sync import WeightSyncError, verify_checksums
+    from megarl.rollout.transports.sglang_loader import CHECKSUM_TIMING
+    from megarl.rollout.weight_layout import ExpectedChecksums, layout_for
+    from megarl.workers.sync_checks import WeightSyncError
+    from megarl.workers.weight_sync import verify_checksums
 
     tp = engine.servers[0].tp
-    expected = ExpectedChecksums(WeightLayout(policy.specs, "sglang", tp), list(range(tp)))
-    sync = lambda verified, collect=True: timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts, weights,
+    expected = ExpectedChecksums(layout_for(policy.specs, "sglang", tp), list(range(tp)))
+    sync = lambda verified, collect=True: timed_sync(engine, policy.buckets(bucket_mb), syncs, posts, weights,
                                                      expected if verified else None, collect)
     first = sync(True)
     plain, checked = [], []
@@ -308,6 +309,7 @@ def _print_row(row: dict) -> None:
 def part_sync(args) -> list[dict]:
     from megarl.rollout.sglang import SGLangRolloutEngine
     from megarl.rollout.sglang_server import sglang_server
+    from megarl.workers.weight_sync import PolicySync
 
     rows = []
     for name in args.models:
@@ -335,19 +337,18 @@ def part_sync(args) -> list[dict]:
             for bucket_mb in args.bucket_mb:
                 for fmt, weights in itertools.product(args.formats, args.weights):
                     try:
-                        senders: dict = {}  # one CudaIpcSender per format and bucket size, kept across its syncs
-                        trials = [timed_sync(engine, policy.buckets(bucket_mb), fmt, senders, posts, weights)
+                        syncs = PolicySync(fmt)  # one sender per format and bucket size, kept across its syncs
+                        trials = [timed_sync(engine, policy.buckets(bucket_mb), syncs, posts, weights)
                                   for _ in range(args.trials + 1)][1:]  # the first warms up IPC and loader paths
                         best = min(trials, key=lambda r: r["total_s"])
                         row = dict(model=name, params=params, format=fmt, weights=weights, server_tp=args.server_tp,
                                    bucket_mb=bucket_mb, startup_s=startup, server_args=server.command[3:],
                                    trials_total_s=[r["total_s"] for r in trials], **best)
                         if args.checksums:
-                            row |= checksummed(engine, policy, bucket_mb, fmt, senders, posts, weights,
+                            row |= checksummed(engine, policy, bucket_mb, syncs, posts, weights,
                                                args.verify_rounds, Path(args.profile_dir) if args.profile_dir else None)
                         if args.verify:
                             row |= verified(server, policy, bucket_mb, model_dir)
-                        senders.clear()
                     except Exception as error:  # one format failing must not lose the others
                         row = dict(model=name, format=fmt, weights=weights, server_tp=args.server_tp,
                                    bucket_mb=bucket_mb, error=repr(error), trace=traceback.format_exc()[-3000:],

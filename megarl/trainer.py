@@ -406,21 +406,21 @@ class RLTrainer:
             if hang is None:
                 raise
             raise hang from None
-        reports = [r for r in ranks if "seconds" in r]  # the senders'
+        reports = [r.report for r in ranks if r.report is not None]  # the senders'
         start = time.perf_counter()
         if verify and deep:
             self.verify_rollout_weights(reports)
         elif verify:  # compared before the first update on samples these weights generate (check_rollout_weights)
-            self.unchecked = merge_checksums([r["expected"] for r in reports])
+            self.unchecked = merge_checksums([r.expected for r in reports])
         # bytes: the weights as sent (bf16 on GPU); seconds: the slowest sender, begin to end, without verification
-        nbytes = sum(r["bytes"] for r in reports)
-        slowest = max(reports, key=lambda r: r["seconds"] - r["digest_s"])
-        seconds = slowest["seconds"] - slowest["digest_s"]
-        split = {f"sync/{k}": slowest[k] for k in ("begin_s", "gather_convert_s", "pack_s", "transfer_s", "end_s")}
+        nbytes = sum(r.bytes for r in reports)
+        slowest = max(reports, key=lambda r: r.seconds - r.digest_s)
+        seconds = slowest.seconds - slowest.digest_s
+        split = {f"sync/{k}": v for k, v in slowest.phases().items()}
         return split | {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
-                        "sync/direct": float(slowest["direct"]), "sync/verified": float(verify),
-                        "sync/verify_s": slowest["digest_s"] + time.perf_counter() - start} | \
-            weight_sync.traffic_metrics([r["traffic"] for r in ranks])
+                        "sync/direct": float(slowest.direct), "sync/verified": float(verify),
+                        "sync/verify_s": slowest.digest_s + time.perf_counter() - start} | \
+            weight_sync.traffic_metrics([r.traffic for r in ranks])
 
     def check_rollout_weights(self) -> dict:
         """The default verification's second half: the rollout engine's checksums of every parameter it holds, taken
@@ -436,9 +436,9 @@ class RLTrainer:
                                                             self.rollout_buffers)
         return {"sync/verify_deferred_s": time.perf_counter() - start}
 
-    def verify_rollout_weights(self, reports: list[dict]) -> None:
+    def verify_rollout_weights(self, reports: list[weight_sync.SyncReport]) -> None:
         """The deep check, at once: digests of the weights SGLang reloaded from a file against the senders'."""
-        sent = {key: d for r in reports for key, d in r["sent"].items()}
+        sent = {key: d for r in reports for key, d in r.sent.items()}
         dtypes = {key: dtype for key, (dtype, _) in sent.items()}
         weight_sync.verify(sent, self.rollout_call("weight_digests", dtypes))
 

@@ -9,10 +9,10 @@ import torch
 
 from megarl.config.tiny import tiny_config
 from megarl.reshard.inventory import hf_inventory
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
+from megarl.rollout.weight_layout import ExpectedChecksums, layout_for
 from megarl.trainer import RLTrainer
 from megarl.utils.tracking import run_dir
-from megarl.workers import weight_sync
+from megarl.workers import sync_checks, weight_sync
 
 from tests.conftest import QUICKSTART as RECIPE
 
@@ -43,7 +43,7 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
             assert metrics["train/grad_norm"] > 0
             # ... and the rollout engine now holds exactly the trained weights
             held = ray.get(trainer.rollout.weight_digests.remote({n: t.dtype for n, t in after.items()}))
-            assert held == {n: weight_sync.tensor_digest(t) for n, t in after.items()}
+            assert held == {n: sync_checks.tensor_digest(t) for n, t in after.items()}
             before = after
         assert metrics["sync/bytes"] == sum(t.numel() * t.element_size() for t in after.values())
         # trainer.profile_update=2: the second policy update, and only it, profiled on both ranks
@@ -56,13 +56,13 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
         # A transport that flips one element of one tensor on the way must not go unnoticed: by the default check
         # (the engine's checksums of what it holds against the sender's, compared in the step after the sync, once
         # its rollouts are generated and before anything trains on them) and by the deep one (digests).
-        layout = WeightLayout(hf_inventory(json.loads((Path(trainer.model_path) / "config.json").read_text())), "hf")
+        layout = layout_for(hf_inventory(json.loads((Path(trainer.model_path) / "config.json").read_text())), "hf")
         expected = ExpectedChecksums(layout, [0])
         for n, t in after.items():
             expected.add(n, t)
         trainer.unchecked = expected.result()  # as a verified sync of `after` leaves it
         assert trainer.check_rollout_weights().keys() == {"sync/verify_deferred_s"} and trainer.unchecked is None
-        sent = {n: (t.dtype, weight_sync.tensor_digest(t)) for n, t in after.items()}
+        sent = {n: (t.dtype, sync_checks.tensor_digest(t)) for n, t in after.items()}
         name = sorted(after)[1]
         corrupted = after[name].clone()
         corrupted.view(-1)[3] += 1.0

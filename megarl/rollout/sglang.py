@@ -330,9 +330,9 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def weight_checksums(self) -> dict[int, dict[int, dict[str, list]]]:
         """server -> TP rank -> the checksums of the parameters and persistent buffers it holds, taken on its GPUs now
-        (megarl's loader inside SGLang: cuda_ipc.inspect_weights), each server's on its own node. A verified sync asks
-        after the rollout its weights generated and before training on it (RLTrainer.check_rollout_weights), while
-        the weights are still held."""
+        (megarl's loader inside SGLang: transports/sglang_loader.py inspect_weights), each server's on its own node. A
+        verified sync asks after the rollout its weights generated and before training on it
+        (RLTrainer.check_rollout_weights), while the weights are still held."""
         return {i: server.weight_checksums(self.serializer) for i, server in enumerate(self.servers)}
 
     def corrupt_weight(self, name: str, server: int = 0, rank: int = 0) -> None:

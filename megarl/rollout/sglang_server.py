@@ -35,7 +35,7 @@ except ImportError:  # a CPU install without SGLang
 
 from megarl.config.sglang_args import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
 from megarl.rollout.sglang_images import PROCESSOR_PACKAGE
-from megarl.rollout.transports import cuda_ipc
+from megarl.rollout.transports import cuda_ipc, sglang_loader
 
 SERVER_GUARD = str(Path(__file__).with_name("server_guard.py"))
 
@@ -237,7 +237,7 @@ class SGLangServer(Endpoint):
 
     def weight_checksums(self, serialize: Callable | None = None) -> dict[int, dict[str, list]]:
         """TP rank -> the checksums of the parameters and persistent buffers it holds, taken on its GPU now
-        (cuda_ipc.inspect_weights), written to files on this node and read here."""
+        (sglang_loader.inspect_weights), written to files on this node and read here."""
         if self.checksum_dir is None:
             self.checksum_dir = Path(tempfile.mkdtemp(prefix="megarl-checksums-"))
         files = [Path(cuda_ipc.checksum_file(str(self.checksum_dir / "server"), r)) for r in range(self.tp)]
@@ -351,7 +351,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                "--host", host, "--port", str(port), "--tp-size", str(tp),
                "--base-gpu-id", str(gpu), "--mem-fraction-static", str(mem_fraction), "--dtype", dtype,
                "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-               "--custom-weight-loader", cuda_ipc.PERSISTENT_LOADER,
+               "--custom-weight-loader", sglang_loader.PERSISTENT_LOADER,
                *(["--enable-memory-saver"] if memory_saver else []),
                *(["--enable-deterministic-inference"] if deterministic else []),
                *(["--enable-fp32-lm-head"] if fp32_lm_head else []),

@@ -13,7 +13,7 @@ from megarl.rollout.agent import AgentLoop, OversamplingEnd, Trajectory, traject
 from megarl.rollout.base import Generation, ImageInputs, SamplingParams, stream_callbacks
 from megarl.rollout.batching import prompt_images
 from megarl.rollout.tools import build_tools
-from megarl.workers import weight_sync
+from megarl.workers.sync_checks import digests_of
 
 
 def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | None = None, hosts: list | None = None,
@@ -155,7 +155,7 @@ class RolloutWorker:
         return self.engine.weight_checksums()
 
     def weight_digests(self, dtypes: dict) -> dict:
-        return weight_sync.digests_of(self.engine.named_weights(), dtypes)
+        return digests_of(self.engine.named_weights(), dtypes)
 
     # partial rollouts around a weight update (megarl.rollout.partial), called while a generate runs (the
     # asynchronous modes' actor is threaded: megarl.workers.group.start_rollout)

@@ -18,11 +18,12 @@ from megarl.reshard.layout import GenLayout, new_generation_group, resharded_lay
 from megarl.reshard.plan import server_bytes
 from megarl.reshard.transfers import transfer_bytes
 from megarl.protocol import Batch
-from megarl.rollout.transports import cuda_ipc
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, check_presharded_tower
+from megarl.rollout.sglang_layout import check_presharded_tower, check_presharded_vocab
+from megarl.rollout.weight_layout import ExpectedChecksums, layout_for
 from megarl.utils import quiet
 from megarl.utils.profiling import profiled
 from megarl.workers import weight_sync
+from megarl.workers.sync_checks import shard_key
 
 
 # role -> (config section, engine head, trainable): the critic and the reward model are value heads; the reward
@@ -42,7 +43,7 @@ class TrainWorker:
             install_cpu_compat()
             quiet.filter_gpu_advice()
         self.engine = None
-        self.weight_senders = {}  # weight_sync.push_policy's senders (CUDA IPC or NCCL), kept across syncs
+        self.policy_sync = None  # weight_sync.PolicySync: the senders (CUDA IPC or NCCL), kept across syncs
         self.expected = {}  # (delivery, generation TP) -> weight_layout.ExpectedChecksums, kept across syncs
         self.generation_group = None  # sharded delivery: this rank's generation TP group, a CPU (gloo) group
         self.replicas = None  # sharded into SGLang: every rank's CPU group, over which all the groups post together
@@ -165,7 +166,7 @@ class TrainWorker:
         """Every rank loads the engine from `directory` (written at any layout)."""
         return self.engine.load_checkpoint(directory)
 
-    def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> dict:
+    def push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool = False) -> weight_sync.RankSync:
         """The policy's weights into the rollout engine (`_push_weights`). Where a colocated SGLang (synchronous
         mode) takes memory on this GPU next, the memory the allocator caches (the update's activations, this sync's
         temporary buffers) may have to go back to the device first. With the offload cycle, always, before the
@@ -184,18 +185,18 @@ class TrainWorker:
                 torch.cuda.empty_cache()
         return report
 
-    def _push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool) -> dict:
+    def _push_weights(self, rollout, bucket_bytes: int, verify: bool, deep: bool) -> weight_sync.RankSync:
         """Every rank takes part in resharding. Full delivery: rank 0 sends whole HF tensors; sharded: each rank
         sends its own rows of its generation TP group (rollout.sglang_tp ranks; into SGLang at --ep-size, only the
         routed experts of its EP slice). The rollout engine picks the transport
-        (weight_sync.push_policy): SGLang's endpoints, sent to from here by CUDA IPC (colocated) or NCCL broadcast
-        (disaggregated), or the rollout actor. With `verify`, the checksums the rollout engine's parameters must
-        have (weight_layout.ExpectedChecksums), or with `deep` too, digests of what was sent and host copies for
-        SGLang's reload check. Sharded into SGLang: every generation TP group k packs its rows on its own GPUs and
-        its first rank posts them to server k, the one on those GPUs (cuda_ipc.ShardedIpcSender; push_policy's
-        `replicas`), so no rows leave their node; the first group's rows are what the sync is verified against.
-        Sharded into the rollout actor's engine (the CPU's), the first group's ranks load theirs. Returns this rank's
-        report (a sender's of the first group: push_policy's) with its "traffic" beside the planner's
+        (weight_sync.PolicySync, weight_senders.sender_for): SGLang's endpoints, sent to from here by CUDA IPC
+        (colocated) or NCCL broadcast (disaggregated), or the rollout actor. With `verify`, the checksums the rollout
+        engine's parameters must have (weight_layout.ExpectedChecksums), or with `deep` too, digests of what was sent
+        and host copies for SGLang's reload check. Sharded into SGLang: every generation TP group k packs its rows on
+        its own GPUs and its first rank posts them to server k, the one on those GPUs (cuda_ipc.ShardedIpcSender;
+        weight_sync.Sharding's `replicas`), so no rows leave their node; the first group's rows are what the sync is
+        verified against. Sharded into the rollout actor's engine (the CPU's), the first group's ranks load theirs.
+        Returns this rank's report (a sender's of the first group) and its traffic beside the planner's
         (`traffic`)."""
         delivery = self.cfg.rollout.weight_delivery
         gen = resharded_layout(self.served_layout(delivery), delivery)
@@ -207,7 +208,7 @@ class TrainWorker:
         into_sglang = self.cfg.rollout.engine == "sglang"
         if delivery == "sharded" and self.generation_group is None:  # the first sync, on every rank alike
             if into_sglang:  # refused before any collective, by every rank
-                cuda_ipc.check_presharded_vocab(self.resharder.specs, gen_tp)
+                check_presharded_vocab(self.resharder.specs, gen_tp)
                 check_presharded_tower(self.resharder.specs)
                 self.generation_group = new_generation_group(self.resharder.train, gen, backend="gloo")
                 self.replicas = torch.distributed.new_group(backend="gloo")
@@ -217,26 +218,22 @@ class TrainWorker:
         if not first_group and (delivery == "full" or not into_sglang):  # take part in the collectives only
             for _ in buckets:
                 pass
-            return {"traffic": self.traffic(delivery, None)}
+            return weight_sync.RankSync(None, self.traffic(delivery, None))
         # Sharded: rank 0 alone starts and ends the sync, and tells the others the endpoints
         talks = delivery == "full" or self.rank == 0
         verify = verify and first_group
-        sync = dict(begin=(lambda: ray.get(rollout.begin_weight_update.remote())) if talks else None,
-                    end=(lambda received: ray.get(rollout.end_weight_update.remote(received))) if talks else None,
-                    verify=verify, weight_format=self.cfg.rollout.sglang_weight_format, senders=self.weight_senders,
-                    master_address=ray.util.get_node_ip_address(),
-                    expected=self.expected_checksums(delivery, gen_tp) if verify and not deep else None)
-        if delivery == "full":
-            report = weight_sync.push_policy(buckets, load=lambda b: functools.partial(
-                ray.get, rollout.update_weights.remote(b)), **sync)
-        else:
-            report = weight_sync.push_policy(buckets, load=lambda b: functools.partial(
-                ray.get, rollout.update_weight_shards.remote(b, self.rank, gen_tp)),
-                key=weight_sync.shard_key(self.resharder.specs, gen, self.rank), group=self.generation_group,
-                replicas=self.replicas, server=self.rank // gen_tp, **sync)
-        if not first_group:  # the first group's reports stand for the sync: its rows are every server's
-            return {"traffic": self.traffic(delivery, report["bytes"])}
-        return report | {"traffic": self.traffic(delivery, report["bytes"])}
+        sharding = None if delivery == "full" else weight_sync.Sharding(
+            self.generation_group, shard_key(self.resharder.specs, gen, self.rank), self.replicas,
+            server=self.rank // gen_tp)
+        side = actor_side(rollout, talks, None if delivery == "full" else (self.rank, gen_tp))
+        if self.policy_sync is None:
+            self.policy_sync = weight_sync.PolicySync(self.cfg.rollout.sglang_weight_format,
+                                                      ray.util.get_node_ip_address())
+        report = self.policy_sync.push(buckets, side, verify, sharding=sharding,
+                                       expected=self.expected_checksums(delivery, gen_tp) if verify and not deep
+                                       else None)
+        # the first group's reports stand for the sync: its rows are every server's
+        return weight_sync.RankSync(report if first_group else None, self.traffic(delivery, report.bytes))
 
     def traffic(self, delivery: str, sent: int | None) -> dict | None:
         """This rank's bytes of the last sync beside the planner's for the same layouts (megarl.reshard.plan):
@@ -271,7 +268,7 @@ class TrainWorker:
     def _new_expected_checksums(self, delivery: str, gen_tp: int) -> ExpectedChecksums:
         r = self.cfg.rollout
         specs = self.resharder.specs if self.resharder is not None else hf_inventory(self.engine.hf_config)
-        layout = WeightLayout(specs, r.engine, r.sglang_tp, hf=self.engine.hf_config, sglang_args=r.sglang_args)
+        layout = layout_for(specs, r.engine, r.sglang_tp, hf=self.engine.hf_config, sglang_args=r.sglang_args)
         if delivery == "full":
             return ExpectedChecksums(layout, list(range(layout.tp)))
         if r.engine != "sglang":  # the engine holds whole tensors: every rank's row blocks land in them
@@ -294,5 +291,19 @@ class TrainWorker:
     def shutdown(self) -> None:
         """Weight groups first (the servers are still up: the trainer stops the rollout actor after the ranks)."""
         from megarl.parallel.state import destroy_parallel
-        weight_sync.close_senders(self.weight_senders)
+        if self.policy_sync is not None:
+            self.policy_sync.close()
         destroy_parallel()
+
+
+def actor_side(rollout, talks: bool, shard: tuple[int, int] | None = None) -> weight_sync.RolloutSide:
+    """The rollout actor `rollout` as a training rank reaches it for a sync (weight_sync.RolloutSide); `talks`: this
+    rank starts and ends the sync; `shard` = (generation rank, generation TP): it loads that rank's rows."""
+    def load(bucket):
+        if shard is None:
+            return functools.partial(ray.get, rollout.update_weights.remote(bucket))
+        return functools.partial(ray.get, rollout.update_weight_shards.remote(bucket, *shard))
+
+    return weight_sync.RolloutSide(
+        begin=(lambda: ray.get(rollout.begin_weight_update.remote())) if talks else None,
+        end=(lambda received: ray.get(rollout.end_weight_update.remote(received))) if talks else None, load=load)

@@ -1,29 +1,32 @@
 """Moving the policy from the training ranks into a rollout engine, and proving it arrived intact.
 
-A sending training rank streams buckets out of the resharder (megarl.reshard) with
-`push_policy`. The rollout engine picks the transport when the sync begins: SGLang hands out its
-endpoints and the rank sends each bucket itself (this process owns the tensors, so they never leave the
-GPU on the way), by CUDA IPC to colocated servers (transports/cuda_ipc.py) or by NCCL broadcast to servers
-on GPUs of their own (transports/nccl_broadcast.py); any other engine loads each bucket in the rollout actor
-(through Ray's object store: `RolloutEngine.update_weights`, or a generation TP rank's rows,
-`update_weight_shards`). Either way bucket k is in flight while bucket k+1 is gathered and converted.
+A sending training rank streams buckets out of the resharder (megarl.reshard) through its `PolicySync`, kept across
+syncs (TrainWorker's, and the benchmarks'): `push_policy` is the overlapped loop over the buckets, bucket k in flight
+while bucket k+1 is gathered and converted. The rollout engine's answer to the sync's begin picks the sender
+(megarl.workers.weight_senders): SGLang hands out its endpoints and the rank sends each bucket itself (this process
+owns the tensors, so they never leave the GPU on the way), by CUDA IPC to colocated servers (transports/cuda_ipc.py)
+or by NCCL broadcast to servers on GPUs of their own (transports/nccl_broadcast.py); any other engine loads each
+bucket in the rollout actor (through Ray's object store: `RolloutEngine.update_weights`, or a generation TP rank's
+rows, `update_weight_shards`). The sync's account is a `SyncReport`.
 
 Verification (trainer.verify_weight_sync_every), by default by checksums: the sending rank computes, bucket by
 bucket on its device, what every parameter the engine holds must hash to (megarl.rollout.weight_layout: SGLang's
 fused, sharded, padded parameters from the HF tensors sent; by the same kernel pass that packs the bucket), and
 the engine computes the same checksums of the parameters as it holds them, where they live (inside SGLang's TP
-workers, cuda_ipc.inspect_weights), asked for after the sync, off its path: the trainer collects them before it
-trains on anything those weights generated (RLTrainer.check_rollout_weights; generation only reads the weights,
-so the sums are those of the memory the sync wrote), and `verify_checksums` compares the two and names
+workers, transports/sglang_loader.py inspect_weights), asked for after the sync, off its path: the trainer collects
+them before it trains on anything those weights generated (RLTrainer.check_rollout_weights; generation only reads
+the weights, so the sums are those of the memory the sync wrote), and `verify_checksums` compares the two and names
 every parameter that differs, is missing, or was never sent. No copy of the weights leaves either GPU.
 The deep check (trainer.verify_weight_sync_deep) instead keeps host copies of what was sent, has SGLang reload
-them from a file with its own loader and compare, then digests the engine's weights against the sender's.
+them from a file with its own loader and compare, then digests the engine's weights against the sender's (`verify`).
+Both are tees on the bucket stream: megarl.workers.sync_checks.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 from urllib.parse import urlparse
 
@@ -31,242 +34,245 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from megarl.reshard.layout import as_generation
-from megarl.rollout.transports import cuda_ipc, nccl_broadcast
-from megarl.rollout.weight_layout import ExpectedChecksums, keep_fused_pairs
-from megarl.utils.checksum import checksums
-
-
-class WeightSyncError(RuntimeError):
-    """The rollout engine's weights differ from what the trainer sent."""
-
-
-def digests(tensors: list[torch.Tensor]) -> list[tuple]:
-    """Bitwise fingerprints (dtype, shape, sums) of tensors; one host sync for all of them."""
-    return fingerprints([(t.dtype, t.shape) for t in tensors], checksums(tensors))
-
-
-def fingerprints(meta: list[tuple[torch.dtype, torch.Size]], sums: list[torch.Tensor]) -> list[tuple]:
-    values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []
-    return [(str(dtype), tuple(shape), *v) for (dtype, shape), v in zip(meta, values)]
-
-
-def tensor_digest(t: torch.Tensor) -> tuple:
-    """Bitwise fingerprint of one tensor's values (dtype and shape included)."""
-    return digests([t])[0]
-
-
-# What was sent is keyed by HF name, or by (name, dim, lo, hi) for rows [lo, hi) along `dim` of it (a TP shard).
-Key = str | tuple[str, int, int, int]
-
-
-def shard_key(specs: list, gen, rank: int) -> Callable[[str], Key]:
-    """Sharded delivery: the key of what generation rank `rank` of `gen` (a megarl.reshard GenLayout, or a bare
-    generation TP) sends of each HF tensor (megarl's inventory TensorSpecs) it holds: its name where that is the
-    whole tensor, else (name, dim, lo, hi)."""
-    by_name, gen = {s.name: s for s in specs}, as_generation(gen)
-
-    def key(name: str) -> Key:
-        spec = by_name[name]
-        lo, hi = gen.rows(spec, rank)
-        return name if spec.dim is None or (lo, hi) == (0, spec.length) else (name, spec.dim, lo, hi)
-
-    return key
-
-
-def digests_of(named: dict[str, torch.Tensor], dtypes: dict[Key, torch.dtype]) -> dict[Key, tuple]:
-    """Digests of an engine's own weights (or of the rows a key names), each cast to the dtype it was sent in;
-    computed on a GPU where this process has one (SGLang's engine holds host copies of a verified sync)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    keys, meta, sums = [], [], []
-    for key, dtype in dtypes.items():
-        name, rows = (key, None) if isinstance(key, str) else (key[0], key[1:])
-        if name in named:
-            t = named[name] if rows is None else named[name].narrow(rows[0], rows[1], rows[2] - rows[1])
-            keys.append(key)
-            meta.append((dtype, t.shape))
-            sums.extend(checksums([t.to(device, dtype)]))  # one tensor's copy on the device at a time
-    return dict(zip(keys, fingerprints(meta, sums)))
-
+from megarl.rollout.sglang_layout import keep_fused_pairs
+from megarl.rollout.weight_layout import ExpectedChecksums
+from megarl.workers.sync_checks import ChecksumTee, DigestTee, Key, SyncCheck, Unchecked, WeightSyncError
+from megarl.workers.weight_senders import SenderSettings, WeightSender, sender_for
 
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def make_sender(endpoints: list, weight_format: str, serializer: Callable | None, master_address: str, group=None):
-    """The sender for the endpoints' transport. NCCL sends the flat layout of the CUDA IPC formats (one
-    broadcast per bucket) or, with "tensors", one broadcast per tensor. With a generation TP `group` (sharded
-    delivery) its ranks send their shards together by CUDA IPC (persistent buffers)."""
-    if group is not None:
-        return cuda_ipc.ShardedIpcSender(endpoints, group, serializer)
-    ipc = [e for e in endpoints if e.transport == "cuda_ipc"]
-    nccl = [e for e in endpoints if e.transport == "nccl"]
-    broadcast = nccl_broadcast.NcclSender(nccl, master_address, flattened=weight_format != "tensors") if nccl else None
-    posting = cuda_ipc.CudaIpcSender(ipc, weight_format, serializer) if ipc else None
-    return SplitSender(posting, broadcast) if posting and broadcast else posting or broadcast
+@dataclass
+class SyncReport:
+    """One sending rank's account of a sync (`push_policy`). Seconds: `seconds` on this rank from begin to end,
+    and its split (`phases`), the sender's verification work (`digest_s`), each bucket's post (`posts_s`)."""
+
+    bytes: int  # as the buckets hold them (bf16 on GPU)
+    direct: bool  # sent from this rank to SGLang's endpoints (not loaded by the rollout actor)
+    begin_s: float  # the wait for the engine's begin that the first bucket's work did not hide
+    gather_convert_s: float  # producing the buckets (resharding, conversion to HF)
+    pack_s: float  # preparing each bucket's post (packing it)
+    transfer_s: float  # waiting for posts
+    end_s: float  # the engine's end of the sync
+    posts_s: list[float]
+    digest_s: float = 0.0
+    seconds: float = 0.0
+    sent: dict = field(default_factory=dict)  # the deep check: (dtype, digest) of each tensor sent, by its Key
+    expected: dict | None = None  # verification by checksums: ExpectedChecksums.result of what was sent
+
+    PHASES = ("begin_s", "gather_convert_s", "pack_s", "transfer_s", "end_s")
+
+    def phases(self) -> dict[str, float]:
+        """The split of the sync's seconds, by phase name."""
+        return {name: getattr(self, name) for name in self.PHASES}
 
 
-class SplitSender:
-    """Colocated servers on several nodes (megarl.workers.group.start_colocated_hosts): those on the sending rank's
-    GPUs by CUDA IPC, the others by NCCL broadcast (which cannot reach a server sharing the sender's GPU: NCCL refuses
-    two ranks of a group on one device). The IPC sender sums a verified sync's checksums; the broadcast sends the
-    same bucket."""
+@dataclass
+class RankSync:
+    """A training rank's part of a sync (TrainWorker.push_weights): its `report` where it speaks for the sync (a
+    sender of the first generation TP group; None elsewhere) and its bytes beside the planner's (`traffic`)."""
 
-    def __init__(self, posting, broadcast):
-        self.posting, self.broadcast = posting, broadcast
-
-    def send(self, bucket: Bucket, flush_cache: bool = False, checksums=None) -> Callable[[], None]:
-        posts = (self.broadcast.send(bucket, flush_cache), self.posting.send(bucket, flush_cache, checksums))
-
-        def post() -> None:
-            for send in posts:
-                send()
-        return post
-
-    def close(self) -> None:
-        self.posting.close()
-        self.broadcast.close()
+    report: SyncReport | None
+    traffic: dict | None
 
 
-def close_senders(senders: dict) -> None:
-    """Release what the senders hold on both sides (NCCL weight groups); the dict is left empty."""
-    for sender in senders.values():
-        sender.close()
-    senders.clear()
+@dataclass(frozen=True)
+class RolloutSide:
+    """How this rank reaches the rollout engine for a sync. `begin()` starts it and returns SGLang's endpoints, or
+    None: then `load(bucket)` hands each bucket to the rollout actor now and returns the wait for it. `end(received)`
+    closes a sync sent to endpoints (`received`: host copies of what was sent, for SGLang's own check, on a
+    deep-verified sync). `begin` and `end` None: another rank of this generation TP group talks to the engine."""
+
+    begin: Callable[[], list | None] | None
+    end: Callable[[dict | None], None] | None
+    load: Callable[[Bucket], Callable[[], None]]
+
+    @classmethod
+    def of_engine(cls, engine) -> RolloutSide:
+        """A rollout engine in this process (megarl.rollout: SGLangRolloutEngine, or one that loads what it is sent)."""
+        def load(bucket: Bucket) -> Callable[[], None]:
+            engine.update_weights(bucket)
+            return lambda: None
+
+        return cls(engine.begin_weight_update, engine.end_weight_update, load)
 
 
-def push_policy(buckets: Iterable[Bucket], begin: Callable[[], list | None], end: Callable[[dict | None], None],
-                load: Callable[[Bucket], Callable[[], None]], verify: bool, key: Callable[[str], Key] = lambda n: n,
-                weight_format: str = "persistent", senders: dict | None = None,
-                serializer: Callable | None = None, master_address: str = "127.0.0.1", group=None,
-                expected: ExpectedChecksums | None = None, replicas=None, server: int = 0) -> dict:
-    """One sync from a sending rank. `begin()` starts it on the rollout engine and returns SGLang endpoints
-    (the buckets are sent from here by the endpoints' transport, then `end(received)` closes the sync;
-    `received` are host copies of what was sent, for SGLang's own check, on a verified sync) or None
-    (`load(bucket)` hands each bucket to the rollout actor now and returns the wait for it). `senders` keeps
-    one sender per set of server processes across syncs (make_sender: CUDA IPC's persistent buffers stay
-    mapped in SGLang; NCCL's weight groups, rendezvousing at `master_address`, this rank's address, are
-    built once).
-
-    `begin()` runs in a thread while the first bucket is gathered and converted (SGLang's taking its weights
-    memory back overlaps that work); the first bucket's hand-over waits for it.
-
-    Sharded delivery from a generation TP `group` (a CPU process group of the ranks whose buckets are TP shards):
-    every rank of it calls this, but only group rank 0 talks to the rollout engine (the others pass begin and end
-    as None) and broadcasts the endpoints; to SGLang the ranks then send together (cuda_ipc.ShardedIpcSender), and
-    on a verified sync rank 0 gathers every rank's host copies (per bucket) and hands `end` the whole tensors
-    (`assemble`).
-    To any other engine each rank loads its own buckets.
+@dataclass(frozen=True)
+class Sharding:
+    """Sharded delivery from a generation TP `group` (a CPU process group of the ranks whose buckets are TP shards,
+    keyed by `key`: sync_checks.shard_key). Every rank of it pushes, but only group rank 0 talks to the rollout engine
+    (the others' RolloutSide has no begin and end) and broadcasts the endpoints; to SGLang the ranks then send
+    together (cuda_ipc.ShardedIpcSender), and on a deep-verified sync rank 0 gathers every rank's host copies and
+    hands `end` the whole tensors (sync_checks.DigestTee). To any other engine each rank loads its own buckets.
     With `replicas` (a CPU group of every generation TP group's ranks, the whole training world) each group posts
     its own rows to its own server, the `server`-th (the servers sit on the groups' GPUs in rank order: CUDA IPC
     stays on each group's node, so sharded delivery works with training ranks on several nodes): rank 0 broadcasts
     the endpoints over `replicas`, and every rank waits there once its group's posts are done, before rank 0 ends
     the sync. Rank 0's `group` alone verifies: its rows are every server's (the engine checks each server against
-    them, so a group that delivered wrong rows is found).
+    them, so a group that delivered wrong rows is found)."""
 
-    With `verify` and `expected`, the verification is by checksums: each tensor sent goes into `expected` (by
-    `key(name)`), summed where the sender packs the bucket by the pack's own copy (CUDA IPC), and nothing else is
-    kept (the engine's weight_checksums, later, takes SGLang's); with `verify` alone, the deep check's host
-    copies and digests.
-    `expected` is kept across syncs (its plans and table): each sync begins it, and queues its read-back once the
-    last bucket is sent, so the host waits for the sums only in its result, after `end`.
+    group: object
+    key: Callable[[str], Key]
+    replicas: object = None
+    server: int = 0
 
-    Returns what was sent (deep check: dtype and digest per tensor, by `key(name)`; checksums: `expected`'s
-    result), the bf16/fp32 bytes
-    sent, and seconds: total on this rank (begin to end), and its split (the wait for begin, gather/convert,
-    pack, transfer wait, end, digests), and each bucket's post (posts_s)."""
-    start = time.perf_counter()
-    if verify and expected is not None:
-        expected.begin()  # one ExpectedChecksums serves every sync (its plans and table are kept)
-    buckets = keep_fused_pairs(buckets)  # SGLang fuses DeepSeek's a-projections only when one load carries both
-    pool = ThreadPoolExecutor(1)
-    begun = pool.submit(begin) if begin is not None else None
-    senders = {} if senders is None else senders
-    sent, sums, received, digest_s, begin_wait = [], [], {}, 0.0, 0.0
-    shards = []  # sharded into SGLang, verified, on group rank 0: every rank's host copies, bucket by bucket
-    first = group is None or dist.get_group_rank(group, dist.get_rank()) == 0
-    endpoints, deliver = None, None
+    def share(self, endpoints: list | None, address: str) -> list | None:
+        """Group rank 0's endpoints on every rank; with `replicas`, only this group's own server."""
+        box = [endpoints]
+        dist.broadcast_object_list(box, group_src=0, group=self.replicas if self.replicas is not None else self.group)
+        endpoints = box[0]
+        if self.replicas is not None and endpoints is not None:
+            groups = dist.get_world_size(self.replicas) // dist.get_world_size(self.group)
+            endpoints = [own_server(endpoints, self.server, groups, address)]
+        return endpoints
 
-    def transport() -> Callable[[Bucket], Callable[[], None]]:
-        nonlocal endpoints, begin_wait
-        t = time.perf_counter()
-        endpoints = begun.result() if begun is not None else None
-        if replicas is not None or group is not None:
-            box = [endpoints]
-            dist.broadcast_object_list(box, group_src=0, group=replicas if replicas is not None else group)
-            endpoints = box[0]
-        if replicas is not None and endpoints is not None:
-            endpoints = [own_server(endpoints, server, dist.get_world_size(replicas) // dist.get_world_size(group),
-                                    master_address)]
-        begin_wait = time.perf_counter() - t
-        if endpoints is None:  # the rollout actor loads each bucket: its engine's checksums come when asked
-            def hand_over(bucket: Bucket, table) -> Callable[[], None]:
-                return load(bucket)
 
-            return hand_over
-        servers = tuple((e.url, e.instance, e.transport) for e in endpoints)
-        if servers not in senders:  # a new set of servers: what the old senders set up is gone with them
-            close_senders(senders)
-            senders[servers] = make_sender(endpoints, weight_format, serializer, master_address, group)
-        sender = senders[servers]
-        return lambda bucket, table: sender.send(bucket, checksums=table)
+class PolicySync:
+    """One training rank's weight syncs (`push`), kept across syncs: one sender per set of server processes
+    (weight_senders.sender_for: CUDA IPC's persistent buffers stay mapped in SGLang; NCCL's weight groups,
+    rendezvousing at this rank's address, are built once); a new set of servers closes the old senders."""
 
-    def prepare(bucket: Bucket) -> Callable[[], None]:
-        nonlocal digest_s, deliver
-        deliver = deliver or transport()
-        table = None
-        if verify and expected is not None:  # queued here, summed by the sender's pack in its pass over the bucket
-            t = time.perf_counter()
-            with record_function("megarl.sync.expected_add"):
-                for n, x in bucket:
-                    expected.add(key(n), x)
-            table = expected.table
-            digest_s += time.perf_counter() - t
-        with record_function("megarl.sync.pack"):
-            post = deliver(bucket, table)
-        if table is not None:
-            expected.flush()  # what the sender did not sum: the bucket's memory is reused once it is sent
+    def __init__(self, weight_format: str = "persistent", master_address: str = "127.0.0.1",
+                 serializer: Callable | None = None):
+        self.settings = SenderSettings(weight_format, serializer, master_address)
+        self.senders: dict[tuple, WeightSender] = {}
+
+    def push(self, buckets: Iterable[Bucket], rollout: RolloutSide, verify: bool = False,
+             expected: ExpectedChecksums | None = None, sharding: Sharding | None = None) -> SyncReport:
+        """One sync of `buckets` into the engine `rollout` reaches. With `verify` and `expected`, the verification is
+        by checksums (sync_checks.ChecksumTee: the report's `expected`); with `verify` alone, the deep check's host
+        copies and digests (sync_checks.DigestTee: the report's `sent`)."""
+        key = sharding.key if sharding is not None else _whole
+        if verify and expected is not None:
+            check = ChecksumTee(expected, key)
         elif verify:
-            t = time.perf_counter()
-            sent.extend((key(n), x.dtype, x.shape) for n, x in bucket)  # not the tensors: one bucket in memory
-            sums.extend(checksums([x for _, x in bucket]))  # queued on the device behind the pack
-            if endpoints is not None:
-                copies = {key(n): x.detach().to("cpu", copy=True) for n, x in bucket}
-                if group is None:
-                    received.update(copies)
-                else:  # every bucket's at once: rank 0's staging of the gather stays within a bucket
-                    parts = [None] * dist.get_world_size(group) if first else None
-                    dist.gather_object(copies, parts, group_dst=0, group=group)
-                    shards.extend(parts or [])
-            digest_s += time.perf_counter() - t
-        return post
+            check = DigestTee(key, sharding.group if sharding is not None else None)
+        else:
+            check = Unchecked()
+        return push_policy(buckets, rollout, self, check, sharding)
 
+    def sender(self, endpoints: list | None, load: Callable, sharding: Sharding | None) -> WeightSender:
+        if endpoints is None:
+            return sender_for(None, self.settings, load)
+        servers = tuple((e.url, e.instance, e.transport) for e in endpoints)
+        if servers not in self.senders:  # a new set of servers: what the old senders set up is gone with them
+            self.close()
+            self.senders[servers] = sender_for(endpoints, self.settings, load,
+                                               sharding.group if sharding is not None else None)
+        return self.senders[servers]
+
+    def close(self) -> None:
+        """Release what the senders hold on both sides (NCCL weight groups, mapped buffers)."""
+        for sender in self.senders.values():
+            sender.close()
+        self.senders.clear()
+
+
+def _whole(name: str) -> Key:
+    return name
+
+
+class _Opening:
+    """A sync's start: the engine's begin runs in a thread while the first bucket is gathered and converted (SGLang's
+    taking its weights memory back overlaps that work); the first bucket's hand-over waits for it, and the endpoints
+    it returned pick the sender."""
+
+    def __init__(self, rollout: RolloutSide, sync: PolicySync, sharding: Sharding | None):
+        self.rollout, self.sync, self.sharding = rollout, sync, sharding
+        self.pool = ThreadPoolExecutor(1)
+        self.begun = self.pool.submit(rollout.begin) if rollout.begin is not None else None
+        self.chosen: WeightSender | None = None
+        self.direct, self.begin_s = False, 0.0
+
+    def sender(self) -> WeightSender:
+        if self.chosen is None:
+            t = time.perf_counter()
+            endpoints = self.begun.result() if self.begun is not None else None
+            if self.sharding is not None:
+                endpoints = self.sharding.share(endpoints, self.sync.settings.master_address)
+            self.begin_s = time.perf_counter() - t
+            self.direct = endpoints is not None
+            self.chosen = self.sync.sender(endpoints, self.rollout.load, self.sharding)
+        return self.chosen
+
+    def hand_over(self, bucket: Bucket, check: SyncCheck) -> Callable[[], None]:
+        """The bucket to the sender (the first waits for the engine's begin), through the verification."""
+        sender = self.sender()
+        return check.send(sender, bucket, self.direct)
+
+
+def push_policy(buckets: Iterable[Bucket], rollout: RolloutSide, sync: PolicySync, check: SyncCheck,
+                sharding: Sharding | None = None) -> SyncReport:
+    """One sync from a sending rank (PolicySync.push): the overlapped loop over the buckets (`send_overlapped`), each
+    handed to the sender `sync` keeps through the sync's verification `check`, then the engine's end of the sync. A
+    sync of no buckets still begins and ends."""
+    start = time.perf_counter()
+    check.begin()
+    buckets = keep_fused_pairs(buckets)  # SGLang fuses DeepSeek's a-projections only when one load carries both
+    opening = _Opening(rollout, sync, sharding)
     try:
-        stats = cuda_ipc.send_overlapped(buckets, prepare)
-        deliver = deliver or transport()  # a sync of no buckets still begins and ends
+        stats = send_overlapped(buckets, lambda bucket: opening.hand_over(bucket, check))
+        opening.sender()
     finally:
-        pool.shutdown()
-    if verify and expected is not None:
-        expected.fetch()  # the sums' read-back is queued now and waited for in result(), after `end`
+        opening.pool.shutdown()
+    check.sent()
     t = time.perf_counter()
-    if replicas is not None:  # every server holds its rows before rank 0 ends the sync
-        dist.barrier(group=replicas)
-    if endpoints is not None and group is not None and verify and expected is None and first:
-        received = assemble(shards)
-    if endpoints is not None and end is not None:
+    if sharding is not None and sharding.replicas is not None:  # every server holds its rows before rank 0 ends
+        dist.barrier(group=sharding.replicas)
+    if opening.direct and rollout.end is not None:
         with record_function("megarl.sync.end"):
-            end(received if verify else None)
+            rollout.end(check.received())
     ended = time.perf_counter()
-    done = fingerprints([(dtype, shape) for _, dtype, shape in sent], sums)
-    report = {"sent": {k: (dtype, d) for (k, dtype, _), d in zip(sent, done)}, "bytes": stats["bytes"],
-              "direct": endpoints is not None, "begin_s": begin_wait, "gather_convert_s": stats["produce_s"],
-              "pack_s": stats["prepare_s"] - digest_s - begin_wait, "transfer_s": stats["wait_s"], "end_s": ended - t,
-              "posts_s": stats["posts_s"]}
-    if verify and expected is not None:
-        with record_function("megarl.sync.expected_result"):
-            report["expected"] = expected.result()
-    report["digest_s"] = digest_s + time.perf_counter() - ended
-    report["seconds"] = time.perf_counter() - start
+    report = SyncReport(bytes=stats["bytes"], direct=opening.direct, begin_s=opening.begin_s,
+                        gather_convert_s=stats["produce_s"],
+                        pack_s=stats["prepare_s"] - check.seconds - opening.begin_s, transfer_s=stats["wait_s"],
+                        end_s=ended - t, posts_s=stats["posts_s"])
+    check.result(report)
+    report.digest_s = check.seconds + time.perf_counter() - ended
+    report.seconds = time.perf_counter() - start
     return report
+
+
+def send_overlapped(buckets: Iterable[Bucket], prepare: Callable[[Bucket], Callable[[], None]]) -> dict:
+    """For each bucket from `buckets` (whose production is the gather and convert work), `prepare(bucket)`
+    returns the post; the post of bucket k runs in a thread while bucket k+1 is prepared and bucket k+2 produced
+    (at most one post in flight: two buckets, or slots, in use). Returns seconds spent producing, preparing and
+    waiting on posts, each post's seconds, and the bytes sent."""
+    stats = dict(produce_s=0.0, prepare_s=0.0, wait_s=0.0, bytes=0, buckets=0, posts_s=[])
+
+    def timed(post: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        post()
+        stats["posts_s"].append(time.perf_counter() - start)
+
+    def produce() -> Bucket | None:
+        t = time.perf_counter()
+        bucket = next(iterator, None)
+        stats["produce_s"] += time.perf_counter() - t
+        return bucket
+
+    pending = None
+    with ThreadPoolExecutor(1) as pool:
+        iterator = iter(buckets)
+        bucket = produce()
+        while bucket is not None:
+            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+            stats["buckets"] += 1
+            t1 = time.perf_counter()
+            post = prepare(bucket)
+            stats["prepare_s"] += time.perf_counter() - t1
+            del bucket  # packed (or held by its post): free for the next one
+            bucket = produce()
+            t2 = time.perf_counter()
+            if pending is not None:  # at most one post in flight: two buckets (or slots) in use
+                pending.result()
+            stats["wait_s"] += time.perf_counter() - t2
+            pending = pool.submit(timed, post)
+        t3 = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        stats["wait_s"] += time.perf_counter() - t3
+    return stats
 
 
 def own_server(endpoints: list, server: int, groups: int, address: str):
@@ -282,28 +288,6 @@ def own_server(endpoints: list, server: int, groups: int, address: str):
         raise WeightSyncError(f"sharded delivery: server {endpoint.url} of generation TP group {server} is not on "
                               f"that group's node ({address}); its CUDA IPC handles cannot reach it")
     return endpoint
-
-
-def assemble(parts: list[dict[Key, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Whole HF tensors from the generation TP ranks' shards (one dict per rank, keyed as `Key`s say): row blocks
-    concatenated along their dimension (blocks held by several ranks, such as K/V heads at TP above their count,
-    once); a replicated tensor is rank 0's. Blocks that leave a gap fail naming the tensor."""
-    blocks: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
-    whole, dims = {}, {}
-    for part in parts:
-        for key, tensor in part.items():
-            if isinstance(key, str):
-                whole.setdefault(key, tensor)
-            else:
-                name, dims[name], lo, hi = key
-                blocks.setdefault(name, {}).setdefault((lo, hi), tensor)
-    for name, rows in blocks.items():
-        order = sorted(rows)
-        ends = [0] + [hi for _, hi in order[:-1]]
-        if [lo for lo, _ in order] != ends:
-            raise WeightSyncError(f"{name}: the generation TP ranks' row blocks {order} do not tile its rows")
-        whole[name] = torch.cat([rows[r] for r in order], dim=dims[name])
-    return whole
 
 
 def verify(sent: dict[Key, tuple[torch.dtype, tuple]], received: dict[Key, tuple]) -> None:

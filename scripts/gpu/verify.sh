@@ -48,7 +48,7 @@ status=0
 if [[ " $PARTS " == *" kernel "* ]]; then
   timeout 300 python3 - > "$OUT/kernel.log" 2>&1 <<'PY'
 import itertools, json, os, time, torch
-from megarl.rollout.transports.cuda_ipc import flat_layout, pack
+from megarl.rollout.transports.flat_bucket import flat_layout, pack
 from megarl.utils.checksum import ChecksumTable, weighted_sums
 
 g = torch.Generator(device="cuda").manual_seed(0)

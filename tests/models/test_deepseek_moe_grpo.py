@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
 from megarl.utils.tracking import run_dir
-from megarl.workers import weight_sync
+from megarl.workers import sync_checks
 from tests.conftest import QUICKSTART as RECIPE
 from tests.models.hf_families import deepseek_v3_config, save_random_for_recipe
 
@@ -43,7 +43,7 @@ def test_grpo_with_a_deepseek_v3_policy_at_ep2(tmp_path, ray_local):
     finally:
         trainer.shutdown()
 
-    assert held == {n: weight_sync.tensor_digest(t) for n, t in state.items()}
+    assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
     assert not torch.equal(state[BIAS], load_file(f"{model}/model.safetensors")[BIAS])  # moved, and synced
     rows = [json.loads(line) for line in (run_dir(tmp_path / "run") / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]

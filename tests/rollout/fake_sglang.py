@@ -200,7 +200,7 @@ def generate(body: dict) -> list[dict]:
 
 
 def update_weights(body: dict) -> dict:
-    from megarl.rollout.transports import cuda_ipc  # torch: imported on first use, so start-up is quick
+    from megarl.rollout.transports import sglang_loader  # torch: imported on first use, so start-up is quick
 
     payloads = body["serialized_named_tensors"]
     if STATE.ranks and len(payloads) != len(STATE.ranks):
@@ -210,8 +210,8 @@ def update_weights(body: dict) -> dict:
         named = [(name, tensor.to("cpu")) for name, tensor in named]  # as SGLang: to the rank's device first
         model = STATE.ranks[rank] if STATE.ranks else STATE.model
         try:
-            if body.get("load_format") == cuda_ipc.PERSISTENT_LOADER:
-                cuda_ipc.load_flat_bucket(model, named)
+            if body.get("load_format") == sglang_loader.PERSISTENT_LOADER:
+                sglang_loader.load_flat_bucket(model, named)
             elif body.get("load_format") is None:
                 model.load_weights(named)
             else:
@@ -269,7 +269,7 @@ def update_weights_from_distributed(body: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megarl.rollout.transports import cuda_ipc
+    from megarl.rollout.transports import flat_bucket
 
     group = STATE.groups.get(body["group_name"])
     if group is None:
@@ -277,10 +277,10 @@ def update_weights_from_distributed(body: dict) -> dict:
     empty = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
              for n, d, s in zip(body["names"], body["dtypes"], body["shapes"])]
     if body.get("load_format") == "flattened_bucket":
-        layout, size = cuda_ipc.flat_layout(empty)
+        layout, size = flat_bucket.flat_layout(empty)
         flat = torch.empty(size, dtype=torch.uint8)
         dist.broadcast(flat, group_src=0, group=group)
-        STATE.model.load_weights(cuda_ipc.unpack(flat, layout))
+        STATE.model.load_weights(flat_bucket.unpack(flat, layout))
     elif body.get("load_format") is None:
         named = [(n, torch.empty_like(t, device="cpu")) for n, t in empty]
         for _, t in named:
@@ -333,8 +333,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/fake/log":
             return self.reply(200, STATE.log)
         if self.path == "/fake/mapped":  # the persistent loader's buffers held mapped, by slot
-            from megarl.rollout.transports import cuda_ipc
-            return self.reply(200, sorted(cuda_ipc._MAPPED))
+            from megarl.rollout.transports import sglang_loader
+            return self.reply(200, sorted(sglang_loader._MAPPED))
         if self.path.startswith("/fake/weights"):  # ?rank=r: TP rank r's
             rank = int(self.path.partition("rank=")[2] or 0)
             model = STATE.ranks[rank] if STATE.ranks else STATE.model

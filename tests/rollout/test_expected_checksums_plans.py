@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from megarl.reshard.inventory import hf_inventory
-from megarl.rollout.transports.cuda_ipc import inspect_weights
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, keep_fused_pairs
-from megarl.workers.weight_sync import WeightSyncError, push_policy, verify_checksums
+from megarl.rollout.sglang_layout import keep_fused_pairs
+from megarl.rollout.transports.sglang_loader import inspect_weights
+from megarl.rollout.weight_layout import ExpectedChecksums, layout_for
+from megarl.workers.sync_checks import WeightSyncError
+from megarl.workers.weight_sync import PolicySync, RolloutSide, verify_checksums
 from tests.rollout.test_weight_layout_deepseek import V3, _buckets, _held, _load, _server, _tensors
 
 
@@ -26,7 +28,7 @@ def _in_one_buffer(tensors: dict, shift: int) -> dict:
     return out
 
 
-def _fresh(layout: WeightLayout, tensors: dict) -> dict:
+def _fresh(layout, tensors: dict) -> dict:
     expected = ExpectedChecksums(layout, [0, 1])
     for name, t in tensors.items():
         expected.add(name, t)
@@ -34,7 +36,7 @@ def _fresh(layout: WeightLayout, tensors: dict) -> dict:
 
 
 def test_a_second_sync_reuses_the_plans_and_still_names_a_flipped_bit(tmp_path, monkeypatch):
-    layout = WeightLayout(hf_inventory(V3), "sglang", 2, hf=V3)
+    layout = layout_for(hf_inventory(V3), "sglang", 2, hf=V3)
     expected, ranks = ExpectedChecksums(layout, [0, 1]), _server(V3, 2)
     first = _tensors(V3, 0)
     expected.begin()
@@ -63,7 +65,7 @@ def test_a_second_sync_reuses_the_plans_and_still_names_a_flipped_bit(tmp_path, 
 
 
 def test_a_tensor_of_another_shape_or_layout_gets_a_new_plan():
-    layout = WeightLayout(hf_inventory(V3), "sglang", 2, hf=V3)
+    layout = layout_for(hf_inventory(V3), "sglang", 2, hf=V3)
     expected, tensors = ExpectedChecksums(layout, [0, 1]), _tensors(V3, 0)
     name = "model.layers.0.self_attn.kv_b_proj.weight"
     expected.add(name, tensors[name])
@@ -78,12 +80,12 @@ def test_a_tensor_of_another_shape_or_layout_gets_a_new_plan():
 
 
 def test_push_policy_starts_each_sync_of_a_kept_expected_checksums_afresh():
-    """Two syncs through push_policy with one ExpectedChecksums (the rollout actor loads: no server): each
+    """Two syncs through PolicySync.push with one ExpectedChecksums (the rollout actor loads: no server): each
     sync's result is that sync's tensors' alone."""
-    layout = WeightLayout(hf_inventory(V3), "sglang", 2, hf=V3)
+    layout = layout_for(hf_inventory(V3), "sglang", 2, hf=V3)
     expected = ExpectedChecksums(layout, [0, 1])
     for seed in (0, 1):
         tensors = _tensors(V3, seed)
-        report = push_policy(iter(keep_fused_pairs(_buckets(tensors, 5))), begin=lambda: None, end=None,
-                             load=lambda bucket: (lambda: None), verify=True, expected=expected)
-        assert report["expected"] == _fresh(layout, tensors)
+        report = PolicySync().push(iter(keep_fused_pairs(_buckets(tensors, 5))), RolloutSide(
+            begin=lambda: None, end=None, load=lambda bucket: (lambda: None)), verify=True, expected=expected)
+        assert report.expected == _fresh(layout, tensors)

@@ -19,7 +19,7 @@ import requests
 from megarl.config.tiny import tiny_config
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.transports import cuda_ipc
-from megarl.workers.weight_sync import close_senders, push_policy
+from megarl.workers.weight_sync import PolicySync, RolloutSide
 from tests.rollout import fake_sglang
 from tests.rollout.test_server_shutdown import FAKE, REPO, process_alive, servers_of, wait_gone
 from tests.rollout.test_sglang_engine import bucket_of, fake_server, log
@@ -109,11 +109,10 @@ def test_engine_on_hosts_syncs_checks_and_restarts_remote_servers(ray_two_gpus, 
     e = SGLangRolloutEngine("unused", colocated=False, hosts=[(h, 1, None) for h in hosts],
                             serializer=cuda_ipc.plain_serializer)
     try:
-        senders, bucket = {}, bucket_of(7)
+        syncs, bucket = PolicySync("persistent"), bucket_of(7)
         not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
-        report = push_policy(iter([bucket]), e.begin_weight_update, e.end_weight_update, not_here, False,
-                             weight_format="persistent", senders=senders)
-        assert report["direct"] and e.version == 1
+        report = syncs.push(iter([bucket]), RolloutSide(e.begin_weight_update, e.end_weight_update, not_here))
+        assert report.direct and e.version == 1
         expected = {n: fake_sglang.digest(t) for n, t in bucket}
         for server in e.servers:
             assert requests.get(server.url + "/fake/weights", timeout=5).json() == expected
@@ -128,7 +127,7 @@ def test_engine_on_hosts_syncs_checks_and_restarts_remote_servers(ray_two_gpus, 
         out = e.generate([[1, 2]] * 4, SamplingParams(max_new_tokens=3, n=1))
         assert len(out) == 4 and e.restarts == 1 and e.servers[1].pid != first_pid and e.servers[1].alive()
         assert len(log(e.servers[0], "/generate")) >= 1
-        close_senders(senders)
+        syncs.close()
     finally:
         e.shutdown()
     assert not any(process_alive(s.pid) for s in e.servers)
@@ -184,24 +183,23 @@ def test_split_sender_reaches_local_servers_by_ipc_and_the_others_by_broadcast(t
     """One sync into a colocated server of the sender's node (CUDA IPC; pickled tensors on CPU) and a server of
     another node (NCCL broadcast; gloo on CPU): both hold the bucket bit for bit, and the sender is one of each."""
     from megarl.rollout.sglang import SGLangRolloutEngine
-    from megarl.workers.weight_sync import SplitSender
+    from megarl.workers.weight_senders import SplitSender
 
     e = SGLangRolloutEngine("unused", num_servers=2, colocated=True,
                             launch=lambda i: fake_server(tmp_path, request_timeout=30))
     e.transports = ["cuda_ipc", "nccl"]  # what a second node's host gives the second server
     try:
-        senders, bucket = {}, bucket_of(5)
+        syncs, bucket = PolicySync("persistent", serializer=cuda_ipc.plain_serializer), bucket_of(5)
         not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
-        push_policy(iter([bucket]), e.begin_weight_update, e.end_weight_update, not_here, False,
-                    weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer)
-        (sender,) = senders.values()
+        syncs.push(iter([bucket]), RolloutSide(e.begin_weight_update, e.end_weight_update, not_here))
+        (sender,) = syncs.senders.values()
         assert isinstance(sender, SplitSender)
         expected = {n: fake_sglang.digest(t) for n, t in bucket}
         for server in e.servers:
             assert requests.get(server.url + "/fake/weights", timeout=5).json() == expected
         assert len(log(e.servers[0], "/update_weights_from_tensor")) == 1
         assert len(log(e.servers[1], "/update_weights_from_distributed")) == 1
-        close_senders(senders)
+        syncs.close()
     finally:
         e.shutdown()
 

@@ -18,8 +18,9 @@ from megarl.rollout import sglang as sglang_module
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.sglang import SGLangRolloutEngine
 from megarl.rollout.sglang_server import SGLangError, SGLangServer, free_port, gc_paused, sglang_server
-from megarl.rollout.transports import cuda_ipc
-from megarl.workers.weight_sync import tensor_digest
+from megarl.rollout.transports import cuda_ipc, flat_bucket, sglang_loader
+from megarl.workers.sync_checks import tensor_digest
+from megarl.workers.weight_sync import send_overlapped
 
 FAKE = str(Path(__file__).with_name("fake_sglang.py"))
 REPO = str(Path(__file__).resolve().parents[2])
@@ -292,11 +293,11 @@ def test_weight_payloads_arrive_bitwise_with_overlap(tmp_path, fmt):
         server.tp = 2  # one payload per TP rank, each loaded
         sender = cuda_ipc.CudaIpcSender([server.endpoint()], fmt, serializer=cuda_ipc.plain_serializer)
         buckets = [bucket_of(s) for s in range(5)]
-        stats = cuda_ipc.send_overlapped(iter(buckets), sender.send)
+        stats = send_overlapped(iter(buckets), sender.send)
         assert stats["buckets"] == 5 and stats["bytes"] == 5 * (24 * 2 + 4 * 4 + 9 * 2)
         assert len(stats["posts_s"]) == 5 and all(s > 0 for s in stats["posts_s"])
         # the persistent loader times itself when the server's environment asks for it: a line per rank and bucket
-        timings = [line for line in server.log_path.read_text().splitlines() if cuda_ipc.LOAD_TIMING in line]
+        timings = [line for line in server.log_path.read_text().splitlines() if sglang_loader.LOAD_TIMING in line]
         assert len(timings) == (10 if fmt == "persistent" else 0)
         assert all(" bytes 82 " in line for line in timings)
         held = requests.get(server.url + "/fake/weights", timeout=5).json()
@@ -309,7 +310,7 @@ def test_weight_payloads_arrive_bitwise_with_overlap(tmp_path, fmt):
         requests_seen = log(server, "/update_weights_from_tensor")
         assert len(requests_seen) == 5
         assert {r["body"]["load_format"] for r in requests_seen} == (
-            {None} if fmt == "tensors" else {cuda_ipc.PERSISTENT_LOADER})
+            {None} if fmt == "tensors" else {sglang_loader.PERSISTENT_LOADER})
         if fmt == "persistent":  # two buffers, reused: no allocation per bucket
             assert sender.count == 5 and all(b is not None for b in sender.buffers)
             mapped = lambda: requests.get(server.url + "/fake/mapped", timeout=5).json()
@@ -402,11 +403,11 @@ def test_server_does_not_inherit_its_launchers_process_group(monkeypatch, tmp_pa
 
 def test_flat_layout_pack_unpack_roundtrip():
     bucket = bucket_of(7)
-    layout, size = cuda_ipc.flat_layout(bucket)
+    layout, size = flat_bucket.flat_layout(bucket)
     assert size == 24 * 2 + 4 * 4 + 9 * 2 and layout[1][3:] == [48, 64]
-    flat = cuda_ipc.pack(bucket, torch.empty(size + 10, dtype=torch.uint8))
+    flat = flat_bucket.pack(bucket, torch.empty(size + 10, dtype=torch.uint8))
     assert flat.numel() == size
-    for (name, t), (name2, v) in zip(bucket, cuda_ipc.unpack(flat, layout)):
+    for (name, t), (name2, v) in zip(bucket, flat_bucket.unpack(flat, layout)):
         assert name == name2 and tensor_digest(t) == tensor_digest(v)
     with pytest.raises(ValueError, match="weight format 'nope'"):
         cuda_ipc.CudaIpcSender([], "nope", serializer=cuda_ipc.plain_serializer)
@@ -436,7 +437,7 @@ def test_persistent_payload_passes_sglangs_safe_unpickler():
     _, payload, _ = sender.payload(bucket, None)
     named = SGLangUnpickler(io.BytesIO(pickle.dumps(payload(None, 0)))).load()
     model = Model()
-    cuda_ipc.load_flat_bucket(model, named)
+    sglang_loader.load_flat_bucket(model, named)
     assert {n: tensor_digest(t) for n, t in model.weights.items()} == {n: tensor_digest(t) for n, t in bucket}
     with pytest.raises(RuntimeError, match="Blocked unsafe class loading"):  # what a class of megarl's own meets
         SGLangUnpickler(io.BytesIO(pickle.dumps(SamplingParams()))).load()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.reshard.inventory import hf_inventory
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, merge
+from megarl.rollout.weight_layout import ExpectedChecksums, layout_for, merge
 from megarl.utils.checksum import module_checksums
 from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 from tests.rollout import fake_sglang
@@ -32,7 +32,7 @@ def _sglang_held(hf: dict, full: dict, tp: int) -> dict:
 @pytest.mark.parametrize("tp", [1, 2, 4])  # TP=2 and 4: K/V heads replicated above their count of 1
 def test_full_tensors_checksum_as_sglang_holds_them(tp):
     full = _tensors(QWEN2)
-    layout = WeightLayout(hf_inventory(QWEN2), "sglang", tp)
+    layout = layout_for(hf_inventory(QWEN2), "sglang", tp)
     expected = ExpectedChecksums(layout, list(range(tp)))
     for name, t in full.items():
         expected.add(name, t)
@@ -50,7 +50,7 @@ def test_shards_sent_by_each_rank_checksum_as_sglang_holds_them():
     checksums equal SGLang's on every rank. A tensor not sent, or a parameter held but never sent, is named."""
     tp, full = 2, _tensors(QWEN2)
     specs = hf_inventory(QWEN2)
-    layout = WeightLayout(specs, "sglang", tp)
+    layout = layout_for(specs, "sglang", tp)
     parts = []
     for rank in range(tp):
         expected = ExpectedChecksums(layout, [rank], presharded=True)
@@ -72,7 +72,7 @@ def test_stacked_experts_checksum_as_fused_moe_holds_them():
           "head_dim": 4, "num_hidden_layers": 1, "moe_intermediate_size": 6, "num_experts": 3, "vocab_size": 64,
           "tie_word_embeddings": True, "intermediate_size": 12}
     full, tp = _tensors(hf), 2
-    expected = ExpectedChecksums(WeightLayout(hf_inventory(hf), "sglang", tp), [0, 1])
+    expected = ExpectedChecksums(layout_for(hf_inventory(hf), "sglang", tp), [0, 1])
     for name, t in full.items():
         expected.add(name, t)
     got = expected.result()
@@ -95,7 +95,7 @@ def test_row_blocks_into_an_engine_of_whole_tensors_are_counted_once(kv_heads):
     heads replicated above their count more than once; the engine holds one whole copy of each tensor."""
     hf = dict(QWEN2, num_key_value_heads=kv_heads)
     tp, full, specs = 4, _tensors(hf, torch.float32), hf_inventory(hf)
-    layout = WeightLayout(specs, "hf")
+    layout = layout_for(specs, "hf")
     parts = []
     for rank in range(tp):
         expected = ExpectedChecksums(layout, [0], sender=(rank, tp))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megarl.reshard.inventory import hf_inventory
-from megarl.rollout.transports.cuda_ipc import inspect_weights, load_presharded
-from megarl.rollout.weight_layout import (ExpectedChecksums, WeightLayout, keep_fused_pairs, merge,
-                                          sglang_fuses_shared_experts)
+from megarl.rollout.sglang_layout import keep_fused_pairs, sglang_fuses_shared_experts
+from megarl.rollout.transports.sglang_loader import inspect_weights, load_presharded
+from megarl.rollout.weight_layout import ExpectedChecksums, layout_for, merge
 from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 from tests.rollout.fake_sglang_deepseek import DeepseekRank
 
@@ -49,7 +49,7 @@ def _load(ranks: list[DeepseekRank], buckets) -> None:
 
 
 def _expected(hf: dict, tensors: dict, tp: int, layout_hf: dict | None = "same", ep: int = 1) -> dict:
-    layout = WeightLayout(hf_inventory(hf), "sglang", tp, hf=hf if layout_hf == "same" else layout_hf,
+    layout = layout_for(hf_inventory(hf), "sglang", tp, hf=hf if layout_hf == "same" else layout_hf,
                           sglang_args=_ep_args(ep))
     expected = ExpectedChecksums(layout, list(range(tp)))
     for name, t in tensors.items():
@@ -159,13 +159,13 @@ def test_keep_fused_pairs_moves_q_a_proj_to_its_partner_and_refuses_the_reverse_
 
 @pytest.mark.parametrize("hf,ep", [(V3, 1), (V2, 1), (V3, 2)], ids=["v3", "v2", "v3-ep2"])
 def test_presharded_deepseek_rows_checksum_as_sglang_holds_them(hf, ep, tmp_path):
-    """Sharded delivery: each rank's rows loaded with SGLang's presharded switches (cuda_ipc.load_presharded); the
+    """Sharded delivery: each rank's rows loaded with SGLang's presharded switches (sglang_loader.load_presharded); the
     senders' merged checksums, derived tensors from each rank's kv_b_proj rows included, equal what SGLang holds.
     At --ep-size 2 a rank is sent the routed experts of its EP slice only, whole (the resharder's GenLayout rows,
     which the layout uses), and holds what SGLang's own loader keeps of the full tensors."""
     hf = dict(hf, vocab_size=128)  # presharded vocabulary rows: vocab // tp on each rank (check_presharded_vocab)
     tp, tensors, specs = 2, _tensors(hf, 0), hf_inventory(hf)
-    layout = WeightLayout(specs, "sglang", tp, hf=hf, sglang_args=_ep_args(ep))
+    layout = layout_for(specs, "sglang", tp, hf=hf, sglang_args=_ep_args(ep))
     ranks, parts = _server(hf, tp, ep=ep), []
     for rank, model in enumerate(ranks):
         expected = ExpectedChecksums(layout, [rank], presharded=True)

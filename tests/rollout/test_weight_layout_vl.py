@@ -13,7 +13,8 @@ from safetensors import safe_open
 from megarl.config.model_layout import check_model_layout
 from megarl.config.sections import ActorConfig
 from megarl.reshard.inventory import hf_inventory
-from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, check_presharded_tower
+from megarl.rollout.sglang_layout import check_presharded_tower
+from megarl.rollout.weight_layout import ExpectedChecksums, layout_for
 from megarl.utils.checksum import module_checksums
 from megarl.workers.weight_sync import WeightSyncError, verify_checksums
 
@@ -62,7 +63,7 @@ def test_tower_checksums_equal_sglang_loaded_tower(tp):
     specs = [s for s in hf_inventory(VL) if s.name.startswith("visual.")]
     g = torch.Generator().manual_seed(0)
     full = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in specs}
-    expected = ExpectedChecksums(WeightLayout(specs, "sglang", tp), list(range(tp)))
+    expected = ExpectedChecksums(layout_for(specs, "sglang", tp), list(range(tp)))
     for name, t in full.items():
         expected.add(name, t)
 

@@ -14,7 +14,7 @@ import torch
 from megarl.config.tiny import tiny_config
 from megarl.trainer import RLTrainer
 from megarl.utils.tracking import run_dir
-from megarl.workers import weight_sync
+from megarl.workers import sync_checks
 
 from tests.conftest import QUICKSTART as RECIPE
 
@@ -63,7 +63,7 @@ def test_offload_cycle_and_sharded_sync_match_the_plain_run_bitwise(tmp_path, ra
 
     # both rollout engines hold exactly the exported policy (B's assembled from two ranks' shards)
     for run in (a, b):
-        assert run["held"] == {n: weight_sync.tensor_digest(t) for n, t in run["state"].items()}
+        assert run["held"] == {n: sync_checks.tensor_digest(t) for n, t in run["state"].items()}
 
     # A never moves memory; B's engines give it up in the other's phase and get every byte back
     assert a["phase"] == "training" and "memory/offloaded_gb" not in str(a["rows"])

@@ -20,6 +20,7 @@ from megarl.reshard.inventory import hf_inventory
 from megarl.reshard.plan import plan
 from megarl.rollout.transports import cuda_ipc
 from megarl.workers import weight_sync
+from megarl.workers.sync_checks import WeightSyncError, shard_key
 from tests.dist_utils import run_distributed
 from tests.models.hf_families import deepseek_v3_config, save_random
 from tests.rollout import fake_sglang
@@ -54,7 +55,7 @@ def _rank(rank, model_dir, work):
     from megarl.reshard.layout import resharded_layout, sglang_generation
     from megarl.reshard.resharder import engine_resharder
     from megarl.rollout.sglang import SGLangRolloutEngine
-    from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout, merge
+    from megarl.rollout.weight_layout import ExpectedChecksums, layout_for, merge
     from tests.rollout.test_sglang_engine import fake_server
 
     parallel_state.destroy_model_parallel()
@@ -71,13 +72,13 @@ def _rank(rank, model_dir, work):
         args = ["--ep-size", str(ep)] if ep > 1 else []
         served = sglang_generation(2, args)
         planned = plan(hf, resharder.train, served)["ranks"][rank]
-        layout = WeightLayout(specs, "sglang", 2, hf=hf, sglang_args=args)
+        layout = layout_for(specs, "sglang", 2, hf=hf, sglang_args=args)
         rollout = None
         if rank == 0:
             rollout = SGLangRolloutEngine(model_dir, colocated=True, verify_dir=str(Path(work, "verify")),
                                           serializer=cuda_ipc.plain_serializer, launch=lambda i: fake_server(
                                               Path(work), "--tp", "2", "--model-path", model_dir, *args, tp=2))
-        senders = {}
+        syncs = weight_sync.PolicySync(serializer=cuda_ipc.plain_serializer)
         for delivery in deliveries:
             where, sharded = f"--ep-size {ep}, {delivery} delivery", delivery == "sharded"
             gen = resharded_layout(served, delivery)
@@ -85,12 +86,11 @@ def _rank(rank, model_dir, work):
             if sharded or rank == 0:
                 expected = ExpectedChecksums(layout, [rank], presharded=True) if sharded else \
                     ExpectedChecksums(layout, [0, 1])
-                report = weight_sync.push_policy(
-                    buckets, rollout.begin_weight_update if rank == 0 else None,
-                    rollout.end_weight_update if rank == 0 else None, _not_through_the_actor, True,
-                    key=weight_sync.shard_key(specs, gen, rank) if sharded else lambda n: n, senders=senders,
-                    serializer=cuda_ipc.plain_serializer, group=group if sharded else None, expected=expected)
-                assert report["direct"] and report["bytes"] == planned[f"{delivery}_server_recv"], where
+                side = weight_sync.RolloutSide(rollout.begin_weight_update if rank == 0 else None,
+                                               rollout.end_weight_update if rank == 0 else None, _not_through_the_actor)
+                sharding = weight_sync.Sharding(group, shard_key(specs, gen, rank)) if sharded else None
+                report = syncs.push(buckets, side, True, expected=expected, sharding=sharding)
+                assert report.direct and report.bytes == planned[f"{delivery}_server_recv"], where
                 if sharded:  # its own SGLang rank's experts only, whole at --ep-size 2
                     experts = {int(n.split(".")[5]) for n in _sent_names(expected) if ".mlp.experts." in n}
                     assert experts == (set(range(8)) if ep == 1 else set(range(4 * rank, 4 * rank + 4))), where
@@ -110,12 +110,12 @@ def _rank(rank, model_dir, work):
                 weight_sync.verify_checksums(checksums, rollout.weight_checksums())
                 if ep == 2 and sharded:
                     rollout.corrupt_weight(W13, rank=1)  # a bit flipped in SGLang's memory after loading
-                    with pytest.raises(weight_sync.WeightSyncError, match=rf"1 differ \['server 0 rank 1: {W13}'\]"):
+                    with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank 1: {W13}'\]"):
                         weight_sync.verify_checksums(checksums, rollout.weight_checksums())
             if sharded:  # every rank of the group (full delivery's sender is closed with its server, below)
-                weight_sync.close_senders(senders)
+                syncs.close()
         if rank == 0:
-            weight_sync.close_senders(senders)
+            syncs.close()
             rollout.shutdown()
         dist.barrier()
     return True

@@ -6,8 +6,9 @@ import requests
 import torch
 
 from megarl.rollout.transports import cuda_ipc
-from megarl.workers.weight_sync import (WeightSyncError, checksums, close_senders, digests_of, push_policy,
-                                        tensor_digest, verify)
+from megarl.utils.checksum import checksums
+from megarl.workers.sync_checks import WeightSyncError, digests_of, tensor_digest
+from megarl.workers.weight_sync import PolicySync, RolloutSide, verify
 
 from tests.rollout import fake_sglang
 from tests.rollout.test_sglang_engine import bucket_of, engine, log
@@ -46,20 +47,20 @@ def test_push_then_verify_against_the_receivers_own_copy():
         held.update({n: t.clone() for n, t in bucket})
         return lambda: None
 
-    report = push_policy([[("w1", weights["w1"])], [("w2", weights["w2"])]], begin=lambda: None, end=None,
-                         load=load, verify=True)
-    assert report["bytes"] == (9 + 7) * 4 and not report["direct"]
-    dtypes = {n: d for n, (d, _) in report["sent"].items()}
-    verify(report["sent"], digests_of(held, dtypes))
+    actor = RolloutSide(begin=lambda: None, end=None, load=load)
+    report = PolicySync().push([[("w1", weights["w1"])], [("w2", weights["w2"])]], actor, verify=True)
+    assert report.bytes == (9 + 7) * 4 and not report.direct
+    dtypes = {n: d for n, (d, _) in report.sent.items()}
+    verify(report.sent, digests_of(held, dtypes))
 
     held["w2"][4] += 1e-3  # the receiver holds something else than what was sent
     with pytest.raises(WeightSyncError, match=r"1 tensor\(s\) differ \['w2'\]"):
-        verify(report["sent"], digests_of(held, dtypes))
+        verify(report.sent, digests_of(held, dtypes))
     del held["w1"]
     with pytest.raises(WeightSyncError, match=r"1 missing \['w1'\]"):
-        verify(report["sent"], digests_of(held, dtypes))
-    unverified = push_policy([[("w1", weights["w1"])]], begin=lambda: None, end=None, load=load, verify=False)
-    assert unverified["sent"] == {} and unverified["bytes"] == 36
+        verify(report.sent, digests_of(held, dtypes))
+    unverified = PolicySync().push([[("w1", weights["w1"])]], actor, verify=False)
+    assert unverified.sent == {} and unverified.expected is None and unverified.bytes == 36
 
 
 def test_begin_overlaps_the_first_buckets_production_and_failures_surface():
@@ -74,16 +75,15 @@ def test_begin_overlaps_the_first_buckets_production_and_failures_surface():
         time.sleep(0.2)  # gather and convert
         yield [("w", torch.ones(2))]
 
-    report = push_policy(buckets(), begin=begin, end=None, load=lambda b: lambda: events.append("loaded"),
-                         verify=False)
+    report = PolicySync().push(buckets(), RolloutSide(begin, None, load=lambda b: lambda: events.append("loaded")))
     assert events == ["producing bucket 0", "begun", "loaded"]  # produced while begin ran, loaded after it
-    assert 0.0 < report["begin_s"] < 0.2  # the part of begin not hidden (~0.1 s)
+    assert 0.0 < report.begin_s < 0.2  # the part of begin not hidden (~0.1 s)
 
     def gone():
         raise RuntimeError("server gone")
 
     with pytest.raises(RuntimeError, match="server gone"):  # even a sync of no buckets waits for begin
-        push_policy(iter([]), begin=gone, end=None, load=None, verify=False)
+        PolicySync().push(iter([]), RolloutSide(gone, None, load=None))
 
 
 @pytest.mark.parametrize("fmt", ["tensors", "persistent"])
@@ -93,22 +93,21 @@ def test_direct_sync_posts_from_the_sending_process(tmp_path, fmt):
     engine keeps host copies only for a verified sync, and the next sync is a new weight version."""
     e = engine(tmp_path, colocated=True)
     try:
-        server, senders = e.servers[0], {}
+        server, syncs = e.servers[0], PolicySync(fmt, serializer=cuda_ipc.plain_serializer)
         not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
         for sync, check in enumerate((True, False)):
             buckets = [bucket_of(10 * sync + k) for k in range(3)]
-            report = push_policy(iter(buckets), e.begin_weight_update, e.end_weight_update, not_here, check,
-                                 weight_format=fmt, senders=senders, serializer=cuda_ipc.plain_serializer)
-            assert report["direct"] and e.version == sync + 1 and not e.syncing
+            report = syncs.push(iter(buckets), RolloutSide(e.begin_weight_update, e.end_weight_update, not_here), check)
+            assert report.direct and e.version == sync + 1 and not e.syncing
             held = requests.get(server.url + "/fake/weights", timeout=5).json()
             assert {n: h[2] for n, h in held.items()} == {n: fake_sglang.digest(t)[2] for n, t in buckets[-1]}
-            assert report["bytes"] == 3 * (24 * 2 + 4 * 4 + 9 * 2)
-            assert (len(e.received), len(report["sent"])) == ((3, 3) if check else (0, 0))
+            assert report.bytes == 3 * (24 * 2 + 4 * 4 + 9 * 2)
+            assert (len(e.received), len(report.sent)) == ((3, 3) if check else (0, 0))
             if check:  # what SGLang got, what the engine kept and what was sent all agree
                 last = dict(buckets[-1])
-                verify({n: v for n, v in report["sent"].items() if n in last},
+                verify({n: v for n, v in report.sent.items() if n in last},
                        digests_of(e.received, {n: t.dtype for n, t in last.items()}))
-        assert len(senders) == 1  # one sender across syncs: the persistent buffers stay mapped
+        assert len(syncs.senders) == 1  # one sender across syncs: the persistent buffers stay mapped
     finally:
         e.shutdown()
 
@@ -121,18 +120,17 @@ def test_disaggregated_sync_broadcasts_to_every_server_over_one_group_each(tmp_p
     groups serve the next sync too, and closing the senders destroys both halves."""
     e = engine(tmp_path, servers=2, colocated=False)
     try:
-        senders = {}
+        syncs = PolicySync(fmt)
         not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
         for sync, check in enumerate((True, False)):
             buckets = [bucket_of(10 * sync + k) for k in range(3)]
-            report = push_policy(iter(buckets), e.begin_weight_update, e.end_weight_update, not_here, check,
-                                 weight_format=fmt, senders=senders)
-            assert report["direct"] and e.version == sync + 1 and not e.syncing
+            report = syncs.push(iter(buckets), RolloutSide(e.begin_weight_update, e.end_weight_update, not_here), check)
+            assert report.direct and e.version == sync + 1 and not e.syncing
             expected = {n: fake_sglang.digest(t) for n, t in buckets[-1]}
             for server in e.servers:
                 assert requests.get(server.url + "/fake/weights", timeout=5).json() == expected
-            assert (len(e.received), len(report["sent"])) == ((3, 3) if check else (0, 0))
-        (sender,) = senders.values()
+            assert (len(e.received), len(report.sent)) == ((3, 3) if check else (0, 0))
+        (sender,) = syncs.senders.values()
         assert len(sender.groups) == 2 and {g.group_name for g in sender.groups} == {
             b["body"]["group_name"] for s in e.servers for b in log(s, "/init_weights_update_group")}
         for server in e.servers:
@@ -144,8 +142,8 @@ def test_disaggregated_sync_broadcasts_to_every_server_over_one_group_each(tmp_p
             assert len(posts) == 6 and {p["body"]["load_format"] for p in posts} == {
                 None if fmt == "tensors" else "flattened_bucket"}
             assert posts[0]["body"]["dtypes"] == ["bfloat16", "float32", "bfloat16"]
-        close_senders(senders)
-        assert senders == {} and all(len(log(s, "/destroy_weights_update_group")) == 1 for s in e.servers)
+        syncs.close()
+        assert syncs.senders == {} and all(len(log(s, "/destroy_weights_update_group")) == 1 for s in e.servers)
     finally:
         e.shutdown()
 
@@ -155,30 +153,54 @@ def test_verified_sync_leaves_sglangs_checksums_to_a_later_request(tmp_path):
     (one request per bucket, no file); one request later has its TP worker checksum what it holds. A bit flipped
     after the sync is named by the next request."""
     from megarl.reshard.inventory import TensorSpec
-    from megarl.rollout.weight_layout import ExpectedChecksums, WeightLayout
+    from megarl.rollout.weight_layout import ExpectedChecksums, layout_for
     from megarl.workers.weight_sync import verify_checksums
 
     tensors = bucket_of(3)
-    layout = WeightLayout([TensorSpec(n, tuple(t.shape), None, None) for n, t in tensors], "hf")
+    layout = layout_for([TensorSpec(n, tuple(t.shape), None, None) for n, t in tensors], "hf")
     e = engine(tmp_path, colocated=True, serializer=cuda_ipc.plain_serializer)
     try:
-        server, senders = e.servers[0], {}
+        server, syncs = e.servers[0], PolicySync("persistent", serializer=cuda_ipc.plain_serializer)
         not_here = functools.partial(pytest.fail, "a direct sync must not load buckets through the rollout actor")
-        report = push_policy(iter([[t] for t in tensors]), e.begin_weight_update, e.end_weight_update, not_here,
-                             True, weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer,
-                             expected=ExpectedChecksums(layout, [0]))
+        side = RolloutSide(e.begin_weight_update, e.end_weight_update, not_here)
+        report = syncs.push(iter([[t] for t in tensors]), side, True, expected=ExpectedChecksums(layout, [0]))
         assert len(log(server, "/update_weights_from_tensor")) == 3  # one request per bucket, nothing more
         assert server.checksum_dir is None or list(server.checksum_dir.iterdir()) == []  # SGLang summed nothing yet
-        verify_checksums(report["expected"], e.weight_checksums())
+        verify_checksums(report.expected, e.weight_checksums())
         assert len(log(server, "/update_weights_from_tensor")) == 4  # the collection
         name = tensors[0][0]
         e.corrupt_weight(name)  # memory corrupted after the sync
         with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank 0: {name}'\]"):
-            verify_checksums(report["expected"], e.weight_checksums())
+            verify_checksums(report.expected, e.weight_checksums())
         assert len(log(server, "/update_weights_from_tensor")) == 6  # the flip, and a request for the checksums
-        push_policy(iter([tensors]), e.begin_weight_update, e.end_weight_update, not_here, False,
-                    weight_format="persistent", senders=senders, serializer=cuda_ipc.plain_serializer)
-        verify_checksums(report["expected"], e.weight_checksums())  # unverified: asked now, of the weights it loaded
-        close_senders(senders)
+        syncs.push(iter([tensors]), side, False)
+        verify_checksums(report.expected, e.weight_checksums())  # unverified: asked now, of the weights it loaded
+        syncs.close()
     finally:
         e.shutdown()
+
+
+def test_the_sender_is_chosen_by_the_engines_answer_and_the_servers_placement():
+    """weight_senders.sender_for: no endpoints, the rollout actor loads (its wait is the post); colocated servers by
+    CUDA IPC, disaggregated ones by NCCL (flat buckets unless the format sends tensors), both kinds split between the
+    two senders, each with its own servers."""
+    from types import SimpleNamespace
+
+    from megarl.rollout.transports.cuda_ipc import CudaIpcSender
+    from megarl.rollout.transports.nccl_broadcast import NcclSender
+    from megarl.workers.weight_senders import ActorLoadSender, SenderSettings, SplitSender, sender_for
+
+    loaded = []
+    how = SenderSettings("persistent", cuda_ipc.plain_serializer, "10.0.0.1")
+    actor = sender_for(None, how, lambda bucket: loaded.append(bucket) or (lambda: loaded.append("waited")))
+    assert isinstance(actor, ActorLoadSender)
+    actor.send([("w", torch.ones(1))])()
+    assert [b if b == "waited" else [n for n, _ in b] for b in loaded] == [["w"], "waited"]
+    ipc, nccl = SimpleNamespace(transport="cuda_ipc", tp=1), SimpleNamespace(transport="nccl", tp=1)
+    colocated = sender_for([ipc], how, None)
+    assert type(colocated) is CudaIpcSender and colocated.endpoints == [ipc] and colocated.fmt == "persistent"
+    disaggregated = sender_for([nccl], how, None)
+    assert type(disaggregated) is NcclSender and disaggregated.flattened and disaggregated.master_address == "10.0.0.1"
+    assert not sender_for([nccl], SenderSettings("tensors"), None).flattened
+    split = sender_for([nccl, ipc], how, None)
+    assert isinstance(split, SplitSender) and split.posting.endpoints == [ipc] and split.broadcast.endpoints == [nccl]

@@ -1,1 +1,2 @@
-"""Weight transports into SGLang servers, one per file: cuda_ipc (colocated), nccl_broadcast (disaggregated)."""
+"""Weight transports into SGLang servers: cuda_ipc (colocated) and nccl_broadcast (disaggregated), the senders; the flat
+bucket both pack (flat_bucket); megarl's loader that runs inside SGLang (sglang_loader)."""

@@ -4,7 +4,7 @@ The trainer rank is rank 0 of a dedicated group per server with that server's TP
 SGLang's /init_weights_update_group on the server side and `weight_group` here (the trainer's default
 group is megatron's and stays untouched). Each bucket: post the names, dtypes and shapes to
 /update_weights_from_distributed, broadcast the tensors in that order meanwhile; or, with `flattened`
-(the default), the bucket packed into one uint8 buffer (cuda_ipc.flat_layout, the layout of SGLang's
+(the default), the bucket packed into one uint8 buffer (flat_bucket.py, the layout of SGLang's
 FlattenedTensorBucket) and broadcast once ("flattened_bucket" load format): one collective per bucket
 instead of one per tensor. The backend is NCCL for CUDA tensors; gloo for CPU ones (tests, against
 tests/rollout/fake_sglang.py).
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from megarl.rollout.sglang_server import SGLangError, free_port
-from megarl.rollout.transports import cuda_ipc
+from megarl.rollout.transports.flat_bucket import flat_layout, pack
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -54,8 +54,8 @@ def bucket_request(bucket: Bucket, flattened: bool, flush_cache: bool = False) -
                "shapes": [list(t.shape) for _, t in bucket], "flush_cache": flush_cache,
                "load_format": "flattened_bucket" if flattened else None}
     if flattened:
-        _, size = cuda_ipc.flat_layout(bucket)
-        return request, [cuda_ipc.pack(bucket, torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device))]
+        _, size = flat_layout(bucket)
+        return request, [pack(bucket, torch.empty(size, dtype=torch.uint8, device=bucket[0][1].device))]
     return request, [t.detach().contiguous() for _, t in bucket]
 
 

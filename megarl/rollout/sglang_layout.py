@@ -1,0 +1,268 @@
+"""How SGLang 0.5.17 holds the HF tensors it is sent: the "sglang" weight layout (megarl.rollout.weight_layout).
+
+SGLang's decoders (qwen2, llama, qwen3, qwen3_moe, deepseek_v2/v3) at TP=tp: stacked parameters as its
+`stacked_params_mapping` and `FusedMoE.make_expert_params_mapping` name them; column-parallel rows and row-parallel
+columns as megarl's inventory cuts them (K/V heads replicated above their count); vocabulary rows as
+VocabParallelEmbedding cuts a vocabulary padded to a multiple of 64, its padding rows zero-filled (they add nothing
+to a checksum): `sglang_vocab_rows`.
+With --ep-size EP (rollout.sglang_args), as FusedMoE holds routed experts with no DeepEP-class all-to-all and
+the trivial expert location (layers/moe/fused_moe_triton/layer.py: num_local_experts, weight_loader's
+_map_global_expert_id_to_local_expert_id; distributed/parallel_state.py's MoE groups, MoE TP fastest): TP
+rank t holds experts [e * E / EP, (e + 1) * E / EP) of each layer for e = t // (TP / EP), at local indices
+0..E / EP - 1 of w13/w2, each cut into TP / EP row blocks (block t % (TP / EP)); loads of the other experts are
+dropped. Everything else (attention, dense MLPs, shared experts, the router) stays TP-cut over all TP ranks.
+Settings that place weights otherwise (DeepEP, redundant experts, EPLB, DP attention ...) are refused by
+megarl.config.sglang_args.sglang_ep_size, naming them.
+DeepSeek (models/deepseek_v2.py, deepseek_common/deepseek_weight_loader.py), bf16 without quantization:
+- MLA with q_lora_rank: q_a_proj and kv_a_proj_with_mqa concatenated into fused_qkv_a_proj_with_mqa
+  (replicated); without it (V2-Lite) both stay as they are;
+- shared experts' gate/up in shared_experts.gate_up_proj, TP-sharded as a dense MLP; where SGLang fuses the
+  shared expert into the routed ones (`sglang_fuses_shared_experts`: DeepSeek-V3/R1's 256 experts with one
+  shared expert, at --ep-size 1 without --disable-shared-experts-fusion) it is expert n_routed_experts of
+  w13/w2;
+- gate.e_score_correction_bias held in float32 whatever it is sent in (MoEGate creates it so; the
+  loader's copy converts);
+- derived tensors, neither parameters nor buffers: post_load_weights splits each layer's kv_b_proj (this
+  rank's heads) into w_kc [heads, qk_nope, kv_lora] and w_vc [heads, kv_lora, v] (transposed), which the
+  absorbed MLA decode multiplies by instead of kv_b_proj. SGLang reruns it at the end of every load_weights
+  call for the layers whose kv_b_proj that call carried, so updates through any loader refresh them; they
+  are checksummed (in logical element order, as every tensor) like parameters, so a stale one is named.
+- a load_weights call fuses the a-projections only when it carries both: `keep_fused_pairs`.
+Qwen2.5-VL (models/qwen2_5_vl.py): the language model as qwen2's; the vision tower whole on every rank (megarl's
+servers for a vision-language model run it data-parallel over TP, --mm-enable-dp-encoder: sglang_server.py), each
+block's attn.qkv held as attn.qkv_proj, its mlp's gate/up (weights and biases) fused into gate_up_proj, the MLP's
+width padded with zeros to a multiple of 8 (Qwen2_5_VisionTransformer's mlp_hidden_size: gate and up each take the
+padded rows, down_proj's rows the padded length).
+
+Sharded delivery (each rank's rows loaded as presharded weights) is refused before anything is sent where SGLang's
+presharded loading would take other rows than megarl's: `check_presharded_vocab`, `check_presharded_tower`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+
+from megarl.config.sglang_args import sglang_flags
+from megarl.reshard.layout import sglang_generation
+
+SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads the vocabulary to it
+# SGLang's fused parameters: HF tensor "<prefix><part>.<weight|bias>" -> "<prefix><fused>.<weight|bias>", the
+# parts concatenated along dim 0 in this order (each part's TP rows of the rank); only where every part exists
+# (DeepSeek-V2-Lite's MLA q_proj is no qkv_proj part: it has no k_proj)
+_FUSED = (
+    (re.compile(r"(.*\.self_attn\.)(q_proj|k_proj|v_proj)\.(weight|bias)$"), "qkv_proj",
+     ("q_proj", "k_proj", "v_proj")),
+    (re.compile(r"(.*\.mlp\.(?:shared_experts\.)?)(gate_proj|up_proj)\.(weight|bias)$"), "gate_up_proj",
+     ("gate_proj", "up_proj")),
+    (re.compile(r"(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.(weight)$"), "fused_qkv_a_proj_with_mqa",
+     ("q_a_proj", "kv_a_proj_with_mqa")),
+)
+_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+_SHARED_EXPERT = re.compile(r"(.*\.mlp\.)shared_experts\.(gate|up|down)_proj\.weight$")
+_KV_B = re.compile(r"(.*\.self_attn\.)kv_b_proj\.weight$")
+# SGLang's Qwen2.5-VL vision tower (module docstring): the renamed qkv, and the MLP tensors of the padded width
+_VISION_QKV = re.compile(r"(visual\.blocks\.\d+\.attn\.)qkv\.(weight|bias)$")
+_VISION_MLP = re.compile(r"visual\.blocks\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+SGLANG_VISION_MLP_ALIGN = 8
+# parameters SGLang holds in another dtype than the policy's, whatever they are sent in
+_HELD_DTYPE = ((re.compile(r".*\.mlp\.gate\.e_score_correction_bias$"), torch.float32),)
+# tensor attributes SGLang's modules derive from their parameters after loading; checksummed as parameters
+DERIVED_ATTRIBUTES = ("w_kc", "w_vc")
+
+
+def sglang_vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of a vocabulary of `vocab` rows that SGLang TP rank `rank` of `tp` holds (VocabParallelEmbedding:
+    the vocabulary padded to a multiple of 64, cut into `tp` equal blocks; the padding rows are no HF rows)."""
+    per = -(-vocab // SGLANG_VOCAB_PADDING) * SGLANG_VOCAB_PADDING // tp
+    return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
+def sglang_fuses_shared_experts(hf: dict | None, ep: int = 1, sglang_args=()) -> bool:
+    """Whether SGLang 0.5.17 makes a DeepSeek model's shared expert one more routed expert (DeepseekV2ForCausalLM.
+    determine_num_fused_shared_experts): DeepseekV3ForCausalLM with 256 routed experts and one shared expert, on
+    an sm80+ NVIDIA GPU, at --ep-size 1 (on NVIDIA it fuses under expert parallelism only when enforced, which
+    megarl.reshard.layout refuses), without --disable-shared-experts-fusion, DeepEP or two-batch overlap (384
+    experts only for a quark checkpoint, which megarl never sends)."""
+    if not hf or ep > 1 or "--disable-shared-experts-fusion" in sglang_flags(sglang_args):
+        return False
+    architecture = (hf.get("architectures") or [None])[0]
+    return (architecture == "DeepseekV3ForCausalLM" and hf.get("n_routed_experts") == 256
+            and hf.get("n_shared_experts") == 1)
+
+
+class SGLangLayout:
+    """The "sglang" weight layout (module docstring; the interface: megarl.rollout.weight_layout.WeightLayout).
+    `hf`: the model's config.json (what SGLang decides from it beyond the tensors' shapes:
+    `sglang_fuses_shared_experts`); `sglang_args`: the servers' extra arguments (rollout.sglang_args: --ep-size
+    places whole experts, and settings that place weights otherwise are refused by
+    megarl.config.sglang_args.sglang_ep_size)."""
+
+    def __init__(self, specs: list, tp: int = 1, hf: dict | None = None, sglang_args=()):
+        self.specs = {s.name: s for s in specs}
+        # SGLang's placement: TP rows, and with --ep-size whole experts (FusedMoE's contiguous blocks, MoE TP rows)
+        self.gen = sglang_generation(tp, sglang_args)
+        self.tp = self.gen.tp
+        experts = [s.shape[0] for s in specs if s.name.endswith(".mlp.gate.weight")]
+        # the index of the shared expert among the routed ones in w13/w2, where SGLang fuses it
+        fused = sglang_fuses_shared_experts(hf, self.gen.ep, sglang_args)
+        self.shared_expert = experts[0] if experts and fused else None
+
+    def rows(self, name: str, rank: int) -> tuple[int, int] | None:
+        spec = self.specs[name]
+        if spec.pad_vocab:
+            return sglang_vocab_rows(spec.length, self.tp, rank)
+        return self.gen.rows(spec, rank)
+
+    def piece(self, key, tensor: torch.Tensor, rank: int, presharded: bool):
+        name = key if isinstance(key, str) else key[0]
+        spec = self.specs[name]
+        rows = self.rows(name, rank)
+        if rows is None:
+            return None
+        piece = tensor
+        if spec.dim is not None and not presharded:
+            piece = tensor.narrow(spec.dim, rows[0], rows[1] - rows[0])
+        param, offset = self.place(name, rank)
+        if name.endswith("mlp.down_proj.weight") and _VISION_MLP.match(name):  # rows of the padded width
+            return param, piece, offset, _vision_mlp_width(spec.shape[1])
+        return param, piece, offset, None
+
+    def _held_numel(self, name: str, rank: int) -> int:
+        """Elements of HF tensor `name` that engine rank `rank` holds, with the padding SGLang adds to them."""
+        spec = self.specs[name]
+        lo, hi = self.rows(name, rank)
+        if spec.dim is None and _VISION_MLP.match(name) and "down_proj" not in name:  # gate/up: padded rows
+            return _vision_mlp_width(spec.shape[0]) * spec.numel // spec.shape[0]
+        return (hi - lo) * spec.row_numel
+
+    def place(self, name: str, rank: int) -> tuple[str, int]:
+        """SGLang's parameter holding HF tensor `name` on rank `rank` (which holds some of it), and the element
+        offset of its piece there."""
+        expert = self._expert(name)
+        if expert:
+            prefix, index, part = expert
+            gate = name.replace(f"{part}_proj", "gate_proj")  # the same expert's gate: its shard's size
+            lo, hi = self.rows(gate, rank)
+            shard = (hi - lo) * self.specs[gate].row_numel  # one expert's gate (or up, or down) shard
+            spec = self.specs[name]
+            if spec.expert is not None:  # FusedMoE's local index: the expert's place in its EP rank's block
+                index -= self.gen.expert_owner(spec) * (spec.experts // self.gen.ep)
+            if part == "down":
+                return prefix + "w2_weight", index * shard
+            return prefix + "w13_weight", (2 * index + (part == "up")) * shard
+        for pattern, fused, parts in _FUSED:
+            match = pattern.match(name)
+            if match:
+                prefix, part, suffix = match.groups()
+                siblings = [f"{prefix}{p}.{suffix}" for p in parts]
+                if not all(s in self.specs for s in siblings):
+                    break
+                offset = sum(self._held_numel(sibling, rank) for sibling in siblings[:parts.index(part)])
+                return f"{prefix}{fused}.{suffix}", offset
+        if _VISION_QKV.match(name):
+            return _VISION_QKV.sub(r"\1qkv_proj.\2", name), 0
+        return name, 0
+
+    def _expert(self, name: str) -> tuple[str, int, str] | None:
+        """(w13/w2's module prefix, expert index, gate/up/down) of a routed expert's tensor, or of the shared
+        expert's where SGLang fuses it into the routed ones."""
+        match = _EXPERT.match(name)
+        if match:
+            return match.group(1), int(match.group(2)), match.group(3)
+        match = _SHARED_EXPERT.match(name) if self.shared_expert is not None else None
+        if match:
+            return match.group(1) + "experts.", self.shared_expert, match.group(2)
+        return None
+
+    def parameters(self, rank: int) -> list[str]:
+        names = dict.fromkeys(self.place(name, rank)[0] for name in self.specs if self.rows(name, rank) is not None)
+        for name in self.specs:
+            match = _KV_B.match(name)
+            if match:
+                names.update(dict.fromkeys(match.group(1) + a for a in DERIVED_ATTRIBUTES))
+        return list(names)
+
+    def as_held(self, param: str, piece: torch.Tensor) -> torch.Tensor:
+        for pattern, dtype in _HELD_DTYPE:
+            if pattern.match(param) and piece.dtype != dtype:
+                return piece.to(dtype)
+        return piece
+
+    def derived(self, name: str, piece: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """SGLang's MLA w_kc and w_vc from kv_b_proj (DeepseekV2WeightLoaderMixin.post_load_weights)."""
+        match = _KV_B.match(name)
+        if not match:
+            return []
+        prefix = match.group(1)
+        spec = self.specs[name]
+        v = self.specs[prefix + "o_proj.weight"].shape[1] // spec.units
+        nope = spec.shape[0] // spec.units - v
+        heads = piece.unflatten(0, (-1, nope + v))  # [heads of the rank, nope + v, kv_lora]
+        return [(prefix + "w_kc", heads[:, :nope]), (prefix + "w_vc", heads[:, nope:].transpose(1, 2))]
+
+
+def _vision_mlp_width(width: int) -> int:
+    return -(-width // SGLANG_VISION_MLP_ALIGN) * SGLANG_VISION_MLP_ALIGN
+
+
+def check_presharded_vocab(specs: list, tp: int) -> None:
+    """SGLang's presharded embedding/lm_head loading takes exactly vocab // tp rows on every rank, placed at the
+    rank's block of the vocabulary padded to a multiple of 64 (`sglang_vocab_rows`); megarl's shards (inventory
+    TensorSpec.rows) must be those rows, else refuse before anything is sent."""
+    for spec in specs:
+        if not spec.pad_vocab:
+            continue
+        vocab = spec.length
+        for rank in range(tp):
+            ours, theirs = spec.rows(tp, rank), sglang_vocab_rows(vocab, tp, rank)
+            if ours != theirs or ours[1] - ours[0] != vocab // tp:
+                raise ValueError(
+                    f"{spec.name}: vocabulary of {vocab} rows at TP={tp}: SGLang's presharded loading takes rows "
+                    f"{list(theirs)} on rank {rank} and needs {vocab // tp} (vocab // tp) there, megarl's shard is "
+                    f"{list(ours)}; sharded delivery into SGLang needs a vocabulary that is a multiple of "
+                    f"{SGLANG_VOCAB_PADDING} and of TP: use rollout.weight_delivery=full")
+
+
+def check_presharded_tower(specs: list) -> None:
+    """Sharded delivery loads every tensor into SGLang as its rank's shard, as sent (sglang_loader.load_presharded),
+    which skips the zero padding SGLang's loader adds to a vision tower MLP whose width is not a multiple of 8 (its
+    shape assertion then fails): refuse before anything is sent."""
+    for spec in specs:
+        if _VISION_MLP.match(spec.name) and spec.name.endswith("gate_proj.weight") and \
+                spec.shape[0] % SGLANG_VISION_MLP_ALIGN:
+            raise ValueError(f"{spec.name}: the vision tower's MLP width {spec.shape[0]} is not a multiple of "
+                             f"{SGLANG_VISION_MLP_ALIGN}; SGLang pads it while loading whole tensors only: use "
+                             "rollout.weight_delivery=full")
+
+
+def keep_fused_pairs(buckets: Iterable[list]) -> Iterator[list]:
+    """The buckets, but a DeepSeek q_a_proj never without its layer's kv_a_proj_with_mqa: it waits for the bucket
+    that carries it. SGLang's DeepSeek loader (do_load_weights) builds fused_qkv_a_proj_with_mqa only when one
+    load_weights call carries both (it caches the first in a dict local to the call): split by a bucket boundary,
+    both halves are dropped without a word and the fused parameter keeps its old values. Every transport loads a
+    bucket per call. megarl's buckets put q_a_proj first (the inventory's order); a q_a_proj arriving after its
+    kv_a_proj_with_mqa was sent is refused."""
+    waiting: list = []
+    sent: set[str] = set()  # the kv_a_proj_with_mqa sent so far
+    for bucket in buckets:
+        bucket = waiting + list(bucket)
+        names = {name for name, _ in bucket}
+        late = sorted(n for n in names if n.endswith(".q_a_proj.weight") and _partner(n) in sent)
+        if late:
+            raise ValueError(f"{late[0]} comes after {_partner(late[0])} was sent: SGLang fuses the two only when "
+                             "one load carries both")
+        lone = {n for n in names if n.endswith(".q_a_proj.weight") and _partner(n) not in names}
+        waiting = [(n, t) for n, t in bucket if n in lone]
+        sent.update(n for n in names if n.endswith(".kv_a_proj_with_mqa.weight"))
+        bucket = [(n, t) for n, t in bucket if n not in lone]
+        if bucket:
+            yield bucket
+    if waiting:
+        raise ValueError(f"{waiting[0][0]} without {_partner(waiting[0][0])}: SGLang cannot load one without the other")
+
+
+def _partner(q_a_proj: str) -> str:
+    return q_a_proj.replace(".q_a_proj.", ".kv_a_proj_with_mqa.")
