@@ -12,9 +12,10 @@ does not come back: each fails its sample only, never waits.
 
 Each worker is bounded with all it starts (worker_limits.py): resident memory (reward.worker_memory_mb; also a
 memory cgroup where the host allows one, else a cap on each process's address space) and threads
-(reward.worker_max_threads), measured while a call runs (every WATCH_INTERVAL_S) and after it; a call that passes a
-limit fails, named, and its worker is replaced, as is a worker past reward.worker_max_calls calls or 3/4 of its
-memory after a call. A worker is ended with everything below it, daemonised (double fork, setsid) or not.
+(reward.worker_max_threads; also that cgroup's pids.max where the host has the pids controller), measured while a
+call runs (every WATCH_INTERVAL_S) and after it; a call that passes a limit fails, named, and its worker is replaced,
+as is a worker past reward.worker_max_calls calls or 3/4 of its memory after a call. A worker is ended with
+everything below it, daemonised (double fork, setsid) or not.
 
 Workers are plain interpreters (`python -m megarl.rewards.worker`), not multiprocessing children: they do
 not re-import the driver's main module (megarl.train imports torch and megatron), and a reward may start
@@ -36,13 +37,12 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Callable
 
 from megarl.rewards.scoring import RewardCallError, batch_timeout, call_timeout
 from megarl.rewards.worker_limits import (ADDRESS_SPACE_FACTOR, RECYCLE_FRACTION, RewardLimitError, Usage,
                                           WorkerLimits, end_worker, kill_group, oom_kills, usage)
-from megarl.sandbox.cgroup import PREFIX, MemoryCgroups
+from megarl.sandbox.cgroup import PREFIX, MemoryCgroups, refused_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -82,26 +82,29 @@ def memory_cgroups() -> MemoryCgroups | None:
     """Where reward processes get their memory cgroups (found once per process: finding one creates a probe)."""
     cgroups, where = MemoryCgroups.find()
     if cgroups:
-        remove_stale_cgroups(cgroups.parent)
-    logger.info("reward processes: memory bounded %s (%s)",
-                "for each with what it starts, by a cgroup" if cgroups else "per process (RLIMIT_AS)", where)
+        remove_stale_cgroups(cgroups)
+    logger.info("reward processes: memory bounded %s, threads %s (%s)",
+                "for each with what it starts, by a cgroup" if cgroups else "per process (RLIMIT_AS)",
+                "by the kernel and measured" if cgroups and cgroups.tasks_parent else "measured",
+                f"{where}; {cgroups.tasks_where}" if cgroups else where)
     return cgroups
 
 
-def remove_stale_cgroups(parent: Path) -> None:
+def remove_stale_cgroups(cgroups: MemoryCgroups) -> None:
     """Remove the empty cgroups of reward processes whose driver is gone (a SIGKILLed driver cannot)."""
-    for path in parent.glob(f"{PREFIX}reward-*"):
-        if not os.path.exists(f"/proc/{path.name.split('-')[-2]}"):
-            try:
-                path.rmdir()
-            except OSError:  # it still holds a process, or another process removed it first
-                pass
+    for parent in {cgroups.parent, cgroups.tasks_parent or cgroups.parent}:  # v1's task limits are apart
+        for path in parent.glob(f"{PREFIX}reward-*"):
+            if not os.path.exists(f"/proc/{path.name.split('-')[-2]}"):
+                try:
+                    path.rmdir()
+                except OSError:  # it still holds a process, or another process removed it first
+                    pass
 
 
 class _Worker:
     """One worker process, the socket to it, a descriptor that is readable once the process has exited (its
-    socket may outlive it in a process it forked) and its memory cgroup, if any; `index`/`started`: the call it runs,
-    if any; `calls`: those it answered."""
+    socket may outlive it in a process it forked), its memory cgroup and the cgroup whose pids.max bounds its tasks,
+    if any; `index`/`started`: the call it runs, if any; `calls`: those it answered."""
 
     def __init__(self, payload: bytes, limits: WorkerLimits):
         ours, theirs = socket.socketpair()
@@ -110,13 +113,14 @@ class _Worker:
         theirs.close()
         self.exited = exit_descriptor(self.process)
         self.conn = Connection(ours.detach())
-        self.cgroup = None
-        cgroups = memory_cgroups()
+        self.cgroups, self.cgroup, self.tasks_cgroup = memory_cgroups(), None, None
         try:
-            if cgroups:  # joined before it receives the reward: everything the reward starts is inside
+            if self.cgroups:  # joined before it receives the reward: everything the reward starts is inside
                 # named by the driver's pid too: remove_stale_cgroups reads it
-                self.cgroup = cgroups.create(f"reward-{os.getpid()}-{self.process.pid}", limits.memory_mb << 20)
-                (self.cgroup / "cgroup.procs").write_text(str(self.process.pid))
+                self.cgroup = self.cgroups.create(f"reward-{os.getpid()}-{self.process.pid}", limits.memory_mb << 20,
+                                                  max_tasks=limits.max_threads)
+                self.tasks_cgroup = self.cgroups.tasks_dir(self.cgroup)
+                self.cgroups.join(self.cgroup, self.process.pid)
             # the path: a reward's module must import there as it does here; the address space, where no cgroup
             self.conn.send((sys.path, payload, None if self.cgroup else limits.memory_mb * ADDRESS_SPACE_FACTOR))
         except OSError as e:
@@ -138,7 +142,7 @@ class _Worker:
         os.close(self.exited)
         if self.cgroup:
             try:
-                MemoryCgroups.remove(self.cgroup)
+                self.cgroups.remove(self.cgroup)
             except OSError as e:  # a process stuck in the kernel holds it: an empty cgroup left, nothing running
                 logger.warning("cannot remove the reward process's cgroup %s: %s", self.cgroup, e)
 
@@ -234,6 +238,8 @@ class RewardPool:
         if used.rss_bytes > self.limits.memory_mb << 20:
             return self.limits.memory_breach(self.__name__, f"its reward process and the processes it started held "
                                                             f"{used.rss_bytes >> 20} MiB"), used
+        if refused_tasks(worker.tasks_cgroup):  # the kernel held it at its limit: a fork or thread start failed
+            return self.limits.thread_refusal(self.__name__), used
         if used.threads > self.limits.max_threads:
             return self.limits.thread_breach(self.__name__, used.threads), used
         return None, used

@@ -12,10 +12,14 @@ daemonises (a double fork, with setsid or not) outlives a kill of the worker's p
   too fast to measure (an allocation past it raises MemoryError): an interpreter reserves far more address space
   than it touches (Python alone ~110 MiB for ~30 MiB resident; torch's libraries gigabytes), and thread stacks
   reserve it too, so the cap also bounds a process's threads.
-- threads (reward.worker_max_threads): of the process and its descendants together, measured as memory is. Not
-  RLIMIT_NPROC: it counts every process of the user (the driver's, Ray's, another run's), so a limit tight enough to
-  bound a reward fails other forks as the host gets busier, and root is exempt from it. Being measured, a fork or
-  thread bomb is stopped at the next measurement (within pool.py's WATCH_INTERVAL_S), not at its first thread.
+- threads (reward.worker_max_threads): of the process and its descendants together, measured as memory is. Where
+  the process has a cgroup of its own with the pids controller (v2's, or v1's pids hierarchy: sandbox/cgroup.py),
+  that cgroup's pids.max is the same number, so the kernel refuses the fork or thread start past it at once (EAGAIN
+  inside the reward) and the call fails, named, as a measured breach does; a fork bomb never outgrows it. Elsewhere
+  only the measurement bounds them: a fork or thread bomb is stopped at the next one (within pool.py's
+  WATCH_INTERVAL_S), not at its first thread. Not RLIMIT_NPROC: it counts every process of the user (the driver's,
+  Ray's, another run's), so a limit tight enough to bound a reward fails other forks as the host gets busier, and
+  root is exempt from it.
 - a call during which a limit is passed fails, named (RewardLimitError: the reward, the limit, the key that raises
   it); its process is replaced. A process that has run reward.worker_max_calls calls, or holds more than
   RECYCLE_FRACTION of its memory after a call, is replaced before its next one (a leak then costs no sample).
@@ -77,6 +81,12 @@ class WorkerLimits:
                                 f"started ran {threads} threads, over reward.worker_max_threads={self.max_threads} "
                                 "(raise it if the reward needs more; one that leaves threads or processes running "
                                 "leaks)")
+
+    def thread_refusal(self, name: str) -> RewardLimitError:
+        return RewardLimitError(f"reward {name!r} passed its thread limit: its reward process and the processes it "
+                                f"started tried to run more threads than reward.worker_max_threads={self.max_threads} "
+                                "(the kernel refused a fork or thread start past its cgroup's pids.max; raise it if "
+                                "the reward needs more; one that leaves threads or processes running leaks)")
 
 
 class Usage(NamedTuple):

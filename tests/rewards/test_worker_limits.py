@@ -15,6 +15,7 @@ from megarl.rewards import score
 from megarl.rewards.failures import RewardFailureError, RewardFailureTracker
 from megarl.rewards.pool import RewardPool
 from megarl.rewards.worker_limits import RewardLimitError, WorkerLimits
+from megarl.sandbox.cgroup import PREFIX
 
 KEPT = []  # what a leaking reward keeps between calls, in its reward process
 
@@ -50,6 +51,16 @@ def start_processes(response, answer, sample):
     for _ in range(int(response)):
         subprocess.Popen(["sleep", "60"])
     return 1.0
+
+
+def fork_bomb(response, answer, sample):
+    """Every process forks again and again, children included, each pausing a little between forks."""
+    while True:
+        try:
+            os.fork()
+        except OSError:  # EAGAIN: the kernel refused it; the bomb goes on trying
+            pass
+        time.sleep(0.05)
 
 
 def daemonise(response, answer, sample):
@@ -138,22 +149,61 @@ def test_processes_that_together_pass_the_memory_limit_are_measured_and_killed(m
     assert "its reward process and the processes it started held" in str(scores.failures[0].error)
 
 
+@pytest.fixture(params=["kernel", "measured"])
+def thread_bound(request, monkeypatch):
+    """Each way a reward process's threads are bounded: its cgroup's pids.max (where this host gives a cgroup with the
+    pids controller), where the kernel refuses the thread past it, or only measured."""
+    if request.param == "measured":
+        monkeypatch.setattr(pool_module, "memory_cgroups", lambda: None)
+    elif not kernel_bounds_threads():
+        pytest.skip("this host gives no cgroup with the pids controller")
+    return request.param
+
+
+def kernel_bounds_threads() -> bool:
+    return pool_module.memory_cgroups() is not None and pool_module.memory_cgroups().tasks_parent is not None
+
+
 @pytest.mark.parametrize("fn", [start_threads, start_processes])
-def test_threads_or_processes_left_running_past_the_limit_fail_the_call_by_name(fn):
+def test_threads_or_processes_left_running_past_the_limit_fail_the_call_by_name(fn, thread_bound):
     reward = RewardPool(fn, fn.__name__, WorkerLimits(memory_mb=4096, max_threads=32, max_calls=0))
     try:
         scores = score(samples("2", "40", "2"), reward, timeout_s=20.0)
     finally:
         reward.close()
     assert scores.rewards == [1.0, 0.0, 1.0]  # the third call runs in a fresh process
+    error = str(scores.failures[0].error)
+    if thread_bound == "kernel":  # refused at the 32nd thread: never more than the limit ran
+        assert "tried to run more threads than reward.worker_max_threads=32 (the kernel refused" in error
+    else:
+        assert "its reward process and the processes it started ran " in error
+        assert "threads, over reward.worker_max_threads=32" in error
     tracker = RewardFailureTracker(max_rate=0.1, window=1)
     tracker.add(scores)
     with pytest.raises(RewardFailureError) as failure:
         tracker.end_step(1)
     message = str(failure.value)
     assert f"reward {fn.__name__!r} passed its thread limit" in message
-    assert "over reward.worker_max_threads=32" in message
+    assert "reward.worker_max_threads=32" in message
     assert "on sample 1 (response='40'" in message
+
+
+def test_a_fork_bomb_is_held_at_the_thread_limit_by_the_kernel_and_fails_its_call():
+    if not kernel_bounds_threads():  # measured only, a bomb grows until the next measurement: not run on a host
+        pytest.skip("this host gives no cgroup with the pids controller")
+    cgroups = pool_module.memory_cgroups()
+    reward = RewardPool(fork_bomb, "fork_bomb", WorkerLimits(memory_mb=4096, max_threads=16, max_calls=0))
+    started = time.monotonic()
+    try:
+        scores = score(samples("a"), reward, timeout_s=30.0)
+        assert time.monotonic() - started < 15  # at the first watch after the refusal, not at the call's timeout
+        assert "tried to run more threads than reward.worker_max_threads=16" in str(scores.failures[0].error)
+        # the bomb's cgroups are gone, which the kernel allows only once no process is left in them
+        live = {w.cgroup for w in reward.workers}
+        assert set(cgroups.parent.glob(f"{PREFIX}reward-{os.getpid()}-*")) == live
+        assert set(cgroups.tasks_parent.glob(f"{PREFIX}reward-{os.getpid()}-*")) == {cgroups.tasks_dir(p) for p in live}
+    finally:
+        reward.close()
 
 
 @pytest.mark.parametrize("end", ["closed", "timed_out", "recycled"])
@@ -199,11 +249,13 @@ def test_the_cgroups_of_a_driver_that_is_gone_are_removed_at_start():
         pytest.skip("this host gives no memory cgroup")
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid names no process now
-    stale = cgroups.create(f"reward-{gone.pid}-1", 64 << 20)
-    ours = cgroups.create(f"reward-{os.getpid()}-1", 64 << 20)
+    stale = cgroups.create(f"reward-{gone.pid}-1", 64 << 20, max_tasks=8)
+    ours = cgroups.create(f"reward-{os.getpid()}-1", 64 << 20, max_tasks=8)
     try:
-        pool_module.remove_stale_cgroups(cgroups.parent)
+        pool_module.remove_stale_cgroups(cgroups)
         assert not stale.exists() and ours.exists()
+        if cgroups.tasks_parent is not None:  # under v1 a directory of the pids hierarchy too
+            assert not cgroups.tasks_dir(stale).exists() and cgroups.tasks_dir(ours).exists()
     finally:
         cgroups.remove(ours)
         if stale.exists():
