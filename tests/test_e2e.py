@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -73,7 +74,7 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
         assert trainer.version == version
         assert all(torch.equal(t, after[n]) for n, t in trainer.actor.call("hf_state_dict")[0].items())
         with pytest.raises(weight_sync.WeightSyncError, match=rf"1 tensor\(s\) differ \['{name}'\]"):
-            trainer.verify_rollout_weights([{"sent": sent}])
+            trainer.verify_rollout_weights([SimpleNamespace(sent=sent)])  # the deep check reads `sent` alone
     finally:
         trainer.shutdown()
 
