@@ -6,6 +6,8 @@ reward of a prompt file with no reward.name, or named `reward.name=data_source`.
   HuggingFaceH4/MATH-500
   math_dapo, math, math_dapo_reasoning, aime*           math_dapo (`Answer: X`, +1 / -1)
   numina_*                                              math (math-verify; verl uses PRIME's math checker)
+  deepmind/math_dataset                                 math (megarl's own: verl has no scorer for it; answers
+                                                        such as -13, 0.25, 2/7 compared as numbers)
   codecontests, apps, codeforces, taco                  code (the row's tests in the sandbox, code.py)
   hiyouga/geometry3k                                    geo3k (boxed answer 0.9 + format 0.1)
   searchR1_* (nq, triviaqa, popqa, hotpotqa,            qa_em (exact match of the last <answer>...</answer>)
@@ -31,7 +33,7 @@ SOURCES = {"openai/gsm8k": "gsm8k",
            "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
            "math_dapo": "math_dapo", "math": "math_dapo", "math_dapo_reasoning": "math_dapo",
            "codecontests": "code", "apps": "code", "codeforces": "code", "taco": "code",
-           "hiyouga/geometry3k": "geo3k"}
+           "hiyouga/geometry3k": "geo3k", "deepmind/math_dataset": "math"}
 PREFIXES = {"aime": "math_dapo", "numina_": "math", "searchR1_": "qa_em"}
 SET_REWARD = "set reward.name or custom_reward_function.path to score it"
 

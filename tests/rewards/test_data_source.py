@@ -31,6 +31,7 @@ FAMILIES = [
     ("math", "34", "Answer: 34", "no answer at all", 1.0, -1.0),
     ("aime2024", "204", "the total is \\boxed{204}", "Answer: 0.5", 1.0, -1.0),
     ("numina_olympiads", "\\frac{3}{4}", "\\boxed{0.75}", "\\boxed{3/5}", 1.0, 0.0),
+    ("deepmind/math_dataset", "-2/7", "-4/14 = -2/7", "the answer is 2/7", 1.0, 0.0),  # the last expression
     ("hiyouga/geometry3k", "4\\sqrt{3}", "<think>30-60-90</think> \\boxed{\\sqrt{48}}", "<think>x</think> \\boxed{4}",
      1.0, 0.1),
     ("hiyouga/geometry3k", "4\\sqrt{3}", "\\boxed{4\\sqrt{3}}", "4\\sqrt{3}", 0.9, 0.0),  # no think; no box
