@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 from megarl.data.files import SUFFIXES
-from megarl.data.tasks import TASKS
 
 
 def path_problems(cfg) -> list[str]:
@@ -34,6 +33,8 @@ def path_problems(cfg) -> list[str]:
 def rm_path_problems(cfg) -> list[str]:
     """The same for reward-model training: the preference files (a built-in task names none), the model it starts
     from, and where it writes (reward_model.path is its output here, the exported model)."""
+    from megarl.data.tasks import TASKS  # here: it imports torch, which `python -m megarl.train --help` does not need
+
     train = cfg.preference.train if cfg.preference.train not in TASKS else ""
     return (file_problems([("preference.train", train), ("preference.val", cfg.preference.val)])
             + model_problems([("model.path", cfg.model.path if cfg.model.path != "tiny" else "")])
