@@ -210,8 +210,9 @@ def test_an_answer_that_does_not_unpickle_in_the_driver_fails_its_sample():
 
 def exit_leaving_a_child(response, answer, sample):
     if os.fork() == 0:  # the child holds the worker's socket open: only the worker's exit says it died
-        with open(sample["pid_file"], "w") as f:
+        with open(sample["pid_file"] + ".part", "w") as f:
             f.write(str(os.getpid()))
+        os.rename(sample["pid_file"] + ".part", sample["pid_file"])  # whole when seen: the kill may come next
         time.sleep(60)
         os._exit(0)
     while not os.path.exists(sample["pid_file"]):
