@@ -28,9 +28,9 @@ from pathlib import Path
 
 from megarl.utils.tracking import run_metrics
 
-VAPO_OFF = ["algorithm.critic_warmup_steps=0", "algorithm.critic_lam=-1", "algorithm.lam_length_alpha=0",
-            "algorithm.positive_lm_coef=0", "algorithm.clip_eps_high=0"]
-GRPO = ["algorithm.pf_ppo=none", "algorithm.pf_ppo_replay=0"]
+VAPO_OFF = ["algorithm.gae.critic_warmup_steps=0", "algorithm.gae.critic_lam=-1", "algorithm.gae.lam_length_alpha=0",
+            "algorithm.positive_lm.coef=0", "algorithm.clip_eps_high=0"]
+GRPO = ["algorithm.pf_ppo.method=none", "algorithm.pf_ppo.replay=0"]
 NOISE = 0.2  # share of the training rewards flipped in the pfppo comparison
 
 # name -> (recipe, overrides, reward noise)

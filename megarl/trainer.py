@@ -98,7 +98,8 @@ class RLTrainer:
         reward_fn = build_reward(cfg.reward, cfg.data.task)  # one that does not load: a ConfigError, before workers
         self.kl_ctl = kl_controller(cfg.algorithm)  # fixed, or adaptive towards algorithm.kl_target
         # PF-PPO: the batch filtered by reward before the update (algorithm.pf_ppo)
-        self.policy_filter = PolicyFilter(cfg.algorithm, cfg.trainer.seed) if cfg.algorithm.pf_ppo != "none" else None
+        pf_ppo = cfg.algorithm.pf_ppo
+        self.policy_filter = PolicyFilter(pf_ppo, cfg.trainer.seed) if pf_ppo.method != "none" else None
         # the run's own log directory under the output root, its id kept by a resume (megarl/utils/tracking.py)
         self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.start.run_id), cfg.trainer.loggers,
                                {"run_id": self.start.run_id} | cfg.to_dict())
@@ -106,8 +107,8 @@ class RLTrainer:
         with phases(f"starting {cfg.actor.parallel.world_size} training rank(s) (the policy's model)"):
             self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
         # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
-        # (its LR schedule also counts VAPO's value-pretraining steps, algorithm.critic_warmup_steps)
-        critic_steps = cfg.trainer.steps + cfg.algorithm.critic_warmup_steps
+        # (its LR schedule also counts VAPO's value-pretraining steps, algorithm.gae.critic_warmup_steps)
+        critic_steps = cfg.trainer.steps + cfg.algorithm.gae.critic_warmup_steps
         self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, critic_steps, "critic")
                        if cfg.algorithm.advantage == "gae" else None)
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
@@ -164,7 +165,7 @@ class RLTrainer:
             self.actor.call("snapshot_reference")
         self.publish_policy()
         self.timers.pop()  # the warm-started policy's sync is no step's
-        if warmup := self.cfg.algorithm.critic_warmup_steps:
+        if warmup := self.cfg.algorithm.gae.critic_warmup_steps:
             with self.tracker.steps("critic warm-up", warmup, label="critic warm-up"):
                 for step in range(1, warmup + 1):
                     self.tracker.log(self.warm_up_critic(), step)
@@ -208,9 +209,9 @@ class RLTrainer:
                 ended = ends_with(batch, self.tokenizer.eos_token_id)  # unfinished responses: missing_eos_penalty
                 batch["rewards"], mixed = self.score_mixer(scores, batch["rewards"], batch["group"], ended)
                 metrics |= mixed
-        if a.overlong_buffer_len:
+        if a.overlong_buffer.len:
             penalty = overlong_reward_shaping(batch["loss_mask"].sum(1), self.cfg.rollout.max_new_tokens,
-                                              a.overlong_buffer_len, a.overlong_penalty_factor)
+                                              a.overlong_buffer.len, a.overlong_buffer.penalty_factor)
             batch["rewards"] = batch["rewards"] + penalty
             metrics["train/overlong_penalty"] = penalty.mean().item()
         return metrics
@@ -343,9 +344,9 @@ class RLTrainer:
                     self.tracker.log({f"sft/{k}": m[k] for k in ("loss", "skipped_updates") if k in m}, step)
 
     def warm_up_critic(self) -> dict:
-        """One step of VAPO's value pretraining (algorithm.critic_warmup_steps, before RL): samples from the policy
-        as it is, the critic trained on their returns (algorithm.critic_lam), the policy left alone. Metrics
-        critic_warmup/*: the critic's, and the samples' mean reward."""
+        """One step of VAPO's value pretraining (algorithm.gae.critic_warmup_steps, before RL): samples from the
+        policy as it is, the critic trained on their returns (algorithm.gae.critic_lam), the policy left alone.
+        Metrics critic_warmup/*: the critic's, and the samples' mean reward."""
         batch, metrics = self.sampler.sample_batch()
         self.sampler.reward_failures.end_step(0)
         metrics = self.train_step(batch, metrics, time.perf_counter(), train_policy=False)

@@ -41,6 +41,17 @@ def test_a_key_of_another_training_role_names_the_roles_it_applies_to(tmp_path):
     assert tiny_config(["critic.ppo_epochs=2"]).critic.ppo_epochs == 2
 
 
+def test_a_typo_of_another_roles_key_names_the_key_and_its_roles():
+    with pytest.raises(ConfigError, match=r"unknown config key 'reward_model.ppo_epoch'; did you mean ppo_epochs\? It "
+                                          r"is a key of actor and critic only \(actor.ppo_epochs, critic.ppo_epochs\), "
+                                          r"not of reward_model"):
+        tiny_config(["reward_model.ppo_epoch=2"])
+    # a typo of the role's own key is named as such
+    with pytest.raises(ConfigError, match=r"'reward_model.mini_batch_siz'; did you mean "
+                                          r"'reward_model.mini_batch_size'"):
+        tiny_config(["reward_model.mini_batch_siz=4"])
+
+
 def test_wrong_type_names_the_key():
     with pytest.raises(ConfigError, match=r"'trainer.steps' expects int, got 'many'"):
         tiny_config(["trainer.steps=many"])

@@ -62,11 +62,11 @@ TABLE = {
     "rollout.sglang_mem_fraction": {"-1": r"must be in \(0, 1\)", "0": r"must be in \(0, 1\)",
                                     "nan": "must be a finite number", "inf": "must be a finite number",
                                     HUGE_FLOAT: r"must be in \(0, 1\)"},
-    "algorithm.critic_lam": {"-1": OK, "0": OK, "nan": "must be a finite number in", "inf": "must be a finite",
-                             HUGE_FLOAT: r"must be in \[0, 1\] or -1 \(-1 = algorithm.lam, the policy's\)"},
+    "algorithm.gae.critic_lam": {"-1": OK, "0": OK, "nan": "must be a finite number in", "inf": "must be a finite",
+                                 HUGE_FLOAT: r"must be in \[0, 1\] or -1 \(-1 = algorithm.lam, the policy's\)"},
 }
 # keys that only apply beside another setting
-CONTEXT = {"algorithm.critic_lam": ["algorithm.advantage=gae"]}
+CONTEXT = {"algorithm.gae.critic_lam": ["algorithm.advantage=gae"]}
 CASES = [(key, value, expected) for key, row in TABLE.items() for value, expected in row.items()]
 
 

@@ -33,13 +33,13 @@ def test_ppo_with_critic_reference_and_reward_model(tmp_path, ray_local):
         "algorithm.advantage=gae", "algorithm.kl_coef=0.05", "algorithm.lam=0.9",
         "critic.parallel.world_size=1", "critic.max_tokens_per_micro_batch=64", "critic.optim.lr=1e-3",
         f"reward_model.path={tiny_reward_model(tmp_path / 'reward_model')}",
-        "algorithm.critic_lam=1.0", "algorithm.lam_length_alpha=2.0", "algorithm.positive_lm_coef=0.1",
-        "algorithm.positive_lm_threshold=-1e9", "algorithm.pf_ppo=pow", "algorithm.pf_ppo_replay=4",
+        "algorithm.gae.critic_lam=1.0", "algorithm.gae.lam_length_alpha=2.0", "algorithm.positive_lm.coef=0.1",
+        "algorithm.positive_lm.threshold=-1e9", "algorithm.pf_ppo.method=pow", "algorithm.pf_ppo.replay=4",
         "algorithm.recompute_old_logprobs=always"], path=RECIPE)
     trainer = RLTrainer(cfg)
     try:
         trainer.prepare()
-        # VAPO's value pretraining (algorithm.critic_warmup_steps): the critic learns, the policy stays as it was
+        # VAPO's value pretraining (algorithm.gae.critic_warmup_steps): the critic learns, the policy stays as it was
         probe = trainer.sampler.generate_and_score(trainer.val)
         before = trainer.actor.compute_logprobs(probe)["logprobs"]
         values_before = trainer.critic.compute_values(probe)["values"]

@@ -83,7 +83,7 @@ def test_the_seeds_ppo_quickstart_trains_ppo_with_verls_settings():
     cfg = read(SEED_PPO)
     assert cfg.profile == "verl"
     expected = {
-        "algorithm.advantage": "gae", "algorithm.policy_loss": "dual_clip", "algorithm.clip_ratio_c": 3.0,
+        "algorithm.advantage": "gae", "algorithm.policy_loss": "dual_clip", "algorithm.dual_clip.clip_ratio_c": 3.0,
         "algorithm.clip_eps": 0.2, "algorithm.clip_eps_high": 0.2, "algorithm.gamma": 1.0, "algorithm.lam": 1.0,
         "algorithm.kl_coef": 0.0, "algorithm.entropy_coef": 0.0, "algorithm.loss_agg": "token-mean",
         "rollout.n_samples": 1, "rollout.max_new_tokens": 512, "data.max_prompt_length": 1024,
@@ -147,15 +147,16 @@ def test_verls_dapo_command(tmp_path):
     cfg = read(VERL_DAPO.format(train=train, test=test).replace("my_reward.py", str(reward)))
     got = {key: value_of(cfg, key) for key in (
         "rollout.n_samples", "actor.mini_batch_size", "algorithm.clip_eps", "algorithm.clip_eps_high",
-        "algorithm.clip_ratio_c", "algorithm.dynamic_sampling", "algorithm.max_sampling_rounds",
-        "algorithm.overlong_buffer_len", "algorithm.overlong_penalty_factor", "rollout.eval_temperature",
+        "algorithm.dual_clip.clip_ratio_c", "algorithm.dynamic_sampling", "algorithm.max_sampling_rounds",
+        "algorithm.overlong_buffer.len", "algorithm.overlong_buffer.penalty_factor", "rollout.eval_temperature",
         "rollout.eval_n_samples", "actor.optim.warmup_steps", "actor.optim.weight_decay", "trainer.steps",
         "actor.parallel.world_size", "actor.parallel.tp", "actor.parallel.sequence_parallel", "reward.name",
         "algorithm.kl_coef")}
     assert got == {"rollout.n_samples": 16, "actor.mini_batch_size": 512, "algorithm.clip_eps": 0.2,
-                   "algorithm.clip_eps_high": 0.28, "algorithm.clip_ratio_c": 10.0, "algorithm.dynamic_sampling": True,
-                   "algorithm.max_sampling_rounds": 10, "algorithm.overlong_buffer_len": 4096,
-                   "algorithm.overlong_penalty_factor": 1.0, "rollout.eval_temperature": 1.0,
+                   "algorithm.clip_eps_high": 0.28, "algorithm.dual_clip.clip_ratio_c": 10.0,
+                   "algorithm.dynamic_sampling": True, "algorithm.max_sampling_rounds": 10,
+                   "algorithm.overlong_buffer.len": 4096,
+                   "algorithm.overlong_buffer.penalty_factor": 1.0, "rollout.eval_temperature": 1.0,
                    "rollout.eval_n_samples": 4, "actor.optim.warmup_steps": 10, "actor.optim.weight_decay": 0.1,
                    "trainer.steps": 200, "actor.parallel.world_size": 32, "actor.parallel.tp": 4,
                    "actor.parallel.sequence_parallel": True, "reward.name": f"{reward}:compute_score",
@@ -227,6 +228,14 @@ def test_a_megarl_key_and_a_verl_key_for_one_option_clash_and_a_recipe_yields_to
     cfg = read(SEED_MULTINODE, "rollout.max_new_tokens=64", "trainer.steps=3")
     assert (cfg.rollout.max_new_tokens, cfg.trainer.steps) == (64, 3)
     assert read(SEED_MULTINODE).rollout.max_new_tokens == 512
+
+
+def test_verls_pf_ppo_and_critic_warmup_set_the_keys_nested_under_their_feature():
+    cfg = read(SEED_PPO, "algorithm.use_pf_ppo=True", "algorithm.pf_ppo.reweight_method=max_min",
+               "algorithm.pf_ppo.weight_pow=3.0", "trainer.critic_warmup=2")
+    a = cfg.algorithm
+    assert (a.pf_ppo.method, a.pf_ppo.weight_pow, a.gae.critic_warmup_steps) == ("max_min", 3.0, 2)
+    assert read(SEED_PPO).algorithm.pf_ppo.method == "none"  # verl's use_pf_ppo is off by default
 
 
 def test_an_invalid_option_set_through_verl_names_the_verl_key():

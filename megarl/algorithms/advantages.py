@@ -32,8 +32,8 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> Batch:
 
     The token-level estimators also leave batch.meta['reward_kl'] (mean KL per response token, for logs and
     the adaptive KL controller) when the KL is in the reward; gae leaves batch['returns'] (value targets).
-    With cfg.positive_lm_coef > 0 it also stores batch['lm_mask']: loss_mask on the rows whose reward is at
-    least cfg.positive_lm_threshold (the rewards as the estimator saw them: after reward shaping)."""
+    With cfg.positive_lm.coef > 0 it also stores batch['lm_mask']: loss_mask on the rows whose reward is at
+    least cfg.positive_lm.threshold (the rewards as the estimator saw them: after reward shaping)."""
     batch.meta.pop("reward_kl", None)
     advantages = ADVANTAGES.get(cfg.advantage)(batch, cfg)
     if cfg.kl_in_reward and cfg.kl_coef > 0 and "reward_kl" not in batch.meta:
@@ -47,8 +47,8 @@ def compute_advantages(batch: Batch, cfg: AlgorithmConfig) -> Batch:
     if not torch.isfinite(advantages).all():
         raise ValueError(f"advantage estimator '{cfg.advantage}' returned non-finite values")
     batch["advantages"] = advantages
-    if cfg.positive_lm_coef > 0:  # VAPO's positive-example LM loss trains on these tokens (losses.actor_loss)
-        positive = batch["rewards"].float() >= cfg.positive_lm_threshold
+    if cfg.positive_lm.coef > 0:  # VAPO's positive-example LM loss trains on these tokens (losses.actor_loss)
+        positive = batch["rewards"].float() >= cfg.positive_lm.threshold
         batch["lm_mask"] = torch.where(positive[:, None], batch["loss_mask"].float(), 0.0)
     return batch
 
@@ -95,7 +95,7 @@ def rloo(batch: Batch, cfg: AlgorithmConfig) -> torch.Tensor:
 @ADVANTAGES.register("gpg")
 def gpg(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
     """GPG (Chu et al. 2025): alpha * (r - group mean) / F_norm, F_norm = 1 (or the group's std + eps with
-    cfg.gpg_norm_by_std), alpha = B / (B - M) where M counts the samples of groups whose rewards are all equal
+    cfg.gpg.norm_by_std), alpha = B / (B - M) where M counts the samples of groups whose rewards are all equal
     (their advantage is 0): the batch-mean gradient is rescaled to the samples that carry one. Pair it with
     policy_loss=gpg (plain policy gradient, no ratio).
 
@@ -105,7 +105,7 @@ def gpg(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
     count, mean, std = group_statistics(rewards, batch["group"])
     informative = ((count > 1) & (std > 0)).sum().item()
     scores = (rewards - mean) * len(rewards) / max(informative, 1)
-    if cfg.gpg_norm_by_std:
+    if cfg.gpg.norm_by_std:
         scores = scores / (std + STD_EPS)
     return scores[:, None] * mask.float()
 
@@ -245,19 +245,19 @@ def gae_estimator(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
     """PPO with a critic: GAE (cfg.gamma, cfg.lam) over token_level_rewards and batch['values'], whitened over
     the batch's response tokens. Also stores batch['returns'] (the critic's targets, not whitened).
 
-    VAPO's decoupled GAE: the returns come from a GAE pass with cfg.critic_lam (1.0: Monte-Carlo returns,
+    VAPO's decoupled GAE: the returns come from a GAE pass with cfg.gae.critic_lam (1.0: Monte-Carlo returns,
     unbiased targets) and the advantages from one with the policy's lambda, cfg.lam or, with
-    cfg.lam_length_alpha > 0, length_adaptive_lambda per response.
+    cfg.gae.lam_length_alpha > 0, length_adaptive_lambda per response.
 
     Convention: advantages are whitened here, as verl does (OpenRLHF normalises them in its replay buffer)."""
     if "values" not in batch:
         raise KeyError("advantage estimator 'gae' needs batch['values'] (a critic's per-token values)")
     mask, values = batch["loss_mask"], batch["values"]
     rewards = token_level_rewards(batch, cfg)
-    policy_lam = length_adaptive_lambda(mask, cfg.lam_length_alpha) if cfg.lam_length_alpha > 0 else cfg.lam
+    policy_lam = length_adaptive_lambda(mask, cfg.gae.lam_length_alpha) if cfg.gae.lam_length_alpha > 0 else cfg.lam
     advantages, returns = gae(rewards, values, mask, cfg.gamma, policy_lam)
-    critic_lam = cfg.lam if cfg.critic_lam < 0 else cfg.critic_lam
-    if cfg.lam_length_alpha > 0 or critic_lam != cfg.lam:
+    critic_lam = cfg.lam if cfg.gae.critic_lam < 0 else cfg.gae.critic_lam
+    if cfg.gae.lam_length_alpha > 0 or critic_lam != cfg.lam:
         returns = gae(rewards, values, mask, cfg.gamma, critic_lam)[1]
     batch["returns"] = returns
     return masked_whiten(advantages, mask)
@@ -304,7 +304,7 @@ def optimal_token_baseline(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
     responses that reach position t. W_t = sum_{j<=t} (1 - 2 p_j + sum_v p(v)^2) accumulates the squared norm
     of the log-prob gradient w.r.t. the logits along the response (p_j: the sampled token's probability under
     the old policy, batch['old_logprobs']; sum_v p(v)^2: batch['sum_pi_squared'], from the trainer's forward).
-    Not whitened. With cfg.otb_zero_tail, the positions of a group's (unique) longest response past the end
+    Not whitened. With cfg.otb.zero_tail, the positions of a group's (unique) longest response past the end
     of the second longest get baseline 0 (there it would be its own return: advantage 0).
 
     Conventions: positions are columns (rows of one group share their prompt, so a column is the same response
@@ -329,7 +329,7 @@ def optimal_token_baseline(batch: Batch, cfg: AlgorithmConfig) -> Tensor:
         index = torch.tensor(members, device=mask.device)
         baseline = (returns[index] * weights[index]).sum(0) / (weights[index].sum(0) + WHITEN_EPS)
         baselines[index] = baseline.expand(len(members), -1)
-        if cfg.otb_zero_tail and len(members) > 1:
+        if cfg.otb.zero_tail and len(members) > 1:
             group_ends = ends[index].sort(descending=True).values
             if group_ends[0] > group_ends[1]:
                 longest = members[int(ends[index].argmax())]

@@ -121,13 +121,14 @@ def ppo_clip(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> t
 
 @POLICY_LOSSES.register("dual_clip")
 def dual_clip(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dual-clip PPO (Ye et al. 2020): ppo_clip, and for A < 0 the loss is at most -A * cfg.clip_ratio_c,
+    """Dual-clip PPO (Ye et al. 2020): ppo_clip, and for A < 0 the loss is at most -A * cfg.dual_clip.clip_ratio_c,
     so a token whose ratio has run far above 1 + eps gets no gradient. Extra metric `dual_clipfrac`.
 
     Convention: as verl, the cap applies to the already-clipped term, min(max(...), -A * c)."""
-    if cfg.clip_ratio_c <= 1:
-        raise ValueError(f"dual_clip needs algorithm.clip_ratio_c > 1, got {cfg.clip_ratio_c}")
-    return _ppo(logprobs, mb, cfg, dual_clip_c=cfg.clip_ratio_c)
+    c = cfg.dual_clip.clip_ratio_c
+    if c <= 1:
+        raise ValueError(f"dual_clip needs algorithm.dual_clip.clip_ratio_c > 1, got {c}")
+    return _ppo(logprobs, mb, cfg, dual_clip_c=c)
 
 
 def _ppo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig,
@@ -142,7 +143,7 @@ def _ppo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig,
 @POLICY_LOSSES.register("gspo")
 def gspo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025): one importance ratio per sequence, s = exp(mean over its response tokens of
-    new - old log-prob), clipped with its own narrow range (cfg.gspo_clip_eps / gspo_clip_eps_high).
+    new - old log-prob), clipped with its own narrow range (cfg.gspo.clip_eps / clip_eps_high).
 
     Each response token t carries max(-A_t * s_t, -A_t * clip(s_t)) with s_t = sg(s) * p_t / sg(p_t), the
     paper's GSPO-token and verl's compute_policy_loss_gspo: s_t's value is s, and its gradient reaches token t
@@ -156,8 +157,8 @@ def gspo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple
     current = logprobs.float()
     seq_log_ratio = (mean_log_ratio.detach()[:, None] + current - current.detach()).clamp(max=GSPO_MAX_LOG_RATIO)
     seq_ratio = torch.exp(seq_log_ratio)
-    loss, metrics = clipped_surrogate(seq_ratio, mb["advantages"].float(), cfg.gspo_clip_eps,
-                                       cfg.gspo_clip_eps_high)
+    loss, metrics = clipped_surrogate(seq_ratio, mb["advantages"].float(), cfg.gspo.clip_eps,
+                                       cfg.gspo.clip_eps_high)
     return loss, metrics | {"approx_kl": -log_ratio.detach(), "ratio": seq_ratio.detach()}
 
 
@@ -168,7 +169,7 @@ def gspo(logprobs: Tensor, mb: dict[str, Tensor], cfg: AlgorithmConfig) -> tuple
 def policy_batch_keys(cfg: AlgorithmConfig) -> list[str]:
     """The batch's [B, T] tensors that actor_loss reads beyond 'loss_mask', 'advantages', 'old_logprobs',
     'ref_logprobs' and 'rollout_logprobs' (the engine puts them in every micro-batch)."""
-    return (["lm_mask"] if cfg.positive_lm_coef > 0 else []) + rollout_correction.batch_keys(cfg)
+    return (["lm_mask"] if cfg.positive_lm.coef > 0 else []) + rollout_correction.batch_keys(cfg)
 
 
 def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, mb: dict[str, Tensor],
@@ -182,9 +183,9 @@ def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, m
     decoupled objective; the rollout correction's importance weights and rejection). With cfg.kl_in_reward the
     KL is already in the advantages and no KL term is added here. The policy loss's own diagnostics
     ('clipfrac', 'approx_kl', 'ratio' for ppo_clip) are token means whatever cfg.loss_agg is.
-    With cfg.positive_lm_coef = mu > 0 (VAPO's positive-example LM loss) the loss also has
+    With cfg.positive_lm.coef = mu > 0 (VAPO's positive-example LM loss) the loss also has
     mu * positive_lm_nll, the negative log-likelihood of the tokens in mb['lm_mask'] (the response tokens of
-    samples whose reward reached cfg.positive_lm_threshold) averaged over the mini-batch's
+    samples whose reward reached cfg.positive_lm.threshold) averaged over the mini-batch's
     `total_lm_tokens` of them; a mini-batch without any contributes 0.
     mb holds 'loss_mask', 'old_logprobs', 'advantages', 'ref_logprobs' when the KL loss is on,
     'rollout_logprobs' when cfg.tis is on, and the keys of policy_batch_keys(cfg).
@@ -210,11 +211,11 @@ def actor_loss(cfg: AlgorithmConfig, logprobs: Tensor, entropy: Tensor | None, m
         loss = loss + cfg.kl_coef * kl
         metrics["kl"] = kl.detach()
 
-    if cfg.positive_lm_coef > 0:
+    if cfg.positive_lm.coef > 0:
         if "lm_mask" not in mb:
-            raise KeyError("algorithm.positive_lm_coef > 0 but the micro-batch has no 'lm_mask'")
+            raise KeyError("algorithm.positive_lm.coef > 0 but the micro-batch has no 'lm_mask'")
         nll = -_masked(logprobs.float(), mb["lm_mask"]).sum() / max(total_lm_tokens, 1)
-        loss = loss + cfg.positive_lm_coef * nll
+        loss = loss + cfg.positive_lm.coef * nll
         metrics["positive_lm_nll"] = nll.detach()
 
     if entropy is not None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.config.fields import CLUSTER, PASSES, SEQUENCES, TOKENS, opt, section
+from megarl.config.knob_sections import (CISPOConfig, ClipCovConfig, DualClipConfig, GAEConfig, GMPOConfig, GPGConfig,
+                                        GSPOConfig, KLCovConfig, OTBConfig, OverlongBufferConfig, PFPPOConfig,
+                                        PositiveLMConfig, SAPOConfig)
 
 
 @dataclass
@@ -55,11 +58,6 @@ class AlgorithmConfig:
     clip_eps: float = opt(0.2, "PPO clip range (lower side, and upper unless clip_eps_high is set)",
                           min=0, min_exclusive=True)
     clip_eps_high: float = opt(0.0, "PPO clip range, upper side; 0 = clip_eps", min=0)
-    clip_ratio_c: float = opt(3.0, "dual_clip loss: bound on a negative-advantage token's ratio term (> 1)",
-                              min=1, min_exclusive=True)
-    gspo_clip_eps: float = opt(3e-4, "GSPO clip range of the sequence ratio, lower side", min=0, min_exclusive=True)
-    gspo_clip_eps_high: float = opt(4e-4, "GSPO clip range of the sequence ratio, upper side",
-                                    min=0, min_exclusive=True)
     loss_agg_norm_len: int = opt(0, "seq-mean-token-sum-norm: the constant each sequence's token sum is "
                                     "divided by (Dr. GRPO: the max response length)", min=0, **TOKENS)
     tis: bool = opt(False, "truncated importance sampling: weight the policy loss by min(exp(old - rollout "
@@ -85,59 +83,6 @@ class AlgorithmConfig:
     max_sampling_rounds: int = opt(3, "DAPO dynamic sampling: most generation rounds per step; a batch still short "
                                       "then is filled up with dropped groups (zero advantage under grpo)",
                                    min=1, **PASSES)
-    overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalty ramp over the last N tokens of "
-                                      "rollout.max_new_tokens; 0 = off", min=0, **TOKENS)
-    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: penalty at the full length", min=0)
-    # VAPO (Yue et al. 2025) on top of gae: decoupled and length-adaptive GAE, value pretraining, positive LM loss
-    critic_lam: float = opt(-1.0, "GAE lambda of the critic's targets (VAPO's decoupled GAE: 1.0, Monte-Carlo "
-                                  "returns); -1 = algorithm.lam, the policy's", min=0, max=1, also=(-1,))
-    lam_length_alpha: float = opt(0.0, "VAPO's length-adaptive GAE: the policy's lambda per sequence is "
-                                       "1 - 1 / (alpha * response length), clamped to [0, 1] (VAPO: alpha 0.05); "
-                                       "0 = algorithm.lam for every sequence", min=0)
-    critic_warmup_steps: int = opt(0, "VAPO's value pretraining: steps before RL that sample from the frozen policy "
-                                      "and train only the critic on the returns (algorithm.critic_lam); 0 = none",
-                                   min=0)
-    positive_lm_coef: float = opt(0.0, "VAPO's positive-example LM loss: coefficient of the NLL of the response "
-                                       "tokens of samples whose reward >= positive_lm_threshold (VAPO: 0.1); 0 = off",
-                                  min=0)
-    positive_lm_threshold: float = opt(1.0, "positive-example LM loss: the reward at which a sample counts as correct",
-                                       unbounded=True)
-    # estimators and losses beyond PPO/GRPO (docs/configuration.md names each paper and formula)
-    gpg_norm_by_std: bool = opt(False, "gpg advantage: divide by the group's std (F_norm = std) instead of 1")
-    otb_zero_tail: bool = opt(True, "optimal_token_baseline: the part of a group's longest response past its "
-                                    "second longest gets no baseline (verl's handle_zero_tail)")
-    gmpo_clip_eps: float = opt(0.4, "gmpo loss: each token's log-ratio is clipped to [-eps, eps] (the paper's 0.4)",
-                               min=0, min_exclusive=True)
-    cispo_clip_eps_low: float = opt(1.0, "cispo loss: the IS weight's lower bound is 1 - eps (1 = none, MiniMax-M1)",
-                                    min=0, max=1)
-    cispo_clip_eps_high: float = opt(0.2, "cispo loss: the IS weight's upper bound is 1 + eps", min=0)
-    sapo_tau_pos: float = opt(1.0, "sapo loss: gate temperature of tokens with a positive advantage",
-                              min=0, min_exclusive=True)
-    sapo_tau_neg: float = opt(1.05, "sapo loss: gate temperature of tokens with a negative or zero advantage",
-                              min=0, min_exclusive=True)
-    clip_cov_ratio: float = opt(2e-4, "clip_cov loss: fraction of a micro-batch's tokens whose gradient is cut",
-                                min=0, max=1, min_exclusive=True)
-    clip_cov_lb: float = opt(1.0, "clip_cov loss: tokens are drawn among those with covariance above this",
-                             unbounded=True)
-    clip_cov_ub: float = opt(5.0, "clip_cov loss: tokens are drawn among those with covariance below this",
-                             unbounded=True)
-    kl_cov_ratio: float = opt(2e-4, "kl_cov loss: fraction of a micro-batch's tokens (highest covariance) that get "
-                                    "the |log-ratio| penalty", min=0, max=1, min_exclusive=True)
-    kl_cov_coef: float = opt(0.1, "kl_cov loss: coefficient of the |log-ratio| penalty (verl's ppo_kl_coef)", min=0)
-    # PF-PPO (Shen et al. 2024): policy filtration by reward before the update
-    pf_ppo: str = opt("none", "PF-PPO: weight samples by reward before the update: none, pow (|r|^weight_pow), "
-                              "max_min (the highest and lowest rewards) or max_random (0.4 for the highest, 0.1 else)",
-                      choices=("none", "pow", "max_min", "max_random"))
-    pf_ppo_weight_pow: float = opt(2.0, "PF-PPO pow: the exponent of |r|", min=0, min_exclusive=True)
-    pf_ppo_scope: str = opt("batch", "PF-PPO: where max_min / max_random take the highest and lowest reward: batch "
-                                     "(verl) or group (the paper: among the responses to one prompt)",
-                            choices=("batch", "group"))
-    pf_ppo_resample: bool = opt(True, "PF-PPO: draw the step's batch again, as many rows with replacement, in "
-                                      "proportion to the weights (verl); false: keep every row and scale its "
-                                      "advantages by its weight over the mean weight")
-    pf_ppo_replay: int = opt(0, "PF-PPO with resample: the highest-reward samples of earlier steps kept (with the "
-                                "advantages and log-probs of their step) and drawn from beside the step's own; "
-                                "0 = none", min=0, **SEQUENCES)
     # the KL estimate's bound, single-sample groups, and rollout correction (megarl/algorithms/kl.py,
     # rollout_correction.py)
     kl_clamp: float = opt(10.0, "upper bound of the k3 (low_var_kl) KL estimate per token, as verl; 0 = none", min=0)
@@ -146,6 +91,26 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig, "the rollout engine's log-probs "
                                                           "against the trainer's: importance weights, rejection, "
                                                           "bypass mode, the decoupled PPO objective")
+    # each loss's and estimator's own knobs, read when it is selected (docs/configuration.md names each paper and
+    # formula)
+    dual_clip: DualClipConfig = section(DualClipConfig, "the dual_clip loss's own knobs (Ye et al. 2020)")
+    gspo: GSPOConfig = section(GSPOConfig, "the gspo loss's own knobs (Zheng et al. 2025)")
+    gmpo: GMPOConfig = section(GMPOConfig, "the gmpo loss's own knobs (Zhao et al. 2025)")
+    cispo: CISPOConfig = section(CISPOConfig, "the cispo loss's own knobs (MiniMax-M1)")
+    sapo: SAPOConfig = section(SAPOConfig, "the sapo loss's own knobs (Gao et al. 2025)")
+    clip_cov: ClipCovConfig = section(ClipCovConfig, "the clip_cov loss's own knobs (Cui et al. 2025)")
+    kl_cov: KLCovConfig = section(KLCovConfig, "the kl_cov loss's own knobs (Cui et al. 2025)")
+    gpg: GPGConfig = section(GPGConfig, "the gpg advantage estimator's own knobs (Chu et al. 2025)")
+    otb: OTBConfig = section(OTBConfig, "the optimal_token_baseline advantage estimator's own knobs")
+    gae: GAEConfig = section(GAEConfig, "the gae advantage estimator's own knobs beyond gamma and lam: VAPO's "
+                                        "decoupled and length-adaptive GAE and value pretraining (Yue et al. 2025)")
+    # features beside the loss, each off by its first key's default
+    positive_lm: PositiveLMConfig = section(PositiveLMConfig, "VAPO's positive-example LM loss, added to any policy "
+                                                              "loss (Yue et al. 2025)")
+    overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO's overlong reward shaping (verl's "
+                                                                          "reward_model.overlong_buffer)")
+    pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO (Shen et al. 2024): policy filtration by reward before the "
+                                               "update")
 
 
 @dataclass

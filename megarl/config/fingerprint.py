@@ -4,7 +4,8 @@ Every checkpoint stores them (megarl/engine/checkpoint.py); a resume compares th
 (megarl/resume.py), so a run restarted in the same directory with other settings is refused by name instead of
 silently continuing the old run under new numbers. A checkpoint stores every training key; the comparison leaves out
 those that neither run reads (`unread_keys`: a critic's settings where no critic is trained, the knobs of losses and
-estimators not selected), so a changed default of a setting a run never used does not refuse its checkpoint.
+estimators not selected), so a changed default of a setting a run never used does not refuse its checkpoint. A key
+stored under a name megarl has since moved (megarl/config/moved_keys.py) is compared under its new name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 
+from megarl.config.moved_keys import current_names
 from megarl.config.sections import Config
 
 _ROLES = ("actor", "critic", "reward_model")
@@ -56,21 +58,20 @@ NOT_TRAINING = {
 }
 
 
-# Each advantage estimator's and policy loss's own knobs (algorithm.<knob>, as megarl/algorithms/advantages.py,
-# losses.py and loss_variants.py read them): a run reads those of the estimator and loss it selects. A name not listed
-# (a plugin, `package.module:function`) may read any of them: all are compared for it.
+# Each advantage estimator's and policy loss's own knobs (algorithm.<knob>, or algorithm.<section> for all of a
+# section's, as megarl/algorithms/advantages.py, losses.py and loss_variants.py read them): a run reads those of the
+# estimator and loss it selects. A name not listed (a plugin, `package.module:function`) may read any of them: all are
+# compared for it.
 ESTIMATOR_KNOBS = {
     "grpo": ("norm_adv_by_std",), "grpo_passk": ("norm_adv_by_std",), "rloo": (), "opo": (), "remax": (),
-    "gpg": ("gpg_norm_by_std",), "optimal_token_baseline": ("otb_zero_tail",),
+    "gpg": ("gpg",), "optimal_token_baseline": ("otb",),
     "reinforce_plus_plus": ("gamma",), "reinforce_plus_plus_baseline": ("gamma",),
-    "gae": ("gamma", "lam", "critic_lam", "lam_length_alpha", "critic_warmup_steps"),
+    "gae": ("gamma", "lam", "gae"),
 }
 LOSS_KNOBS = {
-    "ppo_clip": ("clip_eps", "clip_eps_high"), "dual_clip": ("clip_eps", "clip_eps_high", "clip_ratio_c"),
-    "clip_cov": ("clip_eps", "clip_eps_high", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-    "kl_cov": ("kl_cov_ratio", "kl_cov_coef"), "gspo": ("gspo_clip_eps", "gspo_clip_eps_high"),
-    "gmpo": ("gmpo_clip_eps",), "cispo": ("cispo_clip_eps_low", "cispo_clip_eps_high"),
-    "sapo": ("sapo_tau_pos", "sapo_tau_neg"), "reinforce": (), "gpg": (),
+    "ppo_clip": ("clip_eps", "clip_eps_high"), "dual_clip": ("clip_eps", "clip_eps_high", "dual_clip"),
+    "clip_cov": ("clip_eps", "clip_eps_high", "clip_cov"), "kl_cov": ("kl_cov",), "gspo": ("gspo",),
+    "gmpo": ("gmpo",), "cispo": ("cispo",), "sapo": ("sapo",), "reinforce": (), "gpg": (),
 }
 
 
@@ -123,11 +124,12 @@ def fingerprint(cfg: Config) -> dict:
 def differences(saved: dict, current: dict) -> list[str]:
     """The training keys whose values differ, as `key: old -> new`, of those that either run reads (unread_keys). A
     key the saved run did not know (added to megarl since) counts as its default there; a key megarl no longer has
-    cannot be set, so it is not named."""
+    cannot be set, so it is not named; a key stored under a former name is compared under its new one."""
     if saved["sha256"] == current["sha256"]:
         return []
     new = current["values"]
-    old = {key: saved["values"].get(key, default) for key, default in _options(Config()).items()}
+    stored = current_names(saved["values"])
+    old = {key: stored.get(key, default) for key, default in _options(Config()).items()}
     unread = unread_keys(old) & unread_keys(new)  # a prefix both leave unread (a key read by one run is compared)
     return [f"{key}: {_show(old[key])} -> {_show(value)}"
             for key, value in new.items() if old.get(key) != value and not _within(key, unread)]

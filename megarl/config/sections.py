@@ -158,8 +158,8 @@ class ActorConfig(EngineConfig):
     fp32_lm_head: bool = opt(True, "under bf16: the output layer (the vocabulary projection) and the log-softmax "
                                    "in float32, and the rollout engine's too (SGLang's --enable-fp32-lm-head, the "
                                    "hf engine's lm_head): rollout and training log-probs closer (SmolLM2-135M on an "
-                                   "H100: k3 KL 1.65e-3 -> 7.9e-4 per token, step time unchanged; "
-                                   "docs/benchmarks.md); the logits take twice the memory of bf16's. No effect at fp32")
+                                   "H100: k3 KL 1.65e-3 -> 7.93e-4 per token; docs/benchmarks.md, A real pretrained "
+                                   "model); the logits take twice the memory of bf16's. No effect at fp32")
 
 
 @dataclass
@@ -421,13 +421,13 @@ class TrainerConfig:
                                    "of trainer.output_dir")
     sync_bucket_mb: int = opt(1024, "weight-sync bucket size in MiB: the most extra memory a sync takes on a sending "
                                     "rank (plus SGLang's two persistent buffers of ~half a bucket each); fewer, "
-                                    "larger buckets sync faster (7B into SGLang on an H200: 2048 MiB 0.18 s, "
-                                    "8192 MiB 0.13 s; docs/benchmarks.md)", min=1, **MEBIBYTES)
+                                    "larger buckets sync faster (docs/benchmarks.md, Weight sync into SGLang)", min=1,
+                                **MEBIBYTES)
     verify_weight_sync_every: int = opt(1, "check the rollout engine's weights equal Megatron's bit for bit after the "
                                            "first weight sync and every N-th one after it (checksums of every "
                                            "parameter, computed inside SGLang's TP workers on their GPUs, against "
-                                           "the sender's: 1.4% of a short 0.5B GRPO step on an H200, "
-                                           "docs/benchmarks.md); 1: every sync, 0: never", min=0)
+                                           "the sender's; its cost: docs/benchmarks.md, Weight-sync verification); 1: "
+                                           "every sync, 0: never", min=0)
     verify_weight_sync_deep: bool = opt(False, "verification also has SGLang reload the sync from a safetensors file "
                                                "with its own loader and compare (writes the whole model each time: "
                                                "for debugging a weight layout, not for long runs)")

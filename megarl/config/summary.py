@@ -43,7 +43,7 @@ def _algorithm(cfg) -> str:
                  f"lam {a.lam:g})"
     clip = f"clip {a.clip_eps:g}/{a.clip_eps_high or a.clip_eps:g}"
     if a.policy_loss == "dual_clip":
-        clip += f", dual clip {a.clip_ratio_c:g}"
+        clip += f", dual clip {a.dual_clip.clip_ratio_c:g}"
     return (f"algorithm: {a.advantage} advantages{critic}; policy loss {a.policy_loss} ({clip}, {a.loss_agg}); "
             f"{_kl(a)}; entropy bonus {a.entropy_coef:g}")
 

@@ -97,8 +97,8 @@ class ConfigChecks:
         check_kl_and_groups(self)
         check_rollout_correction(self)
         self._validate_async()
-        if a.overlong_buffer_len > self.rollout.max_new_tokens:
-            raise ConfigError(f"algorithm.overlong_buffer_len={a.overlong_buffer_len}: must be in "
+        if a.overlong_buffer.len > self.rollout.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer.len={a.overlong_buffer.len}: must be in "
                               f"[0, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
         return self
 

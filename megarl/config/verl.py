@@ -5,6 +5,7 @@ verl's alone (`actor_rollout_ref.*`, `data.train_files`, `trainer.total_epochs`,
 apply to every verl key it does not set, so the command trains what verl would train with it; megarl's own
 keys may sit beside verl's and win over what verl's defaults would give. A megarl key and a verl key of the
 same source that set one option to two values are an error; so is every unknown key, all named in one message.
+megarl's own former key names (megarl/config/moved_keys.py) are read as the keys they are now, each said once.
 
 `plan(sources, megarl_keys)` returns the assignments to make, in order, with the profile and the notes the run
 prints (verl keys that have no effect in megarl, engines replaced).
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megarl.config.moved_keys import MOVED_KEYS, moved_note, moved_to
 from megarl.config.sections import TRAINING_ROLES
 from megarl.config.verl_keys import (BY_KEY, MISSING, REFUSED_SECTIONS, VERL_KEYS, VERL_SECTIONS, Refusal,
                                      has_no_effect)
@@ -34,7 +36,7 @@ class Plan:
     assignments: list[tuple[str, Any]] = field(default_factory=list)  # (megarl key, value), applied in order
     given: set[str] = field(default_factory=set)  # megarl keys the command set, itself or through a verl key
     notes: list[str] = field(default_factory=list)  # said at start-up
-    origins: dict[str, str] = field(default_factory=dict)  # megarl key -> the verl key and value that set it
+    origins: dict[str, str] = field(default_factory=dict)  # megarl key -> the key the user typed and its value
     errors: list[str] = field(default_factory=list)
 
 
@@ -103,9 +105,10 @@ class VerlValues:
 
 
 def with_origins(message: str, origins: dict[str, str]) -> str:
-    """A config error about options a verl key set, with the verl key that set each (the user typed that one)."""
-    named = [f"{verl}" for key, verl in origins.items() if re.search(rf"(?<![\w.]){re.escape(key)}=", message)]
-    return message + (f" (set by verl's {'; '.join(named)})" if named else "")
+    """A config error about options that a verl key or a former megarl key set, with the key that set each (the
+    user typed that one)."""
+    named = [typed for key, typed in origins.items() if re.search(rf"(?<![\w.]){re.escape(key)}=", message)]
+    return message + (f" (set by {'; '.join(named)})" if named else "")
 
 
 def near_miss(key: str, candidates) -> str | None:
@@ -141,7 +144,7 @@ def unknown_key(key: str, megarl_keys: list[str]) -> str:
         return f"verl key '{key}' is not one megarl reads (docs/migrating-from-verl.md lists those it does){hint}"
     leaf = key.rpartition(".")[2]
     verl_rows = [row for row in VERL_KEYS if row.key.rpartition(".")[2] == leaf and row.sets]
-    close = near_miss(key, megarl_keys) or near_miss(key, BY_KEY)
+    close = near_miss(key, megarl_keys) or MOVED_KEYS.get(near_miss(key, MOVED_KEYS)) or near_miss(key, BY_KEY)
     if close:
         return f"unknown config key '{key}'; did you mean '{close}'?"
     if verl_rows:
@@ -155,13 +158,25 @@ def unknown_key(key: str, megarl_keys: list[str]) -> str:
 
 def _other_roles_key(key: str, megarl_keys: list[str]) -> str:
     """The error line of a key of a training role's section that only other roles have (reward_model.ppo_epochs),
-    naming the roles it applies to; else ''."""
+    or a typo of one (reward_model.ppo_epoch), naming the roles it applies to; else ''."""
     role, _, rest = key.partition(".")
-    owners = [other for other in TRAINING_ROLES if other != role and f"{other}.{rest}" in megarl_keys]
-    if role not in TRAINING_ROLES or not owners:
+    if role not in TRAINING_ROLES:
         return ""
-    return (f"config key '{key}' does not apply to {role}: {rest} is a key of {' and '.join(owners)} only "
-            f"({', '.join(f'{owner}.{rest}' for owner in owners)})")
+    others = [other for other in TRAINING_ROLES if other != role]
+    owners = [other for other in others if f"{other}.{rest}" in megarl_keys]
+    if owners:
+        return (f"config key '{key}' does not apply to {role}: {rest} is a key of {' and '.join(owners)} only "
+                f"({', '.join(f'{owner}.{rest}' for owner in owners)})")
+    if near_miss(key, megarl_keys):  # a typo of the role's own key: unknown_key names that one
+        return ""
+    for other in others:
+        close = near_miss(f"{other}.{rest}", [k for k in megarl_keys if k.startswith(other + ".")])
+        if close:
+            meant = close.partition(".")[2]
+            owners = [o for o in others if f"{o}.{meant}" in megarl_keys]
+            return (f"unknown config key '{key}'; did you mean {meant}? It is a key of {' and '.join(owners)} only "
+                    f"({', '.join(f'{owner}.{meant}' for owner in owners)}), not of {role}")
+    return ""
 
 
 def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], megarl_defaults: dict[str, Any]) -> Plan:
@@ -169,12 +184,12 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
     then the command line). Keys that name a section (`actor.parallel={tp: 2}`) are megarl's."""
     megarl_names = set(megarl_keys) | {k.rsplit(".", 1)[0] for k in megarl_keys if "." in k}
     keys = [(tier, strip_hydra(k), k, v) for tier, (_, items) in enumerate(sources) for k, v in items.items()]
+    keys, moved_notes, errors, moved_origins = _read_moved(keys)
     # verl's vocabulary is on when a key is verl's alone; a key spelled the same in both is then read as verl's
     verl_on = any(is_verl_key(key) and key not in megarl_names for _, key, _, _ in keys)
     verl_given: dict[str, Any] = {}  # later sources win
     verl_tier: dict[str, int] = {}
     megarl_given: list[tuple[int, str, Any]] = []
-    errors = []
     for tier, key, raw_key, value in keys:
         if key.startswith("~"):
             errors.append(f"{raw_key}: megarl has no key deletion; leave the key out")
@@ -188,7 +203,8 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
     # read as the megarl options they name and the recipe keeps the rest
     recipe_is_megarl = any(tier < len(sources) - 1 for tier, _, _ in megarl_given)
     verl_defaults = verl_on and not recipe_is_megarl
-    result = Plan("verl" if verl_defaults else "megarl", errors=errors, given={key for _, key, _ in megarl_given})
+    result = Plan("verl" if verl_defaults else "megarl", errors=errors, given={key for _, key, _ in megarl_given},
+                  notes=moved_notes, origins=moved_origins)
     if not verl_on:
         result.assignments = [(key, value) for _, key, value in megarl_given]
         return result
@@ -231,12 +247,46 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
             if t == tier and v != value:
                 errors.append(f"{key}={value!r} and {verl_key}={verl_given[verl_key]!r} set the same option "
                               f"({key}={v!r}); keep one")
-    result.notes, result.errors = notes, errors + refusals
+    result.notes, result.errors = moved_notes + notes, errors + refusals
     # in order of precedence: verl's defaults, then each source's verl keys and then its megarl keys
     ordered = sorted([(t, 0, key, v) for key, (v, t, _) in converted.items()]
                      + [(t, 1, key, v) for t, key, v in megarl_given], key=lambda a: (a[0], a[1]))
     result.assignments = [(key, v) for _, _, key, v in ordered]
-    result.origins = {key: f"{row}={values.get(row)!r}" + (", verl's default" if t < 0 else "")
-                      for key, (_, t, row) in converted.items() if key not in explicit and row in BY_KEY}
+    result.origins |= {key: f"verl's {row}={values.get(row)!r}" + (", verl's default" if t < 0 else "")
+                       for key, (_, t, row) in converted.items() if key not in explicit and row in BY_KEY}
     result.given |= {key for key, (_, t, _) in converted.items() if t >= 0}
     return result
+
+
+def _read_moved(keys: list[tuple[int, str, str, Any]]) -> tuple[list, list[str], list[str], dict[str, str]]:
+    """The command's (tier, key, typed key, value) with megarl's former keys under their new names
+    (megarl/config/moved_keys.py); a note for each former key read; the errors of a source that gives one option
+    under both names with different values; {new key: the former key and value} for error messages."""
+    given = {(tier, key): (typed, value) for tier, key, typed, value in keys}
+    out, notes, errors, origins = [], {}, [], {}
+    for tier, key, typed, value in keys:
+        new = moved_to(key, value)
+        if new is None:
+            out.append((tier, key, typed, value))
+            continue
+        notes.setdefault(key, moved_note(key, new))
+        if (tier, new) in given:  # the new name is read in its own place
+            other_typed, other = given[(tier, new)]
+            if not _same_value(other, value):
+                errors.append(f"{typed}={value!r} and {other_typed}={other!r} set the same option ({key} is now "
+                              f"{new}); keep one")
+            continue
+        out.append((tier, new, typed, value))
+    for tier, key, typed, value in out:  # the last source to set a key gives its value
+        origins.pop(key, None)
+        if typed != key and MOVED_KEYS.get(strip_hydra(typed)) == key:
+            origins[key] = f"{typed}={value!r}"
+    return out, list(notes.values()), errors, origins
+
+
+def _same_value(a, b) -> bool:
+    """Equal, or the same number written two ways (YAML 1.1 reads 1e-4 as a string, 1.0e-4 as a number)."""
+    try:
+        return a == b or float(a) == float(b)
+    except (TypeError, ValueError):
+        return False

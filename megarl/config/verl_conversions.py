@@ -302,8 +302,9 @@ def reward_manager(value, verl) -> dict:
     if value == "dapo":  # verl's DAPO manager adds the overlong penalty when its buffer is on
         if not verl.get("reward_model.overlong_buffer.enable"):
             return {}
-        return {"algorithm.overlong_buffer_len": _rows(verl.get("reward_model.overlong_buffer.len")),
-                "algorithm.overlong_penalty_factor": float(verl.get("reward_model.overlong_buffer.penalty_factor"))}
+        return {"algorithm.overlong_buffer.len": _rows(verl.get("reward_model.overlong_buffer.len")),
+                "algorithm.overlong_buffer.penalty_factor":
+                    float(verl.get("reward_model.overlong_buffer.penalty_factor"))}
     raise Refusal("megarl scores each sample as verl's naive manager does (and dapo's "
                   "overlong penalty); batch and prime managers have no equivalent")
 
@@ -322,10 +323,10 @@ def filter_groups(value, verl) -> dict:
 
 
 def pf_ppo(value, verl) -> dict:
+    """use_pf_ppo turns on verl's reweight_method (its weight_pow is megarl's key of the same name)."""
     if not value:
         return {}
-    return {"algorithm.pf_ppo": verl.get("algorithm.pf_ppo.reweight_method"),
-            "algorithm.pf_ppo_weight_pow": float(verl.get("algorithm.pf_ppo.weight_pow"))}
+    return {"algorithm.pf_ppo.method": verl.get("algorithm.pf_ppo.reweight_method")}
 
 
 def multi_turn(value, verl) -> dict:

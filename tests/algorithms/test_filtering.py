@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.algorithms.filtering import MIN_WEIGHT, PolicyFilter, pf_ppo_weights
-from megarl.config import AlgorithmConfig
+from megarl.config.knob_sections import PFPPOConfig
 from megarl.protocol import Batch
 
 # two prompts of three responses; the batch's highest reward 1.0 (row 1), lowest -0.5 (row 2);
@@ -32,7 +32,7 @@ def batch(rewards, group):
 
 
 def test_resampling_draws_only_the_weighted_rows():
-    f = PolicyFilter(AlgorithmConfig(pf_ppo="max_min"), seed=0)
+    f = PolicyFilter(PFPPOConfig(method="max_min"), seed=0)
     out, metrics = f(batch(REWARDS, GROUP))
     assert len(out) == 6 and set(out["rewards"].tolist()) <= {1.0, -0.5}
     # rows keep their own fields together: the advantage identifies the row
@@ -41,7 +41,7 @@ def test_resampling_draws_only_the_weighted_rows():
 
 
 def test_weighting_scales_the_advantages_by_weight_over_mean():
-    f = PolicyFilter(AlgorithmConfig(pf_ppo="pow", pf_ppo_resample=False), seed=0)
+    f = PolicyFilter(PFPPOConfig(method="pow", resample=False), seed=0)
     out, _ = f(batch(REWARDS, GROUP))
     weights = [r * r + MIN_WEIGHT for r in REWARDS]
     mean = sum(weights) / 6
@@ -49,7 +49,7 @@ def test_weighting_scales_the_advantages_by_weight_over_mean():
 
 
 def test_replay_keeps_the_best_samples_for_later_steps_and_checkpoints():
-    cfg = AlgorithmConfig(pf_ppo="pow", pf_ppo_replay=2, recompute_old_logprobs="always")
+    cfg = PFPPOConfig(method="pow", replay=2)
     f = PolicyFilter(cfg, seed=0)
     f(batch([0.0, 1.0, 0.5, 0.2], [0, 0, 1, 1]))
     assert f.replay["rewards"].tolist() == [1.0, 0.5]

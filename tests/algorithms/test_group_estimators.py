@@ -7,6 +7,7 @@ import torch
 from megarl.algorithms import ADVANTAGES, compute_advantages
 from megarl.algorithms.advantages import gae, length_adaptive_lambda
 from megarl.config import AlgorithmConfig
+from megarl.config.knob_sections import GAEConfig, GPGConfig, OTBConfig, PositiveLMConfig
 from megarl.protocol import Batch
 from tests.algorithms.test_advantages import per_sample
 
@@ -30,7 +31,7 @@ def test_gpg_rescales_by_the_share_of_informative_samples():
     batch = outcome_batch([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 5.0], [0, 0, 0, 0, 1, 1, 2], [1, 2, 1, 3, 1, 1, 2])
     assert advantages("gpg", batch) == pytest.approx([0.875, -0.875, -0.875, 0.875, 0, 0, 0])
     s = 0.5 / (1 / 3) ** 0.5 * 7 / 4
-    assert advantages("gpg", batch, gpg_norm_by_std=True) == pytest.approx([s, -s, -s, s, 0, 0, 0], abs=1e-5)
+    assert advantages("gpg", batch, gpg=GPGConfig(norm_by_std=True)) == pytest.approx([s, -s, -s, s, 0, 0, 0], abs=1e-5)
 
 
 def test_opo_length_weighted_baseline():
@@ -61,7 +62,7 @@ def test_optimal_token_baseline_by_hand(zero_tail, last):
                    "loss_mask": torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 0]]),
                    "old_logprobs": torch.tensor([[0.0, 0.5, 0.5, 0.5], [0.0, 0.25, 0.5, 0.0]]).log(),
                    "sum_pi_squared": torch.full((2, 4), 0.5)}, {"group": [7, 7]})
-    cfg = AlgorithmConfig(advantage="optimal_token_baseline", otb_zero_tail=zero_tail)
+    cfg = AlgorithmConfig(advantage="optimal_token_baseline", otb=OTBConfig(zero_tail=zero_tail))
     adv = compute_advantages(batch, cfg)["advantages"]
     assert adv.tolist() == [pytest.approx([0, 2 / 3, 0.6, last], abs=1e-6),
                             pytest.approx([0, -1 / 3, -0.4, 0], abs=1e-6)]
@@ -91,7 +92,7 @@ def test_decoupled_and_length_adaptive_gae():
                         torch.tensor([0.5, 0.75]))
     assert advantages[mask > 0].tolist() == pytest.approx(raw)
     batch = Batch({"rewards": torch.tensor([1.0, 0.0]), "loss_mask": mask, "values": values}, {"group": [0, 1]})
-    cfg = AlgorithmConfig(advantage="gae", gamma=1.0, lam=0.95, critic_lam=1.0, lam_length_alpha=1.0)
+    cfg = AlgorithmConfig(advantage="gae", gamma=1.0, lam=0.95, gae=GAEConfig(critic_lam=1.0, lam_length_alpha=1.0))
     out = compute_advantages(batch, cfg)
     assert out["returns"].tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
     # the advantages are the raw ones whitened over the 6 tokens: (x - mean) / sqrt(unbiased var + 1e-8)
@@ -102,6 +103,6 @@ def test_decoupled_and_length_adaptive_gae():
 
 def test_positive_lm_mask_marks_the_correct_samples():
     batch = outcome_batch([1.0, 0.4, 1.0], [0, 0, 0], [1, 2, 1])
-    out = compute_advantages(batch, AlgorithmConfig(positive_lm_coef=0.1, positive_lm_threshold=1.0))
+    out = compute_advantages(batch, AlgorithmConfig(positive_lm=PositiveLMConfig(coef=0.1, threshold=1.0)))
     assert out["lm_mask"].tolist() == [[0, 1, 0], [0, 0, 0], [0, 1, 0]]
     assert "lm_mask" not in compute_advantages(outcome_batch([1.0], [0], [1]), AlgorithmConfig())

@@ -9,6 +9,7 @@ import torch
 from megarl.algorithms import actor_loss
 from megarl.algorithms.losses import POLICY_LOSSES
 from megarl.config import AlgorithmConfig
+from megarl.config.knob_sections import CISPOConfig, ClipCovConfig, GMPOConfig, KLCovConfig, SAPOConfig
 
 LN = math.log
 
@@ -47,7 +48,7 @@ def test_gmpo_geometric_mean_of_sign_clipped_ratios():
     logprobs = torch.tensor([[0.1, 0.6, -0.5], [0.5, -0.1, 9.0]]).requires_grad_()
     batch = {"loss_mask": torch.tensor([[1.0, 1, 1], [1, 1, 0]]), "old_logprobs": torch.zeros(2, 3),
              "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3])}
-    cfg = AlgorithmConfig(policy_loss="gmpo", loss_agg="seq-mean-token-mean", gmpo_clip_eps=0.4)
+    cfg = AlgorithmConfig(policy_loss="gmpo", loss_agg="seq-mean-token-mean", gmpo=GMPOConfig(clip_eps=0.4))
     loss, metrics = actor_loss(cfg, logprobs, None, batch, total_tokens=5, total_seqs=2)
     assert loss.item() == pytest.approx((-1 + math.exp(0.2)) / 2, abs=1e-6)
     assert metrics["clipfrac"].item() == pytest.approx(3 / 5)  # 0.6, -0.5 and 0.5 lie outside +-0.4
@@ -60,7 +61,7 @@ def test_gmpo_geometric_mean_of_sign_clipped_ratios():
 def test_cispo_keeps_the_gradient_of_clipped_tokens():
     # eps_low 1 (no lower bound), eps_high 0.2: ratios 0.5, 1.1, 1.5 -> weights 0.5, 1.1, 1.2 (the last clipped);
     # A = 1, 1, 1 -> loss -w * A * log r; gradient -w * A (PPO's clip would give the 1.5 token none)
-    cfg = AlgorithmConfig(cispo_clip_eps_low=1.0, cispo_clip_eps_high=0.2)
+    cfg = AlgorithmConfig(cispo=CISPOConfig(clip_eps_low=1.0, clip_eps_high=0.2))
     loss, metrics, grad = run("cispo", [[LN(0.5), LN(1.1), LN(1.5)]], [[1.0, 1.0, 1.0]], cfg)
     assert loss.tolist() == [pytest.approx([-0.5 * LN(0.5), -1.1 * LN(1.1), -1.2 * LN(1.5)], abs=1e-6)]
     assert grad.tolist() == [pytest.approx([-0.5, -1.1, -1.2], abs=1e-6)]
@@ -71,7 +72,7 @@ def test_sapo_smooth_gate():
     # f(r) = sigmoid(tau (r - 1)) * 4 / tau, loss -f(r) * A; d loss / d log r = -A * 4 s (1 - s) * r
     #   r = 1, A = +1, tau_pos = 1:     f = 0.5 * 4 = 2 -> loss -2, gradient -4 * 0.25 = -1
     #   r = 2, A = -1, tau_neg = 1.05:  s = sigmoid(1.05), f = 4 s / 1.05, loss +f, gradient 4 s (1 - s) * 2
-    cfg = AlgorithmConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    cfg = AlgorithmConfig(sapo=SAPOConfig(tau_pos=1.0, tau_neg=1.05))
     loss, _, grad = run("sapo", [[0.0, LN(2.0)]], [[1.0, -1.0]], cfg)
     s = sigmoid(1.05)
     assert loss.tolist() == [pytest.approx([-2.0, 4 * s / 1.05], abs=1e-6)]
@@ -86,19 +87,20 @@ COV_ADV = [[3.0, -1.0, -1.0, -1.0]]
 
 def test_clip_cov_cuts_the_gradient_of_a_high_covariance_token():
     # ratio 1 everywhere (old = new): PPO's loss -A = -3, 1, 1, 1; ratio 0.25 of 4 tokens = 1 token cut: token 0
-    cfg = AlgorithmConfig(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    cfg = AlgorithmConfig(clip_cov=ClipCovConfig(ratio=0.25, lb=1.0, ub=5.0))
     loss, metrics, grad = run("clip_cov", COV_LOGPROBS, COV_ADV, cfg, old=COV_LOGPROBS)
     assert loss.tolist() == [[0.0, 1.0, 1.0, 1.0]]
     assert grad.tolist() == [pytest.approx([0.0, 1.0, 1.0, 1.0])]
     assert metrics["clipfrac"].tolist() == [[1.0, 0.0, 0.0, 0.0]]
     # with the window (1, 4) no token qualifies: plain PPO
-    loss, _, _ = run("clip_cov", COV_LOGPROBS, COV_ADV, AlgorithmConfig(clip_cov_ub=4.0), old=COV_LOGPROBS)
+    window = AlgorithmConfig(clip_cov=ClipCovConfig(ub=4.0))
+    loss, _, _ = run("clip_cov", COV_LOGPROBS, COV_ADV, window, old=COV_LOGPROBS)
     assert loss.tolist() == [[-3.0, 1.0, 1.0, 1.0]]
 
 
 def test_clip_cov_draws_the_same_tokens_for_the_same_micro_batch():
     # tokens 0 and 1 both qualify (covariance 2.25 each), one is drawn; the same inputs draw the same one
-    cfg = AlgorithmConfig(clip_cov_ratio=0.25)
+    cfg = AlgorithmConfig(clip_cov=ClipCovConfig(ratio=0.25))
     args = ([[0.0, 0.0, -2.0, -2.0]], [[1.5, 1.5, -1.5, -1.5]], cfg)
     first = run("clip_cov", *args, old=[[0.0, 0.0, -2.0, -2.0]])[1]["clipfrac"]
     assert first.sum() == 1 and first[0, 2:].sum() == 0
@@ -108,7 +110,7 @@ def test_clip_cov_draws_the_same_tokens_for_the_same_micro_batch():
 def test_kl_cov_penalises_the_highest_covariance_tokens():
     # no clipping; token 0 (largest covariance) gets + coef * |log r|: its log-ratio is 0.1 (old = -0.1), so
     # loss -3 e^0.1 + 0.1 * 0.1, gradient -3 e^0.1 + 0.1; the others -A * 1 = 1, gradient 1
-    cfg = AlgorithmConfig(kl_cov_ratio=0.25, kl_cov_coef=0.1)
+    cfg = AlgorithmConfig(kl_cov=KLCovConfig(ratio=0.25, coef=0.1))
     loss, metrics, grad = run("kl_cov", COV_LOGPROBS, COV_ADV, cfg, old=[[-0.1, -2.0, -2.0, -2.0]])
     assert loss.tolist() == [pytest.approx([-3 * math.exp(0.1) + 0.01, 1.0, 1.0, 1.0], abs=1e-6)]
     assert grad.tolist() == [pytest.approx([-3 * math.exp(0.1) + 0.1, 1.0, 1.0, 1.0], abs=1e-6)]
@@ -117,7 +119,7 @@ def test_kl_cov_penalises_the_highest_covariance_tokens():
 
 def test_covariance_ignores_padding():
     # a padding column with a huge covariance changes nothing: the same tokens as without it
-    cfg = AlgorithmConfig(kl_cov_ratio=0.25, kl_cov_coef=0.1)
+    cfg = AlgorithmConfig(kl_cov=KLCovConfig(ratio=0.25, coef=0.1))
     padded = run("kl_cov", [COV_LOGPROBS[0] + [50.0]], [COV_ADV[0] + [90.0]], cfg, old=[[-0.1, -2.0, -2.0, -2.0, 0.0]],
                  mask=[[1.0, 1.0, 1.0, 1.0, 0.0]])
     assert padded[1]["kl_cov_frac"].tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]

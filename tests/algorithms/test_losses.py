@@ -6,6 +6,7 @@ import torch
 from megarl.algorithms import actor_loss, aggregate, sft_loss
 from megarl.algorithms.losses import POLICY_LOSSES
 from megarl.config import AlgorithmConfig
+from megarl.config.knob_sections import DualClipConfig, GSPOConfig, PositiveLMConfig
 
 LN = math.log
 
@@ -59,7 +60,7 @@ def test_clip_higher_leaves_the_lower_side_for_negative_advantages():
 
 
 def test_dual_clip_caps_negative_advantage_losses():
-    # clip_eps 0.2, clip_ratio_c 3:
+    # clip_eps 0.2, dual_clip.clip_ratio_c 3:
     #   A=-1, r=5:   max(5, 1.2) = 5, then min(5, -A * 3 = 3) = 3   dual-clipped: no gradient
     #   A=-1, r=2:   max(2, 1.2) = 2 < 3                             kept: d/dlogprob = -A * r = 2
     #   A=-1, r=0.5: max(0.5, 0.8) = 0.8                             ordinary clip: no gradient
@@ -67,7 +68,7 @@ def test_dual_clip_caps_negative_advantage_losses():
     ratios = torch.tensor([[5.0, 2.0, 0.5, 5.0]])
     logprobs = ratios.log().requires_grad_()
     batch = {"old_logprobs": torch.zeros(1, 4), "advantages": torch.tensor([[-1.0, -1.0, -1.0, 2.0]])}
-    cfg = AlgorithmConfig(clip_eps=0.2, clip_ratio_c=3.0)
+    cfg = AlgorithmConfig(clip_eps=0.2, dual_clip=DualClipConfig(clip_ratio_c=3.0))
     loss, metrics = POLICY_LOSSES.get("dual_clip")(logprobs, batch, cfg)
     assert loss[0].tolist() == pytest.approx([3.0, 2.0, 0.8, -2.4], abs=1e-5)
     assert metrics["dual_clipfrac"][0].tolist() == [1, 0, 0, 0]
@@ -76,8 +77,8 @@ def test_dual_clip_caps_negative_advantage_losses():
     assert logprobs.grad[0].tolist() == pytest.approx([0.0, 2.0, 0.0, 0.0], abs=1e-5)
     # plain ppo_clip keeps the unbounded 5
     assert POLICY_LOSSES.get("ppo_clip")(logprobs, batch, cfg)[0][0, 0].item() == pytest.approx(5.0)
-    with pytest.raises(ValueError, match="clip_ratio_c > 1"):
-        POLICY_LOSSES.get("dual_clip")(logprobs, batch, AlgorithmConfig(clip_ratio_c=1.0))
+    with pytest.raises(ValueError, match="dual_clip.clip_ratio_c > 1"):
+        POLICY_LOSSES.get("dual_clip")(logprobs, batch, AlgorithmConfig(dual_clip=DualClipConfig(clip_ratio_c=1.0)))
 
 
 # GSPO, clip range 0.2 on both sides, loss_agg seq-mean-token-mean, 4 sequences (9.0 = junk padding):
@@ -93,8 +94,8 @@ GSPO_ADV = torch.tensor([[1.0] * 3, [1.0] * 3, [1.0] * 3, [-1.0] * 3])
 def test_gspo_sequence_ratio_loss_and_gradient():
     logprobs = GSPO_RATIOS.log().requires_grad_()
     batch = {"loss_mask": GSPO_MASK, "old_logprobs": torch.zeros(4, 3), "advantages": GSPO_ADV}
-    cfg = AlgorithmConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean", gspo_clip_eps=0.2,
-                          gspo_clip_eps_high=0.2)
+    cfg = AlgorithmConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean",
+                          gspo=GSPOConfig(clip_eps=0.2, clip_eps_high=0.2))
     loss, metrics = actor_loss(cfg, logprobs, None, batch, total_tokens=6, total_seqs=4)
     assert loss.item() == pytest.approx((-1.1 - 1.2 + 0 + 0.8) / 4, abs=1e-5)
     # token means over the 6 trained tokens: ratio (1.1 * 2 + 2 * 3 + 0.5) / 6, clipfrac (3 + 1) / 6
@@ -118,8 +119,8 @@ def test_gspo_gradient_uses_each_tokens_own_advantage():
     logprobs = torch.tensor([[1.21, 1.0], [2.0, 2.0]]).log().requires_grad_()
     batch = {"loss_mask": torch.ones(2, 2), "old_logprobs": torch.zeros(2, 2),
              "advantages": torch.tensor([[2.0, -1.0], [1.0, -1.0]])}
-    cfg = AlgorithmConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean", gspo_clip_eps=0.2,
-                          gspo_clip_eps_high=0.2)
+    cfg = AlgorithmConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean",
+                          gspo=GSPOConfig(clip_eps=0.2, clip_eps_high=0.2))
     loss, metrics = actor_loss(cfg, logprobs, None, batch, total_tokens=4, total_seqs=2)
     assert loss.item() == pytest.approx((-0.55 + 0.4) / 2, abs=1e-6)
     assert metrics["clipfrac"].item() == pytest.approx(1 / 4)
@@ -133,7 +134,7 @@ def test_positive_example_lm_loss_adds_the_nll_of_correct_samples():
     lm_mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     nll = -(LN(1.1) - 1 + LN(1.5) - 2 + LN(0.5)) / 3
     logprobs = NEW.clone().requires_grad_()
-    cfg = AlgorithmConfig(clip_eps=0.2, positive_lm_coef=0.1)
+    cfg = AlgorithmConfig(clip_eps=0.2, positive_lm=PositiveLMConfig(coef=0.1))
     loss, metrics = actor_loss(cfg, logprobs, None, mb(lm_mask=lm_mask), 6, 2, total_lm_tokens=3)
     assert metrics["positive_lm_nll"].item() == pytest.approx(nll, abs=1e-5)
     assert loss.item() == pytest.approx(-2.2 / 6 + 0.1 * nll, abs=1e-5)
@@ -249,7 +250,8 @@ def test_actor_loss_micro_batches_sum_to_full_batch_with_kl_and_entropy(policy_l
              "advantages": torch.randn(b, 1).expand(b, t).contiguous(), "ref_logprobs": old + 0.2 * torch.randn(b, t)}
     entropy = torch.rand(b, t)
     cfg = AlgorithmConfig(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, policy_loss=policy_loss,
-                          loss_agg=loss_agg, tis=tis, loss_agg_norm_len=t, gspo_clip_eps=0.2, gspo_clip_eps_high=0.2)
+                          loss_agg=loss_agg, tis=tis, loss_agg_norm_len=t,
+                          gspo=GSPOConfig(clip_eps=0.2, clip_eps_high=0.2))
     tokens, seqs = batch["loss_mask"].sum().item(), float(b)
 
     full_lp = new.clone().requires_grad_()
