@@ -7,7 +7,9 @@ that name the key (and, for a typo, the closest valid key).
 fields.py       `opt` and `section`: a field's default, help and allowed values (range or choices), and
                 `check_ranges`, the check of every option against its field, first in `Config.validate`
 sections.py     the typed sections and the root `Config` that holds them (algorithm_sections.py: the algorithm
-                and rollout sections)
+                and rollout sections; knob_sections.py: each loss's, estimator's and feature's own knobs under
+                algorithm)
+moved_keys.py   megarl's former key names and the keys they moved to, still read (with a note) for one release
 validation.py   `ConfigError` and `Config.validate`: the checks of one option against another
 loading.py      `load_config` (defaults <- YAML <- overrides), `all_keys`, `help_text`
 run_defaults.py the defaults resolved at validation: rollout.engine=auto by the device, trainer.steps=0 by the
