@@ -6,15 +6,20 @@
 #   WHEELS=<a directory with gguf-0.19.0 and accelerate-1.16.0 wheels>   (only to convert a .whl: the GGUF import
 #           needs them and the GPU bundle has neither; `pip download --no-deps gguf==0.19.0 accelerate==1.16.0`)
 #   RUNS="grpo control bf16_head" (which runs; a later call may run the rest: metrics stay in $KEEP and the tables
-#   read every run's there), KEEP=/tmp/megarl-real-model-keep
+#   read every run's there; also math, math_control: configs/smollm2_math_grpo.yaml), KEEP=/tmp/megarl-real-model-keep
+#   MATH_DATA=<a directory with train.parquet and test.parquet from scripts/preprocess/mathematics_dataset.py> (for
+#           the math runs; without it they are generated here, which builds the library's venv with pip: give
+#           MATH_WHEELS=<a directory with its pinned wheels> where pip reaches no index, as on the GPU machine)
 #   STEPS=30 (GRPO steps), CONTROL_STEPS=10 (the lr=0 control's: its weights cannot move, so its held-out accuracy
 #   after 10 steps is what it would be after 30; CONTROL_STEPS=30 adds ~1.5 min), MISMATCH_STEPS=5
 # Estimated on an H100 at ~3 s a step: conversion ~1 min, grpo ~4 min with SGLang's first start
 # (~110 s of JIT), control ~1.5 min, bf16_head ~1.3 min: ~8 min.
 # Runs: grpo (STEPS steps, held-out accuracy before and after: greedy, 256 prompts), control (lr=0), bf16_head
-# (MISMATCH_STEPS steps with actor.fp32_lm_head=false, the float32 head off). The mismatch table compares its steps
-# with the grpo run's first MISMATCH_STEPS (the same settings but the flag): mean |log-prob difference|, k3 KL per token, sequence
-# chi-square, step time (mean of steps 2..N). Logs and metrics go to $OUT; the tables are printed last.
+# (MISMATCH_STEPS steps with actor.fp32_lm_head=false, the float32 head off); math and math_control, the first two on
+# DeepMind's mathematics_dataset problems (an estimated ~5.5 min more; not in the default RUNS). The mismatch table
+# compares bf16_head's steps with the grpo run's first MISMATCH_STEPS (the same settings but the flag): mean |log-prob
+# difference|, k3 KL per token, sequence chi-square, step time (mean of steps 2..N). Logs and metrics go to $OUT; the
+# tables are printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
@@ -41,14 +46,26 @@ else
   MODEL=$(sed -n 's/^hf: //p' "$OUT/convert.log")
 fi
 echo "model: $MODEL (ready after $((SECONDS - start)) s)"
-python3 scripts/make_word_problems.py --out "$WORK/data" || exit 1
+GSM8K=(--config configs/smollm2_gsm8k_grpo.yaml data.task="$WORK/data/train.jsonl"
+       data.val_task="$WORK/data/test.jsonl")
+case " $RUNS " in *" grpo "*|*" control "*|*" bf16_head "*)
+  python3 scripts/make_word_problems.py --out "$WORK/data" || exit 1 ;;
+esac
+case " $RUNS " in *" math "*|*" math_control "*)
+  if [ -z "${MATH_DATA:-}" ]; then
+    MATH_DATA=$WORK/math_data
+    python3 scripts/preprocess/mathematics_dataset.py --out "$MATH_DATA" ${MATH_WHEELS:+--find-links "$MATH_WHEELS"} \
+      > "$OUT/math_data.log" 2>&1 || { tail -n 20 "$OUT/math_data.log"; exit 1; }
+  fi ;;
+esac
+MATH=(--config configs/smollm2_math_grpo.yaml data.task="${MATH_DATA:-}/train.parquet"
+      data.val_task="${MATH_DATA:-}/test.parquet")
 
 status=0
-run() {  # name, then overrides
+run() {  # name, then the recipe's arguments (--config first: the overrides after it are one list) and overrides
   local name=$1; shift
-  timeout 420 python3 -m megarl.train --config configs/smollm2_gsm8k_grpo.yaml model.path="$MODEL" \
-    data.task="$WORK/data/train.jsonl" data.val_task="$WORK/data/test.jsonl" trainer.output_dir="$WORK/$name" \
-    trainer.loggers='[console,jsonl]' "$@" > "$OUT/$name.log" 2>&1
+  timeout 420 python3 -m megarl.train "$@" model.path="$MODEL" trainer.output_dir="$WORK/$name" \
+    trainer.loggers='[console,jsonl]' > "$OUT/$name.log" 2>&1
   local rc=$?
   cp "$(find "$WORK/$name" -name metrics.jsonl | head -1)" "$KEEP/${name}_metrics.jsonl" 2>/dev/null
   echo "$name: exit $rc after $((SECONDS - start)) s"
@@ -56,18 +73,20 @@ run() {  # name, then overrides
 }
 for name in $RUNS; do
   case $name in
-    grpo) run grpo trainer.steps="$STEPS" ;;
-    control) run control trainer.steps="$CONTROL_STEPS" actor.optim.lr=0 ;;
-    bf16_head) run bf16_head trainer.steps="$MISMATCH_STEPS" actor.fp32_lm_head=false data.val_size=16 ;;
-    *) echo "unknown run $name (grpo, control, bf16_head)"; status=1 ;;
+    grpo) run grpo "${GSM8K[@]}" trainer.steps="$STEPS" ;;
+    control) run control "${GSM8K[@]}" trainer.steps="$CONTROL_STEPS" actor.optim.lr=0 ;;
+    bf16_head) run bf16_head "${GSM8K[@]}" trainer.steps="$MISMATCH_STEPS" actor.fp32_lm_head=false data.val_size=16 ;;
+    math) run math "${MATH[@]}" trainer.steps="$STEPS" ;;
+    math_control) run math_control "${MATH[@]}" trainer.steps="$CONTROL_STEPS" actor.optim.lr=0 ;;
+    *) echo "unknown run $name (grpo, control, bf16_head, math, math_control)"; status=1 ;;
   esac
 done
 cp "$KEEP"/*_metrics.jsonl "$OUT/" 2>/dev/null
 
-python3 - "$OUT" "$MISMATCH_STEPS" <<'PY' | tee "$OUT/table.md" || status=1
+python3 - "$OUT" "$MISMATCH_STEPS" "$RUNS" <<'PY' | tee "$OUT/table.md" || status=1
 import json, math, sys
 from pathlib import Path
-out, n = Path(sys.argv[1]), int(sys.argv[2])
+out, n, runs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split()
 def rows(name):
     try:
         return [json.loads(line) for line in open(out / f"{name}_metrics.jsonl")]
@@ -79,7 +98,7 @@ def mean(values):
     values = [v for v in values if v is not None and math.isfinite(v)]
     return sum(values) / len(values) if values else float("nan")
 print("| run | held-out before | after | steps | step s |\n| --- | --- | --- | --- | --- |")
-for name in ("grpo", "control"):
+for name in [name for name in ("grpo", "control", "math", "math_control") if rows(name)]:
     v, steps = val(name), [r for r in rows(name) if r.get("step", 0) > 0 and "timing/step" in r]
     first, last = (v[min(v)], v[max(v)]) if v else (float("nan"),) * 2
     print(f"| {name} | {first:.3f} | {last:.3f} | {len(steps)} | {mean(r['timing/step'] for r in steps[1:]):.3f} |")
@@ -89,7 +108,7 @@ for label, name in (("bf16 (actor.fp32_lm_head=false)", "bf16_head"), ("fp32 (th
     steps = [r for r in rows(name) if 0 < r.get("step", 0) <= n and "timing/step" in r]
     cells = [mean(r.get(k) for r in (steps[1:] if k == "timing/step" else steps)) for k in keys]
     print(f"| {label} | {len(steps)} | " + " | ".join(f"{c:.4g}" for c in cells) + " |")
-sys.exit(0 if rows("grpo") and rows("bf16_head") else 1)
+sys.exit(0 if all(rows(name) for name in runs) else 1)
 PY
 echo "total $((SECONDS - start)) s"
 exit $status
