@@ -335,7 +335,8 @@ def part_disagg(args, device: str) -> list[dict]:
             recording = trial == 0
             dist.barrier()
             t0 = _now(device)
-            side = weight_sync.RolloutSide(sink.begin_weight_update, sink.end_weight_update, broadcast)
+            side = None if sink is None else weight_sync.RolloutSide(sink.begin_weight_update, sink.end_weight_update,
+                                                                     broadcast)
             report = _sync(resharder, sink, args.tp, bucket_bytes, engine.params_dtype, trial == 0,
                            weight_sync.PolicySync(), side)
             if server is not None:
