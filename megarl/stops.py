@@ -74,8 +74,8 @@ def end() -> None:
     run, _run = _run, None
     if run is None:
         return
-    for s, handler in run.previous.items():
-        signal.signal(s, handler)
+    for s, handler in run.previous.items():  # the run has started: past "while starting"
+        signal.signal(s, signal.default_int_handler if handler is stopped_while_starting else handler)
     lease.release()
     error = sys.exc_info()[1]
     if run.signum is None and _disk_full(error):
@@ -110,6 +110,13 @@ def steps(first: int, last: int):
     finally:
         if run is not None:
             run.looping = False
+
+
+def stopped_while_starting(signum, frame) -> None:
+    """An entry point's SIGINT handler until begin(): nothing has started yet (no Ray, no worker), so one line and
+    the signal's exit code, not a KeyboardInterrupt traceback from whichever import it lands in."""
+    say("megarl: stopped by SIGINT while starting, before any step")
+    os._exit(128 + signum)
 
 
 def requested() -> bool:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
+from megarl import stops
+
+if __name__ == "__main__":  # until stops.begin takes SIGINT over; the libraries below import meanwhile
+    signal.signal(signal.SIGINT, stops.stopped_while_starting)
+
 import argparse
 import contextlib
 import os
-import sys
 from pathlib import Path
 
-from megarl import stops
 from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import describe, profile_line, required_problem
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records

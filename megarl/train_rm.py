@@ -6,8 +6,15 @@ at reward_model.path, which RL takes as reward_model.path (docs/reward_model.md)
 
 from __future__ import annotations
 
-import argparse
+import signal
 import sys
+
+from megarl import stops
+
+if __name__ == "__main__":  # until stops.begin takes SIGINT over; the libraries below import meanwhile
+    signal.signal(signal.SIGINT, stops.stopped_while_starting)
+
+import argparse
 
 from megarl.config import ConfigError, help_text, load_config
 from megarl.data.files import InputError
@@ -65,7 +72,6 @@ def main(argv=None) -> int:
             return 2
         return 0
 
-    from megarl import stops
     from megarl.train import run_trainer, start_ray
 
     ranks = cfg.reward_model.parallel.world_size  # the run's only engine: 0.9 of a GPU each on cuda

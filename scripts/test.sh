@@ -23,6 +23,8 @@ fi
 # (~33 -> ~23 min on 2 cores). The sandbox's own tests then run alone in this process: under an xdist worker
 # its kill and process-count tests fail (seen with the other worker idle; they pass with -n 1 and without xdist).
 # Exit 5 (no test selected, e.g. a -k that matches only one part) counts as a pass of that part.
+# Ctrl-C ends the whole command: pytest turns it into exit 2 and the next part would start.
+trap 'echo "scripts/test.sh: interrupted" >&2; exit 130' INT
 parallel=0 sandbox=0
 python -m pytest -q -n 2 --dist loadgroup --durations=25 --ignore=tests/sandbox tests "$@" || parallel=$?
 python -m pytest -q tests/sandbox "$@" || sandbox=$?

@@ -245,3 +245,18 @@ def test_a_killed_driver_leaves_no_process_behind(hanging_runs):
     run.process.wait()
     left = run.left_after(10)
     assert not left, f"alive 10 s after the driver's SIGKILL: {left}"
+
+
+def test_ctrl_c_while_starting_ends_with_one_line_and_no_traceback(tmp_path):
+    """Ctrl-C while the driver still prepares the run (here: importing a reward module that takes its time, as one
+    importing a large library does), before megarl/stops.py's handlers: one line, exit 130, no KeyboardInterrupt
+    traceback, nothing left running."""
+    imported = tmp_path / "imported"
+    (tmp_path / "slow_import.py").write_text(f"import pathlib, time\npathlib.Path({str(imported)!r}).touch()\n"
+                                             "time.sleep(120)\n\ndef reward(response, answer, sample):\n    return 0.0\n")
+    run = train(tmp_path / "run", f"reward.name={tmp_path / 'slow_import.py'}:reward")
+    wait_file(run, imported)
+    run.process.send_signal(signal.SIGINT)
+    assert run.exit_code(timeout=60) == 130, run.log()
+    assert run.stop_line() == "megarl: stopped by SIGINT while starting, before any step", run.log()
+    assert not run.left_after(10)
