@@ -1,7 +1,7 @@
 """scripts/preprocess/mathematics_dataset.py: raw problems from DeepMind's mathematics_dataset become train.parquet and
 test.parquet in verl's layout, disjoint, which megarl's prompt loader reads and the data_source routing scores with
 the math reward. The fast tests write a recorded sample (mathematics_dataset_sample.jsonl: what the library's venv
-drew for SAMPLE_ARGS); one slower test builds the venv (pip, ~5 min once per machine) and checks it draws that sample
+drew for SAMPLE_ARGS); one slower test builds the venv (pip, minutes, once per machine) and checks it draws that sample
 again and writes the files from the command line."""
 
 import argparse
@@ -56,8 +56,8 @@ def test_the_sample_writes_disjoint_verl_layout_files(script, tmp_path):
         assert [row["prompt"] for row in rows] == [[{"role": "user", "content": f"{r['question']} {MATH_INSTRUCTION}"}]
                                                    for r in expected]
         assert [row["extra_info"] for row in rows] == [
-            {"split": split, "index": i, "module": r["module"], "difficulty": r["difficulty"], "question": r["question"]}
-            for i, r in enumerate(expected)]
+            {"split": split, "index": i, "module": r["module"], "difficulty": r["difficulty"],
+             "question": r["question"]} for i, r in enumerate(expected)]
         assert {(row["data_source"], row["ability"]) for row in rows} == {("deepmind/math_dataset", "math")}
     questions = {split: {row["extra_info"]["question"] for row in rows} for split, rows in tables.items()}
     assert len(questions["train"]) == 12 and len(questions["test"]) == 6 and not questions["train"] & questions["test"]
@@ -71,7 +71,8 @@ def test_megarl_reads_the_files_as_a_recipe_names_them(script, tmp_path):
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = CHATML
     prompts = prompt_datasets(cfg, tokenizer, None)
-    assert sorted(ex["answer"] for ex in prompts.val) == sorted(r["answer"] for r in raw_sample() if r["split"] == "test")
+    held_out = sorted(r["answer"] for r in raw_sample() if r["split"] == "test")
+    assert sorted(ex["answer"] for ex in prompts.val) == held_out
     first = next(ex for ex in prompts.train.examples if ex["answer"] == "-1/22")
     assert first["prompt"] == (f"<|im_start|>user\nWhat is -11 divided by 242? {MATH_INSTRUCTION}<|im_end|>\n"
                                "<|im_start|>assistant\n")
@@ -110,7 +111,8 @@ def test_the_venv_draws_the_recorded_sample_and_the_command_writes_the_files(scr
 
     venv = cache_root() / script.VENV_NAME
     if not (venv / ".complete").exists() and not pip_reaches_an_index(tmp_path / "probe"):
-        pytest.skip("pip reaches no package index to build mathematics_dataset's venv (mathematics_dataset, sympy<1.6)")
+        pytest.skip("pip reaches no package index to build mathematics_dataset's venv (PINS: sympy 1.4, "
+                    "numpy 1.23.5)")
     interpreter = script.build_venv(venv, sys.executable, None)
     assert script.sample_in_venv(interpreter, script.request_of(argparse.Namespace(**SAMPLE_ARGS))) == raw_sample()
     command = [sys.executable, str(SCRIPT), "--modules", "arithmetic__mul", "numbers__round_number", "--train", "20",
