@@ -41,6 +41,8 @@ modules give the same files every time; polynomials__add, polynomials__compose a
 (the library orders some of their statements by object identity).
 """
 
+from __future__ import annotations  # the venv's interpreter (--python) may be older than megarl's
+
 import os
 import sys
 
@@ -90,7 +92,7 @@ def _module_sets() -> dict:
     from mathematics_dataset.modules import modules
 
     sets = {name: _flatten(modules.train(_entropy_range(level, 3))) for level, name in enumerate(TRAIN_DIFFICULTIES)}
-    return sets | {"interpolate": _flatten(modules.test()), "extrapolate": _flatten(modules.test_extra())}
+    return {**sets, "interpolate": _flatten(modules.test()), "extrapolate": _flatten(modules.test_extra())}
 
 
 def part_seed(seed: int, split: str, difficulty: str, module: str) -> int:
@@ -109,7 +111,7 @@ def sample(request: dict) -> list[dict]:
     for part in request["parts"]:
         split, difficulty, module, count = part["split"], part["difficulty"], part["module"], part["count"]
         if module not in module_sets[difficulty]:
-            raise SystemExit(f"error: no module {module!r} at difficulty {difficulty}; its modules: "
+            raise SystemExit(f"no module {module!r} at difficulty {difficulty}; its modules: "
                              f"{', '.join(sorted(module_sets[difficulty]))}")
         seed = part_seed(request["seed"], split, difficulty, module)
         random.seed(seed)
@@ -128,7 +130,7 @@ def sample(request: dict) -> list[dict]:
                          "answer": answer})
             taken += 1
         if taken < count:
-            raise SystemExit(f"error: {module} at {difficulty} gave {taken} distinct new questions in "
+            raise SystemExit(f"{module} at {difficulty} gave {taken} distinct new questions in "
                              f"{count * MAX_DRAWS_PER_ROW} draws, fewer than the {count} asked for the {split} split")
     return rows
 
@@ -191,8 +193,10 @@ def write_splits(raw_rows: list[dict], out: Path) -> dict[str, int]:
     splits = {"train": [], "test": []}
     for number, raw in enumerate(raw_rows, start=1):
         missing = [k for k in ("split", "module", "difficulty", "question", "answer") if not raw.get(k)]
-        if missing or raw["split"] not in splits:
-            raise ValueError(f"raw row {number}: missing {missing} or split {raw.get('split')!r} not train/test")
+        if missing:
+            raise ValueError(f"raw row {number}: no {', '.join(missing)}")
+        if raw["split"] not in splits:
+            raise ValueError(f"raw row {number}: split {raw['split']!r} is neither train nor test")
         splits[raw["split"]].append(raw)
     held_out = {raw["question"] for raw in splits["test"]}
     for number, raw in enumerate(splits["train"], start=1):

@@ -84,8 +84,10 @@ def test_a_question_in_both_splits_or_a_row_without_an_answer_is_refused(script,
     leaked = raw + [{**raw[0], "split": "train"}]
     with pytest.raises(ValueError, match="training row 13 .*also held out: 'What is 208 \\+ 442\\?'"):
         script.write_splits(leaked, tmp_path)
-    with pytest.raises(ValueError, match=r"raw row 3: missing \['answer'\]"):
+    with pytest.raises(ValueError, match="raw row 3: no answer"):
         script.write_splits(raw[:2] + [{**raw[2], "answer": ""}], tmp_path)
+    with pytest.raises(ValueError, match="raw row 1: split 'val' is neither train nor test"):
+        script.write_splits([{**raw[0], "split": "val"}], tmp_path)
     assert not (tmp_path / "train.parquet").exists()  # nothing written from rows it refuses
 
 
