@@ -6,6 +6,7 @@ again and writes the files from the command line."""
 
 import argparse
 import importlib.util
+import os
 import json
 import subprocess
 import sys
@@ -112,9 +113,12 @@ def test_the_venv_draws_the_recorded_sample_and_the_command_writes_the_files(scr
     from megarl.utils.cache import cache_root
 
     venv = cache_root() / script.VENV_NAME
-    if not (venv / ".complete").exists() and not pip_reaches_an_index(tmp_path / "probe"):
-        pytest.skip("pip reaches no package index to build mathematics_dataset's venv (PINS: sympy 1.4, "
-                    "numpy 1.23.5)")
+    if not (venv / ".complete").exists():  # building it takes 4-16 min on 2 cores: over the suite's budget
+        if not os.environ.get("MEGARL_BUILD_VENVS"):
+            pytest.skip(f"mathematics_dataset's venv is not built ({venv}); MEGARL_BUILD_VENVS=1 builds it here")
+        if not pip_reaches_an_index(tmp_path / "probe"):
+            pytest.skip("pip reaches no package index to build mathematics_dataset's venv (PINS: sympy 1.4, "
+                        "numpy 1.23.5)")
     interpreter = script.build_venv(venv, sys.executable, None)
     assert script.sample_in_venv(interpreter, script.request_of(argparse.Namespace(**SAMPLE_ARGS))) == raw_sample()
     command = [sys.executable, str(SCRIPT), "--modules", "arithmetic__mul", "numbers__round_number", "--train", "20",
