@@ -6,8 +6,8 @@ again and writes the files from the command line."""
 
 import argparse
 import importlib.util
-import os
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
