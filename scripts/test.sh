@@ -18,10 +18,11 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
 fi
-# Two workers: the modules that start Ray, trainers or scripts run one after another on one (tests/conftest.py),
-# the rest beside them; the suite mostly waits on subprocesses, so this adds no CPU work but overlaps the waits
-# (~33 -> ~23 min on 2 cores). The sandbox's own tests then run alone in this process: under an xdist worker
-# its kill and process-count tests fail (seen with the other worker idle; they pass with -n 1 and without xdist).
+# Two workers, taking tests one by one as they free (loadgroup, and no test names a group): the suite mostly waits
+# on subprocesses (trainers, Ray, scripts), so two overlap the waits (tests/conftest.py says what keeps system tests
+# apart). The sandbox's own
+# tests then run alone in this process: under an xdist worker its kill and process-count tests fail (seen with the
+# other worker idle; they pass with -n 1 and without xdist).
 # Exit 5 (no test selected, e.g. a -k that matches only one part) counts as a pass of that part.
 # Ctrl-C ends the whole command: pytest turns it into exit 2 and the next part would start.
 trap 'echo "scripts/test.sh: interrupted" >&2; exit 130' INT

@@ -1,7 +1,6 @@
 """Fixtures shared by the tests that run the whole system through Ray."""
 
 import os
-import re
 import time
 from pathlib import Path
 
@@ -16,29 +15,17 @@ if not torch.cuda.is_available():
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
 
-# A module that may start Ray, a trainer, a launch script or the code sandbox: its source names one of these.
-_SYSTEM = re.compile(r"\bray\b|\bRay\b|ray_local|megarl\.train|run_trainer|scripts/|subprocess|sandbox")
-
-
 def pytest_collection_modifyitems(items):
-    """The modules that use `ray_local` run last, one after another, so that one Ray serves them all (starting and
-    stopping one took 5-12 s of each module on 2 cores); the other modules keep their order, before them (some
-    start and stop a Ray of their own, which a running one would refuse).
+    """The modules that use `ray_local` run last, one after another on each worker, so that one Ray serves them all
+    (starting and stopping one took 5-12 s of each module on 2 cores); the other modules keep their order, before
+    them (some start and stop a Ray of their own, which a running one would refuse).
 
-    Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) every module that may start Ray, a trainer,
-    a script or the code sandbox is one group, run by one worker in that order: `ray.init()` joins the newest
-    cluster on the machine (a launch test's `ray start`), some tests count the processes left, and the sandbox's
-    limits on processes are per user. The other modules (engine, models, algorithms: gloo ranks of their own on
-    free ports) run beside them on the other worker, a module at a time. The suite mostly waits on subprocesses
-    (~11 min of CPU in ~33 on 2 cores), so the two overlap."""
+    Under pytest-xdist (scripts/test.sh runs two workers) tests that start Ray, trainers or scripts run beside each
+    other: each worker's `ray_local` is a local Ray of its own, and a test finds the processes it started by a marker
+    of its own, never by counting the machine's. (xdist_group markers added here would come too late: xdist's worker
+    reads them before this hook runs.)"""
     uses_ray = {item.getparent(pytest.Module) for item in items if "ray_local" in item.fixturenames}
     items.sort(key=lambda item: item.getparent(pytest.Module) in uses_ray)  # stable: order kept within each part
-    groups = {}  # a module's tests stay together on one worker (its module-scoped fixtures built once)
-    for item in items:
-        module = item.getparent(pytest.Module)
-        if module not in groups:
-            groups[module] = "system" if _SYSTEM.search(Path(module.path).read_text()) else str(module.path)
-        item.add_marker(pytest.mark.xdist_group(groups[module]))
 
 
 @pytest.fixture(scope="session")
