@@ -35,6 +35,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.utils.processes import with_environment
+
 ROOT = Path(__file__).resolve().parents[1]
 REGENERATE = ".venv/bin/python scripts/newcomer_transcript.py"
 GRACE_S = 30.0  # after Ctrl-C: a run ends the step in progress and shuts its workers down
@@ -128,7 +130,7 @@ def run_command(command: str, prelude: list[str], cwd: Path, env: dict, seconds:
             signal_group(process.pid, signal.SIGKILL)
             process.wait()
     deadline = time.monotonic() + SETTLE_S
-    while (leftovers := marked(marker)) and time.monotonic() < deadline:
+    while (leftovers := with_environment(MARKER, marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in leftovers:
         try:
@@ -152,19 +154,6 @@ def signal_group(pgid: int, signum: int) -> None:
 
 def text(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
-
-
-def marked(marker: str) -> list[int]:
-    """Live processes whose environment holds MARKER=marker."""
-    entry, found = f"{MARKER}={marker}".encode(), []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    found.append(int(name))
-        except OSError:
-            pass
-    return found
 
 
 def command_line(pid: int) -> str:

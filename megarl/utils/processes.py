@@ -38,3 +38,17 @@ def group_members(pgid: int) -> set[int]:
         if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             found.add(int(name))
     return found
+
+
+def with_environment(name: str, value: str) -> list[int]:
+    """The live processes whose environment holds name=value: what a process started with a marker variable left
+    running, however it detached (a zombie shows no environment)."""
+    entry, found = f"{name}={value}".encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found

@@ -16,6 +16,7 @@ from megarl.rewards.failures import RewardFailureError, RewardFailureTracker
 from megarl.rewards.pool import RewardPool
 from megarl.rewards.worker_limits import RewardLimitError, WorkerLimits
 from megarl.sandbox.cgroup import PREFIX
+from megarl.utils.processes import with_environment
 
 KEPT = []  # what a leaking reward keeps between calls, in its reward process
 
@@ -84,16 +85,7 @@ def own_pid(response, answer, sample):
 
 
 def marked(marker: str) -> list[int]:
-    """Live processes whose environment holds MEGARL_TEST_MARKER=marker (a zombie shows no environment)."""
-    entry, found = f"MEGARL_TEST_MARKER={marker}".encode(), []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    found.append(int(name))
-        except OSError:
-            pass
-    return found
+    return with_environment("MEGARL_TEST_MARKER", marker)
 
 
 def samples(*responses, **fields):
