@@ -41,8 +41,8 @@ from typing import Callable
 
 from megarl.rewards.scoring import RewardCallError, batch_timeout, call_timeout
 from megarl.rewards.worker_limits import (ADDRESS_SPACE_FACTOR, RECYCLE_FRACTION, RewardLimitError, Usage,
-                                          WorkerLimits, end_worker, kill_group, oom_kills, usage)
-from megarl.sandbox.cgroup import PREFIX, MemoryCgroups, refused_tasks
+                                          WorkerLimits, end_worker, kill_group, usage)
+from megarl.sandbox.cgroup import PREFIX, MemoryCgroups, oom_kills, refused_tasks
 
 logger = logging.getLogger(__name__)
 

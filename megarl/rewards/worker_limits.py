@@ -213,15 +213,3 @@ def cgroup_processes(path: Path | None) -> list[int]:
         return [int(pid) for pid in (path / "cgroup.procs").read_text().split()]
     except OSError:
         return []
-
-
-def oom_kills(path: Path) -> int:
-    """Processes the kernel killed in a memory cgroup for passing its limit (v2's memory.events, v1's
-    memory.oom_control: Linux 4.13+)."""
-    for name in ("memory.events", "memory.oom_control"):
-        try:
-            lines = (path / name).read_text().splitlines()
-        except OSError:
-            continue
-        return next((int(line.split()[1]) for line in lines if line.startswith("oom_kill ")), 0)
-    return 0

@@ -117,13 +117,24 @@ class MemoryCgroups:
 
 def refused_tasks(path: Path | None) -> int:
     """Forks and thread starts the kernel refused in the cgroup `path` for its pids.max (its pids.events' `max`)."""
-    if path is None:
-        return 0
-    try:
-        lines = (path / "pids.events").read_text().splitlines()
-    except OSError:
-        return 0
-    return next((int(line.split()[1]) for line in lines if line.startswith("max ")), 0)
+    return _event_count(path, ("pids.events",), "max")
+
+
+def oom_kills(path: Path | None) -> int:
+    """Processes the kernel killed in the memory cgroup `path` for passing its limit (v2's memory.events, v1's
+    memory.oom_control: Linux 4.13+)."""
+    return _event_count(path, ("memory.events", "memory.oom_control"), "oom_kill")
+
+
+def _event_count(path: Path | None, files: tuple[str, ...], key: str) -> int:
+    """The count on the `key` line of the first of a cgroup's event `files` that can be read; 0 if none."""
+    for name in files if path is not None else ():
+        try:
+            lines = (path / name).read_text().splitlines()
+        except OSError:
+            continue
+        return next((int(line.split()[1]) for line in lines if line.startswith(f"{key} ")), 0)
+    return 0
 
 
 def _remove(path: Path) -> None:
