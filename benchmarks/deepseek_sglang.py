@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.utils.bucketing import buckets_by_size
+
 # DeepSeek-V3's own attention dimensions (the triton MLA decode kernel of SGLang 0.5.17 needs them; shrunk ones
 # failed to compile: ../shared/notes/sglang-deepseek.md) and MoE routing; width, depth and experts shrunk.
 DEEPSEEK_V3_ATTENTION = dict(q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
@@ -120,14 +122,8 @@ def checkpoint_tensors(directory: Path, device: str = "cuda") -> dict[str, torch
 
 
 def buckets_of(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list]:
-    out, size = [[]], 0
-    for name, t in tensors.items():
-        if out[-1] and size + t.numel() * t.element_size() > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append((name, t))
-        size += t.numel() * t.element_size()
-    return out
+    return list(buckets_by_size((((name, t), t.numel() * t.element_size()) for name, t in tensors.items()),
+                                bucket_bytes))
 
 
 class Verifier:

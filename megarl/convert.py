@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 from megarl.utils import quiet
+from megarl.utils.bucketing import buckets_by_size
 from megarl.utils.progress import phases
 
 FORMAT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -183,10 +184,11 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
         with phases(f"writing {out} as safetensors shards of up to {max_shard_gb:g} GB"):
             shards = [_save_shard(staging, i, bucket, target)
                       for i, bucket in enumerate(engine.export_hf_weights(max_shard_bytes))]
-    # The multi-token-prediction layers megarl does not train: the source's own copy, after the trained weights.
-    mtp = iter_mtp_copy(role_dir / "hf")
+    # The multi-token-prediction layers megarl does not train: the source's own copy, after the trained weights,
+    # each sized as written (in `target`).
+    mtp = (((name, t), t.numel() * target.itemsize) for name, t in iter_mtp_copy(role_dir / "hf"))
     shards += [_save_shard(staging, len(shards) + i, bucket, target)
-               for i, bucket in enumerate(_buckets(mtp, target, max_shard_bytes))]
+               for i, bucket in enumerate(buckets_by_size(mtp, max_shard_bytes))]
     _name_shards(staging, shards)
     for path in sorted((role_dir / "hf").iterdir()):
         if path.name != MTP_FILE:
@@ -221,20 +223,6 @@ def _save_shard(directory: Path, index: int, bucket: list, dtype) -> tuple[str, 
     tensors = {n: t.to(written_dtype(n, dtype)).contiguous().cpu() for n, t in bucket}
     save_file(tensors, str(directory / name), metadata={"format": "pt"})
     return name, list(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _buckets(tensors, dtype, max_bytes: int):
-    """(name, tensor) pairs, consumed lazily, in runs of at most max_bytes in `dtype` (a larger tensor alone)."""
-    bucket, size = [], 0
-    for name, t in tensors:
-        nbytes = t.numel() * dtype.itemsize
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _name_shards(directory: Path, shards: list[tuple[str, list[str], int]]) -> None:

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 
 from megarl.models.hf_checkpoint import SafetensorsCheckpoint  # the read path: FP8 dequant, MTP layers left out
 from megarl.models.sharding import WeightMap
+from megarl.utils.bucketing import buckets_by_size
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -115,12 +116,18 @@ def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_ten
     """Collective over the whole job: every rank must consume the iterator to the end. `hf_tensors`: each HF
     tensor's (shape, dtype) as its owners produce it (checkpoint.hf_tensors_from_model), what the other ranks
     receive it into."""
+    sized = (((name, t), t.numel() * t.element_size()) for name, t in _gathered(gpt, maps, layout, hf_tensors, device))
+    return buckets_by_size(sized, bucket_bytes)
+
+
+def _gathered(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: dict[str, tuple],
+              device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """export_hf_weights' full HF tensors one by one, on every rank."""
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()
     my_ep_rank = parallel_state.get_expert_model_parallel_rank()
     num_experts = (gpt[0] if isinstance(gpt, (list, tuple)) else gpt).config.num_moe_experts
     params = global_parameters(gpt)
-    bucket, bucket_size = [], 0
     for wm in maps:
         if not wm.export:
             continue
@@ -140,12 +147,4 @@ def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_ten
         if len(layout.ranks) > 1:
             for t in tensors:
                 dist.broadcast(t, src=layout.ranks[stage], group=layout.group)
-        for name, t in zip(wm.hf, tensors):
-            size = t.numel() * t.element_size()
-            if bucket and bucket_size + size > bucket_bytes:
-                yield bucket
-                bucket, bucket_size = [], 0
-            bucket.append((name, t))
-            bucket_size += size
-    if bucket:
-        yield bucket
+        yield from zip(wm.hf, tensors)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megarl.reshard.inventory import TensorSpec
 from megarl.reshard.layout import GenLayout, TrainLayout, as_generation, generation_ranks, needed
 from megarl.reshard.transfers import Piece, plan_tensor
+from megarl.utils.bucketing import buckets_by_size
 
 
 def _rows(t: torch.Tensor, dim: int | None, lo: int, hi: int) -> torch.Tensor:
@@ -84,18 +85,14 @@ class Resharder:
         gen = as_generation(gen)
         generation_ranks(self.train, gen)
         self.received_bytes = self.sent_bytes = 0
-        itemsize = dtype.itemsize
-        bucket, size = [], 0
+        for bucket in buckets_by_size(self._planned(gen, delivery, dtype.itemsize), bucket_bytes):
+            yield self._move(bucket, gen, delivery, dtype)
+
+    def _planned(self, gen: GenLayout, delivery: str, itemsize: int) -> Iterator[tuple[tuple[TensorSpec, list], int]]:
+        """Each tensor's (spec, its pieces) with its cost (_cost), in the inventory's order."""
         for spec in self.specs:
             pieces = plan_tensor(spec, self.train, gen, delivery)
-            cost = self._cost(spec, pieces, gen, delivery, spec.itemsize(itemsize))
-            if bucket and size + cost > bucket_bytes:
-                yield self._move(bucket, gen, delivery, dtype)
-                bucket, size = [], 0
-            bucket.append((spec, pieces))
-            size += cost
-        if bucket:
-            yield self._move(bucket, gen, delivery, dtype)
+            yield (spec, pieces), self._cost(spec, pieces, gen, delivery, spec.itemsize(itemsize))
 
     def _move(self, bucket, gen: GenLayout, delivery: str, model_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         ops, staged, out = [], [], []
