@@ -50,10 +50,17 @@ def rl_gpus_needed(cfg) -> float:
     return 0.9 * sum(sizes) / len(sizes) + (cfg.rollout.sglang_gpus or 0.1)
 
 
+def stopped_by(error: Exception) -> int:
+    """main()'s exit status 2 for an error found before training starts, printed as one line on stderr that names its
+    kind: a config error (ConfigError), an input error (InputError), else plain error."""
+    kind = "config " if isinstance(error, ConfigError) else "input " if isinstance(error, InputError) else ""
+    print(f"{kind}error: {error}", file=sys.stderr)
+    return 2
+
+
 def refuse(problem: str):
-    """Ends the run as main() ends one on a config error: the problem on stderr, exit status 2."""
-    print(f"config error: {problem}", file=sys.stderr)
-    raise SystemExit(2)
+    """Ends the run as main() ends one on a config error."""
+    raise SystemExit(stopped_by(ConfigError(problem)))
 
 
 def cluster_to_join(cfg) -> tuple[str, str] | None:
@@ -214,7 +221,7 @@ def run_trainer(cfg, ray, build, after=None) -> tuple[dict, object] | None:
         except (InputError, ConfigError) as e:  # a model directory, prompt or layout the run cannot use
             ray.shutdown()
             stops.end()
-            print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
+            stopped_by(e)
             return None
         try:
             history = trainer.fit()
@@ -274,12 +281,8 @@ def main(argv=None) -> int:
         check_registry_names(cfg.algorithm)
         check_loggers(cfg.trainer.loggers)
         reward = check_reward(cfg, first_prompt_row(cfg), reward_key(cfg))  # imported and tried before anything starts
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except InputError as e:
-        print(f"input error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, InputError) as e:
+        return stopped_by(e)
     print(profile_line(cfg))
     for note in cfg.notes:
         print(f"note: {note}")
@@ -300,19 +303,14 @@ def main(argv=None) -> int:
                 print(f"warning: {eos}")
         return 0
     if problems := path_problems(cfg):  # every one named at once, before anything loads and before Ray starts
-        print(f"input error: {'; '.join(problems)}", file=sys.stderr)
-        return 2
+        return stopped_by(InputError("; ".join(problems)))
     if args.dry_run:
         from megarl.data.inputs import check_inputs
 
         try:
             inputs, model_config, longest = check_inputs(cfg)
-        except InputError as e:
-            print(f"input error: {e}", file=sys.stderr)
-            return 2
-        except ConfigError as e:  # a layout the model cannot take (megarl/config/model_layout.py)
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+        except (InputError, ConfigError) as e:  # ConfigError: a layout the model cannot take (config/model_layout.py)
+            return stopped_by(e)
         print(f"{config_ok}; {inputs}")
         print(summary)
         print(planned_memory(cfg, model_config, longest))
@@ -325,8 +323,7 @@ def main(argv=None) -> int:
     try:  # before Ray and the workers: one live run per directory, the checkpoint it resumes checked (resume.py)
         lock, start = claim_run(cfg)
     except (RunLockError, CheckpointError, ConfigError) as e:
-        print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
-        return 2
+        return stopped_by(e)
     with lock:  # released when the run ends, however it ends
         if finished := start.nothing_to_train(cfg.trainer.steps):
             print(finished)

@@ -48,13 +48,13 @@ def main(argv=None) -> int:
     quiet.install(args.verbose)  # before megatron and transformers are imported, here and in every worker
     from megarl.data.run_paths import rm_path_problems
     from megarl.rm_trainer import RMTrainer, check_rm_config, check_rm_inputs
+    from megarl.train import run_trainer, start_ray, stopped_by
 
     try:
         cfg = load_config(args.config, args.overrides)
         check_rm_config(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return stopped_by(e)
     layout = cfg.reward_model.parallel.describe()
     config_ok = (f"config ok: {layout}; {cfg.trainer.steps} steps of {cfg.preference.pairs_per_step} preference "
                  f"pairs")
@@ -62,17 +62,13 @@ def main(argv=None) -> int:
         print(config_ok)
         return 0
     if problems := rm_path_problems(cfg):  # every one named at once, before anything loads and before Ray starts
-        print(f"input error: {'; '.join(problems)}", file=sys.stderr)
-        return 2
+        return stopped_by(InputError("; ".join(problems)))
     if args.dry_run:
         try:
             print(f"{config_ok}; {check_rm_inputs(cfg)}")
         except (InputError, ConfigError) as e:
-            print(f"{'input' if isinstance(e, InputError) else 'config'} error: {e}", file=sys.stderr)
-            return 2
+            return stopped_by(e)
         return 0
-
-    from megarl.train import run_trainer, start_ray
 
     ranks = cfg.reward_model.parallel.world_size  # the run's only engine: 0.9 of a GPU each on cuda
     stops.begin(cfg)  # SIGINT/SIGTERM end the run from here; so do the processes it starts
