@@ -14,7 +14,7 @@ Settings megarl refuses by key, because the references disagree or transformers 
     experts in the kept groups than num_experts_per_tok, or, for V3, groups of one expert: no top 2).
 DeepSeek-V2's group_limited_greedy is routed as DeepSeek's code and SGLang route it (groups by their maximum);
 transformers 5.12's DeepseekV2Moe raises AttributeError for it (its `num_experts` is never set).
-Tokens reach the experts through megatron's allgather dispatcher (qwen3_moe.py says why).
+Tokens reach the experts through megatron's allgather dispatcher (moe.py says why).
 """
 
 from __future__ import annotations

@@ -90,9 +90,14 @@ def fused_gate_up() -> dict:
     return dict(to_shard=to_shard, from_shards=from_shards)
 
 
-def gated_mlp(megatron_prefix: str, hf_prefix: str) -> list[WeightMap]:
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")  # the checkpoints' names of a SwiGLU MLP's projections
+
+
+def gated_mlp(megatron_prefix: str, hf_prefix: str, parts: tuple[str, str, str] = GATE_UP_DOWN) -> list[WeightMap]:
     """A SwiGLU MLP's two megatron weights from HF's gate/up/down projections (a dense MLP, an expert, a shared
-    expert): linear_fc1 the fused gate and up rows, linear_fc2 row-parallel."""
+    expert), named `parts` in the checkpoint (Mixtral's experts: w1, w3, w2): linear_fc1 the fused gate and up
+    rows, linear_fc2 row-parallel."""
     m, h = megatron_prefix, hf_prefix
-    return [WeightMap(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), **fused_gate_up()),
-            WeightMap(m + "linear_fc2.weight", (h + "down_proj.weight",), **split_dim(1))]
+    gate, up, down = parts
+    return [WeightMap(m + "linear_fc1.weight", (f"{h}{gate}.weight", f"{h}{up}.weight"), **fused_gate_up()),
+            WeightMap(m + "linear_fc2.weight", (f"{h}{down}.weight",), **split_dim(1))]

@@ -13,6 +13,13 @@ def language_fields(hf: dict) -> dict:
     return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
 
 
+def expert_width(hf: dict) -> tuple[int, str]:
+    """Each routed expert's FFN width and the config key that gives it: moe_intermediate_size (DeepSeek, Qwen3-MoE),
+    Mixtral's intermediate_size (it has no other); 0 where the config gives none."""
+    key = "intermediate_size" if hf.get("model_type") == "mixtral" else "moe_intermediate_size"
+    return hf.get(key, 0), key
+
+
 def routed_experts(hf: dict) -> int:
     """Routed experts per MoE layer under any of the configs' names for them; 0 for a dense model."""
     return next((hf[key] for key in _EXPERT_KEYS if hf.get(key)), 0)
