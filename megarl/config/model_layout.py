@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megarl.config.validation import ConfigError
 from megarl.parallel.stages import stage_layers
-from megarl.utils.hf_config import language_fields, routed_experts
+from megarl.utils.hf_config import expert_width, language_fields, routed_experts
 
 
 def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, ...]:
@@ -36,10 +36,10 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
                           "model): leave them at 1 and 0")
     if experts and experts % p.ep:
         raise ConfigError(f"{keys}.ep={p.ep} must divide the {experts} routed experts of {where}")
-    expert_width = hf.get("moe_intermediate_size", 0)
-    if experts and expert_width % (p.etp or p.tp):
-        raise ConfigError(f"{keys}.etp={p.etp or p.tp} (0 = tp) must divide each expert's moe_intermediate_size="
-                          f"{expert_width} of {where}")
+    width, width_key = expert_width(hf)
+    if experts and width % (p.etp or p.tp):
+        raise ConfigError(f"{keys}.etp={p.etp or p.tp} (0 = tp) must divide each expert's {width_key}="
+                          f"{width} of {where}")
     if "mla_up_proj" in section.recompute_modules and not hf.get("kv_lora_rank"):
         raise ConfigError(f"{role}.recompute_modules: mla_up_proj needs multi-latent attention, which {where} "
                           "does not have (no kv_lora_rank)")

@@ -9,7 +9,8 @@ contiguous row blocks (rank r gets block r), or replicated:
 - embeddings and the output layer: dim 0, the vocabulary padded to a multiple of TP (pad rows
   belong to no HF tensor);
 - norms, routers and MLA's down-projections (q_a, kv_a): replicated.
-Routed experts carry their index: expert parallelism places whole experts (megarl.reshard.layout), and
+Routed experts carry their index (Mixtral's: block_sparse_moe.experts.{e}.w1/w3/w2, the others'
+mlp.experts.{e}.gate_proj/up_proj/down_proj): expert parallelism places whole experts (megarl.reshard.layout), and
 expert-TP (training) or SGLang's MoE TP (generation) cuts each as TP cuts a dense MLP. Shared experts are
 dense MLPs.
 Head-structured tensors are cut between heads. K/V projections with TP above their head count (and a
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.utils.hf_config import language_fields, routed_experts
+from megarl.utils.hf_config import expert_width, language_fields, routed_experts
 
 
 @dataclass(frozen=True)
@@ -129,20 +130,25 @@ def _mla_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
                     TensorSpec(p + "o_proj.weight", (h, heads * v), 1, layer, units=heads)]
 
 
-def _mlp(p: str, h: int, inter: int, layer: int, **expert) -> list[TensorSpec]:
-    return [TensorSpec(p + "gate_proj.weight", (inter, h), 0, layer, **expert),
-            TensorSpec(p + "up_proj.weight", (inter, h), 0, layer, **expert),
-            TensorSpec(p + "down_proj.weight", (h, inter), 1, layer, **expert)]
+MIXTRAL_EXPERT_PARTS = ("w1", "w3", "w2")  # a Mixtral expert's gate, up and down projections (block_sparse_moe)
+
+
+def _mlp(p: str, h: int, inter: int, layer: int, parts=("gate_proj", "up_proj", "down_proj"),
+         **expert) -> list[TensorSpec]:
+    gate, up, down = parts
+    return [TensorSpec(f"{p}{gate}.weight", (inter, h), 0, layer, **expert),
+            TensorSpec(f"{p}{up}.weight", (inter, h), 0, layer, **expert),
+            TensorSpec(f"{p}{down}.weight", (h, inter), 1, layer, **expert)]
 
 
 def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
-    h, inter = hf["hidden_size"], hf["moe_intermediate_size"]
-    experts = routed_experts(hf)
+    h, experts, inter = hf["hidden_size"], routed_experts(hf), expert_width(hf)[0]
+    parts = MIXTRAL_EXPERT_PARTS if hf.get("model_type") == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     specs = [TensorSpec(p + "gate.weight", (experts, h), None, layer)]
     if has_routing_bias(hf):
         specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer, fp32=True))
     for e in range(experts):
-        specs += _mlp(f"{p}experts.{e}.", h, inter, layer, expert=e, experts=experts)
+        specs += _mlp(f"{p}experts.{e}.", h, inter, layer, parts, expert=e, experts=experts)
     if hf.get("n_shared_experts"):
         specs += _mlp(p + "shared_experts.", h, inter * hf["n_shared_experts"], layer)
     return specs
@@ -161,7 +167,7 @@ def is_moe_layer(hf: dict, layer: int) -> bool:
     if hf.get("model_type") == "qwen3_moe":
         step = hf.get("decoder_sparse_step", 1)
         return layer not in hf.get("mlp_only_layers", []) and (layer + 1) % step == 0
-    return False
+    return hf.get("model_type") == "mixtral"
 
 
 def vision_tower(vision: dict) -> list[TensorSpec]:
@@ -187,7 +193,7 @@ def vision_tower(vision: dict) -> list[TensorSpec]:
                     TensorSpec("visual.merger.mlp.2.bias", (out,), None, None)]
 
 
-SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2")
 # vision-language model types: their language model's family in SUPPORTED
 VISION_LANGUAGE = {"qwen2_5_vl": "qwen2"}
 
@@ -212,7 +218,7 @@ def hf_inventory(hf: dict) -> list[TensorSpec]:
             specs += _attention(hf, p + "self_attn.", i)
         specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), None, i))
         if is_moe_layer(hf, i):
-            specs += _moe(hf, p + "mlp.", i)
+            specs += _moe(hf, p + ("block_sparse_moe." if model_type == "mixtral" else "mlp."), i)
         else:
             specs += _mlp(p + "mlp.", h, hf["intermediate_size"], i)
     specs.append(TensorSpec("model.norm.weight", (h,), None, None))

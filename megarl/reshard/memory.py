@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, on_first_stage
 from megarl.reshard.layout import TrainLayout
-from megarl.utils.hf_config import language_fields, routed_experts
+from megarl.utils.hf_config import expert_width, language_fields, routed_experts
 
 BF16, FP32 = 2, 4
 RECOMPUTE = ("none", "selective", "full")
@@ -145,7 +145,7 @@ def _activations(hf: dict, layer: int, train: TrainLayout, s: MemorySettings, cp
     parts["core_attn"] = FP32 * tokens * heads / tp  # flash attention's log-sum-exp
     if is_moe_layer(hf, layer):
         experts = routed_experts(hf)
-        f, topk = hf["moe_intermediate_size"], hf["num_experts_per_tok"]
+        f, topk = expert_width(hf)[0], hf["num_experts_per_tok"]
         routed = local * topk * etp  # token copies this rank's experts compute (balanced routing)
         parts["moe_router"] = FP32 * local * (h + 3 * experts)
         parts["moe_tokens"] = routed * (2 * BF16 * h + FP32)

@@ -255,22 +255,27 @@ class _Named:
 
 def checkpoint_views(model) -> dict[str, torch.Tensor]:
     """The model's weights and persistent buffers under their checkpoint names, as views of its own storage.
-    transformers >= 5 holds a mixture-of-experts layer's experts fused (Qwen3-MoE, DeepSeek: experts.gate_up_proj
-    [experts, 2 x ffn, hidden], each expert's gate rows then its up rows; experts.down_proj [experts, hidden, ffn]) and
-    converts them from and to per-expert tensors on load and save: expert e's gate/up/down_proj.weight are views of
-    its slices here."""
+    transformers >= 5 holds a mixture-of-experts layer's experts fused (Qwen3-MoE, DeepSeek, Mixtral:
+    experts.gate_up_proj [experts, 2 x ffn, hidden], each expert's gate rows then its up rows; experts.down_proj
+    [experts, hidden, ffn]) and converts them from and to per-expert tensors on load and save: expert e's
+    gate/up/down_proj.weight (Mixtral's w1/w3/w2.weight) are views of its slices here. Mixtral's checkpoints name the
+    layer's MoE block block_sparse_moe where transformers 5 names it mlp."""
+    mixtral = model.config.model_type == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     views = {}
     for name, t in model.state_dict().items():
         name = _checkpoint_name(name)
+        if mixtral:
+            name = name.replace(".mlp.", ".block_sparse_moe.")
         prefix, _, fused = name.rpartition(".experts.")
         if fused == "gate_up_proj" and t.dim() == 3:
             ffn = t.shape[1] // 2
             for e in range(t.shape[0]):
-                views[f"{prefix}.experts.{e}.gate_proj.weight"] = t[e, :ffn]
-                views[f"{prefix}.experts.{e}.up_proj.weight"] = t[e, ffn:]
+                views[f"{prefix}.experts.{e}.{gate}.weight"] = t[e, :ffn]
+                views[f"{prefix}.experts.{e}.{up}.weight"] = t[e, ffn:]
         elif fused == "down_proj" and t.dim() == 3:
             for e in range(t.shape[0]):
-                views[f"{prefix}.experts.{e}.down_proj.weight"] = t[e]
+                views[f"{prefix}.experts.{e}.{down}.weight"] = t[e]
         else:
             views[name] = t
     return views

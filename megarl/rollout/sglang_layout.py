@@ -1,8 +1,9 @@
 """How SGLang 0.5.17 holds the HF tensors it is sent: the "sglang" weight layout (megarl.rollout.weight_layout).
 
-SGLang's decoders (qwen2, llama, qwen3, qwen3_moe, deepseek_v2/v3) at TP=tp: stacked parameters as its
-`stacked_params_mapping` and `FusedMoE.make_expert_params_mapping` name them; column-parallel rows and row-parallel
-columns as megarl's inventory cuts them (K/V heads replicated above their count); vocabulary rows as
+SGLang's decoders (qwen2, llama, qwen3, qwen3_moe, mistral (its llama model), mixtral, deepseek_v2/v3) at TP=tp:
+stacked parameters as its `stacked_params_mapping` and `FusedMoE.make_expert_params_mapping` name them (Mixtral's
+block_sparse_moe.experts.{e}.w1/w3/w2 into block_sparse_moe.experts.w13_weight/w2_weight, its router
+block_sparse_moe.gate.weight as is); column-parallel rows and row-parallel columns as megarl's inventory cuts them (K/V heads replicated above their count); vocabulary rows as
 VocabParallelEmbedding cuts a vocabulary padded to a multiple of 64, its padding rows zero-filled (they add nothing
 to a checksum): `sglang_vocab_rows`.
 With --ep-size EP (rollout.sglang_args), as FusedMoE holds routed experts with no DeepEP-class all-to-all and
@@ -60,7 +61,9 @@ _FUSED = (
     (re.compile(r"(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.(weight)$"), "fused_qkv_a_proj_with_mqa",
      ("q_a_proj", "kv_a_proj_with_mqa")),
 )
-_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# a routed expert's projection (Mixtral's w1/w3/w2) -> its part of FusedMoE's w13 (gate, up) or w2 (down)
+_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _SHARED_EXPERT = re.compile(r"(.*\.mlp\.)shared_experts\.(gate|up|down)_proj\.weight$")
 _KV_B = re.compile(r"(.*\.self_attn\.)kv_b_proj\.weight$")
 # SGLang's Qwen2.5-VL vision tower (module docstring): the renamed qkv, and the MLP tensors of the padded width
@@ -144,10 +147,9 @@ class SGLangLayout:
         expert = self._expert(name)
         if expert:
             prefix, index, part = expert
-            gate = name.replace(f"{part}_proj", "gate_proj")  # the same expert's gate: its shard's size
-            lo, hi = self.rows(gate, rank)
-            shard = (hi - lo) * self.specs[gate].row_numel  # one expert's gate (or up, or down) shard
             spec = self.specs[name]
+            lo, hi = self.rows(name, rank)
+            shard = (hi - lo) * spec.row_numel  # one expert's gate, up or down shard: all three alike in size
             if spec.expert is not None:  # FusedMoE's local index: the expert's place in its EP rank's block
                 index -= self.gen.expert_owner(spec) * (spec.experts // self.gen.ep)
             if part == "down":
@@ -171,7 +173,7 @@ class SGLangLayout:
         expert's where SGLang fuses it into the routed ones."""
         match = _EXPERT.match(name)
         if match:
-            return match.group(1), int(match.group(2)), match.group(3)
+            return match.group(1), int(match.group(2)), _EXPERT_PART[match.group(3)]
         match = _SHARED_EXPERT.match(name) if self.shared_expert is not None else None
         if match:
             return match.group(1) + "experts.", self.shared_expert, match.group(2)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from tests.engine.hf_models import VOCAB
 
@@ -36,6 +37,25 @@ def qwen3_moe_config(tied: bool, norm_topk_prob: bool, num_experts: int = 4) -> 
     return Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=16,
                           norm_topk_prob=norm_topk_prob, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                           tie_word_embeddings=tied, architectures=["Qwen3MoeForCausalLM"])
+
+
+def mistral_config(**overrides) -> MistralConfig:
+    """Mistral-Nemo style: head_dim 12 given explicitly, so the attention width (4 x 12) is not hidden_size; FFN 40.
+    sliding_window = max_position_embeddings = 12, padded_batch's longest row: transformers takes its sliding-window
+    path, whose window reaches the first token from the last one exactly (megarl accepts such a window and runs full
+    attention, models/mistral.py)."""
+    params = dict(COMMON, intermediate_size=40, head_dim=12, max_position_embeddings=12, sliding_window=12,
+                  rope_parameters={"rope_type": "default", "rope_theta": 2e5}, tie_word_embeddings=False,
+                  architectures=["MistralForCausalLM"])
+    return MistralConfig(**(params | overrides))
+
+
+def mixtral_config(**overrides) -> MixtralConfig:
+    """Mixtral-8x7B style at a tiny size: 4 experts of intermediate_size 24, top 2, no sliding window."""
+    params = dict(COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+                  architectures=["MixtralForCausalLM"])
+    return MixtralConfig(**(params | overrides))
 
 
 # DeepSeek (multi-latent attention): qk_nope (12) != v_head_dim (10), rope dims 8 (4 frequencies). YaRN with
@@ -77,7 +97,8 @@ def deepseek_v2_config(layers: int = 2, first_k_dense_replace: int | None = None
 
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
                  "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-                 "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM}
+                 "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "MistralForCausalLM": MistralForCausalLM,
+                 "MixtralForCausalLM": MixtralForCausalLM}
 
 
 def save_random(config, path, seed: int = 0) -> str:

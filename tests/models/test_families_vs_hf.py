@@ -20,7 +20,7 @@ from megarl.algorithms.losses import sft_loss
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
-from tests.models.hf_families import llama_config, qwen3_config, qwen3_moe_config, save_random
+from tests.models.hf_families import llama_config, mistral_config, mixtral_config, qwen3_config, qwen3_moe_config, save_random
 
 # (tp, pp, ep, sequence_parallel) on 2 ranks
 LAYOUTS = ((1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True))
@@ -134,4 +134,21 @@ def test_qwen3_moe_with_ep_combined_with_tp_or_pp_and_ep4(tmp_path):
     trained = run_distributed(_check_rank, 4, cases, EP_LAYOUTS_4, model_dir, timeout=240)
 
     assert sorted(trained) == [(1, 1, 4, False), (1, 2, 2, False), (2, 1, 2, True)]
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
+
+
+def test_mistral_and_mixtral_match_transformers_at_tp_pp_ep(tmp_path):
+    """Mistral (an explicit head_dim, a sliding window as long as its positions) and Mixtral (block_sparse_moe's
+    w1/w3/w2 experts, always-renormalised top 2 of 4) at TP=2, PP=2, DP=2 and, for Mixtral, EP=2 and TP=2 with SP:
+    log-probs and entropy as transformers', the export bitwise the checkpoint's; Mixtral's SFT Adam step as
+    transformers + torch.optim.Adam's at every layout megatron trains it in."""
+    cases = []
+    for seed, (name, config) in enumerate({"mistral": mistral_config(), "mixtral-moe": mixtral_config()}.items()):
+        model_dir = save_random(config, tmp_path / name, seed=11 + seed)
+        cases.append((name, model_dir, "moe" in name, *hf_logprobs_entropy(model_dir, padded_batch())))
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(cases[1][1], tmp_path / "hf-step")
+
+    trained = run_distributed(_check_rank, 2, cases, LAYOUTS, cases[1][1], timeout=240)
+
+    assert sorted(trained) == [(1, 1, 1, False), (1, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True)]
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)

@@ -1,5 +1,6 @@
 """HF <-> megatron weight layout and config translation of the model families: registry, TP shard
-rules, per-family features (Qwen2 biases, Llama 3 RoPE scaling, Qwen3 QK-norm, Qwen3-MoE experts)."""
+rules, per-family features (Qwen2 biases, Llama 3 RoPE scaling, Qwen3 QK-norm, Qwen3-MoE experts, Mistral's head_dim
+and sliding window, Mixtral's experts)."""
 
 import pytest
 import torch
@@ -8,11 +9,16 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.models import get_family
 from megarl.models.llama import FAMILY as llama
+from megarl.models.mistral import FAMILY as mistral
+from megarl.models.mixtral import FAMILY as mixtral
 from megarl.models.qwen2 import FAMILY as qwen2
 from megarl.models.qwen3 import FAMILY as qwen3
 from megarl.models.qwen3_moe import FAMILY as qwen3_moe
 from megarl.models.sharding import fused_gate_up, fused_qkv, padded_vocab_size, vocab_rows
-from tests.models.hf_families import MODEL_CLASSES, llama_config, qwen3_config, qwen3_moe_config
+from megarl.reshard.inventory import hf_inventory
+from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
+from tests.models.hf_families import (MODEL_CLASSES, llama_config, mistral_config, mixtral_config, qwen3_config,
+                                      qwen3_moe_config, save_random)
 
 
 def _hf(**overrides):
@@ -25,8 +31,8 @@ def _hf(**overrides):
 def test_registry_finds_qwen2_and_names_the_supported_ones():
     assert get_family(_hf()) is qwen2
     assert get_family({"model_type": "qwen2"}) is qwen2
-    with pytest.raises(ValueError, match=r"MistralForCausalLM.*supports.*Qwen2ForCausalLM"):
-        get_family({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+    with pytest.raises(ValueError, match=r"GemmaForCausalLM.*supports.*Qwen2ForCausalLM"):
+        get_family({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"})
 
 
 def test_qkv_layout_is_grouped_per_query_group_and_round_trips():
@@ -93,22 +99,29 @@ def test_transformer_config_translation_and_errors():
 
 def test_registry_finds_every_family_by_architecture_or_model_type():
     for config, family in ((llama_config(True), llama), (qwen3_config(True), qwen3),
-                           (qwen3_moe_config(True, True), qwen3_moe)):
+                           (qwen3_moe_config(True, True), qwen3_moe), (mistral_config(), mistral),
+                           (mixtral_config(), mixtral)):
         hf = config.to_dict()
         assert get_family(hf) is family and get_family(config) is family
         assert get_family({"model_type": hf["model_type"]}) is family
 
 
 @pytest.mark.parametrize("make", [lambda t: llama_config(t), lambda t: qwen3_config(t),
-                                  lambda t: qwen3_moe_config(t, True)])
+                                  lambda t: qwen3_moe_config(t, True), lambda t: mistral_config(tie_word_embeddings=t),
+                                  lambda t: mixtral_config(tie_word_embeddings=t)])
 @pytest.mark.parametrize("tied", [True, False])
 def test_weight_maps_of_every_family_cover_every_checkpoint_tensor_once(make, tied, tmp_path):
+    """The family's HF names, and the resharder's inventory (from config.json alone, with each tensor's shape), are
+    the checkpoint's as transformers writes it (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, not the fused
+    tensors transformers 5 holds in memory)."""
     config = make(tied)
     family = get_family(config.to_dict())
     MODEL_CLASSES[config.architectures[0]](config).save_pretrained(tmp_path)
-    saved = set(load_file(f"{tmp_path}/model.safetensors"))  # the per-expert names of the checkpoint files
+    saved = load_file(f"{tmp_path}/model.safetensors")  # the per-expert names of the checkpoint files
     exported = [n for m in family.weight_maps(config.to_dict(), 2) if m.export for n in m.hf]
     assert sorted(exported) == sorted(saved)
+    inventory = {s.name: s.shape for s in hf_inventory(config.to_dict())}
+    assert inventory == {name: tuple(t.shape) for name, t in saved.items()}
 
 
 def test_llama3_rope_scaling_equals_transformers_frequencies():
@@ -153,3 +166,50 @@ def test_qwen3_qk_norm_and_qwen3_moe_router_translation():
         qwen3_moe.transformer_config({**hf, "mlp_only_layers": [0]}, 1, 1, torch.float32, True)
     with pytest.raises(ValueError, match="dense"):
         qwen3.transformer_config(qwen3_config(True).to_dict(), 1, 1, torch.float32, True, ep=2)
+
+
+def test_mistral_head_dim_and_sliding_window():
+    """An explicit head_dim (Mistral-Nemo's 128 with hidden 5120 / 32 heads) is the attention's kv_channels; a
+    sliding window shorter than max_position_embeddings is refused by key."""
+    hf = mistral_config().to_dict()
+    config = mistral.transformer_config(hf, 2, 1, torch.float32, True)
+    assert (config.kv_channels, config.hidden_size, config.num_query_groups) == (12, 32, 2)
+    assert not config.add_qkv_bias and not config.add_bias_linear and config.num_moe_experts is None
+    assert mistral.gpt_model_kwargs(hf, 2)["rotary_base"] == 2e5
+    nemo = {**hf, "hidden_size": 5120, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+    assert mistral.transformer_config(nemo, 1, 1, torch.float32, True).kv_channels == 128
+    for window in (None, 12, 4096):
+        mistral.transformer_config({**hf, "sliding_window": window}, 1, 1, torch.float32, True)
+    for family in (mistral, mixtral):
+        config_hf = {**(hf if family is mistral else mixtral_config().to_dict()), "max_position_embeddings": 12}
+        with pytest.raises(ValueError, match=r"sliding_window=11 < max_position_embeddings=12"):
+            family.transformer_config({**config_hf, "sliding_window": 11}, 1, 1, torch.float32, True)
+
+
+def test_mistral_sliding_window_shorter_than_a_row_changes_transformers_logprobs(tmp_path):
+    """Why the refusal: a window of 10 leaves the first token out of the last prediction of padded_batch's 12-token
+    row (its logits at position 10 see positions 1..10), and transformers' log-prob there differs from full
+    attention's; every earlier one is the same."""
+    full = hf_logprobs_entropy(save_random(mistral_config(), tmp_path / "w12"), padded_batch())[0]
+    short = hf_logprobs_entropy(save_random(mistral_config(sliding_window=10), tmp_path / "w10"), padded_batch())[0]
+    assert torch.equal(full[:, :11], short[:, :11]) and not torch.equal(full[0, 11], short[0, 11])
+
+
+def test_mixtral_router_and_expert_translation():
+    hf = mixtral_config().to_dict()
+    config = mixtral.transformer_config(hf, 1, 1, torch.float32, True, ep=2)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 24)
+    # transformers' MixtralTopKRouter always renormalises the top-k weights: top-k of the logits, softmax over those k
+    assert not config.moe_router_pre_softmax and config.moe_router_score_function == "softmax"
+    assert config.moe_aux_loss_coeff == 0 and config.moe_router_load_balancing_type == "none"
+    assert config.expert_model_parallel_size == 2 and not config.qk_layernorm
+    maps = {m.megatron: m.hf for m in mixtral.weight_maps(hf, 1)}
+    p = "model.layers.1.block_sparse_moe."
+    assert maps["decoder.layers.1.mlp.router.weight"] == (p + "gate.weight",)
+    assert maps["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"] == (p + "experts.3.w1.weight",
+                                                                                       p + "experts.3.w3.weight")
+    assert maps["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"] == (p + "experts.3.w2.weight",)
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        mixtral.transformer_config({**hf, "router_jitter_noise": 0.01}, 1, 1, torch.float32, True)
+    with pytest.raises(ValueError, match="EP=3 must divide"):
+        mixtral.transformer_config(hf, 1, 1, torch.float32, True, ep=3)

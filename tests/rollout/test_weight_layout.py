@@ -13,6 +13,8 @@ from tests.rollout import fake_sglang
 
 QWEN2 = {"model_type": "qwen2", "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 1,
          "num_hidden_layers": 2, "intermediate_size": 24, "vocab_size": 100, "tie_word_embeddings": False}
+# SGLang's MistralForCausalLM is its Llama: no biases; head_dim 8 given, the attention 32 wide beside hidden 16
+MISTRAL = dict(QWEN2, model_type="mistral", head_dim=8)
 
 
 def _tensors(hf: dict, dtype=torch.bfloat16) -> dict:
@@ -30,15 +32,16 @@ def _sglang_held(hf: dict, full: dict, tp: int) -> dict:
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])  # TP=2 and 4: K/V heads replicated above their count of 1
-def test_full_tensors_checksum_as_sglang_holds_them(tp):
-    full = _tensors(QWEN2)
-    layout = layout_for(hf_inventory(QWEN2), "sglang", tp)
+@pytest.mark.parametrize("hf", [QWEN2, MISTRAL], ids=["qwen2", "mistral"])
+def test_full_tensors_checksum_as_sglang_holds_them(tp, hf):
+    full = _tensors(hf)
+    layout = layout_for(hf_inventory(hf), "sglang", tp)
     expected = ExpectedChecksums(layout, list(range(tp)))
     for name, t in full.items():
         expected.add(name, t)
-    held = _sglang_held(QWEN2, full, tp)
+    held = _sglang_held(hf, full, tp)
     verify_checksums(expected.result(), held)
-    assert "model.layers.1.self_attn.qkv_proj.bias" in held[0][tp - 1]
+    assert ("model.layers.1.self_attn.qkv_proj.bias" in held[0][tp - 1]) is (hf is QWEN2)
 
     held[0][tp - 1]["model.layers.1.mlp.gate_up_proj.weight"][3] += 1  # a rank holds something else
     with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank {tp - 1}: model.layers.1.mlp.gate_up_proj"):
@@ -67,21 +70,34 @@ def test_shards_sent_by_each_rank_checksum_as_sglang_holds_them():
         verify_checksums(merge(parts), held)
 
 
-def test_stacked_experts_checksum_as_fused_moe_holds_them():
-    hf = {"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
-          "head_dim": 4, "num_hidden_layers": 1, "moe_intermediate_size": 6, "num_experts": 3, "vocab_size": 64,
-          "tie_word_embeddings": True, "intermediate_size": 12}
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "head_dim": 4, "num_hidden_layers": 1, "moe_intermediate_size": 6, "num_experts": 3, "vocab_size": 64,
+             "tie_word_embeddings": True, "intermediate_size": 12}
+# Mixtral: experts intermediate_size wide, block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down), as SGLang's
+# MixtralForCausalLM loads them (FusedMoE.make_expert_params_mapping with w1/w2/w3) into block_sparse_moe.experts
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
+           "num_hidden_layers": 1, "intermediate_size": 6, "num_local_experts": 3, "vocab_size": 64,
+           "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("hf, moe, parts", [(QWEN3_MOE, "mlp", ("gate_proj", "up_proj", "down_proj")),
+                                            (MIXTRAL, "block_sparse_moe", ("w1", "w3", "w2"))], ids=["qwen3_moe", "mixtral"])
+def test_stacked_experts_checksum_as_fused_moe_holds_them(hf, moe, parts):
     full, tp = _tensors(hf), 2
-    expected = ExpectedChecksums(layout_for(hf_inventory(hf), "sglang", tp), [0, 1])
+    layout = layout_for(hf_inventory(hf), "sglang", tp)
+    expected = ExpectedChecksums(layout, [0, 1])
     for name, t in full.items():
         expected.add(name, t)
     got = expected.result()
-    p = "model.layers.0.mlp.experts."
+    layer = f"model.layers.0.{moe}."
+    assert {n for n in layout.parameters(0) if n.startswith(layer)} == {
+        layer + "gate.weight", layer + "experts.w13_weight", layer + "experts.w2_weight"}
+    p, (gate, up, down) = layer + "experts.", parts
     for rank in range(tp):  # FusedMoE: w13[e] = [gate rows; up rows] of the rank's block, w2[e] = down's columns
         cut = slice(rank * 3, rank * 3 + 3)
-        w13 = torch.stack([torch.cat([full[f"{p}{e}.gate_proj.weight"][cut], full[f"{p}{e}.up_proj.weight"][cut]])
+        w13 = torch.stack([torch.cat([full[f"{p}{e}.{gate}.weight"][cut], full[f"{p}{e}.{up}.weight"][cut]])
                            for e in range(3)])
-        w2 = torch.stack([full[f"{p}{e}.down_proj.weight"][:, cut] for e in range(3)])
+        w2 = torch.stack([full[f"{p}{e}.{down}.weight"][:, cut] for e in range(3)])
         fused = torch.nn.Module()
         fused.w13_weight, fused.w2_weight = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
         held = module_checksums(fused)
