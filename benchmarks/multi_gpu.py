@@ -1,4 +1,4 @@
-"""Multi-GPU runs of issue 8: resharding into colocated SGLang servers, the disaggregated weight sync over
+"""Multi-GPU runs: resharding into colocated SGLang servers, the disaggregated weight sync over
 NCCL broadcast, and MoE expert parallelism against EP=1. One process per GPU, launched by torchrun; with
 --device cpu the same code runs on gloo at tiny sizes, a recording stand-in taking the SGLang servers' place
 (the smoke test before a GPU run). Rank 0 writes the JSON (--out); the exit status is 1 if a check failed.

@@ -60,7 +60,7 @@ def test_baseline_settings():
 
 
 def test_recipes_that_mirror_verl_use_its_dual_clip_loss():
-    # issue 20's trap: verl's default loss ("vanilla") always applies the dual clip; found by what the recipe says
+    # the trap: verl's default loss ("vanilla") always applies the dual clip; found by what the recipe says
     mirrors = [p for p in RECIPES if "mirrors" in p.read_text().lower() and "verl" in p.read_text()]
     assert {p.stem for p in mirrors} >= {"ppo_gsm8k_qwen2.5_0.5b", "grpo_gsm8k_qwen2.5_0.5b", "grpo_math_qwen2.5_7b"}
     for path in mirrors:

@@ -48,6 +48,6 @@ def test_consistent_algorithm_options_load():
     (["algorithm.advantage=grpo_passk", "rollout.n_samples=1", "algorithm.allow_single_sample_groups=true"],
      "grpo_passk needs rollout.n_samples >= 2"),
 ])
-def test_inconsistent_issue_20_options_are_named(overrides, message):
+def test_inconsistent_estimator_loss_and_filtering_options_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(overrides)

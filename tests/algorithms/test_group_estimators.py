@@ -1,4 +1,4 @@
-"""The estimators issue 20 added (gpg, opo, grpo_passk, optimal_token_baseline) and VAPO's GAE (decoupled,
+"""The group estimators (gpg, opo, grpo_passk, optimal_token_baseline) and VAPO's GAE (decoupled,
 length-adaptive), against values worked out by hand from each paper's formula."""
 
 import pytest

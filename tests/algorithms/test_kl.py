@@ -67,7 +67,7 @@ def test_kl_controller_from_config():
 
 
 def test_k3_is_clamped_by_default_and_abs_and_verl_names():
-    # x = lp - ref = -20: k3 = e^20 - 21 = 4.85e8 (issue 20's drifted token); capped at 10 it has no gradient
+    # x = lp - ref = -20: k3 = e^20 - 21 = 4.85e8 (a drifted token seen in a run); capped at 10 it has no gradient
     lp = torch.tensor([-21.0, -1.5], requires_grad=True)
     ref = torch.tensor([-1.0, -1.0])
     k3 = kl_penalty(lp, ref, "k3", clamp=10.0)
