@@ -114,3 +114,22 @@ def test_a_bf16_model_comes_back_bf16_and_bit_exact(tmp_path):
     assert {t.dtype for t in back.values()} == {torch.bfloat16}
     assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_mixtral_comes_back_bit_exact_under_its_checkpoint_names(tmp_path):
+    """A bf16 Mixtral through hf-to-megatron and megatron-to-hf: every tensor (the router and the experts'
+    w1/w3/w2 under block_sparse_moe) bit for bit, and a config.json transformers loads as Mixtral again."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.hf_families import mixtral_config, save_random
+
+    hf = tmp_path / "hf"
+    AutoModelForCausalLM.from_pretrained(save_random(mixtral_config(), tmp_path / "fp32", seed=4)).to(
+        torch.bfloat16).save_pretrained(hf)
+    convert("hf-to-megatron", hf, tmp_path / "imported")
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
+    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in back
+    assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
+    assert {t.dtype for t in back.values()} == {torch.bfloat16}
+    assert AutoConfig.from_pretrained(tmp_path / "back").num_local_experts == 4

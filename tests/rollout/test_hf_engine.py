@@ -131,3 +131,23 @@ def test_update_weights_changes_outputs_and_named_weights_round_trip(engine, pro
         engine.update_weights([("model.nope", torch.zeros(1))])
     with pytest.raises(ValueError, match="has shape"):
         engine.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_mixtral_weights_go_by_their_checkpoint_names(tmp_path):
+    """transformers 5 holds Mixtral's experts fused under mlp.experts; the engine takes and reports them by the
+    checkpoint's (and the trainer's) names, block_sparse_moe.experts.{e}.w1/w3/w2, each a view of its slice."""
+    from safetensors.torch import load_file
+
+    from tests.models.hf_families import mixtral_config, save_random
+
+    model_dir = save_random(mixtral_config(), tmp_path / "mixtral", seed=5)
+    engine = HFRolloutEngine(model_dir, seed=0)
+    checkpoint = load_file(f"{model_dir}/model.safetensors")
+    held = engine.named_weights()
+    assert held.keys() == checkpoint.keys() and all(torch.equal(held[k], checkpoint[k]) for k in checkpoint)
+
+    expert = "model.layers.1.block_sparse_moe.experts.2."
+    up = torch.full_like(checkpoint[expert + "w3.weight"], 0.25)
+    engine.update_weights([(expert + "w3.weight", up)])
+    fused = engine.model.model.layers[1].mlp.experts.gate_up_proj[2]  # [gate rows; up rows]
+    assert torch.equal(fused[up.shape[0]:], up) and torch.equal(fused[:up.shape[0]], checkpoint[expert + "w1.weight"])
