@@ -18,7 +18,9 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-3b", 3.086),
                                            ("qwen2.5-7b", 7.616), ("qwen3-30b-a3b", 30.53),
-                                           ("qwen3-235b-a22b", 235.09), ("deepseek-v3", 671.03)])
+                                           ("qwen3-235b-a22b", 235.09), ("deepseek-v3", 671.03),
+                                           ("mistral-7b-v0.3", 7.248), ("mistral-nemo-12b", 12.248),
+                                           ("mixtral-8x7b", 46.70)])
 def test_parameter_totals_match_the_published_sizes(name, billions):
     total = sum(s.numel for s in hf_inventory(load_model_config(name)))
     assert total / 1e9 == pytest.approx(billions, rel=2e-3)
@@ -345,6 +347,20 @@ def test_cli_prints_every_stage(capsys):
     assert [line.split()[:2] for line in lines[table + 1:table + 3]] == [["0", "14"], ["1", "14"]]
     main(["--model", "qwen2.5-7b", "--train", "tp=2,cp=2,dp=2", "--gen", "tp=4"])
     assert "train TP=2 PP=1 CP=2 DP=2 EP=1 ETP=2 (8 GPUs)" in capsys.readouterr().out
+
+
+def test_cli_plans_mixtral_with_expert_parallelism(capsys):
+    """Mixtral's experts (8 of intermediate_size 14336 per layer, under block_sparse_moe) split over EP x ETP in
+    training: a rank of a 16-layer stage holds 16 x 8 x 3 x 14336 x 4096 / (2 x 2) expert parameters, 16 x 41.9M / 2
+    of attention and half the embedding or the output layer (6.039B); Mistral has no experts to split."""
+    main(["--model", "mixtral-8x7b", "--train", "tp=2,pp=2,dp=2,ep=2", "--gen", "tp=8,ep=8"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("mixtral-8x7b: 46.70B parameters; train TP=2 PP=2 CP=1 DP=2 EP=2 ETP=2 (8 GPUs), "
+                        "generation TP=8 EP=8 DP=1")
+    table = lines.index(next(x for x in lines if x.startswith("stage layers")))
+    assert [line.split()[:3] for line in lines[table + 1:table + 3]] == [["0", "16", "6.039"], ["1", "16", "6.039"]]
+    with pytest.raises(ValueError, match="ep=2: model_type='mistral' has no routed experts"):
+        train_layout(load_model_config("mistral-7b-v0.3"), dict(tp=1, pp=1, dp=1, cp=1, ep=2, etp=0))
 
 
 def test_errors_name_the_problem():
