@@ -1,9 +1,10 @@
-"""Asynchronous GRPO: the synchronous loop against one_step_off and async on the same workload, on one GPU
-(`--issue 19`, the default) or disaggregated over several (`--issue 25`); the flag's values name the two suites.
+"""Asynchronous GRPO: the synchronous loop against one_step_off and async on the same workload, colocated on one GPU
+(`--placement colocated`, the default) or disaggregated over several (`--placement disaggregated`): the two suites.
 
     python -m benchmarks.async_grpo --model qwen2.5-0.5b --out-dir OUT     # one H200: every run, ~9 min
-    python -m benchmarks.async_grpo --issue 25 --lengths fixed --runs disagg_sync,disagg_async_s1 --out-dir OUT
-    python -m benchmarks.async_grpo --smoke [--issue 25] --out-dir OUT     # CPU: tiny shapes, the transformers engine
+    python -m benchmarks.async_grpo --placement disaggregated --lengths fixed --runs disagg_sync,disagg_async_s1 \
+        --out-dir OUT
+    python -m benchmarks.async_grpo --smoke [--placement disaggregated] --out-dir OUT  # CPU: tiny, transformers
     python -m benchmarks.async_grpo --report OUT1/async_grpo.json ...      # one table from several calls' results
 
 The workload of benchmarks/e2e_vs_trl.py: a random-initialised Qwen2 of the shape in configs/models/<--model>.json
@@ -23,7 +24,7 @@ process under a deadline (warm-up steps left out of the numbers):
 An asynchronous run measures its steady state only: its first and last max_staleness + 1 steps are left out (the
 buffer's first fill, made before any update; the steps after the rollout has made the run's last batch: run_margins).
 
-Disaggregated (--issue 25; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64
+Disaggregated (--placement disaggregated; --gpus, default 2): a random Qwen2.5-1.5B, 128-token prompts, 8 samples per prompt, 64
 prompts per step, --lengths fixed (every completion 1024 tokens) or tail (natural lengths up to 4096 with a long tail: so
 many of the random model's vocabulary are stop tokens that --tail-share (10%) of its near-uniform samples run to
 4096 and the rest end before, geometrically: partial rollouts matter; long_tail_stops); runs named <run>_<lengths>:
@@ -58,8 +59,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks.common import add_run_arguments, add_workload_arguments, check_completions, smoke_sizes, start_run
 from benchmarks.e2e_vs_trl import (ROOT, build_model, end_sglang_servers, environment, megarl_command, model_shape,
-                                   run_process, start_run, write_prompts)
+                                   run_process, write_prompts)
 from megarl.utils.tracking import run_metrics
 
 ONE_STEP_OFF = {"trainer.mode": "one_step_off", "async.partial": "finish"}
@@ -78,8 +80,8 @@ RUNS = {  # run -> (placement, megarl.train overrides beside the workload's)
     "disagg_async_s4": ("disaggregated", ASYNC | {"async.max_staleness": 4}),
 }
 # in order of need: a call that runs out of time skips the last ones (on one GPU the offload cycle is the slowest sync)
-SUITES = {19: ["sync_resident", "async_s1", "async_s4", "async_s4_k0", "one_step_off", "sync_offload"],
-          25: ["colocated_sync", "disagg_sync", "disagg_one_step_off", "disagg_async_s1", "disagg_async_s4"]}
+SUITES = {"colocated": ["sync_resident", "async_s1", "async_s4", "async_s4_k0", "one_step_off", "sync_offload"],
+          "disaggregated": ["colocated_sync", "disagg_sync", "disagg_one_step_off", "disagg_async_s1", "disagg_async_s4"]}
 ROLLOUT_PHASES = ("generate", "reward", "generate_baseline")  # the rollout side's lane; the rest are the trainer's
 CONTAINERS = ("rollout",)  # phases made of others (the rollout thread's whole batch): left out of timelines
 
@@ -333,14 +335,15 @@ def table(runs: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out-dir", help="results JSON and logs go here")
+    add_run_arguments(p, smoke="CPU: tiny model and lengths, the transformers engine", budget_s=520,
+                      out_dir_required=False)
     p.add_argument("--report", nargs="+", metavar="JSON", help="print one table from these results files and exit")
-    p.add_argument("--work-dir", default="", help="the model, prompts and run directories (default OUT/work)")
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny model and lengths, the transformers engine")
-    p.add_argument("--issue", type=int, choices=sorted(SUITES), default=19, help="the suite of runs and workload: 19 "
-                   "(one GPU) or 25 (several, disaggregated)")
-    p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
-    p.add_argument("--runs", default="", help=f"comma-separated, of {', '.join(RUNS)} (default: the issue's)")
+    p.add_argument("--placement", choices=sorted(SUITES), default="colocated", help="the suite of runs and its "
+                   "workload: colocated (one GPU, the trainer and SGLang on it) or disaggregated (several GPUs, the "
+                   "trainer and SGLang servers on GPUs of their own, against colocated_sync on all of them)")
+    add_workload_arguments(p)
+    p.add_argument("--runs", default="", help=f"comma-separated, of {', '.join(RUNS)} (default: the placement's "
+                                              "suite)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs of every run (tokens/s/GPU divides by them)")
     p.add_argument("--server-gpus", type=int, default=0, help="disaggregated runs: the SGLang servers' GPUs "
                                                               "(default half of --gpus)")
@@ -348,11 +351,7 @@ def parse_args(argv=None):
                    "--completion-len tokens (ignore_eos); tail: natural lengths up to --completion-len, "
                    "--tail-share of them at that cap (long_tail_stops)")
     p.add_argument("--tail-share", type=float, default=0.1)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--completion-len", type=int, default=512)
-    p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
     p.add_argument("--completions", type=int, default=256, help="completions per step")
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
     p.add_argument("--micro-batch-tokens", type=int, default=0, help="actor.max_tokens_per_micro_batch (0: megarl's "
                    "automatic width, --micro-batch rows of the longest sequence; the disaggregated tail: the fixed "
                    "workload's width, 16 x 1152, since 16 rows of 4224 tokens run a 1.5B update out of memory)")
@@ -361,24 +360,21 @@ def parse_args(argv=None):
     p.add_argument("--tag", default="", help="appended to every run's name in the results (runs with --overrides)")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the numbers")
     p.add_argument("--steps", type=int, default=3, help="measured steps")
-    p.add_argument("--val-size", type=int, default=8, help="held-out prompts, scored before and after")
-    p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="colocated runs")
     p.add_argument("--server-mem-fraction", type=float, default=0.85, help="disaggregated runs' servers")
-    p.add_argument("--budget-s", type=float, default=520, help="deadline for everything, from the start")
     p.add_argument("--run-cap-s", type=float, default=210, help="most seconds one run may take (the last: what is "
                    "left); the first SGLang start on a fresh machine JIT-compiles for ~60 s more than the others")
     given = sys.argv[1:] if argv is None else argv
-    if "25" in given and given[given.index("25") - 1] == "--issue":  # its workload, unless given explicitly
-        tail = "tail" in given and given[given.index("tail") - 1] == "--lengths"
+    chosen, _ = p.parse_known_args(given)
+    if chosen.placement == "disaggregated":  # its workload, unless given explicitly
+        tail = chosen.lengths == "tail"
         p.set_defaults(model="qwen2.5-1.5b", gpus=2, completion_len=4096 if tail else 1024, completions=512,
                        run_cap_s=400, micro_batch_tokens=16 * (128 + 1024) if tail else 0)
-    if "--smoke" in given:  # tiny sizes
-        p.set_defaults(prompt_len=8, completion_len=8, n_samples=2, completions=8, micro_batch=4, warmup=1, steps=2,
-                       val_size=2, run_cap_s=300, budget_s=2400, micro_batch_tokens=0)
+    smoke_sizes(p, given, n_samples=2, completions=8, warmup=1, steps=2, run_cap_s=300, budget_s=2400,
+                micro_batch_tokens=0)
     args = p.parse_args(argv)
     if not args.report and not args.out_dir:
         p.error("--out-dir is required (or --report)")
-    args.runs = [r for r in args.runs.split(",") if r] or SUITES[args.issue]
+    args.runs = [r for r in args.runs.split(",") if r] or SUITES[args.placement]
     unknown = [r for r in args.runs if r not in RUNS]
     if unknown:
         p.error(f"--runs: unknown {', '.join(unknown)}; the runs are {', '.join(RUNS)}")
@@ -386,9 +382,7 @@ def parse_args(argv=None):
     if any(RUNS[r][0] == "disaggregated" for r in args.runs) and not 0 < args.server_gpus < args.gpus:
         p.error(f"disaggregated runs need --gpus >= 2 with --server-gpus below it "
                 f"(got {args.gpus}, {args.server_gpus})")
-    if args.completions % args.n_samples or args.completions % args.micro_batch:
-        p.error(f"--completions ({args.completions}) must be a multiple of --n-samples ({args.n_samples}) and "
-                f"--micro-batch ({args.micro_batch})")
+    check_completions(args, args.completions)
     return args
 
 
@@ -407,7 +401,7 @@ def main(argv=None) -> int:
     stops = long_tail_stops(model_dir, args.completion_len, args.tail_share) if args.lengths == "tail" else 1
     write_prompts(prompts, words, 4096, args.prompt_len, seed=1)
     write_prompts(val, words, args.val_size, args.prompt_len, seed=2)
-    report = {"issue": args.issue, **environment(device), "device": device,
+    report = {"benchmark": "async_grpo", "placement": args.placement, **environment(device), "device": device,
               "setup": {"model": "smoke" if args.smoke else args.model, "shape": shape, "prompt_len": args.prompt_len,
                         "completion_len": args.completion_len, "lengths": args.lengths, "stop_tokens": stops,
                         "n_samples": args.n_samples, "completions_per_step": args.completions,
@@ -420,7 +414,8 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                RAY_USAGE_STATS_ENABLED="0", NCCL_NVLS_ENABLE="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
-    tag = (lambda name: f"{name}_{args.lengths}{args.tag}") if args.issue == 25 else (lambda name: name + args.tag)
+    suffix = (f"_{args.lengths}" if args.placement == "disaggregated" else "") + args.tag
+    tag = (lambda name: name + suffix)  # a run's name in the results
     for i, name in enumerate(args.runs):
         left = deadline - time.monotonic()
         cap = left if i == len(args.runs) - 1 else min(left, args.run_cap_s)
@@ -441,7 +436,7 @@ def main(argv=None) -> int:
         synchronous = overrides["trainer.mode"] == "sync"
         record |= {"name": tag(name), "placement": placement, "overrides": overrides | dict(
                        o.split("=", 1) for o in args.overrides), "synchronous": synchronous,
-                   "baseline": tag("disagg_sync") if args.issue == 25 else None} | summarize_run(
+                   "baseline": tag("disagg_sync") if args.placement == "disaggregated" else None} | summarize_run(
             step_rows(metrics), seen["step_end"], seen["gpu"], run_margins(args, name)[0], args.steps, args.completions,
             args.prompt_len, args.gpus, synchronous)
         report["runs"][tag(name)] = record

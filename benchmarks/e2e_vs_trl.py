@@ -34,8 +34,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import psutil
-
+from benchmarks.common import add_run_arguments, add_workload_arguments, check_completions, smoke_sizes, start_run
 from megarl.utils.provenance import source_commit
 from megarl.utils.tracking import run_metrics
 
@@ -305,60 +304,30 @@ def table(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out-dir", required=True, help="results JSON and logs go here")
-    p.add_argument("--work-dir", default="", help="the model, prompt files and run directories (default: "
-                                                  "OUT/work; keep it outside a directory that is copied back)")
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny model and lengths, megarl with the HF engine")
-    p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
+    add_run_arguments(p, smoke="CPU: tiny model and lengths, megarl with the HF engine", budget_s=510)
+    add_workload_arguments(p)
     p.add_argument("--runs", default="trl,megarl", help="which sides, comma-separated: trl, megarl")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--completion-len", type=int, default=512)
-    p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
     p.add_argument("--trl-completions", type=int, default=64, help="TRL: completions per step")
     p.add_argument("--megarl-completions", default="64,256", help="megarl: completions per step, one run each")
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward, both sides")
     p.add_argument("--trl-warmup", type=int, default=1)
     p.add_argument("--trl-steps", type=int, default=2)
     p.add_argument("--megarl-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="megarl config overrides after the benchmark's (e.g. trainer.profile_update=4)")
     p.add_argument("--megarl-warmup", type=int, default=2)
     p.add_argument("--megarl-steps", type=int, default=4)
-    p.add_argument("--val-size", type=int, default=8, help="megarl's held-out prompts (scored before and after)")
-    p.add_argument("--sglang-mem-fraction", type=float, default=0.35)
     p.add_argument("--offload", default="never", choices=("auto", "always", "never"),
                    help="megarl's trainer.offload_between_phases. never: a 0.5B model, its optimizer and its SGLang "
                         "server fit the GPU together (TRL too keeps everything resident); auto moves the training "
                         "state to host memory during rollouts, for models that do not fit beside the server")
-    p.add_argument("--budget-s", type=float, default=510, help="deadline for everything, from the start")
     p.add_argument("--trl-cap-s", type=float, default=170, help="most seconds TRL may take")
     p.add_argument("--megarl-cap-s", type=float, default=230, help="most seconds a megarl run may take, "
                                                                     "but the last one gets what is left")
-    if "--smoke" in (sys.argv[1:] if argv is None else argv):  # tiny sizes, unless given explicitly
-        p.set_defaults(prompt_len=8, completion_len=8, n_samples=4, micro_batch=4, trl_completions=8,
-                       megarl_completions="8,16", trl_warmup=1, trl_steps=1, megarl_warmup=1, megarl_steps=1,
-                       val_size=2)
+    smoke_sizes(p, argv, trl_completions=8, megarl_completions="8,16", trl_warmup=1, trl_steps=1, megarl_warmup=1,
+                megarl_steps=1)
     args = p.parse_args(argv)
     args.megarl_completions = [int(c) for c in str(args.megarl_completions).split(",") if c]
-    for c in [args.trl_completions, *args.megarl_completions]:
-        if c % args.n_samples or c % args.micro_batch:
-            raise SystemExit(f"completions per step ({c}) must be a multiple of --n-samples ({args.n_samples}) "
-                             f"and --micro-batch ({args.micro_batch})")
+    check_completions(args, args.trl_completions, *args.megarl_completions)
     return args
-
-
-def start_run(args) -> tuple[float, Path, str, Path, Path]:
-    """What every end-to-end benchmark does first: exit through run_process's finally on `timeout`'s SIGTERM, the
-    deadline (--budget-s), the output and work directories, the device, where the model goes."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # from the process's start, as the caller's `timeout` counts: the imports before this line take ~20 s on a GPU host
-    deadline = time.monotonic() + args.budget_s - (time.time() - psutil.Process().create_time())
-    out = Path(args.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    work = Path(args.work_dir).resolve() if args.work_dir else out / "work"
-    return deadline, out, device, work, work / "model"
 
 
 def main(argv=None) -> int:
@@ -371,7 +340,7 @@ def main(argv=None) -> int:
     write_prompts(prompts, words, 1024, args.prompt_len, seed=1)
     write_prompts(val, words, args.val_size, args.prompt_len, seed=2)
     params = sum(_parameter_counts(model_dir).values())
-    report = {"issue": 9, **environment(device), "device": device,
+    report = {"benchmark": "e2e_vs_trl", **environment(device), "device": device,
               "setup": {"model": "smoke" if args.smoke else args.model, "shape": shape, "parameters": params,
                         "prompt_len": args.prompt_len, "completion_len": args.completion_len,
                         "n_samples": args.n_samples, "micro_batch": args.micro_batch, "reward": "vowel_share",

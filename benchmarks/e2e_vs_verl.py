@@ -48,8 +48,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from benchmarks.common import add_run_arguments, add_workload_arguments, check_completions, smoke_sizes, start_run
 from benchmarks.e2e_vs_trl import (_gpu_memory_used, _parameter_counts, build_model, environment, megarl_command,
-                                   megarl_steps, model_shape, run_process, start_run, summarize, write_prompts)
+                                   megarl_steps, model_shape, run_process, summarize, write_prompts)
 from benchmarks.verl_model_dir import PLAIN_CHAT_TEMPLATE, QWEN_CHAT_TOKENS, model_dir_problems, verl_prompt_check
 from megarl.utils.tracking import run_metrics
 
@@ -398,28 +399,19 @@ def table(report: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out-dir", required=True, help="results JSON, logs, verl's config go here")
-    p.add_argument("--work-dir", default="", help="model, prompts, run directories (default OUT/work; keep it "
-                                                  "outside a directory that is copied back)")
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, megarl with the HF engine; verl and the "
-                                                        "Engine probes are skipped (CUDA only), verl's config written")
-    p.add_argument("--model", default="qwen2.5-0.5b", help="shape: a name in configs/models or a config.json path")
+    add_run_arguments(p, smoke="CPU: tiny model, megarl with the HF engine; verl and the Engine probes are skipped "
+                               "(CUDA only), verl's config written", budget_s=540)
+    add_workload_arguments(p)
     p.add_argument("--runs", default="verl,megarl", help="which sides, comma-separated: verl, megarl")
     p.add_argument("--verl-site", default="/tmp/site-verl", help="verl's site directory (build_verl_chunk.sh's "
                                                                  "chunks + the bundle's ray); first on its PYTHONPATH")
     p.add_argument("--megarl-site", default="/tmp/site", help="megarl's site directory (the bundle's chunks)")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--completion-len", type=int, default=512)
-    p.add_argument("--n-samples", type=int, default=8, help="completions per prompt (the GRPO group)")
     p.add_argument("--completions", type=int, default=256, help="completions per step, both sides")
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences' worth of tokens per micro-batch")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps, each side (left out of the numbers)")
     p.add_argument("--steps", type=int, default=3, help="measured steps, each side")
     for side in ("verl", "megarl"):  # a slower side (verl at 1.5B) may need fewer steps to fit its call
         p.add_argument(f"--{side}-warmup", type=int, help=f"{side}'s warm-up steps (default --warmup)")
         p.add_argument(f"--{side}-steps", type=int, help=f"{side}'s measured steps (default --steps)")
-    p.add_argument("--val-size", type=int, default=8, help="held-out prompts (megarl scores them; verl: test_freq=-1)")
-    p.add_argument("--sglang-mem-fraction", type=float, default=0.35, help="SGLang's static memory share, both sides")
     p.add_argument("--offload", default="never", choices=("auto", "always", "never"),
                    help="megarl's trainer.offload_between_phases (verl: no param/optimizer offload either); 3B on "
                         "one H200 needs auto, megarl's default: with never its update does not fit beside SGLang")
@@ -436,8 +428,6 @@ def parse_args(argv=None):
     p.add_argument("--probe-rounds", type=int, default=2,
                    help="timed Engine rounds with log-probs, and as many without, after one warm-up round")
     p.add_argument("--peak-flops", type=float, default=989e12, help="per-GPU peak the MFU divides by (H100/H200 bf16)")
-    p.add_argument("--budget-s", type=float, default=540, help="deadline for everything, from the start "
-                                                              "(stopping a process at its cap included)")
     p.add_argument("--probe-cap-s", type=float, default=150, help="most seconds one Engine probe may take (it runs "
                                                                   "before its system and pays SGLang's JIT builds)")
     p.add_argument("--verl-cap-s", type=float, default=240, help="most seconds verl may take (megarl gets the rest)")
@@ -447,13 +437,9 @@ def parse_args(argv=None):
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--probe-out", help=argparse.SUPPRESS)
-    if "--smoke" in (sys.argv[1:] if argv is None else argv):
-        p.set_defaults(prompt_len=8, completion_len=8, n_samples=4, micro_batch=4, completions=8, warmup=1, steps=1,
-                       val_size=2, probe="")
+    smoke_sizes(p, argv, completions=8, warmup=1, steps=1, probe="")
     args = p.parse_args(argv)
-    if args.completions % args.n_samples or args.completions % args.micro_batch:
-        raise SystemExit(f"--completions ({args.completions}) must be a multiple of --n-samples ({args.n_samples}) "
-                         f"and --micro-batch ({args.micro_batch})")
+    check_completions(args, args.completions)
     for side in ("verl", "megarl"):  # (megarl_warmup, megarl_steps: the names e2e_vs_trl.megarl_command reads)
         for what in ("warmup", "steps"):
             if getattr(args, f"{side}_{what}") is None:
@@ -495,7 +481,7 @@ def main(argv=None) -> int:
                          "\n  ".join(problems))
     params = sum(_parameter_counts(model_dir).values())
     seq = args.prompt_len + args.completion_len
-    report = {"issue": 22, **environment(device), "device": device,
+    report = {"benchmark": "e2e_vs_verl", **environment(device), "device": device,
               "setup": {"model": "smoke" if args.smoke else args.model, "shape": shape, "parameters": params,
                         "prompt_len": args.prompt_len, "completion_len": args.completion_len,
                         "n_samples": args.n_samples, "completions": args.completions,

@@ -24,8 +24,8 @@
 # call's budget (BUDGET seconds, default 520) is skipped and says so: run it in a second call (RUNS=async_s4).
 # MPS=1: every process under CUDA MPS (scripts/gpu/mps.sh), so the two engines' kernels can run side by side.
 # OVERRIDES="k=v ...": megarl overrides for every run (e.g. async.partial=restart), TAG: a suffix to the run names.
-# ISSUE=25: the disaggregated runs on several GPUs instead (scripts/gpu/async_disagg.sh says which; LENGTHS,
-# SERVER_GPUS).
+# PLACEMENT=disaggregated: the runs with the trainer and SGLang on GPUs of their own instead
+# (scripts/gpu/async_disagg.sh says which; LENGTHS, SERVER_GPUS).
 # Results: $OUT/async_grpo.json (per-step phase intervals too); the timeline plot $OUT/timeline_SIZE.png where
 # matplotlib imports, else run
 #   python benchmarks/plot_timeline.py OUT/async_grpo.json docs/timeline.png    (on a machine that has it)
@@ -34,14 +34,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEVICE=${DEVICE:-cuda}
-ISSUE=${ISSUE:-19}  # 25: scripts/gpu/async_disagg.sh's runs (it sets this)
+PLACEMENT=${PLACEMENT:-colocated}  # disaggregated: scripts/gpu/async_disagg.sh's runs (it sets this)
 SIZE=${SIZE:-0.5b}
 LENGTHS=${LENGTHS:-fixed}
 OUT=${OUT:-/tmp/megarl-async}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0
 if [ "$DEVICE" = cpu ]; then
   export PYTHONPATH=$PWD
-  GPUS=${GPUS:-$(( ISSUE == 25 ? 2 : 1 ))}
+  GPUS=${GPUS:-$([ "$PLACEMENT" = disaggregated ] && echo 2 || echo 1)}
   ARGS="--smoke ${BUDGET:+--budget-s $BUDGET}"
   echo "cpu (gloo), $GPUS processes" > "$OUT/gpu.txt"
 else
@@ -49,16 +49,17 @@ else
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
   source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above ~1 GB
   source scripts/gpu/mps.sh  # MPS=1: under CUDA MPS (the trainer's and SGLang's kernels side by side)
-  GPUS=${GPUS:-$(( ISSUE == 25 ? $(nvidia-smi -L | wc -l) : 1 ))}
+  GPUS=${GPUS:-$([ "$PLACEMENT" = disaggregated ] && nvidia-smi -L | wc -l || echo 1)}
   ARGS="--budget-s ${BUDGET:-520}"
-  [ "$ISSUE" = 19 ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256}"
+  [ "$PLACEMENT" = colocated ] && ARGS="$ARGS --model qwen2.5-$SIZE --completions ${COMPLETIONS:-256}"
   ARGS="$ARGS ${STEPS:+--steps $STEPS}"
 fi
-[ "$ISSUE" = 25 ] && ARGS="$ARGS --lengths $LENGTHS ${SERVER_GPUS:+--server-gpus $SERVER_GPUS}" && SIZE="25_$LENGTHS"
+[ "$PLACEMENT" = disaggregated ] && ARGS="$ARGS --lengths $LENGTHS ${SERVER_GPUS:+--server-gpus $SERVER_GPUS}" \
+  && SIZE="disagg_$LENGTHS"
 # the model and run directories outside $OUT (what comes back is limited)
 # shellcheck disable=SC2086  # ARGS: one argument a word
-python3 -m benchmarks.async_grpo --issue "$ISSUE" $ARGS --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} --out-dir "$OUT" \
-  ${OVERRIDES:+--overrides $OVERRIDES} ${TAG:+--tag "$TAG"} \
+python3 -m benchmarks.async_grpo --placement "$PLACEMENT" $ARGS --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} \
+  --out-dir "$OUT" ${OVERRIDES:+--overrides $OVERRIDES} ${TAG:+--tag "$TAG"} \
   --work-dir "/tmp/megarl-async-work-$$"
 status=$?
 rm -rf "/tmp/megarl-async-work-$$"
@@ -67,6 +68,6 @@ if python3 -c "import matplotlib" 2>/dev/null; then
 else
   echo "no matplotlib here: python benchmarks/plot_timeline.py OUT/async_grpo.json timeline_$SIZE.png elsewhere"
 fi
-echo "== issue $ISSUE ($SIZE) on $GPUS x $(head -1 "$OUT/gpu.txt"): exit $status"
+echo "== async_grpo, $PLACEMENT ($SIZE) on $GPUS x $(head -1 "$OUT/gpu.txt"): exit $status"
 python3 -m benchmarks.async_grpo --report "$OUT/async_grpo.json"
 exit $status

@@ -363,7 +363,7 @@ PY
 for lengths in fixed tail; do  # every lane's runs of a length setting in one table (speed-ups across lanes)
   results=("$OUT"/async_"$lengths"*/async_grpo.json)
   [ -f "${results[0]}" ] || continue
-  echo "== issue 25 ($lengths), lanes: $(for r in "${results[@]}"; do basename "$(dirname "$r")"; done | xargs)"
+  echo "== async GRPO, disaggregated ($lengths), lanes: $(for r in "${results[@]}"; do basename "$(dirname "$r")"; done | xargs)"
   $PY -m benchmarks.async_grpo --report "${results[@]}"
 done
 } | tee "$OUT/table.md"

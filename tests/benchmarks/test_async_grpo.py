@@ -13,8 +13,9 @@ from megarl.config import load_config
 
 
 def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
-    for issue in (19, 25):
-        args = parse_args(["--out-dir", str(tmp_path), "--issue", str(issue), "--gpus", "4" if issue == 25 else "1"])
+    for suite in ("colocated", "disaggregated"):
+        args = parse_args(["--out-dir", str(tmp_path), "--placement", suite, "--gpus",
+                           "4" if suite == "disaggregated" else "1"])
         for name in args.runs:
             placement, overrides = RUNS[name]
             cmd = run_overrides(args, name, tmp_path / "m", tmp_path / "p.jsonl", tmp_path / "v.jsonl",
@@ -26,8 +27,8 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
             margin = 1 if cfg.trainer.mode == "sync" else cfg.async_.max_staleness + 1
             assert cfg.trainer.steps == (max(1, margin) if cfg.trainer.mode != "sync" else 1) + 3 + margin
             assert cfg.rollout.ignore_eos and cfg.rollout.n_samples == 8 and cfg.data.prompts_per_step == \
-                (32 if issue == 19 else 64)
-            assert cfg.rollout.max_new_tokens == (512 if issue == 19 else 1024)
+                (32 if suite == "colocated" else 64)
+            assert cfg.rollout.max_new_tokens == (512 if suite == "colocated" else 1024)
             disaggregated = placement == "disaggregated"
             assert (cfg.actor.parallel.world_size, cfg.rollout.sglang_gpus) == ((2, 2) if disaggregated else
                                                                                 (args.gpus, 0))
@@ -40,7 +41,7 @@ def test_every_run_is_a_valid_config_of_its_mode_and_placement(tmp_path):
             assert cfg.actor.max_tokens_per_micro_batch == 0  # megarl's automatic width
     # the long tail: natural lengths to 4096, micro-batches as wide in tokens as the fixed workload's (16 rows of 4224
     # tokens ran a 1.5B update out of memory on an H200)
-    tail = parse_args(["--out-dir", str(tmp_path), "--issue", "25", "--lengths", "tail", "--gpus", "4"])
+    tail = parse_args(["--out-dir", str(tmp_path), "--placement=disaggregated", "--lengths", "tail", "--gpus", "4"])
     cfg = load_config(None, run_overrides(tail, "disagg_sync", tmp_path / "m", tmp_path / "p.jsonl",
                                           tmp_path / "v.jsonl", tmp_path / "r", "cuda")[3:])
     assert (cfg.rollout.max_new_tokens, cfg.rollout.ignore_eos, cfg.actor.max_tokens_per_micro_batch) == \

@@ -13,8 +13,9 @@ from tests.launch.launch_utils import ROOT
 
 
 def test_ep_pp_phase_smoke_trains_uneven_stages_and_moves_the_planned_bytes(tmp_path):
-    """Issue 24's four-GPU layout: TP=1 x EP=2 x PP=2, the last stage one decoder layer of three, into two generation
-    engines of TP=2 by sharded delivery; every sync verified and its bytes per rank the planner's for that layout."""
+    """The DeepSeek-V3-shaped runs' four-GPU layout: TP=1 x EP=2 x PP=2, the last stage one decoder layer of three,
+    into two generation engines of TP=2 by sharded delivery; every sync verified and its bytes per rank the planner's
+    for that layout."""
     env = dict(os.environ, DEVICE="cpu", GPUS="4", PHASES="ep_pp", EP_DELIVERIES="sharded", OUT=str(tmp_path / "out"))
     run = subprocess.run(["bash", "scripts/gpu/multi_gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
@@ -48,7 +49,7 @@ def test_async_lanes_split_one_workloads_runs_and_merge_their_table(tmp_path):
              for d in ("async_fixed", "async_fixed_1")}
     assert set(lanes["async_fixed"]) == {"disagg_sync_fixed"} and set(lanes["async_fixed_1"]) == \
         {"disagg_one_step_off_fixed"}
-    assert "== issue 25 (fixed), lanes: async_fixed async_fixed_1" in run.stdout
+    assert "== async GRPO, disaggregated (fixed), lanes: async_fixed async_fixed_1" in run.stdout
     sync = lanes["async_fixed"]["disagg_sync_fixed"]["tokens_per_s_per_gpu"]
     off = lanes["async_fixed_1"]["disagg_one_step_off_fixed"]["tokens_per_s_per_gpu"]
     row = next(line for line in run.stdout.splitlines() if line.startswith("| disagg_one_step_off_fixed |"))
