@@ -19,7 +19,7 @@
 #   the rollout throughput alone on a GPU: "0=throughput" (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/megarl-issue4}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/megarl-sync-lanes}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-560}
 LANES=${LANES:-"0,1=reshard_tp2; 2=throughput"}
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -62,7 +62,7 @@ lane() {
 IFS=';' read -ra lanes <<< "$LANES"
 for spec in "${lanes[@]}"; do lane "$spec" & done
 wait
-echo "== issue 4 on $(wc -l < "$OUT/gpus.txt") x $(head -1 "$OUT/gpus.txt" | cut -d, -f2), lanes [$LANES], ${SECONDS}s"
+echo "== sync_lanes.sh on $(wc -l < "$OUT/gpus.txt") x $(head -1 "$OUT/gpus.txt" | cut -d, -f2), lanes [$LANES], ${SECONDS}s"
 for spec in "${lanes[@]}"; do
   for token in $spec; do
     [[ $token == wait:* ]] && continue
@@ -70,4 +70,5 @@ for spec in "${lanes[@]}"; do
     tail -n 14 "$OUT/${token#*=}/stdout.txt" 2>/dev/null
   done
 done
-tar -czf /tmp/issue4-all.tgz --exclude="*.safetensors" -C "$OUT" . && mv /tmp/issue4-all.tgz "$OUT/all.tgz"
+tar -czf /tmp/megarl-sync-lanes-all.tgz --exclude="*.safetensors" -C "$OUT" . \
+  && mv /tmp/megarl-sync-lanes-all.tgz "$OUT/all.tgz"
