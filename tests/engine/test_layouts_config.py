@@ -86,6 +86,10 @@ def test_layouts_that_fit_pass_the_config_check():
      "actor.parallel.ep=4 must divide the 6 routed experts"),
     (["actor.parallel.world_size=4", "actor.parallel.ep=2", "actor.parallel.etp=2"],
      {**MOE, "moe_intermediate_size": 15}, "actor.parallel.etp=2 .* must divide each expert's moe_intermediate_size=15"),
+    (["actor.parallel.world_size=4", "actor.parallel.ep=2", "actor.parallel.etp=2"],  # Mixtral: no other width key
+     {"model_type": "mixtral", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "num_local_experts": 4, "intermediate_size": 15},
+     "actor.parallel.etp=2 .* must divide each expert's intermediate_size=15"),
     (["actor.parallel.world_size=2", "actor.parallel.ep=2"], {k: v for k, v in MOE.items() if k != "num_experts"},
      "actor.parallel.ep=2 and actor.parallel.etp=0 split experts, and .* has none"),
 ])
