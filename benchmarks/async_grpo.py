@@ -59,9 +59,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks.common import add_run_arguments, add_workload_arguments, check_completions, smoke_sizes, start_run
-from benchmarks.e2e_vs_trl import (ROOT, build_model, end_sglang_servers, environment, megarl_command, model_shape,
-                                   run_process, write_prompts)
+from benchmarks.common import (ROOT, add_run_arguments, add_workload_arguments, check_completions, end_sglang_servers,
+                               environment, run_process, smoke_sizes, start_run)
+from benchmarks.e2e_vs_trl import build_model, megarl_command, model_shape, write_prompts
 from megarl.utils.tracking import run_metrics
 
 ONE_STEP_OFF = {"trainer.mode": "one_step_off", "async.partial": "finish"}

@@ -48,13 +48,13 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from benchmarks.common import add_run_arguments, add_workload_arguments, check_completions, smoke_sizes, start_run
-from benchmarks.e2e_vs_trl import (_gpu_memory_used, _parameter_counts, build_model, environment, megarl_command,
-                                   megarl_steps, model_shape, run_process, summarize, write_prompts)
+from benchmarks.common import (ROOT, add_run_arguments, add_workload_arguments, check_completions, environment,
+                               run_process, smoke_sizes, start_run)
+from benchmarks.e2e_vs_trl import (_gpu_memory_used, _parameter_counts, build_model, megarl_command, megarl_steps,
+                                   model_shape, summarize, write_prompts)
 from benchmarks.verl_model_dir import PLAIN_CHAT_TEMPLATE, QWEN_CHAT_TOKENS, model_dir_problems, verl_prompt_check
 from megarl.utils.tracking import run_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 VERL_PHASES = {  # verl's top-level timing_s/<name> of a v1 synchronous step -> phase; the rest of step is 'other'
     "gen": "generation", "reward": "reward", "old_log_prob": "log-probs", "ref": "reference", "adv": "advantages",
     "update_actor": "update", "update_weights": "weight sync"}

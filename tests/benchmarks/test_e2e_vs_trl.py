@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from benchmarks.e2e_vs_trl import (end_sglang_servers, megarl_command, megarl_steps, parse_args, run_process,
-                                   summarize, vowel_share, word_tokenizer)
+from benchmarks.common import end_sglang_servers, run_process
+from benchmarks.e2e_vs_trl import megarl_command, megarl_steps, parse_args, summarize, vowel_share, word_tokenizer
 from megarl.config import load_config
 
 
