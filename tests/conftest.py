@@ -22,8 +22,8 @@ def pytest_collection_modifyitems(items):
 
     Under pytest-xdist (scripts/test.sh runs two workers) tests that start Ray, trainers or scripts run beside each
     other: each worker's `ray_local` is a local Ray of its own, and a test finds the processes it started by a marker
-    of its own, never by counting the machine's. (xdist_group markers added here would come too late: xdist's worker
-    reads them before this hook runs.)"""
+    of its own, never by counting the machine's. A module's tests stay on one worker (scripts/test.sh: loadscope, in
+    this order), so its module-scoped fixtures are built once."""
     uses_ray = {item.getparent(pytest.Module) for item in items if "ray_local" in item.fixturenames}
     items.sort(key=lambda item: item.getparent(pytest.Module) in uses_ray)  # stable: order kept within each part
 
