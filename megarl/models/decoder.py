@@ -96,6 +96,10 @@ class DecoderFamily:
     def num_experts(self, hf: dict) -> int | None:
         return None
 
+    def attention_config(self, hf: dict) -> dict:
+        """TransformerConfig fields of a family's own attention and norms (Qwen3.5's); none here."""
+        return {}
+
     def attention_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
         """Grouped-query attention: q/k/v fused into linear_qkv, optional biases and QK-norm."""
         qkv = fused_qkv(hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf))
@@ -149,7 +153,7 @@ class DecoderFamily:
             # megatron's default scope, "full", is its deprecated spelling of this one (and warns in every rank);
             # megarl captures no CUDA graphs in training either way
             cuda_graph_scope=[],
-            **self.moe_config(hf, ep))
+            **self.moe_config(hf, ep), **self.attention_config(hf))
 
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         """megatron's local spec with norms that also run under sequence parallelism (norm.py); every layer alike."""

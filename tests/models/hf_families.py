@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from tests.engine.hf_models import VOCAB
 
@@ -58,6 +59,19 @@ def mixtral_config(**overrides) -> MixtralConfig:
     return MixtralConfig(**(params | overrides))
 
 
+def qwen3_5_config(**overrides) -> Qwen3_5TextConfig:
+    """Qwen3.5's hybrid at a tiny size: a linear-attention layer with 2 key heads of 8 serving 4 value heads of 12
+    (two value heads per key head), then a gated full-attention layer of head_dim 16 with RoPE on its first 4
+    channels (partial_rotary_factor 0.25); FFN 40. Two layers: at four, float32 rounding alone (transformers' own
+    chunked and recurrent rules alike) moves the gradient norm by ~3e-5 of itself from its float64 value."""
+    params = dict(COMMON, intermediate_size=40, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                  linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.25},
+                  tie_word_embeddings=False, architectures=["Qwen3_5ForCausalLM"])
+    return Qwen3_5TextConfig(**(params | overrides))
+
+
 # DeepSeek (multi-latent attention): qk_nope (12) != v_head_dim (10), rope dims 8 (4 frequencies). YaRN with
 # original_max_position_embeddings 128 and rope_theta 1e4 puts the 4 frequencies in all three YaRN regimes (kept,
 # blended half-way, divided by the factor). The MoE settings (A2's router) have topk (3) != 2 x topk_group (4).
@@ -98,7 +112,7 @@ def deepseek_v2_config(layers: int = 2, first_k_dense_replace: int | None = None
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
                  "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
                  "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "MistralForCausalLM": MistralForCausalLM,
-                 "MixtralForCausalLM": MixtralForCausalLM}
+                 "MixtralForCausalLM": MixtralForCausalLM, "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM}
 
 
 def save_random(config, path, seed: int = 0) -> str:

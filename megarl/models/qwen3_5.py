@@ -1,0 +1,173 @@
+"""Qwen3.5 dense text models (transformers' Qwen3_5ForCausalLM, model_type qwen3_5_text): a hybrid decoder whose
+`layer_types` name each layer's token mixer.
+
+- "linear_attention": a gated delta net (gated_delta_net.py): in_proj_qkv / in_proj_z / in_proj_b / in_proj_a
+  fused into megatron's in_proj, whose rows on each TP rank are [q; k; v; z; b; a] of its heads; the depthwise
+  conv1d over q, k, v; dt_bias and A_log per value head; `norm` over a value head (plain weight, gated by silu(z));
+  out_proj.
+- "full_attention": grouped-query attention with an output gate (megatron's attention_output_gate): q_proj holds,
+  per query head, its query rows then its gate rows; megatron's linear_qkv, per query group, the group's query heads,
+  their gates, then the key and the value head. QK-norm, RoPE on the first partial_rotary_factor (0.25) of each
+  head (megatron's rotary_percent). transformers' interleaved M-RoPE sections reduce to plain RoPE for text, whose
+  three position ids are equal.
+Every other RMSNorm (input, post-attention, final, q/k) scales by (1 + weight) (norm.py's zero-centred RMSNorm);
+the MLP is SwiGLU.
+
+Tensor parallelism is refused: the linear-attention norm's weight gets a partial gradient on each TP rank (each sees
+its own heads) that megatron 0.16 sums over TP only under sequence parallelism, and TP > 1 of these layers has not
+been checked against transformers. Pipeline parallelism works (tests/models/test_qwen3_5.py). The vision-language
+checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5, tensors under model.language_model.) and the
+mixture-of-experts variant (qwen3_5_moe) are not served.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megarl.models.decoder import DecoderFamily, head_dim, rope_parameters
+from megarl.models.gated_delta_net import GatedDeltaNet
+from megarl.models.norm import GateNorm
+from megarl.models.sharding import WeightMap, replicated, split_dim
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def layer_types(hf: dict) -> list[str]:
+    """Each layer's mixer; transformers' default when config.json has none: full attention every 4th layer."""
+    interval = hf.get("full_attention_interval", 4)
+    return hf.get("layer_types") or [FULL if (i + 1) % interval == 0 else LINEAR
+                                     for i in range(hf["num_hidden_layers"])]
+
+
+def gated_qkv(num_heads: int, num_kv_heads: int, dim: int) -> dict:
+    """q_proj (per head: query rows, then gate rows), k_proj, v_proj -> megatron's gated linear_qkv (module
+    docstring); TP ranks hold whole query groups."""
+    per_group = num_heads // num_kv_heads
+
+    def to_shard(ts, rank, size):
+        q_gate, k, v = ts
+        rest = q_gate.shape[1:]
+        q_gate = q_gate.reshape(num_kv_heads, per_group, 2, dim, *rest)
+        fused = torch.cat([q_gate[:, :, 0].reshape(num_kv_heads, per_group * dim, *rest),
+                           q_gate[:, :, 1].reshape(num_kv_heads, per_group * dim, *rest),
+                           k.reshape(num_kv_heads, dim, *rest), v.reshape(num_kv_heads, dim, *rest)], dim=1)
+        return fused.reshape(-1, *rest).chunk(size, 0)[rank]
+
+    def from_shards(shards):
+        fused = torch.cat(shards, 0)
+        rest = fused.shape[1:]
+        q, gate, k, v = fused.reshape(num_kv_heads, 2 * (per_group + 1) * dim, *rest).split(
+            [per_group * dim, per_group * dim, dim, dim], dim=1)
+        q_gate = torch.stack([q.reshape(num_kv_heads, per_group, dim, *rest),
+                              gate.reshape(num_kv_heads, per_group, dim, *rest)], dim=2)
+        return [t.reshape(-1, *rest) for t in (q_gate, k, v)]
+
+    return dict(to_shard=to_shard, from_shards=from_shards)
+
+
+def per_rank_parts(sizes: list[int]) -> dict:
+    """HF tensors stacked along dim 0 (sizes: each one's rows) -> a TP shard of each, concatenated: [part_0 of this
+    rank; part_1 of this rank; ...] (the layout of megatron's gated-delta-net in_proj and conv1d)."""
+
+    def to_shard(ts, rank, size):
+        return torch.cat([t.chunk(size, 0)[rank] for t in ts])
+
+    def from_shards(shards):
+        tp = len(shards)
+        pieces = [s.split([n // tp for n in sizes], 0) for s in shards]
+        return [torch.cat([p[i] for p in pieces]) for i in range(len(sizes))]
+
+    return dict(to_shard=to_shard, from_shards=from_shards)
+
+
+def split_parts(sizes: list[int]) -> dict:
+    """One HF tensor made of parts along dim 0 (conv1d over [q; k; v]) cut per part, as per_rank_parts."""
+    parts = per_rank_parts(sizes)
+    return dict(to_shard=lambda ts, rank, size: parts["to_shard"](list(ts[0].split(sizes, 0)), rank, size),
+                from_shards=lambda shards: [torch.cat(parts["from_shards"](shards))])
+
+
+class Qwen3_5(DecoderFamily):
+    name = "Qwen3.5"
+    architectures = ("Qwen3_5ForCausalLM", "qwen3_5_text")
+    qk_norm = True
+
+    def check_supported(self, hf: dict) -> None:
+        super().check_supported(hf)
+        kinds = set(layer_types(hf))
+        if not kinds <= {LINEAR, FULL} or len(layer_types(hf)) != hf["num_hidden_layers"]:
+            raise ValueError(f"Qwen3.5 layer_types {layer_types(hf)}: expected {hf['num_hidden_layers']} of "
+                             f"{LINEAR!r} / {FULL!r}")
+
+    def transformer_config(self, hf: dict, tp: int, pp: int, *args, **kwargs):
+        if tp > 1:
+            raise ValueError(f"{self.name} at tensor parallelism {tp}: megarl trains its linear-attention layers at "
+                             "actor.parallel.tp=1 only (actor.parallel.pp splits the layers; models/qwen3_5.py "
+                             "says why)")
+        return super().transformer_config(hf, tp, pp, *args, **kwargs)
+
+    def attention_config(self, hf: dict) -> dict:
+        return dict(attention_output_gate=True, layernorm_zero_centered_gamma=True,
+                    experimental_attention_variant="gated_delta_net",
+                    linear_attention_freq=[int(kind == LINEAR) for kind in layer_types(hf)],
+                    linear_conv_kernel_dim=hf["linear_conv_kernel_dim"],
+                    linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
+                    linear_num_key_heads=hf["linear_num_key_heads"],
+                    linear_num_value_heads=hf["linear_num_value_heads"])
+
+    def rope_kwargs(self, hf: dict) -> dict:
+        params = rope_parameters(hf)
+        if params["rope_type"] != "default":
+            raise ValueError(f"{self.name} with RoPE scaling {params['rope_type']!r} is not supported")
+        fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        return dict(rotary_base=float(params["rope_theta"]), rotary_percent=float(fraction))
+
+    def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
+        spec = super().layer_spec(hf, layer)  # a new spec on every call: changed in place
+        if layer_types(hf)[layer] == LINEAR:
+            spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=GateNorm, out_proj=RowParallelLinear))
+        return spec
+
+    def attention_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
+        m = f"decoder.layers.{layer}.self_attention."
+        if layer_types(hf)[layer] == FULL:
+            h = f"model.layers.{layer}.self_attn."
+            qkv = gated_qkv(hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf))
+            return [WeightMap(m + "linear_qkv.weight", tuple(h + f"{p}_proj.weight" for p in "qkv"), **qkv),
+                    WeightMap(m + "linear_proj.weight", (h + "o_proj.weight",), **split_dim(1)),
+                    WeightMap(m + "q_layernorm.weight", (h + "q_norm.weight",), **replicated()),
+                    WeightMap(m + "k_layernorm.weight", (h + "k_norm.weight",), **replicated())]
+        h = f"model.layers.{layer}.linear_attn."
+        qk = hf["linear_key_head_dim"] * hf["linear_num_key_heads"]
+        v, heads = hf["linear_value_head_dim"] * hf["linear_num_value_heads"], hf["linear_num_value_heads"]
+        in_proj = tuple(h + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+        return [WeightMap(m + "in_proj.weight", in_proj, **_in_proj(qk, v, heads)),
+                WeightMap(m + "conv1d.weight", (h + "conv1d.weight",), **split_parts([qk, qk, v])),
+                WeightMap(m + "dt_bias", (h + "dt_bias",), **split_dim(0)),
+                WeightMap(m + "A_log", (h + "A_log",), **split_dim(0)),
+                WeightMap(m + "out_norm.weight", (h + "norm.weight",), **replicated()),
+                WeightMap(m + "out_proj.weight", (h + "out_proj.weight",), **split_dim(1))]
+
+
+def _in_proj(qk: int, v: int, heads: int) -> dict:
+    """in_proj_qkv ([q; k; v]), in_proj_z, in_proj_b, in_proj_a -> megatron's in_proj: per TP rank its q, k, v, z, b,
+    a rows."""
+    parts = per_rank_parts([qk, qk, v, v, heads, heads])
+
+    def to_shard(ts, rank, size):
+        qkv, z, b, a = ts
+        return parts["to_shard"]([*qkv.split([qk, qk, v], 0), z, b, a], rank, size)
+
+    def from_shards(shards):
+        q, k, v_, z, b, a = parts["from_shards"](shards)
+        return [torch.cat([q, k, v_]), z, b, a]
+
+    return dict(to_shard=to_shard, from_shards=from_shards)
+
+
+FAMILY = Qwen3_5()

@@ -1,0 +1,136 @@
+"""Qwen3.5 (hybrid linear / gated full attention) on megatron against transformers' own classes, on the CPU.
+
+- The torch fallbacks (models/gated_delta_net.py) equal transformers' torch gated delta rule (chunked and recurrent)
+  and nn.Conv1d, each packed sequence as if alone.
+- One 2-rank gloo job at DP=2 (packed rows by the block-causal mask, and by cu_seqlens under attention=varlen) and at
+  PP=2: log-probs and entropy equal transformers' (float32), the exported weights are bitwise the checkpoint's,
+  and (mask and PP=2) one SFT Adam step gives transformers' loss, grad norm and weights.
+- TP > 1 is refused by name.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
+
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.models import get_family
+from megarl.models.gated_delta_net import l2norm, recurrent_gated_delta_rule, segmented_causal_conv1d, sequence_starts
+from tests.dist_utils import run_distributed
+from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
+from tests.models.hf_families import qwen3_5_config, save_random
+from tests.models.test_families_vs_hf import ADAM_EPS, LR, _hf_sft_step
+
+# (tp, pp, attention) on 2 ranks: DP=2 with packed rows (local: block-causal mask; varlen: cu_seqlens), PP=2
+LAYOUTS = ((1, 1, "local"), (1, 1, "varlen"), (1, 2, "local"))
+
+
+def _rule_inputs(rows=2, length=70, heads=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(rows, length, heads, 8, generator=g), torch.randn(rows, length, heads, 8, generator=g)
+    v = torch.randn(rows, length, heads, 12, generator=g)
+    decay = -0.5 * torch.rand(rows, length, heads, generator=g)
+    return q, k, v, decay, torch.rand(rows, length, heads, generator=g)
+
+
+def test_recurrent_rule_equals_transformers_chunked_and_recurrent_rules():
+    q, k, v, decay, beta = _rule_inputs()  # 70 tokens: two of transformers' 64-token chunks
+    starts = torch.zeros(2, 70, dtype=torch.bool)
+    starts[:, 0] = True
+    ours = recurrent_gated_delta_rule(l2norm(q), l2norm(k), v, decay, beta, starts)
+    chunked, _ = torch_chunk_gated_delta_rule(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)
+    recurrent, _ = torch_recurrent_gated_delta_rule(q, k, v, decay, beta, None, False, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(ours, chunked, rtol=0, atol=2e-6)
+    torch.testing.assert_close(ours, recurrent, rtol=0, atol=2e-6)
+
+
+def test_packed_sequences_restart_the_rule_and_the_convolution():
+    q, k, v, decay, beta = _rule_inputs(length=20, seed=1)
+    bounds = {0: [0, 7, 20], 1: [0, 1, 12, 20]}
+    starts = torch.zeros(2, 20, dtype=torch.bool)
+    for row, b in bounds.items():
+        starts[row, b[:-1]] = True
+    ours = recurrent_gated_delta_rule(l2norm(q), l2norm(k), v, decay, beta, starts)
+    conv = torch.nn.Conv1d(6, 6, 4, groups=6, padding=3, bias=False)
+    x = torch.randn(2, 6, 20)
+    convolved = segmented_causal_conv1d(x, conv.weight, None, starts.long().cumsum(1))
+    for row, b in bounds.items():
+        for lo, hi in zip(b[:-1], b[1:]):
+            alone, _ = torch_chunk_gated_delta_rule(*(t[row:row + 1, lo:hi] for t in (q, k, v, decay, beta)),
+                                                    use_qk_l2norm_in_kernel=True)
+            torch.testing.assert_close(ours[row:row + 1, lo:hi], alone, rtol=0, atol=2e-6)
+            torch.testing.assert_close(convolved[row:row + 1, :, lo:hi], conv(x[row:row + 1, :, lo:hi])[..., :hi - lo],
+                                       rtol=0, atol=1e-6)
+
+
+def test_sequence_starts_from_the_block_causal_mask_and_from_cu_seqlens():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megarl.engine.packing import block_causal_mask
+
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 0], [3, 4, 4, 4, 0, 0]])  # 0: padding
+    expected = torch.tensor([[1, 0, 0, 1, 0, 1], [1, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    assert torch.equal(sequence_starts(block_causal_mask(doc_ids), None, 2, 6, "cpu"), expected)
+    # over the rows flattened; each row starts one, and the padding past the last sequence (10, 11) none
+    cu = torch.tensor([0, 3, 5, 7, 10], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    assert torch.equal(sequence_starts(None, params, 2, 6, "cpu"),
+                       torch.tensor([[1, 0, 0, 1, 0, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.bool))
+
+
+def test_tensor_parallelism_is_refused_by_its_key(tmp_path):
+    hf = qwen3_5_config().to_dict()
+    with pytest.raises(ValueError, match=r"actor\.parallel\.tp=1"):
+        get_family(hf).transformer_config(hf, 2, 1, torch.float32, True)
+
+
+def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.engine import MegatronEngine
+
+    trained, checkpoint = {}, load_file(f"{model_dir}/model.safetensors")
+    for tp, pp, attention in LAYOUTS:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tp, pp)
+        model_parallel_cuda_manual_seed(1)
+        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp)
+        where = f"pp={pp} attention={attention}"
+        engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2, attention=attention),
+                                AlgorithmConfig(), "cpu", 1, 10)
+        out = engine.compute_logprobs(padded_batch(), with_entropy=True)
+        torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
+        torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
+        exported = {name: t for bucket in engine.export_hf_weights(1 << 30) for name, t in bucket}
+        assert sorted(exported) == sorted(checkpoint), where
+        for key, tensor in checkpoint.items():
+            assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
+
+        if attention == "varlen":
+            continue  # its sequence starts differ from the mask's only in where they are read (tested above)
+        actor = ActorConfig(parallel=parallel, micro_batch_size=2, attention=attention,
+                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+        engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+        batch = padded_batch(rows=8)
+        share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        metrics = engine.train(share, loss="sft")
+        trained[where] = (metrics, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket})
+    return trained
+
+
+def test_qwen3_5_matches_transformers_at_dp2_and_pp2(tmp_path):
+    model_dir = save_random(qwen3_5_config(), tmp_path / "qwen3_5", seed=3)
+    ref_logprobs, ref_entropy = hf_logprobs_entropy(model_dir, padded_batch())
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(model_dir, tmp_path / "hf-step")
+
+    trained = run_distributed(_check_rank, 2, model_dir, ref_logprobs, ref_entropy, timeout=240)
+
+    assert sorted(trained) == ["pp=1 attention=local", "pp=2 attention=local"]
+    for where, (metrics, weights) in trained.items():
+        assert abs(metrics["loss"] - ref_loss) < 1e-5 * abs(ref_loss), where
+        assert abs(metrics["grad_norm"] - ref_grad_norm) < 1e-5 * ref_grad_norm, where
+        assert sorted(weights) == sorted(ref_weights)
+        for key, tensor in ref_weights.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=1e-5, msg=f"{where} {key}")
