@@ -70,12 +70,20 @@ class DecoderFamily:
 
     # --- what a family may override ----------------------------------------------------------
 
+    def has_qkv_bias(self, hf: dict) -> bool:
+        """q/k/v biases: the family's own setting (qkv_bias) unless it reads the config's (GLM-4.5's attention_bias)."""
+        return self.qkv_bias
+
+    def has_qk_norm(self, hf: dict) -> bool:
+        """QK-norm: the family's own setting (qk_norm) unless it reads the config's (GLM-4.5's use_qk_norm)."""
+        return self.qk_norm
+
     def check_supported(self, hf: dict) -> None:
         if hf.get("use_sliding_window"):
             raise ValueError(f"{self.name} with use_sliding_window=true is not supported (full attention only)")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{self.name} with hidden_act={hf['hidden_act']!r} is not supported (silu only)")
-        if not self.qkv_bias and hf.get("attention_bias"):
+        if not self.has_qkv_bias(hf) and hf.get("attention_bias"):
             raise ValueError(f"{self.name} with attention_bias=true is not supported")
         if hf.get("mlp_bias"):
             raise ValueError(f"{self.name} with mlp_bias=true is not supported")
@@ -106,9 +114,9 @@ class DecoderFamily:
         attn, hf_attn = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}.self_attn."
         maps = [WeightMap(attn + "linear_qkv.weight", tuple(hf_attn + f"{p}_proj.weight" for p in "qkv"), **qkv),
                 WeightMap(attn + "linear_proj.weight", (hf_attn + "o_proj.weight",), **split_dim(1))]
-        if self.qkv_bias:
+        if self.has_qkv_bias(hf):
             maps.append(WeightMap(attn + "linear_qkv.bias", tuple(hf_attn + f"{p}_proj.bias" for p in "qkv"), **qkv))
-        if self.qk_norm:
+        if self.has_qk_norm(hf):
             # Per-head RMSNorm over head_dim, the same weight for every head: replicated.
             maps += [WeightMap(attn + "q_layernorm.weight", (hf_attn + "q_norm.weight",), **replicated()),
                      WeightMap(attn + "k_layernorm.weight", (hf_attn + "k_norm.weight",), **replicated())]
@@ -135,8 +143,8 @@ class DecoderFamily:
             num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
             num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
             kv_channels=head_dim(hf), ffn_hidden_size=hf["intermediate_size"],
-            normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"], qk_layernorm=self.qk_norm,
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=self.qkv_bias,
+            normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"], qk_layernorm=self.has_qk_norm(hf),
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=self.has_qkv_bias(hf),
             hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
@@ -157,10 +165,10 @@ class DecoderFamily:
 
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         """megatron's local spec with norms that also run under sequence parallelism (norm.py); every layer alike."""
-        spec = get_gpt_layer_local_spec(num_experts=self.num_experts(hf), qk_layernorm=self.qk_norm,
+        spec = get_gpt_layer_local_spec(num_experts=self.num_experts(hf), qk_layernorm=self.has_qk_norm(hf),
                                         normalization="RMSNorm")
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = HiddenNorm
-        if self.qk_norm:
+        if self.has_qk_norm(hf):
             attention = spec.submodules.self_attention.submodules
             attention.q_layernorm = attention.k_layernorm = HeadNorm
         return spec

@@ -75,6 +75,30 @@ def is_moe_layer(hf: dict, layer: int) -> bool:
     return layer >= hf.get("first_k_dense_replace", 0) and _moe().is_moe_layer(hf, layer)
 
 
+class DenseThenMoe:
+    """The MLP side of a family whose first first_k_dense_replace layers are dense SwiGLU MLPs and the rest
+    DeepSeekMoE (DeepSeek-V3/V2, GLM-4.5: deepseek_moe.py); mixed in before DecoderFamily."""
+
+    def moe_config(self, hf: dict, ep: int) -> dict:
+        if not any(is_moe_layer(hf, i) for i in range(hf["num_hidden_layers"])):
+            return super().moe_config(hf, ep)  # every layer dense (EP > 1 is refused there)
+        # Which layers are MoE, as megatron spells it: its dist checkpoints then key every layer by its own
+        # index (dense and MoE layers hold different parameters; a stacked key over all layers cannot be saved).
+        return _moe().moe_config(hf, ep) | dict(moe_layer_freq=[int(is_moe_layer(hf, i))
+                                                                for i in range(hf["num_hidden_layers"])])
+
+    def with_moe_mlp(self, spec: ModuleSpec, hf: dict, layer: int) -> ModuleSpec:
+        """A layer spec with DeepSeekMoE as its `mlp` where `layer` is a MoE layer."""
+        if is_moe_layer(hf, layer):
+            spec.submodules.mlp = _moe().moe_mlp_spec(hf)
+        return spec
+
+    def mlp_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
+        if is_moe_layer(hf, layer):
+            return _moe().moe_weight_maps(hf, tp, layer)
+        return super().mlp_maps(hf, tp, layer)
+
+
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): the default eps
 
 
@@ -177,7 +201,7 @@ def _rope_config(hf: dict) -> dict:
                 mscale=float(mscale or 0.0), mscale_all_dim=float(mscale_all_dim or 0.0))
 
 
-class Deepseek(DecoderFamily):
+class Deepseek(DenseThenMoe, DecoderFamily):
     """DeepSeek-V3 and DeepSeek-V2: the module docstring says how MLA maps onto megatron."""
 
     name = "DeepSeek"
@@ -209,14 +233,6 @@ class Deepseek(DecoderFamily):
     def rope_kwargs(self, hf: dict) -> dict:
         return {}  # each MLA layer has its own rotary embedding (MLATransformerConfig's fields)
 
-    def moe_config(self, hf: dict, ep: int) -> dict:
-        if not any(is_moe_layer(hf, i) for i in range(hf["num_hidden_layers"])):
-            return super().moe_config(hf, ep)  # every layer dense (EP > 1 is refused there)
-        # Which layers are MoE, as megatron spells it: its dist checkpoints then key every layer by its own
-        # index (dense and MoE layers hold different parameters; a stacked key over all layers cannot be saved).
-        return _moe().moe_config(hf, ep) | dict(moe_layer_freq=[int(is_moe_layer(hf, i))
-                                                                for i in range(hf["num_hidden_layers"])])
-
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         patch_mla_without_te()
         spec = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm")
@@ -228,9 +244,7 @@ class Deepseek(DecoderFamily):
         # gradient marked for the sum over TP under sequence parallelism
         attention.linear_q_down_proj = attention.linear_kv_down_proj = ReplicatedLinear
         attention.core_attention = MLADotProductAttention  # engine/attention.py may swap it for SDPA
-        if is_moe_layer(hf, layer):
-            spec.submodules.mlp = _moe().moe_mlp_spec(hf)
-        return spec
+        return self.with_moe_mlp(spec, hf, layer)
 
     def attention_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
         attn, h = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}.self_attn."
@@ -247,11 +261,6 @@ class Deepseek(DecoderFamily):
             WeightMap(attn + "kv_layernorm.weight", (h + "kv_a_layernorm.weight",), **replicated()),
             WeightMap(attn + "linear_kv_up_proj.weight", (h + "kv_b_proj.weight",), **split_dim(0)),
             WeightMap(attn + "linear_proj.weight", (h + "o_proj.weight",), **split_dim(1))]
-
-    def mlp_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
-        if is_moe_layer(hf, layer):
-            return _moe().moe_weight_maps(hf, tp, layer)
-        return super().mlp_maps(hf, tp, layer)
 
 
 FAMILY = Deepseek()

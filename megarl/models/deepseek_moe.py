@@ -1,17 +1,18 @@
-"""DeepSeekMoE (DeepSeek-V3 and V2) on megatron's MoELayer: routed experts split over EP (and within each EP rank
-over expert-TP, like Qwen3-MoE's), shared experts (one dense SwiGLU MLP of moe_intermediate_size x
-n_shared_experts, split over TP, added to the routed output), and router.py's DeepSeekRouter, which chooses the
-experts transformers chooses. megarl/models/deepseek.py calls the four functions below for its MoE layers.
+"""DeepSeekMoE (DeepSeek-V3 and V2; GLM-4.5's, routed as V3's) on megatron's MoELayer: routed experts split over
+EP (and within each EP rank over expert-TP, like Qwen3-MoE's), shared experts (one dense SwiGLU MLP of
+moe_intermediate_size x n_shared_experts, split over TP, added to the routed output), and router.py's DeepSeekRouter,
+which chooses the experts transformers chooses. megarl/models/deepseek.py and glm4_moe.py call the four functions
+below for their MoE layers.
 
 Settings megarl refuses by key, because the references disagree or transformers cannot run them:
   - moe_layer_freq != 1: transformers makes every layer from first_k_dense_replace on a MoE layer, DeepSeek's
     own code only every moe_layer_freq-th;
   - deepseek_v2 with norm_topk_prob=true: transformers ignores the key, DeepSeek's code and SGLang renormalise;
   - n_shared_experts null or 0: transformers adds the shared experts unconditionally;
-  - scoring_func / topk_method other than the one transformers implements for the model_type (V3: sigmoid and
-    noaux_tc; V2: softmax and greedy or group_limited_greedy);
+  - scoring_func / topk_method other than the one transformers implements for the model_type (V3 and GLM-4.5:
+    sigmoid and noaux_tc; V2: softmax and greedy or group_limited_greedy);
   - groups that cannot hold the choice (n_group not dividing n_routed_experts, topk_group > n_group, fewer
-    experts in the kept groups than num_experts_per_tok, or, for V3, groups of one expert: no top 2).
+    experts in the kept groups than num_experts_per_tok, or, for V3 and GLM-4.5, groups of one expert: no top 2).
 DeepSeek-V2's group_limited_greedy is routed as DeepSeek's code and SGLang route it (groups by their maximum);
 transformers 5.12's DeepseekV2Moe raises AttributeError for it (its `num_experts` is never set).
 Tokens reach the experts through megatron's allgather dispatcher (moe.py says why).
@@ -28,7 +29,10 @@ from megarl.models.router import DeepSeekRouter, DeepSeekRouting
 from megarl.models.sharding import WeightMap, gated_mlp, replicated
 
 # model_type -> (its score function, the topk_method values transformers implements for it)
-_ROUTING = {"deepseek_v3": ("sigmoid", ("noaux_tc",)), "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy"))}
+_ROUTING = {"deepseek_v3": ("sigmoid", ("noaux_tc",)), "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy")),
+            "glm4_moe": ("sigmoid", ("noaux_tc",))}
+# model types whose MoE layers always hold e_score_correction_bias (transformers' DeepseekV3 and Glm4Moe MoE)
+SCORE_BIAS = ("deepseek_v3", "glm4_moe")
 
 
 def _require(hf: dict, key: str):
@@ -84,9 +88,9 @@ def routing_rule(hf: dict) -> DeepSeekRouting:
                            group_score={"noaux_tc": "top2_sum", "group_limited_greedy": "max"}.get(method),
                            num_groups=num_groups, group_topk=group_topk, norm_topk_prob=norm_topk_prob,
                            scaling_factor=float(_require(hf, "routed_scaling_factor")),
-                           # transformers' DeepseekV3 MoE always has e_score_correction_bias, whatever config.json
-                           # says of topk_method (reshard/inventory.py's has_routing_bias: the same test)
-                           score_bias=model_type == "deepseek_v3")
+                           # transformers' DeepseekV3 and Glm4Moe MoE always have e_score_correction_bias, whatever
+                           # config.json says of topk_method (reshard/inventory.py's has_routing_bias: the same test)
+                           score_bias=model_type in SCORE_BIAS)
 
 
 def moe_config(hf: dict, ep: int) -> dict:

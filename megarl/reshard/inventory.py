@@ -16,8 +16,10 @@ dense MLPs.
 Head-structured tensors are cut between heads. K/V projections with TP above their head count (and a
 multiple of it) give each rank the one head its query heads use, as SGLang does; megatron cannot
 train that way.
-Every tensor is in the model's dtype except DeepSeek-V3's routing bias (gate.e_score_correction_bias), which
-megatron (models/router.py), transformers and SGLang all keep in float32: `TensorSpec.fp32`.
+Every tensor is in the model's dtype except DeepSeek-V3's and GLM-4.5's routing bias (gate.e_score_correction_bias),
+which megatron (models/router.py), transformers and SGLang all keep in float32: `TensorSpec.fp32`.
+GLM-4.5 (glm4_moe): GQA with q/k/v biases (attention_bias) and q_norm/k_norm where use_qk_norm is set, dense MLPs in
+its first first_k_dense_replace layers and DeepSeek-V3's experts after them.
 Vision-language models (Qwen2.5-VL): the language model's tensors as a Qwen2's (its fields at the top of config.json,
 or under transformers 5's text_config: `language_fields`), and the vision tower's `visual.*` tensors, replicated
 (megatron keeps the tower whole on every TP rank of the first pipeline stage: models/qwen2_vl_vision.py).
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.utils.hf_config import expert_width, language_fields, routed_experts
+from megarl.utils.hf_config import expert_width, language_fields, layer_types, routed_experts
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     kv = _get(hf, "num_key_value_heads", default=heads)
     hd = _get(hf, "head_dim", default=h // heads)
     bias = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
-    specs = [TensorSpec(p + "q_proj.weight", (heads * hd, h), 0, layer, units=heads),
+    gate = 2 if hf.get("model_type") == "qwen3_5_text" else 1  # Qwen3.5's q_proj: per head, query then gate rows
+    specs = [TensorSpec(p + "q_proj.weight", (gate * heads * hd, h), 0, layer, units=heads),
              TensorSpec(p + "k_proj.weight", (kv * hd, h), 0, layer, units=kv, kv=True),
              TensorSpec(p + "v_proj.weight", (kv * hd, h), 0, layer, units=kv, kv=True),
              TensorSpec(p + "o_proj.weight", (h, heads * hd), 1, layer, units=heads)]
@@ -107,10 +110,27 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
         specs += [TensorSpec(p + "q_proj.bias", (heads * hd,), 0, layer, units=heads),
                   TensorSpec(p + "k_proj.bias", (kv * hd,), 0, layer, units=kv, kv=True),
                   TensorSpec(p + "v_proj.bias", (kv * hd,), 0, layer, units=kv, kv=True)]
-    if hf.get("model_type", "").startswith("qwen3"):  # per-head RMSNorm of queries and keys
+    if hf.get("model_type", "").startswith("qwen3") or hf.get("use_qk_norm"):  # per-head RMSNorm of queries and keys
         specs += [TensorSpec(p + "q_norm.weight", (hd,), None, layer),
                   TensorSpec(p + "k_norm.weight", (hd,), None, layer)]
     return specs
+
+
+def _linear_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
+    """Qwen3.5's gated delta net. in_proj_qkv and conv1d stack q, k and v, each of which TP cuts by heads: no
+    contiguous row block of the stacked tensor is one rank's, so those two move whole."""
+    h, key_heads, value_heads = hf["hidden_size"], hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+    qk, v = key_heads * hf["linear_key_head_dim"], value_heads * hf["linear_value_head_dim"]
+    by_head = dict(units=value_heads)
+    return [TensorSpec(p + "in_proj_qkv.weight", (2 * qk + v, h), None, layer),
+            TensorSpec(p + "in_proj_z.weight", (v, h), 0, layer, **by_head),
+            TensorSpec(p + "in_proj_b.weight", (value_heads, h), 0, layer, **by_head),
+            TensorSpec(p + "in_proj_a.weight", (value_heads, h), 0, layer, **by_head),
+            TensorSpec(p + "conv1d.weight", (2 * qk + v, 1, hf["linear_conv_kernel_dim"]), None, layer),
+            TensorSpec(p + "dt_bias", (value_heads,), 0, layer, **by_head),
+            TensorSpec(p + "A_log", (value_heads,), 0, layer, **by_head),
+            TensorSpec(p + "norm.weight", (hf["linear_value_head_dim"],), None, layer),
+            TensorSpec(p + "out_proj.weight", (h, v), 1, layer, **by_head)]
 
 
 def _mla_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
@@ -155,14 +175,14 @@ def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
 
 
 def has_routing_bias(hf: dict) -> bool:
-    """DeepSeek-V3's load-balancing bias: transformers' DeepseekV3 MoE layers always have it, and its noaux_tc
-    routing (topk_method, often absent from config.json) is the only one megarl runs for V3 (models/deepseek_moe.py
-    keys its router on the same test)."""
-    return hf.get("model_type") == "deepseek_v3"
+    """DeepSeek-V3's (and GLM-4.5's) load-balancing bias: transformers' DeepseekV3 and Glm4Moe MoE layers always have
+    it, and noaux_tc routing (topk_method, often absent from config.json) is the only one megarl runs for them
+    (models/deepseek_moe.py keys its router on the same test)."""
+    return hf.get("model_type") in ("deepseek_v3", "glm4_moe")
 
 
 def is_moe_layer(hf: dict, layer: int) -> bool:
-    if hf.get("model_type", "").startswith("deepseek"):
+    if hf.get("model_type", "").startswith("deepseek") or hf.get("model_type") == "glm4_moe":
         return layer >= hf.get("first_k_dense_replace", 0) and layer % hf.get("moe_layer_freq", 1) == 0
     if hf.get("model_type") == "qwen3_moe":
         step = hf.get("decoder_sparse_step", 1)
@@ -193,7 +213,8 @@ def vision_tower(vision: dict) -> list[TensorSpec]:
                     TensorSpec("visual.merger.mlp.2.bias", (out,), None, None)]
 
 
-SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2")
+SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe",
+             "qwen3_5_text")
 # vision-language model types: their language model's family in SUPPORTED
 VISION_LANGUAGE = {"qwen2_5_vl": "qwen2"}
 
@@ -212,7 +233,9 @@ def hf_inventory(hf: dict) -> list[TensorSpec]:
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), None, i))
-        if "kv_lora_rank" in hf:
+        if model_type == "qwen3_5_text" and layer_types(hf)[i] == "linear_attention":
+            specs += _linear_attention(hf, p + "linear_attn.", i)
+        elif "kv_lora_rank" in hf:
             specs += _mla_attention(hf, p + "self_attn.", i)
         else:
             specs += _attention(hf, p + "self_attn.", i)

@@ -8,7 +8,8 @@ router choices are far from uniform.
 from __future__ import annotations
 
 import torch
-from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig,
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                          Glm4MoeConfig, Glm4MoeForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
@@ -72,6 +73,21 @@ def qwen3_5_config(**overrides) -> Qwen3_5TextConfig:
     return Qwen3_5TextConfig(**(params | overrides))
 
 
+def glm4_moe_config(**overrides) -> Glm4MoeConfig:
+    """GLM-4.5 at a tiny size: layer 0 dense (FFN 56), layer 1 MoE (one stage each at PP=2); hidden 40 beside an
+    attention 4 x 12 wide; q/k/v biases and QK-norm; RoPE on the first 6 of each head's 12 channels
+    (partial_rotary_factor 0.5, 3 frequencies); 8 routed experts of 20 in 2 groups, the best group kept, top 3 of its
+    4, renormalised and scaled by 2.5, one shared expert (GLM-4.5's scaling and shared expert); one MTP layer in the
+    config (the checkpoint holds it only where a test adds it)."""
+    params = dict(COMMON, hidden_size=40, intermediate_size=56, head_dim=12, attention_bias=True, use_qk_norm=True,
+                  first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
+                  moe_intermediate_size=20, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  num_nextn_predict_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                               "partial_rotary_factor": 0.5},
+                  tie_word_embeddings=False, architectures=["Glm4MoeForCausalLM"])
+    return Glm4MoeConfig(**(params | overrides))
+
+
 # DeepSeek (multi-latent attention): qk_nope (12) != v_head_dim (10), rope dims 8 (4 frequencies). YaRN with
 # original_max_position_embeddings 128 and rope_theta 1e4 puts the 4 frequencies in all three YaRN regimes (kept,
 # blended half-way, divided by the factor). The MoE settings (A2's router) have topk (3) != 2 x topk_group (4).
@@ -112,7 +128,8 @@ def deepseek_v2_config(layers: int = 2, first_k_dense_replace: int | None = None
 MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3ForCausalLM,
                  "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
                  "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "MistralForCausalLM": MistralForCausalLM,
-                 "MixtralForCausalLM": MixtralForCausalLM, "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM}
+                 "MixtralForCausalLM": MixtralForCausalLM, "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM}
 
 
 def save_random(config, path, seed: int = 0) -> str:
@@ -122,7 +139,7 @@ def save_random(config, path, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: random, non-zero
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's and GLM-4.5's routing bias: random, non-zero
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     return str(path)

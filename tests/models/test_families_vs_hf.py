@@ -20,7 +20,8 @@ from megarl.algorithms.losses import sft_loss
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
-from tests.models.hf_families import llama_config, mistral_config, mixtral_config, qwen3_config, qwen3_moe_config, save_random
+from tests.models.hf_families import (glm4_moe_config, llama_config, mistral_config, mixtral_config, qwen3_config,
+                                      qwen3_moe_config, save_random)
 
 # (tp, pp, ep, sequence_parallel) on 2 ranks
 LAYOUTS = ((1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True))
@@ -149,6 +150,26 @@ def test_mistral_and_mixtral_match_transformers_at_tp_pp_ep(tmp_path):
     ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(cases[1][1], tmp_path / "hf-step")
 
     trained = run_distributed(_check_rank, 2, cases, LAYOUTS, cases[1][1], timeout=240)
+
+    assert sorted(trained) == [(1, 1, 1, False), (1, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True)]
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
+
+
+def test_glm4_moe_matches_transformers_at_tp_pp_ep(tmp_path):
+    """GLM-4.5 (q/k/v biases, QK-norm, RoPE on the first half of each head, a dense layer, then a MoE layer routed by
+    sigmoid scores with a random routing bias over 2 groups, a shared expert, routed_scaling_factor 2.5) and
+    GLM-4.5-Air's attention (biases, no QK-norm; one group of every expert) at TP=2, PP=2, DP=2, EP=2 and TP=2 with SP:
+    log-probs and entropy as transformers', the export bitwise the checkpoint's (the float32 bias included); GLM-4.5's
+    SFT Adam step as transformers + torch.optim.Adam's at every layout megatron trains it in."""
+    configs = {"glm4.5-moe": glm4_moe_config(), "glm4.5-air-moe": glm4_moe_config(use_qk_norm=False, n_group=1,
+                                                                                   topk_group=1)}
+    cases = []
+    for seed, (name, config) in enumerate(configs.items()):
+        model_dir = save_random(config, tmp_path / name, seed=21 + seed)
+        cases.append((name, model_dir, True, *hf_logprobs_entropy(model_dir, padded_batch())))
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(cases[0][1], tmp_path / "hf-step")
+
+    trained = run_distributed(_check_rank, 2, cases, LAYOUTS, cases[0][1], timeout=240)
 
     assert sorted(trained) == [(1, 1, 1, False), (1, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True)]
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)

@@ -1,6 +1,6 @@
 """HF <-> megatron weight layout and config translation of the model families: registry, TP shard
 rules, per-family features (Qwen2 biases, Llama 3 RoPE scaling, Qwen3 QK-norm, Qwen3-MoE experts, Mistral's head_dim
-and sliding window, Mixtral's experts)."""
+and sliding window, Mixtral's experts, GLM-4.5's attention, partial RoPE and routing)."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.models import get_family
+from megarl.models.glm4_moe import FAMILY as glm4_moe
 from megarl.models.llama import FAMILY as llama
 from megarl.models.mistral import FAMILY as mistral
 from megarl.models.mixtral import FAMILY as mixtral
@@ -17,8 +18,8 @@ from megarl.models.qwen3_moe import FAMILY as qwen3_moe
 from megarl.models.sharding import fused_gate_up, fused_qkv, padded_vocab_size, vocab_rows
 from megarl.reshard.inventory import hf_inventory
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
-from tests.models.hf_families import (MODEL_CLASSES, llama_config, mistral_config, mixtral_config, qwen3_config,
-                                      qwen3_moe_config, save_random)
+from tests.models.hf_families import (MODEL_CLASSES, glm4_moe_config, llama_config, mistral_config, mixtral_config,
+                                      qwen3_config, qwen3_moe_config, save_random)
 
 
 def _hf(**overrides):
@@ -100,7 +101,7 @@ def test_transformer_config_translation_and_errors():
 def test_registry_finds_every_family_by_architecture_or_model_type():
     for config, family in ((llama_config(True), llama), (qwen3_config(True), qwen3),
                            (qwen3_moe_config(True, True), qwen3_moe), (mistral_config(), mistral),
-                           (mixtral_config(), mixtral)):
+                           (mixtral_config(), mixtral), (glm4_moe_config(), glm4_moe)):
         hf = config.to_dict()
         assert get_family(hf) is family and get_family(config) is family
         assert get_family({"model_type": hf["model_type"]}) is family
@@ -108,7 +109,10 @@ def test_registry_finds_every_family_by_architecture_or_model_type():
 
 @pytest.mark.parametrize("make", [lambda t: llama_config(t), lambda t: qwen3_config(t),
                                   lambda t: qwen3_moe_config(t, True), lambda t: mistral_config(tie_word_embeddings=t),
-                                  lambda t: mixtral_config(tie_word_embeddings=t)])
+                                  lambda t: mixtral_config(tie_word_embeddings=t),
+                                  lambda t: glm4_moe_config(tie_word_embeddings=t),
+                                  lambda t: glm4_moe_config(tie_word_embeddings=t, use_qk_norm=False,
+                                                            attention_bias=False)])
 @pytest.mark.parametrize("tied", [True, False])
 def test_weight_maps_of_every_family_cover_every_checkpoint_tensor_once(make, tied, tmp_path):
     """The family's HF names, and the resharder's inventory (from config.json alone, with each tensor's shape), are
@@ -213,3 +217,51 @@ def test_mixtral_router_and_expert_translation():
         mixtral.transformer_config({**hf, "router_jitter_noise": 0.01}, 1, 1, torch.float32, True)
     with pytest.raises(ValueError, match="EP=3 must divide"):
         mixtral.transformer_config(hf, 1, 1, torch.float32, True, ep=3)
+
+
+def test_glm4_moe_attention_rope_and_router_translation():
+    """GLM-4.5's q/k/v biases and QK-norm follow attention_bias and use_qk_norm (Air: biases only); RoPE covers
+    partial_rotary_factor of each head, read from rope_parameters, else the top level (the published config.json),
+    else transformers' 0.5; the first first_k_dense_replace layers are dense, the rest DeepSeek-V3's sigmoid routing
+    with its bias, groups, scaling and shared expert."""
+    hf = glm4_moe_config().to_dict()
+    config = glm4_moe.transformer_config(hf, 2, 1, torch.float32, True, ep=2)
+    assert config.add_qkv_bias and config.qk_layernorm and not config.add_bias_linear
+    assert (config.kv_channels, config.hidden_size, config.ffn_hidden_size) == (12, 40, 56)
+    assert config.moe_layer_freq == [0, 1] and config.moe_router_score_function == "sigmoid"
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size,
+            config.moe_shared_expert_intermediate_size) == (8, 3, 20, 20)
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+    assert config.moe_router_topk_scaling_factor == 2.5 and config.expert_model_parallel_size == 2
+    router = glm4_moe.layer_spec(hf, 1).submodules.mlp.submodules.router
+    assert router.func.__name__ == "DeepSeekRouter" and router.keywords["rule"].score_bias
+    assert glm4_moe.layer_spec(hf, 0).submodules.mlp.module.__name__ == "MLP"
+    maps = {m.megatron: m.hf for m in glm4_moe.weight_maps(hf, 1)}
+    p = "model.layers.1.mlp."
+    assert maps["decoder.layers.1.mlp.router.expert_bias"] == (p + "gate.e_score_correction_bias",)
+    assert maps["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == (p + "shared_experts.gate_proj.weight",
+                                                                            p + "shared_experts.up_proj.weight")
+    assert maps["decoder.layers.1.self_attention.linear_qkv.bias"] == tuple(
+        f"model.layers.1.self_attn.{x}_proj.bias" for x in "qkv")
+    assert maps["decoder.layers.0.self_attention.q_layernorm.weight"] == ("model.layers.0.self_attn.q_norm.weight",)
+
+    air = {**hf, "use_qk_norm": False}
+    assert not glm4_moe.transformer_config(air, 1, 1, torch.float32, True).qk_layernorm
+    assert not any("layernorm" in m.megatron for m in glm4_moe.weight_maps(air, 1) if "self_attention" in m.megatron)
+    unbiased = {**hf, "attention_bias": False}
+    assert not glm4_moe.transformer_config(unbiased, 1, 1, torch.float32, True).add_qkv_bias
+    assert not any(m.megatron.endswith("linear_qkv.bias") for m in glm4_moe.weight_maps(unbiased, 1))
+
+    assert glm4_moe.gpt_model_kwargs(hf, 1)["rotary_percent"] == 0.5
+    published = {k: v for k, v in hf.items() if k not in ("rope_parameters", "partial_rotary_factor")}
+    published |= {"rope_theta": 1e6, "rope_scaling": None}
+    for extra, fraction in (({"partial_rotary_factor": 0.25}, 0.25), ({}, 0.5)):
+        kwargs = glm4_moe.gpt_model_kwargs(published | extra, 1)
+        assert (kwargs["rotary_percent"], kwargs["rotary_base"]) == (fraction, 1e6)
+    yarn = {**hf, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+        glm4_moe.gpt_model_kwargs(yarn, 1)
+    with pytest.raises(ValueError, match="n_shared_experts=0"):
+        glm4_moe.transformer_config({**hf, "n_shared_experts": 0}, 1, 1, torch.float32, True)
+    with pytest.raises(ValueError, match="n_group=3"):
+        glm4_moe.transformer_config({**hf, "n_group": 3}, 1, 1, torch.float32, True)
