@@ -1,11 +1,11 @@
 """How SGLang 0.5.17 holds the HF tensors it is sent: the "sglang" weight layout (megarl.rollout.weight_layout).
 
-SGLang's decoders (qwen2, llama, qwen3, qwen3_moe, mistral (its llama model), mixtral, deepseek_v2/v3) at TP=tp:
-stacked parameters as its `stacked_params_mapping` and `FusedMoE.make_expert_params_mapping` name them (Mixtral's
-block_sparse_moe.experts.{e}.w1/w3/w2 into block_sparse_moe.experts.w13_weight/w2_weight, its router
-block_sparse_moe.gate.weight as is); column-parallel rows and row-parallel columns as megarl's inventory cuts them (K/V heads replicated above their count); vocabulary rows as
-VocabParallelEmbedding cuts a vocabulary padded to a multiple of 64, its padding rows zero-filled (they add nothing
-to a checksum): `sglang_vocab_rows`.
+SGLang's decoders (qwen2, llama, qwen3, qwen3_moe, mistral (its llama model), mixtral, deepseek_v2/v3, glm4_moe) at
+TP=tp: stacked parameters as its `stacked_params_mapping` and `FusedMoE.make_expert_params_mapping` name them
+(Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2 into block_sparse_moe.experts.w13_weight/w2_weight, its router
+block_sparse_moe.gate.weight as is); column-parallel rows and row-parallel columns as megarl's inventory cuts them
+(K/V heads replicated above their count); vocabulary rows as VocabParallelEmbedding cuts a vocabulary padded to a
+multiple of 64, its padding rows zero-filled (they add nothing to a checksum): `sglang_vocab_rows`.
 With --ep-size EP (rollout.sglang_args), as FusedMoE holds routed experts with no DeepEP-class all-to-all and
 the trivial expert location (layers/moe/fused_moe_triton/layer.py: num_local_experts, weight_loader's
 _map_global_expert_id_to_local_expert_id; distributed/parallel_state.py's MoE groups, MoE TP fastest): TP
@@ -29,6 +29,10 @@ DeepSeek (models/deepseek_v2.py, deepseek_common/deepseek_weight_loader.py), bf1
   call for the layers whose kv_b_proj that call carried, so updates through any loader refresh them; they
   are checksummed (in logical element order, as every tensor) like parameters, so a stale one is named.
 - a load_weights call fuses the a-projections only when it carries both: `keep_fused_pairs`.
+GLM-4.5 (models/glm4_moe.py): q/k/v (and their biases) in qkv_proj, dense MLPs' and shared experts' gate/up in
+gate_up_proj, routed experts in mlp.experts.w13_weight/w2_weight, the router's gate.weight and its float32
+gate.e_score_correction_bias as they are; its one shared expert becomes routed expert n_routed_experts of w13/w2 where
+SGLang fuses it (`sglang_fuses_shared_experts`).
 Qwen2.5-VL (models/qwen2_5_vl.py): the language model as qwen2's; the vision tower whole on every rank (megarl's
 servers for a vision-language model run it data-parallel over TP, --mm-enable-dp-encoder: sglang_server.py), each
 block's attn.qkv held as attn.qkv_proj, its mlp's gate/up (weights and biases) fused into gate_up_proj, the MLP's
@@ -84,14 +88,17 @@ def sglang_vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 def sglang_fuses_shared_experts(hf: dict | None, ep: int = 1, sglang_args=()) -> bool:
-    """Whether SGLang 0.5.17 makes a DeepSeek model's shared expert one more routed expert (DeepseekV2ForCausalLM.
-    determine_num_fused_shared_experts): DeepseekV3ForCausalLM with 256 routed experts and one shared expert, on
-    an sm80+ NVIDIA GPU, at --ep-size 1 (on NVIDIA it fuses under expert parallelism only when enforced, which
-    megarl.reshard.layout refuses), without --disable-shared-experts-fusion, DeepEP or two-batch overlap (384
-    experts only for a quark checkpoint, which megarl never sends)."""
+    """Whether SGLang 0.5.17 makes a model's shared expert one more routed expert (determine_num_fused_shared_experts
+    of DeepseekV2ForCausalLM and Glm4MoeForCausalLM): DeepseekV3ForCausalLM with 256 routed experts and one shared
+    expert, or Glm4MoeForCausalLM with one shared expert (any number of routed ones), on an sm80+ NVIDIA GPU, at
+    --ep-size 1 (on NVIDIA it fuses under expert parallelism only when enforced, which megarl.reshard.layout refuses;
+    GLM never does), without --disable-shared-experts-fusion or DeepEP, and for DeepSeek without two-batch overlap
+    (384 experts only for a quark checkpoint, which megarl never sends)."""
     if not hf or ep > 1 or "--disable-shared-experts-fusion" in sglang_flags(sglang_args):
         return False
     architecture = (hf.get("architectures") or [None])[0]
+    if architecture == "Glm4MoeForCausalLM":
+        return hf.get("n_shared_experts") == 1
     return (architecture == "DeepseekV3ForCausalLM" and hf.get("n_routed_experts") == 256
             and hf.get("n_shared_experts") == 1)
 

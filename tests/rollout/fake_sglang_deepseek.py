@@ -1,6 +1,7 @@
-"""One TP rank of SGLang 0.5.17's DeepseekV2ForCausalLM / DeepseekV3ForCausalLM as it holds and loads weights
-(bf16, no quantization; --ep-size with no all-to-all backend and the trivial expert location), written here from
-SGLang's source, not from megarl's layout: models/deepseek_v2.py (the modules and their parameters),
+"""One TP rank of SGLang 0.5.17's DeepseekV2ForCausalLM / DeepseekV3ForCausalLM, or Glm4MoeForCausalLM (GLM-4.5: the
+same MoE layers and loading, grouped-query attention instead of MLA), as it holds and loads weights (bf16, no
+quantization; --ep-size with no all-to-all backend and the trivial expert location), written here from SGLang's
+source, not from megarl's layout: models/deepseek_v2.py and models/glm4_moe.py (the modules and their parameters),
 deepseek_common/deepseek_weight_loader.py (do_load_weights, post_load_weights), layers/linear.py,
 layers/moe/fused_moe_triton/layer.py (_load_w13, _load_w2, weight_loader) and layers/vocab_parallel_embedding.py.
 
@@ -15,10 +16,13 @@ experts TP-cut over all TP ranks, and determine_num_fused_shared_experts fuses n
 parallelism on NVIDIA GPUs.
 
 - Parameters: embed_tokens / lm_head rows of the vocabulary padded to a multiple of 64 (padding rows zero);
-  per layer the norms; MLA: fused_qkv_a_proj_with_mqa (q_a_proj rows then kv_a_proj_with_mqa's, replicated) with
-  q_a_layernorm and q_b_proj, or q_proj and kv_a_proj_with_mqa without q_lora_rank; kv_a_layernorm; kv_b_proj and
-  q_b_proj/q_proj column-parallel, o_proj row-parallel; dense MLP gate_up_proj ([gate rows; up rows] of the rank) and
-  down_proj; MoE: gate.weight, gate.e_score_correction_bias in float32 (noaux_tc), experts.w13_weight
+  per layer the norms; GLM-4.5's attention: qkv_proj (QKVParallelLinear: the rank's query heads, then its key and
+  value heads, a K/V head replicated on tp / kv ranks above their count; its bias likewise where attention_bias),
+  o_proj row-parallel, q_norm/k_norm whole where use_qk_norm; MLA: fused_qkv_a_proj_with_mqa (q_a_proj rows then
+  kv_a_proj_with_mqa's, replicated) with q_a_layernorm and q_b_proj, or q_proj and kv_a_proj_with_mqa without
+  q_lora_rank; kv_a_layernorm; kv_b_proj and q_b_proj/q_proj column-parallel, o_proj row-parallel; dense MLP
+  gate_up_proj ([gate rows; up rows] of the rank) and down_proj; MoE: gate.weight, gate.e_score_correction_bias in
+  float32 (noaux_tc; GLM-4.5 always), experts.w13_weight
   [experts, 2 x shard, hidden] and w2_weight [experts, hidden, shard], shared_experts.gate_up_proj/down_proj, or
   with `fuse_shared_experts` the shared expert as expert n_routed_experts of w13/w2.
 - load_weights(weights), one call: q_a_proj and kv_a_proj_with_mqa are cached in a dict local to the call and
@@ -41,11 +45,14 @@ PADDING = 64
 
 
 class Linear(nn.Module):
-    """A layer with one weight and how TP cuts it: "column" (dim 0), "row" (dim 1), "vocab", None (replicated)."""
+    """A layer with one weight (and a bias where asked) and how TP cuts it: "column" (dim 0), "row" (dim 1), "vocab",
+    None (replicated)."""
 
-    def __init__(self, shape, tp_kind: str | None, dtype=torch.bfloat16):
+    def __init__(self, shape, tp_kind: str | None, dtype=torch.bfloat16, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(shape[0], dtype=dtype), requires_grad=False)
         self.tp_kind = tp_kind
         if tp_kind is not None:
             self.use_presharded_weights = False
@@ -87,6 +94,19 @@ class Attention(nn.Module):  # DeepseekV2AttentionMLA
         self.w_vc = None
 
 
+class GqaAttention(nn.Module):  # Glm4MoeAttention
+    def __init__(self, hf: dict, tp: int):
+        super().__init__()
+        h, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+        head_dim = hf.get("head_dim") or h // heads
+        self.sizes = [heads // tp * head_dim] + 2 * [max(1, kv // tp) * head_dim]  # the rank's q, k, v rows
+        self.kv_replicas = max(1, tp // kv)
+        self.qkv_proj = Linear((sum(self.sizes), h), "qkv", bias=bool(hf.get("attention_bias")))
+        self.o_proj = Linear((h, heads // tp * head_dim), "row")
+        if hf.get("use_qk_norm"):
+            self.q_norm, self.k_norm = Linear((head_dim,), None), Linear((head_dim,), None)
+
+
 class MLP(nn.Module):  # DeepseekV2MLP
     def __init__(self, hidden: int, intermediate: int, tp: int):
         super().__init__()
@@ -98,7 +118,7 @@ class MoE(nn.Module):  # DeepseekV2MoE
     def __init__(self, hf: dict, tp: int, fuse_shared_experts: bool, ep: int):
         super().__init__()
         h, experts, inter = hf["hidden_size"], hf["n_routed_experts"], hf["moe_intermediate_size"]
-        self.gate = Gate(experts, h, hf.get("topk_method") == "noaux_tc")
+        self.gate = Gate(experts, h, hf.get("topk_method") == "noaux_tc" or hf["model_type"] == "glm4_moe")
         self.experts = Experts(experts // ep + fuse_shared_experts, h, inter // (tp // ep))
         if hf.get("n_shared_experts") and not fuse_shared_experts:
             self.shared_experts = MLP(h, inter * hf["n_shared_experts"], tp)
@@ -108,7 +128,7 @@ class Decoder(nn.Module):
     def __init__(self, hf: dict, layer: int, tp: int, fuse_shared_experts: bool, ep: int):
         super().__init__()
         h = hf["hidden_size"]
-        self.self_attn = Attention(hf, tp)
+        self.self_attn = Attention(hf, tp) if "kv_lora_rank" in hf else GqaAttention(hf, tp)
         moe = hf.get("n_routed_experts") and layer >= hf.get("first_k_dense_replace", 0) \
             and layer % hf.get("moe_layer_freq", 1) == 0
         self.mlp = MoE(hf, tp, fuse_shared_experts, ep) if moe else MLP(h, hf["intermediate_size"], tp)
@@ -150,7 +170,10 @@ class DeepseekRank(nn.Module):
             names.append(name)
             expert = re.match(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$", name)
             stacked = re.match(r"(.*)\.(gate|up)_proj\.weight$", name)
-            if expert:
+            qkv = re.match(r"(.*)\.(q|k|v)_proj\.(weight|bias)$", name)
+            if qkv and "kv_lora_rank" not in self.hf:
+                self._load_qkv(owners[f"{qkv.group(1)}.qkv_proj.{qkv.group(3)}"], qkv.group(3), qkv.group(2), loaded)
+            elif expert:
                 self._load_expert(owners[expert.group(1) + "w13_weight"], int(expert.group(2)), expert.group(3), loaded)
             elif stacked:
                 param = params[f"{stacked.group(1)}.gate_up_proj.weight"]
@@ -192,6 +215,18 @@ class DeepseekRank(nn.Module):
             loaded = loaded.narrow(dim, self.rank * per, per)
         assert param.shape == loaded.shape, f"param_data.shape={param.shape} loaded_weight.shape={loaded.shape}"
         param.data.copy_(loaded)
+
+    def _load_qkv(self, attention: Linear, kind: str, part: str, loaded) -> None:
+        """QKVParallelLinear.weight_loader: the part's rows of this rank (K/V: of its head's rank, rank // replicas)
+        at the part's offset in qkv_proj."""
+        sizes = self.model.layers[0].self_attn.sizes
+        index = "qkv".index(part)
+        if not attention.use_presharded_weights:
+            shard_rank = self.rank if part == "q" else self.rank // self.model.layers[0].self_attn.kv_replicas
+            loaded = loaded.narrow(0, shard_rank * sizes[index], sizes[index])
+        target = getattr(attention, kind).data[sum(sizes[:index]):][:sizes[index]]
+        assert target.shape == loaded.shape, f"param_data.shape={target.shape} loaded_weight.shape={loaded.shape}"
+        target.copy_(loaded)
 
     def _load_expert(self, experts: Experts, index: int, part: str, loaded) -> None:
         routed = self.hf["n_routed_experts"]

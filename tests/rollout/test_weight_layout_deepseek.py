@@ -2,8 +2,9 @@
 SGLang's DeepSeek model as its own source holds and loads weights (tests/rollout/fake_sglang_deepseek.py): fused
 a-projections, shared experts, fp32 routing bias, the MLA tensors post_load_weights derives from kv_b_proj, routed
 experts placed by --ep-size (whole experts of the rank's EP slice, MoE-TP rows), and the load-per-call semantics
-that drop an a-projection split from its partner by a bucket boundary. Checksums inside the "server" are taken by
-megarl's own inspect_weights, the function SGLang's TP workers run."""
+that drop an a-projection split from its partner by a bucket boundary; GLM-4.5 (the same MoE layers beside
+grouped-query attention with biases and QK-norm). Checksums inside the "server" are taken by megarl's own
+inspect_weights, the function SGLang's TP workers run."""
 
 import json
 
@@ -226,3 +227,36 @@ def test_shared_expert_fused_into_the_routed_ones(tmp_path):
                                               r"'server 0 rank 0: model.layers.0.mlp.experts.w2_weight'\], "
                                               r"2 missing \['server 0 rank 0: model.layers.0.mlp.shared_experts"):
         verify_checksums(_expected(hf, tensors, 1, layout_hf=None), held)
+
+
+# GLM-4.5 (Glm4MoeForCausalLM): grouped-query attention with q/k/v biases and QK-norm, head_dim 6 beside hidden 16,
+# 2 K/V heads (replicated at TP=4); layer 0 dense, layer 1 DeepSeek-V3's MoE with the routing bias and a shared expert
+GLM = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], hidden_size=16, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=6, attention_bias=True, use_qk_norm=True, intermediate_size=24,
+           moe_intermediate_size=8, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, vocab_size=100,
+           tie_word_embeddings=False, num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=1)
+
+
+@pytest.mark.parametrize("tp,ep,qkv_rows,w13", [(2, 1, 24, [5, 8, 16]), (4, 1, 18, [5, 4, 16]), (4, 2, 18, [2, 8, 16])],
+                         ids=["tp2", "tp4", "tp4-ep2"])
+def test_glm4_moe_checksums_as_sglang_holds_them(tp, ep, qkv_rows, w13, tmp_path):
+    """GLM-4.5 as SGLang's Glm4MoeForCausalLM holds it, every parameter of every rank by name, shape and checksum:
+    q/k/v and their biases in qkv_proj (the rank's 2 or 1 query heads and its K/V head), q_norm/k_norm, the dense
+    layer's gate_up_proj, the float32 routing bias, the routed experts in w13/w2 and the one shared expert fused into
+    them as expert 4 at --ep-size 1 (SGLang's default for GLM on NVIDIA GPUs), kept apart under --ep-size 2."""
+    ranks = _server(GLM, tp, fuse_shared_experts=ep == 1, ep=ep)
+    tensors = _tensors(GLM, 0)
+    _load(ranks, _buckets(tensors, 5))
+    held = _held(ranks, tmp_path)
+    verify_checksums(_expected(GLM, tensors, tp, ep=ep), held)
+    p = "model.layers.1."
+    for rank in range(tp):
+        assert list(held[0][rank][p + "self_attn.qkv_proj.weight"][1]) == [qkv_rows, 16]
+        assert list(held[0][rank][p + "self_attn.qkv_proj.bias"][1]) == [qkv_rows]
+        assert list(held[0][rank][p + "mlp.experts.w13_weight"][1]) == w13
+        assert (p + "mlp.shared_experts.gate_up_proj.weight" in held[0][rank]) is (ep > 1)
+    assert sglang_fuses_shared_experts(GLM) and not sglang_fuses_shared_experts(GLM, ep=2)
+    assert not sglang_fuses_shared_experts(GLM, sglang_args=["--disable-shared-experts-fusion"])
+    if ep == 1:  # a layout not told the config expects the shared expert apart
+        with pytest.raises(WeightSyncError, match=r"missing \['server 0 rank 0: model.layers.1.mlp.shared_experts"):
+            verify_checksums(_expected(GLM, tensors, tp, layout_hf=None), held)
