@@ -23,7 +23,6 @@ mixture-of-experts variant (qwen3_5_moe) are not served.
 from __future__ import annotations
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -32,15 +31,9 @@ from megarl.models.decoder import DecoderFamily, head_dim, rope_parameters
 from megarl.models.gated_delta_net import GatedDeltaNet
 from megarl.models.norm import GateNorm
 from megarl.models.sharding import WeightMap, replicated, split_dim
+from megarl.utils.hf_config import layer_types
 
 LINEAR, FULL = "linear_attention", "full_attention"
-
-
-def layer_types(hf: dict) -> list[str]:
-    """Each layer's mixer; transformers' default when config.json has none: full attention every 4th layer."""
-    interval = hf.get("full_attention_interval", 4)
-    return hf.get("layer_types") or [FULL if (i + 1) % interval == 0 else LINEAR
-                                     for i in range(hf["num_hidden_layers"])]
 
 
 def gated_qkv(num_heads: int, num_kv_heads: int, dim: int) -> dict:

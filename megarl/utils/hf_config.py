@@ -23,3 +23,11 @@ def expert_width(hf: dict) -> tuple[int, str]:
 def routed_experts(hf: dict) -> int:
     """Routed experts per MoE layer under any of the configs' names for them; 0 for a dense model."""
     return next((hf[key] for key in _EXPERT_KEYS if hf.get(key)), 0)
+
+
+def layer_types(hf: dict) -> list[str]:
+    """Each layer's token mixer in a hybrid model (Qwen3.5: "linear_attention" or "full_attention"); transformers'
+    default where config.json has none: full attention every full_attention_interval-th (4th) layer."""
+    interval = hf.get("full_attention_interval", 4)
+    return hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                     for i in range(hf["num_hidden_layers"])]

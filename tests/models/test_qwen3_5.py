@@ -5,6 +5,9 @@
 - One 2-rank gloo job at DP=2 (packed rows by the block-causal mask, and by cu_seqlens under attention=varlen) and at
   PP=2: log-probs and entropy equal transformers' (float32), the exported weights are bitwise the checkpoint's,
   and (mask and PP=2) one SFT Adam step gives transformers' loss, grad norm and weights.
+- The weight maps and the resharder's inventory name every checkpoint tensor once, with its shape; TP=2 shards put
+  back together bitwise; the planner sizes the model from the inventory and its KV cache from the full-attention
+  layers only.
 - TP > 1 is refused by name.
 """
 
@@ -16,6 +19,9 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from megarl.models import get_family
 from megarl.models.gated_delta_net import l2norm, recurrent_gated_delta_rule, segmented_causal_conv1d, sequence_starts
+from megarl.models.qwen3_5 import FAMILY as qwen3_5
+from megarl.reshard.inventory import hf_inventory
+from megarl.reshard.plan import kv_bytes_per_token, main
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import qwen3_5_config, save_random
@@ -76,6 +82,34 @@ def test_sequence_starts_from_the_block_causal_mask_and_from_cu_seqlens():
     params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
     assert torch.equal(sequence_starts(None, params, 2, 6, "cpu"),
                        torch.tensor([[1, 0, 0, 1, 0, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.bool))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_maps_and_inventory_are_the_checkpoints_and_tp2_shards_round_trip(tied, tmp_path):
+    # transformers' default layer_types at 4 layers: linear, linear, linear, full
+    config = qwen3_5_config(num_hidden_layers=4, layer_types=None, tie_word_embeddings=tied)
+    hf = config.to_dict()
+    assert get_family(hf) is qwen3_5 and get_family({"model_type": "qwen3_5_text"}) is qwen3_5
+    save_random(config, tmp_path)
+    saved = load_file(f"{tmp_path}/model.safetensors")
+    maps = qwen3_5.weight_maps(hf, 2)
+    assert sorted(n for m in maps if m.export for n in m.hf) == sorted(saved)
+    assert {s.name: s.shape for s in hf_inventory(hf)} == {n: tuple(t.shape) for n, t in saved.items()}
+    for m in maps:
+        tensors = [saved[n] for n in m.hf]
+        back = m.from_shards([m.to_shard(tensors, rank, 2) for rank in range(2)])
+        assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True)), m.megatron
+
+
+def test_planner_counts_the_checkpoint_and_caches_keys_in_full_attention_layers_only(tmp_path, capsys):
+    config = qwen3_5_config(num_hidden_layers=4, layer_types=None)
+    save_random(config, tmp_path)
+    params = sum(t.numel() for t in load_file(f"{tmp_path}/model.safetensors").values())
+    assert sum(s.numel for s in hf_inventory(config.to_dict())) == params
+    assert kv_bytes_per_token(config.to_dict(), 1) == 1 * 2 * 2 * 16 * 2  # 1 full layer x (K, V) x 2 heads x 16 x bf16
+    main(["--model", f"{tmp_path}/config.json", "--train", "tp=1,pp=2,dp=1", "--gen", "tp=2"])
+    out = capsys.readouterr().out
+    assert "pipeline stages (decoder layers): 2,2" in out and "actor.parallel.pp=2" in out
 
 
 def test_tensor_parallelism_is_refused_by_its_key(tmp_path):
