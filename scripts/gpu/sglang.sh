@@ -35,7 +35,7 @@ source scripts/gpu/gpu_free.sh  # GPU memory in use at start; loud warning above
 # ($OUT/NAME_gpu_memory.csv, per process in NAME_gpu_processes.csv); log, metrics and the server logs' tails in $OUT/NAME*; the per-step table printed.
 grpo_run() {
   local name=$1 mode=$2 rc
-  local RUN=/tmp/megarl-sglang-run-$name-$$  # $$: runs of issue4.sh's lanes side by side have a directory each
+  local RUN=/tmp/megarl-sglang-run-$name-$$  # $$: runs of sync_lanes.sh's lanes side by side have a directory each
   shift 2
   rm -rf "$RUN"
   nvidia-smi $SMI_GPUS --query-gpu=timestamp,index,memory.used --format=csv,noheader -lms 500 > "$OUT/${name}_gpu_memory.csv" \

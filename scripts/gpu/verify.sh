@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU run of issue 17's weight verification (one H100/H200), after the bundle's install.sh
+# GPU run of the weight-sync verification (one H100/H200), after the bundle's install.sh
 # (../shared/device/README.md). PARTS, in order (default "kernel sync"; "grpo" is a call of its own, ~5 min):
 #   kernel  the Triton checksum kernel against the torch path on the GPU: whole tensors, row blocks, column
 #           blocks (strided), offsets, unaligned pieces, bf16/fp32/uint8, a bucket packed while summed (bytes
