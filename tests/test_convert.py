@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megarl.convert import main
 from megarl.engine.checkpoint import write_checkpoint_file
@@ -133,3 +133,32 @@ def test_mixtral_comes_back_bit_exact_under_its_checkpoint_names(tmp_path):
     assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
     assert {t.dtype for t in back.values()} == {torch.bfloat16}
     assert AutoConfig.from_pretrained(tmp_path / "back").num_local_experts == 4
+
+
+def test_glm4_moe_comes_back_bit_exact_with_its_mtp_layer(tmp_path):
+    """A bf16 GLM-4.5 with the multi-token-prediction layer its published checkpoints hold (model.layers.2.* here,
+    not built by megarl) through hf-to-megatron and megatron-to-hf: every tensor bit for bit, the routing bias still
+    float32, the MTP layer written back as read, and a config.json transformers loads as GLM-4.5 again."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.hf_families import glm4_moe_config, save_random
+    from tests.test_convert_hf_checkpoint import add_mtp_layer
+
+    hf = tmp_path / "hf"
+    AutoModelForCausalLM.from_pretrained(save_random(glm4_moe_config(), tmp_path / "fp32", seed=4),
+                                         dtype=torch.bfloat16).save_pretrained(hf)
+    mtp = add_mtp_layer(hf)  # written in float32: stored in bf16 as the rest, the routing bias in float32
+    tensors = load_file(hf / "model.safetensors")
+    save_file({n: t if n not in mtp or n.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+               for n, t in tensors.items()}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    convert("hf-to-megatron", hf, tmp_path / "imported")
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
+    original = load_file(hf / "model.safetensors")
+    back = {}
+    for path in (tmp_path / "back").glob("*.safetensors"):
+        back |= load_file(path)
+    assert "model.layers.2.eh_proj.weight" in mtp and set(mtp) < set(back)
+    assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
+    assert back["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert back["model.layers.1.self_attn.q_proj.bias"].dtype == torch.bfloat16
+    assert AutoConfig.from_pretrained(tmp_path / "back").model_type == "glm4_moe"
