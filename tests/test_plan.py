@@ -20,7 +20,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
                                            ("qwen2.5-7b", 7.616), ("qwen3-30b-a3b", 30.53),
                                            ("qwen3-235b-a22b", 235.09), ("deepseek-v3", 671.03),
                                            ("mistral-7b-v0.3", 7.248), ("mistral-nemo-12b", 12.248),
-                                           ("mixtral-8x7b", 46.70)])
+                                           ("mixtral-8x7b", 46.70), ("glm-4.5", 352.80), ("glm-4.5-air", 106.85)])
 def test_parameter_totals_match_the_published_sizes(name, billions):
     total = sum(s.numel for s in hf_inventory(load_model_config(name)))
     assert total / 1e9 == pytest.approx(billions, rel=2e-3)
@@ -361,6 +361,19 @@ def test_cli_plans_mixtral_with_expert_parallelism(capsys):
     assert [line.split()[:3] for line in lines[table + 1:table + 3]] == [["0", "16", "6.039"], ["1", "16", "6.039"]]
     with pytest.raises(ValueError, match="ep=2: model_type='mistral' has no routed experts"):
         train_layout(load_model_config("mistral-7b-v0.3"), dict(tp=1, pp=1, dp=1, cp=1, ep=2, etp=0))
+
+
+def test_cli_plans_glm_4_5_air_with_its_dense_first_layer(capsys):
+    """GLM-4.5-Air at TP=2, PP=2, EP=4 x ETP=2: a rank of stage 0 holds half the embedding, 23 layers' attention (q, k,
+    v with biases and o: 109.07M / 2) and norms, layer 0's dense MLP (3 x 10944 x 4096 / 2) and 22 MoE layers (the
+    router and its bias whole, 128 experts of 3 x 1408 x 4096 / (4 x 2), the shared expert / 2): 7.924B; stage 1 23 MoE
+    layers, the final norm and half the output layer: 8.143B."""
+    main(["--model", "glm-4.5-air", "--train", "tp=2,pp=2,dp=4,ep=4", "--gen", "tp=8,ep=8"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("glm-4.5-air: 106.85B parameters; train TP=2 PP=2 CP=1 DP=4 EP=4 ETP=2 (16 GPUs), "
+                        "generation TP=8 EP=8 DP=2")
+    table = lines.index(next(x for x in lines if x.startswith("stage layers")))
+    assert [line.split()[:3] for line in lines[table + 1:table + 3]] == [["0", "23", "7.924"], ["1", "23", "8.143"]]
 
 
 def test_errors_name_the_problem():
