@@ -1,8 +1,12 @@
-"""Checkpoints through the real trainer (Ray workers, rollout actor): two RL steps with a checkpoint
-after each, then a second RLTrainer at another layout (TP=2 -> DP=2) resumes and takes a third."""
+"""Checkpoints through the real trainer (Ray workers, rollout actor): a run stopped after step 1 and continued in
+its directory to step 3 equals a run never stopped, bit for bit, as does one resumed in a fresh process from that
+run's step-1 checkpoint; a second RLTrainer at another layout (TP=2 -> DP=2) resumes the continued run and takes
+step 4."""
 
 import json
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megarl.config.tiny import tiny_config
@@ -19,44 +23,13 @@ from tests.conftest import QUICKSTART as RECIPE
 
 
 def config(tmp_path, *overrides):
+    # sampled evaluation (as the quickstart's) every 2 steps and at the end; syncs 0 and 2 verified; every checkpoint
+    # kept unless a run says otherwise
     return tiny_config([
         f"trainer.output_dir={tmp_path}", "data.prompts_per_step=4", "rollout.n_samples=4", "data.val_size=8",
-        "rollout.eval_n_samples=1", "sft.steps=2", "sft.batch_size=8", "trainer.eval_every=2",
-        "trainer.save_every=1", "trainer.keep_last=2", "trainer.loggers=jsonl", *overrides], path=RECIPE)
-
-
-def test_trainer_resumes_at_another_layout(tmp_path, ray_local):
-    first = RLTrainer(config(tmp_path, "trainer.steps=2"))
-    try:
-        history = first.fit()
-        weights = first.actor.call("hf_state_dict")[0]
-        data_state = first.data.state_dict()
-    finally:
-        first.shutdown()
-    root = tmp_path / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000002"]
-    assert (root / "latest").read_text().strip() == "step_00000002"
-
-    second = RLTrainer(config(tmp_path, "trainer.steps=3", "actor.parallel.tp=1"))  # DP=2 now
-    try:
-        assert second.resume() == 2
-        assert second.version == 2 and second.data.state_dict() == data_state
-        resumed = second.actor.call("hf_state_dict")[0]
-        assert resumed.keys() == weights.keys()
-        for name in weights:  # resharded TP=2 -> DP=2 by dist checkpointing: the same numbers
-            assert torch.equal(resumed[name], weights[name]), name
-        history_after = second.fit()  # resumes again (auto: step 2) and takes step 3
-        assert second.version == 3
-    finally:
-        second.shutdown()
-    assert set(history_after["val/reward"]) == {0, 2, 3}
-    assert {k: history_after["val/reward"][k] for k in (0, 2)} == history["val/reward"]
-    # keep_last=2: step 1 was deleted once step 3 was complete
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
-    state = read_checkpoint_file(root / "step_00000003")
-    assert state["step"] == 3 and state["driver"]["version"] == 3 and state["roles"] == ["actor"]
-    rows = [json.loads(line) for line in (run_dir(tmp_path) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3]  # the resumed run did not redo 1-2
+        "rollout.eval_n_samples=2", "sft.steps=2", "sft.batch_size=8", "trainer.eval_every=2",
+        "trainer.verify_weight_sync_every=2", "trainer.save_every=1", "trainer.keep_last=0",
+        "trainer.loggers=jsonl", *overrides], path=RECIPE)
 
 
 def metric_rows(output_dir, after_step: int) -> dict[int, dict]:
@@ -81,26 +54,65 @@ def run(cfg) -> dict[str, torch.Tensor]:
         trainer.shutdown()
 
 
-def test_resumed_run_equals_the_uninterrupted_one_bitwise(tmp_path, ray_local):
-    """Stopped after step 1 (trainer.steps=1, then a run with steps=3), or killed after step 1's checkpoint
-    was committed, then resumed: every logged number of steps 2-3 and the final weights are those of the run
-    that was never interrupted. The killed case resumes from the uninterrupted run's own step-1 checkpoint
-    in a fresh process and directory: a SIGKILL after that commit leaves exactly that directory on disk
-    (later steps write only new checkpoints; keep_last=0 keeps it), and nothing else of a run is read back."""
-    def cfg(out, *overrides):  # sampled evaluation (as the quickstart's), an eval at step 2 only, syncs 0 and 2
-        return config(out, "trainer.keep_last=0", "rollout.eval_n_samples=2", "trainer.eval_every=2",  # verified
-                      "trainer.verify_weight_sync_every=2", *overrides)
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, ray_local) -> SimpleNamespace:
+    """A run stopped after step 1 (trainer.steps=1), then a run with steps=3 in its directory (TP=2): the directory,
+    and as the second run left them its metric rows of steps 2-3, final weights, data position and held-out reward
+    by step. Both tests below read it; the layout test continues it (taken before, the rows stay those of step 3)."""
+    out = tmp_path_factory.mktemp("stopped")
+    run(config(out, "trainer.steps=1"))
+    trainer = RLTrainer(config(out, "trainer.steps=3"))
+    try:
+        history = trainer.fit()
+        weights = trainer.actor.call("hf_state_dict")[0]
+        data_state = trainer.data.state_dict()
+    finally:
+        trainer.shutdown()
+    return SimpleNamespace(dir=out, rows=metric_rows(out, 1), weights=weights, data_state=data_state, history=history)
 
-    whole = run(cfg(tmp_path / "whole", "trainer.steps=3"))
+
+def test_trainer_resumes_at_another_layout(stopped):
+    root = stopped.dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000002", "step_00000003"]
+    assert (root / "latest").read_text().strip() == "step_00000003"
+
+    second = RLTrainer(config(stopped.dir, "trainer.steps=4", "actor.parallel.tp=1", "trainer.keep_last=2"))  # DP=2
+    try:
+        assert second.resume() == 3
+        assert second.version == 3 and second.data.state_dict() == stopped.data_state
+        resumed = second.actor.call("hf_state_dict")[0]
+        assert resumed.keys() == stopped.weights.keys()
+        for name in stopped.weights:  # resharded TP=2 -> DP=2 by dist checkpointing: the same numbers
+            assert torch.equal(resumed[name], stopped.weights[name]), name
+        history_after = second.fit()  # resumes again (auto: step 3) and takes step 4
+        assert second.version == 4
+    finally:
+        second.shutdown()
+    # evaluations at 0, at the end of each run (1, 3, 4) and every 2 steps
+    assert set(history_after["val/reward"]) == {0, 1, 2, 3, 4}
+    assert {k: history_after["val/reward"][k] for k in (0, 1, 2, 3)} == stopped.history["val/reward"]
+    # keep_last=2: steps 1 and 2 were deleted once step 4 was complete
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003", "step_00000004"]
+    state = read_checkpoint_file(root / "step_00000004")
+    assert state["step"] == 4 and state["driver"]["version"] == 4 and state["roles"] == ["actor"]
+    rows = [json.loads(line) for line in (run_dir(stopped.dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3, 4]  # the resumed runs redid no step
+
+
+def test_resumed_run_equals_the_uninterrupted_one_bitwise(tmp_path, stopped):
+    """Stopped after step 1 (trainer.steps=1, then a run with steps=3: the `stopped` fixture), or killed after step
+    1's checkpoint was committed, then resumed: every logged number of steps 2-3 and the final weights are those of
+    the run that was never interrupted. The killed case resumes from the uninterrupted run's own step-1 checkpoint
+    in a fresh process and directory: a SIGKILL after that commit leaves exactly that directory on disk (later
+    steps write only new checkpoints; keep_last=0 keeps it), and nothing else of a run is read back."""
+    whole = run(config(tmp_path / "whole", "trainer.steps=3"))
     expected = metric_rows(tmp_path / "whole", 1)
     assert sorted(expected) == [2, 3]
 
-    run(cfg(tmp_path / "stopped", "trainer.steps=1"))
-    after_stop = run(cfg(tmp_path / "stopped", "trainer.steps=3"))
-    after_kill = run(cfg(tmp_path / "killed", "trainer.steps=3",
-                         f"trainer.resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000001'}"))
-    for name, resumed_output, weights in (("stop", "stopped", after_stop), ("kill", "killed", after_kill)):
-        got = metric_rows(tmp_path / resumed_output, 1)
+    after_kill = run(config(tmp_path / "killed", "trainer.steps=3",
+                            f"trainer.resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000001'}"))
+    for name, got, weights in (("stop", stopped.rows, stopped.weights),
+                               ("kill", metric_rows(tmp_path / "killed", 1), after_kill)):
         assert sorted(got) == [2, 3], name
         differing = {(step, key): (got[step].get(key), value) for step, row in expected.items()
                      for key, value in row.items() if got[step].get(key) != value}
