@@ -196,20 +196,27 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
             continue
         tp, tp_rank = (train.etp, train.expert_coords(rank)[0]) if hf_specs[0].expert is not None else \
             (train.tp, train.coords(rank)[0])
+        # a whole tensor fused with split ones (Qwen3.5's in_proj_qkv beside in_proj_z/b/a) is probed by its rows:
+        # this rank must hold all of them, in order, and passes them on as that block of its shard
+        lengths = [s.length if s.dim is not None else s.shape[0] for s in hf_specs]
         probes, offset = [], 0
-        for s in hf_specs:
+        for s, length in zip(hf_specs, lengths):
             shape = [1] * len(s.shape)
-            shape[s.dim] = s.length
-            probes.append((torch.arange(s.length) + offset + 1).reshape(shape))
-            offset += s.length
+            shape[s.dim or 0] = length
+            probes.append((torch.arange(length) + offset + 1).reshape(shape))
+            offset += length
         ids = wm.to_shard(probes, tp_rank, tp).reshape(-1)
         offset = 0
-        for s in hf_specs:
-            positions = ((ids > offset) & (ids <= offset + s.length)).nonzero().reshape(-1)
-            lo, hi = s.rows(tp, tp_rank)
+        for s, length in zip(hf_specs, lengths):
+            positions = ((ids > offset) & (ids <= offset + length)).nonzero().reshape(-1)
+            positions = positions[ids[positions].argsort()]  # by row: a fused shard may reorder them (gated q_proj)
+            lo, hi = s.rows(tp, tp_rank) if s.dim is not None else (0, length)
             if not torch.equal(ids[positions] - offset - 1, torch.arange(lo, hi)):
                 raise ValueError(f"{s.name}: TP rank {tp_rank} of {tp} does not hold the rows [{lo}, {hi}) "
                                  f"the inventory expects")
-            local[s.name] = HeldRows(shard, s.dim, positions, lo, hi)
-            offset += s.length
+            if s.dim is None:
+                local[s.name] = HeldRows(shard.narrow(0, int(positions[0]), length), None, None, 0, 1)
+            else:
+                local[s.name] = HeldRows(shard, s.dim, positions, lo, hi)
+            offset += length
     return local
