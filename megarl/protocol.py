@@ -11,6 +11,9 @@ Token layout, shared by every stage (token in, token out, nothing is re-tokenise
   logprobs / ref_logprobs / entropy / advantages [B, T] float, aligned the same way
   rewards         [B]    float
   policy_version  [B]    int64   the policy step that generated the sample
+  routed_experts  [B, T, layers, topk] int16  with actor.router_replay=rollout: the GLOBAL experts each decoder
+                  layer of the rollout engine routed token t to, -1 where it recorded none
+                  (megarl/models/routing_replay.py)
 Non-tensor fields: `group` (prompt index, for group-relative advantages), `prompt`, `response`
 (text, for logs only), `answer` (what the reward compares against), `data_source` and `extra_info` (REWARD_FIELDS:
 the prompt row's, for the reward; None where the row has none); a vision-language policy's rows also
@@ -129,8 +132,8 @@ class Batch:
 
 def _cat_padded(tensors: list[torch.Tensor], value: float = 0) -> torch.Tensor:
     """Concatenate along rows, right-padding the sequence dimension with `value` where lengths differ."""
-    if tensors[0].dim() == 2:
+    if tensors[0].dim() >= 2:  # per token ([B, T, ...]): pad the token dimension
         width = max(t.shape[1] for t in tensors)
-        tensors = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) if t.shape[1] < width else t
-                   for t in tensors]
+        tensors = [torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)], 1)
+                   if t.shape[1] < width else t for t in tensors]
     return torch.cat(tensors)

@@ -36,6 +36,9 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
                           "model): leave them at 1 and 0")
     if experts and experts % p.ep:
         raise ConfigError(f"{keys}.ep={p.ep} must divide the {experts} routed experts of {where}")
+    if getattr(section, "router_replay", "off") != "off" and not experts:
+        raise ConfigError(f"{role}.router_replay={section.router_replay} replays the experts the rollout routed "
+                          f"tokens to, and {where} has none (a dense model): set {role}.router_replay=off")
     width, width_key = expert_width(hf)
     if experts and width % (p.etp or p.tp):
         raise ConfigError(f"{keys}.etp={p.etp or p.tp} (0 = tp) must divide each expert's {width_key}="

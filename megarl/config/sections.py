@@ -160,6 +160,12 @@ class ActorConfig(EngineConfig):
                                    "hf engine's lm_head): rollout and training log-probs closer (SmolLM2-135M on an "
                                    "H100: k3 KL 1.65e-3 -> 7.93e-4 per token; docs/benchmarks.md, A real pretrained "
                                    "model); the logits take twice the memory of bf16's. No effect at fp32")
+    router_replay: str = opt("off", "mixture-of-experts policies: rollout = rollout routing replay (R3): the rollout "
+                                    "engine records the experts it routed every token to (SGLang's "
+                                    "--enable-return-routed-experts, the hf engine's gates) and megatron's routers use "
+                                    "exactly those in the old-log-prob and training forwards, so the gradient is the "
+                                    "sampling network's; off = the trainer routes for itself",
+                             choices=("off", "rollout"))
 
 
 @dataclass

@@ -36,7 +36,7 @@ from megarl.engine.options import optimizer_config, precision_dtype, with_engine
 from megarl.engine.packing import (IMAGE_INPUTS, align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
                                    reset_rotary_positions, sequence_lengths, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
-from megarl.models import get_family
+from megarl.models import get_family, routing_replay
 from megarl.models.decoder import decoder_block_spec, text_config
 from megarl.models.router import expert_load_metrics, reset_expert_load, restore_expert_biases, snapshot_expert_biases
 from megarl.protocol import Batch
@@ -87,6 +87,8 @@ class MegatronEngine:
             gpt_kwargs["share_embeddings_and_output_weights"] = False
         self.gpts = self._build_chunks(config, spec, gpt_kwargs)
         self.gpt = self.gpts[0]  # the whole model unless section.parallel.vpp > 1 (then use self.gpts)
+        # actor.router_replay=rollout: the routers replay the batch's routed_experts (routing_replay.py)
+        self._replays = self._install_router_replay(config, pp)
         self.weight_maps = family.weight_maps(self.hf_config, tp)
         if head == "value":
             self.weight_maps = value_weight_maps(self.weight_maps)
@@ -137,6 +139,16 @@ class MegatronEngine:
             lr_decay_steps=max(total_steps, o.warmup_steps + 1), lr_decay_style=o.decay_style,
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant")
+
+    def _install_router_replay(self, config, pp: int) -> list:
+        if getattr(self.section, "router_replay", "off") == "off":
+            return []
+        # the backward's recompute re-routes: with one stage it follows its own forward at once, under the pipeline
+        # schedules other micro-batches' forwards come between, whose experts it would replay
+        if pp > 1 and (config.recompute_granularity == "full" or "moe" in (config.recompute_modules or [])):
+            raise ValueError("actor.router_replay=rollout with pipeline stages (actor.parallel.pp > 1) cannot "
+                             "recompute the MoE layers (actor.recompute=full, or selective with moe)")
+        return routing_replay.install(self.gpts)
 
     def _build_chunks(self, config, spec: Callable[[int], object], gpt_kwargs: dict) -> list[GPTModel]:
         """This rank's GPTModel, or its section.parallel.vpp virtual-pipeline chunks (interleaved layers)."""
@@ -199,6 +211,12 @@ class MegatronEngine:
                    if config.num_moe_experts and parallel_state.get_expert_model_parallel_world_size() > 1 else None)
         longest = self._agreed_max(max(sequence_lengths(batch["attention_mask"])), experts) if experts else 0
         batch = self.family.with_model_inputs(self.hf_config, batch)
+        if "routed_experts" in batch and not self._replays:  # recorded, but this engine routes for itself
+            batch = Batch({k: v for k, v in batch.tensors.items() if k != "routed_experts"}, batch.non_tensors,
+                          batch.meta)
+        if self._replays and "routed_experts" not in batch:
+            raise ValueError("actor.router_replay=rollout, and the batch has no routed_experts: its rollout did not "
+                             "record the experts it routed the tokens to")
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         # one_row: pipeline stages exchange fixed-shape activations and EP ranks agree on shapes, so rows stay
         # max_tokens wide there; elsewhere each row is cut to its used length
@@ -236,6 +254,14 @@ class MegatronEngine:
             images = {k: mb[k] for k in IMAGE_INPUTS if k in mb}  # a vision-language model's (packing.py)
             for selection in self._output_positions:
                 selection.index = mb.get("output_positions")
+            if self._replays:
+                routed = mb.get("routed_experts")
+                if routed is not None:
+                    routed = routing_replay.router_order(
+                        context_parallel.local(routed), self.gpt.config.sequence_parallel,
+                        parallel_state.get_tensor_model_parallel_world_size(),
+                        parallel_state.get_tensor_model_parallel_rank())
+                routing_replay.set_targets(self._replays, routed)
             try:
                 output = model(context_parallel.local(mb["tokens"]), context_parallel.local(mb["position_ids"]),
                                mask, packed_seq_params=packed_seq_params, **images, **self._forward_kwargs)
@@ -246,10 +272,13 @@ class MegatronEngine:
 
         # The interleaved schedule runs each chunk over every micro-batch: one iterator per chunk.
         data = [iter(mbs) for _ in self.models] if len(self.models) > 1 else iter(mbs)
-        return self._forward_backward(
-            forward_step_func=forward_step, data_iterator=data, model=self.models,
-            num_microbatches=len(mbs), seq_length=mbs[0]["tokens"].shape[1],
-            micro_batch_size=mbs[0]["tokens"].shape[0], forward_only=forward_only)
+        try:
+            return self._forward_backward(
+                forward_step_func=forward_step, data_iterator=data, model=self.models,
+                num_microbatches=len(mbs), seq_length=mbs[0]["tokens"].shape[1],
+                micro_batch_size=mbs[0]["tokens"].shape[0], forward_only=forward_only)
+        finally:
+            routing_replay.set_targets(self._replays, None)
 
     def aligned_logprobs(self, mb: dict, logits: torch.Tensor, with_entropy: bool):
         """Per sequence [S, T]: log p(tokens[t] | tokens[<t]) (and the entropy of that distribution), 0 at

@@ -176,7 +176,8 @@ def _fill(batch: Batch, keys: list[str], device, lengths: list[int], layout: lis
                 packed_index.append(r * width + offset + torch.arange(seq_width).clamp(max=n - 1))
                 offset += n
         index = torch.tensor(seq_index, dtype=torch.long)
-        mb = {"tokens": tokens, "position_ids": positions, "doc_ids": doc_ids, "cu_seqlens": segment_bounds(doc_ids),
+        mb = _routed_experts(batch, layout_rows=rows, width=width, lengths=lengths)
+        mb |= {"tokens": tokens, "position_ids": positions, "doc_ids": doc_ids, "cu_seqlens": segment_bounds(doc_ids),
               "seq_index": index, "packed_index": torch.stack(packed_index)}
         mb |= {k: v[index] for k, v in per_seq.items()}
         mb |= _images(batch, seq_index)
@@ -184,6 +185,22 @@ def _fill(batch: Batch, keys: list[str], device, lengths: list[int], layout: lis
         mb["packed"] = any(len(seqs) > 1 for seqs in rows)
         out.append(mb)
     return out
+
+
+def _routed_experts(batch: Batch, layout_rows: list[list[int]], width: int, lengths: list[int]) -> dict:
+    """The rollout's experts of the micro-batch's tokens (megarl/models/routing_replay.py), where the batch has them:
+    'routed_experts' [rows, width, layers, topk] at the tokens' packed positions, -1 on padding."""
+    if "routed_experts" not in batch:
+        return {}
+    routed = batch["routed_experts"]
+    packed = torch.full((len(layout_rows), width, *routed.shape[2:]), -1, dtype=routed.dtype)
+    for r, seqs in enumerate(layout_rows):
+        offset = 0
+        for i in seqs:
+            n = min(lengths[i], routed.shape[1])
+            packed[r, offset:offset + n] = routed[i, :n]
+            offset += lengths[i]
+    return {"routed_experts": packed}
 
 
 def _images(batch: Batch, seq_index: list[int]) -> dict:
@@ -281,5 +298,7 @@ def empty_micro_batch(like: dict) -> dict:
     """A micro-batch of the same shape with no sequences (padding rows only): it contributes nothing."""
     empty = {k: torch.zeros_like(v) for k, v in like.items() if k in ("tokens", "position_ids", "doc_ids")}
     empty["cu_seqlens"] = segment_bounds(empty["doc_ids"])
+    if "routed_experts" in like:  # no record: the routers choose for the padding themselves
+        empty["routed_experts"] = torch.full_like(like["routed_experts"], -1)
     empty |= {k: v[:0] for k, v in like.items() if isinstance(v, Tensor) and k not in empty}
     return empty | {"packed": False}

@@ -85,6 +85,10 @@ class Generation:
     # engine was never told a version (the caller knows it: the synchronous loop)
     versions: list[int] | None = None
     interruptions: int = 0  # weight updates that interrupted it (megarl.rollout.partial)
+    # with routing recorded (actor.router_replay=rollout): [prompt + response - 1 tokens, layers, topk] int16, the
+    # GLOBAL experts each layer routed every token the model was fed to (the last response token is never fed);
+    # -1 for a dense layer
+    routed_experts: torch.Tensor | None = None
 
 
 class GroupCollector:

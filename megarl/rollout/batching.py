@@ -41,6 +41,9 @@ def generations_to_batch(prompts: list[dict], generations: list[Generation], pad
     versions = [min(g.versions) if g.versions else policy_version for g in generations]
     images = {k: [prompts[g.prompt_index][k] for g in generations] for k in IMAGE_INPUTS} \
         if prompt_images(prompts) is not None else {}
+    if any(g.routed_experts is not None for g in generations):
+        tensors["routed_experts"] = routed_experts_tensor([g.routed_experts for g in generations],
+                                                          tensors["tokens"].shape[1])
     return Batch(
         tensors | {"policy_version": torch.tensor(versions, dtype=torch.long)},
         {"group": [g.prompt_index for g in generations],
@@ -66,3 +69,19 @@ def rows_to_tensors(prompt_ids: list[list[int]], response_ids: list[list[int]], 
         rollout_logprobs[i, len(p):end] = torch.tensor(logprobs[i], dtype=torch.float32)
     return {"tokens": tokens, "attention_mask": attention_mask, "loss_mask": loss_mask,
             "rollout_logprobs": rollout_logprobs}
+
+
+def routed_experts_tensor(records: list[torch.Tensor | None], width: int) -> torch.Tensor:
+    """Per row [tokens, layers, topk] records (Generation.routed_experts) -> [B, width, layers, topk] int16 aligned
+    to the batch's tokens, -1 past a row's record (its last token, padding)."""
+    shape = next(r.shape[1:] for r in records if r is not None)
+    out = torch.full((len(records), width, *shape), -1, dtype=torch.int16)
+    for i, record in enumerate(records):
+        if record is None:
+            raise ValueError(f"row {i} of the rollout has no routed experts while others have: every row needs them "
+                             "for actor.router_replay=rollout")
+        if record.shape[1:] != shape:
+            raise ValueError(f"row {i}'s routed experts are {tuple(record.shape)}, row 0's [tokens, {shape}]")
+        n = min(record.shape[0], width)
+        out[i, :n] = record[:n]
+    return out

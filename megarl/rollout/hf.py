@@ -14,6 +14,7 @@ have); its log-probs are still those of the raw logits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from typing import Callable, Iterable
@@ -23,14 +24,17 @@ import torch
 from megarl.engine import offload
 from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, RolloutEngine, SamplingParams, check_images,
                                  derive_seed)
+from megarl.rollout.hf_routing import RoutingRecorder
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.utils.checksum import module_checksums
 
 
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0, fp32_lm_head: bool = False):
-        """`fp32_lm_head`: under a 16-bit dtype the output layer (and so the logits) in float32 (actor.fp32_lm_head)."""
+                 seed: int = 0, fp32_lm_head: bool = False, record_routing: bool = False):
+        """`fp32_lm_head`: under a 16-bit dtype the output layer (and so the logits) in float32 (actor.fp32_lm_head).
+        `record_routing`: each Generation carries the experts its tokens were routed to (hf_routing.py;
+        actor.router_replay=rollout)."""
         from transformers import AutoConfig, AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
 
         self.device = torch.device(device)
@@ -53,6 +57,7 @@ class HFRolloutEngine(RolloutEngine):
         self.gate = GenerationGate()  # pauses generation at weight updates (partial rollouts)
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_memory
         self._specs = None  # HF tensor specs, for sharded weight delivery
+        self.routing = RoutingRecorder(self.model) if record_routing else None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  images: list[ImageInputs | None] | None = None,
@@ -88,10 +93,14 @@ class HFRolloutEngine(RolloutEngine):
         """Cancel the running segments (over-sampling): their rows end with finish_reason "abort"."""
         self.gate.cancel()
 
+    def _segment(self, *args, **kwargs) -> list[Generation]:
+        with self.routing.recording() if self.routing else contextlib.nullcontext():
+            return self._run_segment(*args, **kwargs)
+
     @torch.inference_mode()
-    def _segment(self, rows: list[list[int]], limits: list[int], seeds: list[int], segment: Segment,
-                 params: SamplingParams, images: list[ImageInputs | None] | None = None,
-                 ended: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+    def _run_segment(self, rows: list[list[int]], limits: list[int], seeds: list[int], segment: Segment,
+                     params: SamplingParams, images: list[ImageInputs | None] | None = None,
+                     ended: Callable[[int, Generation], None] | None = None) -> list[Generation]:
         """One segment: every row up to its limit or stop token, all in one left-padded batch; rows still going when
         the gate says stop end with finish_reason "abort". `ended(k, generation)`: row k has just ended."""
         eos = set() if params.ignore_eos else set(self.eos_ids)
@@ -120,12 +129,16 @@ class HFRolloutEngine(RolloutEngine):
             if out is None:
                 out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                                  **image_kwargs)
+                if self.routing:
+                    self.routing.take(*tokens.shape)
             else:
                 mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
                 step = (next_rope - 1)[:, None]
                 out = self.model(input_ids=sampled[-1][:, None], attention_mask=mask,
                                  position_ids=step[None].expand(3, -1, -1) if self.vision else step,
                                  past_key_values=out.past_key_values, use_cache=True)
+                if self.routing:
+                    self.routing.take(len(rows), 1)
             logits = out.logits[:, -1].float()
             token = _sample(logits, params.temperature, params.top_p, seeds, next_positions.tolist(), banned,
                             params.top_k)
@@ -136,10 +149,16 @@ class HFRolloutEngine(RolloutEngine):
             finished = finished | torch.isin(token, stop) | (len(sampled) >= limit)
             if ended is not None:
                 for k in (finished & ~was_finished).nonzero().flatten().tolist():
-                    ended(k, self._cut([t[k].item() for t in sampled], [lp[k].item() for lp in logprobs], stop_ids,
-                                       limits[k]))
+                    ended(k, self._routed(k, rows, self._cut([t[k].item() for t in sampled],
+                                                             [lp[k].item() for lp in logprobs], stop_ids, limits[k])))
             next_positions, next_rope = next_positions + 1, next_rope + 1
-        return self._collect(sampled, logprobs, stop_ids, limits)
+        return [self._routed(k, rows, g) for k, g in enumerate(self._collect(sampled, logprobs, stop_ids, limits))]
+
+    def _routed(self, k: int, rows: list[list[int]], generation: Generation) -> Generation:
+        """Row k's generation with its record of the experts, where the engine records them."""
+        if self.routing:
+            generation.routed_experts = self.routing.row(k, len(rows[k]), len(generation.token_ids))
+        return generation
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)

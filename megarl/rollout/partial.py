@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from megarl.rollout.base import Generation, ImageInputs
 
 PARTIAL_MODES = ("resume", "restart", "finish")
@@ -135,11 +137,13 @@ class Row:
     versions: list = field(default_factory=list)  # per token, the policy version that produced it (None: not told)
     interruptions: int = 0
     finish_reason: str = ""
+    # the last segment's record of the experts (Generation.routed_experts): its prefill re-routed every earlier token
+    routed_experts: torch.Tensor | None = None
 
     def generation(self, prompt_index: int) -> Generation:
         return Generation(prompt_index, self.token_ids, self.logprobs, self.finish_reason,
                           versions=None if None in self.versions else self.versions,
-                          interruptions=self.interruptions)
+                          interruptions=self.interruptions, routed_experts=self.routed_experts)
 
 
 # run(prompts, max_new_tokens per row, seeds per row, segment) -> one Generation per row; "abort" where stopped.
@@ -192,7 +196,7 @@ def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max
             else:
                 row.interruptions += 1
                 if cause == "restart":
-                    row.token_ids, row.logprobs, row.versions = [], [], []
+                    row.token_ids, row.logprobs, row.versions, row.routed_experts = [], [], [], None
                 still.append(i)
                 continue
             if on_finished is not None:
@@ -206,3 +210,5 @@ def extend(row: Row, out: Generation, version: int | None) -> None:
     row.token_ids += out.token_ids
     row.logprobs += out.logprobs
     row.versions += [version] * len(out.token_ids)
+    if out.routed_experts is not None:
+        row.routed_experts = out.routed_experts

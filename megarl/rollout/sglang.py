@@ -31,7 +31,9 @@ TP group, owned by this engine (the launch command, the server process and its H
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +52,7 @@ from megarl.rollout.sglang_images import image_item, placeholder_ban, request_im
 from megarl.rollout.sglang_server import (Endpoint, SGLangError, SGLangServer, sglang_server, verify_inside_sglang,
                                           vision_language)
 from megarl.rollout.transports import cuda_ipc
+from megarl.utils.hf_config import language_fields
 
 
 
@@ -72,7 +75,7 @@ class SGLangRolloutEngine(RolloutEngine):
                  gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0,
                  serializer: Callable[[object], str] | None = None, deterministic: bool = False,
                  release_kv: bool | None = None, hosts: list[tuple] | None = None, sender_node: str | None = None,
-                 **server_kwargs):
+                 record_routing: bool = False, **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
         place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
         `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
@@ -88,7 +91,9 @@ class SGLangRolloutEngine(RolloutEngine):
         on or None for the host's own) each, in place of `gpus` and `num_servers`.
         `sender_node`: colocated servers on hosts: the Ray node id of the training rank that sends the weights; the
         servers of that node take them by CUDA IPC, the others by NCCL broadcast. None: each server's own training
-        ranks send (sharded delivery, every generation TP group to its server): CUDA IPC for all."""
+        ranks send (sharded delivery, every generation TP group to its server): CUDA IPC for all.
+        `record_routing`: each Generation carries the experts its tokens were routed to (SGLang's
+        --enable-return-routed-experts and a request's return_routed_experts; actor.router_replay=rollout)."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
         self.release_kv = colocated if release_kv is None else release_kv
         self.deterministic = deterministic
@@ -102,6 +107,10 @@ class SGLangRolloutEngine(RolloutEngine):
         # SGLang's memory saver only where memory is released between phases (colocated): it is off in
         # sglang.Engine's defaults, and a disaggregated server has no use for it
         server_kwargs = {"memory_saver": colocated, "deterministic": deterministic} | server_kwargs
+        # (layers, topk) of each token's record, the request asks for it
+        self.routing = routing_shape(model_path) if record_routing else None
+        if record_routing:
+            server_kwargs["routed_experts"] = True
         if batch_rows:  # a server's share, rounded up to 32 rows: routing splits whole prompt groups unevenly
             share = -(-batch_rows // num_servers)
             server_kwargs.setdefault("decode_rows", -(-share // 32) * 32)
@@ -222,7 +231,8 @@ class SGLangRolloutEngine(RolloutEngine):
                 image_data = request_image_data([None if im is None else image_item(ids, im, *self.vision)
                                                  for ids, im in zip(inputs, images or [None] * len(inputs))])
                 return self._generate_on(index, inputs, per_row[0] if all(r == per_row[0] for r in per_row)
-                                         else per_row, functools.partial(_to_generations, inputs, self.servers[index]),
+                                         else per_row, functools.partial(_to_generations, inputs, self.servers[index],
+                                                           self.routing),
                                          image_data)
 
             try:
@@ -247,6 +257,8 @@ class SGLangRolloutEngine(RolloutEngine):
                      convert: Callable[[list[dict]], list[Generation]], image_data: list | None = None
                      ) -> list[Generation]:
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        if self.routing:
+            request["return_routed_experts"] = True
         if image_data is not None:
             request["image_data"] = image_data
         try:  # preparing (a prefix-cache flush, the KV cache back) is the first request to find a server dead
@@ -393,17 +405,38 @@ class SGLangRolloutEngine(RolloutEngine):
 _LOGPROB, _TOKEN_ID = itemgetter(0), itemgetter(1)
 
 
-def _to_generations(rows: list[list[int]], server: SGLangServer, outputs) -> list[Generation]:
+def _to_generations(rows: list[list[int]], server: SGLangServer, routing: tuple[int, int] | None,
+                    outputs) -> list[Generation]:
     if not isinstance(outputs, list) or len(outputs) != len(rows):
         raise SGLangError(f"/generate on {server.url}: expected {len(rows)} outputs, got "
                           f"{len(outputs) if isinstance(outputs, list) else type(outputs).__name__}")
-    return [_to_generation(0, out) for out in outputs]
+    return [_to_generation(0, out, routing, len(row)) for row, out in zip(rows, outputs)]
 
 
-def _to_generation(prompt_index: int, out: dict) -> Generation:
+def routing_shape(model_path: str) -> tuple[int, int]:
+    """(decoder layers, experts per token) of a record of routed experts."""
+    hf = language_fields(json.loads((Path(model_path) / "config.json").read_text()))
+    return hf["num_hidden_layers"], hf["num_experts_per_tok"]
+
+
+def routed_experts(meta: dict, routing: tuple[int, int], tokens: int) -> torch.Tensor:
+    """SGLang's meta_info['routed_experts'] (base64 of int32 [prompt + response - 1, layers, topk]: every token it
+    fed the model, every layer, the GLOBAL expert ids) -> [tokens, layers, topk] int16."""
+    if "routed_experts" not in meta:
+        raise SGLangError("the server returned no routed_experts: was it started with --enable-return-routed-experts?")
+    flat = torch.frombuffer(bytearray(base64.b64decode(meta["routed_experts"])), dtype=torch.int32)
+    record = flat.reshape(-1, *routing)
+    if record.shape[0] != tokens:
+        raise SGLangError(f"routed_experts for {record.shape[0]} tokens, the row fed {tokens}")
+    return record.to(torch.int16)
+
+
+def _to_generation(prompt_index: int, out: dict, routing: tuple[int, int] | None = None, fed: int = 0) -> Generation:
     meta = out["meta_info"]
     pairs = meta["output_token_logprobs"]  # [logprob, token id, text] per generated token
     reason = (meta.get("finish_reason") or {}).get("type", "length")
     # itemgetter over the parsed JSON's ints and floats: a 512-row answer converts in a third of the time
-    return Generation(prompt_index=prompt_index, token_ids=list(map(_TOKEN_ID, pairs)),
-                      logprobs=list(map(_LOGPROB, pairs)), finish_reason=reason)
+    tokens = list(map(_TOKEN_ID, pairs))
+    return Generation(prompt_index=prompt_index, token_ids=tokens, logprobs=list(map(_LOGPROB, pairs)),
+                      finish_reason=reason, routed_experts=None if routing is None or not tokens else
+                      routed_experts(meta, routing, fed + len(tokens) - 1))

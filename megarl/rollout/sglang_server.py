@@ -326,7 +326,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                   load_format: str | None = None, cuda_graph: bool = True, decode_rows: int = 0,
                   extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
                   env: dict | None = None, deterministic: bool = False, dtype: str = "bfloat16",
-                  fp32_lm_head: bool = False, host: str = "127.0.0.1", **kwargs) -> SGLangServer:
+                  fp32_lm_head: bool = False, host: str = "127.0.0.1", routed_experts: bool = False,
+                  **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
     `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_rows).
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
@@ -337,6 +338,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
     follows the checkpoint's config and takes float16 for a float32 one, so a bf16 policy was silently converted
     to fp16 on load (out of range above 65504); checksum verification found it.
     `fp32_lm_head`: the output layer and the logits in float32 (--enable-fp32-lm-head; actor.fp32_lm_head).
+    `routed_experts`: requests may ask for the experts each token was routed to (--enable-return-routed-experts;
+    actor.router_replay=rollout).
     `host`: the address it listens on (a server host's, server_host.py, is its node's, for a rollout actor on
     another node)."""
     managed = managed_args(extra_args)
@@ -355,6 +358,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                *(["--enable-memory-saver"] if memory_saver else []),
                *(["--enable-deterministic-inference"] if deterministic else []),
                *(["--enable-fp32-lm-head"] if fp32_lm_head else []),
+               *(["--enable-return-routed-experts"] if routed_experts else []),
                *(["--load-format", load_format] if load_format else []),
                *([] if cuda_graph else ["--disable-cuda-graph"]),
                *(["--cuda-graph-max-bs-decode", str(graph_rows)] if cuda_graph and graph_rows else []),

@@ -22,7 +22,8 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
         from megarl.rollout.hf import HFRolloutEngine
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         return HFRolloutEngine(model_path, device=device, dtype=dtype, seed=cfg.trainer.seed,
-                               fp32_lm_head=cfg.actor.fp32_lm_head)
+                               fp32_lm_head=cfg.actor.fp32_lm_head,
+                               record_routing=cfg.actor.router_replay == "rollout")
     if cfg.rollout.engine == "sglang":
         import os
 
@@ -46,6 +47,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
                                    release_kv=colocated and cfg.trainer.mode == "sync",
                                    dtype="float32" if cfg.actor.precision == "fp32" else "bfloat16",
                                    fp32_lm_head=cfg.actor.fp32_lm_head and cfg.actor.precision != "fp32",
+                                   record_routing=cfg.actor.router_replay == "rollout",
                                    env=env_strings(r.sglang_env),
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
