@@ -214,9 +214,9 @@ class MegatronEngine:
         if "routed_experts" in batch and not self._replays:  # recorded, but this engine routes for itself
             batch = Batch({k: v for k, v in batch.tensors.items() if k != "routed_experts"}, batch.non_tensors,
                           batch.meta)
-        if self._replays and "routed_experts" not in batch:
-            raise ValueError("actor.router_replay=rollout, and the batch has no routed_experts: its rollout did not "
-                             "record the experts it routed the tokens to")
+        if self._replays and "rollout_logprobs" in batch and "routed_experts" not in batch:
+            raise ValueError("actor.router_replay=rollout, and the rollout's batch has no routed_experts: its engine "
+                             "did not record the experts it routed the tokens to")
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         # one_row: pipeline stages exchange fixed-shape activations and EP ranks agree on shapes, so rows stay
         # max_tokens wide there; elsewhere each row is cut to its used length

@@ -2,8 +2,9 @@
 (actor.router_replay=rollout; megarl/models/routing_replay.py replays them in megatron).
 
 Forward hooks on every MoE layer's `mlp.gate`: transformers' top-k routers (Qwen3-MoE, Mixtral) return (logits,
-weights, indices), the indices GLOBAL expert ids [tokens, topk]; a gate returning its logits alone is a softmax
-top-k router, whose experts are the top-k logits (softmax is monotonic). Each forward of the sampling loop
+weights, indices), the indices GLOBAL expert ids [tokens, topk]. A gate that returns its logits alone (DeepSeek's,
+GLM-4.5's: the MoE block chooses the experts from them, by groups and a bias) is refused at its first forward rather
+than guessed at. Each forward of the sampling loop
 (the prefill of a left-padded batch, then one token per row and step) is kept as [rows, tokens, layers, topk].
 """
 
@@ -44,9 +45,10 @@ class RoutingRecorder:
     def _hook(self, layer: int):
         def keep(module, args, output):
             found = [t for t in (output if isinstance(output, tuple) else ()) if not t.is_floating_point()]
-            indices = found[-1] if found else (output[0] if isinstance(output, tuple) else output).topk(
-                self.topk, dim=-1).indices
-            self._layers[layer] = indices.reshape(-1, self.topk)
+            if not found:
+                raise ValueError(f"actor.router_replay=rollout: the hf engine cannot record {type(module).__name__}'s "
+                                 "routing (it returns no expert indices); use rollout.engine=sglang")
+            self._layers[layer] = found[-1].reshape(-1, self.topk)
         return keep
 
     def take(self, rows: int, tokens: int) -> None:

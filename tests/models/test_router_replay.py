@@ -4,7 +4,8 @@
   forward, through one_row packing's reordering: the experts recorded are chosen at random (so they differ from the
   trainer's own choice), read back from the routers' routing maps, and the log-probs equal transformers' with its
   gates forced to those experts; without replay neither holds;
-- the hf rollout engine's record equals transformers' own routing (output_router_logits) of the tokens it generated;
+- the hf rollout engine's record equals transformers' own routing (output_router_logits) of the tokens it generated,
+  and a gate that returns no expert indices (DeepSeek-V3's) is refused;
 - a dense model is refused by name; Batch.concat pads the record's token dimension."""
 
 import pytest
@@ -142,6 +143,19 @@ def test_hf_engine_records_transformers_routing(moe_dir):
         for layer, layer_logits in enumerate(logits):
             own = layer_logits.reshape(len(sequence) - 1, EXPERTS).topk(TOPK, dim=-1).indices.sort(-1).values
             assert torch.equal(g.routed_experts[:, layer].long().sort(-1).values, own)
+
+
+def test_hf_engine_refuses_gates_without_indices(tmp_path):
+    """DeepSeek-V3's gate returns logits only (its MoE block chooses by groups and a bias): not recorded by guess."""
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.hf import HFRolloutEngine
+    from tests.models.hf_families import deepseek_v3_config
+
+    config = deepseek_v3_config(layers=2, first_k_dense_replace=1)
+    config.eos_token_id = 100
+    engine = HFRolloutEngine(save_random(config, tmp_path / "deepseek"), record_routing=True)
+    with pytest.raises(ValueError, match="cannot record DeepseekV3TopkRouter's routing"):
+        engine.generate([[5, 9]], SamplingParams(max_new_tokens=2))
 
 
 def test_dense_model_refused_and_concat_pads_the_record():
