@@ -59,6 +59,7 @@ class DecoderFamily:
     architectures: tuple[str, ...] = ()  # HF `architectures` entries and `model_type` values it serves
     qkv_bias = False
     qk_norm = False
+    partial_rotary_factor = 1.0  # the share of each head RoPE rotates where config.json names none
     model_class = GPTModel  # a multimodal family's subclass takes its extra inputs as forward keywords
 
     def with_model_inputs(self, hf: dict, batch):
@@ -89,11 +90,14 @@ class DecoderFamily:
             raise ValueError(f"{self.name} with mlp_bias=true is not supported")
 
     def rope_kwargs(self, hf: dict) -> dict:
-        """GPTModel's RoPE arguments; plain RoPE unless the family overrides this."""
+        """GPTModel's RoPE arguments: plain RoPE over partial_rotary_factor of each head (rotate-half over the
+        leading channels, as transformers and megatron's rotary_percent both do) unless the family overrides this."""
         params = rope_parameters(hf)
         if params["rope_type"] != "default":
             raise ValueError(f"{self.name} with RoPE scaling {params['rope_type']!r} is not supported")
-        return dict(rotary_base=float(params["rope_theta"]))
+        fraction = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", self.partial_rotary_factor)))
+        kwargs = dict(rotary_base=float(params["rope_theta"]))
+        return kwargs if fraction == 1.0 else {**kwargs, "rotary_percent": fraction}
 
     def moe_config(self, hf: dict, ep: int) -> dict:
         """TransformerConfig fields of the experts; dense families have none."""

@@ -25,28 +25,20 @@ from __future__ import annotations
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megarl.models.decoder import DecoderFamily, rope_parameters
+from megarl.models.decoder import DecoderFamily
 from megarl.models.deepseek import DenseThenMoe
-
-PARTIAL_ROTARY_FACTOR = 0.5  # transformers' Glm4MoeConfig default where config.json names none
 
 
 class Glm4Moe(DenseThenMoe, DecoderFamily):
     name = "GLM-4.5"
     architectures = ("Glm4MoeForCausalLM", "glm4_moe")
+    partial_rotary_factor = 0.5  # transformers' Glm4MoeConfig default
 
     def has_qkv_bias(self, hf: dict) -> bool:
         return bool(hf.get("attention_bias"))
 
     def has_qk_norm(self, hf: dict) -> bool:
         return bool(hf.get("use_qk_norm"))
-
-    def rope_kwargs(self, hf: dict) -> dict:
-        params = rope_parameters(hf)
-        if params["rope_type"] != "default":
-            raise ValueError(f"{self.name} with RoPE scaling {params['rope_type']!r} is not supported")
-        fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", PARTIAL_ROTARY_FACTOR))
-        return dict(rotary_base=float(params["rope_theta"]), rotary_percent=float(fraction))
 
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         return self.with_moe_mlp(super().layer_spec(hf, layer), hf, layer)

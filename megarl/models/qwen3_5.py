@@ -27,7 +27,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megarl.models.decoder import DecoderFamily, head_dim, rope_parameters
+from megarl.models.decoder import DecoderFamily, head_dim
 from megarl.models.gated_delta_net import GatedDeltaNet
 from megarl.models.norm import GateNorm
 from megarl.models.sharding import WeightMap, replicated, split_dim
@@ -88,6 +88,7 @@ class Qwen3_5(DecoderFamily):
     name = "Qwen3.5"
     architectures = ("Qwen3_5ForCausalLM", "qwen3_5_text")
     qk_norm = True
+    partial_rotary_factor = 0.25  # transformers' Qwen3_5TextConfig default
 
     def check_supported(self, hf: dict) -> None:
         super().check_supported(hf)
@@ -111,13 +112,6 @@ class Qwen3_5(DecoderFamily):
                     linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
                     linear_num_key_heads=hf["linear_num_key_heads"],
                     linear_num_value_heads=hf["linear_num_value_heads"])
-
-    def rope_kwargs(self, hf: dict) -> dict:
-        params = rope_parameters(hf)
-        if params["rope_type"] != "default":
-            raise ValueError(f"{self.name} with RoPE scaling {params['rope_type']!r} is not supported")
-        fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-        return dict(rotary_base=float(params["rope_theta"]), rotary_percent=float(fraction))
 
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         spec = super().layer_spec(hf, layer)  # a new spec on every call: changed in place
