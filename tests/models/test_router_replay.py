@@ -3,7 +3,8 @@
 - megatron's routers route every token to the experts the batch records, in the log-prob forward and the training
   forward, through one_row packing's reordering: the experts recorded are chosen at random (so they differ from the
   trainer's own choice), read back from the routers' routing maps, and the log-probs equal transformers' with its
-  gates forced to those experts; without replay neither holds;
+  gates forced to those experts; without replay neither holds; the same log-probs at TP=2 with sequence parallelism
+  and at EP=2;
 - the hf rollout engine's record equals transformers' own routing (output_router_logits) of the tokens it generated,
   and a gate that returns no expert indices (DeepSeek-V3's) is refused;
 - a dense model is refused by name; Batch.concat pads the record's token dimension."""
@@ -123,6 +124,32 @@ def test_megatron_routes_the_recorded_experts(moe_dir):
     equal, compared = _routed_sets(batch, packings, maps)
     assert equal < compared // 2
     assert (logprobs - reference).abs().max() > 1e-2
+
+
+def _layouts_rank(rank, model_dir):
+    from megatron.core import parallel_state as ps
+
+    from megarl.config import ParallelConfig
+    from megarl.engine import MegatronEngine
+    from megarl.parallel.state import build_model_parallel
+
+    out = {}
+    for tp, ep, sp in ((2, 1, True), (1, 2, False)):
+        ps.destroy_model_parallel()
+        build_model_parallel(tp, 1, seed=1, ep=ep)
+        actor = ActorConfig(router_replay="rollout", micro_batch_size=2, max_tokens_per_micro_batch=24,
+                            parallel=ParallelConfig(world_size=2, tp=tp, ep=ep, sequence_parallel=sp))
+        engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+        out[(tp, ep, sp)] = engine.compute_logprobs(recorded_batch())["logprobs"]
+    return out
+
+
+def test_replay_under_sequence_parallelism_and_expert_parallelism(moe_dir):
+    """TP=2 with sequence parallelism (each rank's routers see its slice of the positions) and EP=2 (the routers
+    choose before the tokens are dispatched: every rank takes its own tokens' full top-k)."""
+    reference = forced_hf_logprobs(moe_dir, recorded_batch())
+    for layout, logprobs in run_distributed(_layouts_rank, 2, moe_dir, timeout=300).items():
+        torch.testing.assert_close(logprobs, reference, rtol=0, atol=1e-5, msg=str(layout))
 
 
 def test_hf_engine_records_transformers_routing(moe_dir):
