@@ -174,39 +174,18 @@ def test_grpo_steps_with_a_qwen3_5_policy_at_pp2(tmp_path, ray_local):
     """GRPO end to end on the CPU: the transformers rollout engine generates with the tiny Qwen3.5 (its own torch
     gated delta rule, cache and all), megatron trains it over two pipeline stages, and the weights synced into the
     rollout engine after every step are verified by checksums; the engine ends up holding the trained policy."""
-    import json
-
-    import ray
-
-    from megarl.config.tiny import tiny_config
-    from megarl.trainer import RLTrainer
-    from megarl.utils.tracking import run_dir
     from megarl.workers import sync_checks
-    from tests.conftest import QUICKSTART
+    from tests.models.family_grpo import grpo_then_weights
     from tests.models.hf_families import save_random_for_recipe
 
     model = save_random_for_recipe(qwen3_5_config(), tmp_path / "qwen3_5", seed=5)
-    cfg = tiny_config([
-        f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}", "actor.parallel.world_size=2",
-        "actor.parallel.tp=1", "actor.parallel.pp=2", "actor.micro_batch_size=4", "data.prompts_per_step=2", "rollout.n_samples=2",
-        "data.val_size=2", "sft.steps=0", "trainer.steps=2", "trainer.eval_every=2", "reward.name=reverse",
-        "trainer.loggers=jsonl", "trainer.verify_weight_sync_every=1",
+    state, held, steps = grpo_then_weights(model, tmp_path / "run", [
+        "actor.parallel.pp=2", "actor.micro_batch_size=4",
         # a random policy earns no reward, so no advantage: the entropy bonus still moves every weight
-        "algorithm.entropy_coef=0.01"], path=QUICKSTART)
-    trainer = RLTrainer(cfg)
-    try:
-        trainer.fit()
-        trainer.colocation.to_training()
-        state = trainer.actor.call("hf_state_dict")[0]
-        trainer.publish_policy()
-        held = ray.get(trainer.rollout.weight_digests.remote({n: t.dtype for n, t in state.items()}))
-    finally:
-        trainer.shutdown()
+        "algorithm.entropy_coef=0.01"])
 
     assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
     initial = load_file(f"{model}/model.safetensors")
     assert sorted(state) == sorted(initial)
     assert not torch.equal(state["model.layers.0.linear_attn.A_log"], initial["model.layers.0.linear_attn.A_log"])
-    rows = [json.loads(line) for line in (run_dir(tmp_path / "run") / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train/loss" in r]
     assert len(steps) == 2 and all(r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0 for r in steps)
