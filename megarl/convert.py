@@ -98,14 +98,14 @@ def _check_hf_dir(hf_dir: Path) -> None:
         raise ConvertError(f"{hf_dir} is not a HF model directory: no config.json")
     if not any(hf_dir.glob("*.safetensors")):
         raise ConvertError(f"{hf_dir} has no *.safetensors weights (other weight formats are not read)")
-    from megarl.models import get_family  # torch: imported once the paths are known to be good
+    from megarl.models import checked_family  # torch: imported once the paths are known to be good
     from megarl.models.hf_checkpoint import BlockFP8
 
     config = json.loads((hf_dir / "config.json").read_text())
     try:
-        get_family(config)
+        checked_family(config, f"{hf_dir}/config.json")
     except ValueError as e:
-        raise ConvertError(f"{hf_dir}/config.json: {e}") from None
+        raise ConvertError(str(e)) from None
     try:
         BlockFP8.from_config(config, str(hf_dir / "config.json"))
     except ValueError as e:

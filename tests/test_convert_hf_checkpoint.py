@@ -315,11 +315,18 @@ def test_deepseek_converts_both_ways_bitwise(tmp_path, version, tp, pp, ep):
     assert torch.equal(hf_logprobs_entropy(str(tmp_path / "out"), batch)[0], hf_logprobs_entropy(str(source), batch)[0])
 
 
-def test_unsupported_architectures_fail_naming_the_model_type(tmp_path, capsys):
+def test_unsupported_architectures_and_missing_keys_fail_naming_them(tmp_path, capsys):
     hf = Path(make_qwen2_dir(tmp_path / "hf", tied=False))
     config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"],
-                                                         "model_type": "mixtral"}))
+    (hf / "config.json").write_text(json.dumps(config | {"architectures": ["FalconForCausalLM"],
+                                                         "model_type": "falcon"}))
     assert main(["hf-to-megatron", str(hf), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "unsupported model architecture ['MixtralForCausalLM', 'mixtral']" in err and "deepseek_v3" in err
+    assert "unsupported model architecture ['FalconForCausalLM', 'falcon']" in err and "deepseek_v3" in err
+    # a supported family whose config.json lacks a key it needs: the key and the file named, nothing written
+    (hf / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"],
+                                                         "model_type": "mixtral", "num_local_experts": 4}))
+    assert main(["hf-to-megatron", str(hf), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{hf}/config.json has no 'num_experts_per_tok', which a Mixtral model needs" in err, err
+    assert not (tmp_path / "out").exists()

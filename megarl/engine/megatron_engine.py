@@ -36,7 +36,7 @@ from megarl.engine.options import optimizer_config, precision_dtype, with_engine
 from megarl.engine.packing import (IMAGE_INPUTS, align_to_tokens, empty_micro_batch, next_tokens, pack_micro_batches,
                                    reset_rotary_positions, sequence_lengths, unpack)
 from megarl.engine.value_head import WithValueHead, attach_value_head, value_weight_maps
-from megarl.models import get_family, routing_replay
+from megarl.models import checked_family, routing_replay
 from megarl.models.decoder import decoder_block_spec, text_config
 from megarl.models.router import expert_load_metrics, reset_expert_load, restore_expert_biases, snapshot_expert_biases
 from megarl.protocol import Batch
@@ -67,7 +67,7 @@ class MegatronEngine:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.hf_config = weights.read_hf_config(model_path)
         self.vocab_size = text_config(self.hf_config)["vocab_size"]
-        family = self.family = get_family(self.hf_config)
+        family = self.family = checked_family(self.hf_config, f"{model_path}/config.json")
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         self.params_dtype = precision_dtype(section.precision, device)

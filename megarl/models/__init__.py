@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from megarl.models.decoder import DecoderFamily
 
 _MODULES = ("megarl.models.qwen2", "megarl.models.llama", "megarl.models.qwen3", "megarl.models.qwen3_moe",
@@ -37,3 +39,21 @@ def get_family(hf_config) -> DecoderFamily:
             return table[name]
     raise ValueError(f"unsupported model architecture {candidates}: megarl.models supports "
                      f"{', '.join(sorted(table))}")
+
+
+def checked_family(hf: dict, where: str) -> DecoderFamily:
+    """The family of the config.json `hf` (read from `where`), after a dry build of its one-rank TransformerConfig
+    and weight names: a key the family needs and the file lacks is an error naming both, not a KeyError deep in
+    an engine."""
+    try:
+        family = get_family(hf)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    try:
+        family.transformer_config(hf, tp=1, pp=1, params_dtype=torch.float32, use_cpu_initialization=True)
+        family.weight_maps(hf, tp=1)
+    except KeyError as e:
+        raise ValueError(f"{where} has no {e.args[0]!r}, which a {family.name} model needs") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return family
