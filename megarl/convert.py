@@ -125,7 +125,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, role: str = "actor", dev
     process that has none (the CLI does)."""
     hf_dir, out = Path(hf_dir), _check_output(Path(out))
     _check_hf_dir(hf_dir)
-    from megarl.engine.checkpoint import publish
+    from megarl.engine.checkpoint_dir import publish
 
     device = _resolve_device(device)
     with _single_rank(device):
@@ -141,7 +141,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, role: str = "actor", dev
 
 
 def _resolve_checkpoint(path: Path, role: str) -> Path:
-    from megarl.engine.checkpoint import CheckpointError, find_checkpoint, read_checkpoint_file
+    from megarl.engine.checkpoint_dir import CheckpointError, find_checkpoint, read_checkpoint_file
 
     try:
         checkpoint = find_checkpoint(path)
@@ -166,7 +166,7 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
         raise ConvertError(f"checkpoint path {checkpoint} does not exist")
     import torch
 
-    from megarl.engine.checkpoint import publish_directory, read_engine_file
+    from megarl.engine.checkpoint_dir import publish_directory, read_engine_file
     from megarl.models.hf_checkpoint import MTP_FILE, export_config, iter_mtp_copy, value_model_config
 
     role_dir = _resolve_checkpoint(Path(checkpoint), role)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from megarl.config import Config, ConfigError
 from megarl.config.fingerprint import differences, fingerprint
-from megarl.engine.checkpoint import CheckpointError, Checkpoints, checkpoint_damage, read_checkpoint_file
+from megarl.engine.checkpoint_dir import CheckpointError, Checkpoints, checkpoint_damage, read_checkpoint_file
 from megarl.utils.run_lock import RunLock
 from megarl.utils.tracking import new_run_id
 

@@ -8,7 +8,7 @@ r read at each side's last token. `RMTrainer.fit` reads top to bottom like RLTra
   held-out pair accuracy and margin before training, every trainer.eval_every steps and after the last;
   one optimizer step per preference.pairs_per_step pairs (the LR schedule counts these steps);
   checkpoints (engine and data position) every trainer.save_every steps and after the last; trainer.resume
-  continues from one exactly, as an RL run does (megarl/engine/checkpoint.py).
+  continues from one exactly, as an RL run does (megarl/engine/checkpoint_dir.py).
 
 `export` then writes the last checkpoint as a HF directory at reward_model.path, through megarl.convert: the
 weights with `score.weight`, config.json as transformers' *ForSequenceClassification with one label, the
@@ -33,7 +33,7 @@ from megarl.data.dataset import PromptLimit
 from megarl.data.files import InputError
 from megarl.data.inputs import load_tokenizer, model_inputs, read_model_config
 from megarl.data.preferences import PreferencePair, pair_batch, preference_sets
-from megarl.engine.checkpoint import CheckpointError, Checkpoints, read_checkpoint_file
+from megarl.engine.checkpoint_dir import CheckpointError, Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.resume import run_id_of
 from megarl.trainer import evaluates_after, prepare_model, resolve_device

@@ -14,7 +14,7 @@ the command that resumes, and the exit status is 128 + the signal: 130 for SIGIN
 `begin` (python -m megarl.train / train_rm, before Ray starts) installs the handlers and holds the lease
 (`reclaim_signals` puts them back on top of Ray's after ray.init); `end` (run_trainer, after the workers are down)
 restores the handlers, releases the lease and, after a stop, prints the line and exits. A run that ends on a full disk
-(a DiskSpaceError from a checkpoint save: megarl/engine/checkpoint.py) ends the same way, exit status 1: one line with
+(a DiskSpaceError from a checkpoint save: megarl/engine/checkpoint_dir.py) ends the same way, exit status 1: one line with
 the directory, the newest complete checkpoint (intact) and the command that resumes, no traceback.
 """
 
@@ -170,13 +170,14 @@ def stop_line(run: _Run, how: str, where: str | None = None) -> str:
 
 
 def _disk_full(error: BaseException | None) -> bool:
-    """Whether `error` is a checkpoint save's DiskSpaceError (its module is loaded wherever one can be raised)."""
-    checkpoint = sys.modules.get("megarl.engine.checkpoint")
-    return checkpoint is not None and isinstance(error, checkpoint.DiskSpaceError)
+    """Whether `error` is a checkpoint save's DiskSpaceError."""
+    from megarl.engine.checkpoint_dir import DiskSpaceError
+
+    return isinstance(error, DiskSpaceError)
 
 
 def newest_checkpoint(root: Path) -> tuple[int, Path] | None:
-    from megarl.engine.checkpoint import Checkpoints  # torch and megatron: imported by every trainer already
+    from megarl.engine.checkpoint_dir import Checkpoints
 
     done = Checkpoints(root).complete()
     return done[-1] if done else None

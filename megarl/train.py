@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         print(planned_memory(cfg, model_config, longest))
         return 0
 
-    from megarl.engine.checkpoint import CheckpointError
+    from megarl.engine.checkpoint_dir import CheckpointError
     from megarl.resume import claim_run
     from megarl.utils.run_lock import RunLockError
 

@@ -26,7 +26,7 @@ from megarl.data.dataset import sft_batch
 from megarl.data.evaluation import eval_metrics
 from megarl.data.inputs import (eos_disagreement, load_tokenizer, prompt_datasets, prompt_limit,
                                  read_model_config)
-from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
+from megarl.engine.checkpoint_dir import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
 from megarl.resume import Start, checkpoint_estimate, plan_resume
 from megarl.rewards import build_reward
@@ -262,7 +262,7 @@ class RLTrainer:
                 metrics |= {f"train/{k}": v for k, v in trained.items()}
         return metrics
 
-    # ---- checkpoints (megarl.engine.checkpoint) -----------------------------------------------------
+    # ---- checkpoints (megarl.engine.checkpoint_dir) --------------------------------------------------
 
     def trained_groups(self) -> dict[str, TrainGroup]:
         """The engines a checkpoint holds (the reward model is frozen: it reloads from its own path)."""

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.convert import main
-from megarl.engine.checkpoint import write_checkpoint_file
+from megarl.engine.checkpoint_dir import write_checkpoint_file
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
 

@@ -1,6 +1,8 @@
 """The whole system on CPU: Ray actors, megatron-core at TP=2 over gloo, the transformers rollout engine."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -136,3 +138,13 @@ def test_the_driver_runs_on_one_torch_thread_and_gives_the_pool_back(tmp_path):
     with pytest.raises(RuntimeError, match="a step failed"):
         run_trainer(cfg, Ray(), Trainer)
     assert seen == [1] and torch.get_num_threads() == before
+
+
+def test_the_driver_starts_without_megatron():
+    """The driver's modules (the RL and reward-model trainers, resume and stops, the checkpoint directory) leave
+    megatron-core to the ranks: importing it took the driver ~6 s of every start."""
+    probe = ("import sys, megarl.train, megarl.trainer, megarl.rm_trainer, megarl.resume, megarl.stops; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stdout + done.stderr

@@ -4,7 +4,7 @@ metrics.jsonl holds each RL step once; the damaged checkpoint is written again, 
 
 import json
 
-from megarl.engine.checkpoint import checkpoint_damage
+from megarl.engine.checkpoint_dir import checkpoint_damage
 from megarl.train import main
 from megarl.utils.tracking import run_dir
 

@@ -1,6 +1,6 @@
 """What a run is: the config keys that change what its steps compute, their values and a hash of them.
 
-Every checkpoint stores them (megarl/engine/checkpoint.py); a resume compares them with the resuming run's
+Every checkpoint stores them (megarl/engine/checkpoint_dir.py); a resume compares them with the resuming run's
 (megarl/resume.py), so a run restarted in the same directory with other settings is refused by name instead of
 silently continuing the old run under new numbers. A checkpoint stores every training key; the comparison leaves out
 those that neither run reads (`unread_keys`: a critic's settings where no critic is trained, the knobs of losses and

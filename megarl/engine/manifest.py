@@ -1,5 +1,5 @@
 """A checkpoint's manifest: every file's size and checksums, written into the staging directory before the commit's
-rename (megarl/engine/checkpoint.py publish), so it is committed atomically with what it describes, and checked
+rename (megarl/engine/checkpoint_dir.py publish), so it is committed atomically with what it describes, and checked
 before a resume.
 
 Modes (trainer.verify_checkpoint), for writing and for checking:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig
-from megarl.engine.checkpoint import CheckpointError, Checkpoints, read_checkpoint_file
+from megarl.engine.checkpoint_dir import CheckpointError, Checkpoints, read_checkpoint_file
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import make_qwen2_dir, padded_batch
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.engine.checkpoint import Checkpoints
+from megarl.engine.checkpoint_dir import Checkpoints
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import make_qwen2_dir, padded_batch
 from tests.engine.test_checkpoint import ALGO, actor_config, rl_step, save

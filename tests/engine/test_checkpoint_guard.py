@@ -14,7 +14,7 @@ from megarl.config import ConfigError, load_config
 from megarl.config.tiny import tiny_config
 from megarl.config.fingerprint import ESTIMATOR_KNOBS, LOSS_KNOBS, NOT_TRAINING, differences, fingerprint, unread_keys
 from megarl.config.moved_keys import MOVED_KEYS
-from megarl.engine.checkpoint import CheckpointError, Checkpoints, checkpoint_damage
+from megarl.engine.checkpoint_dir import CheckpointError, Checkpoints, checkpoint_damage
 from megarl.engine.manifest import BLOCK_BYTES, SMALL_FILE_BYTES
 from megarl.resume import plan_resume
 

@@ -12,8 +12,8 @@ import torch
 
 from megarl import stops
 from megarl.config.tiny import tiny_config
-from megarl.engine import checkpoint
-from megarl.engine.checkpoint import Checkpoints, DiskSpaceError, checkpoint_bytes, checkpoint_damage
+from megarl.engine import checkpoint_dir
+from megarl.engine.checkpoint_dir import Checkpoints, DiskSpaceError, checkpoint_bytes, checkpoint_damage
 
 Usage = namedtuple("Usage", "total used free")
 SHORT_WRITE = "[enforce fail at inline_container.cc:672] unexpected pos 704 vs 598"
@@ -27,7 +27,7 @@ def save(checkpoints: Checkpoints, step: int, payload: int = 4096):
 
 
 def free_space(monkeypatch, free: int):
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: Usage(1 << 40, (1 << 40) - free, free))
+    monkeypatch.setattr(checkpoint_dir.shutil, "disk_usage", lambda path: Usage(1 << 40, (1 << 40) - free, free))
 
 
 def test_a_save_without_room_for_it_is_refused_before_anything_is_written(tmp_path, monkeypatch):

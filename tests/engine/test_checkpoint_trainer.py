@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.config.tiny import tiny_config
-from megarl.engine.checkpoint import Checkpoints, read_checkpoint_file
+from megarl.engine.checkpoint_dir import Checkpoints, read_checkpoint_file
 from megarl.resume import plan_resume
 from megarl.rewards.mixing import ScoreMixer
 from megarl.rollout.agent import Trajectory

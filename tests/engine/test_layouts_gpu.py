@@ -34,7 +34,7 @@ def test_cpu_offloaded_optimizer_trains_like_the_one_on_the_gpu(tmp_path):
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     from megarl.engine import MegatronEngine
-    from megarl.engine.checkpoint import CheckpointError
+    from megarl.engine.checkpoint_dir import CheckpointError
     from megarl.parallel.state import destroy_parallel, init_parallel
 
     model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=False, layers=4)

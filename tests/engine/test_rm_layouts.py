@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megarl.config import AlgorithmConfig, OptimConfig, ParallelConfig, RewardModelConfig
-from megarl.engine.checkpoint import Checkpoints
+from megarl.engine.checkpoint_dir import Checkpoints
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import make_qwen2_dir
 from tests.engine.test_checkpoint import dp_share, relayout, save
