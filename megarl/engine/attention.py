@@ -160,12 +160,20 @@ def with_core_attention(spec, core_attention: str):
     return spec
 
 
-def resolve_core_attention(name: str, device: str, context_parallel_size: int = 1) -> str:
+def resolve_core_attention(name: str, device: str, context_parallel_size: int = 1,
+                           local_only: str | None = None) -> str:
     """'auto': varlen on GPU (sdpa where this torch has no flash kernel over cu_seqlens); megatron's own
     attention on CPU (the reference the tests compare with); sdpa under context parallelism, the only
-    core attention that runs it."""
+    core attention that runs it.
+    local_only: the name of a model family whose layers bring their own core attention, which SDPAttention does
+    not compute (Gemma 3's sliding windows): 'auto' is local, sdpa, varlen and context parallelism are refused."""
     if name not in ("auto", *CORE_ATTENTIONS):
         raise ValueError(f"attention={name!r}: expected auto, {', '.join(CORE_ATTENTIONS)}")
+    if local_only:
+        if name not in ("auto", "local") or context_parallel_size > 1:
+            raise ValueError(f"actor.attention={name!r} (cp={context_parallel_size}): {local_only} runs megatron's "
+                             "attention with its sliding windows only: use actor.attention=local or auto, cp=1")
+        return "local"
     if context_parallel_size > 1:
         if name not in ("auto", "sdpa"):
             raise ValueError(f"attention={name!r} does not run context parallelism (cp={context_parallel_size}): "

@@ -79,7 +79,8 @@ class MegatronEngine:
                                            last_stage_layers=section.parallel.pp_last_stage_layers)
         config = with_fused_kernels(with_engine_options(config, section), section, device)
         apex_ops.install(wgrad_fusion=config.gradient_accumulation_fusion)
-        self.core_attention = resolve_core_attention(section.attention, device, config.context_parallel_size)
+        self.core_attention = resolve_core_attention(section.attention, device, config.context_parallel_size,
+                                                     family.name if family.local_attention_only else None)
         def spec(layer: int):  # each layer's spec by its global index (DeepSeek: dense layers, then MoE)
             return with_core_attention(family.layer_spec(self.hf_config, layer), self.core_attention)
         gpt_kwargs = family.gpt_model_kwargs(self.hf_config, tp)

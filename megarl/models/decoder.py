@@ -61,6 +61,9 @@ class DecoderFamily:
     qk_norm = False
     partial_rotary_factor = 1.0  # the share of each head RoPE rotates where config.json names none
     model_class = GPTModel  # a multimodal family's subclass takes its extra inputs as forward keywords
+    # its layer specs bring a core attention of their own that SDPAttention does not compute (Gemma 3's windows):
+    # the engine runs actor.attention=local only (attention.resolve_core_attention)
+    local_attention_only = False
 
     def with_model_inputs(self, hf: dict, batch):
         """The batch with what the family's model needs beyond token ids (M-RoPE positions, images); as is here."""

@@ -14,6 +14,8 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
 from tests.engine.hf_models import VOCAB
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -88,6 +90,18 @@ def glm4_moe_config(**overrides) -> Glm4MoeConfig:
     return Glm4MoeConfig(**(params | overrides))
 
 
+def gemma3_config(**overrides) -> Gemma3TextConfig:
+    """Gemma 3 at a tiny size: 4 layers, local then global twice (sliding_window_pattern 2; one of each per stage at
+    PP=2), a window of 4 tokens (padded_batch's rows are up to 12 long), local RoPE base 1e4, global 1e6 with linear
+    scaling by 8 (4B and up), head_dim 16 beside hidden 32, query_pre_attn_scalar 24 (not head_dim), tied embeddings."""
+    params = dict(COMMON, num_hidden_layers=4, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                  sliding_window_pattern=2, rope_parameters={
+                      "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                  tie_word_embeddings=True, architectures=["Gemma3ForCausalLM"])
+    return Gemma3TextConfig(**(params | overrides))
+
+
 # DeepSeek (multi-latent attention): qk_nope (12) != v_head_dim (10), rope dims 8 (4 frequencies). YaRN with
 # original_max_position_embeddings 128 and rope_theta 1e4 puts the 4 frequencies in all three YaRN regimes (kept,
 # blended half-way, divided by the factor). The MoE settings (A2's router) have topk (3) != 2 x topk_group (4).
@@ -130,6 +144,9 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3
                  "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "MistralForCausalLM": MistralForCausalLM,
                  "MixtralForCausalLM": MixtralForCausalLM, "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
                  "Glm4MoeForCausalLM": Glm4MoeForCausalLM}
+
+
+MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 
 
 def save_random(config, path, seed: int = 0) -> str:

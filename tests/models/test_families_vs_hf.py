@@ -20,14 +20,15 @@ from megarl.algorithms.losses import sft_loss
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
-from tests.models.hf_families import (glm4_moe_config, llama_config, mistral_config, mixtral_config, qwen3_config,
+from tests.models.hf_families import (gemma3_config, glm4_moe_config, llama_config, mistral_config, mixtral_config, qwen3_config,
                                       qwen3_moe_config, save_random)
 
 # (tp, pp, ep, sequence_parallel) on 2 ranks
 LAYOUTS = ((1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True))
 # On 4 ranks: experts split over EP and, within each EP rank, over TP; EP within each pipeline stage; EP over all.
 EP_LAYOUTS_4 = ((2, 1, 2, True), (1, 2, 2, False), (1, 1, 4, False))
-SP_DENSE = "qwen3"  # the dense family also checked under SP (QK-norm: gradients summed over TP by name)
+# the dense families also checked under SP (QK-norm: gradients summed over TP by name; Gemma 3's post-norms)
+SP_DENSE = ("qwen3", "gemma3")
 LR = 1e-2
 # With the default eps (1e-8) Adam's first step is ~lr*sign(grad) and turns float noise in near-zero
 # gradient entries (unhit expert rows) into differences of ~lr; eps=1e-2 keeps the step a smooth
@@ -59,7 +60,7 @@ def _check_rank(rank, cases, layouts, train_dir=None):
         _relayout(tp, pp, ep)
         parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
         for name, model_dir, moe, ref_logprobs, ref_entropy in cases:
-            if not moe and (ep > 1 or (sp and name != SP_DENSE)):
+            if not moe and (ep > 1 or (sp and name not in SP_DENSE)):
                 continue
             engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
                                     "cpu", 1, 10)
@@ -172,4 +173,21 @@ def test_glm4_moe_matches_transformers_at_tp_pp_ep(tmp_path):
     trained = run_distributed(_check_rank, 2, cases, LAYOUTS, cases[0][1], timeout=240)
 
     assert sorted(trained) == [(1, 1, 1, False), (1, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True)]
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
+
+
+def test_gemma3_matches_transformers_at_tp_pp_sp(tmp_path):
+    """Gemma 3 (local layers with a 4-token window shorter than the rows and RoPE base 1e4, global layers with linear
+    RoPE scaling, four (1 + weight) norms per layer, QK-norm, query_pre_attn_scalar, the scaled tied embedding, gelu)
+    at TP=2, PP=2 and TP=2 with SP: log-probs and entropy as transformers', the export bitwise the checkpoint's; its
+    SFT Adam step as transformers + torch.optim.Adam's at PP=2 and at TP=2 with SP (the post-norms' partial gradients
+    summed over TP)."""
+    model_dir = save_random(gemma3_config(), tmp_path / "gemma3", seed=31)
+    cases = [("gemma3", model_dir, False, *hf_logprobs_entropy(model_dir, padded_batch()))]
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(model_dir, tmp_path / "hf-step")
+
+    layouts = ((2, 1, 1, False), (1, 2, 1, False), (2, 1, 1, True))
+    trained = run_distributed(_check_rank, 2, cases, layouts, model_dir, timeout=240)
+
+    assert sorted(trained) == [(1, 2, 1, False), (2, 1, 1, True)]
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
