@@ -16,8 +16,8 @@ the MLP is SwiGLU.
 Tensor parallelism is refused: the linear-attention norm's weight gets a partial gradient on each TP rank (each sees
 its own heads) that megatron 0.16 sums over TP only under sequence parallelism, and TP > 1 of these layers has not
 been checked against transformers. Pipeline parallelism works (tests/models/test_qwen3_5.py). The vision-language
-checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5, tensors under model.language_model.) and the
-mixture-of-experts variant (qwen3_5_moe) are not served.
+checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5, tensors under model.language_model.) are not
+served; the mixture-of-experts variant is qwen3_next.py's.
 """
 
 from __future__ import annotations
@@ -132,16 +132,22 @@ class Qwen3_5(DecoderFamily):
         h = f"model.layers.{layer}.linear_attn."
         qk = hf["linear_key_head_dim"] * hf["linear_num_key_heads"]
         v, heads = hf["linear_value_head_dim"] * hf["linear_num_value_heads"], hf["linear_num_value_heads"]
-        in_proj = tuple(h + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
-        return [WeightMap(m + "in_proj.weight", in_proj, **_in_proj(qk, v, heads)),
+        return [self.linear_in_proj(hf, layer, qk, v, heads),
                 WeightMap(m + "conv1d.weight", (h + "conv1d.weight",), **split_parts([qk, qk, v])),
                 WeightMap(m + "dt_bias", (h + "dt_bias",), **split_dim(0)),
                 WeightMap(m + "A_log", (h + "A_log",), **split_dim(0)),
                 WeightMap(m + "out_norm.weight", (h + "norm.weight",), **replicated()),
                 WeightMap(m + "out_proj.weight", (h + "out_proj.weight",), **split_dim(1))]
 
+    def linear_in_proj(self, hf: dict, layer: int, qk: int, v: int, heads: int) -> WeightMap:
+        """megatron's in_proj of linear-attention layer `layer` from its checkpoint projections (qk: query / key
+        rows, v: value rows, heads: value heads)."""
+        h = f"model.layers.{layer}.linear_attn."
+        return WeightMap(f"decoder.layers.{layer}.self_attention.in_proj.weight",
+                         tuple(h + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), **in_proj(qk, v, heads))
 
-def _in_proj(qk: int, v: int, heads: int) -> dict:
+
+def in_proj(qk: int, v: int, heads: int) -> dict:
     """in_proj_qkv ([q; k; v]), in_proj_z, in_proj_b, in_proj_a -> megatron's in_proj: per TP rank its q, k, v, z, b,
     a rows."""
     parts = per_rank_parts([qk, qk, v, v, heads, heads])

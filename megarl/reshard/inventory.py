@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.utils.hf_config import expert_width, language_fields, layer_types, routed_experts
+from megarl.utils.hf_config import (GATED_SHARED_EXPERT, HYBRID_ATTENTION, expert_width, language_fields,
+                                    layer_types, routed_experts, shared_expert_width)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     kv = _get(hf, "num_key_value_heads", default=heads)
     hd = _get(hf, "head_dim", default=h // heads)
     bias = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
-    gate = 2 if hf.get("model_type") == "qwen3_5_text" else 1  # Qwen3.5's q_proj: per head, query then gate rows
+    gate = 2 if hf.get("model_type") in HYBRID_ATTENTION else 1  # Qwen3.5's q_proj: per head, query then gate rows
     specs = [TensorSpec(p + "q_proj.weight", (gate * heads * hd, h), 0, layer, units=heads),
              TensorSpec(p + "k_proj.weight", (kv * hd, h), 0, layer, units=kv, kv=True),
              TensorSpec(p + "v_proj.weight", (kv * hd, h), 0, layer, units=kv, kv=True),
@@ -118,19 +119,24 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
 
 def _linear_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     """Qwen3.5's gated delta net. in_proj_qkv and conv1d stack q, k and v, each of which TP cuts by heads: no
-    contiguous row block of the stacked tensor is one rank's, so those two move whole."""
+    contiguous row block of the stacked tensor is one rank's, so those two move whole. Qwen3-Next's in_proj_qkvz and
+    in_proj_ba hold each key head's rows together (models/qwen3_next.py): cut by key heads."""
     h, key_heads, value_heads = hf["hidden_size"], hf["linear_num_key_heads"], hf["linear_num_value_heads"]
     qk, v = key_heads * hf["linear_key_head_dim"], value_heads * hf["linear_value_head_dim"]
     by_head = dict(units=value_heads)
-    return [TensorSpec(p + "in_proj_qkv.weight", (2 * qk + v, h), None, layer),
-            TensorSpec(p + "in_proj_z.weight", (v, h), 0, layer, **by_head),
-            TensorSpec(p + "in_proj_b.weight", (value_heads, h), 0, layer, **by_head),
-            TensorSpec(p + "in_proj_a.weight", (value_heads, h), 0, layer, **by_head),
-            TensorSpec(p + "conv1d.weight", (2 * qk + v, 1, hf["linear_conv_kernel_dim"]), None, layer),
-            TensorSpec(p + "dt_bias", (value_heads,), 0, layer, **by_head),
-            TensorSpec(p + "A_log", (value_heads,), 0, layer, **by_head),
-            TensorSpec(p + "norm.weight", (hf["linear_value_head_dim"],), None, layer),
-            TensorSpec(p + "out_proj.weight", (h, v), 1, layer, **by_head)]
+    if hf.get("model_type") == "qwen3_next":
+        specs = [TensorSpec(p + "in_proj_qkvz.weight", (2 * qk + 2 * v, h), 0, layer, units=key_heads),
+                 TensorSpec(p + "in_proj_ba.weight", (2 * value_heads, h), 0, layer, units=key_heads)]
+    else:
+        specs = [TensorSpec(p + "in_proj_qkv.weight", (2 * qk + v, h), None, layer),
+                 TensorSpec(p + "in_proj_z.weight", (v, h), 0, layer, **by_head),
+                 TensorSpec(p + "in_proj_b.weight", (value_heads, h), 0, layer, **by_head),
+                 TensorSpec(p + "in_proj_a.weight", (value_heads, h), 0, layer, **by_head)]
+    return specs + [TensorSpec(p + "conv1d.weight", (2 * qk + v, 1, hf["linear_conv_kernel_dim"]), None, layer),
+                    TensorSpec(p + "dt_bias", (value_heads,), 0, layer, **by_head),
+                    TensorSpec(p + "A_log", (value_heads,), 0, layer, **by_head),
+                    TensorSpec(p + "norm.weight", (hf["linear_value_head_dim"],), None, layer),
+                    TensorSpec(p + "out_proj.weight", (h, v), 1, layer, **by_head)]
 
 
 def _mla_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
@@ -169,8 +175,11 @@ def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
         specs.append(TensorSpec(p + "gate.e_score_correction_bias", (experts,), None, layer, fp32=True))
     for e in range(experts):
         specs += _mlp(f"{p}experts.{e}.", h, inter, layer, parts, expert=e, experts=experts)
-    if hf.get("n_shared_experts"):
-        specs += _mlp(p + "shared_experts.", h, inter * hf["n_shared_experts"], layer)
+    if hf.get("model_type") in GATED_SHARED_EXPERT:  # one shared expert, scaled by sigmoid(shared_expert_gate(x))
+        specs += _mlp(p + "shared_expert.", h, shared_expert_width(hf), layer)
+        specs.append(TensorSpec(p + "shared_expert_gate.weight", (1, h), None, layer))
+    elif hf.get("n_shared_experts"):
+        specs += _mlp(p + "shared_experts.", h, shared_expert_width(hf), layer)
     return specs
 
 
@@ -184,10 +193,10 @@ def has_routing_bias(hf: dict) -> bool:
 def is_moe_layer(hf: dict, layer: int) -> bool:
     if hf.get("model_type", "").startswith("deepseek") or hf.get("model_type") == "glm4_moe":
         return layer >= hf.get("first_k_dense_replace", 0) and layer % hf.get("moe_layer_freq", 1) == 0
-    if hf.get("model_type") == "qwen3_moe":
+    if hf.get("model_type") in ("qwen3_moe", "qwen3_next"):
         step = hf.get("decoder_sparse_step", 1)
         return layer not in hf.get("mlp_only_layers", []) and (layer + 1) % step == 0
-    return hf.get("model_type") == "mixtral"
+    return hf.get("model_type") in ("mixtral", "qwen3_5_moe_text")
 
 
 def vision_tower(vision: dict) -> list[TensorSpec]:
@@ -214,7 +223,7 @@ def vision_tower(vision: dict) -> list[TensorSpec]:
 
 
 SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe",
-             "qwen3_5_text")
+             "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # vision-language model types: their language model's family in SUPPORTED
 VISION_LANGUAGE = {"qwen2_5_vl": "qwen2"}
 
@@ -233,7 +242,7 @@ def hf_inventory(hf: dict) -> list[TensorSpec]:
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), None, i))
-        if model_type == "qwen3_5_text" and layer_types(hf)[i] == "linear_attention":
+        if model_type in HYBRID_ATTENTION and layer_types(hf)[i] == "linear_attention":
             specs += _linear_attention(hf, p + "linear_attn.", i)
         elif "kv_lora_rank" in hf:
             specs += _mla_attention(hf, p + "self_attn.", i)

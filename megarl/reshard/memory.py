@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, on_first_stage
 from megarl.reshard.layout import TrainLayout
-from megarl.utils.hf_config import expert_width, language_fields, routed_experts
+from megarl.utils.hf_config import expert_width, language_fields, routed_experts, shared_expert_width
 
 BF16, FP32 = 2, 4
 RECOMPUTE = ("none", "selective", "full")
@@ -151,7 +151,7 @@ def _activations(hf: dict, layer: int, train: TrainLayout, s: MemorySettings, cp
         parts["moe_tokens"] = routed * (2 * BF16 * h + FP32)
         parts["moe_act"] = routed * BF16 * 2 * f / etp  # SiLU output and product
         parts["moe_fc1"] = routed * BF16 * 2 * f / etp
-        parts["shared_experts"] = BF16 * tokens * 4 * f * hf.get("n_shared_experts", 0) / tp
+        parts["shared_experts"] = BF16 * tokens * 4 * shared_expert_width(hf) / tp
     else:
         parts["mlp"] = BF16 * tokens * 4 * hf["intermediate_size"] / tp
     full = sum(parts.values())

@@ -36,7 +36,7 @@ from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_genera
                                    resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
-from megarl.utils.hf_config import language_fields, layer_types, routed_experts
+from megarl.utils.hf_config import HYBRID_ATTENTION, language_fields, layer_types, routed_experts
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 TRAIN_KEYS, GEN_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp"), ("tp", "ep")
@@ -96,7 +96,7 @@ def kv_bytes_per_token(hf: dict, gen_tp: int, itemsize: int = 2) -> int:
     """KV cache bytes per token on one generation rank (MLA keeps one latent per token, on every rank)."""
     hf = language_fields(hf)
     layers = hf["num_hidden_layers"]
-    if hf.get("model_type") == "qwen3_5_text":  # a cache in the full-attention layers only (the linear ones keep a
+    if hf.get("model_type") in HYBRID_ATTENTION:  # a cache in the full-attention layers only (the linear ones keep a
         layers = layer_types(hf).count("full_attention")  # state per sequence, not counted here)
     if "kv_lora_rank" in hf:
         return layers * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * itemsize

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 # config.json spellings of the routed-expert count: DeepSeek, Qwen3-MoE, transformers >= 5
 _EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+# model types whose layers mix linear attention (a gated delta net) and full attention by `layer_types`
+HYBRID_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# of those, the ones with a single gated shared expert per MoE layer (shared_expert_intermediate_size wide)
+GATED_SHARED_EXPERT = ("qwen3_5_moe_text", "qwen3_next")
 
 
 def language_fields(hf: dict) -> dict:
@@ -23,6 +27,14 @@ def expert_width(hf: dict) -> tuple[int, str]:
 def routed_experts(hf: dict) -> int:
     """Routed experts per MoE layer under any of the configs' names for them; 0 for a dense model."""
     return next((hf[key] for key in _EXPERT_KEYS if hf.get(key)), 0)
+
+
+def shared_expert_width(hf: dict) -> int:
+    """The summed FFN width of a MoE layer's shared experts: DeepSeek's n_shared_experts x moe_intermediate_size,
+    Qwen3-Next's shared_expert_intermediate_size; 0 for none."""
+    if hf.get("model_type") in GATED_SHARED_EXPERT:
+        return hf.get("shared_expert_intermediate_size", 0)
+    return (hf.get("n_shared_experts") or 0) * hf.get("moe_intermediate_size", 0)
 
 
 def layer_types(hf: dict) -> list[str]:

@@ -11,8 +11,9 @@ import torch
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
                           Glm4MoeConfig, Glm4MoeForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+                          Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -73,6 +74,23 @@ def qwen3_5_config(**overrides) -> Qwen3_5TextConfig:
                                                              "partial_rotary_factor": 0.25},
                   tie_word_embeddings=False, architectures=["Qwen3_5ForCausalLM"])
     return Qwen3_5TextConfig(**(params | overrides))
+
+
+def qwen3_next_config(moe_text: bool = False, **overrides) -> Qwen3NextConfig | Qwen3_5MoeTextConfig:
+    """Qwen3-Next (or, moe_text, Qwen3.5-MoE's language model) at a tiny size: qwen3_5_config's two hybrid layers
+    (linear, then gated full attention) with a MoE in each: 4 experts of 16, top 2 (renormalised: Qwen3-Next's
+    norm_topk_prob, Qwen3.5-MoE's rule), one shared expert of 24 behind its sigmoid gate. At three layers transformers'
+    own float32 log-probs are ~3e-5 from its float64 ones."""
+    params = dict(COMMON, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                  linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.25},
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                  tie_word_embeddings=False)
+    params.pop("intermediate_size")
+    if moe_text:
+        return Qwen3_5MoeTextConfig(**(params | {"architectures": ["Qwen3_5MoeForCausalLM"]} | overrides))
+    return Qwen3NextConfig(**(params | {"norm_topk_prob": True, "architectures": ["Qwen3NextForCausalLM"]} | overrides))
 
 
 def glm4_moe_config(**overrides) -> Glm4MoeConfig:
@@ -143,7 +161,8 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3
                  "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM, "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
                  "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM, "MistralForCausalLM": MistralForCausalLM,
                  "MixtralForCausalLM": MixtralForCausalLM, "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM}
+                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM, "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+                 "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM}
 
 
 MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM

@@ -1,0 +1,123 @@
+"""Qwen3-Next and Qwen3.5-MoE (models/qwen3_next.py) on megatron against transformers' own classes, on the CPU.
+
+- The weight maps and the resharder's inventory name every checkpoint tensor once, with its shape (Qwen3-Next's
+  grouped in_proj_qkvz / in_proj_ba, the shared expert and its gate); TP=2 shards put back together bitwise; the
+  router and shared-expert settings; dense layers and TP > 1 refused; the planner sizes the model and caches keys in
+  the full-attention layers only.
+- One 2-rank gloo job at DP=2, PP=2 and EP=2: log-probs and entropy equal transformers' (float32), the exported
+  weights are bitwise the checkpoint's; at EP=2 one SFT Adam step gives transformers' loss, grad norm and weights
+  (the shared expert's gate and the experts split over EP included).
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.models import get_family
+from megarl.models.qwen3_next import FAMILY as qwen3_next
+from megarl.reshard.inventory import hf_inventory
+from megarl.reshard.plan import kv_bytes_per_token, main
+from tests.dist_utils import run_distributed
+from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
+from tests.models.hf_families import qwen3_next_config, save_random
+from tests.models.test_families_vs_hf import ADAM_EPS, LR, _hf_sft_step
+
+# (pp, ep) on 2 ranks: DP=2, PP=2, EP=2 (with DP=2)
+LAYOUTS = ((1, 1), (2, 1), (1, 2))
+MODELS = {"qwen3_next": False, "qwen3_5_moe_text": True}  # model_type -> qwen3_next_config's moe_text
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_weight_maps_inventory_and_translation(model_type, tmp_path, capsys):
+    config = qwen3_next_config(MODELS[model_type])
+    hf = config.to_dict()
+    assert hf["model_type"] == model_type and get_family(hf) is qwen3_next
+    assert get_family({"model_type": model_type}) is qwen3_next
+    save_random(config, tmp_path)
+    saved = load_file(f"{tmp_path}/model.safetensors")
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in saved
+    assert ("model.layers.0.linear_attn.in_proj_qkvz.weight" in saved) == (model_type == "qwen3_next")
+    maps = qwen3_next.weight_maps(hf, 2)
+    assert sorted(n for m in maps if m.export for n in m.hf) == sorted(saved)
+    assert {s.name: s.shape for s in hf_inventory(hf)} == {n: tuple(t.shape) for n, t in saved.items()}
+    for m in maps:
+        tensors = [saved[n] for n in m.hf]
+        back = m.from_shards([m.to_shard(tensors, rank, 2) for rank in range(2)])
+        assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True)), m.megatron
+
+    c = qwen3_next.transformer_config(hf, 1, 1, torch.float32, True, ep=2)
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (4, 2, 16)
+    assert c.moe_shared_expert_gate and c.moe_shared_expert_intermediate_size == 24
+    assert c.moe_router_pre_softmax is False  # renormalised: top-k of the logits, softmax over those
+    with pytest.raises(ValueError, match=r"actor\.parallel\.tp=1"):
+        qwen3_next.transformer_config(hf, 2, 1, torch.float32, True)
+
+    # layers linear, full: 1 full-attention layer x (K, V) x 2 heads x 16 x bf16
+    assert kv_bytes_per_token(hf, 1) == 1 * 2 * 2 * 16 * 2
+    main(["--model", f"{tmp_path}/config.json", "--train", "tp=1,pp=1,dp=2,ep=2", "--gen", "tp=2"])
+    assert "actor.parallel.ep=2" in capsys.readouterr().out
+
+
+def test_qwen3_next_settings_refused_or_read():
+    hf = qwen3_next_config().to_dict()
+    for dense in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [1]}):
+        with pytest.raises(ValueError, match="dense layers"):
+            qwen3_next.transformer_config(hf | dense, 1, 1, torch.float32, True)
+    unnormalised = qwen3_next.transformer_config(hf | {"norm_topk_prob": False}, 1, 1, torch.float32, True)
+    assert unnormalised.moe_router_pre_softmax is True
+
+
+def _check_rank(rank, cases):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megarl.engine import MegatronEngine
+
+    trained = {}
+    for pp, ep in LAYOUTS:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(1, pp, expert_model_parallel_size=ep)
+        model_parallel_cuda_manual_seed(1)
+        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=1, pp=pp, ep=ep)
+        for name, model_dir, ref_logprobs, ref_entropy in cases:
+            where = f"{name} pp={pp} ep={ep}"
+            engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
+                                    "cpu", 1, 10)
+            out = engine.compute_logprobs(padded_batch(), with_entropy=True)
+            torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
+            torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
+            exported = {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
+            checkpoint = load_file(f"{model_dir}/model.safetensors")
+            assert sorted(exported) == sorted(checkpoint), where
+            for key, tensor in checkpoint.items():
+                assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
+            if ep == 1 or name != "qwen3_next":
+                continue
+            actor = ActorConfig(parallel=parallel, micro_batch_size=2,
+                                optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+            engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+            batch = padded_batch(rows=8)
+            share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+            metrics = engine.train(share, loss="sft")
+            trained[where] = (metrics, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket})
+    return trained
+
+
+def test_qwen3_next_and_qwen3_5_moe_match_transformers_at_dp2_pp2_ep2(tmp_path):
+    cases = []
+    for name, moe_text in MODELS.items():
+        model_dir = save_random(qwen3_next_config(moe_text), tmp_path / name, seed=3)
+        cases.append((name, model_dir, *hf_logprobs_entropy(model_dir, padded_batch())))
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(cases[0][1], tmp_path / "hf-step")
+
+    trained = run_distributed(_check_rank, 2, cases, timeout=300)
+
+    assert sorted(trained) == ["qwen3_next pp=1 ep=2"]
+    for where, (metrics, weights) in trained.items():
+        assert abs(metrics["loss"] - ref_loss) < 1e-5 * abs(ref_loss), where
+        assert abs(metrics["grad_norm"] - ref_grad_norm) < 1e-5 * ref_grad_norm, where
+        assert sorted(weights) == sorted(ref_weights)
+        for key, tensor in ref_weights.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=1e-5, msg=f"{where} {key}")
