@@ -61,6 +61,7 @@ class Qwen2VLModel(GPTModel):
     the tower's features of the images, in row-major order of those positions (transformers' masked_scatter)."""
 
     has_vision_tower = True  # actor.freeze_vision_tower applies
+    vision_tower = VisionTower  # (vision_config) -> module: (pixel_values, image_grid_thw) -> features
 
     def __init__(self, config, transformer_layer_spec, *, vision: dict, image_token_id: int, **kwargs):
         if config.context_parallel_size > 1:
@@ -68,33 +69,46 @@ class Qwen2VLModel(GPTModel):
                              "(Qwen2.5-VL) is not supported yet; use cp=1")
         super().__init__(config, transformer_layer_spec, **kwargs)
         self.image_token_id = image_token_id
-        self.visual = VisionTower(vision).to(config.params_dtype) if self.pre_process else None
+        self.visual = self.vision_tower(vision).to(config.params_dtype) if self.pre_process else None
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """The decoder's input [S, B, H] (a sequence-parallel slice under SP), image features in place."""
-        # [B, S, H], whole on every TP rank: under SP megatron's vocab-parallel embedding would reduce-scatter its
-        # output over the sequence instead (an all-reduce here, the scatter below, after the images are in place)
+    def words(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [B, S, H], whole on every TP rank: under SP megatron's vocab-parallel embedding
+        would reduce-scatter its output over the sequence instead (an all-reduce here; place_images scatters,
+        after the images are in place)."""
         table, scatters = self.embedding.word_embeddings, self.embedding.word_embeddings.reduce_scatter_embeddings
         table.reduce_scatter_embeddings = False
         try:
-            words = table(input_ids)
+            return table(input_ids)
         finally:
             table.reduce_scatter_embeddings = scatters
-        features = self.visual(pixel_values, image_grid_thw).to(words.dtype)
+
+    def place_images(self, input_ids: torch.Tensor, words: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """`words` [B, S, H] with the image features at the image_token_id positions (in row-major order of those
+        positions: transformers' masked_scatter), in the decoder's layout [S, B, H] (a sequence-parallel slice
+        under SP)."""
         mask = input_ids == self.image_token_id
         if int(mask.sum()) != features.shape[0]:
             raise ValueError(f"{int(mask.sum())} image placeholder tokens (id {self.image_token_id}) but the images "
-                             f"give {features.shape[0]} features (image_grid_thw {image_grid_thw.tolist()})")
-        words = words.masked_scatter(mask.unsqueeze(-1), features)
-        hidden = words.transpose(0, 1).contiguous()
+                             f"give {features.shape[0]} features")
+        hidden = words.masked_scatter(mask.unsqueeze(-1), features.to(words.dtype)).transpose(0, 1).contiguous()
         if self.config.sequence_parallel:
             hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
         return hidden
 
+    def block_inputs(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
+                     image_grid_thw: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The decoder's input, image features in place, and what else the decoder block takes (none here)."""
+        return self.place_images(input_ids, self.words(input_ids), self.visual(pixel_values, image_grid_thw)), {}
+
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None, **kwargs):
         if decoder_input is None and self.pre_process and pixel_values is not None and len(image_grid_thw):
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+            try:
+                decoder_input, block_kwargs = self.block_inputs(input_ids, pixel_values, image_grid_thw)
+            except ValueError as e:
+                raise ValueError(f"{e} (image_grid_thw {image_grid_thw.tolist()})") from None
+            if block_kwargs:
+                kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), **block_kwargs}
         return super().forward(input_ids, position_ids, attention_mask, decoder_input, *args, **kwargs)
 
 

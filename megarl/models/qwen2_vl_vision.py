@@ -87,10 +87,10 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int, bias: bool = False):
         super().__init__()
         self.shape = (in_channels, temporal_patch_size, patch_size, patch_size)
-        self.proj = nn.Conv3d(in_channels, dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=False)
+        self.proj = nn.Conv3d(in_channels, dim, kernel_size=self.shape[1:], stride=self.shape[1:], bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # A conv whose stride is its kernel over one patch each is a matmul; kept a Conv3d for the HF weight shape.
@@ -119,6 +119,16 @@ def patch_positions(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
         pos = torch.stack([rows, cols], -1).permute(0, 2, 1, 3, 4).reshape(-1, 2)
         out.append(pos.repeat(t, 1))
     return torch.cat(out)
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [patches, 1, 2 * rotary_dim] of the 2D rotary positions of patches at `positions` [patches, 2]
+    (row, column): rotary_dim / 2 frequencies rotate by row, as many by column, over both halves of each head.
+    The float32 frequencies are computed here, not kept in a buffer: the bf16 cast of the model would round them."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rotary_dim, 2, device=positions.device).float() / rotary_dim)
+    angles = (positions.unsqueeze(-1).float() * inv_freq).flatten(1)  # [patches, rotary_dim]: rows, then columns
+    angles = torch.cat([angles, angles], -1).unsqueeze(1)
+    return angles.cos(), angles.sin()
 
 
 def window_order(grid_thw: torch.Tensor, merge_size: int, window_merged: int) -> tuple[torch.Tensor, list[int]]:
@@ -170,13 +180,9 @@ class VisionTower(nn.Module):
         order, window_bounds = window_order(grid_thw, self.merge_size, self.window_merged)
         x = self.patch_embed(pixel_values)
         x = x.reshape(-1, unit, x.shape[-1])[order].reshape(x.shape)
-        # float32 frequencies computed here, not kept in a buffer: the bf16 cast of the model would round them
-        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, self.rotary_dim, 2, device=x.device).float() / self.rotary_dim)
-        angles = (patch_positions(grid_thw, self.merge_size).to(x.device).unsqueeze(-1).float()
-                  * inv_freq).flatten(1)  # [patches, rotary_dim]: row angles, column angles
-        angles = angles.reshape(-1, unit, angles.shape[-1])[order.to(x.device)].reshape(angles.shape)
-        angles = torch.cat([angles, angles], -1).unsqueeze(1)  # per head: [patches, 1, head_dim]
-        cos, sin = angles.cos(), angles.sin()
+        positions = patch_positions(grid_thw, self.merge_size).to(x.device)
+        positions = positions.reshape(-1, unit, 2)[order.to(x.device)].reshape(positions.shape)
+        cos, sin = rotary_cos_sin(positions, self.rotary_dim)
         full_bounds = image_bounds(grid_thw)
         for i, block in enumerate(self.blocks):
             x = block(x, full_bounds if i in self.full_attention else window_bounds, cos, sin)

@@ -69,10 +69,11 @@ def image_rows(seed: int = 3) -> list[dict]:
 
 @torch.no_grad()
 def hf_logprobs(model_dir: str, rows: list[dict]) -> list[torch.Tensor]:
-    """transformers' log p(ids[t] | ids[<t]) for t >= 1 of each row, one row at a time (positions its own)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """transformers' log p(ids[t] | ids[<t]) for t >= 1 of each row, one row at a time (positions its own); the
+    model class config.json names (Qwen2.5-VL's, Qwen3-VL's)."""
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for row in rows:
         ids = torch.tensor([row["ids"]])
