@@ -162,3 +162,23 @@ def test_glm4_moe_comes_back_bit_exact_with_its_mtp_layer(tmp_path):
     assert back["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert back["model.layers.1.self_attn.q_proj.bias"].dtype == torch.bfloat16
     assert AutoConfig.from_pretrained(tmp_path / "back").model_type == "glm4_moe"
+
+
+def test_qwen3_next_comes_back_bit_exact(tmp_path):
+    """A bf16 Qwen3-Next (grouped in_proj_qkvz / in_proj_ba, routed experts, the shared expert and its gate) through
+    hf-to-megatron and megatron-to-hf: every tensor bit for bit, and a config.json transformers loads again."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.hf_families import qwen3_next_config, save_random
+
+    hf = tmp_path / "hf"
+    AutoModelForCausalLM.from_pretrained(save_random(qwen3_next_config(), tmp_path / "fp32", seed=4),
+                                         dtype=torch.bfloat16).save_pretrained(hf)
+    convert("hf-to-megatron", hf, tmp_path / "imported")
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
+    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in back
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in back
+    assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
+    assert {t.dtype for t in back.values()} == {torch.bfloat16}
+    assert AutoConfig.from_pretrained(tmp_path / "back").model_type == "qwen3_next"
