@@ -20,14 +20,15 @@ Every tensor is in the model's dtype except DeepSeek-V3's and GLM-4.5's routing 
 which megatron (models/router.py), transformers and SGLang all keep in float32: `TensorSpec.fp32`.
 GLM-4.5 (glm4_moe): GQA with q/k/v biases (attention_bias) and q_norm/k_norm where use_qk_norm is set, dense MLPs in
 its first first_k_dense_replace layers and DeepSeek-V3's experts after them.
-Vision-language models (Qwen2.5-VL): the language model's tensors as a Qwen2's (its fields at the top of config.json,
-or under transformers 5's text_config: `language_fields`), and the vision tower's `visual.*` tensors, replicated
-(megatron keeps the tower whole on every TP rank of the first pipeline stage: models/qwen2_vl_vision.py).
+Vision-language models (Qwen2.5-VL, Qwen3-VL): the language model's tensors as a Qwen2's / Qwen3's (its fields at the
+top of config.json, or under transformers 5's text_config: `language_fields`; Qwen3-VL's named model.language_model.*),
+and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
+every TP rank of the first pipeline stage: models/qwen2_vl_vision.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megarl.utils.hf_config import (GATED_SHARED_EXPERT, HYBRID_ATTENTION, expert_width, language_fields,
                                     layer_types, routed_experts, shared_expert_width)
@@ -87,7 +88,7 @@ class TensorSpec:
 def on_first_stage(spec: TensorSpec) -> bool:
     """A tensor outside the decoder layers that the first pipeline stage holds (the embedding, the vision tower);
     the others (final norm, output layer) are the last stage's."""
-    return "embed_tokens" in spec.name or spec.name.startswith("visual.")
+    return "embed_tokens" in spec.name or spec.name.startswith(("visual.", "model.visual."))
 
 
 def _get(hf: dict, *keys, default=None):
@@ -222,10 +223,36 @@ def vision_tower(vision: dict) -> list[TensorSpec]:
                     TensorSpec("visual.merger.mlp.2.bias", (out,), None, None)]
 
 
+def qwen3_vision_tower(vision: dict) -> list[TensorSpec]:
+    """Qwen3-VL's vision tower (transformers' names after `model.visual.`), every tensor replicated: the Conv3d patch
+    embedding with its bias, the learned position embeddings, the blocks (LayerNorms, fused qkv and proj, a GELU MLP
+    linear_fc1/linear_fc2, all with biases), the 2x2 patch merger and one more per DeepStack level (whose LayerNorm
+    is over the merged patches)."""
+    d, inter, out = vision["hidden_size"], vision["intermediate_size"], vision["out_hidden_size"]
+    patch, merged = vision["patch_size"], vision["hidden_size"] * vision["spatial_merge_size"] ** 2
+    conv = (d, vision.get("in_channels", 3), vision["temporal_patch_size"], patch, patch)
+    shapes = {"patch_embed.proj.weight": conv, "patch_embed.proj.bias": (d,),
+              "pos_embed.weight": (vision["num_position_embeddings"], d)}
+    for b in range(vision["depth"]):
+        for module, rows, cols in (("norm1", d, None), ("norm2", d, None), ("attn.qkv", 3 * d, d),
+                                   ("attn.proj", d, d), ("mlp.linear_fc1", inter, d), ("mlp.linear_fc2", d, inter)):
+            shapes |= {f"blocks.{b}.{module}.weight": (rows, cols) if cols else (rows,),
+                       f"blocks.{b}.{module}.bias": (rows,)}
+    deepstack = [f"deepstack_merger_list.{j}" for j in range(len(vision.get("deepstack_visual_indexes", [])))]
+    for merger in ["merger"] + deepstack:
+        norm = merged if merger != "merger" else d
+        shapes |= {f"{merger}.norm.weight": (norm,), f"{merger}.norm.bias": (norm,),
+                   f"{merger}.linear_fc1.weight": (merged, merged), f"{merger}.linear_fc1.bias": (merged,),
+                   f"{merger}.linear_fc2.weight": (out, merged), f"{merger}.linear_fc2.bias": (out,)}
+    return [TensorSpec("model.visual." + name, shape, None, None) for name, shape in shapes.items()]
+
+
 SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe",
              "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-# vision-language model types: their language model's family in SUPPORTED
-VISION_LANGUAGE = {"qwen2_5_vl": "qwen2"}
+# vision-language model types: their language model's family in SUPPORTED, their tower's tensors, and what their
+# checkpoint names the language model's `model.*` tensors under
+VISION_LANGUAGE = {"qwen2_5_vl": ("qwen2", vision_tower, "model."),
+                   "qwen3_vl": ("qwen3", qwen3_vision_tower, "model.language_model.")}
 
 
 def hf_inventory(hf: dict) -> list[TensorSpec]:
@@ -233,8 +260,10 @@ def hf_inventory(hf: dict) -> list[TensorSpec]:
     vision-language model's vision tower first."""
     model_type = hf.get("model_type")
     if model_type in VISION_LANGUAGE:
-        text = language_fields(hf) | {"model_type": VISION_LANGUAGE[model_type]}
-        return vision_tower(hf["vision_config"]) + hf_inventory(text)
+        language, tower, prefix = VISION_LANGUAGE[model_type]
+        text = hf_inventory(language_fields(hf) | {"model_type": language})
+        return tower(hf["vision_config"]) + [replace(s, name=prefix + s.name[len("model."):])
+                                             if s.name.startswith("model.") else s for s in text]
     if model_type not in SUPPORTED:
         raise ValueError(f"model_type={model_type!r}: the inventory knows {', '.join(SUPPORTED + tuple(VISION_LANGUAGE))}")
     h, vocab = hf["hidden_size"], hf["vocab_size"]

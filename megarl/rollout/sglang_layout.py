@@ -38,6 +38,10 @@ servers for a vision-language model run it data-parallel over TP, --mm-enable-dp
 block's attn.qkv held as attn.qkv_proj, its mlp's gate/up (weights and biases) fused into gate_up_proj, the MLP's
 width padded with zeros to a multiple of 8 (Qwen2_5_VisionTransformer's mlp_hidden_size: gate and up each take the
 padded rows, down_proj's rows the padded length).
+Qwen3-VL (models/qwen3_vl.py): its checkpoint's model.language_model.* held as model.* (the language model as qwen3's)
+and model.visual.* as visual.*; the tower whole on every rank as Qwen2.5-VL's, each block's attn.qkv held as
+attn.qkv_proj, everything else (the GELU MLP's linear_fc1/linear_fc2, the position embeddings, the mergers and the
+DeepStack mergers) as it is.
 
 Sharded delivery (each rank's rows loaded as presharded weights) is refused before anything is sent where SGLang's
 presharded loading would take other rows than megarl's: `check_presharded_vocab`, `check_presharded_tower`.
@@ -71,7 +75,9 @@ _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1":
 _SHARED_EXPERT = re.compile(r"(.*\.mlp\.)shared_experts\.(gate|up|down)_proj\.weight$")
 _KV_B = re.compile(r"(.*\.self_attn\.)kv_b_proj\.weight$")
 # SGLang's Qwen2.5-VL vision tower (module docstring): the renamed qkv, and the MLP tensors of the padded width
-_VISION_QKV = re.compile(r"(visual\.blocks\.\d+\.attn\.)qkv\.(weight|bias)$")
+_VISION_QKV = re.compile(r"((?:model\.)?visual\.blocks\.\d+\.attn\.)qkv\.(weight|bias)$")
+# SGLang's Qwen3-VL (load_weights): the checkpoint's module prefixes -> its own
+_SGLANG_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 _VISION_MLP = re.compile(r"visual\.blocks\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 SGLANG_VISION_MLP_ALIGN = 8
 # parameters SGLang holds in another dtype than the policy's, whatever they are sent in
@@ -151,6 +157,13 @@ class SGLangLayout:
     def place(self, name: str, rank: int) -> tuple[str, int]:
         """SGLang's parameter holding HF tensor `name` on rank `rank` (which holds some of it), and the element
         offset of its piece there."""
+        param, offset = self._place(name, rank)
+        for prefix, sglang_prefix in _SGLANG_PREFIXES:
+            if param.startswith(prefix):
+                return sglang_prefix + param[len(prefix):], offset
+        return param, offset
+
+    def _place(self, name: str, rank: int) -> tuple[str, int]:
         expert = self._expert(name)
         if expert:
             prefix, index, part = expert

@@ -2,10 +2,11 @@
 
 One 2-rank gloo job through MegatronEngine at TP=2 (the text-only row packed beside a one-image row), TP=2 with
 sequence parallelism (the DeepStack features scattered over TP with the embeddings), PP=2 (the DeepStack layers on the
-first stage) and PP=2 with full recompute (each layer rerun with its own micro-batch's DeepStack features): on the
-image+text rows of hf_qwen2_vl.py (one image; two images whose grids interpolate the position embeddings; text only)
-the log-probs equal transformers' (float32, < 1e-4), and the weights exported back to HF names are bitwise the
-checkpoint's (vision tower included). Also: the weight maps name every checkpoint tensor once, interleaved M-RoPE
+first stage) and PP=2 with full recompute: on the image+text rows of hf_qwen2_vl.py (one image; two images whose grids
+interpolate the position embeddings; text only) the log-probs equal transformers' (float32, < 1e-4) and the weights
+exported back to HF names are bitwise the checkpoint's (vision tower included); one SFT step over three micro-batches
+at PP=2 gives the same weights with full recompute as without (each DeepStack layer rerun with its own micro-batch's
+features). Also: the weight maps and the resharder's inventory name every checkpoint tensor once, interleaved M-RoPE
 is not megatron's chunked one, a first stage without the DeepStack layers is refused by name, and megarl.convert's
 round trip is bitwise.
 """
@@ -68,17 +69,23 @@ def test_logprobs_equal_transformers_at_tp2_sp_and_pp2_and_weights_round_trip(tm
 def test_weight_maps_name_every_checkpoint_tensor_once_and_refusals(tmp_path):
     from megarl.models import get_family
     from megarl.models.qwen3_vl import FAMILY, Qwen3VLModel, interleaved_axes
+    from megarl.reshard.inventory import hf_inventory, on_first_stage
 
     hf = qwen3_vl_config().to_dict()
     assert get_family(hf) is FAMILY
     checkpoint = load_file(f"{save_random_qwen3_vl(tmp_path / 'vl')}/model.safetensors")
     names = [n for m in FAMILY.weight_maps(hf, tp=2) if m.export for n in m.hf]
     assert sorted(names) == sorted(checkpoint)
+    # the resharder's and planner's inventory: the same names and shapes, the tower replicated on the first stage
+    specs = hf_inventory(hf)
+    assert {s.name: s.shape for s in specs} == {n: tuple(t.shape) for n, t in checkpoint.items()}
+    assert all(s.dim is None and on_first_stage(s) for s in specs if s.name.startswith("model.visual."))
     # interleaved: frequencies 1 and 4 follow the height, 2 and 5 the width (chunked: 4-5 height, 6-7 width)
     assert interleaved_axes([4, 2, 2], 8).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
     config = FAMILY.transformer_config(hf, 1, 1, torch.float32, True)
     one_layer = TransformerBlockSubmodules(layer_specs=[FAMILY.layer_spec(hf, 0)])
-    with pytest.raises(ValueError, match=r"first 2 language layers, which must be on the first pipeline stage; it has 1"):
+    with pytest.raises(ValueError, match=r"first 2 language layers, which must be on the first pipeline stage; "
+                                         r"it has 1"):
         Qwen3VLModel(config, one_layer, vision=hf["vision_config"], image_token_id=0, vocab_size=VOCAB,
                      max_sequence_length=64)
 

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's vision tower in the weight inventory and in SGLang's layout (megarl.reshard.inventory,
+"""Qwen2.5-VL's (and Qwen3-VL's) vision tower in the weight inventory and in SGLang's layout (megarl.reshard.inventory,
 megarl.rollout.weight_layout): every tower tensor of the tiny model's checkpoint is listed, and the senders' checksums
 of the tower equal those of the tensors as SGLang 0.5.17's Qwen2_5_VLForConditionalGeneration loads them (written
 out here from its load_weights: attn.qkv -> attn.qkv_proj, gate/up fused with the MLP width padded to a multiple
@@ -88,3 +88,48 @@ def test_sharded_delivery_refuses_a_tower_that_sglang_pads():
     check_presharded_tower(hf_inventory(VL | {"vision_config": VISION | {"intermediate_size": 16}}))
     with pytest.raises(ValueError, match=r"visual.blocks.0.mlp.gate_proj.weight: .* width 12 .* rollout.weight_delivery=full"):
         check_presharded_tower(hf_inventory(VL))
+
+
+QWEN3_VL = {"model_type": "qwen3_vl", "tie_word_embeddings": False,
+            "vision_config": VISION | {"num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+            "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 16, "num_attention_heads": 4, "head_dim": 8,
+                            "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 24,
+                            "vocab_size": 100}}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen3_vl_checksums_equal_sglang_loaded_model(tp):
+    """Qwen3-VL: the language model loaded as SGLang's Qwen3-VL load_weights renames it (model.language_model. ->
+    model., into the fake server's qwen3 rank), the tower whole on every rank under visual. with attn.qkv_proj."""
+    from tests.rollout import fake_sglang
+
+    specs = hf_inventory(QWEN3_VL)
+    g = torch.Generator().manual_seed(0)
+    full = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16) for s in specs}
+    expected = ExpectedChecksums(layout_for(specs, "sglang", tp), list(range(tp)))
+    for name, t in full.items():
+        expected.add(name, t)
+    language = {k: v for k, v in QWEN3_VL.items() if k not in ("text_config", "vision_config")} | \
+        QWEN3_VL["text_config"] | {"model_type": "qwen3"}
+    tower = {name.replace("model.visual.", "visual.").replace(".attn.qkv.", ".attn.qkv_proj."): t
+             for name, t in full.items() if name.startswith("model.visual.")}
+    assert "visual.deepstack_merger_list.0.linear_fc1.weight" in tower and "visual.pos_embed.weight" in tower
+
+    class Held:
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def named_parameters(self):
+            return iter(self.tensors.items())
+
+    held = {0: {}}
+    for rank in range(tp):
+        model = fake_sglang.tp_model(language, rank, tp)
+        model.load_weights((name.replace("model.language_model.", "model."), t) for name, t in full.items()
+                           if not name.startswith("model.visual."))
+        held[0][rank] = module_checksums(model) | module_checksums(Held(tower))
+    verify_checksums(expected.result(), held)
+
+    held[0][tp - 1]["visual.blocks.1.attn.qkv_proj.bias"][2] += 1
+    with pytest.raises(WeightSyncError, match=rf"1 differ \['server 0 rank {tp - 1}: visual.blocks.1.attn.qkv_proj"):
+        verify_checksums(expected.result(), held)
