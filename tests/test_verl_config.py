@@ -184,14 +184,14 @@ def test_the_seeds_commands_pass_check_config_in_one_round(command):
 
 def test_refusals_name_each_key_with_the_reason_in_one_error():
     with pytest.raises(ConfigError) as e:
-        read(SEED_PPO, "actor_rollout_ref.rollout.name=tgi", "actor_rollout_ref.model.lora_rank=64",
+        read(SEED_PPO, "actor_rollout_ref.rollout.name=tgi", "actor_rollout_ref.model.enable_activation_offload=True",
              "actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "trainer.val_only=True", "ray_init.num_cpus=8",
              "actor_rollout_ref.actor.use_kl_loss=True", "algorithm.use_kl_in_reward=True",
              "actor_rollout_ref.actor.policy_loss.loss_mode=mystery", "algorithm.adv_estimator=nope")
     text = str(e.value)
     assert text.startswith("8 problems in the command:")  # the two KL switches are one
     for line in ("actor_rollout_ref.rollout.name='tgi': megarl generates with sglang (GPU) or hf",
-                 "lora_rank=64: LoRA is not in megarl yet", "fsdp_size=8: megarl trains with Megatron",
+                 "enable_activation_offload=True: activation offload has no equivalent", "fsdp_size=8: megarl trains with Megatron",
                  "trainer.val_only=True: megarl has no evaluation-only run", "ray_init.num_cpus: megarl's Ray",
                  "use_kl_loss and algorithm.use_kl_in_reward are both on", "loss_mode='mystery': megarl has vanilla",
                  "adv_estimator='nope': megarl has"):

@@ -151,9 +151,25 @@ class EngineConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = opt(0, "LoRA rank r of every adapter (A: r x in, B: out x r) on the policy's linear layers: the base "
+                       "weights are frozen and only the adapters train; 0 = off (full fine-tuning)", min=0,
+                    max=65536, why="the bound against typos: a rank past any layer's width adapts nothing more")
+    alpha: float = opt(16.0, "LoRA scale numerator: each adapted layer computes W x + (alpha / rank) B A x",
+                       min=0, min_exclusive=True, max=1e6, why="the bound against typos: the adapters' update is "
+                                                                  "scaled by alpha / rank")
+    dropout: float = opt(0.0, "dropout probability on each adapter's input during training (the base layer sees "
+                              "its input whole)", min=0, max=1, max_exclusive=True)
+    target_modules: list = opt(["all-linear"], "the projections that get adapters, by the checkpoint's names: "
+                                               "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or "
+                                               "all-linear (all of them; the output layer never)")
+
+
+@dataclass
 class ActorConfig(EngineConfig):
     parallel: ParallelConfig = section(ParallelConfig, "training layout of the policy")
     optim: OptimConfig = section(OptimConfig, "optimizer of the policy")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters (LoRA) on the frozen policy (docs/lora.md)")
     ppo_epochs: int = opt(1, "passes of the policy over each step's batch", min=1, **PASSES)
     fp32_lm_head: bool = opt(True, "under bf16: the output layer (the vocabulary projection) and the log-softmax "
                                    "in float32, and the rollout engine's too (SGLang's --enable-fp32-lm-head, the "

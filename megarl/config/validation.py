@@ -23,6 +23,9 @@ RECOMPUTE_MODULES = ("core_attn", "moe", "shared_experts", "mlp", "mla_up_proj",
 RECOMPUTE_NEEDS_TE = ("mla_up_proj", "layernorm")
 # micro-batch layouts of the engines (megarl/engine/packing.py)
 PACKING_LAYOUTS = ("rows", "one_row")
+# actor.lora.target_modules: the checkpoints' projection names (peft's and verl's), each one block of megatron's
+# fused layers (megarl/engine/lora.py); all-linear names them all
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(ValueError):
@@ -58,6 +61,7 @@ class ConfigChecks:
         from megarl.config.run_defaults import resolve_run_defaults
         resolve_run_defaults(self)  # rollout.engine=auto and trainer.steps=0, before the checks that read them
         self._validate_engine_options()
+        self._validate_lora()
         p = self.actor.parallel
         batch = self.data.prompts_per_step * self.rollout.n_samples
         if batch > SEQUENCES["max"]:
@@ -239,6 +243,26 @@ class ConfigChecks:
             if p.cp > 1 and section_.attention not in ("auto", "sdpa"):
                 raise ConfigError(f"{role}.attention={section_.attention!r} does not run context parallelism "
                                   f"({role}.parallel.cp={p.cp}): use sdpa or auto")
+
+    def _validate_lora(self) -> None:
+        lora = self.actor.lora
+        targets = lora.target_modules
+        unknown = [t for t in targets if t not in LORA_TARGETS + ("all-linear",)]
+        if unknown:
+            raise ConfigError(f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not one of "
+                              f"{', '.join(LORA_TARGETS)} or all-linear")
+        if not lora.rank:
+            return
+        if not targets:
+            raise ConfigError(f"actor.lora.rank={lora.rank} with actor.lora.target_modules empty: name the "
+                              f"projections to adapt (or all-linear)")
+        if self.rollout.weight_delivery == "sharded":
+            raise ConfigError(f"actor.lora.rank={lora.rank} with rollout.weight_delivery=sharded: the resharder sends "
+                              "the base weights' shards as they are, not merged with the adapters; use full")
+        if self.sft.steps and self.algorithm.kl_coef > 0:
+            raise ConfigError(f"actor.lora.rank={lora.rank} with sft.steps={self.sft.steps} and algorithm.kl_coef="
+                              f"{self.algorithm.kl_coef}: the LoRA policy's KL reference is the base model (adapters "
+                              "off), not the warm-started policy")
 
     @staticmethod
     def _validate_experts_and_stages(role: str, p) -> None:
