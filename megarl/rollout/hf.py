@@ -5,10 +5,10 @@ left-padded batch, and reports the log-probability of each sampled token under t
 (temperature 1, no top-k or top-p), as megarl.rollout.base requires. It has none of a serving engine's
 throughput machinery (no continuous batching, paged attention or CUDA graphs); use SGLang on GPUs.
 
-A Qwen2.5-VL directory loads as Qwen2_5_VLForConditionalGeneration and takes prompts with images: the first forward
-of a segment gets the rows' pixel_values and image_grid_thw and every step gets the M-RoPE position ids megarl's
-Megatron model uses (megarl.models.qwen2_vl.mrope_positions: the same ids give the same log-probs). A response never
-holds an image placeholder token (it is never sampled: a placeholder stands for image features the row does not
+A Qwen2.5-VL or Qwen3-VL directory loads as its image-text-to-text model and takes prompts with images: the first
+forward of a segment gets the rows' pixel_values and image_grid_thw and every step gets the M-RoPE position ids
+megarl's Megatron model uses (megarl.models.qwen2_vl.mrope_positions: the same ids give the same log-probs). A response
+never holds an image placeholder token (it is never sampled: a placeholder stands for image features the row does not
 have); its log-probs are still those of the raw logits.
 """
 
@@ -35,13 +35,13 @@ class HFRolloutEngine(RolloutEngine):
         """`fp32_lm_head`: under a 16-bit dtype the output layer (and so the logits) in float32 (actor.fp32_lm_head).
         `record_routing`: each Generation carries the experts its tokens were routed to (hf_routing.py;
         actor.router_replay=rollout)."""
-        from transformers import AutoConfig, AutoModelForCausalLM, Qwen2_5_VLForConditionalGeneration
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.device = torch.device(device)
         self.model_path = model_path
         config = AutoConfig.from_pretrained(model_path)
-        self.vision = config.model_type == "qwen2_5_vl"  # prompts may have images (VisionInputs)
-        model_class = Qwen2_5_VLForConditionalGeneration if self.vision else AutoModelForCausalLM
+        self.vision = config.model_type in VISION_MODEL_TYPES  # prompts may have images (VisionInputs)
+        model_class = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
         self.model = model_class.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         with torch.no_grad():  # storages of our own: the loader's may map the file, which release_memory cannot free
             for p in self.model.parameters():  # (a tied lm_head is the same Parameter: it stays tied)
@@ -283,7 +283,7 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     views = {}
     for name, t in model.state_dict().items():
-        name = _checkpoint_name(name)
+        name = _checkpoint_name(name) if model.config.model_type == "qwen2_5_vl" else name
         if mixtral:
             name = name.replace(".mlp.", ".block_sparse_moe.")
         prefix, _, fused = name.rpartition(".experts.")
@@ -300,8 +300,9 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     return views
 
 
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")  # their rows may carry images; M-RoPE positions (VisionInputs)
 # transformers >= 5 nests Qwen2.5-VL's modules (model.language_model, model.visual) where its checkpoints, and
-# megarl's exported names, have them at the top (model.layers..., visual...)
+# megarl's exported names, have them at the top (model.layers..., visual...); Qwen3-VL's checkpoints nest them too
 _VL_MODULE_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
@@ -313,9 +314,9 @@ def _checkpoint_name(name: str) -> str:
 
 
 class VisionInputs:
-    """What a Qwen2.5-VL forward needs beside the token ids: M-RoPE position ids of left-padded rows (megarl's
-    Megatron model's, so both see the same positions) and the rows' images, concatenated in row order (the order
-    their placeholder tokens come in the flattened batch)."""
+    """What a Qwen2.5-VL or Qwen3-VL forward needs beside the token ids: M-RoPE position ids of left-padded rows
+    (megarl's Megatron model's, so both see the same positions) and the rows' images, concatenated in row order (the
+    order their placeholder tokens come in the flattened batch)."""
 
     def __init__(self, config):
         self.image_token_id = config.image_token_id

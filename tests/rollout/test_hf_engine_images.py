@@ -1,7 +1,8 @@
 """The hf rollout engine with images (tiny random Qwen2.5-VL, megarl/models/tiny_vl.py): the image is seen (another
 image, same ids: other log-probs), the log-probs equal transformers' own teacher-forced forward (its get_rope_index
 M-RoPE positions) on prompt + response for image rows batched beside a text row, no response holds an image
-placeholder, and a text-only engine refuses images by name."""
+placeholder, and a text-only engine refuses images by name. A tiny Qwen3-VL (tests/models/hf_qwen3_vl.py): the same
+teacher-forced equality, its weights under the checkpoint's names."""
 
 import pytest
 import torch
@@ -66,3 +67,32 @@ def test_text_only_engine_refuses_images(tmp_path, vl):
     engine = HFRolloutEngine(str(build_tiny_model(tmp_path / "text")))
     with pytest.raises(ValueError, match="cannot take images"):
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=2), images[:1])
+
+
+def test_qwen3_vl_logprobs_equal_transformers_teacher_forced_and_weights_by_checkpoint_name(tmp_path):
+    """Qwen3-VL (DeepStack, interleaved M-RoPE) in the hf engine: an image row beside a text row, each sampled
+    token's log-prob equals transformers' own forward over prompt + response; the engine's weights are the
+    checkpoint's names (model.language_model.*, model.visual.*), which megarl's updates are sent under."""
+    from safetensors.torch import load_file
+
+    from megarl.rollout.hf import checkpoint_views
+    from tests.models.hf_qwen2_vl import IMAGE, image_rows
+    from tests.models.hf_qwen3_vl import save_random_qwen3_vl
+
+    model_dir = save_random_qwen3_vl(tmp_path / "vl")
+    engine = HFRolloutEngine(model_dir)
+    assert sorted(checkpoint_views(engine.model)) == sorted(load_file(f"{model_dir}/model.safetensors"))
+    rows = [image_rows()[0], image_rows()[2]]
+    images = [ImageInputs(r["pixel_values"], r["image_grid_thw"]) if r["pixel_values"] is not None else None
+              for r in rows]
+    prompts = [r["ids"][:-2] for r in rows]
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=1, ignore_eos=True), images)
+    for prompt, image, gen in zip(prompts, images, gens):
+        ids = torch.tensor([prompt + gen.token_ids])
+        kwargs = {} if image is None else {"pixel_values": image.pixel_values, "image_grid_thw": image.image_grid_thw}
+        with torch.no_grad():
+            engine.model.model.rope_deltas = None  # transformers keeps them across calls
+            logits = engine.model(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(), **kwargs).logits
+        want = torch.log_softmax(logits[0, len(prompt) - 1:-1].float(), -1).gather(-1, ids[0, len(prompt):, None])
+        assert len(gen.token_ids) == 6 and IMAGE not in gen.token_ids
+        torch.testing.assert_close(torch.tensor(gen.logprobs), want[:, 0], rtol=0, atol=1e-5)
