@@ -66,8 +66,8 @@ class WithValueHead:
         self.initialised = HEAD_NAME not in self.shapes
         self.shapes[HEAD_NAME] = (1, hidden_size)
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, row: int | None = None) -> torch.Tensor:
         if name == HEAD_NAME and self.initialised:
             dtype = self.checkpoint.read("model.embed_tokens.weight").dtype
             return torch.zeros(1, self.hidden_size, dtype=dtype)
-        return self.checkpoint.read(name)
+        return self.checkpoint.read(name, row)

@@ -81,8 +81,8 @@ def load_hf_weights(gpt, maps: list[WeightMap], checkpoint: SafetensorsCheckpoin
         for name, param in params.items():
             wm = by_name[name]
             group = tp_group_of(name)
-            shard = wm.to_shard([checkpoint.read(n) for n in wm.hf], dist.get_rank(group),
-                                dist.get_world_size(group))
+            hf = [checkpoint.read(n) if wm.stacked is None else checkpoint.read(n, wm.stacked[0]) for n in wm.hf]
+            shard = wm.to_shard(hf, dist.get_rank(group), dist.get_world_size(group))
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: shard from {wm.hf} has shape {tuple(shard.shape)}, "
                                  f"the megatron parameter {tuple(param.shape)}")
@@ -128,6 +128,7 @@ def _gathered(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: di
     my_ep_rank = parallel_state.get_expert_model_parallel_rank()
     num_experts = (gpt[0] if isinstance(gpt, (list, tuple)) else gpt).config.num_moe_experts
     params = global_parameters(gpt)
+    rows: dict[str, list] = {}  # stacked HF tensors (WeightMap.stacked): the rows so far, yielded once complete
     for wm in maps:
         if not wm.export:
             continue
@@ -140,11 +141,19 @@ def _gathered(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: di
             dist.all_gather(shards, shard, group=tp_group)
             tensors = [t.contiguous() for t in wm.from_shards(shards)]
         else:
-            tensors = [torch.empty(hf_tensors[n][0], dtype=hf_tensors[n][1], device=device) for n in wm.hf]
+            row_shape = slice(None if wm.stacked is None else 1, None)
+            tensors = [torch.empty(hf_tensors[n][0][row_shape], dtype=hf_tensors[n][1], device=device) for n in wm.hf]
         if owner is not None and stage == my_stage and dist.get_world_size(ep_group) > 1:
             for t in tensors:  # from the EP rank holding the expert to the rest of the stage
                 dist.broadcast(t, src=dist.get_global_rank(ep_group, owner), group=ep_group)
         if len(layout.ranks) > 1:
             for t in tensors:
                 dist.broadcast(t, src=layout.ranks[stage], group=layout.group)
-        yield from zip(wm.hf, tensors)
+        if wm.stacked is None:
+            yield from zip(wm.hf, tensors)
+            continue
+        row, count = wm.stacked
+        for name, t in zip(wm.hf, tensors):
+            rows.setdefault(name, [None] * count)[row] = t
+            if all(r is not None for r in rows[name]):
+                yield name, torch.stack(rows.pop(name))

@@ -4,6 +4,11 @@
   float32 `<name>_scale_inv` of one inverse scale per weight_block_size block (the blocks at the right and
   bottom edges may be partial). They are read dequantized: weight * scale_inv in float32, then cast to the
   parameters' dtype by whoever stores them. Any other quantization_config is refused by key.
+- MXFP4 weights (gpt-oss's release format, quant_method 'mxfp4'): `<name>_blocks` uint8 [..., out, G, 16], two
+  FP4 (E2M1) values a byte, the low nibble first, and `<name>_scales` uint8 [..., out, G], one power of two
+  2^(scale - 127) per block of 32 values; they stand for `<name>`, input-major [..., G x 32, out] as transformers'
+  GptOssExperts holds it, read dequantized in float32 (MXFP4.dequantize; exact: every value is a FP4 value times a
+  power of two). Rows of a tensor that stacks a layer's experts are read one at a time (`read(name, row)`).
 - Multi-token-prediction layers (`num_nextn_predict_layers`, tensors `model.layers.{num_hidden_layers + i}.*`):
   megarl does not train them. Import leaves them out (one logged line); every megarl checkpoint keeps the
   source's own copy of them (MTP_FILE in its hf/ directory, bytes as read) and export writes it back.
@@ -35,7 +40,10 @@ MTP_FILE = "mtp.safetensors"  # in a megarl checkpoint's <role>/hf/: the source'
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _FLOAT32_TENSORS = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")  # MTP layers' too
 _SUPPORTED_FP8 = "block-wise FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, cols], " \
-                 "activation_scheme 'dynamic')"
+                 "activation_scheme 'dynamic') or MXFP4 (quant_method 'mxfp4')"
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+# The FP4 (E2M1) value of each 4-bit code: sign bit, then two exponent bits and one mantissa bit.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 # Published DeepSeek config.json fields SGLang reads, with the values that transformers'
 # own model of each model_type implies; a value the config already has is never replaced.
@@ -55,17 +63,29 @@ class SafetensorsCheckpoint:
         config_path = Path(model_dir) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.fp8 = BlockFP8.from_config(config, str(config_path))
+        mxfp4 = (config.get(QUANTIZATION_KEY) or {}).get("quant_method") == "mxfp4"
         self._all_files, shapes = _index(sorted(Path(model_dir).glob("*.safetensors")), str(model_dir))
+        # MXFP4 pairs by the name they stand for (an unquantized checkpoint may not have any *_blocks tensor)
+        self.mxfp4 = {n.removesuffix(MXFP4_BLOCKS): MXFP4.shape(shapes[n]) for n in shapes
+                      if mxfp4 and n.endswith(MXFP4_BLOCKS) and n.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES in shapes}
+        packed = {n + suffix for n in self.mxfp4 for suffix in (MXFP4_BLOCKS, MXFP4_SCALES)}
         mtp = [n for n in shapes if not is_scale(n) and is_mtp(n, config)]
         log_dropped_mtp(mtp, config, model_dir)
-        self.shapes: dict[str, tuple[int, ...]] = {n: s for n, s in shapes.items() if not is_scale(n) and n not in mtp}
-        self.files: dict[str, Path] = {n: self._all_files[n] for n in self.shapes}
+        self.shapes: dict[str, tuple[int, ...]] = {n: s for n, s in shapes.items()
+                                                   if not is_scale(n) and n not in mtp and n not in packed}
+        self.shapes |= self.mxfp4
+        self.files: dict[str, Path] = {n: self._all_files[n + MXFP4_BLOCKS if n in self.mxfp4 else n]
+                                       for n in self.shapes}
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor in its stored dtype, or float32 for an FP8 weight (its dequantized values)."""
+    def read(self, name: str, row: int | None = None) -> torch.Tensor:
+        """The tensor (or its row `row` along dim 0) in its stored dtype, or float32 for an FP8 or MXFP4 weight (its
+        dequantized values)."""
         if name not in self.files:
             raise KeyError(f"tensor '{name}' is not in the checkpoint ({len(self.files)} tensors)")
-        return read_dequantized(self._all_files, name, self.fp8)
+        if name in self.mxfp4:
+            return MXFP4.dequantize(read_tensor(self._all_files, name + MXFP4_BLOCKS, row),
+                                    read_tensor(self._all_files, name + MXFP4_SCALES, row), name)
+        return read_dequantized(self._all_files, name, self.fp8, row)
 
 
 def _index(paths: list[Path], where: str) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
@@ -81,9 +101,10 @@ def _index(paths: list[Path], where: str) -> tuple[dict[str, Path], dict[str, tu
     return files, shapes
 
 
-def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+def read_tensor(files: dict[str, Path], name: str, row: int | None = None) -> torch.Tensor:
+    """The tensor, or only its row `row` along dim 0."""
     with safe_open(str(files[name]), framework="pt") as f:
-        return f.get_tensor(name)
+        return f.get_tensor(name) if row is None else f.get_slice(name)[row]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -97,9 +118,10 @@ class BlockFP8:
 
     @classmethod
     def from_config(cls, config: dict, where: str) -> BlockFP8 | None:
-        """None for an unquantized checkpoint; `where` (the config.json path) names the file in errors."""
+        """None for an unquantized checkpoint or an MXFP4 one (MXFP4 reads those); `where` (the config.json path)
+        names the file in errors."""
         quant = config.get(QUANTIZATION_KEY)
-        if quant is None:
+        if quant is None or quant.get("quant_method") == "mxfp4":
             return None
         quant = {"fmt": "e4m3", **quant}  # fmt may be left out: e4m3 is what fp8 means then
         for key, value in {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}.items():
@@ -125,11 +147,13 @@ class BlockFP8:
         return weight.float() * scale[:weight.shape[0], :weight.shape[1]]
 
 
-def read_dequantized(files: dict[str, Path], name: str, fp8: BlockFP8 | None) -> torch.Tensor:
-    """A tensor as the model uses it: an FP8 weight multiplied out by its inverse scales (float32)."""
-    tensor = read_tensor(files, name)
+def read_dequantized(files: dict[str, Path], name: str, fp8: BlockFP8 | None, row: int | None = None) -> torch.Tensor:
+    """A tensor (or its row `row`) as the model uses it: an FP8 weight multiplied out by its inverse scales (float32)."""
+    tensor = read_tensor(files, name, row)
     if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return tensor
+    if row is not None:
+        raise ValueError(f"{name} in {files[name]} is FP8: its block scales are read whole, not by row")
     if fp8 is None:
         raise ValueError(f"{name} in {files[name]} is {tensor.dtype} but the checkpoint's config.json has no "
                          f"{QUANTIZATION_KEY}; megarl reads {_SUPPORTED_FP8}")
@@ -138,6 +162,28 @@ def read_dequantized(files: dict[str, Path], name: str, fp8: BlockFP8 | None) ->
     if name + SCALE_SUFFIX not in files:
         raise ValueError(f"{name} in {files[name]} is FP8 without its inverse scales {name}{SCALE_SUFFIX}")
     return fp8.dequantize(tensor, read_tensor(files, name + SCALE_SUFFIX), name)
+
+
+class MXFP4:
+    """The MXFP4 format (module docstring): `<name>_blocks` and `<name>_scales` -> `<name>`."""
+
+    @staticmethod
+    def shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the tensor a *_blocks tensor of this shape stands for."""
+        *rows, out, groups, group_bytes = blocks_shape
+        return (*rows, groups * group_bytes * 2, out)
+
+    @staticmethod
+    def dequantize(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+        """blocks uint8 [..., out, G, 16], scales uint8 [..., out, G] -> float32 [..., G x 32, out]."""
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+            raise ValueError(f"{name}: MXFP4 needs uint8 {name}{MXFP4_BLOCKS} [..., out, G, 16] and {name}"
+                             f"{MXFP4_SCALES} [..., out, G]; they are {blocks.dtype} {tuple(blocks.shape)} and "
+                             f"{scales.dtype} {tuple(scales.shape)}")
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # the low nibble is the earlier value
+        values = torch.tensor(FP4_VALUES, dtype=torch.float32)[codes].reshape(*scales.shape, -1)
+        values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+        return values.reshape(*scales.shape[:-1], -1).transpose(-1, -2).contiguous()
 
 
 def is_scale(name: str) -> bool:

@@ -1,8 +1,8 @@
 """Tensor-parallel rules shared by the model families: how a megatron parameter is cut from HF tensors.
 
 A WeightMap ties one megatron GPTModel parameter (by its name with the GLOBAL layer index) to the HF
-tensors it is made of. `to_shard` builds this TP rank's shard from the full HF tensors; `from_shards`
-turns the shards of all TP ranks (in rank order) back into the HF tensors, bitwise.
+tensors it is made of (to one expert's row of them where a checkpoint stacks a layer's experts: `stacked`).
+`to_shard` builds this TP rank's shard from the full HF tensors; `from_shards` turns the shards of all TP ranks (in rank order) back into the HF tensors, bitwise.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ class WeightMap:
     to_shard: Callable[[list[Tensor], int, int], Tensor]   # (hf tensors, tp_rank, tp_size) -> shard
     from_shards: Callable[[list[Tensor]], list[Tensor]]    # shards in TP rank order -> hf tensors
     export: bool = True  # False for a copy of another weight (the tied output layer on the last stage)
+    # (row, rows): the HF tensors hold every expert of a layer stacked along dim 0 (gpt-oss) and this parameter is
+    # row `row` of `rows`: to_shard and from_shards see that row alone; import reads it, export stacks the rows
+    stacked: tuple[int, int] | None = None
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
