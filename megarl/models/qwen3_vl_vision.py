@@ -77,7 +77,8 @@ def interpolated_positions(grid_thw: torch.Tensor, side: int, merge_size: int) -
         top, left = at_row.int(), at_col.int()
         bottom, right = (top + 1).clamp(max=side - 1), (left + 1).clamp(max=side - 1)
         dh, dw = at_row - top, at_col - left
-        indices.append(torch.stack([top * side + left, top * side + right, bottom * side + left, bottom * side + right]))
+        indices.append(torch.stack([top * side + left, top * side + right,
+                                    bottom * side + left, bottom * side + right]))
         weights.append(torch.stack([(1 - dh) * (1 - dw), (1 - dh) * dw, dh * (1 - dw), dh * dw]))
     return torch.cat(indices, 1).long(), torch.cat(weights, 1)
 
@@ -128,7 +129,8 @@ class VisionTower(nn.Module):
 def vision_parameter_names(vision: dict) -> list[str]:
     """Every parameter of the tower (VisionTower's names, also the checkpoint's after `model.visual.`)."""
     affine = ("weight", "bias")
-    mergers = ["merger"] + [f"deepstack_merger_list.{j}" for j in range(len(vision.get("deepstack_visual_indexes", [])))]
+    levels = len(vision.get("deepstack_visual_indexes", []))
+    mergers = ["merger"] + [f"deepstack_merger_list.{j}" for j in range(levels)]
     names = [f"patch_embed.proj.{p}" for p in affine] + ["pos_embed.weight"]
     for b in range(vision["depth"]):
         names += [f"blocks.{b}.{m}.{p}" for m in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1",
