@@ -2,7 +2,7 @@
 random non-zero e_score_correction_bias, topk 3 != 2 x topk_group) and DeepSeek-V2 (softmax, greedy) checkpoints, a
 dense first layer and MoE layers after it, at TP=1, EP=2, ETP=2 (DP=2), TP=2 and TP=2 x EP=2 with whole experts (ETP=1) on 2 gloo
 ranks (V2 at the last two): log-probs and entropy equal transformers' (fp32), exported weights bitwise the
-checkpoint's.
+checkpoint's; and a DeepSeek-V3 of Kimi-K2's routing shape (one group of many experts) at EP=2.
 And the aux-loss-free bias update (actor.moe_router_bias_update_rate), at EP=2 and at TP=2 with sequence parallelism:
 off, a training step leaves the bias as it was; on, it moves each expert's bias by the rate towards even load, as
 the logged per-expert loads say, and the exported e_score_correction_bias (what SGLang receives) carries it."""
@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
-from tests.models.hf_families import deepseek_v2_config, deepseek_v3_config, save_random
+from tests.models.hf_families import DEEPSEEK_YARN, deepseek_v2_config, deepseek_v3_config, save_random
 
 # (tp, ep, etp) on 2 ranks; etp None = tp; (1, 1, 2): experts split over the expert-TP group of two data-parallel
-# ranks. DeepSeek-V2 (its MoE differs only in the routing rule) at the last two.
+# ranks. DeepSeek-V2 (its MoE differs only in the routing rule) at the last two, Kimi-K2's routing shape at EP=2.
 LAYOUTS = ((1, 1, None), (1, 2, None), (1, 1, 2), (2, 1, None), (2, 2, 1))
-V2_LAYOUTS = LAYOUTS[3:]
+ONLY_AT = {"deepseek-v2": LAYOUTS[3:], "kimi-k2": ((1, 2, None),)}
 TOPK = 3  # num_experts_per_tok of hf_families' DeepSeek configs
 BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
 
@@ -51,7 +51,7 @@ def _check_layouts(rank, cases):
     for tp, ep, etp in LAYOUTS:
         _relayout(tp, ep, etp)
         for name, model_dir, ref_logprobs, ref_entropy in cases:
-            if name == "deepseek-v2" and (tp, ep, etp) not in V2_LAYOUTS:
+            if (tp, ep, etp) not in ONLY_AT.get(name, LAYOUTS):
                 continue
             engine = _engine(model_dir, tp, ep, etp)
             out = engine.compute_logprobs(padded_batch(), with_entropy=True)
@@ -66,7 +66,15 @@ def _check_layouts(rank, cases):
 
 def test_deepseek_moe_matches_transformers_at_tp_ep_etp(tmp_path):
     configs = {"deepseek-v3": deepseek_v3_config(layers=3, first_k_dense_replace=1),
-               "deepseek-v2": deepseek_v2_config(layers=2, first_k_dense_replace=1)}
+               "deepseek-v2": deepseek_v2_config(layers=2, first_k_dense_replace=1),
+               # Kimi-K2's routing (configs/models/kimi-k2.json): every expert in one group (n_group = topk_group =
+               # 1), many experts per choice (16 for top 2; Kimi: 384 for top 8), and its YaRN (beta_fast =
+               # beta_slow = mscale = mscale_all_dim = 1)
+               "kimi-k2": deepseek_v3_config(layers=2, first_k_dense_replace=1, n_routed_experts=16,
+                                             num_experts_per_tok=2, n_group=1, topk_group=1,
+                                             routed_scaling_factor=2.827,
+                                             rope_parameters=dict(DEEPSEEK_YARN, beta_fast=1.0, beta_slow=1.0,
+                                                                  mscale_all_dim=1.0))}
     cases = []
     for seed, (name, config) in enumerate(configs.items()):
         model_dir = save_random(config, tmp_path / name, seed=seed)
