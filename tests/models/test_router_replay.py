@@ -7,7 +7,10 @@
   and at EP=2;
 - the hf rollout engine's record equals transformers' own routing (output_router_logits) of the tokens it generated,
   and a gate that returns no expert indices (DeepSeek-V3's) is refused;
-- a dense model is refused by name; Batch.concat pads the record's token dimension."""
+- a dense model is refused by name; Batch.concat pads the record's token dimension;
+- the same for a tiny Qwen3-Next (models/qwen3_next.py: the same router and gate outputs, beside a shared expert and
+  gated delta nets): megatron replays the record to transformers' forced log-probs, and the hf engine records its
+  routing."""
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from megarl.config.model_layout import check_model_layout
 from megarl.protocol import Batch
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import padded_batch
-from tests.models.hf_families import qwen3_moe_config, save_random
+from tests.models.hf_families import qwen3_moe_config, qwen3_next_config, save_random
 
 LAYERS, EXPERTS, TOPK = 2, 4, 2
 
@@ -28,6 +31,13 @@ def moe_dir(tmp_path_factory):
     config = qwen3_moe_config(tied=False, norm_topk_prob=True)
     config.eos_token_id = 100  # the hf rollout engine's stop token
     return save_random(config, tmp_path_factory.mktemp("moe"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory):
+    config = qwen3_next_config()  # LAYERS, EXPERTS and TOPK as the Qwen3-MoE's
+    config.eos_token_id = 100
+    return save_random(config, tmp_path_factory.mktemp("next"), seed=3)
 
 
 def recorded_batch() -> Batch:
@@ -152,7 +162,28 @@ def test_replay_under_sequence_parallelism_and_expert_parallelism(moe_dir):
         torch.testing.assert_close(logprobs, reference, rtol=0, atol=1e-5, msg=str(layout))
 
 
-def test_hf_engine_records_transformers_routing(moe_dir):
+def _replayed_logprobs(rank, model_dir):
+    from megarl.engine import MegatronEngine
+
+    actor = ActorConfig(router_replay="rollout", micro_batch_size=2, max_tokens_per_micro_batch=24)
+    return MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10).compute_logprobs(recorded_batch())
+
+
+def test_qwen3_next_replays_the_recorded_experts(next_dir):
+    from tests.engine.hf_models import hf_logprobs_entropy
+
+    reference = forced_hf_logprobs(next_dir, recorded_batch())
+    own, _ = hf_logprobs_entropy(next_dir, recorded_batch())
+    assert (own - reference).abs().max() > 1e-2  # the record is not the model's own routing
+    logprobs = run_distributed(_replayed_logprobs, 1, next_dir, timeout=300)["logprobs"]
+    # relative too: the forced routes give log-probs down to -14, whose float32 rounding in transformers' gated delta
+    # nets alone is ~1e-5 (its float64 forward differs by that much)
+    torch.testing.assert_close(logprobs, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["moe_dir", "next_dir"])
+def test_hf_engine_records_transformers_routing(model, request):
+    moe_dir = request.getfixturevalue(model)
     from transformers import AutoModelForCausalLM
 
     from megarl.rollout.base import SamplingParams
