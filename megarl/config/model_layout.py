@@ -50,10 +50,17 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
 
 
 def check_rollout_model(cfg, hf: dict, where: str) -> None:
-    """Raise ConfigError for a quantized model.path with rollout.engine=sglang: SGLang starts from the checkpoint as
-    stored, so it would serve a quantized model (DeepSeek-V3's release is block-wise FP8) and then take the
-    policy's unquantized weights into it. The error names the conversion to a bf16 directory (megarl.convert
-    reads block-wise FP8 dequantized)."""
+    """Raise ConfigError for a model whose weights the sync into the rollout engine cannot move (gpt-oss: its
+    checkpoint stacks each layer's experts, reshard.inventory.STACKED_EXPERTS), and for a quantized model.path with
+    rollout.engine=sglang: SGLang starts from the checkpoint as stored, so it would serve a quantized model
+    (DeepSeek-V3's release is block-wise FP8) and then take the policy's unquantized weights into it. The error
+    names the conversion to a bf16 directory (megarl.convert reads block-wise FP8 dequantized)."""
+    from megarl.reshard.inventory import STACKED_EXPERTS
+
+    if language_fields(hf).get("model_type") in STACKED_EXPERTS:
+        raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} stacks each layer's experts in a few tensors, "
+                          f"which megarl's weight sync into the rollout engine (rollout.engine={cfg.rollout.engine}) "
+                          "does not move yet: megarl.convert and the engine take it, RL runs do not")
     quantization = hf.get("quantization_config")
     if cfg.rollout.engine != "sglang" or not quantization:
         return

@@ -36,8 +36,13 @@ As transformers 5.12 computes it, and how megatron-core computes the same:
   (sharding.WeightMap): import reads its row, export stacks the rows back.
 - MXFP4 checkpoints (the published ones: quant_method 'mxfp4', the experts' weights as *_blocks / *_scales):
   read dequantized (hf_checkpoint.MXFP4), exported unquantized in the model's dtype.
-Rollout in SGLang: the resharder's inventory (megarl.reshard.inventory) has no gpt-oss tensors, so the policy's
-weight sync refuses the family by model_type; SGLang's tensor layout of it is not modelled.
+- swiglu_limit (the published config.json's 7.0, which SGLang reads): transformers ignores it and clamps at 7; any
+  other value is refused by key.
+Rollouts: the weight sync into the rollout engine (megarl.reshard, SGLang's layouts) moves per-expert tensors, not
+stacked ones, so RL runs are refused for this model type before any worker starts
+(config.model_layout.check_rollout_model); the planner's inventory lists each expert as its row of the stacked
+tensors. Not modelled yet: how SGLang's GptOssForCausalLM holds them (its loader takes the stacked bf16
+gate_up_proj / down_proj and their biases into FusedMoE's w13 / w2, transposed).
 """
 
 from __future__ import annotations
@@ -153,12 +158,12 @@ class GptOss(SoftmaxTopKMoe):
         if len(kinds) != hf["num_hidden_layers"] or not set(kinds) <= {SLIDING, FULL}:
             raise ValueError(f"gpt-oss layer_types {kinds}: expected {hf['num_hidden_layers']} of {SLIDING!r} / "
                              f"{FULL!r}")
+        if hf.get("swiglu_limit", SWIGLU_LIMIT) != SWIGLU_LIMIT:
+            raise ValueError(f"gpt-oss with swiglu_limit={hf['swiglu_limit']} is not supported (transformers clamps "
+                             f"at {SWIGLU_LIMIT} whatever it says)")
         if SLIDING in kinds and not hf.get("sliding_window"):
             raise ValueError("gpt-oss with sliding_attention layers needs sliding_window (a positive window)")
         yarn_fields(hf)
-
-    def moe_config(self, hf: dict, ep: int) -> dict:
-        return super().moe_config(hf, ep) | dict(moe_ffn_hidden_size=hf["intermediate_size"])
 
     def transformer_config(self, hf: dict, tp: int, pp: int, params_dtype: torch.dtype, use_cpu_initialization: bool,
                            ep: int = 1, etp: int | None = None, **layout) -> YarnTransformerConfig:

@@ -20,6 +20,11 @@ Every tensor is in the model's dtype except DeepSeek-V3's and GLM-4.5's routing 
 which megatron (models/router.py), transformers and SGLang all keep in float32: `TensorSpec.fp32`.
 GLM-4.5 (glm4_moe): GQA with q/k/v biases (attention_bias) and q_norm/k_norm where use_qk_norm is set, dense MLPs in
 its first first_k_dense_replace layers and DeepSeek-V3's experts after them.
+gpt-oss (gpt_oss): GQA with q/k/v/o biases and per-head sinks, a biased router, and each layer's experts stacked in
+four tensors (models/gpt_oss.py). For the planner each expert is listed as its row of them, `<stacked name>.{e}`
+(gate_up_proj's row [hidden, 2 x intermediate], input-major with gate and up interleaved: a block of columns is
+one expert-TP rank's gate and up rows); the weight sync does not model stacked tensors (STACKED_EXPERTS: rollouts
+are refused by config.model_layout.check_rollout_model).
 Vision-language models (Qwen2.5-VL, Qwen3-VL): the language model's tensors as a Qwen2's / Qwen3's (its fields at the
 top of config.json, or under transformers 5's text_config: `language_fields`; Qwen3-VL's named model.language_model.*),
 and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
@@ -112,6 +117,9 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
         specs += [TensorSpec(p + "q_proj.bias", (heads * hd,), 0, layer, units=heads),
                   TensorSpec(p + "k_proj.bias", (kv * hd,), 0, layer, units=kv, kv=True),
                   TensorSpec(p + "v_proj.bias", (kv * hd,), 0, layer, units=kv, kv=True)]
+    if hf.get("model_type") == "gpt_oss":
+        specs += [TensorSpec(p + "o_proj.bias", (h,), None, layer),
+                  TensorSpec(p + "sinks", (heads,), 0, layer, units=heads)]
     if hf.get("model_type", "").startswith("qwen3") or hf.get("use_qk_norm"):  # per-head RMSNorm of queries and keys
         specs += [TensorSpec(p + "q_norm.weight", (hd,), None, layer),
                   TensorSpec(p + "k_norm.weight", (hd,), None, layer)]
@@ -168,7 +176,23 @@ def _mlp(p: str, h: int, inter: int, layer: int, parts=("gate_proj", "up_proj", 
             TensorSpec(f"{p}{down}.weight", (h, inter), 1, layer, **expert)]
 
 
+def _stacked_experts(hf: dict, p: str, layer: int) -> list[TensorSpec]:
+    """gpt-oss's router and its experts, each as its row of the stacked tensors (module docstring)."""
+    h, experts, inter = hf["hidden_size"], routed_experts(hf), expert_width(hf)[0]
+    specs = [TensorSpec(p + "router.weight", (experts, h), None, layer),
+             TensorSpec(p + "router.bias", (experts,), None, layer)]
+    for e in range(experts):
+        expert = dict(expert=e, experts=experts)
+        specs += [TensorSpec(f"{p}experts.gate_up_proj.{e}", (h, 2 * inter), 1, layer, **expert),
+                  TensorSpec(f"{p}experts.gate_up_proj_bias.{e}", (2 * inter,), 0, layer, **expert),
+                  TensorSpec(f"{p}experts.down_proj.{e}", (inter, h), 0, layer, **expert),
+                  TensorSpec(f"{p}experts.down_proj_bias.{e}", (h,), None, layer, **expert)]
+    return specs
+
+
 def _moe(hf: dict, p: str, layer: int) -> list[TensorSpec]:
+    if hf.get("model_type") in STACKED_EXPERTS:
+        return _stacked_experts(hf, p, layer)
     h, experts, inter = hf["hidden_size"], routed_experts(hf), expert_width(hf)[0]
     parts = MIXTRAL_EXPERT_PARTS if hf.get("model_type") == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     specs = [TensorSpec(p + "gate.weight", (experts, h), None, layer)]
@@ -197,7 +221,7 @@ def is_moe_layer(hf: dict, layer: int) -> bool:
     if hf.get("model_type") in ("qwen3_moe", "qwen3_next"):
         step = hf.get("decoder_sparse_step", 1)
         return layer not in hf.get("mlp_only_layers", []) and (layer + 1) % step == 0
-    return hf.get("model_type") in ("mixtral", "qwen3_5_moe_text")
+    return hf.get("model_type") in ("mixtral", "qwen3_5_moe_text", "gpt_oss")
 
 
 def vision_tower(vision: dict) -> list[TensorSpec]:
@@ -248,7 +272,9 @@ def qwen3_vision_tower(vision: dict) -> list[TensorSpec]:
 
 
 SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe",
-             "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+             "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
+# model types whose checkpoints stack each layer's experts in a few tensors: listed by row, for the planner only
+STACKED_EXPERTS = ("gpt_oss",)
 # vision-language model types: their language model's family in SUPPORTED, their tower's tensors, and what their
 # checkpoint names the language model's `model.*` tensors under
 VISION_LANGUAGE = {"qwen2_5_vl": ("qwen2", vision_tower, "model."),

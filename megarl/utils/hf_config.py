@@ -19,8 +19,8 @@ def language_fields(hf: dict) -> dict:
 
 def expert_width(hf: dict) -> tuple[int, str]:
     """Each routed expert's FFN width and the config key that gives it: moe_intermediate_size (DeepSeek, Qwen3-MoE),
-    Mixtral's intermediate_size (it has no other); 0 where the config gives none."""
-    key = "intermediate_size" if hf.get("model_type") == "mixtral" else "moe_intermediate_size"
+    Mixtral's and gpt-oss's intermediate_size (they have no other); 0 where the config gives none."""
+    key = "intermediate_size" if hf.get("model_type") in ("mixtral", "gpt_oss") else "moe_intermediate_size"
     return hf.get(key, 0), key
 
 

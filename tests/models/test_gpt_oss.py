@@ -107,6 +107,9 @@ def test_refusals_name_the_setting():
         family.transformer_config(hf, 2, 1, torch.float32, True, etp=2)
     with pytest.raises(ValueError, match="yarn only"):
         family.check_supported(hf | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="swiglu_limit=8"):
+        family.check_supported(hf | {"swiglu_limit": 8.0})
+    family.check_supported(hf | {"swiglu_limit": 7.0})  # the published config.json's
     with pytest.raises(ValueError, match="layer_types"):
         family.check_supported(hf | {"layer_types": ["sliding_attention", "chunked_attention"]})
     with pytest.raises(ValueError, match="actor.attention='varlen'"):
@@ -185,3 +188,28 @@ def test_convert_round_trip_reads_mxfp4_and_writes_bf16_bitwise(tmp_path):
     assert not torch.equal(back["model.layers.0.mlp.experts.down_proj"], original["model.layers.0.mlp.experts.down_proj"])
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
     assert AutoConfig.from_pretrained(tmp_path / "back").model_type == "gpt_oss"
+
+
+def test_inventory_lists_each_expert_as_its_row_and_rollouts_are_refused(tmp_path):
+    """The planner's inventory: the checkpoint's tensors by name and shape, each stacked expert tensor as its E rows
+    (`<name>.{e}`); an RL config for the model is refused before any worker starts, naming the model type."""
+    from megarl.config import ConfigError
+    from megarl.config.model_layout import check_rollout_model
+    from megarl.config.tiny import tiny_config
+    from megarl.reshard.inventory import hf_inventory
+
+    model_dir = save_random(tmp_path / "m")
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    shapes = {n: tuple(t.shape) for n, t in load_file(f"{model_dir}/model.safetensors").items()}
+    listed = {}
+    for spec in hf_inventory(hf):
+        name = spec.name.rsplit(".", 1)[0] if spec.expert is not None else spec.name
+        listed.setdefault(name, []).append((spec.expert, spec.shape))
+    assert sorted(listed) == sorted(shapes)
+    for name, rows in listed.items():
+        if rows[0][0] is None:
+            assert rows == [(None, shapes[name])], name
+        else:
+            assert rows == [(e, shapes[name][1:]) for e in range(4)], name
+    with pytest.raises(ConfigError, match="model_type='gpt_oss' stacks each layer's experts"):
+        check_rollout_model(tiny_config([f"model.path={model_dir}"]), hf, "config.json")
