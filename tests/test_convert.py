@@ -182,3 +182,23 @@ def test_qwen3_next_comes_back_bit_exact(tmp_path):
     assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
     assert {t.dtype for t in back.values()} == {torch.bfloat16}
     assert AutoConfig.from_pretrained(tmp_path / "back").model_type == "qwen3_next"
+
+
+def test_gemma3_comes_back_bit_exact(tmp_path):
+    """A bf16 Gemma 3 (tied embedding, four norms per layer, QK-norm) through hf-to-megatron and megatron-to-hf: every
+    tensor bit for bit, and a config.json transformers loads as Gemma 3 again (its per-layer-type RoPE kept)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.hf_families import gemma3_config, save_random
+
+    hf = tmp_path / "hf"
+    AutoModelForCausalLM.from_pretrained(save_random(gemma3_config(), tmp_path / "fp32", seed=4),
+                                         dtype=torch.bfloat16).save_pretrained(hf)
+    convert("hf-to-megatron", hf, tmp_path / "imported")
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
+    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert "model.layers.3.post_feedforward_layernorm.weight" in back and "lm_head.weight" not in back
+    assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
+    assert {t.dtype for t in back.values()} == {torch.bfloat16}
+    config = AutoConfig.from_pretrained(tmp_path / "back")
+    assert config.model_type == "gemma3_text" and config.rope_parameters == gemma3_config().rope_parameters

@@ -54,6 +54,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megarl.models.decoder import DecoderFamily
 from megarl.models.norm import HiddenNorm
@@ -67,7 +68,7 @@ THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 
 
 def with_defaults(hf: dict) -> dict:
-    return {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    return {**DEFAULTS, **hf}
 
 
 def gemma3_layer_types(hf: dict) -> list[str]:
@@ -109,7 +110,6 @@ class LayerTypeRotary(torch.nn.Module):
     def __init__(self, full: RotaryEmbedding, sliding: RotaryEmbedding):
         super().__init__()
         self.full, self.sliding = full, sliding
-        self.cp_group = None
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.full.get_rotary_seq_len(*args, **kwargs)
@@ -165,25 +165,39 @@ class Gemma3MLP(MLP):
         out, bias = super().forward(hidden_states, *args, **kwargs)
         return self.post_layernorm(out), bias
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """MLP's asks each child for its sharded_state_dict, which the post norm (a torch module) lacks: the norm goes
+        through megatron's default for other modules (replicated), as the layer's own norms do."""
+        norm = self._modules.pop("post_layernorm")
+        try:
+            state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        finally:
+            self._modules["post_layernorm"] = norm
+        return state | sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets, metadata)
+
+
+def window_mask(attention_mask: torch.Tensor | None, length: int, window: int, device) -> torch.Tensor:
+    """megatron's boolean mask (True = masked) that also hides keys `window` or more positions before the query (the
+    query sees itself and window - 1 keys before it, as transformers' sliding_window_overlay); causal where no mask
+    is given."""
+    positions = torch.arange(length, device=device)
+    offset = positions[:, None] - positions[None, :]  # query - key
+    outside = offset >= window
+    if attention_mask is None:
+        return (outside | (offset < 0))[None, None]
+    return attention_mask | outside
+
 
 class WindowedAttention(DotProductAttention):
-    """megatron's DotProductAttention over the last `window` keys of each query (the query's own included), within
-    the mask it is given (True = masked; causal when none is)."""
+    """megatron's DotProductAttention over the last `window` keys of each query, within the mask it is given."""
 
     def __init__(self, *args, window: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.window = window
 
     def forward(self, query, key, value, attention_mask, *args, **kwargs):
-        positions = torch.arange(query.shape[0], device=query.device)
-        offset = positions[:, None] - positions[None, :]  # query - key
-        outside = offset >= self.window
-        if attention_mask is None:
-            outside = outside | (offset < 0)
-            attention_mask = outside[None, None]
-        else:
-            attention_mask = attention_mask | outside
-        return super().forward(query, key, value, attention_mask, *args, **kwargs)
+        mask = window_mask(attention_mask, query.shape[0], self.window, query.device)
+        return super().forward(query, key, value, mask, *args, **kwargs)
 
 
 class Gemma3(DecoderFamily):
