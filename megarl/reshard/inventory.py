@@ -25,6 +25,9 @@ four tensors (models/gpt_oss.py). For the planner each expert is listed as its r
 (gate_up_proj's row [hidden, 2 x intermediate], input-major with gate and up interleaved: a block of columns is
 one expert-TP rank's gate and up rows); the weight sync does not model stacked tensors (STACKED_EXPERTS: rollouts
 are refused by config.model_layout.check_rollout_model).
+Gemma 3 (gemma3_text): q_norm/k_norm, and two more norms per layer (pre_feedforward_layernorm, post_feedforward_layernorm);
+its embedding tied unless config.json says otherwise, and held whole on every generation rank (SGLang's Gemma 3 embeds
+with a plain nn.Embedding, not a vocabulary-parallel one): `TensorSpec.whole_for_generation`.
 Vision-language models (Qwen2.5-VL, Qwen3-VL): the language model's tensors as a Qwen2's / Qwen3's (its fields at the
 top of config.json, or under transformers 5's text_config: `language_fields`; Qwen3-VL's named model.language_model.*),
 and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
@@ -36,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megarl.utils.hf_config import (GATED_SHARED_EXPERT, HYBRID_ATTENTION, expert_width, language_fields,
-                                    layer_types, routed_experts, shared_expert_width)
+                                    layer_types, routed_experts, shared_expert_width, tied_embeddings)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class TensorSpec:
     expert: int | None = None  # a routed expert's index in its layer (EP places it); None for other tensors
     experts: int = 0  # routed experts of that layer
     fp32: bool = False  # kept in float32 whatever the model's dtype (DeepSeek-V3's routing bias)
+    whole_for_generation: bool = False  # every generation rank holds all of it (Gemma 3's embedding in SGLang)
 
     @property
     def numel(self) -> int:
@@ -120,7 +124,7 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     if hf.get("model_type") == "gpt_oss":
         specs += [TensorSpec(p + "o_proj.bias", (h,), None, layer),
                   TensorSpec(p + "sinks", (heads,), 0, layer, units=heads)]
-    if hf.get("model_type", "").startswith("qwen3") or hf.get("use_qk_norm"):  # per-head RMSNorm of queries and keys
+    if hf.get("model_type", "").startswith(("qwen3", "gemma3")) or hf.get("use_qk_norm"):  # per-head RMSNorm of queries and keys
         specs += [TensorSpec(p + "q_norm.weight", (hd,), None, layer),
                   TensorSpec(p + "k_norm.weight", (hd,), None, layer)]
     return specs
@@ -272,7 +276,8 @@ def qwen3_vision_tower(vision: dict) -> list[TensorSpec]:
 
 
 SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe",
-             "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
+             "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gpt_oss",
+             "gemma3_text")
 # model types whose checkpoints stack each layer's experts in a few tensors: listed by row, for the planner only
 STACKED_EXPERTS = ("gpt_oss",)
 # vision-language model types: their language model's family in SUPPORTED, their tower's tensors, and what their
@@ -293,7 +298,8 @@ def hf_inventory(hf: dict) -> list[TensorSpec]:
     if model_type not in SUPPORTED:
         raise ValueError(f"model_type={model_type!r}: the inventory knows {', '.join(SUPPORTED + tuple(VISION_LANGUAGE))}")
     h, vocab = hf["hidden_size"], hf["vocab_size"]
-    specs = [TensorSpec("model.embed_tokens.weight", (vocab, h), 0, None, pad_vocab=True)]
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, h), 0, None, pad_vocab=True,
+                        whole_for_generation=model_type == "gemma3_text")]
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), None, i))
@@ -304,11 +310,13 @@ def hf_inventory(hf: dict) -> list[TensorSpec]:
         else:
             specs += _attention(hf, p + "self_attn.", i)
         specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), None, i))
+        if model_type == "gemma3_text":
+            specs += [TensorSpec(p + f"{n}_feedforward_layernorm.weight", (h,), None, i) for n in ("pre", "post")]
         if is_moe_layer(hf, i):
             specs += _moe(hf, p + ("block_sparse_moe." if model_type == "mixtral" else "mlp."), i)
         else:
             specs += _mlp(p + "mlp.", h, hf["intermediate_size"], i)
     specs.append(TensorSpec("model.norm.weight", (h,), None, None))
-    if not hf.get("tie_word_embeddings"):
+    if not tied_embeddings(hf):
         specs.append(TensorSpec("lm_head.weight", (vocab, h), 0, None, pad_vocab=True))
     return specs

@@ -137,6 +137,8 @@ class GenLayout:
     def rows(self, spec: TensorSpec, rank: int) -> tuple[int, int] | None:
         """The rows of `spec` generation rank `rank` (global) holds; None: a routed expert of another EP rank."""
         t = rank % self.tp
+        if spec.whole_for_generation:
+            return 0, spec.length
         if spec.expert is None:
             return spec.rows(self.tp, t)
         if self.expert_owner(spec) != t // self.moe_tp:

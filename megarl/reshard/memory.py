@@ -29,6 +29,8 @@ only under sequence parallelism), with flash-style attention (no score matrix st
   the T x topk x ETP routed token copies this rank computes saves its input and output (2h each), fc1
   output, SiLU and product (8F / ETP) and its fp32 probability; shared experts as a dense MLP;
 - the last stage: the fp32 vocab-parallel logits and their fp32 gradient, 8 bytes per logit (T x V / TP).
+Gemma 3 (megarl runs its sliding windows in megatron's unfused attention): each layer also saves the fp32 softmax
+output and bf16 probabilities, heads x seq_len scores per token, and four norms' inputs and outputs instead of two.
 Recompute (megatron's): full keeps each layer's input only; selective drops what its modules save
 (core_attn: the log-sum-exp; layernorm: norm outputs; mla_up_proj: Q, K, the kv up output; mlp: a dense
 MLP's; moe_act: the experts' SiLU and product; shared_experts: theirs; moe: the whole MoE block). Backward
@@ -45,7 +47,8 @@ from dataclasses import dataclass
 
 from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, on_first_stage
 from megarl.reshard.layout import TrainLayout
-from megarl.utils.hf_config import expert_width, language_fields, routed_experts, shared_expert_width
+from megarl.utils.hf_config import (UNFUSED_ATTENTION, expert_width, language_fields, routed_experts,
+                                    shared_expert_width, tied_embeddings)
 
 BF16, FP32 = 2, 4
 RECOMPUTE = ("none", "selective", "full")
@@ -142,7 +145,12 @@ def _activations(hf: dict, layer: int, train: TrainLayout, s: MemorySettings, cp
         hd = hf.get("head_dim") or h // heads
         q, kv = heads * hd, (hf.get("num_key_value_heads") or heads) * hd
         parts["attention"] = BF16 * tokens * ((q + 2 * kv) + (q + kv) + q) / tp
-    parts["core_attn"] = FP32 * tokens * heads / tp  # flash attention's log-sum-exp
+    if hf.get("model_type") in UNFUSED_ATTENTION:  # megatron's attention: fp32 softmax output, bf16 probabilities
+        parts["core_attn"] = (FP32 + BF16) * tokens * s.seq_len * heads / tp
+    else:
+        parts["core_attn"] = FP32 * tokens * heads / tp  # flash attention's log-sum-exp
+    if hf.get("model_type") == "gemma3_text":  # the post-attention and post-MLP norms' inputs and outputs
+        parts["norm_in"], parts["norm_out"] = 2 * parts["norm_in"], 2 * parts["norm_out"]
     if is_moe_layer(hf, layer):
         experts = routed_experts(hf)
         f, topk = expert_width(hf)[0], hf["num_experts_per_tok"]
@@ -188,7 +196,7 @@ def _index(model: str) -> _ParamIndex:
     for spec in hf_inventory(hf):
         if spec.layer is None:
             (first if on_first_stage(spec) else last).append(spec)
-            if "embed_tokens" in spec.name and hf.get("tie_word_embeddings"):
+            if "embed_tokens" in spec.name and tied_embeddings(hf):
                 tied.append(dataclasses.replace(spec, name="output_layer.weight"))
         elif spec.expert is None:
             dense[spec.layer].append(spec)

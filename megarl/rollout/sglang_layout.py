@@ -33,6 +33,9 @@ GLM-4.5 (models/glm4_moe.py): q/k/v (and their biases) in qkv_proj, dense MLPs' 
 gate_up_proj, routed experts in mlp.experts.w13_weight/w2_weight, the router's gate.weight and its float32
 gate.e_score_correction_bias as they are; its one shared expert becomes routed expert n_routed_experts of w13/w2 where
 SGLang fuses it (`sglang_fuses_shared_experts`).
+Gemma 3 (models/gemma3_causal.py): q/k/v in qkv_proj, gate/up in gate_up_proj, its four norms per layer and
+q_norm/k_norm as named; the embedding a plain nn.Embedding, whole on every rank (inventory's whole_for_generation), which
+the head is tied to (lm_head.weight skipped).
 Qwen2.5-VL (models/qwen2_5_vl.py): the language model as qwen2's; the vision tower whole on every rank (megarl's
 servers for a vision-language model run it data-parallel over TP, --mm-enable-dp-encoder: sglang_server.py), each
 block's attn.qkv held as attn.qkv_proj, its mlp's gate/up (weights and biases) fused into gate_up_proj, the MLP's
@@ -128,7 +131,7 @@ class SGLangLayout:
 
     def rows(self, name: str, rank: int) -> tuple[int, int] | None:
         spec = self.specs[name]
-        if spec.pad_vocab:
+        if spec.pad_vocab and not spec.whole_for_generation:
             return sglang_vocab_rows(spec.length, self.tp, rank)
         return self.gen.rows(spec, rank)
 
@@ -235,7 +238,7 @@ def check_presharded_vocab(specs: list, tp: int) -> None:
     rank's block of the vocabulary padded to a multiple of 64 (`sglang_vocab_rows`); megarl's shards (inventory
     TensorSpec.rows) must be those rows, else refuse before anything is sent."""
     for spec in specs:
-        if not spec.pad_vocab:
+        if not spec.pad_vocab or spec.whole_for_generation:
             continue
         vocab = spec.length
         for rank in range(tp):

@@ -37,6 +37,17 @@ def shared_expert_width(hf: dict) -> int:
     return (hf.get("n_shared_experts") or 0) * hf.get("moe_intermediate_size", 0)
 
 
+# model types whose config.json may leave tie_word_embeddings out, meaning true (transformers' default for them)
+_TIED_BY_DEFAULT = ("gemma3_text",)
+# model types whose attention runs megatron's unfused DotProductAttention, scores stored (Gemma 3's windows)
+UNFUSED_ATTENTION = ("gemma3_text",)
+
+
+def tied_embeddings(hf: dict) -> bool:
+    """Whether the output layer is the embedding: tie_word_embeddings, or the model type's default where absent."""
+    return bool(hf.get("tie_word_embeddings", hf.get("model_type") in _TIED_BY_DEFAULT))
+
+
 def layer_types(hf: dict) -> list[str]:
     """Each layer's token mixer in a hybrid model (Qwen3.5: "linear_attention" or "full_attention"); transformers'
     default where config.json has none: full attention every full_attention_interval-th (4th) layer."""
