@@ -41,8 +41,11 @@ class HeldRows:
         if self.dim is None:
             return self.shard
         idx = self.index[a - self.lo:b - self.lo]
-        if len(idx) == 0 or int(idx[-1]) - int(idx[0]) == len(idx) - 1:
-            return self.shard.narrow(self.dim, int(idx[0]) if len(idx) else 0, b - a)
+        # a view only where the rows are consecutive in order: a fused shard may permute rows between two ends that
+        # look consecutive (Qwen3-Next's in_proj_qkvz, grouped per key head, in megatron's [q; k; v; z] order)
+        start = int(idx[0]) if len(idx) else 0
+        if torch.equal(idx.cpu(), torch.arange(start, start + len(idx))):
+            return self.shard.narrow(self.dim, start, b - a)
         return self.shard.index_select(self.dim, idx.to(self.shard.device))
 
 

@@ -150,3 +150,16 @@ def test_reshard_bitwise_bytes_and_memory(model_dir, tp, pp):
             assert by[(gen_tp, "sharded")] <= by[(gen_tp, "full")]
     assert sum(dict(((g, d), r) for g, d, r, _, _ in rows)[(4, "sharded")] for rows in stats) < \
         sum(dict(((g, d), r) for g, d, r, _, _ in rows)[(4, "full")] for rows in stats)
+
+
+def test_held_rows_keep_the_row_order_of_a_permuted_block():
+    """Rows permuted inside a block whose ends look consecutive (Qwen3-Next's in_proj_qkvz in megatron's in_proj)
+    come back in row order; consecutive ones as a view of the shard."""
+    from megarl.reshard.resharder import HeldRows
+
+    shard = torch.arange(12.0).reshape(6, 2)
+    permuted = HeldRows(shard, 0, torch.tensor([0, 2, 1, 3]), 0, 4)  # row 1 sits at position 2, row 2 at 1
+    assert torch.equal(permuted.take(0, 4), shard[[0, 2, 1, 3]])
+    consecutive = HeldRows(shard, 0, torch.tensor([2, 3, 4]), 5, 8)
+    taken = consecutive.take(5, 8)
+    assert torch.equal(taken, shard[2:5]) and taken.data_ptr() == shard[2:5].data_ptr()
