@@ -17,10 +17,16 @@ of shared_expert_intermediate_size (mlp.shared_expert.*) whose output is multipl
 sigmoid(mlp.shared_expert_gate(x)) before it joins the routed output: megatron's SharedExpertMLP with
 moe_shared_expert_gate (its gate_weight [1, H]).
 
-Limits: tensor parallelism is refused as for Qwen3.5 (qwen3_5.py says why); EP and PP work. Qwen3-Next with dense
-layers (decoder_sparse_step != 1, mlp_only_layers) is refused. The multi-token-prediction tensors of the published
-checkpoints (mtp.*) and the vision-language Qwen3.5-MoE checkpoints (Qwen3_5MoeForConditionalGeneration, tensors
-under model.language_model.) are not served.
+Limits: tensor parallelism is refused as for Qwen3.5 (qwen3_5.py says why); EP and PP work (tests/models/
+test_qwen3_next.py), and routing replay (tests/models/test_router_replay.py). Qwen3-Next with dense layers
+(decoder_sparse_step != 1, mlp_only_layers) is refused. The published checkpoints' multi-token-prediction tensors
+(mtp.*) are neither built nor written back by export (unlike DeepSeek-V3's MTP layer, hf_checkpoint.py), and the
+vision-language Qwen3.5-MoE checkpoints (Qwen3_5MoeForConditionalGeneration, tensors under model.language_model.) are
+not served. megarl's "sglang" weight layout (rollout/sglang_layout.py) does not know these models' SGLang names:
+SGLang's Qwen3-Next holds the attention without its self_attn. prefix (model.layers.{i}.qkv_proj), both hold the
+shared expert's gate/up in shared_expert.gate_up_proj (Qwen3.5's may fold it into the routed experts), and SGLang's
+Qwen3.5 fuses in_proj_qkv / in_proj_z into in_proj_qkvz and in_proj_b / in_proj_a into in_proj_ba with each part cut
+by TP (as it cuts conv1d in both), which the resharder's contiguous row blocks cannot express yet.
 """
 
 from __future__ import annotations
