@@ -268,7 +268,7 @@ class Gemma3(DecoderFamily):
         maps = []
         for m in super().weight_maps(hf, tp):
             if m.megatron.endswith(".pre_mlp_layernorm.weight"):
-                m = dataclasses.replace(m, hf=(m.hf[0].replace("post_attention_layernorm", "pre_feedforward_layernorm"),))
+                m = dataclasses.replace(m, hf=(m.hf[0].replace("post_attention", "pre_feedforward"),))
             maps.append(m)
             if m.megatron.endswith(".self_attention.linear_proj.weight"):
                 layer = m.megatron.split(".")[2]

@@ -25,9 +25,10 @@ four tensors (models/gpt_oss.py). For the planner each expert is listed as its r
 (gate_up_proj's row [hidden, 2 x intermediate], input-major with gate and up interleaved: a block of columns is
 one expert-TP rank's gate and up rows); the weight sync does not model stacked tensors (STACKED_EXPERTS: rollouts
 are refused by config.model_layout.check_rollout_model).
-Gemma 3 (gemma3_text): q_norm/k_norm, and two more norms per layer (pre_feedforward_layernorm, post_feedforward_layernorm);
-its embedding tied unless config.json says otherwise, and held whole on every generation rank (SGLang's Gemma 3 embeds
-with a plain nn.Embedding, not a vocabulary-parallel one): `TensorSpec.whole_for_generation`.
+Gemma 3 (gemma3_text): q_norm/k_norm, and two more norms per layer (pre_feedforward_layernorm,
+post_feedforward_layernorm); its embedding tied unless config.json says otherwise, and held whole on every generation
+rank (SGLang's Gemma 3 embeds with a plain nn.Embedding, not a vocabulary-parallel one):
+`TensorSpec.whole_for_generation`.
 Vision-language models (Qwen2.5-VL, Qwen3-VL): the language model's tensors as a Qwen2's / Qwen3's (its fields at the
 top of config.json, or under transformers 5's text_config: `language_fields`; Qwen3-VL's named model.language_model.*),
 and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
@@ -124,7 +125,8 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     if hf.get("model_type") == "gpt_oss":
         specs += [TensorSpec(p + "o_proj.bias", (h,), None, layer),
                   TensorSpec(p + "sinks", (heads,), 0, layer, units=heads)]
-    if hf.get("model_type", "").startswith(("qwen3", "gemma3")) or hf.get("use_qk_norm"):  # per-head RMSNorm of queries and keys
+    # per-head RMSNorm of queries and keys
+    if hf.get("model_type", "").startswith(("qwen3", "gemma3")) or hf.get("use_qk_norm"):
         specs += [TensorSpec(p + "q_norm.weight", (hd,), None, layer),
                   TensorSpec(p + "k_norm.weight", (hd,), None, layer)]
     return specs

@@ -34,8 +34,8 @@ gate_up_proj, routed experts in mlp.experts.w13_weight/w2_weight, the router's g
 gate.e_score_correction_bias as they are; its one shared expert becomes routed expert n_routed_experts of w13/w2 where
 SGLang fuses it (`sglang_fuses_shared_experts`).
 Gemma 3 (models/gemma3_causal.py): q/k/v in qkv_proj, gate/up in gate_up_proj, its four norms per layer and
-q_norm/k_norm as named; the embedding a plain nn.Embedding, whole on every rank (inventory's whole_for_generation), which
-the head is tied to (lm_head.weight skipped).
+q_norm/k_norm as named; the embedding a plain nn.Embedding, whole on every rank (inventory's whole_for_generation),
+which the head is tied to (lm_head.weight skipped).
 Qwen2.5-VL (models/qwen2_5_vl.py): the language model as qwen2's; the vision tower whole on every rank (megarl's
 servers for a vision-language model run it data-parallel over TP, --mm-enable-dp-encoder: sglang_server.py), each
 block's attn.qkv held as attn.qkv_proj, its mlp's gate/up (weights and biases) fused into gate_up_proj, the MLP's
