@@ -32,12 +32,10 @@ from megarl.models.norm import HeadNorm, HiddenNorm
 from megarl.models.sharding import (WeightMap, fused_gate_up, fused_qkv, padded_vocab_size, replicated,
                                     split_dim, vocab_rows)
 from megarl.parallel.stages import stage_layers
+from megarl.utils.hf_config import language_fields
 
 
-def text_config(hf: dict) -> dict:
-    """The language model's fields of a config.json: the top level, or a multimodal model's text_config over it
-    (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level)."""
-    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
+text_config = language_fields  # the language model's fields of a (multimodal) config.json
 
 
 def head_dim(hf: dict) -> int:

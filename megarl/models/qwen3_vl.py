@@ -15,9 +15,8 @@ tower's features, M-RoPE position ids from the same mrope_positions, images thro
   apply_interleaved_mrope; megatron's MultimodalRotaryEmbedding cuts the frequencies in chunks instead, so the model
   computes its own table (InterleavedMRoPE).
 The checkpoint's tensors are `model.language_model.*` (the text family's `model.*` names), `lm_head.weight` and
-`model.visual.*`; megatron's tower is `visual.*`. Not supported: videos, context parallelism (as Qwen2.5-VL),
-Qwen3VLMoeForConditionalGeneration (its checkpoint fuses each layer's experts into one gate_up_proj / down_proj
-tensor, which megarl's one-parameter-per-expert weight maps do not cut yet).
+`model.visual.*`; megatron's tower is `visual.*`. Not supported: videos, context parallelism (as Qwen2.5-VL).
+The mixture-of-experts variant is qwen3_vl_moe.py.
 """
 
 from __future__ import annotations

@@ -278,8 +278,10 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     experts.gate_up_proj [experts, 2 x ffn, hidden], each expert's gate rows then its up rows; experts.down_proj
     [experts, hidden, ffn]) and converts them from and to per-expert tensors on load and save: expert e's
     gate/up/down_proj.weight (Mixtral's w1/w3/w2.weight) are views of its slices here. Mixtral's checkpoints name the
-    layer's MoE block block_sparse_moe where transformers 5 names it mlp."""
+    layer's MoE block block_sparse_moe where transformers 5 names it mlp. Qwen3-VL-MoE's checkpoints (and megarl's
+    export) keep them stacked, input-major ([experts, hidden, 2 x ffn], [experts, ffn, hidden]): transposed views."""
     mixtral = model.config.model_type == "mixtral"
+    stacked = model.config.model_type == "qwen3_vl_moe"
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     views = {}
     for name, t in model.state_dict().items():
@@ -287,7 +289,9 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
         if mixtral:
             name = name.replace(".mlp.", ".block_sparse_moe.")
         prefix, _, fused = name.rpartition(".experts.")
-        if fused == "gate_up_proj" and t.dim() == 3:
+        if stacked and fused in ("gate_up_proj", "down_proj"):
+            views[name] = t.transpose(1, 2)
+        elif fused == "gate_up_proj" and t.dim() == 3:
             ffn = t.shape[1] // 2
             for e in range(t.shape[0]):
                 views[f"{prefix}.experts.{e}.{gate}.weight"] = t[e, :ffn]
@@ -300,7 +304,7 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     return views
 
 
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")  # their rows may carry images; M-RoPE positions (VisionInputs)
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # their rows may carry images; M-RoPE positions (VisionInputs)
 # transformers >= 5 nests Qwen2.5-VL's modules (model.language_model, model.visual) where its checkpoints, and
 # megarl's exported names, have them at the top (model.layers..., visual...); Qwen3-VL's checkpoints nest them too
 _VL_MODULE_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))

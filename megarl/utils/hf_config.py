@@ -13,8 +13,13 @@ GATED_SHARED_EXPERT = ("qwen3_5_moe_text", "qwen3_next")
 
 def language_fields(hf: dict) -> dict:
     """The language model's fields of a config.json: the top level, with a multimodal model's text_config over it
-    (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level)."""
-    return {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
+    (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level), except
+    tie_word_embeddings: transformers ties a multimodal model's output layer by the top level's (a Qwen3-VL-MoE
+    config.json written by transformers 5 says false there and true, its text config's default, in text_config)."""
+    fields = {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
+    if "text_config" in hf and "tie_word_embeddings" in hf:
+        fields["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return fields
 
 
 def expert_width(hf: dict) -> tuple[int, str]:

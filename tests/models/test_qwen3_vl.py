@@ -7,8 +7,9 @@ interpolate the position embeddings; text only) the log-probs equal transformers
 exported back to HF names are bitwise the checkpoint's (vision tower included); one SFT step over three micro-batches
 at PP=2 gives the same weights with full recompute as without (each DeepStack layer rerun with its own micro-batch's
 features). Also: the weight maps and the resharder's inventory name every checkpoint tensor once, interleaved M-RoPE
-is not megatron's chunked one, a first stage without the DeepStack layers is refused by name, and megarl.convert's
-round trip is bitwise.
+is not megatron's chunked one, a first stage without the DeepStack layers is refused by name.
+Qwen3-VL-MoE (megarl/models/qwen3_vl_moe.py): the same log-probs and export at TP=2 with SP, PP=2 and EP=2; its
+stacked experts named once per row and read alike from either layout; megarl.convert's round trip is bitwise.
 """
 
 import pytest
@@ -21,11 +22,13 @@ from tests.models.hf_qwen2_vl import VOCAB, hf_logprobs, image_rows
 from tests.models.hf_qwen3_vl import qwen3_vl_config, save_random_qwen3_vl
 from tests.models.test_qwen2_vl import vl_batch
 
-# (tp, pp, sequence_parallel, recompute, max_tokens_per_micro_batch) on 2 ranks
-LAYOUTS = ((2, 1, False, "none", 64), (2, 1, True, "none", 0), (1, 2, False, "none", 0), (1, 2, False, "full", 0))
+# (tp, pp, ep, sequence_parallel, recompute, max_tokens_per_micro_batch) on 2 ranks
+LAYOUTS = ((2, 1, 1, False, "none", 64), (2, 1, 1, True, "none", 0), (1, 2, 1, False, "none", 0),
+           (1, 2, 1, False, "full", 0))
+MOE_LAYOUTS = ((2, 1, 1, True, "none", 0), (1, 2, 1, False, "none", 0), (1, 1, 2, False, "none", 64))
 
 
-def _check_rank(rank, model_dir, reference):
+def _check_rank(rank, model_dir, reference, layouts):
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -35,12 +38,12 @@ def _check_rank(rank, model_dir, reference):
 
     checkpoint = load_file(f"{model_dir}/model.safetensors")
     trained = {}
-    for tp, pp, sp, recompute, max_tokens in LAYOUTS:
+    for tp, pp, ep, sp, recompute, max_tokens in layouts:
         parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         model_parallel_cuda_manual_seed(1)
-        where = f"tp={tp} pp={pp} sp={sp} recompute={recompute}"
-        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, sequence_parallel=sp)
+        where = f"tp={tp} pp={pp} ep={ep} sp={sp} recompute={recompute}"
+        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
         actor = ActorConfig(parallel=parallel, micro_batch_size=1, max_tokens_per_micro_batch=max_tokens,
                             recompute=recompute, optim=OptimConfig(lr=1e-2))
         engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
@@ -51,9 +54,11 @@ def _check_rank(rank, model_dir, reference):
         assert sorted(exported) == sorted(checkpoint), where
         for name, tensor in checkpoint.items():
             assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), (where, name)
-        if pp > 1:  # one SFT step over 3 micro-batches, the second forward before the first backward (1F1B)
-            engine.train(vl_batch(image_rows()), loss="sft")
+        if pp > 1 and layouts is LAYOUTS:  # one SFT step over 3 micro-batches, the second forward before the first
+            engine.train(vl_batch(image_rows()), loss="sft")  # backward (1F1B)
             trained[recompute] = {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
+    if not trained:
+        return
     # full recompute reruns each DeepStack layer with its own micro-batch's features: the same step
     changed = [n for n in checkpoint if not torch.equal(trained["none"][n], checkpoint[n])]
     assert any(n.startswith("model.visual.deepstack_merger_list.") for n in changed)
@@ -63,7 +68,14 @@ def _check_rank(rank, model_dir, reference):
 
 def test_logprobs_equal_transformers_at_tp2_sp_and_pp2_and_weights_round_trip(tmp_path):
     model_dir = save_random_qwen3_vl(tmp_path / "vl")
-    run_distributed(_check_rank, 2, model_dir, hf_logprobs(model_dir, image_rows()))
+    run_distributed(_check_rank, 2, model_dir, hf_logprobs(model_dir, image_rows()), LAYOUTS)
+
+
+def test_moe_logprobs_equal_transformers_at_tp2_sp_pp2_ep2_and_weights_round_trip(tmp_path):
+    """Qwen3-VL-MoE: the same rows and checks at TP=2 with SP, PP=2 and EP=2 (the stacked experts exported back
+    bitwise in the published layout)."""
+    model_dir = save_random_qwen3_vl(tmp_path / "vl", moe=True)
+    run_distributed(_check_rank, 2, model_dir, hf_logprobs(model_dir, image_rows()), MOE_LAYOUTS)
 
 
 def test_weight_maps_name_every_checkpoint_tensor_once_and_refusals(tmp_path):
@@ -90,13 +102,44 @@ def test_weight_maps_name_every_checkpoint_tensor_once_and_refusals(tmp_path):
                      max_sequence_length=64)
 
 
+def test_moe_weight_maps_stack_each_expert_once_in_either_layout(tmp_path):
+    """Qwen3-VL-MoE: every checkpoint tensor named, the stacked ones once per expert row; a row reads the same from
+    the published (input-major) layout and from transformers 5's output-major one; the hf rollout engine's views
+    of transformers' model are the checkpoint's tensors (stacked, input-major), which megarl's updates name."""
+    from transformers import AutoModelForImageTextToText
+
+    from megarl.models import get_family
+    from megarl.models.qwen3_vl_moe import FAMILY
+    from megarl.rollout.hf import checkpoint_views
+    from tests.models.hf_qwen3_vl import STACKED
+
+    hf = qwen3_vl_config(moe=True).to_dict()
+    assert get_family(hf) is FAMILY
+    model_dir = save_random_qwen3_vl(tmp_path / "moe", moe=True)
+    checkpoint = load_file(f"{model_dir}/model.safetensors")
+    maps = [m for m in FAMILY.weight_maps(hf, tp=2) if m.export]
+    assert sorted({n for m in maps for n in m.hf}) == sorted(checkpoint)
+    rows = sorted((m.hf[0], m.stacked) for m in maps if m.stacked)
+    assert rows == sorted((n, (e, 4)) for n in checkpoint if n.endswith(STACKED) for e in range(4))
+    for m in maps:
+        if m.stacked:
+            published = checkpoint[m.hf[0]][m.stacked[0]]
+            for rank in (0, 1):
+                assert torch.equal(m.to_shard([published], rank, 2), m.to_shard([published.t()], rank, 2)), m.megatron
+            assert torch.equal(m.from_shards([m.to_shard([published], r, 2) for r in (0, 1)])[0], published)
+    views = checkpoint_views(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32))
+    assert sorted(views) == sorted(checkpoint) and all(torch.equal(views[n], t) for n, t in checkpoint.items())
+
+
 def test_convert_round_trip_is_bitwise(tmp_path):
-    """python -m megarl.convert hf-to-megatron then megatron-to-hf, in bf16: every tensor, vision tower included."""
+    """python -m megarl.convert hf-to-megatron then megatron-to-hf of a bf16 Qwen3-VL-MoE: every tensor bitwise, the
+    vision tower, its DeepStack mergers and the stacked experts (published layout) included."""
     from tests.test_convert import convert
 
-    model_dir = save_random_qwen3_vl(tmp_path / "vl", dtype=torch.bfloat16)
+    model_dir = save_random_qwen3_vl(tmp_path / "vl", dtype=torch.bfloat16, moe=True)
     convert("hf-to-megatron", model_dir, tmp_path / "ckpt")
     convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "back")
     original, back = load_file(f"{model_dir}/model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(original) and any(n.startswith("model.visual.deepstack") for n in back)
+    assert any(n.endswith(".experts.gate_up_proj") for n in back)
     assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in original.items())

@@ -1,0 +1,76 @@
+"""Qwen3-VL-MoE (transformers' Qwen3VLMoeForConditionalGeneration, model_type qwen3_vl_moe): Qwen3-VL (qwen3_vl.py:
+its tower, DeepStack, interleaved M-RoPE, checkpoint names) with Qwen3-MoE's language model (qwen3_moe.py, moe.py:
+softmax top-k routing over megatron's MoELayer, EP), every layer a mixture of experts. Its router always renormalises
+its top-k weights (transformers' Qwen3VLMoeTextTopKRouter; config.json has no norm_topk_prob). Each layer's experts
+are stacked in the checkpoint (experts.gate_up_proj, experts.down_proj), read as one row per megatron expert
+(WeightMap.stacked) and written back stacked, in the published layout (stacked_gate_up, stacked_down).
+Not in the resharder's inventory or SGLang's layout yet (sharded delivery, the planner): SGLang loads the stacked
+tensors transposed into its FusedMoE w13/w2, which the layout's row blocks do not describe; full delivery sends the
+exported (stacked, published-layout) tensors, which SGLang's Qwen3-VL-MoE load_weights takes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.models.decoder import text_config
+from megarl.models.qwen3_moe import Qwen3Moe
+from megarl.models.qwen3_vl import Qwen3VL
+from megarl.models.sharding import WeightMap, fused_gate_up, replicated
+from megarl.utils.hf_config import expert_width, routed_experts
+
+
+def stacked_gate_up(width: int) -> dict:
+    """An expert's row of the stacked experts.gate_up_proj -> megatron's fc1 [gate rows; up rows]. The published
+    checkpoints store it input-major [hidden, 2 x width] (gate columns, then up columns), as SGLang loads it;
+    transformers 5 saves it output-major [2 x width, hidden], which is read too (by its shape: where hidden ==
+    2 x width the published layout is assumed) and written back input-major."""
+    halves = fused_gate_up()
+
+    def to_shard(ts, rank, size):
+        t = ts[0] if ts[0].shape[0] == 2 * width != ts[0].shape[1] else ts[0].t()
+        return halves["to_shard"]([t[:width], t[width:]], rank, size)
+
+    def from_shards(shards):
+        return [torch.cat(halves["from_shards"](shards)).t().contiguous()]
+
+    return dict(to_shard=to_shard, from_shards=from_shards)
+
+
+def stacked_down(width: int) -> dict:
+    """An expert's row of the stacked experts.down_proj, input-major [width, hidden] as published (transformers 5's
+    output-major [hidden, width] read too) -> megatron's row-parallel fc2 [hidden, width]."""
+    def to_shard(ts, rank, size):
+        t = ts[0] if ts[0].shape[1] == width != ts[0].shape[0] else ts[0].t()
+        return t.chunk(size, 1)[rank]
+
+    return dict(to_shard=to_shard, from_shards=lambda shards: [torch.cat(shards, 1).t().contiguous()])
+
+
+class Qwen3VLMoe(Qwen3VL, Qwen3Moe):
+    """Qwen3VL's model and names, Qwen3Moe's experts and refusals (module docstring); the MoE fields are read from
+    text_config."""
+
+    name = "Qwen3-VL-MoE"
+    architectures = ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe")
+
+    def renormalises(self, hf: dict) -> bool:
+        return True
+
+    def num_experts(self, hf: dict) -> int:
+        return routed_experts(text_config(hf))
+
+    def mlp_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
+        m, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+        experts, width = self.num_experts(hf), expert_width(hf)[0]
+        maps = [WeightMap(m + "router.weight", (h + "gate.weight",), **replicated())]
+        for e in range(experts):
+            x = m + f"experts.local_experts.{e}."
+            maps += [WeightMap(x + "linear_fc1.weight", (h + "experts.gate_up_proj",), stacked=(e, experts),
+                               **stacked_gate_up(width)),
+                     WeightMap(x + "linear_fc2.weight", (h + "experts.down_proj",), stacked=(e, experts),
+                               **stacked_down(width))]
+        return maps
+
+
+FAMILY = Qwen3VLMoe()
