@@ -29,7 +29,9 @@ As transformers 5.12 computes it, and how megatron-core computes the same:
   times the routing weight (the bias too). megatron's expert MLP with quick_gelu (x * sigmoid(1.702 x)),
   glu_linear_offset=1 and activation_func_clamp_value=7 computes that on [gate rows; up rows] (its fc1 halves), and
   scales the fc2 bias by the routing weight too. megatron-core takes expert biases only at expert-TP size 1:
-  actor.parallel.etp=1 (refused otherwise); experts are split over EP.
+  actor.parallel.etp=1 (refused otherwise); experts are split over EP and whole on every TP rank, each of which
+  routes its own tokens under sequence parallelism: GptOssExperts and ExpertOutputLinear keep their gradients whole
+  (and training possible at all) where megatron's defaults assume expert-TP = TP.
 - The checkpoint keeps each layer's experts stacked (transformers' GptOssExperts, no conversion on save):
   mlp.experts.gate_up_proj [E, hidden, 2 x intermediate] (input-major), gate_up_proj_bias [E, 2 x intermediate],
   down_proj [E, intermediate, hidden], down_proj_bias [E, hidden]. Each expert's weight maps carry `stacked`
@@ -52,8 +54,9 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.activations import quick_gelu
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layers import RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -90,6 +93,35 @@ class SinkAttention(DotProductAttention):
 
 class WindowedSinkAttention(SinkAttention, WindowedAttention):
     """SinkAttention within Gemma 3's sliding window (the window added to the mask it is given)."""
+
+
+class ExpertOutputLinear(RowParallelLinear):
+    """An expert's linear_fc2. Its output is a tensor of its own: where neither expert-TP nor EP splits the experts,
+    megatron's RowParallelLinear returns its TP reduction's input as is (a custom Function's view), and its MLP then
+    adds the bias weighted by the routing into that output in place, which autograd refuses in training. Its bias is
+    not marked sequence-parallel: its gradient is a sum over this rank's tokens, which GptOssExperts' expert-data-
+    parallel reduction completes (megatron marks it, and would sum it over TP a second time)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.bias is not None:
+            self.bias.sequence_parallel = False
+
+    def forward(self, input_):
+        output, bias = super().forward(input_)
+        return (output if self.explicit_expert_comm else output.clone()), bias
+
+
+class GptOssExperts(SequentialMLP):
+    """megatron's SequentialMLP, its parameters always in DDP's expert buffers (allreduce=False). At expert-TP 1
+    under TP > 1 with sequence parallelism each TP rank routes only its own slice of the tokens, so every rank's
+    expert gradients are partial; megatron sums them over the expert-data-parallel group, which spans those ranks,
+    only for parameters so marked, and marks them only at EP > 1."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for param in self.parameters():
+            param.allreduce = False
 
 
 def layer_kinds(hf: dict) -> list[str]:
@@ -184,6 +216,8 @@ class GptOss(SoftmaxTopKMoe):
 
     def layer_spec(self, hf: dict, layer: int) -> ModuleSpec:
         spec = super().layer_spec(hf, layer)
+        experts = spec.submodules.mlp.submodules.experts
+        experts.module, experts.submodules.linear_fc2 = GptOssExperts, ExpertOutputLinear
         attention = spec.submodules.self_attention.submodules
         if layer_kinds(hf)[layer] == SLIDING:
             attention.core_attention = ModuleSpec(module=WindowedSinkAttention, params={"window": hf["sliding_window"]})

@@ -1,6 +1,7 @@
 """gpt-oss (megarl/models/gpt_oss.py) against transformers' GptOssForCausalLM: the weight names, the MXFP4 import,
 the refusals, and log-probs / entropy / export at every layout in one 2-rank gloo job."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,12 +10,13 @@ from safetensors.torch import load_file, save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
+from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
 from megarl.engine.attention import resolve_core_attention
 from megarl.models import get_family
 from megarl.models.hf_checkpoint import MXFP4, SafetensorsCheckpoint
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import VOCAB, hf_logprobs_entropy, padded_batch
+from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step, _hf_sft_step
 
 # (tp, pp, ep, sequence_parallel) on 2 ranks; experts never split over TP (megatron takes expert biases at ETP=1)
 LAYOUTS = ((2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True))
@@ -125,6 +127,7 @@ def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
     from megarl.engine import MegatronEngine
 
     checkpoint = load_file(f"{model_dir}/model.safetensors")
+    trained = {}
     for tp, pp, ep, sp in LAYOUTS:
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
@@ -141,17 +144,27 @@ def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
         assert sorted(exported) == sorted(checkpoint), where
         for key, tensor in checkpoint.items():
             assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
-    return True
+        if tp > 1 and not sp:
+            continue  # megatron refuses MoE training at TP > 1 without sequence parallelism
+        actor = dataclasses.replace(actor, optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
+        engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
+        batch = padded_batch(rows=8)
+        metrics = engine.train(batch.chunk(parallel_state.get_data_parallel_world_size())[
+            parallel_state.get_data_parallel_rank()], loss="sft")
+        trained[(tp, pp, ep, sp)] = (metrics, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket})
+    return trained
 
 
 def test_gpt_oss_matches_transformers_at_tp_pp_ep_sp(tmp_path):
     """Sinks, a window shorter than the rows (sequences packed into rows of 24 tokens), YaRN, the biased router and
     the clamped, interleaved experts: log-probs and entropy as transformers' (eager attention) at TP=2, PP=2, EP=2 and
-    TP=2 with SP, the export bitwise the checkpoint's."""
+    TP=2 with SP, the export bitwise the checkpoint's; one SFT Adam step as transformers + torch.optim.Adam's at PP=2,
+    EP=2 and TP=2 with SP (the sinks' gradients split by head, the router's and the experts' biases)."""
     model_dir = save_random(tmp_path / "gpt-oss", seed=41)
-    assert run_distributed(_check_rank, 2, model_dir, *hf_logprobs_entropy(model_dir, padded_batch()), timeout=240)
-
-
+    ref_loss, ref_grad_norm, ref_weights = _hf_sft_step(model_dir, tmp_path / "hf-step")
+    trained = run_distributed(_check_rank, 2, model_dir, *hf_logprobs_entropy(model_dir, padded_batch()), timeout=300)
+    assert sorted(trained) == [(1, 1, 2, False), (1, 2, 1, False), (2, 1, 1, True)]
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
 
 def test_convert_round_trip_reads_mxfp4_and_writes_bf16_bitwise(tmp_path):
     """A bf16 gpt-oss whose down_proj is stored as MXFP4 (random codes and scales, quant_method mxfp4; intermediate
