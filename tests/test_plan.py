@@ -21,7 +21,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
                                            ("qwen3-235b-a22b", 235.09), ("deepseek-v3", 671.03),
                                            ("mistral-7b-v0.3", 7.248), ("mistral-nemo-12b", 12.248),
                                            ("mixtral-8x7b", 46.70), ("glm-4.5", 352.80), ("glm-4.5-air", 106.85),
-                                           ("qwen3-vl-8b", 8.767), ("qwen3-next-80b-a3b", 79.67),
+                                           ("qwen3-vl-8b", 8.767), ("qwen3-vl-30b-a3b", 31.07),
+                                           ("qwen3-next-80b-a3b", 79.67),
                                            ("qwen3.5-397b-a17b", 396.35), ("kimi-k2", 1026.4),
                                            ("gpt-oss-20b", 20.91), ("gpt-oss-120b", 116.83)])
 def test_parameter_totals_match_the_published_sizes(name, billions):

@@ -4,20 +4,20 @@ softmax top-k routing over megatron's MoELayer, EP), every layer a mixture of ex
 its top-k weights (transformers' Qwen3VLMoeTextTopKRouter; config.json has no norm_topk_prob). Each layer's experts
 are stacked in the checkpoint (experts.gate_up_proj, experts.down_proj), read as one row per megatron expert
 (WeightMap.stacked) and written back stacked, in the published layout (stacked_gate_up, stacked_down).
-Not in the resharder's inventory or SGLang's layout yet (sharded delivery, the planner): SGLang loads the stacked
-tensors transposed into its FusedMoE w13/w2, which the layout's row blocks do not describe; full delivery sends the
-exported (stacked, published-layout) tensors, which SGLang's Qwen3-VL-MoE load_weights takes.
+RL runs are refused (config.model_layout.check_rollout_model, reshard.inventory.STACKED_EXPERTS, as gpt-oss's): the
+weight sync's layouts do not model stacked tensors (SGLang loads them transposed into its FusedMoE w13/w2, a row
+block of neither); the planner's inventory lists each expert as its row of them. The hf rollout engine already
+addresses them by the checkpoint's names (rollout/hf.py checkpoint_views).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megarl.models.decoder import text_config
 from megarl.models.qwen3_moe import Qwen3Moe
 from megarl.models.qwen3_vl import Qwen3VL
 from megarl.models.sharding import WeightMap, fused_gate_up, replicated
-from megarl.utils.hf_config import expert_width, routed_experts
+from megarl.utils.hf_config import expert_width
 
 
 def stacked_gate_up(width: int) -> dict:
@@ -48,17 +48,13 @@ def stacked_down(width: int) -> dict:
 
 
 class Qwen3VLMoe(Qwen3VL, Qwen3Moe):
-    """Qwen3VL's model and names, Qwen3Moe's experts and refusals (module docstring); the MoE fields are read from
-    text_config."""
+    """Qwen3VL's model and names, Qwen3Moe's experts and refusals (module docstring)."""
 
     name = "Qwen3-VL-MoE"
     architectures = ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe")
 
     def renormalises(self, hf: dict) -> bool:
         return True
-
-    def num_experts(self, hf: dict) -> int:
-        return routed_experts(text_config(hf))
 
     def mlp_maps(self, hf: dict, tp: int, layer: int) -> list[WeightMap]:
         m, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."

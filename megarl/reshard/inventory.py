@@ -32,7 +32,9 @@ rank (SGLang's Gemma 3 embeds with a plain nn.Embedding, not a vocabulary-parall
 Vision-language models (Qwen2.5-VL, Qwen3-VL): the language model's tensors as a Qwen2's / Qwen3's (its fields at the
 top of config.json, or under transformers 5's text_config: `language_fields`; Qwen3-VL's named model.language_model.*),
 and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
-every TP rank of the first pipeline stage: models/qwen2_vl_vision.py).
+every TP rank of the first pipeline stage: models/qwen2_vl_vision.py). Qwen3-VL-MoE (qwen3_vl_moe): Qwen3-VL's tower
+and a Qwen3-MoE whose experts are stacked as gpt-oss's (without biases, gate and up as halves of gate_up_proj's
+columns): listed by row for the planner only, its rollouts refused alike.
 """
 
 from __future__ import annotations
@@ -183,16 +185,18 @@ def _mlp(p: str, h: int, inter: int, layer: int, parts=("gate_proj", "up_proj", 
 
 
 def _stacked_experts(hf: dict, p: str, layer: int) -> list[TensorSpec]:
-    """gpt-oss's router and its experts, each as its row of the stacked tensors (module docstring)."""
+    """gpt-oss's (biased) and Qwen3-VL-MoE's router and experts, each expert as its row of the stacked tensors
+    (module docstring)."""
     h, experts, inter = hf["hidden_size"], routed_experts(hf), expert_width(hf)[0]
-    specs = [TensorSpec(p + "router.weight", (experts, h), None, layer),
-             TensorSpec(p + "router.bias", (experts,), None, layer)]
+    biased = hf.get("model_type") == "gpt_oss"
+    specs = [TensorSpec(p + ("router" if biased else "gate") + ".weight", (experts, h), None, layer)]
+    specs += [TensorSpec(p + "router.bias", (experts,), None, layer)] if biased else []
     for e in range(experts):
         expert = dict(expert=e, experts=experts)
-        specs += [TensorSpec(f"{p}experts.gate_up_proj.{e}", (h, 2 * inter), 1, layer, **expert),
-                  TensorSpec(f"{p}experts.gate_up_proj_bias.{e}", (2 * inter,), 0, layer, **expert),
-                  TensorSpec(f"{p}experts.down_proj.{e}", (inter, h), 0, layer, **expert),
-                  TensorSpec(f"{p}experts.down_proj_bias.{e}", (h,), None, layer, **expert)]
+        specs.append(TensorSpec(f"{p}experts.gate_up_proj.{e}", (h, 2 * inter), 1, layer, **expert))
+        specs += [TensorSpec(f"{p}experts.gate_up_proj_bias.{e}", (2 * inter,), 0, layer, **expert)] if biased else []
+        specs.append(TensorSpec(f"{p}experts.down_proj.{e}", (inter, h), 0, layer, **expert))
+        specs += [TensorSpec(f"{p}experts.down_proj_bias.{e}", (h,), None, layer, **expert)] if biased else []
     return specs
 
 
@@ -224,7 +228,7 @@ def has_routing_bias(hf: dict) -> bool:
 def is_moe_layer(hf: dict, layer: int) -> bool:
     if hf.get("model_type", "").startswith("deepseek") or hf.get("model_type") == "glm4_moe":
         return layer >= hf.get("first_k_dense_replace", 0) and layer % hf.get("moe_layer_freq", 1) == 0
-    if hf.get("model_type") in ("qwen3_moe", "qwen3_next"):
+    if hf.get("model_type") in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe_text"):
         step = hf.get("decoder_sparse_step", 1)
         return layer not in hf.get("mlp_only_layers", []) and (layer + 1) % step == 0
     return hf.get("model_type") in ("mixtral", "qwen3_5_moe_text", "gpt_oss")
@@ -279,13 +283,14 @@ def qwen3_vision_tower(vision: dict) -> list[TensorSpec]:
 
 SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe",
              "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gpt_oss",
-             "gemma3_text")
+             "gemma3_text", "qwen3_vl_moe_text")
 # model types whose checkpoints stack each layer's experts in a few tensors: listed by row, for the planner only
-STACKED_EXPERTS = ("gpt_oss",)
+STACKED_EXPERTS = ("gpt_oss", "qwen3_vl_moe_text")
 # vision-language model types: their language model's family in SUPPORTED, their tower's tensors, and what their
 # checkpoint names the language model's `model.*` tensors under
 VISION_LANGUAGE = {"qwen2_5_vl": ("qwen2", vision_tower, "model."),
-                   "qwen3_vl": ("qwen3", qwen3_vision_tower, "model.language_model.")}
+                   "qwen3_vl": ("qwen3", qwen3_vision_tower, "model.language_model."),
+                   "qwen3_vl_moe": ("qwen3_vl_moe_text", qwen3_vision_tower, "model.language_model.")}
 
 
 def hf_inventory(hf: dict) -> list[TensorSpec]:

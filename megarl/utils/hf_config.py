@@ -30,8 +30,10 @@ def expert_width(hf: dict) -> tuple[int, str]:
 
 
 def routed_experts(hf: dict) -> int:
-    """Routed experts per MoE layer under any of the configs' names for them; 0 for a dense model."""
-    return next((hf[key] for key in _EXPERT_KEYS if hf.get(key)), 0)
+    """Routed experts per MoE layer under any of the configs' names for them (a multimodal config's under its
+    text_config: Qwen3-VL-MoE); 0 for a dense model."""
+    fields = language_fields(hf)
+    return next((fields[key] for key in _EXPERT_KEYS if fields.get(key)), 0)
 
 
 def shared_expert_width(hf: dict) -> int:

@@ -105,11 +105,17 @@ def test_weight_maps_name_every_checkpoint_tensor_once_and_refusals(tmp_path):
 def test_moe_weight_maps_stack_each_expert_once_in_either_layout(tmp_path):
     """Qwen3-VL-MoE: every checkpoint tensor named, the stacked ones once per expert row; a row reads the same from
     the published (input-major) layout and from transformers 5's output-major one; the hf rollout engine's views
-    of transformers' model are the checkpoint's tensors (stacked, input-major), which megarl's updates name."""
+    of transformers' model are the checkpoint's tensors (stacked, input-major), which megarl's updates name; the
+    planner's inventory lists each stacked tensor by row, and an RL config is refused by name (the weight sync does
+    not model stacked experts)."""
     from transformers import AutoModelForImageTextToText
 
+    from megarl.config import ConfigError
+    from megarl.config.model_layout import check_rollout_model
+    from megarl.config.tiny import tiny_config
     from megarl.models import get_family
     from megarl.models.qwen3_vl_moe import FAMILY
+    from megarl.reshard.inventory import hf_inventory
     from megarl.rollout.hf import checkpoint_views
     from tests.models.hf_qwen3_vl import STACKED
 
@@ -129,6 +135,18 @@ def test_moe_weight_maps_stack_each_expert_once_in_either_layout(tmp_path):
             assert torch.equal(m.from_shards([m.to_shard([published], r, 2) for r in (0, 1)])[0], published)
     views = checkpoint_views(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32))
     assert sorted(views) == sorted(checkpoint) and all(torch.equal(views[n], t) for n, t in checkpoint.items())
+    # the planner's inventory: every tensor by name and shape, each stacked one as its rows; RL runs refused
+    listed = {}
+    for spec in hf_inventory(hf):
+        name = spec.name.rsplit(".", 1)[0] if spec.expert is not None else spec.name
+        listed.setdefault(name, []).append((spec.expert, spec.shape))
+    assert sorted(listed) == sorted(checkpoint)
+    for name, rows in listed.items():
+        want = [(e, checkpoint[name].shape[1:]) for e in range(4)] if name.endswith(STACKED) else \
+            [(None, checkpoint[name].shape)]
+        assert rows == want, name
+    with pytest.raises(ConfigError, match="model_type='qwen3_vl_moe' stacks each layer's experts"):
+        check_rollout_model(tiny_config([f"model.path={model_dir}"]), hf, "config.json")
 
 
 def test_convert_round_trip_is_bitwise(tmp_path):
