@@ -49,6 +49,12 @@ def is_moe_layer(hf: dict, layer: int) -> bool:
 def routing_rule(hf: dict) -> DeepSeekRouting:
     """The router's rule from the HF config; settings that no reference runs the same way raise by key."""
     model_type = hf.get("model_type")
+    if model_type == "kimi_k2":
+        # Kimi-K2's published config.json: DeepseekV3ForCausalLM's weights under a model type only its remote code
+        # reads (transformers and megarl's rollout engines read deepseek_v3's without it)
+        raise ValueError("model_type='kimi_k2' is DeepSeek-V3's architecture (architectures: DeepseekV3ForCausalLM): "
+                         "set \"model_type\": \"deepseek_v3\" in config.json; megarl reads it as DeepSeek-V3 then "
+                         "(configs/models/kimi-k2.json is its shape)")
     if model_type not in _ROUTING:
         raise ValueError(f"model_type={model_type!r}: DeepSeekMoE serves {', '.join(_ROUTING)}")
     score_function, methods = _ROUTING[model_type]

@@ -145,6 +145,14 @@ def test_deepseek_v3_groups_of_one_expert_are_refused():
         routing_rule(hf)
 
 
+def test_kimi_k2_model_type_names_the_deepseek_v3_edit():
+    _, _, settings = SETTINGS["v3-k2-one-group"]
+    hf = _hf_dict(DeepseekV3Config(**SMALL, **settings)) | {"model_type": "kimi_k2"}
+    with pytest.raises(ValueError, match='set "model_type": "deepseek_v3" in config.json'):
+        routing_rule(hf)
+    routing_rule(hf | {"model_type": "deepseek_v3"})
+
+
 @pytest.mark.parametrize("name, refused", [("v3-k3-groups4-keep2", False), ("v2-greedy", True)])
 def test_bias_update_needs_deepseek_v3_sigmoid_routing(name, refused):
     from megarl.models.router import expert_bias_update_options
