@@ -35,13 +35,21 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json
 
 def _model_state(engine) -> dict:
     """Sharded state of every model chunk; the tensor keys are global (layer numbers across PP and
-    virtual stages), so a checkpoint written with one chunking loads with another."""
-    return {f"chunk{i}": gpt.sharded_state_dict() for i, gpt in enumerate(engine.gpts)}
+    virtual stages), so a checkpoint written with one chunking loads with another. With LoRA the adapters alone
+    (megarl/engine/lora.py): the frozen base is the model directory's."""
+    states = {f"chunk{i}": gpt.sharded_state_dict() for i, gpt in enumerate(engine.gpts)}
+    if getattr(engine, "lora", None) is not None:
+        states = {chunk: {k: v for k, v in state.items() if ".lora." in k} for chunk, state in states.items()}
+    return states
 
 
 def _load_model_state(engine, loaded: dict) -> None:
+    lora = getattr(engine, "lora", None) is not None
     for i, gpt in enumerate(engine.gpts):
-        gpt.load_state_dict(loaded[f"chunk{i}"])
+        missing, unexpected = gpt.load_state_dict(loaded[f"chunk{i}"], strict=not lora)
+        if lora and (unexpected or any(".lora." in k for k in missing)):
+            raise CheckpointError(f"the checkpoint's adapters do not match this engine's: missing "
+                                  f"{[k for k in missing if '.lora.' in k][:3]}, unexpected {unexpected[:3]}")
 
 
 @contextlib.contextmanager
@@ -198,7 +206,8 @@ def save_engine(engine, directory: str | Path, weights_only: bool = False) -> No
         meta = {"format": FORMAT, "layout": _layout(), "contents": contents,
                 "step_count": 0 if weights_only else engine.step_count, "head": getattr(engine, "head", "lm"),
                 "distributed_optimizer": not weights_only and bool(engine.section.use_distributed_optimizer),
-                "params_dtype": str(engine.params_dtype).removeprefix("torch.")}
+                "params_dtype": str(engine.params_dtype).removeprefix("torch."),
+                "lora": engine.lora.describe() if getattr(engine, "lora", None) is not None else None}
         atomic_write(directory / ENGINE_FILE, json.dumps(meta, indent=1))
     dist.barrier()
 
@@ -212,6 +221,11 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
     meta = read_engine_file(directory)
     contents = set(meta["contents"])
     _refuse_offloaded_optimizer(engine, directory)
+    lora = getattr(engine, "lora", None)
+    if meta.get("lora") != (lora.describe() if lora is not None else None):
+        raise CheckpointError(f"{directory}: written with actor.lora {meta.get('lora') or 'off'}, this engine has "
+                              f"{lora.describe() if lora is not None else 'off'}: set actor.lora to match (a LoRA "
+                              "checkpoint holds the adapters alone, beside the base of model.path)")
     with_optimizer = optimizer and "optimizer" in contents and engine.optimizer is not None
     if with_optimizer and meta["distributed_optimizer"] != bool(engine.section.use_distributed_optimizer):
         raise CheckpointError(

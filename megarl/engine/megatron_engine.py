@@ -28,7 +28,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megarl.config import AlgorithmConfig, EngineConfig
-from megarl.engine import apex_ops, checkpoint, context_parallel, finite, fp32_head, offload, output_positions, weights
+from megarl.engine import (apex_ops, checkpoint, context_parallel, finite, fp32_head, lora, offload, output_positions,
+                           weights)
 from megarl.engine.attention import packed_attention_inputs, resolve_core_attention, with_core_attention
 from megarl.engine.loss_kinds import LOSS_KINDS, LossKind, Totals
 from megarl.engine.logprobs import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
@@ -100,6 +101,10 @@ class MegatronEngine:
                 hf_checkpoint = WithValueHead(hf_checkpoint, config.hidden_size)
             for gpt in self.gpts:
                 weights.load_hf_weights(gpt, self.weight_maps, hf_checkpoint)
+        # actor.lora: adapters on the frozen base (lora.py), in place before the cast and before DDP takes the
+        # parameters that need gradients
+        lora_section = getattr(section, "lora", None)
+        self.lora = lora.install(self.gpts, lora_section, seed) if lora_section and lora_section.rank else None
 
         # The local spec keeps norms in fp32; Float16Module casts the whole model to bf16 (as
         # Megatron's training loop does) and the outputs of the last stage back to fp32.
@@ -326,6 +331,10 @@ class MegatronEngine:
 
     @contextlib.contextmanager
     def _reference_weights(self):
+        if self.lora is not None:  # the base model, whose weights never change
+            with self.lora.disabled():
+                yield
+            return
         if self._reference is None:
             raise RuntimeError("no reference policy: call snapshot_reference() first")
         params = self._parameters()
@@ -341,7 +350,10 @@ class MegatronEngine:
                     p.copy_(cur)
 
     def snapshot_reference(self) -> None:
-        """Keep a copy of the current weights as the frozen KL reference policy."""
+        """Keep a copy of the current weights as the frozen KL reference policy (with LoRA none: the reference is
+        the base, the adapters off)."""
+        if self.lora is not None:
+            return
         self._reference = [p.detach().clone() for p in self._parameters()]
 
     @torch.no_grad()
@@ -580,6 +592,7 @@ class MegatronEngine:
     # Weights out
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Buckets of full HF-named tensors, the same on every rank; every rank must iterate to the end."""
+        """Buckets of full HF-named tensors, the same on every rank; every rank must iterate to the end. With LoRA
+        the adapted weights merged with their adapters."""
         return weights.export_hf_weights(self.gpts, self.weight_maps, self.layout, self.hf_tensors, self.device,
-                                         bucket_bytes)
+                                         bucket_bytes, local=self.lora.local_tensor if self.lora else None)

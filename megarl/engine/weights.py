@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -112,16 +112,19 @@ class PipelineLayout:
 
 
 def export_hf_weights(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: dict[str, tuple],
-                      device: torch.device, bucket_bytes: int) -> Iterator[list]:
+                      device: torch.device, bucket_bytes: int,
+                      local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[list]:
     """Collective over the whole job: every rank must consume the iterator to the end. `hf_tensors`: each HF
     tensor's (shape, dtype) as its owners produce it (checkpoint.hf_tensors_from_model), what the other ranks
-    receive it into."""
-    sized = (((name, t), t.numel() * t.element_size()) for name, t in _gathered(gpt, maps, layout, hf_tensors, device))
+    receive it into. `local(parameter)`: the shard this rank exports for a parameter (LoRA's merged weight); by
+    default the parameter."""
+    sized = (((name, t), t.numel() * t.element_size())
+             for name, t in _gathered(gpt, maps, layout, hf_tensors, device, local))
     return buckets_by_size(sized, bucket_bytes)
 
 
 def _gathered(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: dict[str, tuple],
-              device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+              device: torch.device, local=None) -> Iterator[tuple[str, torch.Tensor]]:
     """export_hf_weights' full HF tensors one by one, on every rank."""
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
     ep_group = parallel_state.get_expert_model_parallel_group()
@@ -136,7 +139,8 @@ def _gathered(gpt, maps: list[WeightMap], layout: PipelineLayout, hf_tensors: di
         owner = _expert_owner(wm.megatron, num_experts)
         if stage == my_stage and owner in (None, my_ep_rank):
             tp_group = tp_group_of(wm.megatron)
-            shard = params[wm.megatron].detach().contiguous()
+            param = params[wm.megatron]
+            shard = (param if local is None else local(param)).detach().contiguous()
             shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
             dist.all_gather(shards, shard, group=tp_group)
             tensors = [t.contiguous() for t in wm.from_shards(shards)]

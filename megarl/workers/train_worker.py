@@ -77,11 +77,12 @@ class TrainWorker:
 
     def _resharder(self):
         """The policy's weight sync (megarl.reshard) for the layouts it models: TP x PP (contiguous stages, even
-        or not) x DP, with EP and ETP for the experts; with virtual pipeline stages (interleaved layers) the sync
-        falls back to export_hf_weights."""
+        or not) x DP, with EP and ETP for the experts; with virtual pipeline stages (interleaved layers), and with
+        LoRA (the resharder moves the parameters as they are, not merged with the adapters), the sync falls back to
+        export_hf_weights."""
         from megarl.reshard.resharder import engine_resharder
 
-        if self.cfg.actor.parallel.vpp > 1:
+        if self.cfg.actor.parallel.vpp > 1 or self.engine.lora is not None:
             return None
         return engine_resharder(self.engine, self.rank)
 

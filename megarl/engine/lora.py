@@ -1,0 +1,241 @@
+"""LoRA on the policy (actor.lora): low-rank adapters on megatron-core's tensor-parallel linear layers, the base frozen.
+
+An adapted projection computes W x + (alpha / rank) B A dropout(x), with A [rank, in] and B [out, rank] per HF
+projection (peft's LoRA on q_proj, k_proj, ... of the same checkpoint, exactly). Megatron fuses projections: q, k and
+v share linear_qkv, whose rows are grouped per query group (each group's query rows, then its key rows, then its
+value rows: megarl/models/sharding.py fused_qkv), and gate and up share linear_fc1 ([this rank's gate rows; its up
+rows]: fused_gate_up). Each projection keeps its own A and B; their product goes to its block of the fused rows.
+
+Tensor parallelism as the base layer's:
+- column-parallel (linear_qkv, linear_fc1): A whole on every rank, B split by output rows (the HF projection's rows
+  in TP chunks, which are the rank's query groups or its gate/up rows). A x is the same on every rank; its gradient
+  is summed over TP (copy_to_tensor_model_parallel_region), so A's gradient is whole and equal on every rank. Under
+  sequence parallelism the input is gathered first (its gradient split back, not summed: every rank's is whole).
+- row-parallel (linear_proj, linear_fc2): A split by input columns, B whole. The partial A x are summed over TP
+  (reduce_from_tensor_model_parallel_region) before B, so B's output and gradient are whole on every rank; under
+  sequence parallelism each rank keeps its own tokens of it, as the base's reduce-scatter does.
+
+Only the adapters have requires_grad: megatron's DDP and optimizer hold no gradient buffer, main copy or Adam state
+of the base. The KL reference policy is the same model with the adapters off (disabled()). The rollout engine gets
+the merged weights W + scale B A, in W's layout and dtype (merged_weight, through the engine's export). Checkpoints
+hold the adapters alone (sharded_state_dict below; megarl/engine/checkpoint.py), the base reloads from model.path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                           copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                                           reduce_from_tensor_model_parallel_region,
+                                           scatter_to_sequence_parallel_region, set_tensor_model_parallel_attributes)
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from torch import nn
+
+from megarl.config.validation import LORA_TARGETS
+
+KEY = "actor.lora.target_modules"
+ATTENTION_QKV, ATTENTION_OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
+MLP_IN, MLP_OUT = ("gate_proj", "up_proj"), ("down_proj",)
+
+
+class Adapter(nn.Module):
+    """One HF projection's A [rank, in] and B [out, rank] as this TP rank holds them."""
+
+    def __init__(self, A: torch.Tensor, B: torch.Tensor, dropout: float):
+        super().__init__()
+        self.A, self.B = nn.Parameter(A), nn.Parameter(B)
+        self.dropout = nn.Dropout(dropout)
+
+
+class AdaptedLinear(nn.Module):
+    """The adapters of one megatron linear layer (its child `lora`). Column-parallel: the layer's local output rows
+    are `groups` repeats of `blocks` ((projection, rows) each, in order); row-parallel: one block, its input split."""
+
+    def __init__(self, owner: "Lora", column: bool, groups: int, blocks: list[tuple[str, int]],
+                 adapters: dict[str, Adapter]):
+        super().__init__()
+        self.owner, self.column, self.groups, self.blocks = owner, column, groups, blocks
+        self.adapters = nn.ModuleDict(adapters)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scale * B A dropout(x) in the layer's local output layout (x: the layer's input, [s, b, in])."""
+        sp = self.owner.sequence_parallel
+        if self.column:
+            if sp:  # the base gathers the tokens of the TP group; the gradient of the gathered copy is whole per rank
+                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+            parts = []
+            for name, rows in self.blocks:
+                if name in self.adapters:
+                    a = self.adapters[name]
+                    h = copy_to_tensor_model_parallel_region(a.dropout(x) @ a.A.t())
+                    parts.append((h @ a.B.t()).unflatten(-1, (self.groups, rows)))
+                else:
+                    parts.append(x.new_zeros(*x.shape[:-1], self.groups, rows))
+            out = torch.cat(parts, -1).flatten(-2)
+        else:
+            a = self.adapters[self.blocks[0][0]]
+            h = reduce_from_tensor_model_parallel_region(a.dropout(x) @ a.A.t())
+            out = h @ a.B.t()
+            if sp:  # the base's output holds this rank's tokens (reduce-scatter); the gradient is all-gathered
+                out = scatter_to_sequence_parallel_region(out)
+        return out * self.owner.scale
+
+    @torch.no_grad()
+    def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight + scale * B A in the weight's local layout and dtype (the product in float32)."""
+        if self.column:
+            parts = []
+            for name, rows in self.blocks:
+                if name in self.adapters:
+                    a = self.adapters[name]
+                    parts.append((a.B.float() @ a.A.float()).unflatten(0, (self.groups, rows)))
+                else:
+                    parts.append(weight.new_zeros(self.groups, rows, weight.shape[1], dtype=torch.float32))
+            delta = torch.cat(parts, 1).flatten(0, 1)
+        else:
+            a = self.adapters[self.blocks[0][0]]
+            delta = a.B.float() @ a.A.float()
+        return (weight.float() + self.owner.scale * delta).to(weight.dtype)
+
+
+class Lora:
+    """The adapters installed on a model's chunks (install)."""
+
+    def __init__(self, section, sequence_parallel: bool):
+        self.section, self.scale, self.sequence_parallel = section, section.alpha / section.rank, sequence_parallel
+        self.enabled = True
+        self.layers: dict[int, AdaptedLinear] = {}  # by id() of the base layer's weight
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers.values() for p in layer.parameters()]
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """The base model: the KL reference policy."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def local_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """What this rank exports for a parameter: an adapted weight merged with its adapters, others as they are."""
+        layer = self.layers.get(id(param))
+        return param if layer is None else layer.merged_weight(param)
+
+    def describe(self) -> dict:
+        """What a checkpoint of the adapters must match to load (engine.json)."""
+        return {"rank": self.section.rank, "alpha": self.section.alpha, "targets": sorted(self.targets)}
+
+    @property
+    def targets(self) -> set[str]:
+        names = self.section.target_modules
+        return set(LORA_TARGETS) if "all-linear" in names else set(names)
+
+
+def install(gpts, section, seed: int) -> Lora:
+    """Adapters on every decoder layer's targeted projections of the chunks `gpts`; every other parameter frozen.
+    Before megatron's DDP and optimizer are built (they take the parameters that need gradients)."""
+    config = gpts[0].config
+    lora = Lora(section, bool(config.sequence_parallel))
+    targets = lora.targets
+    for gpt in gpts:
+        gpt.requires_grad_(False)
+        for layer in getattr(getattr(gpt, "decoder", None), "layers", []):
+            index = layer.layer_number - 1
+            attention, mlp = layer.self_attention, layer.mlp
+            for names, linear, blocks in (
+                    (ATTENTION_QKV, getattr(attention, "linear_qkv", None), _qkv_blocks(config)),
+                    (ATTENTION_OUT, getattr(attention, "linear_proj", None), None),
+                    (MLP_IN, getattr(mlp, "linear_fc1", None), _gate_up_blocks(config)),
+                    (MLP_OUT, getattr(mlp, "linear_fc2", None), None)):
+                wanted = [n for n in names if n in targets]
+                if wanted:
+                    _adapt(lora, linear, index, wanted, blocks, seed, names)
+    if not lora.layers:
+        raise ValueError(f"{KEY}={section.target_modules}: no layer of this model has those projections")
+    return lora
+
+
+def _qkv_blocks(config) -> tuple[int, list[tuple[str, int]]]:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    head_dim, groups = config.kv_channels, config.num_query_groups or config.num_attention_heads
+    per_group = config.num_attention_heads // groups
+    return groups // tp, [("q_proj", per_group * head_dim), ("k_proj", head_dim), ("v_proj", head_dim)]
+
+
+def _gate_up_blocks(config) -> tuple[int, list[tuple[str, int]]] | None:
+    if not config.gated_linear_unit:
+        return None
+    rows = config.ffn_hidden_size // parallel_state.get_tensor_model_parallel_world_size()
+    return 1, [("gate_proj", rows), ("up_proj", rows)]
+
+
+def _adapt(lora: Lora, linear, index: int, wanted: list[str], blocks, seed: int, names: tuple[str, ...]) -> None:
+    """Adapters for the projections `wanted` of one megatron layer `linear` (decoder layer `index`)."""
+    where = f"{KEY}: {', '.join(wanted)} in decoder layer {index}"
+    column = names in (ATTENTION_QKV, MLP_IN)
+    expected = ColumnParallelLinear if column else RowParallelLinear
+    if not isinstance(linear, expected):
+        raise ValueError(f"{where}: this model's layer has no megatron {expected.__name__} there "
+                         f"({type(linear).__name__}; mixture-of-experts MLPs and MLA attention take no adapters yet)")
+    weight = linear.weight
+    if column:
+        if blocks is None or linear.gather_output:
+            raise ValueError(f"{where}: the layer is not the fused layout LoRA adapts (a gated MLP's gate and up rows)")
+        groups, blocks = blocks
+        if groups * sum(rows for _, rows in blocks) != weight.shape[0]:
+            raise ValueError(f"{where}: the layer's {weight.shape[0]} local rows are not the fused q/k/v or gate/up "
+                             f"layout ({groups} x {blocks}); this family's fused rows take no adapters yet")
+    else:
+        groups, blocks = 1, [(names[0], weight.shape[0])]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    in_full = weight.shape[1] * (1 if column else tp)
+    adapters = {}
+    for name, rows in blocks:
+        if name not in wanted:
+            continue
+        # A as peft initializes it (kaiming-uniform, a=sqrt(5)), the same on every rank from the layer's own seed;
+        # B zero: the adapted policy starts as the base
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{index}.{name}".encode()))
+        A = torch.empty(lora.section.rank, in_full)
+        bound = 1 / math.sqrt(in_full)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)
+        A.uniform_(-bound, bound, generator=generator)
+        if not column:
+            A = A.chunk(tp, 1)[rank]
+        A = A.to(weight.dtype).to(weight.device)
+        B = torch.zeros(groups * rows if column else rows, lora.section.rank, dtype=weight.dtype, device=weight.device)
+        adapter = Adapter(A.contiguous(), B, lora.section.dropout)
+        split = adapter.B if column else adapter.A
+        set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
+        adapters[name] = adapter
+    layer = AdaptedLinear(lora, column, groups, blocks, adapters)
+    linear.lora = layer
+    linear.register_forward_hook(partial(_forward_hook, lora), with_kwargs=True)
+    axis = {f"lora.adapters.{n}.{'B' if column else 'A'}": 0 if column else 1 for n in adapters}
+    linear.sharded_state_dict = partial(_sharded_state_dict, linear, ({"weight": 0, "bias": 0} if column
+                                                                      else {"weight": 1}) | axis)
+    lora.layers[id(weight)] = layer
+
+
+def _forward_hook(lora: Lora, linear, args, kwargs, output):
+    if not lora.enabled:
+        return output
+    out, bias = output
+    x = args[0] if args else kwargs["input_"]
+    return out + linear.lora.delta(x).to(out.dtype), bias
+
+
+def _sharded_state_dict(linear, axis: dict[str, int], prefix: str = "", sharded_offsets=(), metadata=None):
+    """megatron's sharded state of the layer, its adapters' split matrices sharded along their split axis too (the
+    layer's own method would write them as replicated: rank 0's shard alone)."""
+    state = linear.state_dict(prefix="", keep_vars=True)
+    return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=linear.tp_group,
+                                               dp_cp_group=metadata["dp_cp_group"])
