@@ -32,6 +32,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                                           get_cuda_rng_tracker,
                                            reduce_from_tensor_model_parallel_region,
                                            scatter_to_sequence_parallel_region, set_tensor_model_parallel_attributes)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -73,6 +74,8 @@ class AdaptedLinear(nn.Module):
             for name, rows in self.blocks:
                 if name in self.adapters:
                     a = self.adapters[name]
+                    # A is whole on every TP rank: the same mask on each, from the default RNG, which megatron keeps
+                    # in step across TP ranks (its dropout on replicated activations relies on it too)
                     h = copy_to_tensor_model_parallel_region(a.dropout(x) @ a.A.t())
                     parts.append((h @ a.B.t()).unflatten(-1, (self.groups, rows)))
                 else:
@@ -80,7 +83,11 @@ class AdaptedLinear(nn.Module):
             out = torch.cat(parts, -1).flatten(-2)
         else:
             a = self.adapters[self.blocks[0][0]]
-            h = reduce_from_tensor_model_parallel_region(a.dropout(x) @ a.A.t())
+            # this rank's input columns: a mask of their own, from megatron's per-TP-rank RNG stream (as its attention
+            # dropout on split heads)
+            with get_cuda_rng_tracker().fork() if a.dropout.p else contextlib.nullcontext():
+                x = a.dropout(x)
+            h = reduce_from_tensor_model_parallel_region(x @ a.A.t())
             out = h @ a.B.t()
             if sp:  # the base's output holds this rank's tokens (reduce-scatter); the gradient is all-gathered
                 out = scatter_to_sequence_parallel_region(out)

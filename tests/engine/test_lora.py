@@ -145,6 +145,32 @@ def _adam_state(engine, name: str) -> torch.Tensor:
     return engine.optimizer.optimizer.state[param]["exp_avg"]
 
 
+def _check_dropout(model_dir, batch, coefficients, reference):
+    """Dropout on the adapters' input at TP=2: the gradients change, and those of a column-parallel layer's A (whole
+    on every rank) stay equal across the TP ranks (the same mask on each)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megarl.engine import MegatronEngine
+
+    _, adapters, grads = reference
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.5, target_modules=["all-linear"])
+    engine = MegatronEngine(model_dir, ActorConfig(micro_batch_size=8, lora=lora), AlgorithmConfig(), "cpu", 1, 10)
+    with torch.no_grad():
+        for (layer, proj), (A, B) in adapters.items():
+            _adapter(engine, layer, proj).A.copy_(_shard(A, proj, "A"))
+            _adapter(engine, layer, proj).B.copy_(_shard(B, proj, "B"))
+    _grads_and_logprobs(engine, batch, coefficients)
+    group = parallel_state.get_tensor_model_parallel_group()
+    for (layer, proj), (gA, _) in grads.items():
+        got = _adapter(engine, layer, proj).A.main_grad
+        assert not torch.allclose(got, _shard(gA, proj, "A"), rtol=0, atol=1e-3 * gA.abs().max().item()), proj
+        if proj in COLUMN:
+            parts = [torch.empty_like(got) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, got.contiguous(), group=group)
+            assert all(torch.equal(part, parts[0]) for part in parts), proj
+
+
 def _check_rank(rank, model_dir, batch, coefficients, reference, checkpoint):
     from megatron.core import parallel_state
     from torch.distributed.checkpoint import FileSystemReader
@@ -165,6 +191,7 @@ def _check_rank(rank, model_dir, batch, coefficients, reference, checkpoint):
              if not k.startswith(("optimizer.", "rng_state"))]  # the model's tensors, by their sharded keys
     assert saved and all(".lora.adapters." in k for k in saved), saved
     _check_layout(model_dir, batch, coefficients, reference, sequence_parallel=True)
+    _check_dropout(model_dir, batch, coefficients, reference)
     parallel_state.destroy_model_parallel()
     build_model_parallel(1, 1, 1)  # TP=1 (two data-parallel ranks of the same batch)
     _check_layout(model_dir, batch, coefficients, reference, sequence_parallel=False)
