@@ -244,6 +244,11 @@ def test_gpus_and_memory_list_only_layouts_that_fit(capsys):
     ["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer"],
     ["--model", "deepseek-v3", "--gpus", "128", "--gpu-mem", "130", "--optimizer-offload", "--recompute", "full",
      "--top", "6"],
+    # families the engine trains at TP 1 (Qwen3-Next's linear attention) or expert-TP 1 (gpt-oss's expert biases)
+    ["--model", "qwen3-next-80b-a3b", "--gpus", "32", "--gpu-mem", "80", "--optimizer-offload", "--recompute", "full",
+     "--top", "6"],
+    ["--model", "gpt-oss-120b", "--gpus", "32", "--gpu-mem", "80", "--host-mem", "1500", "--optimizer-offload",
+     "--recompute", "full", "--top", "6"],
 ])
 def test_each_listed_layout_is_a_line_of_run_keys_that_plans_to_the_same_peak(argv, capsys):
     """Each printed override line, loaded by megarl's config loader, is a valid config with the listed layout, which
@@ -403,3 +408,25 @@ def test_errors_name_the_problem():
         MemorySettings(recompute="some")
     with pytest.raises(SystemExit, match="ep=3 does not divide"):
         main(["--model", "deepseek-v3", "--train", "tp=1,pp=1,dp=3,ep=3"])
+
+
+@pytest.mark.parametrize("model, keys, named", [
+    ("qwen3-next-80b-a3b", "actor.parallel.world_size=2 actor.parallel.tp=2", "actor.parallel.tp=2 with"),
+    ("gpt-oss-20b", "actor.parallel.world_size=2 actor.parallel.tp=2", "actor.parallel.etp=0 (0 = tp, here 2)"),
+    ("gpt-oss-20b", "actor.parallel.world_size=4 actor.parallel.tp=2 actor.parallel.ep=2 actor.parallel.etp=2",
+     "actor.parallel.etp=2")])
+def test_layouts_a_family_cannot_train_are_refused_by_key_and_never_planned(model, keys, named):
+    import shlex
+
+    from megarl.config import load_config
+    from megarl.config.model_layout import check_model_layout
+    from megarl.config.validation import ConfigError
+
+    hf = load_model_config(model)
+    cfg = load_config(None, shlex.split(keys))
+    with pytest.raises(ConfigError, match=r"set actor\.parallel\.e?tp=1") as refused:
+        check_model_layout(cfg.actor, "actor", hf, "config.json")
+    assert named in str(refused.value)
+    p = cfg.actor.parallel
+    with pytest.raises(ValueError, match="only"):
+        train_layout(hf, dict(tp=p.tp, pp=1, cp=1, dp=1, ep=p.ep, etp=p.etp or p.tp))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megarl.config.validation import ConfigError
 from megarl.parallel.stages import stage_layers
-from megarl.utils.hf_config import expert_width, language_fields, routed_experts
+from megarl.utils.hf_config import expert_width, language_fields, parallel_limit, routed_experts
 
 
 def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, ...]:
@@ -30,6 +30,10 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
                               p.vpp, keys)
     except ValueError as e:
         raise ConfigError(f"{e} ({where})") from None
+    if limit := parallel_limit(hf, p.tp, 1):
+        raise ConfigError(f"{keys}.tp={p.tp} with {where}: {limit}: set {keys}.tp=1")
+    if limit := parallel_limit(hf, 1, p.etp or p.tp):
+        raise ConfigError(f"{keys}.etp={p.etp} (0 = tp, here {p.tp}) with {where}: {limit}: set {keys}.etp=1")
     experts = routed_experts(hf)
     if not experts and (p.ep > 1 or p.etp > 1):
         raise ConfigError(f"{keys}.ep={p.ep} and {keys}.etp={p.etp} split experts, and {where} has none (a dense "

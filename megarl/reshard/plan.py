@@ -36,7 +36,8 @@ from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_genera
                                    resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
-from megarl.utils.hf_config import HYBRID_ATTENTION, UNFUSED_ATTENTION, language_fields, layer_types, routed_experts
+from megarl.utils.hf_config import (HYBRID_ATTENTION, UNFUSED_ATTENTION, language_fields, layer_types, parallel_limit,
+                                    routed_experts)
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 TRAIN_KEYS, GEN_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp"), ("tp", "ep")
@@ -89,6 +90,8 @@ def train_layout(hf: dict, t: dict[str, int], first: int = 0, last: int = 0) -> 
         raise ValueError(f"ep={t['ep']}: model_type={hf.get('model_type')!r} has no routed experts")
     if experts and experts % t["ep"]:
         raise ValueError(f"ep={t['ep']} does not divide the {experts} routed experts")
+    if limit := parallel_limit(hf, t["tp"], t["etp"]):
+        raise ValueError(f"tp={t['tp']} etp={t['etp']}: {limit}")
     return TrainLayout(t["tp"], t["pp"], t["cp"] * t["dp"], layers, stages, ep=t["ep"], etp=t["etp"])
 
 
@@ -261,7 +264,7 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
              if len(set(train.stage_layers)) > 1 else ""))
     _print_assumptions(settings, train.tp, t["cp"], kv_tokens)
     if language_fields(hf).get("model_type") in UNFUSED_ATTENTION:
-        print("  - but this model's attention is megatron's unfused one (sliding windows): its scores are stored")
+        print("  - but this model's attention is megatron's unfused one (sliding windows, sinks): its scores are stored")
     print("per-GPU training memory in GiB, the most loaded rank of each pipeline stage:")
     print("stage layers  params(B) |  weights    grads optimizer reference activations   logits  working |"
           "     peak | host (offload)")

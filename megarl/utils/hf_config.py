@@ -46,8 +46,24 @@ def shared_expert_width(hf: dict) -> int:
 
 # model types whose config.json may leave tie_word_embeddings out, meaning true (transformers' default for them)
 _TIED_BY_DEFAULT = ("gemma3_text",)
-# model types whose attention runs megatron's unfused DotProductAttention, scores stored (Gemma 3's windows)
-UNFUSED_ATTENTION = ("gemma3_text",)
+# model types whose attention runs megatron's unfused DotProductAttention, scores stored (Gemma 3's windows,
+# gpt-oss's windows and sinks)
+UNFUSED_ATTENTION = ("gemma3_text", "gpt_oss")
+# model types the engine trains at tensor-parallel size 1 only (Qwen3.5's linear-attention layers) and at
+# expert-tensor-parallel size 1 only (gpt-oss's expert biases): the families' modules say why
+TENSOR_PARALLEL_ONE = HYBRID_ATTENTION
+EXPERT_TENSOR_PARALLEL_ONE = ("gpt_oss",)
+
+
+def parallel_limit(hf: dict, tp: int, etp: int) -> str | None:
+    """Why the engine cannot train this model at tensor-parallel size `tp` and expert-TP size `etp`, naming the size
+    it takes ("tp=1", "etp=1"), or None where it can."""
+    model_type = language_fields(hf).get("model_type")
+    if tp > 1 and model_type in TENSOR_PARALLEL_ONE:
+        return f"{model_type} trains at tp=1 only (its linear-attention layers are not split; PP splits its layers)"
+    if etp > 1 and model_type in EXPERT_TENSOR_PARALLEL_ONE:
+        return f"{model_type} trains its experts at etp=1 only (megatron-core adds expert biases only there)"
+    return None
 
 
 def tied_embeddings(hf: dict) -> bool:
