@@ -285,7 +285,7 @@ def test_when_nothing_fits_the_nearest_layouts_and_what_would_fit_are_named(caps
     assert "  - more GPUs: --gpus 8: 1 layout(s) fit, the best --train tp=4,pp=2" in out
     assert "  - --optimizer-offload (actor.use_distributed_optimizer=true actor.optimizer_cpu_offload=true" in out
     assert "  - --recompute full (actor.recompute=full): still none" in out
-    assert "  - LoRA: megarl trains every weight" in out
+    assert "  - LoRA (actor.lora.rank > 0, docs/lora.md): the base frozen sheds" in out
     # a plan of one layout that misses --gpu-mem exits 1 too; inside the margin is said apart from over the memory
     assert main(["--model", "qwen2.5-7b", "--train", "tp=2", "--gen", "tp=1", "--seq-len", "4096",
                  "--gpu-mem", "80"]) == 1

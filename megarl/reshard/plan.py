@@ -510,8 +510,8 @@ def _print_nearest(args, hf: dict, settings: MemorySettings, every: list[dict], 
     if experts:
         print(f"  - expert parallelism: every EP dividing the {experts} experts and the GPUs of a stage was tried "
               "above; more GPUs allow more")
-    print("  - LoRA: megarl trains every weight (no LoRA adapters), so a frozen base cannot shed its gradients and "
-          "optimizer state")
+    print("  - LoRA (actor.lora.rank > 0, docs/lora.md): the base frozen sheds its gradients and optimizer state; "
+          "not modelled here, these estimates are full fine-tuning's")
 
 
 if __name__ == "__main__":
