@@ -65,6 +65,14 @@ def check_rollout_model(cfg, hf: dict, where: str) -> None:
         raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} stacks each layer's experts in a few tensors, "
                           f"which megarl's weight sync into the rollout engine (rollout.engine={cfg.rollout.engine}) "
                           "does not move yet: megarl.convert and the engine take it, RL runs do not")
+    if cfg.rollout.engine == "sglang":
+        from megarl.rollout.sglang_layout import check_hybrid_rollout
+
+        rollout = cfg.rollout
+        refusal = check_hybrid_rollout(language_fields(hf), rollout.sglang_tp, rollout.weight_delivery,
+                                       rollout.sglang_args)
+        if refusal:
+            raise ConfigError(f"{where}: {refusal}")
     quantization = hf.get("quantization_config")
     if cfg.rollout.engine != "sglang" or not quantization:
         return

@@ -22,11 +22,17 @@ test_qwen3_next.py), and routing replay (tests/models/test_router_replay.py). Qw
 (decoder_sparse_step != 1, mlp_only_layers) is refused. The published checkpoints' multi-token-prediction tensors
 (mtp.*) are neither built nor written back by export (unlike DeepSeek-V3's MTP layer, hf_checkpoint.py), and the
 vision-language Qwen3.5-MoE checkpoints (Qwen3_5MoeForConditionalGeneration, tensors under model.language_model.) are
-not served. megarl's "sglang" weight layout (rollout/sglang_layout.py) does not know these models' SGLang names:
-SGLang's Qwen3-Next holds the attention without its self_attn. prefix (model.layers.{i}.qkv_proj), both hold the
-shared expert's gate/up in shared_expert.gate_up_proj (Qwen3.5's may fold it into the routed experts), and SGLang's
-Qwen3.5 fuses in_proj_qkv / in_proj_z into in_proj_qkvz and in_proj_b / in_proj_a into in_proj_ba with each part cut
-by TP (as it cuts conv1d in both), which the resharder's contiguous row blocks cannot express yet.
+not served. rollout.engine=sglang: megarl/rollout/sglang_layout.py holds both models' SGLang names and TP cuts (the
+attention without self_attn., Qwen3.5-MoE's in_proj_qkvz / in_proj_ba fused part by part, Qwen3-Next's cut in
+contiguous blocks, conv1d per part, the shared expert in shared_expert.gate_up_proj, routed experts in w13/w2 placed
+by --ep-size as Qwen3-MoE's) for full delivery at any rollout.sglang_tp and sharded delivery at sglang_tp=1; refused
+(sglang_layout.check_hybrid_rollout): sharded delivery at sglang_tp > 1, and a run without
+--disable-shared-experts-fusion in rollout.sglang_args (SGLang may fold the gated shared expert into the routed
+experts, which the layout does not model). Tested against SGLang's loading rules written out in tests/rollout/
+test_weight_layout_qwen3_5.py, not against an SGLang server. SGLang's models/qwen3_5.py registers only the
+vision-language Qwen3_5(Moe)ForConditionalGeneration as entry classes (its text model is their language part):
+whether an SGLang server starts from a text-only Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint is
+unchecked (Qwen3NextForCausalLM is an entry class).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """How SGLang 0.5.17 holds the HF tensors it is sent: the "sglang" weight layout (megarl.rollout.weight_layout).
 
-SGLang's decoders (qwen2, llama, qwen3, qwen3_moe, mistral (its llama model), mixtral, deepseek_v2/v3, glm4_moe) at
+SGLang's decoders (qwen2, llama, qwen3, qwen3_moe, mistral (its llama model), mixtral, deepseek_v2/v3, glm4_moe,
+qwen3_5, qwen3_next) at
 TP=tp: stacked parameters as its `stacked_params_mapping` and `FusedMoE.make_expert_params_mapping` name them
 (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2 into block_sparse_moe.experts.w13_weight/w2_weight, its router
 block_sparse_moe.gate.weight as is); column-parallel rows and row-parallel columns as megarl's inventory cuts them
@@ -45,6 +46,18 @@ Qwen3-VL (models/qwen3_vl.py): its checkpoint's model.language_model.* held as m
 and model.visual.* as visual.*; the tower whole on every rank as Qwen2.5-VL's, each block's attn.qkv held as
 attn.qkv_proj, everything else (the GELU MLP's linear_fc1/linear_fc2, the position embeddings, the mergers and the
 DeepStack mergers) as it is.
+Qwen3.5, Qwen3.5-MoE (models/qwen3_5.py) and Qwen3-Next (models/qwen3_next.py): the loaders drop the attention's
+`self_attn.` (model.layers.{i}.qkv_proj, o_proj, q_norm, k_norm; q_proj's per-head query and gate rows are
+QKVParallelLinear's q part, cut by heads). The gated delta nets under linear_attn.: Qwen3.5's in_proj_qkv and
+in_proj_z held as in_proj_qkvz = [q; k; v; z] and in_proj_b / in_proj_a as in_proj_ba = [b; a], each part the rank's
+TP block (MergedColumnParallelLinear); Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head in the
+checkpoint, as contiguous row blocks (ColumnParallelLinear); conv1d in both as [q; k; v], each part's TP block
+(mamba_v2_sharded_weight_loader); dt_bias and A_log by value heads, A_log held in float32; norm whole. The MoE
+models' router gate, shared_expert_gate as they are, the shared expert's gate/up in shared_expert.gate_up_proj, routed
+experts in w13/w2 as Qwen3-MoE's. Refused where this is not what SGLang would hold (`check_hybrid_rollout`): sharded
+delivery at TP > 1 (those loaders cut the rank's rows of conv1d, dt_bias and A_log out of whatever they are given,
+presharded or not, and in_proj_qkv's part by part, which megarl's row blocks do not express), and the MoE models
+without --disable-shared-experts-fusion (SGLang may fold their gated shared expert into FusedMoE).
 
 Sharded delivery (each rank's rows loaded as presharded weights) is refused before anything is sent where SGLang's
 presharded loading would take other rows than megarl's: `check_presharded_vocab`, `check_presharded_tower`.
@@ -59,6 +72,7 @@ import torch
 
 from megarl.config.sglang_args import sglang_flags
 from megarl.reshard.layout import sglang_generation
+from megarl.utils.hf_config import GATED_SHARED_EXPERT, HYBRID_ATTENTION
 
 SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding pads the vocabulary to it
 # SGLang's fused parameters: HF tensor "<prefix><part>.<weight|bias>" -> "<prefix><fused>.<weight|bias>", the
@@ -67,7 +81,7 @@ SGLANG_VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelE
 _FUSED = (
     (re.compile(r"(.*\.self_attn\.)(q_proj|k_proj|v_proj)\.(weight|bias)$"), "qkv_proj",
      ("q_proj", "k_proj", "v_proj")),
-    (re.compile(r"(.*\.mlp\.(?:shared_experts\.)?)(gate_proj|up_proj)\.(weight|bias)$"), "gate_up_proj",
+    (re.compile(r"(.*\.mlp\.(?:shared_experts?\.)?)(gate_proj|up_proj)\.(weight|bias)$"), "gate_up_proj",
      ("gate_proj", "up_proj")),
     (re.compile(r"(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.(weight)$"), "fused_qkv_a_proj_with_mqa",
      ("q_a_proj", "kv_a_proj_with_mqa")),
@@ -83,8 +97,15 @@ _VISION_QKV = re.compile(r"((?:model\.)?visual\.blocks\.\d+\.attn\.)qkv\.(weight
 _SGLANG_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 _VISION_MLP = re.compile(r"visual\.blocks\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 SGLANG_VISION_MLP_ALIGN = 8
+# SGLang's Qwen3.5 / Qwen3.5-MoE / Qwen3-Next gated delta nets (module docstring): HF tensor -> (parameter, the
+# part sizes SGLang cuts by TP one by one, given (qk, v, value heads)), the parameter's earlier parts from `_PRECEDING`
+_LINEAR_PARTS = re.compile(r"(.*\.linear_attn\.)(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d)\.weight$")
+_LINEAR_FUSED = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz", "in_proj_b": "in_proj_ba",
+                 "in_proj_a": "in_proj_ba", "conv1d": "conv1d"}
+_PRECEDING = {"in_proj_z": "in_proj_qkv", "in_proj_a": "in_proj_b"}
 # parameters SGLang holds in another dtype than the policy's, whatever they are sent in
-_HELD_DTYPE = ((re.compile(r".*\.mlp\.gate\.e_score_correction_bias$"), torch.float32),)
+_HELD_DTYPE = ((re.compile(r".*\.mlp\.gate\.e_score_correction_bias$"), torch.float32),
+               (re.compile(r".*\.linear_attn\.A_log$"), torch.float32))
 # tensor attributes SGLang's modules derive from their parameters after loading; checksummed as parameters
 DERIVED_ATTRIBUTES = ("w_kc", "w_vc")
 
@@ -128,6 +149,8 @@ class SGLangLayout:
         # the index of the shared expert among the routed ones in w13/w2, where SGLang fuses it
         fused = sglang_fuses_shared_experts(hf, self.gen.ep, sglang_args)
         self.shared_expert = experts[0] if experts and fused else None
+        # Qwen3.5 / Qwen3-Next: SGLang's loaders drop the attention's self_attn. (module docstring)
+        self.hybrid = any(".linear_attn." in name for name in self.specs)
 
     def rows(self, name: str, rank: int) -> tuple[int, int] | None:
         spec = self.specs[name]
@@ -144,6 +167,10 @@ class SGLangLayout:
         piece = tensor
         if spec.dim is not None and not presharded:
             piece = tensor.narrow(spec.dim, rows[0], rows[1] - rows[0])
+        linear = _LINEAR_PARTS.match(name)
+        if linear and spec.dim is None:  # sent whole; SGLang cuts each of its parts by TP: the rank's part of each
+            parts = tensor.split(self._linear_part_sizes(linear.group(1)), 0)
+            piece = torch.cat([_tp_block(name, part, self.tp, rank % self.tp) for part in parts])
         param, offset = self.place(name, rank)
         if name.endswith("mlp.down_proj.weight") and _VISION_MLP.match(name):  # rows of the padded width
             return param, piece, offset, _vision_mlp_width(spec.shape[1])
@@ -161,6 +188,8 @@ class SGLangLayout:
         """SGLang's parameter holding HF tensor `name` on rank `rank` (which holds some of it), and the element
         offset of its piece there."""
         param, offset = self._place(name, rank)
+        if self.hybrid:
+            param = param.replace(".self_attn.", ".")
         for prefix, sglang_prefix in _SGLANG_PREFIXES:
             if param.startswith(prefix):
                 return sglang_prefix + param[len(prefix):], offset
@@ -178,6 +207,11 @@ class SGLangLayout:
             if part == "down":
                 return prefix + "w2_weight", index * shard
             return prefix + "w13_weight", (2 * index + (part == "up")) * shard
+        linear = _LINEAR_PARTS.match(name)
+        if linear:  # in_proj_qkvz = [q; k; v; z], in_proj_ba = [b; a], each part the rank's TP block
+            prefix, part = linear.groups()
+            before = self.specs.get(f"{prefix}{_PRECEDING.get(part)}.weight")
+            return f"{prefix}{_LINEAR_FUSED[part]}.weight", before.numel // self.tp if before else 0
         for pattern, fused, parts in _FUSED:
             match = pattern.match(name)
             if match:
@@ -190,6 +224,12 @@ class SGLangLayout:
         if _VISION_QKV.match(name):
             return _VISION_QKV.sub(r"\1qkv_proj.\2", name), 0
         return name, 0
+
+    def _linear_part_sizes(self, prefix: str) -> list[int]:
+        """Rows of the q, k and v parts of a gated delta net's in_proj_qkv and conv1d (`prefix`: its linear_attn.)."""
+        v = self.specs[prefix + "out_proj.weight"].shape[1]
+        qk = (self.specs[prefix + "conv1d.weight"].shape[0] - v) // 2
+        return [qk, qk, v]
 
     def _expert(self, name: str) -> tuple[str, int, str] | None:
         """(w13/w2's module prefix, expert index, gate/up/down) of a routed expert's tensor, or of the shared
@@ -229,6 +269,14 @@ class SGLangLayout:
         return [(prefix + "w_kc", heads[:, :nope]), (prefix + "w_vc", heads[:, nope:].transpose(1, 2))]
 
 
+def _tp_block(name: str, part: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s block of `part`'s rows, as SGLang's loaders cut it (they assert TP divides it)."""
+    if part.shape[0] % tp:
+        raise ValueError(f"{name}: SGLang cuts its part of {part.shape[0]} rows by TP={tp}, which does not divide it")
+    size = part.shape[0] // tp
+    return part.narrow(0, rank * size, size)
+
+
 def _vision_mlp_width(width: int) -> int:
     return -(-width // SGLANG_VISION_MLP_ALIGN) * SGLANG_VISION_MLP_ALIGN
 
@@ -261,6 +309,26 @@ def check_presharded_tower(specs: list) -> None:
             raise ValueError(f"{spec.name}: the vision tower's MLP width {spec.shape[0]} is not a multiple of "
                              f"{SGLANG_VISION_MLP_ALIGN}; SGLang pads it while loading whole tensors only: use "
                              "rollout.weight_delivery=full")
+
+
+def check_hybrid_rollout(hf: dict, tp: int, delivery: str, sglang_args=()) -> str | None:
+    """Why SGLang at TP `tp` cannot take a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next policy as the layout models it, or None.
+    Sharded delivery at TP > 1: SGLang's loaders of conv1d, dt_bias and A_log cut the rank's rows out of what they
+    are given even when it is presharded, and in_proj_qkv's is cut part by part, which megarl's row blocks do not
+    express. The MoE models' gated shared expert: SGLang may fold a shared expert as wide as the routed ones into
+    its FusedMoE (Qwen2MoeSparseMoeBlock's shared-expert fusion), which the layout does not model: it needs
+    --disable-shared-experts-fusion."""
+    model_type = hf.get("model_type")
+    if model_type not in HYBRID_ATTENTION:
+        return None
+    if delivery == "sharded" and tp > 1:
+        return (f"model_type={model_type} at rollout.sglang_tp={tp}: SGLang cuts its linear-attention conv1d, dt_bias, "
+                "A_log and in_proj_qkv from whole tensors itself, which sharded delivery does not send: set "
+                "rollout.weight_delivery=full")
+    if model_type in GATED_SHARED_EXPERT and "--disable-shared-experts-fusion" not in sglang_flags(sglang_args):
+        return (f"model_type={model_type}: SGLang may fold its gated shared expert into the routed experts, a place "
+                "the weight sync's layout does not model: add --disable-shared-experts-fusion to rollout.sglang_args")
+    return None
 
 
 def keep_fused_pairs(buckets: Iterable[list]) -> Iterator[list]:
