@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
 from megarl.models import get_family
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import deepseek_v2_config, deepseek_v3_config, save_random
-from tests.models.test_families_vs_hf import ADAM_EPS, LR, _assert_like_hf_step, _hf_sft_step
+from tests.models.test_families_vs_hf import _assert_like_hf_step, _hf_sft_step, sft_step
 
 # (tp, pp, ep, sequence_parallel, max_tokens_per_micro_batch, attention) on 2 ranks
 # (varlen: the GPU's default for packed rows, here its per-segment CPU kernel; multi-latent attention takes it in
@@ -158,21 +158,11 @@ def test_tp_must_divide_the_heads_and_unknown_model_types_still_fail():
 
 def _train_rank(rank, model_dir):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megarl.engine import MegatronEngine
 
     trained = {}
     for sp in (False, True):
         _relayout(2, 1, 1)
-        parallel = ParallelConfig(world_size=dist.get_world_size(), tp=2, sequence_parallel=sp)
-        actor = ActorConfig(parallel=parallel, micro_batch_size=2,
-                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
-        engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
-        batch = padded_batch(rows=8)
-        share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-        metrics = engine.train(share, loss="sft")
-        trained[sp] = (metrics, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket})
+        trained[sp] = sft_step(model_dir, ParallelConfig(world_size=dist.get_world_size(), tp=2, sequence_parallel=sp))
     return trained
 
 

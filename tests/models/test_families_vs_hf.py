@@ -49,9 +49,34 @@ def _exported(engine) -> dict:
     return {name: t for bucket in engine.export_hf_weights(1 << 30) for name, t in bucket}
 
 
+def assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, where: str) -> None:
+    """The engine's log-probs and entropy on padded_batch() are transformers' (fp32), and its export is the
+    checkpoint bitwise."""
+    out = engine.compute_logprobs(padded_batch(), with_entropy=True)
+    torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
+    torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
+    exported, checkpoint = _exported(engine), load_file(f"{model_dir}/model.safetensors")
+    assert sorted(exported) == sorted(checkpoint), where
+    for key, tensor in checkpoint.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
+
+
+def sft_step(model_dir, parallel, **actor) -> tuple[dict, dict]:
+    """One SFT Adam step (LR, ADAM_EPS, no clipping) of a fresh engine on this rank's share of padded_batch(8), as
+    _hf_sft_step takes on the whole batch: its metrics and exported weights."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.engine import MegatronEngine
+
+    config = ActorConfig(parallel=parallel, micro_batch_size=2, optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS,
+                                                                                  clip_grad=0.0), **actor)
+    engine = MegatronEngine(model_dir, config, AlgorithmConfig(), "cpu", 1, 10)
+    share = padded_batch(rows=8).chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+    return engine.train(share, loss="sft"), _exported(engine)
+
+
 def _check_rank(rank, cases, layouts, train_dir=None):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megarl.engine import MegatronEngine
 
@@ -65,24 +90,11 @@ def _check_rank(rank, cases, layouts, train_dir=None):
             engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
                                     "cpu", 1, 10)
             assert engine.gpt.config.sequence_parallel == sp
-            out = engine.compute_logprobs(padded_batch(), with_entropy=True)
-            where = f"{name} at tp={tp} pp={pp} ep={ep} sp={sp}"
-            torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
-            torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
-            exported, checkpoint = _exported(engine), load_file(f"{model_dir}/model.safetensors")
-            assert sorted(exported) == sorted(checkpoint), where
-            for key, tensor in checkpoint.items():
-                assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
+            assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, f"{name} at tp={tp} pp={pp} ep={ep} sp={sp}")
 
         if train_dir is None or (tp > 1 and not sp):
             continue  # megatron refuses MoE training at TP > 1 without sequence parallelism
-        actor = ActorConfig(parallel=parallel, micro_batch_size=2,
-                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
-        engine = MegatronEngine(train_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
-        batch = padded_batch(rows=8)
-        share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-        metrics = engine.train(share, loss="sft")
-        trained[(tp, pp, ep, sp)] = (metrics, _exported(engine))
+        trained[(tp, pp, ep, sp)] = sft_step(train_dir, parallel)
     return trained
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
 
-from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
 from megarl.models import get_family
 from megarl.models.gated_delta_net import l2norm, recurrent_gated_delta_rule, segmented_causal_conv1d, sequence_starts
 from megarl.models.qwen3_5 import FAMILY as qwen3_5
@@ -25,7 +25,7 @@ from megarl.reshard.plan import kv_bytes_per_token, main
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import qwen3_5_config, save_random
-from tests.models.test_families_vs_hf import ADAM_EPS, LR, _hf_sft_step
+from tests.models.test_families_vs_hf import _hf_sft_step, assert_like_hf, sft_step
 
 # (tp, pp, attention) on 2 ranks: DP=2 with packed rows (local: block-causal mask; varlen: cu_seqlens), PP=2
 LAYOUTS = ((1, 1, "local"), (1, 1, "varlen"), (1, 2, "local"))
@@ -125,7 +125,7 @@ def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
 
     from megarl.engine import MegatronEngine
 
-    trained, checkpoint = {}, load_file(f"{model_dir}/model.safetensors")
+    trained = {}
     for tp, pp, attention in LAYOUTS:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tp, pp)
@@ -134,23 +134,9 @@ def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
         where = f"pp={pp} attention={attention}"
         engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2, attention=attention),
                                 AlgorithmConfig(), "cpu", 1, 10)
-        out = engine.compute_logprobs(padded_batch(), with_entropy=True)
-        torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
-        torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
-        exported = {name: t for bucket in engine.export_hf_weights(1 << 30) for name, t in bucket}
-        assert sorted(exported) == sorted(checkpoint), where
-        for key, tensor in checkpoint.items():
-            assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
-
-        if attention == "varlen":
-            continue  # its sequence starts differ from the mask's only in where they are read (tested above)
-        actor = ActorConfig(parallel=parallel, micro_batch_size=2, attention=attention,
-                            optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
-        engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
-        batch = padded_batch(rows=8)
-        share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-        metrics = engine.train(share, loss="sft")
-        trained[where] = (metrics, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket})
+        assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, where)
+        if attention != "varlen":  # its sequence starts differ from the mask's only in where they are read
+            trained[where] = sft_step(model_dir, parallel, attention=attention)
     return trained
 
 

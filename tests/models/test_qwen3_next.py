@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.config import ActorConfig, AlgorithmConfig, OptimConfig, ParallelConfig
+from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
 from megarl.models import get_family
 from megarl.models.qwen3_next import FAMILY as qwen3_next
 from megarl.reshard.inventory import hf_inventory
@@ -21,7 +21,7 @@ from megarl.reshard.plan import kv_bytes_per_token, main
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import qwen3_next_config, save_random
-from tests.models.test_families_vs_hf import ADAM_EPS, LR, _hf_sft_step
+from tests.models.test_families_vs_hf import _hf_sft_step, assert_like_hf, sft_step
 
 # (pp, ep) on 2 ranks: DP=2, PP=2, EP=2 (with DP=2)
 LAYOUTS = ((1, 1), (2, 1), (1, 2))
@@ -85,23 +85,9 @@ def _check_rank(rank, cases):
             where = f"{name} pp={pp} ep={ep}"
             engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
                                     "cpu", 1, 10)
-            out = engine.compute_logprobs(padded_batch(), with_entropy=True)
-            torch.testing.assert_close(out["logprobs"], ref_logprobs, rtol=0, atol=1e-5, msg=where)
-            torch.testing.assert_close(out["entropy"], ref_entropy, rtol=0, atol=1e-5, msg=where)
-            exported = {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
-            checkpoint = load_file(f"{model_dir}/model.safetensors")
-            assert sorted(exported) == sorted(checkpoint), where
-            for key, tensor in checkpoint.items():
-                assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (where, key)
-            if ep == 1 or name != "qwen3_next":
-                continue
-            actor = ActorConfig(parallel=parallel, micro_batch_size=2,
-                                optim=OptimConfig(lr=LR, adam_eps=ADAM_EPS, clip_grad=0.0))
-            engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10)
-            batch = padded_batch(rows=8)
-            share = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-            metrics = engine.train(share, loss="sft")
-            trained[where] = (metrics, {n: t for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket})
+            assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, where)
+            if ep > 1 and name == "qwen3_next":
+                trained[where] = sft_step(model_dir, parallel)
     return trained
 
 
