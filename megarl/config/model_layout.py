@@ -54,17 +54,24 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
 
 
 def check_rollout_model(cfg, hf: dict, where: str) -> None:
-    """Raise ConfigError for a model whose weights the sync into the rollout engine cannot move (gpt-oss: its
-    checkpoint stacks each layer's experts, reshard.inventory.STACKED_EXPERTS), and for a quantized model.path with
+    """Raise ConfigError for a sync into the rollout engine that cannot move or check a model's weights (gpt-oss's
+    and Qwen3-VL-MoE's stacked experts, reshard.inventory.STACKED_EXPERTS: full delivery only, and into SGLang no
+    checksum verification: weight_layout.layout_for says why), and for a quantized model.path with
     rollout.engine=sglang: SGLang starts from the checkpoint as stored, so it would serve a quantized model
     (DeepSeek-V3's release is block-wise FP8) and then take the policy's unquantized weights into it. The error
     names the conversion to a bf16 directory (megarl.convert reads block-wise FP8 dequantized)."""
     from megarl.reshard.inventory import STACKED_EXPERTS
 
+    r, t = cfg.rollout, cfg.trainer
     if language_fields(hf).get("model_type") in STACKED_EXPERTS:
-        raise ConfigError(f"{where}: model_type={hf.get('model_type')!r} stacks each layer's experts in a few tensors, "
-                          f"which megarl's weight sync into the rollout engine (rollout.engine={cfg.rollout.engine}) "
-                          "does not move yet: megarl.convert and the engine take it, RL runs do not")
+        stacks = f"{where}: model_type={hf.get('model_type')!r} stacks each layer's experts in a few tensors"
+        if r.weight_delivery != "full":
+            raise ConfigError(f"{stacks}, which the weight sync moves whole only: set rollout.weight_delivery=full "
+                              f"(got {r.weight_delivery})")
+        if r.engine == "sglang" and t.verify_weight_sync_every > 0 and not t.verify_weight_sync_deep:
+            raise ConfigError(f"{stacks}, whose place in SGLang's FusedMoE checksum verification does not model: set "
+                              "trainer.verify_weight_sync_deep=true (SGLang reloads what was sent with its own loader "
+                              "and compares) or trainer.verify_weight_sync_every=0")
     if cfg.rollout.engine == "sglang":
         from megarl.rollout.sglang_layout import check_hybrid_rollout
 
@@ -74,7 +81,7 @@ def check_rollout_model(cfg, hf: dict, where: str) -> None:
         if refusal:
             raise ConfigError(f"{where}: {refusal}")
     quantization = hf.get("quantization_config")
-    if cfg.rollout.engine != "sglang" or not quantization:
+    if r.engine != "sglang" or not quantization:
         return
     source = Path(cfg.model.path)
     imported, bf16 = source.with_name(source.name + "-megarl"), source.with_name(source.name + "-bf16")

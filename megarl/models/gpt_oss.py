@@ -39,12 +39,14 @@ As transformers 5.12 computes it, and how megatron-core computes the same:
 - MXFP4 checkpoints (the published ones: quant_method 'mxfp4', the experts' weights as *_blocks / *_scales):
   read dequantized (hf_checkpoint.MXFP4), exported unquantized in the model's dtype.
 - swiglu_limit (the published config.json's 7.0, which SGLang reads): transformers ignores it and clamps at 7; any
-  other value is refused by key.
-Rollouts: the weight sync into the rollout engine (megarl.reshard, SGLang's layouts) moves per-expert tensors, not
-stacked ones, so RL runs are refused for this model type before any worker starts
-(config.model_layout.check_rollout_model); the planner's inventory lists each expert as its row of the stacked
-tensors. Not modelled yet: how SGLang's GptOssForCausalLM holds them (its loader takes the stacked bf16
-gate_up_proj / down_proj and their biases into FusedMoE's w13 / w2, transposed).
+  other value is refused by key. transformers' config writer drops it; megarl's export writes it
+  (hf_checkpoint.export_config).
+Rollouts: the planner's inventory and the resharder list each expert as its row of the stacked tensors; the weight
+sync (full delivery only: config.model_layout.check_rollout_model) carries each stacked tensor whole under its
+checkpoint name, which the transformers rollout engine holds as is and SGLang's GptOssForCausalLM loads (the stacked
+bf16 gate_up_proj / down_proj and their biases, transposed into FusedMoE's w13 / w2). Not modelled: that FusedMoE
+layout, so a sync into SGLang is verified by the deep check only (trainer.verify_weight_sync_deep); SGLang serving
+of gpt-oss from megarl is untested on GPU.
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.models.decoder import rope_parameters
 from megarl.models.gemma3 import WindowedAttention
+from megarl.models.hf_checkpoint import SWIGLU_LIMIT
 from megarl.models.moe import SoftmaxTopKMoe
 from megarl.models.sharding import WeightMap, fused_gate_up, replicated, split_dim
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-SWIGLU_LIMIT = 7.0  # transformers' GptOssExperts.limit (its alpha, 1.702, is megatron's quick_gelu)
 
 
 @dataclass

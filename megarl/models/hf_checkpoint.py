@@ -45,13 +45,16 @@ MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 # The FP4 (E2M1) value of each 4-bit code: sign bit, then two exponent bits and one mantissa bit.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-# Published DeepSeek config.json fields SGLang reads, with the values that transformers'
-# own model of each model_type implies; a value the config already has is never replaced.
-SGLANG_DEEPSEEK_FIELDS = {
+SWIGLU_LIMIT = 7.0  # gpt-oss's: transformers' GptOssExperts.limit (its alpha, 1.702, is megatron's quick_gelu)
+# Published config.json fields SGLang reads, with the values that transformers' own model of each model_type
+# implies; a value the config already has is never replaced. gpt-oss's swiglu_limit: SGLang's GptOssForCausalLM
+# reads it, transformers' config writer drops it.
+SGLANG_FIELDS = {
     "deepseek_v3": {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1,
                     "num_nextn_predict_layers": 0},
     "deepseek_v2": {"moe_layer_freq": 1, "topk_method": "greedy", "scoring_func": "softmax", "ep_size": 1,
                     "num_nextn_predict_layers": 0},
+    "gpt_oss": {"swiglu_limit": SWIGLU_LIMIT},
 }
 
 
@@ -257,7 +260,7 @@ def written_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def export_config(config: dict, dtype: torch.dtype) -> dict:
     """The config.json of weights megarl writes in `dtype`: no quantization_config (the weights are not
-    quantized), the dtype, and for DeepSeek the fields SGLang reads (existing values kept)."""
+    quantized), the dtype, and for DeepSeek and gpt-oss the fields SGLang reads (existing values kept)."""
     config = {k: v for k, v in config.items() if k != QUANTIZATION_KEY}
     config["dtype"] = str(dtype).removeprefix("torch.")
     if "torch_dtype" in config:
@@ -275,6 +278,6 @@ def value_model_config(config: dict) -> dict:
 
 
 def with_sglang_fields(config: dict) -> dict:
-    """A DeepSeek config.json with the published fields SGLang reads (SGLANG_DEEPSEEK_FIELDS) that it lacks;
+    """A DeepSeek or gpt-oss config.json with the published fields SGLang reads (SGLANG_FIELDS) that it lacks;
     other model types unchanged."""
-    return {**SGLANG_DEEPSEEK_FIELDS.get(config.get("model_type"), {}), **config}
+    return {**SGLANG_FIELDS.get(config.get("model_type"), {}), **config}

@@ -4,10 +4,11 @@ softmax top-k routing over megatron's MoELayer, EP), every layer a mixture of ex
 its top-k weights (transformers' Qwen3VLMoeTextTopKRouter; config.json has no norm_topk_prob). Each layer's experts
 are stacked in the checkpoint (experts.gate_up_proj, experts.down_proj), read as one row per megatron expert
 (WeightMap.stacked) and written back stacked, in the published layout (stacked_gate_up, stacked_down).
-RL runs are refused (config.model_layout.check_rollout_model, reshard.inventory.STACKED_EXPERTS, as gpt-oss's): the
-weight sync's layouts do not model stacked tensors (SGLang loads them transposed into its FusedMoE w13/w2, a row
-block of neither); the planner's inventory lists each expert as its row of them. The hf rollout engine already
-addresses them by the checkpoint's names (rollout/hf.py checkpoint_views).
+RL runs sync them as gpt-oss's (reshard.inventory.STACKED_EXPERTS): the planner and the resharder list each expert
+as its row of them, a full delivery carries each stacked tensor whole (input-major) under its checkpoint name, which
+the hf rollout engine addresses (rollout/hf.py checkpoint_views) and SGLang loads, transposed into its FusedMoE
+w13/w2. Sharded delivery is refused by key (config.model_layout.check_rollout_model), and into SGLang so is checksum
+verification (that FusedMoE layout is not modelled: the deep check verifies); SGLang serving is untested on GPU.
 """
 
 from __future__ import annotations

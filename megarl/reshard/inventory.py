@@ -23,8 +23,9 @@ its first first_k_dense_replace layers and DeepSeek-V3's experts after them.
 gpt-oss (gpt_oss): GQA with q/k/v/o biases and per-head sinks, a biased router, and each layer's experts stacked in
 four tensors (models/gpt_oss.py). For the planner each expert is listed as its row of them, `<stacked name>.{e}`
 (gate_up_proj's row [hidden, 2 x intermediate], input-major with gate and up interleaved: a block of columns is
-one expert-TP rank's gate and up rows); the weight sync does not model stacked tensors (STACKED_EXPERTS: rollouts
-are refused by config.model_layout.check_rollout_model).
+one expert-TP rank's gate and up rows). The resharder moves the rows, and a full delivery carries each stacked
+tensor whole under its checkpoint name (`stacked_rows`: the resharder stacks a layer's rows once it holds them all;
+megatron's export yields the same), as transformers and SGLang load it.
 Gemma 3 (gemma3_text): q_norm/k_norm, and two more norms per layer (pre_feedforward_layernorm,
 post_feedforward_layernorm); its embedding tied unless config.json says otherwise, and held whole on every generation
 rank (SGLang's Gemma 3 embeds with a plain nn.Embedding, not a vocabulary-parallel one):
@@ -34,11 +35,12 @@ top of config.json, or under transformers 5's text_config: `language_fields`; Qw
 and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
 every TP rank of the first pipeline stage: models/qwen2_vl_vision.py). Qwen3-VL-MoE (qwen3_vl_moe): Qwen3-VL's tower
 and a Qwen3-MoE whose experts are stacked as gpt-oss's (without biases, gate and up as halves of gate_up_proj's
-columns): listed by row for the planner only, its rollouts refused alike.
+columns): listed by row, synced stacked alike.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from megarl.utils.hf_config import (GATED_SHARED_EXPERT, HYBRID_ATTENTION, expert_width, language_fields,
@@ -284,8 +286,34 @@ def qwen3_vision_tower(vision: dict) -> list[TensorSpec]:
 SUPPORTED = ("qwen2", "llama", "qwen3", "qwen3_moe", "mistral", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe",
              "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gpt_oss",
              "gemma3_text", "qwen3_vl_moe_text")
-# model types whose checkpoints stack each layer's experts in a few tensors: listed by row, for the planner only
+# model types whose checkpoints stack each layer's experts in a few tensors: listed by row (`stacked_rows`)
 STACKED_EXPERTS = ("gpt_oss", "qwen3_vl_moe_text")
+_STACKED_ROW = re.compile(r"(.*\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?)\.(\d+)$")
+
+
+def stacked_rows(specs: list[TensorSpec]) -> dict[str, tuple[str, int, int]]:
+    """Each stacked expert row's name (`<stacked name>.{e}`) -> (the stacked checkpoint tensor's name, e, rows)."""
+    rows = {}
+    for spec in specs:
+        match = _STACKED_ROW.match(spec.name) if spec.expert is not None else None
+        if match:
+            rows[spec.name] = (match.group(1), int(match.group(2)), spec.experts)
+    return rows
+
+
+def stacked_whole(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """`specs` with each stacked tensor's rows as one replicated spec of the whole tensor, under its checkpoint name
+    and at its first row's place (what an engine holding the checkpoint's tensors holds)."""
+    rows, out, seen = stacked_rows(specs), [], set()
+    for spec in specs:
+        if spec.name not in rows:
+            out.append(spec)
+            continue
+        name = rows[spec.name][0]
+        if name not in seen:
+            seen.add(name)
+            out.append(TensorSpec(name, (spec.experts, *spec.shape), None, spec.layer))
+    return out
 # vision-language model types: their language model's family in SUPPORTED, their tower's tensors, and what their
 # checkpoint names the language model's `model.*` tensors under
 VISION_LANGUAGE = {"qwen2_5_vl": ("qwen2", vision_tower, "model."),

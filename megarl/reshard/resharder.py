@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.reshard.inventory import TensorSpec
+from megarl.reshard.inventory import TensorSpec, stacked_rows
 from megarl.reshard.layout import GenLayout, TrainLayout, as_generation, generation_ranks, needed
 from megarl.reshard.transfers import Piece, plan_tensor
 from megarl.utils.bucketing import buckets_by_size
@@ -29,24 +29,30 @@ def _rows(t: torch.Tensor, dim: int | None, lo: int, hi: int) -> torch.Tensor:
 @dataclass
 class HeldRows:
     """Rows [lo, hi) of one HF tensor inside this rank's megatron shard: row lo + i sits at position
-    index[i] along `dim` (a fused shard interleaves them: q/k/v per query group, padded vocab)."""
+    index[i] along `dim` (a fused shard interleaves them: q/k/v per query group, padded vocab). `transposed`: the
+    shard holds the 2-D HF tensor transposed (a stacked expert's input-major row: gpt-oss's, Qwen3-VL-MoE's), its
+    rows along the other dimension."""
     shard: torch.Tensor
     dim: int | None
     index: torch.Tensor | None
     lo: int
     hi: int
+    transposed: bool = False
 
     def take(self, a: int, b: int) -> torch.Tensor:
-        """Rows [a, b): a view where they sit side by side, else a copy."""
+        """Rows [a, b) in the HF tensor's orientation: a view where they sit side by side, else a copy."""
         if self.dim is None:
             return self.shard
         idx = self.index[a - self.lo:b - self.lo]
+        dim = 1 - self.dim if self.transposed else self.dim
         # a view only where the rows are consecutive in order: a fused shard may permute rows between two ends that
         # look consecutive (Qwen3-Next's in_proj_qkvz, grouped per key head, in megatron's [q; k; v; z] order)
         start = int(idx[0]) if len(idx) else 0
         if torch.equal(idx.cpu(), torch.arange(start, start + len(idx))):
-            return self.shard.narrow(self.dim, start, b - a)
-        return self.shard.index_select(self.dim, idx.to(self.shard.device))
+            rows = self.shard.narrow(dim, start, b - a)
+        else:
+            rows = self.shard.index_select(dim, idx.to(self.shard.device))
+        return rows.t() if self.transposed else rows
 
 
 class Resharder:
@@ -87,9 +93,13 @@ class Resharder:
         (its parameters'); fp32 tensors of the inventory come in float32."""
         gen = as_generation(gen)
         generation_ranks(self.train, gen)
+        rows = stacked_rows(self.specs)
+        if rows and delivery != "full":
+            raise ValueError("the stacked experts' rows (gpt-oss, Qwen3-VL-MoE) move by full delivery only")
         self.received_bytes = self.sent_bytes = 0
-        for bucket in buckets_by_size(self._planned(gen, delivery, dtype.itemsize), bucket_bytes):
-            yield self._move(bucket, gen, delivery, dtype)
+        moved = (self._move(bucket, gen, delivery, dtype)
+                 for bucket in buckets_by_size(self._planned(gen, delivery, dtype.itemsize), bucket_bytes))
+        yield from _stacked(moved, rows) if rows else moved
 
     def _planned(self, gen: GenLayout, delivery: str, itemsize: int) -> Iterator[tuple[tuple[TensorSpec, list], int]]:
         """Each tensor's (spec, its pieces) with its cost (_cost), in the inventory's order."""
@@ -143,6 +153,27 @@ class Resharder:
         return out
 
 
+def _stacked(buckets: Iterator[list], rows: dict[str, tuple[str, int, int]]) -> Iterator[list]:
+    """The buckets with each stacked checkpoint tensor whole under its own name (inventory.stacked_rows) in place of
+    its rows: it goes in the bucket that brings its last row (a layer's rows are listed together, so at most one
+    layer's rows wait), copied out of the rows (some are views of this rank's parameters). Buckets left empty go."""
+    waiting: dict[str, dict[int, torch.Tensor]] = {}
+    for bucket in buckets:
+        out = []
+        for name, tensor in bucket:
+            if name not in rows:
+                out.append((name, tensor))
+                continue
+            stacked, row, count = rows[name]
+            held = waiting.setdefault(stacked, {})
+            held[row] = tensor
+            if len(held) == count:
+                out.append((stacked, torch.stack([held[e] for e in range(count)])))
+                del waiting[stacked]
+        if out:
+            yield out
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -192,7 +223,8 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
         if not wm.export or wm.megatron not in params:
             continue
         shard = params[wm.megatron].detach()
-        hf_specs = [by_name[n] for n in wm.hf]
+        # a stacked HF tensor (WeightMap.stacked): this parameter is its row, listed as `<name>.{row}`
+        hf_specs = [by_name[n if wm.stacked is None else f"{n}.{wm.stacked[0]}"] for n in wm.hf]
         if all(s.dim is None for s in hf_specs):
             (spec,) = hf_specs
             local[spec.name] = HeldRows(shard, None, None, 0, 1)
@@ -208,7 +240,11 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
             shape[s.dim or 0] = length
             probes.append((torch.arange(length) + offset + 1).reshape(shape))
             offset += length
-        ids = wm.to_shard(probes, tp_rank, tp).reshape(-1)
+        ids = wm.to_shard(probes, tp_rank, tp)
+        # one 2-D HF tensor whose probe comes back along the other dimension: the shard holds it transposed
+        transposed = len(hf_specs) == 1 and ids.dim() == 2 and hf_specs[0].dim is not None and \
+            ids.shape[hf_specs[0].dim] == 1 < ids.shape[1 - hf_specs[0].dim]
+        ids = ids.reshape(-1)
         offset = 0
         for s, length in zip(hf_specs, lengths):
             positions = ((ids > offset) & (ids <= offset + length)).nonzero().reshape(-1)
@@ -220,6 +256,6 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
             if s.dim is None:
                 local[s.name] = HeldRows(shard.narrow(0, int(positions[0]), length), None, None, 0, 1)
             else:
-                local[s.name] = HeldRows(shard, s.dim, positions, lo, hi)
+                local[s.name] = HeldRows(shard, s.dim, positions, lo, hi, transposed)
             offset += length
     return local

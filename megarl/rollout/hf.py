@@ -279,9 +279,11 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     [experts, hidden, ffn]) and converts them from and to per-expert tensors on load and save: expert e's
     gate/up/down_proj.weight (Mixtral's w1/w3/w2.weight) are views of its slices here. Mixtral's checkpoints name the
     layer's MoE block block_sparse_moe where transformers 5 names it mlp. Qwen3-VL-MoE's checkpoints (and megarl's
-    export) keep them stacked, input-major ([experts, hidden, 2 x ffn], [experts, ffn, hidden]): transposed views."""
+    export) keep them stacked, input-major ([experts, hidden, 2 x ffn], [experts, ffn, hidden]): transposed views.
+    gpt-oss's hold them stacked as transformers does (GptOssExperts): as they are."""
     mixtral = model.config.model_type == "mixtral"
     stacked = model.config.model_type == "qwen3_vl_moe"
+    as_stored = model.config.model_type == "gpt_oss"
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     views = {}
     for name, t in model.state_dict().items():
@@ -291,6 +293,8 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
         prefix, _, fused = name.rpartition(".experts.")
         if stacked and fused in ("gate_up_proj", "down_proj"):
             views[name] = t.transpose(1, 2)
+        elif as_stored:
+            views[name] = t
         elif fused == "gate_up_proj" and t.dim() == 3:
             ffn = t.shape[1] // 2
             for e in range(t.shape[0]):

@@ -9,8 +9,8 @@ checksum is the sum of its pieces' at their positions), so the sender applies th
 without building any fused tensor: `ExpectedChecksums`.
 
 Layouts (`WeightLayout`), by rollout engine (`layout_for`):
-- `hf` (transformers, CPU): every HF tensor whole under its own name (one rank), `HFLayout`. Sharded delivery sends
-  row blocks: each lands at its rows of the whole tensor.
+- `hf` (transformers, CPU): every HF tensor whole under its own name (one rank), `HFLayout`, stacked experts as
+  their checkpoint's stacked tensors. Sharded delivery sends row blocks: each lands at its rows of the whole tensor.
 - `sglang`: SGLang's fused, sharded, padded parameters, `megarl.rollout.sglang_layout.SGLangLayout`.
 """
 
@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from megarl.reshard.inventory import stacked_rows, stacked_whole
 from megarl.rollout.sglang_layout import SGLangLayout
 from megarl.utils.checksum import ChecksumTable
 
@@ -84,10 +85,18 @@ class HFLayout:
 
 
 def layout_for(specs: list, engine: str, tp: int = 1, hf: dict | None = None, sglang_args=()) -> WeightLayout:
-    """The weight layout of rollout engine `engine` (rollout.engine) at TP `tp` (SGLangLayout's arguments)."""
+    """The weight layout of rollout engine `engine` (rollout.engine) at TP `tp` (SGLangLayout's arguments). Stacked
+    experts (gpt-oss, Qwen3-VL-MoE) arrive whole under their checkpoint names (inventory.stacked_whole); how
+    SGLang's FusedMoE holds them (transposed into w13/w2, gpt-oss's gate and up interleaved, cut per MoE TP rank) is
+    not modelled, so checksums of them are refused there rather than passed unchecked."""
     if engine == "hf":
-        return HFLayout(specs)
+        return HFLayout(stacked_whole(specs))
     if engine == "sglang":
+        if stacked_rows(specs):
+            raise ValueError("checksum verification of SGLang's weights does not model the stacked experts' FusedMoE "
+                             "layout (gpt-oss, Qwen3-VL-MoE): verify with trainer.verify_weight_sync_deep=true "
+                             "(SGLang reloads what was sent with its own loader and compares) or not at all "
+                             "(trainer.verify_weight_sync_every=0)")
         return SGLangLayout(specs, tp, hf=hf, sglang_args=sglang_args)
     raise ValueError(f"no weight layout for rollout engine {engine!r}")
 

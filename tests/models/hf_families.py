@@ -15,7 +15,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
                           Qwen3NextForCausalLM)
 
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GptOssForCausalLM
 
 from tests.engine.hf_models import VOCAB
 
@@ -166,6 +166,7 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3
 
 
 MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
 
 
 def save_random(config, path, seed: int = 0) -> str:

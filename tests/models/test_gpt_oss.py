@@ -199,17 +199,20 @@ def test_convert_round_trip_reads_mxfp4_and_writes_bf16_bitwise(tmp_path):
     assert back.keys() == expected.keys() and {t.dtype for t in back.values()} == {torch.bfloat16}
     assert all(torch.equal(back[n], expected[n]) for n in expected)
     assert not torch.equal(back["model.layers.0.mlp.experts.down_proj"], original["model.layers.0.mlp.experts.down_proj"])
-    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert "quantization_config" not in written
+    assert written["swiglu_limit"] == 7.0  # SGLang reads it; transformers' writer drops it
     assert AutoConfig.from_pretrained(tmp_path / "back").model_type == "gpt_oss"
 
 
-def test_inventory_lists_each_expert_as_its_row_and_rollouts_are_refused(tmp_path):
+def test_inventory_lists_each_expert_as_its_row_and_rl_refuses_what_the_sync_cannot(tmp_path):
     """The planner's inventory: the checkpoint's tensors by name and shape, each stacked expert tensor as its E rows
-    (`<name>.{e}`); an RL config for the model is refused before any worker starts, naming the model type."""
+    (`<name>.{e}`), and whole as the transformers engine holds them (stacked_whole); an RL config is refused before
+    any worker starts where the sync cannot move or check them, naming the key, and taken otherwise."""
     from megarl.config import ConfigError
     from megarl.config.model_layout import check_rollout_model
     from megarl.config.tiny import tiny_config
-    from megarl.reshard.inventory import hf_inventory
+    from megarl.reshard.inventory import hf_inventory, stacked_whole
 
     model_dir = save_random(tmp_path / "m")
     hf = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -224,5 +227,34 @@ def test_inventory_lists_each_expert_as_its_row_and_rollouts_are_refused(tmp_pat
             assert rows == [(None, shapes[name])], name
         else:
             assert rows == [(e, shapes[name][1:]) for e in range(4)], name
-    with pytest.raises(ConfigError, match="model_type='gpt_oss' stacks each layer's experts"):
-        check_rollout_model(tiny_config([f"model.path={model_dir}"]), hf, "config.json")
+    assert {s.name: s.shape for s in stacked_whole(hf_inventory(hf))} == shapes
+    with pytest.raises(ConfigError, match="set rollout.weight_delivery=full"):
+        check_rollout_model(tiny_config([f"model.path={model_dir}", "rollout.weight_delivery=sharded"]), hf, "c")
+    with pytest.raises(ConfigError, match="trainer.verify_weight_sync_deep=true"):
+        check_rollout_model(tiny_config([f"model.path={model_dir}", "rollout.engine=sglang",
+                                         "trainer.verify_weight_sync_every=1"]), hf, "c")
+    for taken in (["trainer.verify_weight_sync_every=1"],
+                  ["rollout.engine=sglang", "trainer.verify_weight_sync_every=0"]):
+        check_rollout_model(tiny_config([f"model.path={model_dir}", *taken]), hf, "c")
+
+
+def test_grpo_with_a_gpt_oss_policy_at_ep2(tmp_path, ray_local):
+    """GRPO end to end on the CPU: the transformers rollout engine generates with a tiny gpt-oss, megatron trains it
+    at EP=2 (each rank half the experts), every sync (each stacked expert tensor gathered whole from both ranks'
+    rows) is verified by checksums, and the engine ends up holding exactly the trained policy."""
+    from megarl.workers import sync_checks
+    from tests.models.family_grpo import grpo_then_weights
+    from tests.models.hf_families import save_random_for_recipe
+
+    model = save_random_for_recipe(gpt_oss_config(), tmp_path / "gpt_oss", seed=3)
+    state, held, steps = grpo_then_weights(model, tmp_path / "run", [
+        "actor.parallel.ep=2", "actor.micro_batch_size=4",
+        "algorithm.entropy_coef=0.01"])  # a random policy earns no reward: the entropy bonus moves the weights
+
+    assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
+    initial = load_file(f"{model}/model.safetensors")
+    assert sorted(state) == sorted(initial)
+    for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj"):  # moved in both EP ranks' halves, and synced
+        moved = (state[f"model.layers.0.mlp.experts.{name}"] != initial[f"model.layers.0.mlp.experts.{name}"])
+        assert moved.flatten(1).any(1).all(), name
+    assert len(steps) == 2 and all(r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0 for r in steps)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.dist_utils import run_distributed
 from tests.models.hf_qwen2_vl import VOCAB, hf_logprobs, image_rows
-from tests.models.hf_qwen3_vl import qwen3_vl_config, save_random_qwen3_vl
+from tests.models.hf_qwen3_vl import STACKED, qwen3_vl_config, save_random_qwen3_vl
 from tests.models.test_qwen2_vl import vl_batch
 
 # (tp, pp, ep, sequence_parallel, recompute, max_tokens_per_micro_batch) on 2 ranks
@@ -106,8 +106,8 @@ def test_moe_weight_maps_stack_each_expert_once_in_either_layout(tmp_path):
     """Qwen3-VL-MoE: every checkpoint tensor named, the stacked ones once per expert row; a row reads the same from
     the published (input-major) layout and from transformers 5's output-major one; the hf rollout engine's views
     of transformers' model are the checkpoint's tensors (stacked, input-major), which megarl's updates name; the
-    planner's inventory lists each stacked tensor by row, and an RL config is refused by name (the weight sync does
-    not model stacked experts)."""
+    planner's inventory lists each stacked tensor by row, and an RL config with sharded delivery is refused by key
+    (the weight sync moves stacked experts whole only)."""
     from transformers import AutoModelForImageTextToText
 
     from megarl.config import ConfigError
@@ -117,7 +117,6 @@ def test_moe_weight_maps_stack_each_expert_once_in_either_layout(tmp_path):
     from megarl.models.qwen3_vl_moe import FAMILY
     from megarl.reshard.inventory import hf_inventory
     from megarl.rollout.hf import checkpoint_views
-    from tests.models.hf_qwen3_vl import STACKED
 
     hf = qwen3_vl_config(moe=True).to_dict()
     assert get_family(hf) is FAMILY
@@ -135,7 +134,7 @@ def test_moe_weight_maps_stack_each_expert_once_in_either_layout(tmp_path):
             assert torch.equal(m.from_shards([m.to_shard([published], r, 2) for r in (0, 1)])[0], published)
     views = checkpoint_views(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32))
     assert sorted(views) == sorted(checkpoint) and all(torch.equal(views[n], t) for n, t in checkpoint.items())
-    # the planner's inventory: every tensor by name and shape, each stacked one as its rows; RL runs refused
+    # the planner's inventory: every tensor by name and shape, each stacked one as its rows
     listed = {}
     for spec in hf_inventory(hf):
         name = spec.name.rsplit(".", 1)[0] if spec.expert is not None else spec.name
@@ -145,8 +144,9 @@ def test_moe_weight_maps_stack_each_expert_once_in_either_layout(tmp_path):
         want = [(e, checkpoint[name].shape[1:]) for e in range(4)] if name.endswith(STACKED) else \
             [(None, checkpoint[name].shape)]
         assert rows == want, name
-    with pytest.raises(ConfigError, match="model_type='qwen3_vl_moe' stacks each layer's experts"):
-        check_rollout_model(tiny_config([f"model.path={model_dir}"]), hf, "config.json")
+    with pytest.raises(ConfigError, match="model_type='qwen3_vl_moe' stacks .* set rollout.weight_delivery=full"):
+        check_rollout_model(tiny_config([f"model.path={model_dir}", "rollout.weight_delivery=sharded"]), hf, "c")
+    check_rollout_model(tiny_config([f"model.path={model_dir}"]), hf, "config.json")
 
 
 def test_convert_round_trip_is_bitwise(tmp_path):
@@ -161,3 +161,41 @@ def test_convert_round_trip_is_bitwise(tmp_path):
     assert sorted(back) == sorted(original) and any(n.startswith("model.visual.deepstack") for n in back)
     assert any(n.endswith(".experts.gate_up_proj") for n in back)
     assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in original.items())
+
+
+def test_grpo_with_a_qwen3_vl_moe_policy_at_ep2(tmp_path, ray_local):
+    """GRPO end to end on the CPU with text-only prompts: the transformers rollout engine generates with a tiny
+    Qwen3-VL-MoE (its image-text-to-text class), megatron trains it at EP=2, every sync (the stacked experts gathered
+    whole, input-major, from both ranks' rows) is verified by checksums, and the engine ends up holding exactly the
+    trained policy."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, Qwen3VLMoeForConditionalGeneration
+
+    from megarl.models.tiny import build_char_tokenizer
+    from megarl.workers import sync_checks
+    from tests.models.family_grpo import grpo_then_weights
+
+    tokenizer, config = build_char_tokenizer(), qwen3_vl_config(moe=True)
+    config.text_config.vocab_size = 128  # the recipe's characters, then the vision tokens above them
+    config.text_config.pad_token_id, config.text_config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config.vision_start_token_id, config.vision_end_token_id, config.image_token_id, config.video_token_id = \
+        120, 121, 122, 123
+    torch.manual_seed(7)
+    model = tmp_path / "vl_moe"
+    Qwen3VLMoeForConditionalGeneration(config).save_pretrained(model)
+    file = f"{model}/model.safetensors"  # input-major stacked experts, as published
+    save_file({n: t.transpose(1, 2).contiguous() if n.endswith(STACKED) else t for n, t in load_file(file).items()},
+              file, metadata={"format": "pt"})
+    tokenizer.save_pretrained(model)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     do_sample=True).save_pretrained(model)
+    state, held, steps = grpo_then_weights(str(model), tmp_path / "run", [
+        "actor.parallel.ep=2", "actor.micro_batch_size=4", "algorithm.entropy_coef=0.01", "trainer.steps=1",
+        "trainer.eval_every=0"])  # one step: gpt-oss's test covers a sync after a second
+
+    assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
+    initial = load_file(file)
+    assert sorted(state) == sorted(initial)
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert (state[name] != initial[name]).flatten(1).any(1).all()  # every expert moved, on both EP ranks, and synced
+    assert len(steps) == 1 and steps[0]["sync/verified"] == 1.0 and steps[0]["train/grad_norm"] > 0
