@@ -25,6 +25,21 @@ def convert(*args) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def bf16_round_trip(config, tmp_path) -> tuple[dict, dict]:
+    """A tiny random model of `config` saved in bf16, through hf-to-megatron and megatron-to-hf: the original tensors
+    and those written back."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.hf_families import save_random
+
+    hf = tmp_path / "hf"
+    AutoModelForCausalLM.from_pretrained(save_random(config, tmp_path / "fp32", seed=4),
+                                         dtype=torch.bfloat16).save_pretrained(hf)
+    convert("hf-to-megatron", hf, tmp_path / "imported")
+    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
+    return load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+
+
 def _train_rank(rank, imported, root):
     """Start from the imported checkpoint at TP=2, train, save: the imported weights (as HF tensors) and
     the trained model's log-probs."""
@@ -119,16 +134,11 @@ def test_a_bf16_model_comes_back_bf16_and_bit_exact(tmp_path):
 def test_mixtral_comes_back_bit_exact_under_its_checkpoint_names(tmp_path):
     """A bf16 Mixtral through hf-to-megatron and megatron-to-hf: every tensor (the router and the experts'
     w1/w3/w2 under block_sparse_moe) bit for bit, and a config.json transformers loads as Mixtral again."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from tests.models.hf_families import mixtral_config, save_random
+    from tests.models.hf_families import mixtral_config
 
-    hf = tmp_path / "hf"
-    AutoModelForCausalLM.from_pretrained(save_random(mixtral_config(), tmp_path / "fp32", seed=4)).to(
-        torch.bfloat16).save_pretrained(hf)
-    convert("hf-to-megatron", hf, tmp_path / "imported")
-    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
-    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = bf16_round_trip(mixtral_config(), tmp_path)
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in back
     assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
     assert {t.dtype for t in back.values()} == {torch.bfloat16}
@@ -167,16 +177,11 @@ def test_glm4_moe_comes_back_bit_exact_with_its_mtp_layer(tmp_path):
 def test_qwen3_next_comes_back_bit_exact(tmp_path):
     """A bf16 Qwen3-Next (grouped in_proj_qkvz / in_proj_ba, routed experts, the shared expert and its gate) through
     hf-to-megatron and megatron-to-hf: every tensor bit for bit, and a config.json transformers loads again."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from tests.models.hf_families import qwen3_next_config, save_random
+    from tests.models.hf_families import qwen3_next_config
 
-    hf = tmp_path / "hf"
-    AutoModelForCausalLM.from_pretrained(save_random(qwen3_next_config(), tmp_path / "fp32", seed=4),
-                                         dtype=torch.bfloat16).save_pretrained(hf)
-    convert("hf-to-megatron", hf, tmp_path / "imported")
-    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
-    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = bf16_round_trip(qwen3_next_config(), tmp_path)
     assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in back
     assert "model.layers.1.mlp.shared_expert_gate.weight" in back
     assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
@@ -187,16 +192,11 @@ def test_qwen3_next_comes_back_bit_exact(tmp_path):
 def test_gemma3_comes_back_bit_exact(tmp_path):
     """A bf16 Gemma 3 (tied embedding, four norms per layer, QK-norm) through hf-to-megatron and megatron-to-hf: every
     tensor bit for bit, and a config.json transformers loads as Gemma 3 again (its per-layer-type RoPE kept)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from tests.models.hf_families import gemma3_config, save_random
+    from tests.models.hf_families import gemma3_config
 
-    hf = tmp_path / "hf"
-    AutoModelForCausalLM.from_pretrained(save_random(gemma3_config(), tmp_path / "fp32", seed=4),
-                                         dtype=torch.bfloat16).save_pretrained(hf)
-    convert("hf-to-megatron", hf, tmp_path / "imported")
-    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
-    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = bf16_round_trip(gemma3_config(), tmp_path)
     assert "model.layers.3.post_feedforward_layernorm.weight" in back and "lm_head.weight" not in back
     assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
     assert {t.dtype for t in back.values()} == {torch.bfloat16}

@@ -128,6 +128,18 @@ def test_weight_maps_of_every_family_cover_every_checkpoint_tensor_once(make, ti
     assert inventory == {name: tuple(t.shape) for name, t in saved.items()}
 
 
+def assert_names_and_tp2_shards(family, hf: dict, saved: dict) -> None:
+    """The family's TP=2 weight maps name every checkpoint tensor once, the resharder's inventory gives each one's
+    shape, and every map's two shards assemble back into its tensors bitwise."""
+    maps = family.weight_maps(hf, 2)
+    assert sorted(n for m in maps if m.export for n in m.hf) == sorted(saved)
+    assert {s.name: s.shape for s in hf_inventory(hf)} == {n: tuple(t.shape) for n, t in saved.items()}
+    for m in maps:
+        tensors = [saved[n] for n in m.hf]
+        back = m.from_shards([m.to_shard(tensors, rank, 2) for rank in range(2)])
+        assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True)), m.megatron
+
+
 def test_llama3_rope_scaling_equals_transformers_frequencies():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

@@ -25,6 +25,7 @@ from megarl.reshard.plan import kv_bytes_per_token, main
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import qwen3_5_config, save_random
+from tests.models.test_family_mapping import assert_names_and_tp2_shards
 from tests.models.test_families_vs_hf import _hf_sft_step, assert_like_hf, sft_step
 
 # (tp, pp, attention) on 2 ranks: DP=2 with packed rows (local: block-causal mask; varlen: cu_seqlens), PP=2
@@ -92,13 +93,7 @@ def test_weight_maps_and_inventory_are_the_checkpoints_and_tp2_shards_round_trip
     assert get_family(hf) is qwen3_5 and get_family({"model_type": "qwen3_5_text"}) is qwen3_5
     save_random(config, tmp_path)
     saved = load_file(f"{tmp_path}/model.safetensors")
-    maps = qwen3_5.weight_maps(hf, 2)
-    assert sorted(n for m in maps if m.export for n in m.hf) == sorted(saved)
-    assert {s.name: s.shape for s in hf_inventory(hf)} == {n: tuple(t.shape) for n, t in saved.items()}
-    for m in maps:
-        tensors = [saved[n] for n in m.hf]
-        back = m.from_shards([m.to_shard(tensors, rank, 2) for rank in range(2)])
-        assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True)), m.megatron
+    assert_names_and_tp2_shards(qwen3_5, hf, saved)
 
 
 def test_planner_counts_the_checkpoint_and_caches_keys_in_full_attention_layers_only(tmp_path, capsys):

@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
 from megarl.models import get_family
 from megarl.models.qwen3_next import FAMILY as qwen3_next
-from megarl.reshard.inventory import hf_inventory
 from megarl.reshard.plan import kv_bytes_per_token, main
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import qwen3_next_config, save_random
+from tests.models.test_family_mapping import assert_names_and_tp2_shards
 from tests.models.test_families_vs_hf import _hf_sft_step, assert_like_hf, sft_step
 
 # (pp, ep) on 2 ranks: DP=2, PP=2, EP=2 (with DP=2)
@@ -38,13 +38,7 @@ def test_weight_maps_inventory_and_translation(model_type, tmp_path, capsys):
     saved = load_file(f"{tmp_path}/model.safetensors")
     assert "model.layers.0.mlp.shared_expert_gate.weight" in saved
     assert ("model.layers.0.linear_attn.in_proj_qkvz.weight" in saved) == (model_type == "qwen3_next")
-    maps = qwen3_next.weight_maps(hf, 2)
-    assert sorted(n for m in maps if m.export for n in m.hf) == sorted(saved)
-    assert {s.name: s.shape for s in hf_inventory(hf)} == {n: tuple(t.shape) for n, t in saved.items()}
-    for m in maps:
-        tensors = [saved[n] for n in m.hf]
-        back = m.from_shards([m.to_shard(tensors, rank, 2) for rank in range(2)])
-        assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True)), m.megatron
+    assert_names_and_tp2_shards(qwen3_next, hf, saved)
 
     c = qwen3_next.transformer_config(hf, 1, 1, torch.float32, True, ep=2)
     assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (4, 2, 16)
