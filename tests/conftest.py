@@ -23,12 +23,9 @@ def pytest_collection_modifyitems(items):
     Under pytest-xdist (scripts/test.sh runs two workers) tests that start Ray, trainers or scripts run beside each
     other: each worker's `ray_local` is a local Ray of its own, and a test finds the processes it started by a marker
     of its own, never by counting the machine's. A module's tests stay on one worker (scripts/test.sh: loadscope, in
-    this order), so its module-scoped fixtures are built once. Within each part the modules holding a test marked
-    `long` go first: a long module last leaves the other worker idle while it runs (a 5-minute one did)."""
+    this order), so its module-scoped fixtures are built once."""
     uses_ray = {item.getparent(pytest.Module) for item in items if "ray_local" in item.fixturenames}
-    long = {item.getparent(pytest.Module) for item in items if item.get_closest_marker("long")}
-    # stable: order kept within each group
-    items.sort(key=lambda item: (item.getparent(pytest.Module) in uses_ray, item.getparent(pytest.Module) not in long))
+    items.sort(key=lambda item: item.getparent(pytest.Module) in uses_ray)  # stable: order kept within each part
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,6 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
         trainer.shutdown()
 
 
-@pytest.mark.long
 def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
     """A seeded short quickstart: the held-out gain comes from RL, not from the warm start. The control (lr=0) keeps
     its weights, so its held-out reward is the warm start's exactly after any number of its steps: 4 show it.

@@ -5,7 +5,6 @@ with replay on, sharing the engines' start-up."""
 
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -26,7 +25,6 @@ def tiny_reward_model(path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.long
 def test_ppo_with_critic_reference_and_reward_model(tmp_path, ray_local):
     cfg = tiny_config([
         f"trainer.output_dir={tmp_path}", "trainer.loggers=jsonl", "trainer.steps=2", "sft.steps=0",

@@ -4,8 +4,6 @@ metrics.jsonl holds each RL step once; the damaged checkpoint is written again, 
 
 import json
 
-import pytest
-
 from megarl.engine.checkpoint_dir import checkpoint_damage
 from megarl.train import main
 from megarl.utils.tracking import run_dir
@@ -13,7 +11,6 @@ from megarl.utils.tracking import run_dir
 from tests.conftest import QUICKSTART
 
 
-@pytest.mark.long
 def test_a_damaged_newest_checkpoint_gives_way_to_the_previous_one(tmp_path, capsys):
     args = ["--config", str(QUICKSTART), f"trainer.output_dir={tmp_path}", "actor.parallel.world_size=1",
             "actor.parallel.tp=1", "model.tiny_num_layers=1", "sft.steps=0", "data.prompts_per_step=2",

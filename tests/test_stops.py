@@ -180,7 +180,6 @@ def checkpoint(output_dir: Path, step: int) -> Path:
     return output_dir / "checkpoints" / f"step_{step:08d}"
 
 
-@pytest.mark.long
 def test_sigint_then_sigterm_stop_after_the_step_save_it_and_say_how_to_resume(tmp_path):
     """Ctrl-C after a step: that step (or the next, in progress) finishes and is saved; one line names it and the
     command; exit 130. That command resumes after it; SIGTERM there, to the driver's whole process group as `timeout`

@@ -71,7 +71,6 @@ def stopped(tmp_path_factory, ray_local) -> SimpleNamespace:
     return SimpleNamespace(dir=out, rows=metric_rows(out, 1), weights=weights, data_state=data_state, history=history)
 
 
-@pytest.mark.long
 def test_trainer_resumes_at_another_layout(stopped):
     root = stopped.dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001", "step_00000002", "step_00000003"]
@@ -100,7 +99,6 @@ def test_trainer_resumes_at_another_layout(stopped):
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3, 4]  # the resumed runs redid no step
 
 
-@pytest.mark.long
 def test_resumed_run_equals_the_uninterrupted_one_bitwise(tmp_path, stopped):
     """Stopped after step 1 (trainer.steps=1, then a run with steps=3: the `stopped` fixture), or killed after step
     1's checkpoint was committed, then resumed: every logged number of steps 2-3 and the final weights are those of

@@ -13,7 +13,6 @@ import pytest
 from tests.launch.launch_utils import ROOT, TINY_RUN, non_loopback_listeners, script_env, tree_pids
 
 
-@pytest.mark.long
 def test_launch_runs_the_recipe_on_loopback_only(tmp_path):
     env = script_env(MEGARL_LOG_DIR=str(tmp_path / "logs"), RAY_AUTH_TOKEN_PATH=str(tmp_path / "token"))
     proc = subprocess.Popen(["bash", "scripts/launch.sh", *TINY_RUN, f"trainer.output_dir={tmp_path / 'run'}"],

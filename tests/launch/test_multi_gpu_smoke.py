@@ -9,12 +9,9 @@ import json
 import os
 import subprocess
 
-import pytest
-
 from tests.launch.launch_utils import ROOT
 
 
-@pytest.mark.long
 def test_ep_pp_phase_smoke_trains_uneven_stages_and_moves_the_planned_bytes(tmp_path):
     """The DeepSeek-V3-shaped runs' four-GPU layout: TP=1 x EP=2 x PP=2, the last stage one decoder layer of three,
     into two generation engines of TP=2 by sharded delivery; every sync verified and its bytes per rank the planner's
@@ -40,7 +37,6 @@ def test_ep_pp_phase_smoke_trains_uneven_stages_and_moves_the_planned_bytes(tmp_
     assert cells[4] == "2/2" and cells[9] == "2/2", row  # syncs verified; bytes as planned
 
 
-@pytest.mark.long
 def test_async_lanes_split_one_workloads_runs_and_merge_their_table(tmp_path):
     """LANES: the fixed workload's runs split over two GPU pairs of one call, each lane its own results; the table
     merges them, so the speed-up of the one lane's run is taken against the other lane's disaggregated sync."""

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-
-import pytest
 import time
 import urllib.error
 import urllib.request
@@ -64,7 +62,6 @@ def wait_for_job_server(dashboard: str, token: str, timeout: float = 90) -> None
             time.sleep(1)
 
 
-@pytest.mark.long
 def test_recipe_spans_two_ray_nodes(short_tmp):
     gcs_port, dash_port = free_port(), free_port()
     head_address = f"{node_ip()}:{gcs_port}"

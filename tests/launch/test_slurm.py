@@ -46,7 +46,6 @@ def actor_logs(job_id: str, node: str, actor: str) -> list[str]:
     return [f for f in logs if f":actor_name:{actor}" in open(f).read()]
 
 
-@pytest.mark.long
 def test_job_runs_the_recipe_across_both_nodes(slurm, tmp_path):
     job = submit(slurm, tmp_path, [])
     state = slurm.wait_job(job, timeout=240)
@@ -59,7 +58,6 @@ def test_job_runs_the_recipe_across_both_nodes(slurm, tmp_path):
     assert wait_until_gone(lambda: processes_of_slurm_job(job), timeout=30) == []
 
 
-@pytest.mark.long
 def test_cancelled_job_leaves_no_process(slurm, tmp_path):
     job = submit(slurm, tmp_path, ["trainer.steps=1000"])
     out_file = tmp_path / f"job-{job}.out"

@@ -164,7 +164,6 @@ def test_unknown_logger_lists_the_valid_ones():
         check_loggers(["no_such_module:Logger"])
 
 
-@pytest.mark.long
 def test_a_run_writes_every_scalar_to_every_tracker(tmp_path):
     """python -m megarl.train with the three trackers: each holds every scalar metrics.jsonl has, at its step: the
     held-out reward before RL and after the last step, the warm start's steps logged before them."""

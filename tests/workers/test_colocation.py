@@ -8,7 +8,6 @@ leave each engine during the other's phase, and the rollout engine must hold exa
 
 import json
 
-import pytest
 import ray
 import torch
 
@@ -44,7 +43,6 @@ def _run(out, *overrides) -> dict:
     return result
 
 
-@pytest.mark.long
 def test_offload_cycle_and_sharded_sync_match_the_plain_run_bitwise(tmp_path, ray_local):
     a = _run(tmp_path / "a", "trainer.offload_between_phases=never")
     b = _run(tmp_path / "b", "trainer.offload_between_phases=always", "rollout.weight_delivery=sharded",
