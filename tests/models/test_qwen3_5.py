@@ -26,7 +26,7 @@ from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import qwen3_5_config, save_random
 from tests.models.test_family_mapping import assert_names_and_tp2_shards
-from tests.models.test_families_vs_hf import _hf_sft_step, assert_like_hf, sft_step
+from tests.models.test_families_vs_hf import _assert_like_hf_step, _hf_sft_step, assert_like_hf, sft_step
 
 # (tp, pp, attention) on 2 ranks: DP=2 with packed rows (local: block-causal mask; varlen: cu_seqlens), PP=2
 LAYOUTS = ((1, 1, "local"), (1, 1, "varlen"), (1, 2, "local"))
@@ -143,12 +143,7 @@ def test_qwen3_5_matches_transformers_at_dp2_and_pp2(tmp_path):
     trained = run_distributed(_check_rank, 2, model_dir, ref_logprobs, ref_entropy, timeout=240)
 
     assert sorted(trained) == ["pp=1 attention=local", "pp=2 attention=local"]
-    for where, (metrics, weights) in trained.items():
-        assert abs(metrics["loss"] - ref_loss) < 1e-5 * abs(ref_loss), where
-        assert abs(metrics["grad_norm"] - ref_grad_norm) < 1e-5 * ref_grad_norm, where
-        assert sorted(weights) == sorted(ref_weights)
-        for key, tensor in ref_weights.items():
-            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=1e-5, msg=f"{where} {key}")
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
 
 
 def test_grpo_steps_with_a_qwen3_5_policy_at_pp2(tmp_path, ray_local):

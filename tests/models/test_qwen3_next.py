@@ -21,7 +21,7 @@ from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import qwen3_next_config, save_random
 from tests.models.test_family_mapping import assert_names_and_tp2_shards
-from tests.models.test_families_vs_hf import _hf_sft_step, assert_like_hf, sft_step
+from tests.models.test_families_vs_hf import _assert_like_hf_step, _hf_sft_step, assert_like_hf, sft_step
 
 # (pp, ep) on 2 ranks: DP=2, PP=2, EP=2 (with DP=2)
 LAYOUTS = ((1, 1), (2, 1), (1, 2))
@@ -95,9 +95,4 @@ def test_qwen3_next_and_qwen3_5_moe_match_transformers_at_dp2_pp2_ep2(tmp_path):
     trained = run_distributed(_check_rank, 2, cases, timeout=300)
 
     assert sorted(trained) == ["qwen3_next pp=1 ep=2"]
-    for where, (metrics, weights) in trained.items():
-        assert abs(metrics["loss"] - ref_loss) < 1e-5 * abs(ref_loss), where
-        assert abs(metrics["grad_norm"] - ref_grad_norm) < 1e-5 * ref_grad_norm, where
-        assert sorted(weights) == sorted(ref_weights)
-        for key, tensor in ref_weights.items():
-            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=1e-5, msg=f"{where} {key}")
+    _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
