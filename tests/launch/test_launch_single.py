@@ -8,7 +8,6 @@ import subprocess
 import time
 
 import psutil
-import pytest
 
 from tests.launch.launch_utils import ROOT, TINY_RUN, non_loopback_listeners, script_env, tree_pids
 
