@@ -74,7 +74,7 @@ def _gpt_oss():
     from transformers import GptOssConfig
 
     # alternating 16-token windows (shorter than prompt + continuation) and full attention; sinks; YaRN
-    return GptOssConfig(**BASE, intermediate_size=256, num_hidden_layers=2, sliding_window=16,
+    return GptOssConfig(**BASE | {"intermediate_size": 256}, num_hidden_layers=2, sliding_window=16,
                         layer_types=["sliding_attention", "full_attention"], num_local_experts=8, num_experts_per_tok=2,
                         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                              beta_slow=1.0, truncate=False, original_max_position_embeddings=1024),
@@ -301,12 +301,12 @@ def run_family(args, name: str, family: Family, seed: int) -> dict:
 
     row: dict = dict(family=name)
     directory = Path(tempfile.mkdtemp(prefix=f"family-{name}-", dir=args.work_dir))
-    t = time.perf_counter()
-    hf = build(family, directory, seed)
-    row |= dict(architecture=hf["architectures"][0], build_s=time.perf_counter() - t,
-                params=sum(v.numel() for v in load_file(directory / "model.safetensors").values()))
     rollout, engine = None, None
     try:
+        t = time.perf_counter()
+        hf = build(family, directory, seed)
+        row |= dict(architecture=hf["architectures"][0], build_s=time.perf_counter() - t,
+                    params=sum(v.numel() for v in load_file(directory / "model.safetensors").values()))
         t = time.perf_counter()
         rollout = rollout_engine(args, directory, family)
         row["startup_s"] = time.perf_counter() - t
