@@ -155,6 +155,9 @@ class RLTrainer:
                                                or stops.requested()):
                     self.save_checkpoint(step)
         self.check_rollout_weights()  # the last sync's: no update follows, but a corrupt engine still stops the run
+        if cfg.actor.lora.peft_dir:
+            self.colocation.to_training()  # the adapters back where they were offloaded
+            self.actor.call("save_peft", cfg.actor.lora.peft_dir)
         self.tracker.close()
         return self.history
 
@@ -399,6 +402,7 @@ class RLTrainer:
         trainer.verify_weight_sync_every-th after it, verify it arrived bit for bit."""
         every = self.cfg.trainer.verify_weight_sync_every
         verify, self.syncs = every > 0 and self.syncs % every == 0, self.syncs + 1
+        verify = verify and not (self.cfg.actor.lora.rank and self.cfg.rollout.lora_sync == "adapter")  # no checksums
         deep = self.cfg.trainer.verify_weight_sync_deep
         try:
             ranks = self.actor.call("push_weights", self.rollout, self.cfg.trainer.sync_bucket_mb << 20, verify, deep)

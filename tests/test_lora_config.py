@@ -19,6 +19,8 @@ from tests.conftest import QUICKSTART
     (["actor.lora.rank=4", "actor.lora.target_modules="], r"^actor.lora.rank=4 with actor.lora.target_modules empty"),
     (["actor.lora.rank=4", "rollout.weight_delivery=sharded"], r"^actor.lora.rank=4 with rollout.weight_delivery"),
     (["actor.lora.rank=4", "sft.steps=2", "algorithm.kl_coef=0.1"], r"^actor.lora.rank=4 with sft.steps=2"),
+    (["rollout.lora_sync=adapter"], r"^rollout.lora_sync is set and actor.lora.rank=0: there are no adapters"),
+    (["actor.lora.peft_dir=out/peft"], r"^actor.lora.peft_dir is set and actor.lora.rank=0"),
 ])
 def test_invalid_lora_keys_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):

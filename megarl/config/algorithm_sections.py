@@ -149,6 +149,12 @@ class RolloutConfig:
                                        "EP slice) by CUDA IPC from the training rank on its GPU, whatever the "
                                        "training TP, PP and EP: the resharder moves the rows a rank lacks)",
                                choices=("full", "sharded"))
+    lora_sync: str = opt("merged", "with actor.lora: what each weight sync sends the rollout engine: merged (the "
+                                   "whole model, W + scale B A, by the weight_delivery path, checksum-verified) or "
+                                   "adapter (a PEFT adapter directory under trainer.output_dir that the engine loads: "
+                                   "SGLang serves it beside its base weights under a new name per sync, which the "
+                                   "rollouts ask for; the hf engine merges it; not verified; not yet run on a GPU)",
+                         choices=("merged", "adapter"))
     sglang_weight_format: str = opt("persistent", "SGLang: CUDA IPC weight payload per bucket: persistent (two "
                                     "reused flat buffers SGLang keeps mapped: the fastest, and the one that works "
                                     "into a TP>1 server), flattened_bucket (SGLang's one flat buffer per bucket; "

@@ -163,6 +163,8 @@ class LoraConfig:
     target_modules: list = opt(["all-linear"], "the projections that get adapters, by the checkpoint's names: "
                                                "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or "
                                                "all-linear (all of them; the output layer never)")
+    peft_dir: str = opt("", "at the end of the run, write the adapters as a PEFT adapter directory there "
+                            "(adapter_config.json, adapter_model.safetensors: docs/lora.md); '' = none")
 
 
 @dataclass

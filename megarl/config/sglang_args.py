@@ -13,7 +13,8 @@ from typing import Iterable
 MANAGED_ARGS = ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--mem-fraction-static",
                 "--skip-tokenizer-init", "--custom-weight-loader", "--enable-memory-saver",
                 "--enable-deterministic-inference", "--dtype", "--enable-fp32-lm-head",
-                "--enable-return-routed-experts")
+                "--enable-return-routed-experts", "--enable-lora", "--max-lora-rank", "--lora-target-modules",
+                "--max-loras-per-batch")
 # The attention backends sglang 0.5.17 runs deterministic inference with (its server_args refuses the others).
 DETERMINISTIC_ATTENTION_BACKENDS = ("triton", "fa3", "flashinfer")
 SGLANG_EP_FLAGS = ("--ep-size", "--expert-parallel-size", "--ep")  # sglang 0.5.17's names of its ep_size

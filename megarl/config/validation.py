@@ -28,6 +28,11 @@ PACKING_LAYOUTS = ("rows", "one_row")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def lora_targets(section) -> set[str]:
+    """The projections actor.lora (`section`) adapts, all-linear spelled out."""
+    return set(LORA_TARGETS) if "all-linear" in section.target_modules else set(section.target_modules)
+
+
 class ConfigError(ValueError):
     """A bad option: the message names the key."""
 
@@ -252,6 +257,11 @@ class ConfigChecks:
             raise ConfigError(f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not one of "
                               f"{', '.join(LORA_TARGETS)} or all-linear")
         if not lora.rank:
+            for key, value in (("rollout.lora_sync", self.rollout.lora_sync != "merged"),
+                               ("actor.lora.peft_dir", bool(lora.peft_dir))):
+                if value:
+                    raise ConfigError(f"{key} is set and actor.lora.rank=0: there are no adapters (set actor.lora.rank "
+                                      "> 0)")
             return
         if not targets:
             raise ConfigError(f"actor.lora.rank={lora.rank} with actor.lora.target_modules empty: name the "

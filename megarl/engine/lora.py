@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
-from megarl.config.validation import LORA_TARGETS
+from megarl.config.validation import lora_targets
 
 KEY = "actor.lora.target_modules"
 ATTENTION_QKV, ATTENTION_OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
@@ -142,8 +142,7 @@ class Lora:
 
     @property
     def targets(self) -> set[str]:
-        names = self.section.target_modules
-        return set(LORA_TARGETS) if "all-linear" in names else set(names)
+        return lora_targets(self.section)
 
 
 def install(gpts, section, seed: int) -> Lora:

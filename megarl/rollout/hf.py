@@ -31,10 +31,11 @@ from megarl.utils.checksum import module_checksums
 
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0, fp32_lm_head: bool = False, record_routing: bool = False):
+                 seed: int = 0, fp32_lm_head: bool = False, record_routing: bool = False, adapters: bool = False):
         """`fp32_lm_head`: under a 16-bit dtype the output layer (and so the logits) in float32 (actor.fp32_lm_head).
         `record_routing`: each Generation carries the experts its tokens were routed to (hf_routing.py;
-        actor.router_replay=rollout)."""
+        actor.router_replay=rollout). `adapters`: syncs load LoRA adapters (load_lora_adapter) onto the base
+        weights, which release_memory then keeps."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.device = torch.device(device)
@@ -58,6 +59,8 @@ class HFRolloutEngine(RolloutEngine):
         self.released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_memory
         self._specs = None  # HF tensor specs, for sharded weight delivery
         self.routing = RoutingRecorder(self.model) if record_routing else None
+        self.adapters = adapters
+        self.lora_base: dict[str, torch.Tensor] = {}  # the base of each weight an adapter was merged into
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  images: list[ImageInputs | None] | None = None,
@@ -210,6 +213,23 @@ class HFRolloutEngine(RolloutEngine):
             rows = None if spec is None or spec.dim is None else (spec.dim, *spec.rows(gen_tp, gen_rank))
             self._copy_into(state, name, shard, rows)
 
+    @torch.no_grad()
+    def load_lora_adapter(self, path: str) -> None:
+        """Adapter-only sync (rollout.lora_sync=adapter): each weight a PEFT adapter directory adapts becomes its base
+        plus the adapter's scale * B A, merged as the policy's export merges (lora_peft.merged), so the rollouts are
+        those of a merged sync; SGLang serves the adapter beside its base weights instead."""
+        from megarl.engine.lora_peft import merged, read_peft
+
+        self._check_idle()
+        config, pairs = read_peft(path)
+        scale = config["lora_alpha"] / config["r"]
+        state = checkpoint_views(self.model)
+        for name, (A, B) in pairs.items():
+            if name not in state:
+                raise KeyError(f"load_lora_adapter: {path} adapts '{name}', which the model does not have")
+            base = self.lora_base.setdefault(name, state[name].detach().clone())
+            state[name].copy_(merged(base, A, B, scale))
+
     def _check_idle(self) -> None:
         """Weights change only while no generation runs (or it is paused): its tokens would mix two policies."""
         if not self.gate.idle():
@@ -226,8 +246,9 @@ class HFRolloutEngine(RolloutEngine):
         target.copy_(tensor)
 
     def release_memory(self) -> None:
-        """Free the weights' storage, as a colocated SGLang does between rollouts: the values are gone."""
-        if not self.released:
+        """Free the weights' storage, as a colocated SGLang does between rollouts: the values are gone. With adapter
+        syncs the base weights stay (the syncs send adapters alone)."""
+        if not self.released and not self.adapters:
             self.released = [(s, s.nbytes()) for s in offload.distinct_storages(self.model.parameters())]
             for storage, _ in self.released:
                 storage.resize_(0)

@@ -75,7 +75,7 @@ class SGLangRolloutEngine(RolloutEngine):
                  gpus: list[str] | None = None, rows_per_request: int = 0, batch_rows: int = 0,
                  serializer: Callable[[object], str] | None = None, deterministic: bool = False,
                  release_kv: bool | None = None, hosts: list[tuple] | None = None, sender_node: str | None = None,
-                 record_routing: bool = False, **server_kwargs):
+                 record_routing: bool = False, lora: tuple[int, list[str]] | None = None, **server_kwargs):
         """`gpus`: GPU ids (as CUDA_VISIBLE_DEVICES names them) to spread one server per `tp` of them over, in
         place of `num_servers` servers on this process's first num_servers * tp visible GPUs.
         `rows_per_request`: a generate call's rows for a server go in concurrent requests of at most this many
@@ -93,7 +93,9 @@ class SGLangRolloutEngine(RolloutEngine):
         servers of that node take them by CUDA IPC, the others by NCCL broadcast. None: each server's own training
         ranks send (sharded delivery, every generation TP group to its server): CUDA IPC for all.
         `record_routing`: each Generation carries the experts its tokens were routed to (SGLang's
-        --enable-return-routed-experts and a request's return_routed_experts; actor.router_replay=rollout)."""
+        --enable-return-routed-experts and a request's return_routed_experts; actor.router_replay=rollout).
+        `lora`: (rank, projections): syncs load LoRA adapters (load_lora_adapter, rollout.lora_sync=adapter) that
+        the servers serve beside their base weights, which then stay in memory between rollouts."""
         self.model_path, self.colocated, self.rows_per_request = model_path, colocated, rows_per_request
         self.release_kv = colocated if release_kv is None else release_kv
         self.deterministic = deterministic
@@ -111,6 +113,10 @@ class SGLangRolloutEngine(RolloutEngine):
         self.routing = routing_shape(model_path) if record_routing else None
         if record_routing:
             server_kwargs["routed_experts"] = True
+        if lora is not None:
+            server_kwargs["lora"] = lora
+        self.adapters = lora is not None
+        self.adapter: str | None = None  # the name the servers hold the current policy's adapter under
         if batch_rows:  # a server's share, rounded up to 32 rows: routing splits whole prompt groups unevenly
             share = -(-batch_rows // num_servers)
             server_kwargs.setdefault("decode_rows", -(-share // 32) * 32)
@@ -257,6 +263,8 @@ class SGLangRolloutEngine(RolloutEngine):
                      convert: Callable[[list[dict]], list[Generation]], image_data: list | None = None
                      ) -> list[Generation]:
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
+        if self.adapter is not None:
+            request["lora_path"] = self.adapter  # the current policy's adapter, by the name it was loaded under
         if self.routing:
             request["return_routed_experts"] = True
         if image_data is not None:
@@ -331,6 +339,20 @@ class SGLangRolloutEngine(RolloutEngine):
             self.received = dict(received or {})
             self.syncing = False
 
+    def load_lora_adapter(self, path: str) -> None:
+        """An adapter-only sync: every server loads the PEFT adapter directory `path` under a new name (a new weight
+        version), which the requests that follow ask for, and unloads the previous policy's; its prefix cache is
+        flushed before it next generates."""
+        with self.lock:
+            self.version += 1
+            name = f"policy_{self.version}"
+            for server, state in zip(self.servers, self.state):
+                server.post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+                if self.adapter is not None:
+                    server.post("/unload_lora_adapter", {"lora_name": self.adapter})
+                state.version, state.flush = self.version, True
+            self.adapter = name
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         bucket = [(n, t if t.is_cuda else t.cuda()) for n, t in named_tensors]
         endpoints = self.begin_weight_update()
@@ -378,6 +400,11 @@ class SGLangRolloutEngine(RolloutEngine):
         the last rollout is not released twice)."""
         with self.lock:
             for server, state in zip(self.servers, self.state):
+                if self.adapters:  # adapter syncs send no base weights: they stay
+                    if not state.kv_released:
+                        server.post("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+                    state.kv_released = True
+                    continue
                 if not state.weights_released:
                     tags = ["weights"] if state.kv_released else ["weights", "kv_cache", "cuda_graph"]
                     server.post("/release_memory_occupation", {"tags": tags})

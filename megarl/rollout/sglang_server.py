@@ -327,7 +327,7 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                   extra_args: tuple[str, ...] = (), log_dir: str | None = None, visible_devices: list[str] | None = None,
                   env: dict | None = None, deterministic: bool = False, dtype: str = "bfloat16",
                   fp32_lm_head: bool = False, host: str = "127.0.0.1", routed_experts: bool = False,
-                  **kwargs) -> SGLangServer:
+                  lora: tuple[int, list[str]] | None = None, **kwargs) -> SGLangServer:
     """A real SGLang server on GPUs [gpu, gpu + tp) (not started). It accepts every cuda_ipc format.
     `decode_rows`: the rows it will decode at once (its share of a step's batch; decode_graph_rows).
     `visible_devices`: the server's CUDA_VISIBLE_DEVICES, which `gpu` indexes (a Ray actor sees only the
@@ -340,6 +340,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
     `fp32_lm_head`: the output layer and the logits in float32 (--enable-fp32-lm-head; actor.fp32_lm_head).
     `routed_experts`: requests may ask for the experts each token was routed to (--enable-return-routed-experts;
     actor.router_replay=rollout).
+    `lora`: (rank, projections): the server serves LoRA adapters of that rank on those projections, loaded while
+    it runs (/load_lora_adapter; rollout.lora_sync=adapter), one adapter and the base in a batch.
     `host`: the address it listens on (a server host's, server_host.py, is its node's, for a rollout actor on
     another node)."""
     managed = managed_args(extra_args)
@@ -359,6 +361,8 @@ def sglang_server(model_path: str, tp: int = 1, gpu: int = 0, mem_fraction: floa
                *(["--enable-deterministic-inference"] if deterministic else []),
                *(["--enable-fp32-lm-head"] if fp32_lm_head else []),
                *(["--enable-return-routed-experts"] if routed_experts else []),
+               *(["--enable-lora", "--max-lora-rank", str(lora[0]), "--lora-target-modules", *lora[1],
+                  "--max-loras-per-batch", "2"] if lora else []),
                *(["--load-format", load_format] if load_format else []),
                *([] if cuda_graph else ["--disable-cuda-graph"]),
                *(["--cuda-graph-max-bs-decode", str(graph_rows)] if cuda_graph and graph_rows else []),

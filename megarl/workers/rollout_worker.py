@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from megarl.config import Config
+from megarl.config.validation import lora_targets
 from megarl.rewards import build_reward, score
 from megarl.rollout.agent import AgentLoop, OversamplingEnd, Trajectory, trajectories_to_batch
 from megarl.rollout.base import Generation, ImageInputs, SamplingParams, stream_callbacks
@@ -23,7 +24,7 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         return HFRolloutEngine(model_path, device=device, dtype=dtype, seed=cfg.trainer.seed,
                                fp32_lm_head=cfg.actor.fp32_lm_head,
-                               record_routing=cfg.actor.router_replay == "rollout")
+                               record_routing=cfg.actor.router_replay == "rollout", adapters=_adapters(cfg))
     if cfg.rollout.engine == "sglang":
         import os
 
@@ -48,10 +49,17 @@ def make_engine(cfg: Config, model_path: str, device: str, gpus: list[str] | Non
                                    dtype="float32" if cfg.actor.precision == "fp32" else "bfloat16",
                                    fp32_lm_head=cfg.actor.fp32_lm_head and cfg.actor.precision != "fp32",
                                    record_routing=cfg.actor.router_replay == "rollout",
+                                   lora=(cfg.actor.lora.rank, sorted(lora_targets(cfg.actor.lora)))
+                                   if _adapters(cfg) else None,
                                    env=env_strings(r.sglang_env),
                                    verify_dir=os.path.join(cfg.trainer.output_dir, "sglang_verify")
                                    if cfg.trainer.verify_weight_sync_every else None)
     raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: expected hf or sglang")
+
+
+def _adapters(cfg: Config) -> bool:
+    """Weight syncs send LoRA adapters (rollout.lora_sync=adapter), not the merged model."""
+    return cfg.actor.lora.rank > 0 and cfg.rollout.lora_sync == "adapter"
 
 
 class RolloutWorker:
@@ -146,6 +154,10 @@ class RolloutWorker:
 
     def update_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(bucket)
+
+    def load_lora_adapter(self, path: str) -> None:
+        """An adapter-only sync: the PEFT adapter directory `path` (written by training rank 0) for what follows."""
+        self.engine.load_lora_adapter(path)
 
     def update_weight_shards(self, bucket: list[tuple[str, torch.Tensor]], gen_rank: int, gen_tp: int) -> None:
         if not hasattr(self.engine, "update_weight_shards"):

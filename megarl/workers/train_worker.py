@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import shutil
 import socket
 import time
 
@@ -49,6 +50,7 @@ class TrainWorker:
         self.replicas = None  # sharded into SGLang: every rank's CPU group, over which all the groups post together
         self.planned_traffic = {}  # delivery -> this rank's bytes of a sync as the planner predicts them (`traffic`)
         self.policy_updates = 0  # train(loss="policy") calls so far: trainer.profile_update counts them
+        self.adapter_syncs = 0  # rollout.lora_sync=adapter: the adapter directories written so far
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for torch.distributed's rendezvous."""
@@ -175,6 +177,8 @@ class TrainWorker:
         weights back, and SGLang died). Without it, after the sync, for SGLang's KV cache, but only where the GPU
         lacks SGLang's share (rollout.sglang_mem_fraction) outside the cache: handed back every step, the cache is
         re-made by the next update, ~140 cudaMalloc calls at 0.5B."""
+        if self.engine.lora is not None and self.cfg.rollout.lora_sync == "adapter":
+            return self._push_adapter(rollout)
         colocated = self.device == "cuda" and self.cfg.sglang_colocated() and self.cfg.trainer.mode == "sync"
         offload = self.cfg.offload_enabled(self.device)
         if colocated and offload:
@@ -235,6 +239,37 @@ class TrainWorker:
                                        else None)
         # the first group's reports stand for the sync: its rows are every server's
         return weight_sync.RankSync(report if first_group else None, self.traffic(delivery, report.bytes))
+
+    def _push_adapter(self, rollout) -> weight_sync.RankSync:
+        """rollout.lora_sync=adapter: the adapters alone, gathered whole (every rank takes part), written by rank 0 as
+        a PEFT directory under trainer.output_dir (which the rollout engine's node must read: a shared filesystem
+        across nodes), which rank 0 has the rollout engine load; the previous sync's directory is then removed.
+        Unverified (the report carries no checksums)."""
+        from megarl.engine.lora_peft import save_peft
+
+        start = time.perf_counter()
+        self.adapter_syncs += 1
+        # absolute: SGLang's servers resolve the path from a working directory of their own
+        directory = os.path.join(os.path.abspath(self.cfg.trainer.output_dir), "lora_sync",
+                                 f"policy_{self.adapter_syncs:06d}")
+        nbytes = save_peft(self.engine, directory, self.model_path)
+        if self.rank != 0:
+            return weight_sync.RankSync(None, None)
+        written = time.perf_counter()
+        ray.get(rollout.load_lora_adapter.remote(directory))
+        loaded = time.perf_counter()
+        shutil.rmtree(os.path.join(os.path.dirname(directory), f"policy_{self.adapter_syncs - 1:06d}"),
+                      ignore_errors=True)
+        report = weight_sync.SyncReport(bytes=nbytes, direct=False, begin_s=0.0, gather_convert_s=written - start,
+                                        pack_s=0.0, transfer_s=loaded - written, end_s=0.0,
+                                        posts_s=[loaded - written], seconds=loaded - start)
+        return weight_sync.RankSync(report, None)
+
+    def save_peft(self, directory: str) -> None:
+        """The policy's adapters as a PEFT directory (actor.lora.peft_dir; collective, rank 0 writes)."""
+        from megarl.engine.lora_peft import save_peft
+
+        save_peft(self.engine, directory, self.model_path)
 
     def traffic(self, delivery: str, sent: int | None) -> dict | None:
         """This rank's bytes of the last sync beside the planner's for the same layouts (megarl.reshard.plan):

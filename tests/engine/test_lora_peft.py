@@ -1,6 +1,7 @@
 """The policy's LoRA adapters as a PEFT directory (megarl/engine/lora_peft.py, `python -m megarl.convert
 megatron-to-peft`): peft loads it onto transformers' model and its logits are those of megarl's merged weights (fp32),
-written at TP=2 and at TP=1 alike, and from a checkpoint by the convert command."""
+written at TP=2 and at TP=1 alike, and from a checkpoint by the convert command; the hf rollout engine's adapter-only
+sync gives the rollouts of a merged sync."""
 
 import json
 import subprocess
@@ -64,10 +65,12 @@ def _logits(model, batch) -> torch.Tensor:
         return model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"]).logits
 
 
-def test_peft_export_gives_the_merged_policy_at_tp2_and_tp1_and_from_a_checkpoint(tmp_path):
+def test_peft_export_gives_the_merged_policy_at_tp2_and_tp1_from_a_checkpoint_and_to_the_rollout_engine(tmp_path):
     from megarl.engine.checkpoint_dir import publish
 
     model_dir = make_qwen2_dir(tmp_path / "qwen2", tied=True)
+    config = json.loads((tmp_path / "qwen2" / "config.json").read_text())
+    (tmp_path / "qwen2" / "config.json").write_text(json.dumps(config | {"eos_token_id": 0}))  # the hf engine's stop
     merged = run_distributed(_export_rank, 2, model_dir, str(tmp_path), str(tmp_path / "staging"), tp=2)
     publish(tmp_path / "staging", tmp_path / "ckpt", step=1, driver_state=None)
     command = [sys.executable, "-m", "megarl.convert", "megatron-to-peft", str(tmp_path / "ckpt"),
@@ -99,3 +102,27 @@ def test_peft_export_gives_the_merged_policy_at_tp2_and_tp1_and_from_a_checkpoin
         want = _logits(plain, batch)
         assert (want - base_logits).abs().max() > 1e-2  # the adapters change the policy
         torch.testing.assert_close(_logits(peft, batch), want, rtol=0, atol=2e-5)
+    _check_adapter_sync(model_dir, f"{tmp_path}/tp2", merged[2])
+
+
+def _check_adapter_sync(model_dir: str, adapter: str, merged: dict):
+    """The hf rollout engine after an adapter-only sync (rollout.lora_sync=adapter: the PEFT directory merged onto
+    its base) holds the merged sync's weights bit for bit and generates its greedy rollouts; syncing twice merges
+    onto the base, not onto the last merge."""
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.hf import HFRolloutEngine
+
+    by_adapter, by_merge = HFRolloutEngine(model_dir, adapters=True), HFRolloutEngine(model_dir)
+    by_adapter.load_lora_adapter(adapter)
+    by_adapter.release_memory()  # adapter syncs send no base weights: they stay
+    by_adapter.load_lora_adapter(adapter)
+    by_merge.update_weights(merged.items())
+    held, want = by_adapter.named_weights(), by_merge.named_weights()
+    assert sorted(held) == sorted(want) and all(torch.equal(held[n], want[n]) for n in want)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, n=1, ignore_eos=True)
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    got, expected = by_adapter.generate(prompts, params), by_merge.generate(prompts, params)
+    assert [g.token_ids for g in got] == [g.token_ids for g in expected]
+    assert [g.logprobs for g in got] == [g.logprobs for g in expected]
+    base = HFRolloutEngine(model_dir).generate(prompts, params)
+    assert [g.logprobs for g in base] != [g.logprobs for g in got]
