@@ -39,6 +39,7 @@ NOT_TRAINING = {
     "trainer.experiment_name": "the name trackers file the run under",
     "trainer.profile_update": "which update runs under the profiler",
     "trainer.worker_timeout_s": "how long a call may take before the run is stopped",
+    "trainer.max_restarts": "how many lost processes a run replaces before it stops (a replay computes the same steps)",
     "trainer.ray_address": "which Ray cluster runs the processes",
     "trainer.placement": "how training ranks spread over Ray nodes",
     "trainer.cpus_per_rank": "Ray CPUs reserved per rank",

@@ -485,13 +485,19 @@ class TrainerConfig:
                                               "names the step, rank and micro-batch")
     worker_timeout_s: float = opt(1800.0, "deadline in seconds for every driver call to a training rank or the "
                                           "rollout actor (a whole generate, train or checkpoint call); past it the run "
-                                          "names the silent rank and the call, kills every rank and server and exits "
-                                          "non-zero. 30 min: far longer than any healthy call (a 671B step's train "
-                                          "or checkpoint call takes minutes), as long as the ranks' own collective "
+                                          "names the silent rank and the call, kills every rank and server, and "
+                                          "recovers (trainer.max_restarts) or exits non-zero. 30 min: far longer "
+                                          "than any healthy call (a 671B step's train or checkpoint call takes "
+                                          "minutes), as long as the ranks' own collective "
                                           "timeout (megarl/parallel/state.py). 0 = wait forever", min=0, **SECONDS)
 
 
 # the sections of the training roles: each an EngineConfig plus the keys of its own
+    max_restarts: int = opt(3, "in-job recoveries of a run whose training rank or rollout actor dies or misses "
+                               "trainer.worker_timeout_s: the driver starts new processes, restores the newest "
+                               "complete checkpoint (trainer.save_every) and goes on; past this many the run stops "
+                               "naming the fault. trainer.mode=sync (the asynchronous modes stop on the fault); 0 = "
+                               "stop on the first (docs/failure-modes.md)", min=0)
 TRAINING_ROLES = ("actor", "critic", "reward_model")
 
 
