@@ -490,14 +490,14 @@ class TrainerConfig:
                                           "than any healthy call (a 671B step's train or checkpoint call takes "
                                           "minutes), as long as the ranks' own collective "
                                           "timeout (megarl/parallel/state.py). 0 = wait forever", min=0, **SECONDS)
-
-
-# the sections of the training roles: each an EngineConfig plus the keys of its own
     max_restarts: int = opt(3, "in-job recoveries of a run whose training rank or rollout actor dies or misses "
                                "trainer.worker_timeout_s: the driver starts new processes, restores the newest "
                                "complete checkpoint (trainer.save_every) and goes on; past this many the run stops "
                                "naming the fault. trainer.mode=sync (the asynchronous modes stop on the fault); 0 = "
                                "stop on the first (docs/failure-modes.md)", min=0)
+
+
+# the sections of the training roles: each an EngineConfig plus the keys of its own
 TRAINING_ROLES = ("actor", "critic", "reward_model")
 
 
