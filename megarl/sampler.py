@@ -20,7 +20,7 @@ from megarl.config import Config
 from megarl.protocol import Batch
 from megarl.rewards import score
 from megarl.rewards.failures import RewardFailureTracker
-from megarl.rollout.agent import OversamplingEnd, Trajectory, new_groups, trajectories_to_batch
+from megarl.rollout.agent import OversamplingEnd, Trajectory, agent_rewards, new_groups, trajectories_to_batch
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch, prompt_images
 from megarl.utils.timers import Timers
@@ -137,8 +137,11 @@ class Sampler:
         if self.cfg.agent.enabled:  # multi-turn conversations with tool calls, run next to the engine
             groups = new_groups([p["prompt_ids"] for p in prompts], params.n, self.version)
             finished, _, _ = self.rollout_call("rollout_agent", prompts, groups, params)
-            return trajectories_to_batch(prompts, [t for group in finished for t in group],
-                                         self.tokenizer.pad_token_id, self.tokenizer)
+            trajectories = [t for group in finished for t in group]
+            counts = self.agent_counts(len(trajectories))
+            batch = trajectories_to_batch(prompts, trajectories, self.tokenizer.pad_token_id, self.tokenizer)
+            batch.meta["agent_counts"] = counts
+            return batch
         images = prompt_images(prompts)  # a vision-language policy's prompts with images
         gens = self.rollout_call("generate", [p["prompt_ids"] for p in prompts], params, *([images] if images else []))
         return generations_to_batch(prompts, gens, self.tokenizer.pad_token_id, self.version, self.tokenizer)
@@ -148,12 +151,29 @@ class Sampler:
         return call_rollout(self.rollout, method, *args, timeout=self.cfg.trainer.worker_timeout_s)
 
     def score(self, batch: Batch, evaluation: bool = False) -> Batch:
-        r = self.cfg.reward
-        scores = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers, r.batch_timeout_s or None)
-        (self.val_reward_failures if evaluation else self.reward_failures).add(scores)
-        batch["rewards"] = torch.tensor(scores.rewards, dtype=torch.float32)
-        batch.meta["reward_failures"] = scores.failed
+        """Rewards by reward.name; a gateway agent's rows take the reward their agent returned (reward.name is not
+        called when every row has one)."""
+        r, given = self.cfg.reward, agent_rewards(batch)
+        rewards, failed = given, 0
+        if given is None or None in given:
+            scores = score(batch, self.reward_fn, r.timeout_s or None, r.num_workers, r.batch_timeout_s or None)
+            (self.val_reward_failures if evaluation else self.reward_failures).add(scores)
+            rewards = [s if g is None else g for s, g in zip(scores.rewards, given or [None] * len(batch))]
+            failed = scores.failed
+        batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+        batch.meta["reward_failures"] = failed
         return batch
+
+    def agent_counts(self, rows: int) -> dict:
+        """For gateway agents (agent.gateway.function), the rollout's counts (runs, runs dropped, segments:
+        GatewayAgents.take_counts), which agent_metrics reports; an error where every run was dropped (`rows` 0)."""
+        if not self.cfg.agent.gateway.function:
+            return {}
+        counts = self.rollout_call("agent_counts")
+        if not rows:
+            raise RuntimeError(f"every agent run of the rollout was dropped ({counts}); the rollout worker's log "
+                               "names their errors")
+        return counts
 
 
 class AsyncSampler(Sampler):
@@ -175,7 +195,9 @@ class AsyncSampler(Sampler):
         params = self.sampling_params(first_group=first_group)
         if self.cfg.agent.enabled:  # multi-turn conversations with tool calls (megarl/rollout/agent.py)
             groups = new_groups([p["prompt_ids"] for p in prompts], params.n, self.version)
-            return self.stream_scored("rollout_agent_groups", (prompts, groups, params), self.agent_rows(prompts))[0]
+            batch = self.stream_scored("rollout_agent_groups", (prompts, groups, params), self.agent_rows(prompts))[0]
+            batch.meta["agent_counts"] = self.agent_counts(len(batch))
+            return batch
         pad = self.tokenizer.pad_token_id
 
         def to_batch(rows: list) -> Batch:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 # the algorithm and rollout sections live in their own module; importable from here as every section is
 from megarl.config.algorithm_sections import AlgorithmConfig, RolloutConfig, RolloutCorrectionConfig  # noqa: F401
 from megarl.config.fields import CLUSTER, MEBIBYTES, PASSES, SECONDS, SEQUENCES, TOKENS, opt, section
+from megarl.config.gateway_section import GatewayConfig
 from megarl.config.validation import PACKING_LAYOUTS, ConfigChecks
 
 BUILT_IN_VAL_SIZE = 256  # held-out prompts of a built-in task at data.val_size=0 (it can draw any number)
@@ -247,6 +248,8 @@ class AgentConfig:
     partial: str = opt("resume", "over-sampling: what happens to the aborted groups' unfinished conversations: "
                                  "resume (continued in the next step, keeping their policy_version) or drop",
                        choices=("resume", "drop"))
+    gateway: GatewayConfig = section(GatewayConfig, "rollouts by your own agent code through an OpenAI-compatible "
+                                                    "endpoint (docs/agents.md)")
 
 
 @dataclass

@@ -197,6 +197,15 @@ class ConfigChecks:
             raise ConfigError(f"agent.oversample_groups={g.oversample_groups}: needs agent.enabled=true")
         if g.oversample_groups and self.algorithm.advantage == "remax":
             raise ConfigError("agent.oversample_groups does not combine with algorithm.advantage=remax")
+        if g.gateway.function:
+            if not g.enabled:
+                raise ConfigError("agent.gateway.function is set: needs agent.enabled=true")
+            if g.tools:
+                raise ConfigError("agent.gateway.function and agent.tools: a gateway agent runs its tools itself; "
+                                  "leave agent.tools empty")
+            if g.oversample_groups:
+                raise ConfigError("agent.gateway.function does not combine with agent.oversample_groups (an agent "
+                                  "cannot be aborted midway)")
         if self.rollout.dump_dir and self.rollout.replay_dir:
             raise ConfigError("rollout.dump_dir and rollout.replay_dir are exclusive: a replay writes no dump")
 

@@ -75,6 +75,9 @@ class Trajectory:
     conversation: str = field(default_factory=lambda: uuid.uuid4().hex)  # engines keep it on one server
     # a vision-language policy's images in the row, in order: the prompt's, then those tool results brought
     images: ImageInputs | None = None
+    # a gateway agent's segment (megarl/rollout/gateway_record.py): which agent run, which of its segments, why it
+    # began ("first", or "edited": the client sent a history that is not the one recorded), the agent's reward
+    origin: dict = field(default_factory=dict)
 
     def append(self, token_ids: list[int], logprobs: list[float] | None,
                versions: list[int] | None = None) -> list[int]:
@@ -94,7 +97,7 @@ class Trajectory:
         return {"turns": self.turns, "finish_reason": self.finish_reason,
                 "num_turns": sum(t["role"] == "assistant" for t in self.turns),
                 "num_tool_calls": sum(len(t["calls"]) for t in self.turns if t["role"] == "tool"),
-                "seconds": self.seconds}
+                "seconds": self.seconds} | self.origin
 
 
 def new_groups(prompts: list[list[int]], n: int, policy_version: int) -> list[list[Trajectory]]:
@@ -126,24 +129,30 @@ class TextObservations:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+ASSISTANT_MARK = "MEGARLASSISTANTTURN"
+
+
+def text_after_assistant(render: Callable[[list[dict]], str], messages: list[dict], stop_text: str | None) -> str:
+    """The text a chat layout (`render`: messages -> text, ending with the next assistant turn's opening) puts after an
+    assistant message when `messages` follow it: found by rendering a probe conversation. The model's own stop token
+    (`stop_text`, e.g. <|im_end|>), already in the sequence, is not repeated."""
+    text = render([{"role": "user", "content": "?"}, {"role": "assistant", "content": ASSISTANT_MARK}, *messages])
+    tail = text[text.rindex(ASSISTANT_MARK) + len(ASSISTANT_MARK):]
+    return tail[len(stop_text):] if stop_text and tail.startswith(stop_text) else tail
+
+
 class ChatTemplateObservations:
     """Tool results in the tokenizer's own chat template: the text the template puts between the end
-    of an assistant message and the start of the next assistant message, with tool messages between.
-    It is found by rendering a probe conversation; the model's own stop token (e.g. <|im_end|>),
-    already in the sequence, is not repeated."""
-
-    _MARK = "MEGARLASSISTANTTURN"
+    of an assistant message and the start of the next assistant message, with tool messages between
+    (text_after_assistant)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
     def render(self, results: list[str], stop_text: str | None) -> list[int]:
-        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": self._MARK}]
-        messages += [{"role": "tool", "content": r} for r in results]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        tail = text[text.rindex(self._MARK) + len(self._MARK):]
-        if stop_text and tail.startswith(stop_text):
-            tail = tail[len(stop_text):]
+        def render(messages: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tail = text_after_assistant(render, [{"role": "tool", "content": r} for r in results], stop_text)
         return self.tokenizer(tail, add_special_tokens=False)["input_ids"]
 
 
@@ -200,7 +209,7 @@ class AgentLoop:
         judged because the abort came first); unfinished groups; the number rejected), in the order given."""
         for t in (t for group in groups for t in group if images and not t.response_ids and t.images is None):
             t.images = images[t.prompt_index]
-        batcher = _GenerationBatcher(self.engine, params, self._engine_thread)
+        batcher = GenerationBatcher(self.engine, params, self._engine_thread)
         slots = asyncio.Semaphore(self.config.max_concurrent)
         accepted, rejected = [], []
 
@@ -235,7 +244,7 @@ class AgentLoop:
             tool.close()
         self._engine_thread.shutdown(wait=False)
 
-    async def _converse(self, traj: Trajectory, batcher: "_GenerationBatcher", slots: asyncio.Semaphore) -> None:
+    async def _converse(self, traj: Trajectory, batcher: "GenerationBatcher", slots: asyncio.Semaphore) -> None:
         """Take `traj` on from where it stands (a new one, or one aborted earlier) to its end."""
         async with slots:
             start = time.monotonic()
@@ -249,7 +258,7 @@ class AgentLoop:
             finally:
                 traj.seconds += time.monotonic() - start
 
-    async def _model_turn(self, traj: Trajectory, batcher: "_GenerationBatcher") -> None:
+    async def _model_turn(self, traj: Trajectory, batcher: "GenerationBatcher") -> None:
         cfg = self.config
         room = cfg.max_response_tokens - len(traj.response_ids)
         gen = await batcher.generate(traj.prompt_ids + traj.response_ids, min(cfg.max_new_tokens_per_turn, room),
@@ -357,7 +366,7 @@ def _in_own_thread(fn, **kwargs) -> asyncio.Future:
     return future
 
 
-class _GenerationBatcher:
+class GenerationBatcher:
     """Collects the turns that are ready to generate and runs them as one engine call. Engines whose
     generate takes per-prompt `max_new_tokens` (SGLang) get each turn's own limit; the others run with
     the largest and each generation is cut at its own limit, which gives exactly what generating with
@@ -458,11 +467,21 @@ def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], p
         | {k: [prompts[t.prompt_index].get(k) for t in trajectories] for k in REWARD_FIELDS} | images)
 
 
+def agent_rewards(batch: Batch) -> list[float | None] | None:
+    """The rewards gateway agents returned for the batch's rows (None for a row left to megarl's reward); None for a
+    batch of no gateway agent's."""
+    if "trajectory" not in batch or not any("agent_reward" in s for s in batch["trajectory"]):
+        return None
+    return [s.get("agent_reward") for s in batch["trajectory"]]
+
+
 def agent_metrics(batch: Batch, prefix: str) -> dict:
     """Per-sample means of a multi-turn batch (none for single-turn ones), and the totals that throughput
-    is computed from (model turns, model tokens)."""
+    is computed from (model turns, model tokens); for gateway agents, the rollout's counts of runs, dropped runs and
+    segments (megarl/rollout/gateway_agents.py)."""
     if "trajectory" not in batch:
         return {}
+    counts = {f"{prefix}/{k}": v for k, v in batch.meta.get("agent_counts", {}).items()}
     summaries = batch["trajectory"]
     calls = [c for s in summaries for t in s["turns"] if t["role"] == "tool" for c in t["calls"]]
     n = max(len(summaries), 1)
@@ -471,4 +490,4 @@ def agent_metrics(batch: Batch, prefix: str) -> dict:
             f"{prefix}/tool_error_rate": sum(c["error"] for c in calls) / max(len(calls), 1),
             f"{prefix}/finish_length": sum(s["finish_reason"] == "length" for s in summaries) / n,
             f"{prefix}/model_turns_total": sum(s["num_turns"] for s in summaries),
-            f"{prefix}/model_tokens_total": int(batch["loss_mask"].sum().item())}
+            f"{prefix}/model_tokens_total": int(batch["loss_mask"].sum().item())} | counts

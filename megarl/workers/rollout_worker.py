@@ -13,6 +13,7 @@ from megarl.rewards import build_reward, score
 from megarl.rollout.agent import AgentLoop, OversamplingEnd, Trajectory, trajectories_to_batch
 from megarl.rollout.base import Generation, ImageInputs, SamplingParams, stream_callbacks
 from megarl.rollout.batching import prompt_images
+from megarl.rollout.gateway_agents import GatewayAgents
 from megarl.rollout.tools import build_tools
 from megarl.workers.sync_checks import digests_of
 
@@ -90,8 +91,7 @@ class RolloutWorker:
         trip to the driver. `groups[i]` are the conversations of `prompts[i]`; with `needed`, the
         rest are aborted once that many groups are finished (and, with varied_rewards, their rewards
         differ). Returns AgentLoop.run_groups' (finished, unfinished, rejected count)."""
-        return self.agent_loop().run_groups(groups, params, needed, self.acceptance(prompts, varied_rewards),
-                                            images=prompt_images(prompts))
+        return self.run_agents(prompts, groups, params, needed, self.acceptance(prompts, varied_rewards))
 
     def rollout_agent_groups(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
                              needed: int | None = None, varied_rewards: bool = False):
@@ -105,13 +105,24 @@ class RolloutWorker:
             def accepted(index: int, group: list[Trajectory]) -> None:
                 streamed.add(index)
                 on_group(index, group)
-            return self.agent_loop().run_groups(groups, params, needed, accept, accepted, images=prompt_images(prompts))
+            return self.run_agents(prompts, groups, params, needed, accept, accepted)
         finished, unfinished, rejected = yield from stream_callbacks(run)
         if needed is not None:
             position = {id(group): i for i, group in enumerate(groups)}
             order = [position[id(group)] for group in finished[:needed]]  # the synchronous loop's finished[:want]
             yield from ((i, groups[i]) for i in order if i not in streamed)
             yield OversamplingEnd(order, unfinished, rejected)
+
+    def run_agents(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
+                   needed: int | None, accept: Callable | None, on_group: Callable | None = None):
+        """The agent loop's run_groups; gateway agents (agent.gateway.function) get the prompt rows too."""
+        runner = self.agent_loop()
+        rows = {"rows": prompts} if isinstance(runner, GatewayAgents) else {}
+        return runner.run_groups(groups, params, needed, accept, on_group, images=prompt_images(prompts), **rows)
+
+    def agent_counts(self) -> dict:
+        """Gateway agents' counts since the last call (GatewayAgents.take_counts); {} for the built-in loop."""
+        return self.agent.take_counts() if isinstance(self.agent, GatewayAgents) else {}
 
     def acceptance(self, prompts: list[dict], varied_rewards: bool) -> Callable[[list[Trajectory]], bool] | None:
         """Over-sampling's test of a finished group: with varied_rewards, that its rewards differ (scored here, as
@@ -128,14 +139,18 @@ class RolloutWorker:
             return len(group) == 1 or len(set(rewards)) > 1
         return accept
 
-    def agent_loop(self) -> AgentLoop:
+    def agent_loop(self) -> AgentLoop | GatewayAgents:
         """The agent loop and its tools, built on first use; a vision-language policy's with its image processor
-        (its tools may answer with images)."""
+        (its tools may answer with images). With agent.gateway.function: the user's agents and the OpenAI-compatible
+        gateway they call (megarl/rollout/gateway_agents.py)."""
         if self.agent is None:
             from megarl.data.images import ImagePrompts
             from megarl.data.inputs import load_tokenizer  # its padding, the driver's (EOS where the model has none)
 
             tokenizer, d = load_tokenizer(self.model_path), self.cfg.data
+            if self.cfg.agent.gateway.function:
+                self.agent = GatewayAgents(self.engine, tokenizer, self.cfg.agent, Path(self.model_path).name)
+                return self.agent
             images = ImagePrompts(self.model_path, tokenizer, d.min_pixels, d.max_pixels) \
                 if (Path(self.model_path) / "preprocessor_config.json").exists() else None
             self.agent = AgentLoop(self.engine, tokenizer, build_tools(self.cfg.agent.tools), self.cfg.agent,
@@ -191,6 +206,8 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         """Stop the engine's servers before the actor goes (ray.kill would leave them running), then their hosts."""
+        if self.agent is not None:  # its tools' processes, or the gateway's server
+            self.agent.close()
         self.engine.shutdown()
         if self.hosts:
             import ray

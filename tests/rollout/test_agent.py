@@ -388,12 +388,12 @@ def test_turns_batched_into_one_call_keep_their_own_token_limits(tok):
 def test_an_abort_reaches_the_engine_call_in_flight_and_waits_for_it(tok):
     from concurrent.futures import ThreadPoolExecutor
 
-    from megarl.rollout.agent import _GenerationBatcher
+    from megarl.rollout.agent import GenerationBatcher
 
     engine = RoutedEngine(tok, {"A:": ["a"]}, seconds=0.5)
 
     async def scenario():
-        batcher = _GenerationBatcher(engine, SamplingParams(), ThreadPoolExecutor(1))
+        batcher = GenerationBatcher(engine, SamplingParams(), ThreadPoolExecutor(1))
         turn = asyncio.create_task(batcher.generate(ids(tok, "A:"), 8, "c1"))
         await asyncio.sleep(0.1)
         batcher.abort()  # the call is in flight: the engine is told

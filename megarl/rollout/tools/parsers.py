@@ -24,7 +24,7 @@ class ToolCall:
 
 
 ToolCallParser = Callable[[str], "list[ToolCall]"]
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @TOOL_PARSERS.register("hermes")
@@ -34,7 +34,7 @@ def parse_hermes(text: str) -> list[ToolCall]:
     `arguments` may also be a JSON-encoded string of an object (some models write it so) or absent.
     """
     calls = []
-    for body in _HERMES.findall(text):
+    for body in HERMES_CALL.findall(text):
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as e:

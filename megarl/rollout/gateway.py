@@ -1,0 +1,266 @@
+"""An OpenAI-compatible HTTP endpoint on the rollout engine, for agents that run their own loop (docs/agents.md).
+
+Routes: POST /v1/chat/completions (messages, `tools`, answers with `tool_calls`), POST /v1/completions (a prompt as
+text or token ids), GET /v1/models; `"stream": true` answers as server-sent events in OpenAI's chunk shapes. The API
+key (`Authorization: Bearer ...`) names one agent run (gateway_record.Record): what the engine is fed and produces for
+it is recorded there, token by token, and becomes the run's rows of the step's Batch (gateway_agents.py).
+
+Generation goes through the engine interface (megarl/rollout/base.py) that the built-in agent loop uses, batched the
+same way (GenerationBatcher: requests that arrive together are one engine call), so the hf engine and SGLang serve it
+by the same code. Sampling follows the run's rollout settings (rollout.temperature, top_p, top_k), never the request's:
+the log-probs recorded are the policy's at the temperature training assumes. A request's `max_tokens` (or
+`max_completion_tokens`) is capped by agent.max_new_tokens_per_turn, what is left of the segment's
+agent.max_response_tokens and of the run's agent.gateway.max_tokens; `n` must be 1; `stop` strings are not applied
+(the model's own stop tokens end a turn). Tool calls are parsed from the model's text by agent.parser (hermes). A
+streamed answer is generated whole, then sent in pieces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from megarl.config import AgentConfig
+from megarl.rollout.agent import GenerationBatcher
+from megarl.rollout.base import RolloutEngine, SamplingParams
+from megarl.rollout.gateway_record import ChatLayout, Record, Segment, normalize
+from megarl.rollout.tools.parsers import HERMES_CALL, get_parser
+
+MAX_BODY_BYTES = 64 << 20  # a long agent history in one request
+
+
+class RequestError(Exception):
+    """A request the gateway refuses: its HTTP status and OpenAI's error type."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+def _error(message: str, status: int, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                             status=status)
+
+
+class Gateway:
+    """The server, on an event loop in a thread of its own, from construction until close(). `begin(params)` before
+    each rollout sets its sampling; `open()` issues a key for one agent run, `close_record()` revokes it."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, config: AgentConfig, model_name: str = "megarl"):
+        self.engine, self.tokenizer, self.config, self.model_name = engine, tokenizer, config, model_name
+        self.layout = ChatLayout(tokenizer, config.observation_template)
+        self.parser = get_parser(config.parser)
+        self.records: dict[str, Record] = {}
+        self.batcher: GenerationBatcher | None = None
+        self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-gateway-engine")
+        self.loop = asyncio.new_event_loop()
+        started, failed = threading.Event(), []
+        self.thread = threading.Thread(target=self._serve, args=(started, failed), daemon=True,
+                                       name="megarl-gateway")
+        self.thread.start()
+        started.wait()
+        if failed:
+            raise failed[0]
+        self.base_url = f"http://{config.gateway.host}:{self.port}/v1"
+
+    def _serve(self, started: threading.Event, failed: list) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.add_routes([web.post("/v1/chat/completions", self._chat), web.post("/v1/completions", self._completion),
+                        web.get("/v1/models", self._models)])
+        self.runner = web.AppRunner(app, access_log=None)
+        try:
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, self.config.gateway.host, self.config.gateway.port)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as e:  # noqa: B036  (raised in the constructor's thread)
+            failed.append(e)
+            started.set()
+            return
+        started.set()
+        self.loop.run_forever()
+
+    def begin(self, params: SamplingParams) -> None:
+        """The sampling of the rollout about to start (its seed advances with each engine call, as the agent loop's)."""
+        self.batcher = GenerationBatcher(self.engine, params, self.engine_thread)
+
+    def open(self, prompt_index: int, policy_version: int) -> Record:
+        record = Record(prompt_index, policy_version, self.config.gateway.max_tokens)
+        self.records[record.key] = record
+        return record
+
+    def close_record(self, record: Record) -> None:
+        record.closed = True
+        self.records.pop(record.key, None)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.engine_thread.shutdown(wait=False)
+
+    # --- requests ----------------------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                              "created": 0, "owned_by": "megarl"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=True)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=False)
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            record = self._record(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise RequestError("the body is not JSON") from None
+            if not isinstance(body, dict):
+                raise RequestError("the body must be a JSON object")
+            if body.get("n", 1) != 1:
+                raise RequestError("n must be 1: each choice would be a trajectory of its own")
+            async with record.lock:
+                answer = await (self._chat_turn(record, body) if chat else self._completion_turn(record, body))
+        except RequestError as e:
+            return _error(str(e), e.status, e.kind)
+        except (ValueError, KeyError, TypeError) as e:  # a malformed message or prompt
+            return _error(f"{type(e).__name__}: {e}", 400, "invalid_request_error")
+        if body.get("stream"):
+            return await self._stream(request, answer, chat, body)
+        return web.json_response(answer["response"])
+
+    def _record(self, request: web.Request) -> Record:
+        auth = request.headers.get("Authorization", "")
+        key = auth[len("Bearer "):] if auth.startswith("Bearer ") else ""
+        record = self.records.get(key)
+        if record is None or record.closed:
+            raise RequestError("unknown or expired API key: each agent run has its own key, valid while it runs",
+                               401, "authentication_error")
+        if self.batcher is None:
+            raise RequestError("no rollout is running", 503, "server_error")
+        return record
+
+    async def _generate(self, record: Record, seg: Segment, body: dict):
+        """The model's turn after the segment's context: its Generation, text (special tokens kept, the stop token
+        left out) and tool calls, recorded."""
+        a, t = self.config, seg.trajectory
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or a.max_new_tokens_per_turn
+        limit = min(int(asked), a.max_new_tokens_per_turn, record.room(), a.max_response_tokens - len(t.response_ids))
+        if limit <= 0:
+            raise RequestError(f"no tokens left for this trajectory (agent.gateway.max_tokens="
+                               f"{a.gateway.max_tokens}, agent.max_response_tokens={a.max_response_tokens} per "
+                               "segment)")
+        record.requests += 1
+        gen = await self.batcher.generate(seg.context(), limit, record.key)
+        stopped = gen.finish_reason == "stop"
+        text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)
+        calls = self.parser(text)[:a.max_tool_calls_per_turn]
+        record.record_turn(seg, gen, text, calls)
+        return gen, text, calls
+
+    async def _chat_turn(self, record: Record, body: dict) -> dict:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list")
+        messages, tools = [normalize(m) for m in messages], body.get("tools") or None
+        seg = record.chat_context(self.layout, messages, tools)
+        prompt_tokens = len(seg.context())
+        gen, text, calls = await self._generate(record, seg, body)
+        valid = [c for c in calls if not c.error]
+        content = text if len(valid) < len(calls) or not calls else HERMES_CALL.sub("", text).strip()
+        tool_calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in valid]
+        message = {"role": "assistant", "content": content or (None if tool_calls else "")} | (
+            {"tool_calls": tool_calls} if tool_calls else {})
+        seg.messages = messages + [normalize(message)]
+        finish = "tool_calls" if tool_calls else "stop" if gen.finish_reason == "stop" else "length"
+        choice = {"index": 0, "message": message, "finish_reason": finish,
+                  "logprobs": {"content": self._token_logprobs(gen)} if body.get("logprobs") else None}
+        return {"response": self._envelope("chat.completion", body, choice, prompt_tokens, gen),
+                "gen": gen, "content": content, "tool_calls": tool_calls, "finish": finish}
+
+    async def _completion_turn(self, record: Record, body: dict) -> dict:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one prompt
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt))):
+            raise RequestError("prompt must be a string or a list of token ids (one prompt)")
+        seg = record.completion_context(self.tokenizer, prompt)
+        prompt_tokens = len(seg.context())
+        gen, text, _ = await self._generate(record, seg, body)
+        finish = "stop" if gen.finish_reason == "stop" else "length"
+        logprobs = None
+        if body.get("logprobs") is not None and body.get("logprobs") is not False:
+            pieces = [self.tokenizer.decode([i], skip_special_tokens=False) for i in gen.token_ids]
+            logprobs = {"tokens": pieces, "token_logprobs": list(gen.logprobs), "top_logprobs": None,
+                        "text_offset": [sum(map(len, pieces[:k])) for k in range(len(pieces))]}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        return {"response": self._envelope("text_completion", body, choice, prompt_tokens, gen), "gen": gen,
+                "content": text, "tool_calls": [], "finish": finish}
+
+    def _envelope(self, kind: str, body: dict, choice: dict, prompt_tokens: int, gen) -> dict:
+        completion = len(gen.token_ids)
+        return {"id": ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex, "object": kind,
+                "created": int(time.time()), "model": body.get("model") or self.model_name, "choices": [choice],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
+
+    def _token_logprobs(self, gen) -> list[dict]:
+        out = []
+        for token, logprob in zip(gen.token_ids, gen.logprobs):
+            piece = self.tokenizer.decode([token], skip_special_tokens=False)
+            out.append({"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []})
+        return out
+
+    async def _stream(self, request: web.Request, answer: dict, chat: bool, body: dict) -> web.StreamResponse:
+        """The answer as server-sent events: the text in pieces (a token's text each where no tool call is cut out of
+        it), the tool calls, the finish reason; usage last with stream_options.include_usage; then [DONE]."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        whole = answer["response"]
+        head = {k: whole[k] for k in ("id", "created", "model")} | {
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        async def send(choice: dict | None, **extra) -> None:
+            event = head | {"choices": [] if choice is None else [choice]} | extra
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        gen, content = answer["gen"], answer["content"] or ""
+        pieces = _pieces(self.tokenizer, gen.token_ids, content)
+        if chat:
+            await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        for piece in pieces:
+            await send({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else
+                       {"index": 0, "text": piece, "finish_reason": None, "logprobs": None})
+        if answer["tool_calls"]:
+            calls = [dict(c, index=k) for k, c in enumerate(answer["tool_calls"])]
+            await send({"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None})
+        await send({"index": 0, "delta": {}, "finish_reason": answer["finish"]} if chat else
+                   {"index": 0, "text": "", "finish_reason": answer["finish"], "logprobs": None})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send(None, usage=whole["usage"])
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _pieces(tokenizer, token_ids: list[int], content: str) -> list[str]:
+    """`content` cut where its tokens' texts end, when it is the tokens' text; else whole (tool calls cut out)."""
+    pieces, text = [], ""
+    for k in range(len(token_ids)):
+        now = tokenizer.decode(token_ids[:k + 1], skip_special_tokens=False)
+        if now.startswith(text) and content.startswith(now) and len(now) > len(text):
+            pieces.append(now[len(text):])
+            text = now
+    return pieces if text == content else [content] if content else []
+
