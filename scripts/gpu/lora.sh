@@ -2,7 +2,8 @@
 # LoRA GRPO on one GPU (one H100/H200: ~6 min, at most 9), after the bundle's install.sh (../shared/device/README.md);
 # logs and metrics go to $OUT, a short table is printed last. Three runs of the quickstart task
 # (configs/quickstart.yaml, no warm start) on a random Qwen2.5-0.5B shape (configs/models/qwen2.5-0.5b.json,
-# megarl's character tokenizer), bf16, one training rank with a colocated SGLang server, the offload cycle as the defaults set it, STEPS steps each:
+# megarl's character tokenizer), bf16, one training rank with a colocated SGLang server, the offload cycle as the
+# defaults set it, STEPS steps each:
 #   full    - full fine-tuning (actor.lora.rank=0), the merged-weights sync as usual;
 #   merged  - actor.lora.rank=16, alpha 32, all-linear; each sync sends the merged model (rollout.lora_sync=merged),
 #             checksum-verified;
