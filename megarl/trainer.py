@@ -28,6 +28,7 @@ from megarl.data.inputs import (eos_disagreement, load_tokenizer, prompt_dataset
                                  read_model_config)
 from megarl.engine.checkpoint_dir import Checkpoints, read_checkpoint_file
 from megarl.protocol import Batch
+from megarl.recovery import Recovery
 from megarl.resume import Start, checkpoint_estimate, plan_resume
 from megarl.rewards import build_reward
 from megarl.rewards.mixing import ScoreMixer, ends_with
@@ -104,23 +105,13 @@ class RLTrainer:
         self.tracker = Tracker(run_dir(cfg.trainer.output_dir, self.start.run_id), cfg.trainer.loggers,
                                {"run_id": self.start.run_id} | cfg.to_dict())
         self.timers = Timers(origin, on_start=self.tracker.stage)
-        with phases(f"starting {cfg.actor.parallel.world_size} training rank(s) (the policy's model)"):
-            self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
-        # PPO's critic (for GAE) and a reward model, each on its own ranks, layout and optimizer
-        # (its LR schedule also counts VAPO's value-pretraining steps, algorithm.gae.critic_warmup_steps)
-        critic_steps = cfg.trainer.steps + cfg.algorithm.gae.critic_warmup_steps
-        self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, critic_steps, "critic")
-                       if cfg.algorithm.advantage == "gae" else None)
-        self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
-                             if cfg.reward_model.path else None)
+        self.start_training()
         self.score_mixer = ScoreMixer.from_config(cfg.reward_model)  # its scores normalised, mixed with the rule's
         # colocated SGLang servers go on the policy's GPUs; disaggregated ones on GPUs of their own
         with phases(f"starting the rollout engine ({cfg.rollout.engine})"):
             self.rollout = start_rollout(cfg, self.model_path, self.device,
                                          self.actor.gpus() if cfg.sglang_colocated() else None)
-        # which of the training engines and the rollout engine holds the device memory (workers/colocation.py)
-        self.colocation = Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None],
-                                     self.rollout, cfg.offload_enabled(self.device), cfg.trainer.worker_timeout_s)
+        self.colocation = self.colocate()
         # a step's prompts generated, scored and assembled into its Batch (evaluation's too): megarl/sampler.py
         self.sampler = Sampler(cfg, self.tokenizer, self.rollout, self.data, reward_fn, self.timers)
         self.version = 0  # policy version = optimizer steps of RL taken so far
@@ -131,6 +122,25 @@ class RLTrainer:
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
                                        cfg.trainer.keep_last, cfg.trainer.verify_checkpoint,
                                        checkpoint_estimate(cfg, model_config, self.device))
+        self.recovery = Recovery(self)  # a lost rank or rollout actor replaced in the job (trainer.max_restarts)
+
+    def start_training(self) -> None:
+        """The training ranks: the policy's; PPO's critic (for GAE) and a reward model, each on its own ranks, layout
+        and optimizer (the critic's LR schedule also counts VAPO's value-pretraining steps,
+        algorithm.gae.critic_warmup_steps)."""
+        cfg = self.cfg
+        with phases(f"starting {cfg.actor.parallel.world_size} training rank(s) (the policy's model)"):
+            self.actor = TrainGroup(cfg, self.model_path, self.device, total_steps=cfg.trainer.steps)
+        critic_steps = cfg.trainer.steps + cfg.algorithm.gae.critic_warmup_steps
+        self.critic = (TrainGroup(cfg, cfg.critic.path or self.model_path, self.device, critic_steps, "critic")
+                       if cfg.algorithm.advantage == "gae" else None)
+        self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
+                             if cfg.reward_model.path else None)
+
+    def colocate(self) -> Colocation:
+        """Which of the training engines and the rollout engine holds the device memory (workers/colocation.py)."""
+        return Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None], self.rollout,
+                          self.cfg.offload_enabled(self.device), self.cfg.trainer.worker_timeout_s)
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -145,15 +155,18 @@ class RLTrainer:
             self.tracker.log(metrics, 0)
             self.history["val/reward"][0] = metrics["val/reward"]
         with self.tracker.steps("RL", cfg.trainer.steps, done):  # the step lines say step N/T and the ETA
-            for step in stops.steps(done + 1, cfg.trainer.steps):  # a SIGINT/SIGTERM: this step is the last
-                metrics = self.step()
-                if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
-                    metrics |= self.validate()
-                    self.history["val/reward"][step] = metrics["val/reward"]
-                self.tracker.log(metrics, step)
-                if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
-                                               or stops.requested()):
-                    self.save_checkpoint(step)
+            # stops.steps's: a SIGINT/SIGTERM makes this step the last; a lost process (megarl/recovery.py) is
+            # replaced and the steps after the newest checkpoint run again
+            for step in self.recovery.steps(done + 1, cfg.trainer.steps):
+                with self.recovery.attempt(step):
+                    metrics = self.step()
+                    if evaluates_after(step, cfg.trainer.eval_every, cfg.trainer.steps):
+                        metrics |= self.validate()
+                        self.history["val/reward"][step] = metrics["val/reward"]
+                    self.tracker.log(metrics, step)
+                    if cfg.trainer.save_every and (step % cfg.trainer.save_every == 0 or step == cfg.trainer.steps
+                                                   or stops.requested()):
+                        self.save_checkpoint(step)
         self.check_rollout_weights()  # the last sync's: no update follows, but a corrupt engine still stops the run
         if cfg.actor.lora.peft_dir:
             self.colocation.to_training()  # the adapters back where they were offloaded

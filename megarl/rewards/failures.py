@@ -46,6 +46,11 @@ class RewardFailureTracker:
         self.failed += scores.failed
         self.first = self.first or (scores.failures[0] if scores.failures else None)
 
+    def forget_after(self, step: int) -> None:
+        """Drop the steps after `step` from the window: a run restarted from that step's checkpoint scores them
+        again (megarl/recovery.py)."""
+        self.steps = deque((s for s in self.steps if s.step <= step), maxlen=self.steps.maxlen)
+
     def end_step(self, step: int) -> int:
         """Close the step; returns its failed calls. Raises RewardFailureError when the window's failure rate
         passes max_rate."""

@@ -53,7 +53,8 @@ class ConsoleLogger:
               ("train/entropy", "entropy", "{:.4g}"), ("train/response_length", "len", "{:.4g}"),
               ("rm/loss", "rm loss", "{:.4g}"), ("rm/accuracy", "acc", "{:.3g}"),
               ("val/pair_accuracy", "val acc", "{:.3g}"), ("val/margin", "val margin", "{:.3g}"),
-              ("timing/step", "", "{:.3g}s"), ("perf/tokens_per_s", "", "{:.0f} tok/s")]
+              ("timing/step", "", "{:.3g}s"), ("perf/tokens_per_s", "", "{:.0f} tok/s"),
+              ("restart/count", "restart", "{:.0f}"), ("restart/seconds_lost", "lost", "{:.3g}s")]
 
     def __init__(self, log_dir: str, config: dict | None):
         self.progress: Progress | None = None

@@ -239,10 +239,14 @@ class TrainGroup:
         try:
             return get_all(refs, method, self._describe, self.timeout)
         except WorkerTimeout as error:
-            for w in self.workers:
-                ray.kill(w)
-            self.killed = True
+            self.kill()
             raise WorkerTimeout(f"{error}; killed all {len(self.workers)} {self.role} ranks") from None
+
+    def kill(self) -> None:
+        """Every rank killed at once: the others of a silent or lost rank wait for it in collectives."""
+        for w in self.workers:
+            ray.kill(w)
+        self.killed = True
 
     def _describe(self, rank: int) -> str:
         if rank >= len(self.info):  # before setup has answered

@@ -1,0 +1,169 @@
+"""In-job recovery (trainer.max_restarts): a run that loses a process goes on from its newest checkpoint.
+
+A training rank that dies (SIGKILL, a crash, the OOM killer) or misses trainer.worker_timeout_s (its group kills every
+rank then: megarl/workers/group.py), or a rollout actor that dies or hangs, fails the step's call with a WorkerError.
+RLTrainer.fit runs each step inside `Recovery.attempt`, which then, up to trainer.max_restarts times in the run:
+
+  ends every training group (its survivors wait for the lost rank in collectives: killed, not asked to stop) and
+      starts new ones through Ray, on the resources it gives (the lost rank's node or another);
+  replaces the rollout actor where it is the one lost (or, colocated, where the new ranks got other GPUs than its
+      servers); a live rollout actor stays up, its engine and servers warm;
+  restores the run's newest intact checkpoint (megarl/resume.py picks it as trainer.resume=auto would) through the
+      resume path: engines (model, optimizer, LR schedule, RNG), data loader, driver state, then a verified weight
+      sync into the rollout engine;
+  and `Recovery.steps` goes on from the step after that checkpoint, so the steps since are replayed: on the hf engine
+      they compute what they computed before, bit for bit (tests/test_recovery.py).
+
+Each restart is a row of metrics.jsonl at the step resumed from (restart/*: the count, the failed step, the steps
+replayed, the seconds lost), a console line naming the cause (the lost processes and the call), and a line of
+restarts.jsonl in the run's directory with the cause's text. A fault past the limit stops the run (RestartLimit)
+naming it and the earlier ones; so does a fault before the run's first checkpoint, one in the asynchronous modes
+(their rollout thread and buffer are not rebuilt), and an error a live rank raised (a bug or a NaN: a replay would
+repeat it), at once as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import time
+
+import ray
+
+from megarl import stops
+from megarl.engine.checkpoint_dir import CHECKPOINT_FILE
+from megarl.resume import Start, plan_resume
+from megarl.utils.progress import phases
+from megarl.workers.group import WorkerError, WorkerTimeout, start_rollout
+
+DEATH_NOTICE_S = 5.0  # how long Ray may take to mark a killed process dead after a peer's call failed on it
+
+
+class RestartLimit(WorkerError):
+    """A lost process the run does not replace: past trainer.max_restarts, or with nothing to restore."""
+
+
+def dead(handle) -> bool:
+    """Whether Ray's actor table has the actor dead (asked of the GCS: a dead or hung actor cannot be asked)."""
+    return ray._private.state.actors(handle._actor_id.hex()).get("State") == "DEAD"
+
+
+def the_call(error: WorkerError) -> str:
+    """The call a WorkerError names (`... failed in train: ...`, `... did not answer train within ...`)."""
+    found = re.search(r"(?:failed in|did not answer) ([\w.]+)", str(error))
+    return found.group(1) if found else "?"
+
+
+def training_groups(trainer) -> list:
+    """The policy's, the critic's and the reward model's ranks."""
+    return [g for g in (trainer.actor, trainer.critic, trainer.reward_model) if g is not None]
+
+
+class Recovery:
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.limit = trainer.cfg.trainer.max_restarts
+        self.first_start = trainer.start  # restored when the run has written no checkpoint of its own yet
+        self.began = time.time()
+        self.restarts: list[dict] = []
+        self.resumed: int | None = None  # set by a restart: the step its checkpoint completed
+
+    def steps(self, first: int, last: int):
+        """first..last as stops.steps gives them; after a restart, again from the step after the restored one."""
+        while True:
+            self.resumed = None
+            for step in stops.steps(first, last):
+                yield step
+                if self.resumed is not None:
+                    break
+            else:
+                return
+            first = self.resumed + 1
+
+    @contextlib.contextmanager
+    def attempt(self, step: int):
+        """One step's stages; a lost process inside them is replaced (see the module's docstring)."""
+        try:
+            yield
+        except WorkerError as error:
+            lost = self.lost() if self.limit and self.trainer.cfg.trainer.mode == "sync" else None
+            if not lost:
+                raise
+            self.resumed = self.restart(error, step, lost)
+
+    def lost(self) -> dict[str, list[str]] | None:
+        """The run's lost processes by kind ("training" ranks, "rollout" actor): dead, or killed for a hang; None
+        when all live (the error came from a live rank)."""
+        t, deadline = self.trainer, time.monotonic() + DEATH_NOTICE_S
+        while True:
+            ranks = [f"{g.role} rank {i} (pid {g.info[i]['pid'] if i < len(g.info) else '?'})"
+                     for g in training_groups(t)
+                     for i, w in enumerate(g.workers) if g.killed or dead(w)]
+            rollout = ["the rollout actor"] if dead(t.rollout) else []
+            if ranks or rollout:
+                return {"training": ranks, "rollout": rollout}
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
+    def restart(self, error: WorkerError, step: int, lost: dict[str, list[str]]) -> int:
+        """Replace what was lost and restore the newest checkpoint; returns its step."""
+        t, detected, began = self.trainer, time.time(), time.perf_counter()
+        hang = isinstance(error, WorkerTimeout)
+        what = ", ".join(lost["training"] + lost["rollout"])
+        cause = (f"{what} {'missed its deadline' if hang else 'died'} in {the_call(error)} during step {step}")
+        if len(self.restarts) >= self.limit:
+            earlier = "; ".join(f"restart {r['restart']}: {r['cause']}" for r in self.restarts)
+            raise RestartLimit(f"{cause}, after {len(self.restarts)} restart(s) (trainer.max_restarts={self.limit}): "
+                               f"stopping" + (f". Earlier: {earlier}" if earlier else "")) from error
+        restore = self.restore_point(cause)
+        print(f"megarl: {cause}; restarting from {restore.checkpoint} "
+              f"(restart {len(self.restarts) + 1} of at most {self.limit})", flush=True)
+        with phases(f"replacing the lost processes ({what})"):
+            self.replace(bool(lost["rollout"]))
+        t.start, t.syncs, t.unchecked = restore, 0, None  # the resume's sync is verified, as a run's first
+        done = t.resume()
+        t.sampler.reward_failures.forget_after(done)  # the replayed steps' calls are counted again
+        recovery_s = time.perf_counter() - began
+        lost_s = detected - max(self.began, (restore.checkpoint / CHECKPOINT_FILE).stat().st_mtime)
+        record = {"restart": len(self.restarts) + 1, "cause": cause, "call": the_call(error), "lost": what,
+                  "failed_step": step, "resumed_from": done, "replayed_steps": step - 1 - done,
+                  "lost_s": lost_s, "recovery_s": recovery_s, "seconds_lost": lost_s + recovery_s}
+        self.restarts.append(record)
+        with open(t.tracker.directory / "restarts.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        t.tracker.log({f"restart/{k if k != 'restart' else 'count'}": v for k, v in record.items()
+                       if not isinstance(v, str)}, done)
+        print(f"megarl: restart {record['restart']} done: resumed after step {done}, replaying {step - 1 - done} "
+              f"completed step(s) and step {step}; {lost_s + recovery_s:.1f} s lost ({lost_s:.1f} s of steps since "
+              f"the checkpoint, {recovery_s:.1f} s to restart)", flush=True)
+        return done
+
+    def restore_point(self, cause: str) -> Start:
+        """The run's newest intact checkpoint (as trainer.resume=auto finds it; its settings are this run's), else the
+        one the run started from; RestartLimit when there is neither (nothing to replay from)."""
+        cfg = self.trainer.cfg
+        own = plan_resume(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="force")))
+        start = own if own.checkpoint is not None else self.first_start
+        if start.checkpoint is None or start.step == 0:
+            raise RestartLimit(f"{cause}, before the run's first checkpoint (trainer.save_every="
+                               f"{cfg.trainer.save_every}): nothing to restart from")
+        return dataclasses.replace(start, config=self.trainer.start.config, run_id=self.trainer.start.run_id)
+
+    def replace(self, rollout_lost: bool) -> None:
+        """New training groups; a new rollout actor where it was lost, or where colocated servers would no longer sit
+        on the new ranks' GPUs."""
+        t = self.trainer
+        before = t.actor.gpus() if t.cfg.sglang_colocated() else None
+        for group in training_groups(t):
+            group.kill()
+            group.shutdown()  # its placement group: the new ranks may take the same resources
+        t.start_training()
+        if rollout_lost or (before is not None and t.actor.gpus() != before):
+            ray.kill(t.rollout)  # dead, hung or misplaced: its servers' guards end them
+            t.rollout = start_rollout(t.cfg, t.model_path, t.device,
+                                      t.actor.gpus() if t.cfg.sglang_colocated() else None)
+            t.sampler.rollout, t.rollout_buffers = t.rollout, None  # a new engine's buffers are checked afresh
+        t.colocation = t.colocate()
