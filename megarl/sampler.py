@@ -23,6 +23,7 @@ from megarl.rewards.failures import RewardFailureTracker
 from megarl.rollout.agent import OversamplingEnd, Trajectory, agent_rewards, new_groups, trajectories_to_batch
 from megarl.rollout.base import SamplingParams, derive_seed
 from megarl.rollout.batching import generations_to_batch, prompt_images
+from megarl.rollout.gateway_agents import final_segments
 from megarl.utils.timers import Timers
 from megarl.workers.group import call_rollout, stream_rollout
 
@@ -115,8 +116,10 @@ class Sampler:
             return self.score(batch)
 
     def evaluate(self, prompts: list[dict]) -> Batch:
-        """Held-out `prompts`, rollout.eval_n_samples each, scored (their reward failures counted apart)."""
-        return self.score(self.generate(prompts, evaluation=True), evaluation=True)
+        """Held-out `prompts`, rollout.eval_n_samples each, scored (their reward failures counted apart); gateway
+        agents' runs by their final segments, over the prompts none of whose runs was dropped."""
+        batch = self.generate(prompts, evaluation=True)
+        return self.score(final_segments(batch) if self.cfg.agent.gateway.function else batch, evaluation=True)
 
     def sampling_params(self, evaluation: bool = False, greedy: bool = False, first_group: int = 0) -> SamplingParams:
         r = self.cfg.rollout

@@ -18,6 +18,6 @@ class GatewayConfig:
                                   "agent/agents_timed_out; its thread is left to end by itself)",
                            min=0, min_exclusive=True, **SECONDS)
     max_tokens: int = opt(4096, "tokens the model may generate for one agent, over all its requests; a request past "
-                                "them is refused (HTTP 400)", min=1, **TOKENS)
+                                "them gets an empty answer with finish_reason length", min=1, **TOKENS)
     host: str = opt("127.0.0.1", "address the gateway listens on (the agents run on the rollout worker's host)")
     port: int = opt(0, "port the gateway listens on; 0 = a free one", min=0, max=65535)

@@ -10,7 +10,8 @@ same way (GenerationBatcher: requests that arrive together are one engine call),
 by the same code. Sampling follows the run's rollout settings (rollout.temperature, top_p, top_k), never the request's:
 the log-probs recorded are the policy's at the temperature training assumes. A request's `max_tokens` (or
 `max_completion_tokens`) is capped by agent.max_new_tokens_per_turn, what is left of the segment's
-agent.max_response_tokens and of the run's agent.gateway.max_tokens; `n` must be 1; `stop` strings are not applied
+agent.max_response_tokens and of the run's agent.gateway.max_tokens (none left: an empty answer with finish_reason
+"length", nothing generated); `n` must be 1; `stop` strings are not applied
 (the model's own stop tokens end a turn). Tool calls are parsed from the model's text by agent.parser (hermes). A
 streamed answer is generated whole, then sent in pieces.
 """
@@ -28,7 +29,7 @@ from aiohttp import web
 
 from megarl.config import AgentConfig
 from megarl.rollout.agent import GenerationBatcher
-from megarl.rollout.base import RolloutEngine, SamplingParams
+from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.gateway_record import ChatLayout, Record, Segment, normalize
 from megarl.rollout.tools.parsers import HERMES_CALL, get_parser
 
@@ -156,11 +157,9 @@ class Gateway:
         a, t = self.config, seg.trajectory
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or a.max_new_tokens_per_turn
         limit = min(int(asked), a.max_new_tokens_per_turn, record.room(), a.max_response_tokens - len(t.response_ids))
-        if limit <= 0:
-            raise RequestError(f"no tokens left for this trajectory (agent.gateway.max_tokens="
-                               f"{a.gateway.max_tokens}, agent.max_response_tokens={a.max_response_tokens} per "
-                               "segment)")
         record.requests += 1
+        if limit <= 0:  # the budget is spent: an empty answer cut by length, as a turn that hit it would end
+            return Generation(0, [], [], "length"), "", []
         gen = await self.batcher.generate(seg.context(), limit, record.key)
         stopped = gen.finish_reason == "stop"
         text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)

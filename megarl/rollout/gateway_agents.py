@@ -27,6 +27,7 @@ from collections import Counter
 from typing import Callable
 
 from megarl.config import AgentConfig
+from megarl.protocol import Batch
 from megarl.rollout.agent import Trajectory
 from megarl.rollout.base import RolloutEngine, SamplingParams
 from megarl.rollout.gateway import Gateway
@@ -144,3 +145,12 @@ class GatewayAgents:
 
     def close(self) -> None:
         self.gateway.close()
+
+
+def final_segments(batch: Batch) -> Batch:
+    """Each run's last segment (the row holding its final answer), for held-out scores, of the prompts none of whose
+    runs was dropped (so every prompt has its k runs, as megarl.data.evaluation reads them)."""
+    last = {summary["agent"]: row for row, summary in enumerate(batch["trajectory"])}
+    rows = sorted(last.values())
+    sizes = Counter(batch["group"][row] for row in rows)
+    return batch.index([row for row in rows if sizes[batch["group"][row]] == max(sizes.values())])

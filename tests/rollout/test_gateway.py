@@ -13,7 +13,7 @@ from megarl.config import AgentConfig
 from megarl.models.tiny import build_tiny_model
 from megarl.rollout.agent import Trajectory, agent_metrics, agent_rewards, trajectories_to_batch
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
-from megarl.rollout.gateway_agents import GatewayAgents
+from megarl.rollout.gateway_agents import GatewayAgents, final_segments
 from megarl.rollout.hf import HFRolloutEngine
 
 # a chat template in Qwen2.5's manner (tools in a system message, <eos> closing each message), short enough for the
@@ -163,6 +163,7 @@ def test_multi_turn_extends_the_context_token_by_token_and_an_edit_starts_a_segm
     assert row == seg.loss_mask and batch["loss_mask"][0, :len(c1)].sum() == 0
     assert batch["loss_mask"].sum() == sum(seg.loss_mask) + len(g4.token_ids)
     assert agent_rewards(batch) == [None, None]
+    assert final_segments(batch)["trajectory"] == [batch["trajectory"][1]]  # held-out scores read the final answer
     assert counts["segments"] == 2 and counts["segments_edited"] == 1 and counts["requests"] == 4
 
 
@@ -257,15 +258,15 @@ def test_crashing_hanging_and_idle_agents_are_counted_and_dropped(tok):
     assert agent_metrics(batch, "agent")["agent/agents_timed_out"] == 2
 
 
-def test_token_budget_and_bad_keys_are_refused(tok):
+def test_a_spent_budget_answers_empty_and_bad_requests_are_refused(tok):
     engine, seen = Scripted(tok, ["a long answer"]), {}
 
     def agent(base_url, api_key, row):
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         messages = [{"role": "user", "content": "q"}]
         client.chat.completions.create(model="m", messages=messages)
-        with pytest.raises(openai.BadRequestError, match="no tokens left"):
-            client.chat.completions.create(model="m", messages=messages)
+        spent = client.chat.completions.create(model="m", messages=messages).choices[0]
+        seen["spent"] = spent.finish_reason, spent.message.content
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base_url, api_key="megarl-nope", max_retries=0).chat.completions.create(
                 model="m", messages=messages)
@@ -275,7 +276,8 @@ def test_token_budget_and_bad_keys_are_refused(tok):
         return 0.0
 
     [[seg]], counts = rollout(make(engine, tok, agent, max_tokens=12), [{"prompt": "q", "answer": ""}])
-    assert seen["ok"] and len(seg.response_ids) == 12 and counts["agents_crashed"] == 0
+    assert seen["ok"] and seen["spent"] == ("length", "") and len(engine.calls) == 1
+    assert len(seg.response_ids) == 12 and counts["agents_crashed"] == 0 and counts["requests"] == 2
 
 
 @pytest.mark.parametrize("keys, refusal", [
