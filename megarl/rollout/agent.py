@@ -484,9 +484,12 @@ def agent_metrics(batch: Batch, prefix: str) -> dict:
     counts = {f"{prefix}/{k}": v for k, v in batch.meta.get("agent_counts", {}).items()}
     summaries = batch["trajectory"]
     calls = [c for s in summaries for t in s["turns"] if t["role"] == "tool" for c in t["calls"]]
+    # a gateway agent runs its tools itself: the calls the model asked for are what megarl sees of them
+    asked = [c for s in summaries if "agent" in s
+             for t in s["turns"] if t["role"] == "assistant" for c in t["tool_calls"]]
     n = max(len(summaries), 1)
     return {f"{prefix}/turns": sum(s["num_turns"] for s in summaries) / n,
-            f"{prefix}/tool_calls": len(calls) / n,
+            f"{prefix}/tool_calls": (len(calls) + len(asked)) / n,
             f"{prefix}/tool_error_rate": sum(c["error"] for c in calls) / max(len(calls), 1),
             f"{prefix}/finish_length": sum(s["finish_reason"] == "length" for s in summaries) / n,
             f"{prefix}/model_turns_total": sum(s["num_turns"] for s in summaries),

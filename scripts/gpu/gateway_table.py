@@ -39,8 +39,8 @@ def main(out_dir: str, *phases: str) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for rs in table.values():
         for r in rs:
-            print(f"| {r['phase']} | {r['step']} | {r['generate_s']:.3g} | {r['requests']:g} | {r['requests_per_s']:.4g} "
-                  f"| {r['tokens_per_s']:.4g} | {r['reward']:.3g} | {r['dropped']:g} |")
+            print(f"| {r['phase']} | {r['step']} | {r['generate_s']:.3g} | {r['requests']:g} "
+                  f"| {r['requests_per_s']:.4g} | {r['tokens_per_s']:.4g} | {r['reward']:.3g} | {r['dropped']:g} |")
     for phase, m in mean.items():
         print(f"{phase}, mean from step 2: {m['requests_per_s']:.4g} requests/s, {m['tokens_per_s']:.4g} tokens/s")
     if ratio:

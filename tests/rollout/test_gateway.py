@@ -156,7 +156,8 @@ def test_multi_turn_extends_the_context_token_by_token_and_an_edit_starts_a_segm
     masked = [0] * (len(c2) - len(c1) - len(g1.token_ids)), [0] * (len(c3) - len(c2) - len(g2.token_ids))
     assert seg.loss_mask == model[0] + masked[0] + model[1] + masked[1] + model[2]
     assert [lp for lp, m in zip(seg.logprobs, seg.loss_mask) if m] == g1.logprobs + g2.logprobs + g3.logprobs
-    assert edited.summary()["new_segment"] == "edited" and edited.prompt_ids == c4 and edited.response_ids == g4.token_ids
+    assert edited.summary()["new_segment"] == "edited"
+    assert edited.prompt_ids == c4 and edited.response_ids == g4.token_ids
     assert c4[:len(c1)] != c1 and c4[-len(c3) + len(c1):] == c3[len(c1):]  # the same turns after another question
     batch = trajectories_to_batch([{"prompt": "6*7=", "answer": "42"}], [seg, edited], tok.pad_token_id, tok)
     row = batch["loss_mask"][0, len(c1):len(c1) + len(seg.response_ids)].tolist()
@@ -218,11 +219,14 @@ def test_tool_calls_come_back_in_openai_format(tok):
     assert first.message.tool_calls[0].function.name == "calculator"
     assert json.loads(first.message.tool_calls[0].function.arguments) == {"expression": "6*7"}
     assert seen["answer"].message.content == "42" and seen["answer"].finish_reason == "stop"
-    assert counts["segments"] == 1 and seg.summary()["agent_reward"] == 1.0  # the message sent back as the client holds it
+    # the assistant's message sent back as the client holds it (a pydantic object) continues the segment
+    assert counts["segments"] == 1 and seg.summary()["agent_reward"] == 1.0
     assert seg.turns[0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "6*7"}, "error": None}]
     assert seg.versions == [7] * len(engine.calls[0][1].token_ids) + [None] * (len(seg.response_ids) - len(
         engine.calls[0][1].token_ids) - len(engine.calls[1][1].token_ids)) + [7] * len(engine.calls[1][1].token_ids)
     assert seg.policy_version == 7
+    batch = trajectories_to_batch([{"prompt": "6*7=", "answer": "42"}], [seg], tok.pad_token_id, tok)
+    assert agent_metrics(batch, "agent")["agent/tool_calls"] == 1 and batch["response"] == ["42"]
 
 
 def test_crashing_hanging_and_idle_agents_are_counted_and_dropped(tok):
