@@ -295,3 +295,19 @@ def test_config_refusals(keys, refusal):
 
     with pytest.raises(ConfigError, match=refusal):
         load_config(overrides=["model.path=tiny", "data.task=reverse", "trainer.steps=1", *keys])
+
+
+def test_the_recipes_calculator_agent_in_the_plain_layout_of_the_warm_start(tok):
+    """configs/gateway_calculator.yaml's agent on a tokenizer without a chat template: the context it builds is the
+    SFT traces' layout (prompt, the call and <eos>, <result>...</result>, the answer), and its reward is full."""
+    from megarl.recipes.calculator_agent import agent
+
+    plain = AutoTokenizer.from_pretrained(tok.name_or_path)
+    call = '<tool_call>{"name":"calculator","arguments":{"expression":"37*58"}}</tool_call>'
+    engine = Scripted(plain, [call, "2146"])
+    cfg = AgentConfig(enabled=True, max_new_tokens_per_turn=90, max_response_tokens=118,
+                      observation_template="<result>{result}</result>")
+    cfg.gateway.function = "megarl.recipes.calculator_agent:agent"
+    [[seg]], counts = rollout(GatewayAgents(engine, plain, cfg), [{"prompt": "37*58=", "answer": "2146"}])
+    assert plain.decode(seg.prompt_ids + seg.response_ids) == "37*58=" + call + "<eos><result>2146</result>2146<eos>"
+    assert seg.summary()["agent_reward"] == 1.0 and counts["requests"] == 2
