@@ -252,8 +252,13 @@ def load_engine(engine, directory: str | Path, optimizer: bool = True) -> dict:
         loaded = dist_checkpointing.load(request, str(directory / "state"))
         _load_model_state(engine, loaded["model"])
         if with_optimizer:
+            # the param groups come back with the checkpoint's rates; the run's own win (a resume that changes
+            # actor.optim.lr is announced as a changed setting and must train at the new rate)
+            rates = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in engine.optimizer.param_groups]
             with _tolerate_missing_step(engine.optimizer):
                 engine.optimizer.load_state_dict(loaded["optimizer"])
+            for group, rate in zip(engine.optimizer.param_groups, rates):
+                group.update(rate)
             _separate_step_tensors(engine.optimizer)
             engine.scheduler.load_state_dict(loaded["scheduler"])
             engine.step_count = meta["step_count"]

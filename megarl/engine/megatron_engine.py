@@ -144,7 +144,8 @@ class MegatronEngine:
             self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
             lr_decay_steps=max(total_steps, o.warmup_steps + 1), lr_decay_style=o.decay_style,
             start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(total_steps, 1),
-            wd_incr_style="constant")
+            wd_incr_style="constant", override_opt_param_scheduler=True,  # a resume keeps this run's schedule
+            use_checkpoint_opt_param_scheduler=False)
 
     def _install_router_replay(self, config, pp: int) -> list:
         if getattr(self.section, "router_replay", "off") == "off":
