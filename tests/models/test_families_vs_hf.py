@@ -2,7 +2,8 @@
 that changes layout in place: TP=2, PP=2, DP=2, (for Qwen3-MoE) EP=2 with DP=2, and TP=2 with sequence
 parallelism (SP; Qwen3 and Qwen3-MoE); and Qwen3-MoE at EP=2 x TP=2 with SP, EP=2 x PP=2 and
 EP=4 (one expert per rank, four data-parallel ranks whose rows differ in length: the engine makes
-them agree on micro-batch shapes and counts for the expert token exchange) on 4 ranks.
+them agree on micro-batch shapes and counts for the expert token exchange) on 4 ranks; Mistral, Mixtral and GLM-4.5
+at CP=2, padded and packed (Qwen2's and Qwen3's CP: tests/engine/test_context_parallel.py).
 
 Per family and layout: log-probs and entropy equal transformers' (float32, CPU), and the weights
 exported back to HF names are bitwise the checkpoint's. Qwen3-MoE also takes one SFT Adam step at every
@@ -30,18 +31,19 @@ EP_LAYOUTS_4 = ((2, 1, 2, True), (1, 2, 2, False), (1, 1, 4, False))
 # the dense families also checked under SP (QK-norm: gradients summed over TP by name; Gemma 3's post-norms)
 SP_DENSE = ("qwen3", "gemma3")
 LR = 1e-2
+CP_BUDGET = 24  # tokens per packed micro-batch at CP=2: two rows of padded_batch's longest (12)
 # With the default eps (1e-8) Adam's first step is ~lr*sign(grad) and turns float noise in near-zero
 # gradient entries (unhit expert rows) into differences of ~lr; eps=1e-2 keeps the step a smooth
 # function of the gradient (|d step / d grad| <= lr/eps = 1), so the weights compare the gradients.
 ADAM_EPS = 1e-2
 
 
-def _relayout(tp, pp, ep):
+def _relayout(tp, pp, ep, cp=1):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1)
 
 
@@ -203,3 +205,33 @@ def test_gemma3_matches_transformers_at_tp_pp_sp(tmp_path):
 
     assert sorted(trained) == [(1, 2, 1, False), (2, 1, 1, True)]
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
+
+
+def _cp_rank(rank, cases):
+    import torch.distributed as dist
+
+    from megarl.engine import MegatronEngine
+
+    _relayout(1, 1, 1, cp=2)
+    parallel = ParallelConfig(world_size=dist.get_world_size(), cp=2)
+    for max_tokens in (0, CP_BUDGET):
+        actor = ActorConfig(parallel=parallel, micro_batch_size=2, max_tokens_per_micro_batch=max_tokens)
+        for name, model_dir, ref_logprobs, ref_entropy in cases:
+            engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10, trainable=False)
+            assert engine.core_attention == "sdpa" and engine.gpt.config.context_parallel_size == 2
+            assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, f"{name} at cp=2 max_tokens={max_tokens}")
+
+
+def test_mistral_mixtral_glm4_moe_match_transformers_at_cp2(tmp_path):
+    """Context parallelism (CP=2 on 2 ranks, each rank a head and a tail quarter of every row) for Mistral (a
+    sliding window as long as its positions: full attention), Mixtral (each CP rank routes its own tokens) and GLM-4.5
+    (partial RoPE rotated by each token's position in the row, sigmoid group routing with its bias), on padded rows
+    and on rows packed up to CP_BUDGET tokens: log-probs and entropy as transformers', the export bitwise the
+    checkpoint's."""
+    configs = {"mistral": mistral_config(), "mixtral-moe": mixtral_config(), "glm4.5-moe": glm4_moe_config()}
+    cases = []
+    for seed, (name, config) in enumerate(configs.items()):
+        model_dir = save_random(config, tmp_path / name, seed=41 + seed)
+        cases.append((name, model_dir, *hf_logprobs_entropy(model_dir, padded_batch())))
+
+    run_distributed(_cp_rank, 2, cases, timeout=240)
