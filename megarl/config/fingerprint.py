@@ -100,6 +100,9 @@ def unread_keys(values: dict) -> set[str]:
         unread.add("algorithm.loss_agg_norm_len")
     if values["trainer.mode"] == "sync":
         unread.add("async")
+    if not values["agent.enabled"]:  # no agent loop; its observation_template renders SFT warm-start traces too
+        unread |= {k for k in values
+                   if k.startswith("agent.") and k not in ("agent.enabled", "agent.observation_template")}
     return unread | {"preference"}  # train_rm's pairs: an RL run reads none
 
 

@@ -268,3 +268,15 @@ def test_main_ends_at_once_when_the_checkpoint_completed_trainer_steps(tmp_path,
     err = capsys.readouterr().err
     assert "config error: " in err and "actor.optim.lr: 0.0005 -> 0.0" in err and "trainer.resume=force" in err
     assert (tmp_path / "run.lock").read_text() == ""  # released
+
+
+def test_the_agent_loops_settings_are_compared_only_where_a_run_has_it(tmp_path):
+    """A run without the agent loop resumes whatever its settings were (agent.parser's default was hermes, now
+    auto); one with it compares them. agent.observation_template renders SFT warm-start traces either way."""
+    assert differences(fingerprint(config(tmp_path, "agent.parser=hermes", "agent.max_turns=2")),
+                       fingerprint(config(tmp_path))) == []
+    assert differences(fingerprint(config(tmp_path, "agent.observation_template=<r>{result}</r>")),
+                       fingerprint(config(tmp_path))) == ['agent.observation_template: "<r>{result}</r>" -> ""']
+    on = "agent.enabled=true"
+    assert differences(fingerprint(config(tmp_path, on, "agent.parser=hermes")), fingerprint(config(tmp_path, on))) \
+        == ['agent.parser: "hermes" -> "auto"']
