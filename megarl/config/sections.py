@@ -229,7 +229,9 @@ class AgentConfig:
                                "one generation per sample")
     tools: list = opt([], "tools the model may call: registry names (calculator, python, retrieval) or "
                           "package.module:Class, or {name: ..., <constructor options>} dicts")
-    parser: str = opt("hermes", "tool-call parser: registry name or package.module:function")
+    parser: str = opt("auto", "tool-call parser: auto (the format the tokenizer's chat template writes; hermes if it "
+                              "shows none), hermes (Qwen2.5/Qwen3), llama3, harmony (gpt-oss), deepseek, mistral, or "
+                              "package.module:function")
     max_turns: int = opt(4, "model turns per conversation", min=1)
     max_response_tokens: int = opt(1024, "token budget of everything after the prompt: model turns and tool results",
                                    min=1, **TOKENS)

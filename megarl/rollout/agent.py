@@ -1,8 +1,9 @@
 """Multi-turn, tool-using rollouts: the agent loop.
 
 Each sample is one asyncio conversation: generate a turn, parse its tool calls (a pluggable parser,
-megarl/rollout/tools/parsers.py), run them concurrently, append their results as observation tokens,
-and go on until the model answers without a tool call, the turn limit or the token budget.
+megarl/rollout/tools/parsers.py; by default the format the chat template writes), run them concurrently, append
+their results as observation tokens, and go on until the model answers without a tool call, the turn limit or
+the token budget.
 
 Token in, token out. The sequence is prompt + response, and the response interleaves the model's
 turns, kept exactly as generated (never re-tokenised), with observation tokens rendered by a
@@ -52,7 +53,7 @@ from megarl.protocol import IMAGE_INPUTS, REWARD_FIELDS, Batch
 from megarl.rollout.base import Generation, ImageInputs, RolloutEngine, SamplingParams
 from megarl.rollout.batching import rows_to_tensors
 from megarl.rollout.tools import Tool, ToolError, ToolResult
-from megarl.rollout.tools.parsers import ToolCall, get_parser
+from megarl.rollout.tools.parsers import ToolCall, resolve_parser
 
 
 @dataclass
@@ -174,7 +175,7 @@ class AgentLoop:
                  renderer=None, image_prompts=None):
         self.engine, self.tokenizer, self.tools, self.image_prompts = engine, tokenizer, tools, image_prompts
         self.config = config or AgentConfig()
-        self.parser = get_parser(self.config.parser)
+        self.parser_name, self.parser = resolve_parser(self.config.parser, tokenizer)
         self.renderer = renderer or observation_renderer(tokenizer, self.config.observation_template)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-agent-engine")
 

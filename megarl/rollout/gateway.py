@@ -11,9 +11,9 @@ by the same code. Sampling follows the run's rollout settings (rollout.temperatu
 the log-probs recorded are the policy's at the temperature training assumes. A request's `max_tokens` (or
 `max_completion_tokens`) is capped by agent.max_new_tokens_per_turn, what is left of the segment's
 agent.max_response_tokens and of the run's agent.gateway.max_tokens (none left: an empty answer with finish_reason
-"length", nothing generated); `n` must be 1; `stop` strings are not applied
-(the model's own stop tokens end a turn). Tool calls are parsed from the model's text by agent.parser (hermes). A
-streamed answer is generated whole, then sent in pieces.
+"length", nothing generated); `n` must be 1; `stop` strings are not applied (the model's own stop tokens end a turn).
+Tool calls are parsed from the model's text by agent.parser (by default the format the chat template writes:
+tools/parsers.py) and cut out of the answer's content. A streamed answer is generated whole, then sent in pieces.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from megarl.config import AgentConfig
 from megarl.rollout.agent import GenerationBatcher
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.gateway_record import ChatLayout, Record, Segment, normalize
-from megarl.rollout.tools.parsers import HERMES_CALL, get_parser
+from megarl.rollout.tools.parsers import content_without_calls, resolve_parser
 
 MAX_BODY_BYTES = 64 << 20  # a long agent history in one request
 
@@ -56,7 +56,7 @@ class Gateway:
     def __init__(self, engine: RolloutEngine, tokenizer, config: AgentConfig, model_name: str = "megarl"):
         self.engine, self.tokenizer, self.config, self.model_name = engine, tokenizer, config, model_name
         self.layout = ChatLayout(tokenizer, config.observation_template)
-        self.parser = get_parser(config.parser)
+        self.parser_name, self.parser = resolve_parser(config.parser, tokenizer)
         self.records: dict[str, Record] = {}
         self.batcher: GenerationBatcher | None = None
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="megarl-gateway-engine")
@@ -176,7 +176,7 @@ class Gateway:
         prompt_tokens = len(seg.context())
         gen, text, calls = await self._generate(record, seg, body)
         valid = [c for c in calls if not c.error]
-        content = text if len(valid) < len(calls) or not calls else HERMES_CALL.sub("", text).strip()
+        content = text if len(valid) < len(calls) or not calls else content_without_calls(text, calls)
         tool_calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in valid]
         message = {"role": "assistant", "content": content or (None if tool_calls else "")} | (

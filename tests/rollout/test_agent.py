@@ -497,3 +497,21 @@ def test_a_tools_images_join_the_row_or_leave_the_observation_out_whole(tmp_path
         batch = trajectories_to_batch([{"prompt": "Q:", "answer": ""}], [t], vl_tok.pad_token_id, vl_tok)
         assert batch["image_grid_thw"][0] is t.images.image_grid_thw
         assert batch["loss_mask"][0][batch["tokens"][0] == image_pad].sum() == 0
+
+
+def test_the_loop_reads_calls_in_the_format_the_chat_template_writes(model_dir):
+    """agent.parser=auto on a template in gpt-oss's harmony format: the model's message to functions.calculator is
+    the call the loop runs."""
+    harmony = AutoTokenizer.from_pretrained(model_dir)
+    harmony.chat_template = ("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}"
+                             "<|end|>{% endfor %}")
+    turn = '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "6*7"}'
+    config = AgentConfig(observation_template="<r>{result}</r>")
+    loop = AgentLoop(None, harmony, {}, config)
+    loop.close()
+    assert loop.parser_name == "harmony"
+    trajectories, batch = run_agent(ScriptedEngine(harmony, {"Q:": [turn, "42"]}), harmony, ["Q:"], config)
+    [summary] = batch["trajectory"]
+    assert summary["turns"][0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "6*7"},
+                                                  "error": None}]
+    assert summary["turns"][1]["calls"][0]["result"] == "42" and batch["response"] == ["42"]

@@ -311,3 +311,42 @@ def test_the_recipes_calculator_agent_in_the_plain_layout_of_the_warm_start(tok)
     [[seg]], counts = rollout(GatewayAgents(engine, plain, cfg), [{"prompt": "37*58=", "answer": "2146"}])
     assert plain.decode(seg.prompt_ids + seg.response_ids) == "37*58=" + call + "<eos><result>2146</result>2146<eos>"
     assert seg.summary()["agent_reward"] == 1.0 and counts["requests"] == 2
+
+
+def test_tool_calls_in_the_format_the_chat_template_writes(tok):
+    """agent.parser=auto on a template that writes Llama 3's JSON calls: the gateway reads the model's
+    <|python_tag|>{...} into OpenAI tool_calls and cuts it out of the content; a malformed call comes back as text."""
+    llama = AutoTokenizer.from_pretrained(tok.name_or_path)
+    llama.chat_template = TEMPLATE.replace("'S:'", "'<|start_header_id|>S:<|python_tag|>'")
+    call = '<|python_tag|>{"name":"calculator","parameters":{"expression":"6*7"}}'
+    engine, seen = Scripted(llama, ["so" + call, "42"]), {}
+
+    def agent(base_url, api_key, row):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        seen["first"] = client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR]).choices[0]
+        [tool_call] = seen["first"].message.tool_calls
+        messages += [seen["first"].message, {"role": "tool", "tool_call_id": tool_call.id, "content": "42"}]
+        seen["answer"] = client.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR]).choices[0]
+        return 1.0
+
+    agents = make(engine, llama, agent, turn_tokens=80)
+    assert agents.gateway.parser_name == "llama3"
+    [[seg]], counts = rollout(agents, [{"prompt": "6*7=", "answer": "42"}])
+    first = seen["first"]
+    assert first.finish_reason == "tool_calls" and first.message.content == "so"
+    assert first.message.tool_calls[0].function.name == "calculator"
+    assert json.loads(first.message.tool_calls[0].function.arguments) == {"expression": "6*7"}
+    assert seen["answer"].message.content == "42" and counts["segments"] == 1
+
+    broken = "so" + call[:-2]
+    engine = Scripted(llama, [broken])
+
+    def once(base_url, api_key, row):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key)
+        seen["broken"] = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "q"}], tools=[CALCULATOR]).choices[0]
+
+    rollout(make(engine, llama, once, turn_tokens=80), [{"prompt": "q", "answer": ""}])
+    assert seen["broken"].message.content == broken and not seen["broken"].message.tool_calls
+    assert seen["broken"].finish_reason == "stop"
