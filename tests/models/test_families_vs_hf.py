@@ -2,8 +2,8 @@
 that changes layout in place: TP=2, PP=2, DP=2, (for Qwen3-MoE) EP=2 with DP=2, and TP=2 with sequence
 parallelism (SP; Qwen3 and Qwen3-MoE); and Qwen3-MoE at EP=2 x TP=2 with SP, EP=2 x PP=2 and
 EP=4 (one expert per rank, four data-parallel ranks whose rows differ in length: the engine makes
-them agree on micro-batch shapes and counts for the expert token exchange) on 4 ranks; Mistral, Mixtral and GLM-4.5
-at CP=2, padded and packed (Qwen2's and Qwen3's CP: tests/engine/test_context_parallel.py).
+them agree on micro-batch shapes and counts for the expert token exchange) on 4 ranks; Llama 3, Qwen3-MoE, Mistral,
+Mixtral and GLM-4.5 at CP=2, padded and packed (Qwen2's and Qwen3's CP: tests/engine/test_context_parallel.py).
 
 Per family and layout: log-probs and entropy equal transformers' (float32, CPU), and the weights
 exported back to HF names are bitwise the checkpoint's. Qwen3-MoE also takes one SFT Adam step at every
@@ -207,7 +207,7 @@ def test_gemma3_matches_transformers_at_tp_pp_sp(tmp_path):
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
 
 
-def _cp_rank(rank, cases):
+def _cp_rank(rank, cases, train_dirs):
     import torch.distributed as dist
 
     from megarl.engine import MegatronEngine
@@ -220,18 +220,27 @@ def _cp_rank(rank, cases):
             engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10, trainable=False)
             assert engine.core_attention == "sdpa" and engine.gpt.config.context_parallel_size == 2
             assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, f"{name} at cp=2 max_tokens={max_tokens}")
+    return {name: sft_step(model_dir, parallel) for name, model_dir in train_dirs.items()}
 
 
-def test_mistral_mixtral_glm4_moe_match_transformers_at_cp2(tmp_path):
-    """Context parallelism (CP=2 on 2 ranks, each rank a head and a tail quarter of every row) for Mistral (a
-    sliding window as long as its positions: full attention), Mixtral (each CP rank routes its own tokens) and GLM-4.5
-    (partial RoPE rotated by each token's position in the row, sigmoid group routing with its bias), on padded rows
-    and on rows packed up to CP_BUDGET tokens: log-probs and entropy as transformers', the export bitwise the
-    checkpoint's."""
-    configs = {"mistral": mistral_config(), "mixtral-moe": mixtral_config(), "glm4.5-moe": glm4_moe_config()}
+def test_families_match_transformers_at_cp2(tmp_path):
+    """Context parallelism (CP=2 on 2 ranks, each rank a head and a tail quarter of every row) for Llama 3 (llama3
+    RoPE scaling), Qwen3-MoE, Mistral (a sliding window as long as its positions: full attention), Mixtral and GLM-4.5
+    (partial RoPE, sigmoid group routing with its bias, a shared expert), each CP rank routing its own tokens, on
+    padded rows and on rows packed up to CP_BUDGET tokens: log-probs and entropy as transformers', the export bitwise
+    the checkpoint's. Mixtral's and GLM-4.5's SFT Adam step at CP=2 as transformers + torch.optim.Adam's (the CP
+    ranks' expert and router gradients sum to the whole rows')."""
+    configs = {"llama3": llama_config(tied=False), "qwen3-moe": qwen3_moe_config(tied=False, norm_topk_prob=True),
+               "mistral": mistral_config(), "mixtral-moe": mixtral_config(), "glm4.5-moe": glm4_moe_config()}
     cases = []
     for seed, (name, config) in enumerate(configs.items()):
         model_dir = save_random(config, tmp_path / name, seed=41 + seed)
         cases.append((name, model_dir, *hf_logprobs_entropy(model_dir, padded_batch())))
+    train_dirs = {name: model_dir for name, model_dir, *_ in cases if name in ("mixtral-moe", "glm4.5-moe")}
+    refs = {name: _hf_sft_step(model_dir, tmp_path / f"{name}-hf-step") for name, model_dir in train_dirs.items()}
 
-    run_distributed(_cp_rank, 2, cases, timeout=240)
+    trained = run_distributed(_cp_rank, 2, cases, train_dirs, timeout=240)
+
+    assert sorted(trained) == sorted(train_dirs)
+    for name, step in trained.items():
+        _assert_like_hf_step({f"{name} at cp=2": step}, *refs[name])
