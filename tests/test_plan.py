@@ -414,7 +414,12 @@ def test_errors_name_the_problem():
     ("qwen3-next-80b-a3b", "actor.parallel.world_size=2 actor.parallel.tp=2", "actor.parallel.tp=2 with"),
     ("gpt-oss-20b", "actor.parallel.world_size=2 actor.parallel.tp=2", "actor.parallel.etp=0 (0 = tp, here 2)"),
     ("gpt-oss-20b", "actor.parallel.world_size=4 actor.parallel.tp=2 actor.parallel.ep=2 actor.parallel.etp=2",
-     "actor.parallel.etp=2")])
+     "actor.parallel.etp=2"),
+    # context parallelism: megatron's gated delta net refuses it; megatron's unfused attention (windows, sinks) lacks it
+    ("qwen3.5-397b-a17b", "actor.parallel.world_size=2 actor.parallel.cp=2", "actor.parallel.cp=2 with"),
+    ("qwen3-next-80b-a3b", "actor.parallel.world_size=2 actor.parallel.cp=2", "actor.parallel.cp=2 with"),
+    ("gemma-3-4b", "actor.parallel.world_size=2 actor.parallel.cp=2", "actor.parallel.cp=2 with"),
+    ("gpt-oss-20b", "actor.parallel.world_size=2 actor.parallel.cp=2", "actor.parallel.cp=2 with")])
 def test_layouts_a_family_cannot_train_are_refused_by_key_and_never_planned(model, keys, named):
     import shlex
 
@@ -424,9 +429,9 @@ def test_layouts_a_family_cannot_train_are_refused_by_key_and_never_planned(mode
 
     hf = load_model_config(model)
     cfg = load_config(None, shlex.split(keys))
-    with pytest.raises(ConfigError, match=r"set actor\.parallel\.e?tp=1") as refused:
+    with pytest.raises(ConfigError, match=r"set actor\.parallel\.(e?tp|cp)=1") as refused:
         check_model_layout(cfg.actor, "actor", hf, "config.json")
     assert named in str(refused.value)
     p = cfg.actor.parallel
     with pytest.raises(ValueError, match="only"):
-        train_layout(hf, dict(tp=p.tp, pp=1, cp=1, dp=1, ep=p.ep, etp=p.etp or p.tp))
+        train_layout(hf, dict(tp=p.tp, pp=1, cp=p.cp, dp=1, ep=p.ep, etp=p.etp or p.tp))

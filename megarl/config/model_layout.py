@@ -34,6 +34,8 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
         raise ConfigError(f"{keys}.tp={p.tp} with {where}: {limit}: set {keys}.tp=1")
     if limit := parallel_limit(hf, 1, p.etp or p.tp):
         raise ConfigError(f"{keys}.etp={p.etp} (0 = tp, here {p.tp}) with {where}: {limit}: set {keys}.etp=1")
+    if limit := parallel_limit(hf, 1, 1, p.cp):
+        raise ConfigError(f"{keys}.cp={p.cp} with {where}: {limit}: set {keys}.cp=1")
     experts = routed_experts(hf)
     if not experts and (p.ep > 1 or p.etp > 1):
         raise ConfigError(f"{keys}.ep={p.ep} and {keys}.etp={p.etp} split experts, and {where} has none (a dense "

@@ -90,8 +90,8 @@ def train_layout(hf: dict, t: dict[str, int], first: int = 0, last: int = 0) -> 
         raise ValueError(f"ep={t['ep']}: model_type={hf.get('model_type')!r} has no routed experts")
     if experts and experts % t["ep"]:
         raise ValueError(f"ep={t['ep']} does not divide the {experts} routed experts")
-    if limit := parallel_limit(hf, t["tp"], t["etp"]):
-        raise ValueError(f"tp={t['tp']} etp={t['etp']}: {limit}")
+    if limit := parallel_limit(hf, t["tp"], t["etp"], t["cp"]):
+        raise ValueError(f"tp={t['tp']} etp={t['etp']} cp={t['cp']}: {limit}")
     return TrainLayout(t["tp"], t["pp"], t["cp"] * t["dp"], layers, stages, ep=t["ep"], etp=t["etp"])
 
 

@@ -55,14 +55,19 @@ TENSOR_PARALLEL_ONE = HYBRID_ATTENTION
 EXPERT_TENSOR_PARALLEL_ONE = ("gpt_oss",)
 
 
-def parallel_limit(hf: dict, tp: int, etp: int) -> str | None:
-    """Why the engine cannot train this model at tensor-parallel size `tp` and expert-TP size `etp`, naming the size
-    it takes ("tp=1", "etp=1"), or None where it can."""
+def parallel_limit(hf: dict, tp: int, etp: int, cp: int = 1) -> str | None:
+    """Why the engine cannot train this model at tensor-parallel size `tp`, expert-TP size `etp` and context-parallel
+    size `cp`, naming the size it takes ("tp=1", "etp=1", "cp=1"), or None where it can."""
     model_type = language_fields(hf).get("model_type")
     if tp > 1 and model_type in TENSOR_PARALLEL_ONE:
         return f"{model_type} trains at tp=1 only (its linear-attention layers are not split; PP splits its layers)"
     if etp > 1 and model_type in EXPERT_TENSOR_PARALLEL_ONE:
         return f"{model_type} trains its experts at etp=1 only (megatron-core adds expert biases only there)"
+    if cp > 1 and model_type in HYBRID_ATTENTION:
+        return f"{model_type} trains at cp=1 only (megatron-core's gated delta net asserts context parallelism off)"
+    if cp > 1 and model_type in UNFUSED_ATTENTION:
+        return (f"{model_type} trains at cp=1 only (its sliding windows and sinks run in megatron's unfused "
+                "attention, which has no context parallelism)")
     return None
 
 
