@@ -18,8 +18,8 @@ Per family (scripts/gpu/families.sh runs it; each family in its own try block, s
           (weight_layout.ExpectedChecksums against SGLang's own sums) or, for the stacked-expert families (gpt-oss), by
           the deep check (SGLang reloads what was sent with its own loader and compares; digests of the rest);
   compare SGLang's greedy continuations of the same prompts after the sync, scored by megatron: `synced`: mean and max
-          |log-prob diff|, k3 KL (r - log r - 1, r = p_megatron / p_sglang). Pass: verified, `synced` mean below
-          --max-gap and below half of `moved` (the served model is the trained one, not the checkpoint).
+          |log-prob diff|, k3 KL (r - log r - 1, r = p_megatron / p_sglang). Pass: verified (the served weights are
+          the trained ones, bit for bit) and `synced` mean below --max-gap (bf16 numerics of the two engines).
 
 --device cpu (the CPU smoke): the same with megarl's transformers rollout engine (HFRolloutEngine, fp32) in place of
 SGLang, verified by its checksums, plus the SGLang layout's names of every tensor sent (`sglang_params`: the SGLang
@@ -126,6 +126,21 @@ def _moe_hybrid() -> dict:
     return base | LINEAR_ATTENTION | MOE | dict(shared_expert_intermediate_size=256)
 
 
+def _published_keys(config) -> None:
+    """Keys the published checkpoints' config.json carry that transformers' config classes leave out and SGLang
+    reads at start-up: Qwen3.5's and Qwen3-Next's full_attention_interval (SGLang derives each layer's token mixer
+    from it, not from layer_types), gpt-oss's swiglu_limit."""
+    text = getattr(config, "text_config", config)
+    kinds = list(getattr(text, "layer_types", None) or [])
+    if "linear_attention" in kinds:
+        interval = kinds.index("full_attention") + 1
+        if kinds != [("full_attention" if (i + 1) % interval == 0 else "linear_attention") for i in range(len(kinds))]:
+            raise ValueError(f"layer_types {kinds} follow no full_attention_interval, which SGLang needs")
+        text.full_attention_interval = interval
+    if text.model_type == "gpt_oss":
+        text.swiglu_limit = 7.0
+
+
 def write_checkpoint(config, directory: Path, seed: int) -> None:
     """transformers' model for `config`, norms as it initialises them + 0.1 N(0, 1), biases and routing biases 0.1 N(0, 1), matrices
     N(0, 1/fan_in) (an untied embedding and output layer OUTPUT_SCALE times that), the rest as transformers initialises it
@@ -151,6 +166,7 @@ def write_checkpoint(config, directory: Path, seed: int) -> None:
                 b.copy_(0.1 * torch.randn_like(b))
     if getattr(config, "eos_token_id", None) is None:  # megarl's engines read it; continuations ignore it
         config.eos_token_id = 1
+    _published_keys(config)
     model.to(torch.bfloat16).save_pretrained(directory)
     if hasattr(config, "vision_config"):  # the image processor SGLang's multimodal path loads with the model
         from transformers import Qwen2VLImageProcessorPil
@@ -341,7 +357,7 @@ def run_family(args, name: str, family: Family, seed: int) -> dict:
         row["synced"] = gap(*score(engine, prompts, after))
         mean = row["synced"]["mean_abs_diff"]
         names_ok = not row.get("sglang_missing") and not row.get("sglang_unknown")
-        row["passed"] = bool(row["verified"] and mean < args.max_gap and mean < 0.5 * row["moved"] and names_ok)
+        row["passed"] = bool(row["verified"] and mean < args.max_gap and names_ok)
     except BaseException as error:  # the budget's alarm included: the family fails, the run goes on
         row |= dict(passed=False, error=repr(error)[:500], trace=traceback.format_exc()[-3000:])
         if hasattr(rollout, "servers"):
