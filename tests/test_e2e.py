@@ -83,7 +83,9 @@ def test_grpo_steps_change_weights_and_sync_them_exactly(tmp_path, ray_local):
 
 def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
     """A seeded short quickstart: the held-out gain comes from RL, not from the warm start. The control (lr=0) keeps
-    its weights, so its held-out reward is the warm start's exactly after any number of its steps: 4 show it.
+    its weights, so its held-out reward stays exactly where it started after any number of its steps: it resumes the
+    RL run's last checkpoint with lr=0 and 4 steps show it (the evaluation, seeded, is the same after them), so the
+    RL run's gain over its own warm start is the gain of its updates.
 
     The held-out reward is mean@8 over 256 prompts (2048 samples, the same draws in both runs): its binomial std is
     <= 0.011, <= 0.016 for a difference of two (the quickstart's 64 x 4: ~0.03, as large as a short run's gain).
@@ -94,21 +96,28 @@ def test_rl_beats_the_learning_rate_zero_control(tmp_path, ray_local):
     the gain is -0.29, with lr=1e-6 +0.009. The seed is pinned because trainer.seed also draws the tiny model's
     initial weights, and other ones learn at other rates (seed 3's warm start is 0.94: no room; seed 4's gains
     0.044 in 60 steps)."""
-    val, steps = {}, 60
-    for lr, n in ((5e-4, steps), (0.0, 4)):
-        out = tmp_path / f"lr{lr}"
-        cfg = tiny_config([f"trainer.output_dir={out}", f"actor.optim.lr={lr}", f"trainer.steps={n}",
-                                   f"trainer.eval_every={n}", "trainer.seed=1", "data.val_size=256",
-                                   "rollout.eval_n_samples=8", "trainer.loggers=jsonl"], path=RECIPE)
+    val, steps, control_steps = {}, 60, 4
+    rl = tmp_path / "rl"
+    checkpoint = rl / "checkpoints" / f"step_{steps:08d}"
+    # the control resumes the RL run's checkpoint (no second warm start): lr=0 and the later steps the only changes
+    for lr, out, overrides in ((5e-4, rl, [f"trainer.steps={steps}", f"trainer.save_every={steps}"]),
+                               (0.0, tmp_path / "control", [f"trainer.steps={steps + control_steps}",
+                                                            f"trainer.resume={checkpoint}"])):
+        cfg = tiny_config([f"trainer.output_dir={out}", f"actor.optim.lr={lr}", f"trainer.eval_every={steps}",
+                           "trainer.seed=1", "data.val_size=256", "rollout.eval_n_samples=8", "trainer.loggers=jsonl",
+                           *overrides], path=RECIPE)
         trainer = RLTrainer(cfg)
         try:
-            val[lr] = trainer.fit()["val/reward"]
+            val[lr] = dict(trainer.fit()["val/reward"])
         finally:
             trainer.shutdown()
         rows = [json.loads(line) for line in (run_dir(out) / "metrics.jsonl").read_text().splitlines()]
         assert any("train/kl" in r for r in rows)
-    assert val[0.0] == {0: val[5e-4][0], 4: val[5e-4][0]}, val  # one seeded warm start; the control's reward stays
-    assert val[5e-4][steps] > val[0.0][4] + 0.05, val
+        assert {r["train/lr"] for r in rows if "train/lr" in r} == {lr}, out  # the control trains at lr=0
+    assert sorted(val[5e-4]) == [0, steps], val
+    # the control's history is the RL run's up to its checkpoint, then its own: the reward it resumed with, unmoved
+    assert val[0.0] == val[5e-4] | {steps + control_steps: val[5e-4][steps]}, val
+    assert val[5e-4][steps] > val[5e-4][0] + 0.05, val
 
 
 def test_the_driver_runs_on_one_torch_thread_and_gives_the_pool_back(tmp_path):
