@@ -14,6 +14,12 @@
 #                async.batches_at_once=0 puts the two step-batches the bound admits together in one call (not by default).
 #   async_oversample - async with agent.oversample_groups=16: the over-sampled groups streamed and scored as each is
 #                accepted, the rest aborted at the step's end and carried within the bound (not by default).
+#   gateway    - the same workload through the OpenAI-compatible gateway (configs/gateway_calculator.yaml):
+#                megarl/recipes/calculator_agent.py, written only against the openai client, 256 runs at once
+#                (agent.gateway.max_concurrent), each HTTP request a model turn; with the agent phase in the same
+#                call, scripts/gpu/gateway_table.py prints requests/s and model tokens/s of both over the generate
+#                phase and the gateway/agent ratio of their means over steps 2-4 (not by default:
+#                PHASES="agent gateway", ~6 min).
 # PHASES="agent oversample" by default; logs and JSON go to $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -58,10 +64,10 @@ for o in out:
 PY
 }
 
-run_phase() {  # name, extra overrides...
+run_phase() {  # name, extra overrides... (RECIPE: another recipe of the same workload)
   local name=$1; shift
   rm -rf "$RUN/$name"
-  timeout 270 python3 -m megarl.train --config configs/tool_calculator.yaml trainer.device=cuda \
+  timeout 270 python3 -m megarl.train --config "${RECIPE:-configs/tool_calculator.yaml}" trainer.device=cuda \
     rollout.engine=sglang rollout.sglang_mem_fraction=0.3 trainer.cpus_per_rank=1 \
     model.tiny_hidden_size=256 model.tiny_num_layers=4 model.tiny_num_heads=4 model.tiny_num_kv_heads=2 \
     sft.data="$RUN/traces.jsonl" sft.steps=300 sft.batch_size=64 sft.lr=2e-3 actor.optim.lr=2e-4 \
@@ -89,8 +95,13 @@ if [[ " $PHASES " == *" async_oversample "* ]]; then
   run_phase async_oversample trainer.mode=async async.max_staleness=1 async.partial=resume agent.oversample_groups=16 \
     "$@"; status=$(( status | $? ))
 fi
+if [[ " $PHASES " == *" gateway "* ]]; then
+  RECIPE=configs/gateway_calculator.yaml run_phase gateway agent.gateway.max_concurrent=256 \
+    agent.gateway.timeout_s=200 "$@"; status=$(( status | $? ))
+fi
 for name in agent oversample async async_oversample; do
   [[ " $PHASES " == *" $name "* ]] && table "$OUT/${name}_metrics.jsonl" "$name"
 done
+[[ " $PHASES " == *" gateway "* ]] && python3 scripts/gpu/gateway_table.py "$OUT" agent gateway
 echo "== agent.sh phases [$PHASES] on $(cat "$OUT/gpu.txt"): exit $status"
 exit $status

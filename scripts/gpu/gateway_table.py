@@ -1,7 +1,8 @@
-"""scripts/gpu/gateway.sh's table: per phase and step, requests/s and model tokens/s over the generate phase, and the
-gateway/loop ratio of their means over steps 2 on; written to OUT/gateway_throughput.json too.
+"""The gateway phase's table of scripts/gpu/agent.sh: per phase and step, requests/s and model tokens/s over the
+generate phase, and the gateway/agent-loop ratio of their means over steps 2 on; written to
+OUT/gateway_throughput.json too.
 
-    python scripts/gpu/gateway_table.py OUT loop gateway
+    python scripts/gpu/gateway_table.py OUT agent gateway
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ def main(out_dir: str, *phases: str) -> None:
     table = {phase: rows(Path(out_dir) / f"{phase}_metrics.jsonl", phase) for phase in phases}
     mean = {phase: {k: sum(r[k] for r in rs[1:]) / len(rs[1:]) for k in ("requests_per_s", "tokens_per_s")}
             for phase, rs in table.items() if len(rs) > 1}
-    ratio = {k: mean["gateway"][k] / mean["loop"][k] for k in ("requests_per_s", "tokens_per_s")} \
-        if {"gateway", "loop"} <= set(mean) else None
+    ratio = {k: mean["gateway"][k] / mean["agent"][k] for k in ("requests_per_s", "tokens_per_s")} \
+        if {"gateway", "agent"} <= set(mean) else None
     (Path(out_dir) / "gateway_throughput.json").write_text(json.dumps({"steps": table, "mean_from_step_2": mean,
-                                                                       "gateway_over_loop": ratio}, indent=1))
+                                                                       "gateway_over_agent_loop": ratio}, indent=1))
     print("| phase | step | generate s | requests | requests/s | tokens/s | reward | dropped |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for rs in table.values():
@@ -44,7 +45,7 @@ def main(out_dir: str, *phases: str) -> None:
     for phase, m in mean.items():
         print(f"{phase}, mean from step 2: {m['requests_per_s']:.4g} requests/s, {m['tokens_per_s']:.4g} tokens/s")
     if ratio:
-        print(f"gateway / loop: requests/s {ratio['requests_per_s']:.3f}, tokens/s {ratio['tokens_per_s']:.3f}")
+        print(f"gateway / agent loop: requests/s {ratio['requests_per_s']:.3f}, tokens/s {ratio['tokens_per_s']:.3f}")
 
 
 if __name__ == "__main__":
