@@ -177,7 +177,7 @@ class TrainWorker:
         weights back, and SGLang died). Without it, after the sync, for SGLang's KV cache, but only where the GPU
         lacks SGLang's share (rollout.sglang_mem_fraction) outside the cache: handed back every step, the cache is
         re-made by the next update, ~140 cudaMalloc calls at 0.5B."""
-        if self.engine.lora is not None and self.cfg.rollout.lora_sync == "adapter":
+        if self.cfg.actor.lora.rank and self.cfg.rollout.lora_sync == "adapter":  # the trainer's rule, by config
             return self._push_adapter(rollout)
         colocated = self.device == "cuda" and self.cfg.sglang_colocated() and self.cfg.trainer.mode == "sync"
         offload = self.cfg.offload_enabled(self.device)
