@@ -300,8 +300,6 @@ def test_config_refusals(keys, refusal):
 def test_the_recipes_calculator_agent_in_the_plain_layout_of_the_warm_start(tok):
     """configs/gateway_calculator.yaml's agent on a tokenizer without a chat template: the context it builds is the
     SFT traces' layout (prompt, the call and <eos>, <result>...</result>, the answer), and its reward is full."""
-    from megarl.recipes.calculator_agent import agent
-
     plain = AutoTokenizer.from_pretrained(tok.name_or_path)
     call = '<tool_call>{"name":"calculator","arguments":{"expression":"37*58"}}</tool_call>'
     engine = Scripted(plain, [call, "2146"])
