@@ -15,6 +15,7 @@ every 4-rank call on 2 cores. Each rank is still a process of its own, from a pa
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import time
@@ -23,10 +24,24 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_draw = random.SystemRandom()  # a test's random.seed() would repeat the draws
+
+
+def free_port() -> int:
+    """A port no other test takes meanwhile: the kernel's ephemeral ports (32768+) go to any socket between the probe
+    and rank 0's bind, and Ray's workers take 10002-19999; each xdist worker draws from a range of its own below them."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = 20000 + (index % 4) * 3000
+    for _ in range(100):
+        port = _draw.randrange(low, low + 3000)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every interface: Slurm's daemons bind there
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + 2999}")
 
 
 # Imported once by the forkserver (the ranks' common imports); an import that fails there is skipped.
@@ -54,7 +69,7 @@ def run_distributed(fn, world_size: int, *args, tp: int = 1, pp: int = 1, seed: 
         result_path = os.path.join(tmp, "rank0.pt")
         mp.set_forkserver_preload(PRELOAD)  # read when the forkserver starts: the session's first call
         context = mp.start_processes(_rank_main, nprocs=world_size, join=False, start_method="forkserver",
-                                     args=(world_size, _free_port(), tp, pp, seed, fn, args, result_path))
+                                     args=(world_size, free_port(), tp, pp, seed, fn, args, result_path))
         deadline = time.monotonic() + timeout
         # join() raises ProcessRaisedException (with the rank's traceback) if any rank fails.
         while not context.join(timeout=1.0):

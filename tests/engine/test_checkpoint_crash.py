@@ -46,10 +46,10 @@ def _kill_inside_the_writer() -> None:
 def crash_job(root: Path, model_dir: str, weights_path: Path) -> None:
     from megarl.engine import MegatronEngine
     from megarl.parallel.state import init_parallel
-    from tests.dist_utils import _free_port
+    from tests.dist_utils import free_port
 
     torch.set_num_threads(1)
-    init_parallel(0, 1, "127.0.0.1", _free_port(), device="cpu", seed=1)
+    init_parallel(0, 1, "127.0.0.1", free_port(), device="cpu", seed=1)
     engine = MegatronEngine(model_dir, actor_config(False), ALGO, "cpu", 1, total_steps=10)
     engine.train(padded_batch(rows=8, seed=50), loss="sft", lr=1e-2)
     engine.snapshot_reference()

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.dist_utils import free_port
+
 REQUIRED = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel", "ip", "nsenter", "unshare")
 
 
@@ -23,12 +25,6 @@ def missing_requirements() -> list[str]:
     if os.geteuid() != 0:
         missing.append("root (network namespaces, slurmd)")
     return missing
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def run(*cmd: str) -> None:

@@ -9,7 +9,6 @@ without the token, and SIGTERM to the two `ray start` processes leaves nothing b
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,6 +16,8 @@ import urllib.request
 from collections import Counter
 
 import psutil
+
+from tests.dist_utils import free_port
 
 from tests.launch.launch_utils import (NODE_CPUS, ROOT, SPREAD_RUN, TINY_RUN, processes_with, script_env,
                                       stop_process_group, wait_until_gone)
@@ -30,12 +31,6 @@ def node_ip() -> str:
 def listening_ips(port: int) -> set[str]:
     return {c.laddr.ip.removeprefix("::ffff:") for c in psutil.net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node(role_args: list[str], temp_dir, log, env) -> subprocess.Popen:
