@@ -27,6 +27,7 @@ import torch
 from megarl.config import Config, ConfigError
 from megarl.data.inputs import read_model_config
 from megarl.protocol import Batch
+from megarl.recovery import Recovery
 from megarl.resume import Start, plan_resume
 from megarl.reshard.memory import GiB, MemorySettings, predict_peak
 from megarl.reshard.plan import train_layout
@@ -35,6 +36,7 @@ from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
 from megarl.sampler import AsyncSampler
 from megarl.trainer import RLTrainer, resolve_device
 from megarl.utils.timers import Timers
+from megarl.workers.group import WorkerError
 
 ASYNC_BUFFER_FILE = "async_buffer.pt"  # the rollout buffer in a checkpoint (RolloutBuffer.state_dict)
 
@@ -165,15 +167,20 @@ class AsyncRLTrainer(RLTrainer):
             check_resident_memory(cfg, read_model_config(cfg.model.path), torch.cuda.mem_get_info()[1])
         # planned from the config as given: its settings, not the objective derived from them, are the run's
         super().__init__(with_async_objective(cfg), start if start is not None else plan_resume(cfg), origin)
-        a = self.cfg.async_
-        self.buffer = RolloutBuffer(cfg.data.prompts_per_step, a.max_staleness, a.buffer_batches, a.stale,
-                                    cfg.trainer.steps)
         # the rollout thread's own sampler, reward function and timers: the trainer's evaluate meanwhile
-        prompts = PromptSource(self.data, self.buffer)
-        self.rollout_sampler = AsyncSampler(self.cfg, self.tokenizer, self.rollout, prompts,
+        self.rollout_sampler = AsyncSampler(self.cfg, self.tokenizer, self.rollout, None,
                                             build_reward(self.cfg.reward, self.cfg.data.task), Timers(origin))
-        self.rollout_loop = RolloutLoop(self.rollout_sampler, self.buffer)
+        self.open_buffer()
         self.rollout_thread: threading.Thread | None = None
+        self.recovery = Recovery(self, settings=cfg)  # restarts planned as the run was: from the config as given
+
+    def open_buffer(self) -> None:
+        """An empty rollout buffer, and the rollout thread's prompts and loop on it."""
+        a = self.cfg.async_
+        self.buffer = RolloutBuffer(self.cfg.data.prompts_per_step, a.max_staleness, a.buffer_batches, a.stale,
+                                    self.cfg.trainer.steps)
+        self.rollout_sampler.data = PromptSource(self.data, self.buffer)
+        self.rollout_loop = RolloutLoop(self.rollout_sampler, self.buffer)
 
     def fit(self) -> dict:
         try:
@@ -247,9 +254,38 @@ class AsyncRLTrainer(RLTrainer):
             self.buffer.start_at(done)
         return done
 
-    def stop_rollout_thread(self) -> None:
+    def stop_rollout_thread(self, timeout: float = 60) -> bool:
         """Close the buffer; the rollout thread ends after the batch it is making, if any (a daemon: a run
-        stopped by an error does not wait for it)."""
+        stopped by an error does not wait for it past `timeout`). Whether it ended."""
         self.buffer.close()
         if self.rollout_thread is not None:
-            self.rollout_thread.join(timeout=60)
+            self.rollout_thread.join(timeout=timeout)
+            return not self.rollout_thread.is_alive()
+        return True
+
+    # ---- in-job recovery: the rollout side (megarl/recovery.py) --------------------------------------
+
+    def use_rollout(self, rollout) -> None:
+        super().use_rollout(rollout)
+        self.rollout_sampler.rollout = rollout
+
+    def stop_generating(self, rollout_live: bool) -> None:
+        """The rollout thread ended, and an empty buffer for the resume to fill from the checkpoint (the next step
+        starts a new thread on it). The thread's batch in the making is finished and dropped: it drew its prompts
+        from the data loader, which the resume puts back. A live rollout actor's generation is resumed first: a fault
+        inside publish_policy leaves it paused, the thread's call waiting on it for good; its weights may be half
+        synced, and what it generates meanwhile goes nowhere. A lost one was killed: the thread's call has ended."""
+        self.buffer.close()
+        if rollout_live:
+            self.rollout_call("resume_generation", self.version)
+        deadline = self.cfg.trainer.worker_timeout_s  # what the thread's own call waits at most
+        if not self.stop_rollout_thread(timeout=deadline + 60 if deadline else None):
+            raise WorkerError(f"the rollout thread did not end within {deadline + 60:g} s of the restart "
+                              "(trainer.worker_timeout_s + 60): stopping")
+        self.rollout_thread = None
+        self.open_buffer()
+
+    def forget_reward_failures_after(self, step: int) -> None:
+        """The rollout thread's window counts rollout batches: those after the restored buffer's are scored again."""
+        super().forget_reward_failures_after(step)
+        self.rollout_sampler.reward_failures.forget_after(self.buffer.begun)

@@ -33,6 +33,7 @@ import time
 import ray
 
 from megarl import stops
+from megarl.config import Config
 from megarl.engine.checkpoint_dir import CHECKPOINT_FILE
 from megarl.resume import Start, plan_resume
 from megarl.utils.progress import phases
@@ -62,8 +63,10 @@ def training_groups(trainer) -> list:
 
 
 class Recovery:
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, settings: Config | None = None):
+        """settings: the config the run was planned with (megarl/resume.py), which its checkpoints store; the
+        trainer's own where not given (the asynchronous modes derive their objective from the config as given)."""
+        self.trainer, self.settings = trainer, settings or trainer.cfg
         self.limit = trainer.cfg.trainer.max_restarts
         self.first_start = trainer.start  # restored when the run has written no checkpoint of its own yet
         self.began = time.time()
@@ -88,7 +91,7 @@ class Recovery:
         try:
             yield
         except WorkerError as error:
-            lost = self.lost() if self.limit and self.trainer.cfg.trainer.mode == "sync" else None
+            lost = self.lost() if self.limit else None
             if not lost:
                 raise
             self.resumed = self.restart(error, step, lost)
@@ -125,7 +128,7 @@ class Recovery:
             self.replace(bool(lost["rollout"]))
         t.start, t.syncs, t.unchecked = restore, 0, None  # the resume's sync is verified, as a run's first
         done = t.resume()
-        t.sampler.reward_failures.forget_after(done)  # the replayed steps' calls are counted again
+        t.forget_reward_failures_after(done)  # the replayed steps' calls are counted again
         recovery_s = time.perf_counter() - began
         lost_s = detected - max(self.began, (restore.checkpoint / CHECKPOINT_FILE).stat().st_mtime)
         record = {"restart": len(self.restarts) + 1, "cause": cause, "call": the_call(error), "lost": what,
@@ -144,7 +147,7 @@ class Recovery:
     def restore_point(self, cause: str) -> Start:
         """The run's newest intact checkpoint (as trainer.resume=auto finds it; its settings are this run's), else the
         one the run started from; RestartLimit when there is neither (nothing to replay from)."""
-        cfg = self.trainer.cfg
+        cfg = self.settings
         own = plan_resume(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="force")))
         start = own if own.checkpoint is not None else self.first_start
         if start.checkpoint is None or start.step == 0:
@@ -160,10 +163,12 @@ class Recovery:
         for group in training_groups(t):
             group.kill()
             group.shutdown()  # its placement group: the new ranks may take the same resources
+        if rollout_lost:
+            ray.kill(t.rollout)  # dead or hung: its servers' guards end them, and a call waiting on it ends
+        t.stop_generating(rollout_live=not rollout_lost)  # the asynchronous modes' rollout thread
         t.start_training()
         if rollout_lost or (before is not None and t.actor.gpus() != before):
-            ray.kill(t.rollout)  # dead, hung or misplaced: its servers' guards end them
-            t.rollout = start_rollout(t.cfg, t.model_path, t.device,
-                                      t.actor.gpus() if t.cfg.sglang_colocated() else None)
-            t.sampler.rollout, t.rollout_buffers = t.rollout, None  # a new engine's buffers are checked afresh
+            ray.kill(t.rollout)  # (misplaced: off the new ranks' GPUs)
+            t.use_rollout(start_rollout(t.cfg, t.model_path, t.device,
+                                        t.actor.gpus() if t.cfg.sglang_colocated() else None))
         t.colocation = t.colocate()

@@ -188,11 +188,15 @@ class RolloutBuffer:
     @contextmanager
     def paused_between_batches(self) -> Iterator[None]:
         """No rollout batch in the making for the duration (the one in the making first finishes): the prompts
-        drawn and the buffer's contents agree, for a checkpoint."""
+        drawn and the buffer's contents agree, for a checkpoint. Raises the error the rollout thread stopped on, if
+        it did: its batch begun and never put in, the buffer's state would count groups that will never come."""
         with self.cond:
             self.paused = True
             self.cond.wait_for(lambda: self.finished == self.begun or self.error is not None)
+            error = self.error
         try:
+            if error is not None:
+                raise error
             yield
         finally:
             with self.cond:

@@ -137,6 +137,18 @@ class RLTrainer:
         self.reward_model = (TrainGroup(cfg, cfg.reward_model.path, self.device, cfg.trainer.steps, "reward_model")
                              if cfg.reward_model.path else None)
 
+    def use_rollout(self, rollout) -> None:
+        """A new rollout actor (megarl/recovery.py): the samplers call it, its engine's buffers are checked afresh."""
+        self.rollout, self.sampler.rollout, self.rollout_buffers = rollout, rollout, None
+
+    def stop_generating(self, rollout_live: bool) -> None:
+        """Before a restart restores a checkpoint (megarl/recovery.py), nothing draws prompts or generates beside it:
+        the synchronous loop generates inside its steps alone. rollout_live: the rollout actor stays up."""
+
+    def forget_reward_failures_after(self, step: int) -> None:
+        """A restart from step `step`'s checkpoint scores the steps after it again: their calls leave the window."""
+        self.sampler.reward_failures.forget_after(step)
+
     def colocate(self) -> Colocation:
         """Which of the training engines and the rollout engine holds the device memory (workers/colocation.py)."""
         return Colocation([g for g in (self.actor, self.critic, self.reward_model) if g is not None], self.rollout,
