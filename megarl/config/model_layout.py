@@ -10,7 +10,7 @@ import json
 import shlex
 from pathlib import Path
 
-from megarl.config.validation import ConfigError
+from megarl.config.validation import ConfigError, lora_targets
 from megarl.parallel.stages import stage_layers
 from megarl.utils.hf_config import expert_width, language_fields, parallel_limit, routed_experts
 
@@ -49,10 +49,27 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
     if experts and width % (p.etp or p.tp):
         raise ConfigError(f"{keys}.etp={p.etp or p.tp} (0 = tp) must divide each expert's {width_key}="
                           f"{width} of {where}")
+    _check_lora_targets(section, role, hf, experts, where)
     if "mla_up_proj" in section.recompute_modules and not hf.get("kv_lora_rank"):
         raise ConfigError(f"{role}.recompute_modules: mla_up_proj needs multi-latent attention, which {where} "
                           "does not have (no kv_lora_rank)")
     return stages
+
+
+def _check_lora_targets(section, role: str, hf: dict, experts: int, where: str) -> None:
+    """actor.lora's MLP projections on a mixture-of-experts model: its MoE layers' experts (split over EP), router
+    and shared experts are no megatron linear that megarl/engine/lora.py adapts, so the targets are refused by key
+    here rather than in a training rank (and all-linear does not quietly mean fewer projections than peft's)."""
+    lora = getattr(section, "lora", None)
+    if lora is None or not lora.rank or not experts:
+        return
+    mlp = sorted(lora_targets(lora) & {"gate_proj", "up_proj", "down_proj"})
+    if mlp:
+        raise ConfigError(
+            f"{role}.lora.target_modules={','.join(lora.target_modules)}: {where} is a mixture-of-experts model "
+            f"({experts} routed experts per MoE layer, here over {role}.parallel.ep={section.parallel.ep}); LoRA does "
+            f"not adapt experts, their router or shared experts, which {', '.join(mlp)} name there: target the "
+            f"attention projections alone ({role}.lora.target_modules=q_proj,k_proj,v_proj,o_proj)")
 
 
 def check_rollout_model(cfg, hf: dict, where: str) -> None:

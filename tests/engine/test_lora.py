@@ -32,11 +32,11 @@ def _aligned_logprobs(model, batch) -> torch.Tensor:
     return torch.nn.functional.pad(lp, (1, 0))
 
 
-def _peft_reference(model_dir: str, batch, coefficients):
+def _peft_reference(model_dir: str, batch, coefficients, targets=TARGETS):
     """peft's log-probs and gradients of sum(coefficients * log-probs) by (layer, projection) for A and B, with A
     and B random (B non-zero)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(model, PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS))
+    model = get_peft_model(model, PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=targets))
     g = torch.Generator().manual_seed(3)
     adapters = {}
     for name, module in model.named_modules():
