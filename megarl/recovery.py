@@ -4,22 +4,23 @@ A training rank that dies (SIGKILL, a crash, the OOM killer) or misses trainer.w
 rank then: megarl/workers/group.py), or a rollout actor that dies or hangs, fails the step's call with a WorkerError.
 RLTrainer.fit runs each step inside `Recovery.attempt`, which then, up to trainer.max_restarts times in the run:
 
-  ends every training group (its survivors wait for the lost rank in collectives: killed, not asked to stop) and
-      starts new ones through Ray, on the resources it gives (the lost rank's node or another);
+  ends every training group (its survivors wait for the lost rank in collectives: killed, not asked to stop), and
+      in the asynchronous modes the rollout thread (RLTrainer.stop_generating: megarl/async_trainer.py), and starts
+      new training groups through Ray, on the resources it gives (the lost rank's node or another);
   replaces the rollout actor where it is the one lost (or, colocated, where the new ranks got other GPUs than its
       servers); a live rollout actor stays up, its engine and servers warm;
   restores the run's newest intact checkpoint (megarl/resume.py picks it as trainer.resume=auto would) through the
-      resume path: engines (model, optimizer, LR schedule, RNG), data loader, driver state, then a verified weight
-      sync into the rollout engine;
+      resume path: engines (model, optimizer, LR schedule, RNG), data loader, driver state (the asynchronous modes'
+      rollout buffer too), then a verified weight sync into the rollout engine;
   and `Recovery.steps` goes on from the step after that checkpoint, so the steps since are replayed: on the hf engine
-      they compute what they computed before, bit for bit (tests/test_recovery.py).
+      they compute what they computed before, bit for bit (tests/test_recovery.py; one_step_off too:
+      tests/test_async_recovery.py).
 
 Each restart is a row of metrics.jsonl at the step resumed from (restart/*: the count, the failed step, the steps
 replayed, the seconds lost), a console line naming the cause (the lost processes and the call), and a line of
 restarts.jsonl in the run's directory with the cause's text. A fault past the limit stops the run (RestartLimit)
-naming it and the earlier ones; so does a fault before the run's first checkpoint, one in the asynchronous modes
-(their rollout thread and buffer are not rebuilt), and an error a live rank raised (a bug or a NaN: a replay would
-repeat it), at once as before.
+naming it and the earlier ones; so does a fault before the run's first checkpoint, and an error a live rank raised (a
+bug or a NaN: a replay would repeat it), at once as before.
 """
 
 from __future__ import annotations

@@ -17,7 +17,11 @@ import ray
 import torch
 
 from megarl.async_trainer import build_trainer
+from megarl.rewards.failures import RewardFailureTracker
+from megarl.rewards.scoring import Scores
+from megarl.rollout_buffer import RolloutBuffer
 from megarl.utils.tracking import run_dir
+from megarl.workers.group import WorkerError
 from tests.test_async import config as async_config
 from tests.test_async import metrics_by_step, numbers
 
@@ -116,11 +120,11 @@ def uninterrupted(tmp_path_factory, ray_local) -> SimpleNamespace:
 
 
 def test_one_step_off_recovers_a_killed_rank_and_rollout_actor_bitwise(tmp_path, uninterrupted):
-    """The actor's rank killed as step 3 begins, while the rollout thread generates batch 4 (restored from step 2 with
-    the buffer that checkpoint holds; the rollout actor stays up, warm), then the rollout actor as step 4 begins
-    (restored from step 2 again, step 3 replayed, a new rollout actor): one_step_off generates each batch whole from
-    the policy one version back, which the replay recomputes, so the run's metrics and final weights equal the
-    uninterrupted run's bit for bit."""
+    """The actor's rank killed as step 3 begins (restored from step 2 with the buffer that checkpoint holds; the
+    rollout thread, which makes batch 4 about then, is ended, the rollout actor stays up, warm), then the rollout
+    actor as step 4 begins (restored from step 2 again, step 3 replayed, a new rollout actor): one_step_off generates
+    each batch whole from the policy one version back, which the replay recomputes, so the run's metrics and final
+    weights equal the uninterrupted run's bit for bit."""
     trainer = build_trainer(config(tmp_path, 4, "trainer.mode=one_step_off"))
     seen = watch_processes(trainer)
     killed = kill_as_steps_begin(trainer, {3: 0, 4: "rollout"})
@@ -182,3 +186,28 @@ def test_async_replaces_a_hung_rollout_actor_and_a_killed_rank(tmp_path, ray_loc
     got = metrics_by_step(tmp_path)
     assert sorted(got) == list(range(6)) and all("train/reward" in got[s] for s in range(1, 6))
     assert all(got[s]["async/staleness_max"] <= 1 for s in range(1, 6))
+
+
+def test_no_checkpoint_of_a_buffer_whose_rollout_thread_failed():
+    """A checkpoint's pause between batches raises the error the rollout thread stopped on with a batch begun (the
+    buffer's state would count that batch's groups, which never come), and leaves the buffer unpaused."""
+    buffer = RolloutBuffer(groups_per_step=1, max_staleness=1, buffer_batches=0, stale="drop", steps=4)
+    buffer.begin_batches()
+    lost = WorkerError("the rollout actor failed in generate_groups: ActorDiedError")
+    buffer.fail(lost)
+    with pytest.raises(WorkerError) as raised:
+        with buffer.paused_between_batches():
+            pytest.fail("a checkpoint was written")
+    assert raised.value is lost and not buffer.paused
+
+
+def test_a_restart_forgets_the_reward_calls_of_a_batch_cut_short():
+    """The rollout thread scores each group as it ends: a batch lost midway has calls counted in a step never closed,
+    which a restart drops with the steps after the checkpoint (its prompts are scored again)."""
+    tracker = RewardFailureTracker(max_rate=0.5, window=4)
+    tracker.add(Scores([0.0, 1.0], [object()]))
+    assert tracker.end_step(3) == 1
+    tracker.add(Scores([0.0, 0.0], [object(), object()]))  # batch 4, cut short by the lost rollout actor
+    tracker.forget_after(3)
+    tracker.add(Scores([1.0, 1.0], []))  # batch 4 again
+    assert tracker.end_step(4) == 0 and [(s.step, s.calls, s.failed) for s in tracker.steps] == [(3, 2, 1), (4, 2, 0)]

@@ -47,9 +47,10 @@ class RewardFailureTracker:
         self.first = self.first or (scores.failures[0] if scores.failures else None)
 
     def forget_after(self, step: int) -> None:
-        """Drop the steps after `step` from the window: a run restarted from that step's checkpoint scores them
-        again (megarl/recovery.py)."""
+        """Drop the steps after `step` from the window, and the calls of the step not closed yet (a batch cut short):
+        a run restarted from that step's checkpoint scores them again (megarl/recovery.py)."""
         self.steps = deque((s for s in self.steps if s.step <= step), maxlen=self.steps.maxlen)
+        self.calls, self.failed, self.first = 0, 0, None
 
     def end_step(self, step: int) -> int:
         """Close the step; returns its failed calls. Raises RewardFailureError when the window's failure rate
