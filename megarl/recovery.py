@@ -157,19 +157,19 @@ class Recovery:
         return dataclasses.replace(start, config=self.trainer.start.config, run_id=self.trainer.start.run_id)
 
     def replace(self, rollout_lost: bool) -> None:
-        """New training groups; a new rollout actor where it was lost, or where colocated servers would no longer sit
-        on the new ranks' GPUs."""
+        """New training groups (the asynchronous modes' rollout thread ended first); a new rollout actor where it was
+        lost, or where colocated servers would no longer sit on the new ranks' GPUs."""
         t = self.trainer
         before = t.actor.gpus() if t.cfg.sglang_colocated() else None
         for group in training_groups(t):
             group.kill()
             group.shutdown()  # its placement group: the new ranks may take the same resources
         if rollout_lost:
-            ray.kill(t.rollout)  # dead or hung: its servers' guards end them, and a call waiting on it ends
+            ray.kill(t.rollout)  # (hung: a call waiting on it, the rollout thread's, ends now)
         t.stop_generating(rollout_live=not rollout_lost)  # the asynchronous modes' rollout thread
         t.start_training()
         if rollout_lost or (before is not None and t.actor.gpus() != before):
-            ray.kill(t.rollout)  # (misplaced: off the new ranks' GPUs)
+            ray.kill(t.rollout)  # dead, hung or misplaced: its servers' guards end them
             t.use_rollout(start_rollout(t.cfg, t.model_path, t.device,
                                         t.actor.gpus() if t.cfg.sglang_colocated() else None))
         t.colocation = t.colocate()
