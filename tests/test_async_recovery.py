@@ -150,15 +150,15 @@ def test_one_step_off_recovers_a_killed_rank_and_rollout_actor_bitwise(tmp_path,
         assert torch.equal(result.weights[name], weight), name
 
 
-def test_async_replaces_a_hung_rollout_actor_and_a_killed_rank(tmp_path, ray_local):
+def test_async_replaces_a_hung_rollout_actor(tmp_path, ray_local):
     """trainer.mode=async, async.max_staleness=1: the rollout actor SIGSTOPped as the rollout thread begins batch 5
     (after the trainer's update to version 3; the thread's calls have a 15 s deadline here, the trainer's the default):
     the trainer's step 4 waits on the actor (its update's pause) until the thread's deadline kills it, the hang is
-    named as such and the actor replaced, the run restored from step 2; then the actor's rank killed as step 5
-    begins (restored from step 4). Not compared with an uninterrupted run: which policy version a batch is
-    generated from depends on whether the rollout thread begins it before or after the trainer's next update (either
-    is within the bound), so two runs of this mode differ in their samples, interrupted or not. The run completes
-    all its steps, each restart recorded, and none of the lost or replaced processes is left."""
+    named as such and the actor replaced, the run restored from step 2. (A lost training rank restarts as in
+    one_step_off, above.) Not compared with an uninterrupted run: which policy version a batch is generated from
+    depends on whether the rollout thread begins it before or after the trainer's next update (either is within the
+    bound), so two runs of this mode differ in their samples, interrupted or not. The run completes all its steps
+    within the bound, the restart recorded, and neither the hung actor nor any other process it had is left."""
     trainer = build_trainer(config(tmp_path, 5, "trainer.mode=async", "async.max_staleness=1"))
     sampler = trainer.rollout_sampler
     sampler.cfg = dataclasses.replace(sampler.cfg, trainer=dataclasses.replace(sampler.cfg.trainer,
@@ -172,17 +172,14 @@ def test_async_replaces_a_hung_rollout_actor_and_a_killed_rank(tmp_path, ray_loc
             os.kill(stopped[0], signal.SIGSTOP)
         return sample_batches(count)
     sampler.sample_batches = stop_then_sample
-    killed = kill_as_steps_begin(trainer, {5: 0})
     fit(trainer, seen)
 
-    assert stopped and [k[:2] for k in killed] == [(5, 0)]
-    rows = restarts(tmp_path)
-    assert len(rows) == 2 and rows[0]["lost"] == "the rollout actor", rows
-    assert rows[0]["cause"] == "the rollout actor missed its deadline in generate_groups during step 4"
-    assert (rows[0]["failed_step"], rows[0]["resumed_from"]) == (4, 2)
-    assert rows[1]["cause"].startswith(f"actor rank 0 (pid {killed[0][2]}) died in ")
-    assert rows[1]["failed_step"] == 5 and rows[1]["resumed_from"] == 4
-    assert [count for _, count in restart_rows(tmp_path)] == [1, 2]
+    assert stopped and len(seen.rollouts) == 2 and rollout_pid(seen.rollouts[0]) == stopped[0]
+    [row] = restarts(tmp_path)
+    assert row["lost"] == "the rollout actor"
+    assert row["cause"] == "the rollout actor missed its deadline in generate_groups during step 4"
+    assert (row["failed_step"], row["resumed_from"], row["replayed_steps"]) == (4, 2, 1)
+    assert restart_rows(tmp_path) == [(2, 1)]
     got = metrics_by_step(tmp_path)
     assert sorted(got) == list(range(6)) and all("train/reward" in got[s] for s in range(1, 6))
     assert all(got[s]["async/staleness_max"] <= 1 for s in range(1, 6))
