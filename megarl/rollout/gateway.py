@@ -11,7 +11,10 @@ by the same code. Sampling follows the run's rollout settings (rollout.temperatu
 the log-probs recorded are the policy's at the temperature training assumes. A request's `max_tokens` (or
 `max_completion_tokens`) is capped by agent.max_new_tokens_per_turn, what is left of the segment's
 agent.max_response_tokens and of the run's agent.gateway.max_tokens (none left: an empty answer with finish_reason
-"length", nothing generated); `n` must be 1; `stop` strings are not applied (the model's own stop tokens end a turn).
+"length", nothing generated); `n` must be 1. `stop` (a string or up to 4) ends the answer where the first of them
+is complete, as OpenAI's does: the text stops before it, finish_reason "stop", and the turn's record keeps the tokens
+up to the one that completed it (what the model produced, which the next turn's context extends): the engine
+generates on to its own stop or limit and the rest is dropped.
 Tool calls are parsed from the model's text by agent.parser (by default the format the chat template writes:
 tools/parsers.py) and cut out of the answer's content. A streamed answer is generated whole, then sent in pieces.
 """
@@ -19,6 +22,7 @@ tools/parsers.py) and cut out of the answer's content. A streamed answer is gene
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -44,6 +48,14 @@ class RequestError(Exception):
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.status, self.kind = status, kind
+
+
+def _stop_strings(stop) -> list[str]:
+    """A request's `stop`, as OpenAI takes it: None, a string, or a list of at most 4 strings, none empty."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of at most 4 of them, not {stop!r}")
+    return stops
 
 
 def _error(message: str, status: int, kind: str) -> web.Response:
@@ -137,6 +149,7 @@ class Gateway:
                 raise RequestError("the body must be a JSON object")
             if body.get("n", 1) != 1:
                 raise RequestError("n must be 1: each choice would be a trajectory of its own")
+            body["stop"] = _stop_strings(body.get("stop"))  # refused before anything is recorded
             async with record.lock:
                 answer = await (self._chat_turn(record, body) if chat else self._completion_turn(record, body))
         except RequestError as e:
@@ -167,12 +180,38 @@ class Gateway:
         record.requests += 1
         if limit <= 0:  # the budget is spent: an empty answer cut by length, as a turn that hit it would end
             return Generation(0, [], [], "length"), "", []
+        stops = body.get("stop")
         gen = await self.batcher.generate(seg.context(), limit, record.key)
         stopped = gen.finish_reason == "stop"
         text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)
+        if stops:
+            whole = len(gen.token_ids)
+            gen, text = self._cut_at_stop(gen, text, stops, len(seg.context()))
+            stopped = stopped and len(gen.token_ids) == whole
         calls = self.parser(text)[:a.max_tool_calls_per_turn]
-        record.record_turn(seg, gen, text, calls)
+        record.record_turn(seg, gen, text, calls, stop_token=stopped)
         return gen, text, calls
+
+    def _cut_at_stop(self, gen: Generation, text: str, stops: list[str], context_len: int) -> tuple[Generation, str]:
+        """The answer up to the stop string whose end comes first: its text before that string, its tokens through
+        the first whose decoding completes it (a prefix's text only grows, so the search halves)."""
+        found = [(i + len(stop), i) for stop in stops if (i := text.find(stop)) >= 0]
+        if not found:
+            return gen, text
+        end, start = min(found)
+        lo, hi = 1, len(gen.token_ids)
+        while lo < hi:  # the shortest token prefix whose text reaches `end`
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(gen.token_ids[:mid], skip_special_tokens=False)) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        routed = gen.routed_experts
+        cut = dataclasses.replace(
+            gen, token_ids=gen.token_ids[:lo], logprobs=gen.logprobs[:lo], finish_reason="stop",
+            versions=gen.versions[:lo] if gen.versions is not None else None,
+            routed_experts=routed[:context_len + lo - 1] if routed is not None else None)
+        return cut, text[:start]
 
     async def _chat_turn(self, record: Record, body: dict) -> dict:
         messages = body.get("messages")

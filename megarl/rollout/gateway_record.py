@@ -172,10 +172,11 @@ class Record:
     def room(self) -> int:
         return self.max_tokens - self.generated
 
-    def record_turn(self, seg: Segment, gen: Generation, text: str, calls: list[ToolCall]) -> None:
-        """The model's tokens as generated: loss mask 1, their log-probs and policy versions."""
+    def record_turn(self, seg: Segment, gen: Generation, text: str, calls: list[ToolCall], stop_token: bool) -> None:
+        """The model's tokens as generated: loss mask 1, their log-probs and policy versions. `stop_token`: the last
+        one is the model's stop token (not so for an answer a stop string ended)."""
         t = seg.trajectory
-        t.turns.append({"role": "assistant", "text": text, "stopped": gen.finish_reason == "stop",
+        t.turns.append({"role": "assistant", "text": text, "stopped": stop_token,
                         "span": t.append(gen.token_ids, gen.logprobs, gen.versions),
                         "tool_calls": [{"name": c.name, "arguments": c.arguments, "error": c.error} for c in calls]})
         t.finish_reason = gen.finish_reason

@@ -229,6 +229,43 @@ def test_tool_calls_come_back_in_openai_format(tok):
     assert agent_metrics(batch, "agent")["agent/tool_calls"] == 1 and batch["response"] == ["42"]
 
 
+def test_a_stop_string_ends_the_answer_and_its_record_and_the_next_turn_continues_it(tok):
+    """A ReAct agent stops the model at "Obs:" and writes the observation itself: the answer ends before the stop
+    string, the record keeps the model's tokens through the one that completed it (not the rest, not the stop token),
+    and the next request continues the same segment after them."""
+    engine, seen = Scripted(tok, ["go Obs: made up", "19"]), {}
+
+    def agent(base_url, api_key, row):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        first = client.chat.completions.create(model="m", messages=messages, stop=["Obs:", "never"]).choices[0]
+        seen["first"] = first.finish_reason, first.message.content
+        messages += [first.message, {"role": "user", "content": "Obs: 19"}]
+        seen["second"] = client.chat.completions.create(model="m", messages=messages, stop="Obs:").choices[0]
+        text = client.completions.create(model="m", prompt="12+7=", stop=["Obs"]).choices[0]
+        seen["completion"] = text.finish_reason, text.text
+        with pytest.raises(openai.BadRequestError, match="stop must be"):
+            client.chat.completions.create(model="m", messages=messages, stop=["a", "b", "c", "d", "e"])
+        with pytest.raises(openai.BadRequestError, match="stop must be"):
+            client.chat.completions.create(model="m", messages=messages, stop=[""])
+        return 1.0
+
+    finished, counts = rollout(make(engine, tok, agent, turn_tokens=40), [{"prompt": "12+7=", "answer": "19"}])
+    assert seen["first"] == ("stop", "go ") and seen["completion"] == ("stop", "go ")
+    assert seen["second"].message.content == "19" and seen["second"].finish_reason == "stop"
+    [seg, _] = [s for group in finished for s in group]  # the chat run's segment and the completion's
+    generated = engine.calls[0][1].token_ids
+    cut = next(k for k in range(1, len(generated) + 1) if "Obs:" in tok.decode(generated[:k]))
+    first_turn = seg.turns[0]
+    assert seg.response_ids[slice(*first_turn["span"])] == generated[:cut] < generated
+    assert seg.logprobs[:cut] == engine.calls[0][1].logprobs[:cut] and not first_turn["stopped"]
+    # the second call's context: the first's, the kept tokens, then the user message after them
+    assert engine.calls[1][0][:len(engine.calls[0][0]) + cut] == engine.calls[0][0] + generated[:cut]
+    # both chat turns in one segment; the completion's own prompt is a segment of its own; refusals record nothing
+    assert [t["role"] for t in seg.turns] == ["assistant", "context", "assistant"]
+    assert counts["segments"] == 2 and counts["requests"] == 3 and counts["agents_crashed"] == 0
+
+
 def test_crashing_hanging_and_idle_agents_are_counted_and_dropped(tok):
     release, revoked = threading.Event(), threading.Event()
     engine = Scripted(tok, ["ok"])
