@@ -5,8 +5,6 @@ of the model and written back on export, the DeepSeek config fields SGLang reads
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,8 @@ from megarl.convert import main
 from megarl.models.hf_checkpoint import MTP_FILE, SafetensorsCheckpoint, export_config, iter_mtp_copy, save_mtp_copy
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
+from tests.test_convert import convert
 
-REPO = Path(__file__).resolve().parents[1]
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
@@ -240,14 +238,6 @@ def test_deepseek_fp8_checkpoint_gives_the_logprobs_of_its_dequantized_copy(tmp_
     assert (fp8 - original).abs().max() > 1e-3  # the FP8 copy really is quantized: not the original's log-probs
 
 
-def convert(*args) -> str:
-    """The CLI in its own process (it starts a process group, which pytest's process must not hold); its stderr."""
-    done = subprocess.run([sys.executable, "-m", "megarl.convert", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr
-
-
 def _export_at_layout_rank(rank, source: str, imported: str, root: str, tp: int, pp: int, ep: int):
     """The imported checkpoint loaded at TP x PP x EP (into an engine of the source's shapes whose weights are
     zeroed first): its HF tensors as export yields them; saved again there."""
@@ -292,7 +282,7 @@ def test_deepseek_converts_both_ways_bitwise(tmp_path, version, tp, pp, ep):
     original = load_file(str(source / "model.safetensors"))
     mtp = sorted(n for n in original if n.startswith("model.layers.2."))
     assert bool(mtp) == (version == "v3")
-    log = convert("hf-to-megatron", source, tmp_path / "imported")
+    log = convert(["hf-to-megatron", source, tmp_path / "imported"], log=tmp_path / "import.log")
     assert log.count("multi-token-prediction") == (version == "v3")
     if mtp:
         assert f"not loading the {len(mtp)} tensors of the 1 multi-token-prediction layer(s) model.layers.2.*" in log
@@ -301,7 +291,7 @@ def test_deepseek_converts_both_ways_bitwise(tmp_path, version, tp, pp, ep):
                                str(tmp_path / "ckpt"), tp, pp, ep, tp=tp, pp=pp)
     assert_bitwise_equal(exported, {n: t for n, t in original.items() if n not in mtp})
 
-    convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "out")
+    convert(["megatron-to-hf", tmp_path / "ckpt", tmp_path / "out"], log=tmp_path / "export.log")
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"] if mtp else {}
     assert {index[n] for n in mtp} == ({"model-00002-of-00002.safetensors"} if mtp else set())  # after the model
     assert_bitwise_equal(read_all(tmp_path / "out"), original)
