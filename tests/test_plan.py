@@ -1,6 +1,9 @@
 """The planner: published parameter totals, hand-computed traffic and memory, uneven stages, EP/ETP, optimizer
 offload, the layouts that fit, agreement with recorded GPU peaks, the CLI and its errors."""
 
+import contextlib
+import functools
+import io
 import json
 from pathlib import Path
 
@@ -14,6 +17,18 @@ from megarl.reshard.plan import (fitting_layouts, generation_layouts, kv_bytes_p
                                  parse_layout, plan, train_layout)
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+# The layout search of DeepSeek-V3 over 128 GPUs (~5-10 s on 2 cores): its output serves two tests.
+DEEPSEEK_128_GPUS = ("--model", "deepseek-v3", "--gpus", "128", "--gpu-mem", "130", "--optimizer-offload", "--recompute",
+                     "full", "--top", "6")
+
+
+@functools.cache
+def cli_output(*argv: str) -> str:
+    """What `python -m megarl.plan *argv` prints (main() in this process), computed once per argv."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        main(list(argv))
+    return out.getvalue()
 
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-3b", 3.086),
@@ -92,25 +107,29 @@ def test_pipeline_keeps_one_micro_batch_in_flight_per_later_stage():
     assert one["activations"] == acts[1]
 
 
-@pytest.mark.parametrize("model,pp,stages", [
-    ("deepseek-v3", 8, (7, 8, 8, 8, 8, 8, 8, 6)),
-    ("deepseek-v3", 16, (3,) + (4,) * 14 + (2,)),
-    ("qwen3-235b-a22b", 4, (23, 24, 24, 23)),
-    ("qwen3-235b-a22b", 16, (5,) + (6,) * 14 + (5,))])
-def test_uneven_stages_plan_with_the_split_shown(model, pp, stages, capsys):
+# The CLI's plan of one layout (~2-6 s each on 2 cores, its sync traffic over 64-128 ranks) for one case of each model:
+# the split it prints comes from the same train_layout the other cases check.
+@pytest.mark.parametrize("model,pp,stages,through_cli", [
+    ("deepseek-v3", 8, (7, 8, 8, 8, 8, 8, 8, 6), True),
+    ("deepseek-v3", 16, (3,) + (4,) * 14 + (2,), False),
+    ("qwen3-235b-a22b", 4, (23, 24, 24, 23), True),
+    ("qwen3-235b-a22b", 16, (5,) + (6,) * 14 + (5,), False)])
+def test_uneven_stages_plan_with_the_split_shown(model, pp, stages, through_cli, capsys):
     hf = load_model_config(model)
     assert train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=1, ep=1, etp=1)).stage_layers == stages
-    main(["--model", model, "--train", f"tp=1,pp={pp},dp=8,ep=8", "--gen", "tp=8,ep=8", "--distributed-optimizer"])
-    out = capsys.readouterr().out
-    assert f"pipeline stages (decoder layers): {','.join(map(str, stages))}" in out
-    assert (f"actor.parallel.pp_first_stage_layers={stages[0]} actor.parallel.pp_last_stage_layers={stages[-1]}"
-            in out)
-    assert "recompute: none" in out and "micro-batch: 1 x 4096 tokens" in out and "dtype: bf16 weights" in out
-    per_gpu = float(out.split("per-GPU peak: ")[1].split()[0]) * GiB
     # Each routed expert sits on one of the 8 EP ranks of its stage, not on all of them.
     ep8, ep1 = (train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=8, ep=ep, etp=1)) for ep in (8, 1))
-    assert per_gpu == pytest.approx(predict_peak(hf, ep8, MemorySettings(distributed_optimizer=True)), rel=1e-3)
     assert 8 * stage_params(hf, ep8, 1)[1] == stage_params(hf, ep1, 1)[1] > 0
+    if through_cli:
+        main(["--model", model, "--train", f"tp=1,pp={pp},dp=8,ep=8", "--gen", "tp=8,ep=8",
+              "--distributed-optimizer"])
+        out = capsys.readouterr().out
+        assert f"pipeline stages (decoder layers): {','.join(map(str, stages))}" in out
+        assert (f"actor.parallel.pp_first_stage_layers={stages[0]} actor.parallel.pp_last_stage_layers={stages[-1]}"
+                in out)
+        assert "recompute: none" in out and "micro-batch: 1 x 4096 tokens" in out and "dtype: bf16 weights" in out
+        per_gpu = float(out.split("per-GPU peak: ")[1].split()[0]) * GiB
+        assert per_gpu == pytest.approx(predict_peak(hf, ep8, MemorySettings(distributed_optimizer=True)), rel=1e-3)
     # A split given by hand is the one planned; one megatron cannot build names the flags and the engine's keys.
     given = train_layout(hf, dict(tp=1, pp=pp, cp=1, dp=1, ep=1, etp=1), stages[0] - 1, stages[-1] + 1)
     assert given.stage_layers == (stages[0] - 1,) + stages[1:-1] + (stages[-1] + 1,)
@@ -195,7 +214,7 @@ def test_offload_moves_adams_moments_off_the_gpu_and_the_optimizer_to_host():
 
 
 def test_cli_offload_assumption_is_printed_and_the_te_case_is_a_flag(capsys):
-    args = ["--model", "deepseek-v3", "--train", "tp=1,pp=16,dp=8,ep=8", "--gen", "tp=8", "--optimizer-offload",
+    args = ["--model", "qwen3-30b-a3b", "--train", "tp=1,pp=2,dp=4,ep=4", "--gen", "tp=4", "--optimizer-offload",
             "--recompute", "full"]
     main(args)
     megarl = capsys.readouterr().out
@@ -242,15 +261,14 @@ def test_gpus_and_memory_list_only_layouts_that_fit(capsys):
     ["--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80", "--optimizer-offload", "--recompute", "selective",
      "--recompute-modules", "moe,core_attn", "--seq-len", "8192", "--top", "30"],
     ["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer"],
-    ["--model", "deepseek-v3", "--gpus", "128", "--gpu-mem", "130", "--optimizer-offload", "--recompute", "full",
-     "--top", "6"],
+    list(DEEPSEEK_128_GPUS),
     # families the engine trains at TP 1 (Qwen3-Next's linear attention) or expert-TP 1 (gpt-oss's expert biases)
     ["--model", "qwen3-next-80b-a3b", "--gpus", "32", "--gpu-mem", "80", "--optimizer-offload", "--recompute", "full",
      "--top", "6"],
     ["--model", "gpt-oss-120b", "--gpus", "32", "--gpu-mem", "80", "--host-mem", "1500", "--optimizer-offload",
      "--recompute", "full", "--top", "6"],
 ])
-def test_each_listed_layout_is_a_line_of_run_keys_that_plans_to_the_same_peak(argv, capsys):
+def test_each_listed_layout_is_a_line_of_run_keys_that_plans_to_the_same_peak(argv):
     """Each printed override line, loaded by megarl's config loader, is a valid config with the listed layout, which
     the dry run's checks against the model accept and for which the dry run's memory line predicts the listed peak."""
     import shlex
@@ -259,8 +277,7 @@ def test_each_listed_layout_is_a_line_of_run_keys_that_plans_to_the_same_peak(ar
     from megarl.config.model_layout import check_model_layout
     from megarl.reshard.plan import run_memory
 
-    main(argv)
-    lines = capsys.readouterr().out.splitlines()
+    lines = cli_output(*argv).splitlines()
     rows = [(line, lines[i + 1]) for i, line in enumerate(lines) if ". --train tp=" in line]
     assert rows
     hf = load_model_config(argv[1])
@@ -305,9 +322,7 @@ def test_gpus_and_memory_say_which_sglang_server_fits_or_that_none_does(capsys):
     main(["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "10", "--seq-len", "512", "--distributed-optimizer"])
     assert "the smallest SGLang server that fits is --gen tp=2,ep=1" in capsys.readouterr().out
     # DeepSeek-V3 in bf16 needs more than a node of 8 GPUs: training fits, serving does not, and the plan says so
-    main(["--model", "deepseek-v3", "--gpus", "128", "--gpu-mem", "130", "--optimizer-offload", "--recompute", "full",
-          "--top", "1"])
-    out = capsys.readouterr().out
+    out = cli_output(*DEEPSEEK_128_GPUS)
     assert "  1. --train tp=" in out
     assert "generation: no SGLang server within a node of 8 GPUs fits 123.50 GiB: at TP=8" in out
     # one layout: whether each side fits
