@@ -77,17 +77,23 @@ def test_trainer_resumes_at_another_layout(stopped):
     assert (root / "latest").read_text().strip() == "step_00000003"
 
     second = RLTrainer(config(stopped.dir, "trainer.steps=4", "actor.parallel.tp=1", "trainer.keep_last=2"))  # DP=2
+    resume, resumed = second.resume, {}
+
+    def resume_and_read() -> int:  # fit's own resume (auto: step 3), read before it takes step 4
+        done = resume()
+        resumed.update(done=done, version=second.version, data=second.data.state_dict(),
+                       weights=second.actor.call("hf_state_dict")[0])
+        return done
+    second.resume = resume_and_read
     try:
-        assert second.resume() == 3
-        assert second.version == 3 and second.data.state_dict() == stopped.data_state
-        resumed = second.actor.call("hf_state_dict")[0]
-        assert resumed.keys() == stopped.weights.keys()
-        for name in stopped.weights:  # resharded TP=2 -> DP=2 by dist checkpointing: the same numbers
-            assert torch.equal(resumed[name], stopped.weights[name]), name
-        history_after = second.fit()  # resumes again (auto: step 3) and takes step 4
+        history_after = second.fit()
         assert second.version == 4
     finally:
         second.shutdown()
+    assert resumed["done"] == 3 and resumed["version"] == 3 and resumed["data"] == stopped.data_state
+    assert resumed["weights"].keys() == stopped.weights.keys()
+    for name in stopped.weights:  # resharded TP=2 -> DP=2 by dist checkpointing: the same numbers
+        assert torch.equal(resumed["weights"][name], stopped.weights[name]), name
     # evaluations at 0, at the end of each run (1, 3, 4) and every 2 steps
     assert set(history_after["val/reward"]) == {0, 1, 2, 3, 4}
     assert {k: history_after["val/reward"][k] for k in (0, 1, 2, 3)} == stopped.history["val/reward"]
