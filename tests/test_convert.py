@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,13 @@ def convert(*argvs, log: Path) -> str:
     imported once there, as run_distributed's ranks are): each call starts and ends a process group, which pytest's
     own process must not hold. Its stderr (written to `log`)."""
     mp.set_forkserver_preload(PRELOAD)  # read when the forkserver starts: the session's first call
-    mp.start_processes(_convert_process, nprocs=1, start_method="forkserver",
-                       args=([[str(a) for a in argv] for argv in argvs], str(log)))
+    context = mp.start_processes(_convert_process, nprocs=1, join=False, start_method="forkserver",
+                                 args=([[str(a) for a in argv] for argv in argvs], str(log)))
+    deadline = time.monotonic() + 300
+    while not context.join(timeout=1.0):  # raises ProcessRaisedException, with the traceback, where main fails
+        if time.monotonic() > deadline:
+            context.processes[0].kill()
+            raise TimeoutError(f"convert {argvs} did not finish within 300 s")
     return log.read_text()
 
 
