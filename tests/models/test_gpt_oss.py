@@ -192,8 +192,8 @@ def test_convert_round_trip_reads_mxfp4_and_writes_bf16_bitwise(tmp_path):
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "mxfp4"}}))
 
-    convert("hf-to-megatron", hf, tmp_path / "imported")
-    convert("megatron-to-hf", tmp_path / "imported", tmp_path / "back")
+    convert(["hf-to-megatron", hf, tmp_path / "imported"], ["megatron-to-hf", tmp_path / "imported", tmp_path / "back"],
+            log=tmp_path / "convert.log")
 
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert back.keys() == expected.keys() and {t.dtype for t in back.values()} == {torch.bfloat16}

@@ -109,8 +109,8 @@ def test_convert_round_trip_is_bitwise(tmp_path):
     from tests.test_convert import convert
 
     model_dir = save_random_qwen2_vl(tmp_path / "vl")
-    convert("hf-to-megatron", model_dir, tmp_path / "ckpt")
-    convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "back")
+    convert(["hf-to-megatron", model_dir, tmp_path / "ckpt"], ["megatron-to-hf", tmp_path / "ckpt", tmp_path / "back"],
+            log=tmp_path / "convert.log")
     original, back = load_file(f"{model_dir}/model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(original) and any(n.startswith("visual.") for n in back)
     assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in original.items())

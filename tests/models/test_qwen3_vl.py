@@ -155,8 +155,8 @@ def test_convert_round_trip_is_bitwise(tmp_path):
     from tests.test_convert import convert
 
     model_dir = save_random_qwen3_vl(tmp_path / "vl", dtype=torch.bfloat16, moe=True)
-    convert("hf-to-megatron", model_dir, tmp_path / "ckpt")
-    convert("megatron-to-hf", tmp_path / "ckpt", tmp_path / "back")
+    convert(["hf-to-megatron", model_dir, tmp_path / "ckpt"], ["megatron-to-hf", tmp_path / "ckpt", tmp_path / "back"],
+            log=tmp_path / "convert.log")
     original, back = load_file(f"{model_dir}/model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(back) == sorted(original) and any(n.startswith("model.visual.deepstack") for n in back)
     assert any(n.endswith(".experts.gate_up_proj") for n in back)
