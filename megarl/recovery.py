@@ -164,12 +164,14 @@ class Recovery:
         for group in training_groups(t):
             group.kill()
             group.shutdown()  # its placement group: the new ranks may take the same resources
-        if rollout_lost:
-            ray.kill(t.rollout)  # (hung: a call waiting on it, the rollout thread's, ends now)
+        if rollout_lost:  # dead or hung: killed before the rollout thread is ended (its call waiting on it ends)
+            ray.kill(t.rollout)
         t.stop_generating(rollout_live=not rollout_lost)  # the asynchronous modes' rollout thread
         t.start_training()
-        if rollout_lost or (before is not None and t.actor.gpus() != before):
-            ray.kill(t.rollout)  # dead, hung or misplaced: its servers' guards end them
+        misplaced = before is not None and t.actor.gpus() != before
+        if misplaced and not rollout_lost:
+            ray.kill(t.rollout)  # its servers' guards end them
+        if rollout_lost or misplaced:
             t.use_rollout(start_rollout(t.cfg, t.model_path, t.device,
                                         t.actor.gpus() if t.cfg.sglang_colocated() else None))
         t.colocation = t.colocate()
