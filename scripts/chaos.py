@@ -103,7 +103,7 @@ def main() -> int:
     steps = sorted(chance.sample(range(2, args.steps + 1), args.faults))
     plan = {s: (chance.choice([0, 1, "rollout"]), round(chance.uniform(0, args.max_delay_s), 2)) for s in steps}
     planned = {s: list(f) for s, f in plan.items()}
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
     with tempfile.TemporaryDirectory() as tmp:
         whole, whole_s = fit(RLTrainer(config(Path(tmp) / "whole", args)))

@@ -45,7 +45,9 @@ def ray_local(_ray_session):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        # "local": a bare ray.init() joins the cluster that any `ray start` on this machine recorded (a stale record
+        # too), and then refuses num_cpus
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}})
     yield
     deadline = time.monotonic() + 10  # killed actors give their CPUs back a moment later

@@ -68,7 +68,7 @@ def ray_with_fake_sglang(tmp_path_factory):
         runpy.run_path({str(FAKE)!r}, run_name="__main__")
         """))
     path = os.pathsep.join([str(shim), str(REPO), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}})
     yield
     ray.shutdown()
