@@ -373,13 +373,16 @@ class GenerationBatcher:
     the largest and each generation is cut at its own limit, which gives exactly what generating with
     that limit would, since sampling is left to right. Engines whose generate takes `conversations`
     (SGLang) get each turn's conversation id, so a conversation stays on one server and reuses its
-    prefix cache."""
+    prefix cache. A turn given `on_tokens(offset, token_ids)` hears its tokens as the engine produces them,
+    from the engine's thread, where the engine's generate takes `on_tokens` (both engines do); past the turn's
+    own limit, nothing."""
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, thread: ThreadPoolExecutor):
         self.engine, self.params, self.thread = engine, params, thread
-        self.pending: list[tuple[list[int], int, str, ImageInputs | None, asyncio.Future]] = []
+        self.pending: list[tuple[list[int], int, str, ImageInputs | None, asyncio.Future, Callable | None]] = []
         accepts = inspect.signature(engine.generate).parameters
         self.sticky, self.per_prompt_limits = "conversations" in accepts, "max_new_tokens" in accepts
+        self.streams = "on_tokens" in accepts
         self.worker: asyncio.Task | None = None
         self.inflight: asyncio.Future | None = None  # the engine call running in the engine thread
         self.calls = 0
@@ -396,9 +399,10 @@ class GenerationBatcher:
             await asyncio.gather(self.inflight, return_exceptions=True)
 
     async def generate(self, prompt: list[int], max_new_tokens: int, conversation: str,
-                       image: ImageInputs | None = None) -> Generation:
+                       image: ImageInputs | None = None,
+                       on_tokens: Callable[[int, list[int]], None] | None = None) -> Generation:
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((prompt, max_new_tokens, conversation, image, future))
+        self.pending.append((prompt, max_new_tokens, conversation, image, future, on_tokens))
         if self.worker is None or self.worker.done():
             self.worker = asyncio.create_task(self._drain())
         return await future
@@ -418,16 +422,18 @@ class GenerationBatcher:
                 extra["max_new_tokens"] = [r[1] for r in requests]
             if any(r[3] is not None for r in requests):  # a vision-language policy's turns, each with its row's images
                 extra["images"] = [r[3] for r in requests]
+            if self.streams and any(r[5] is not None for r in requests):
+                extra["on_tokens"] = functools.partial(_hand_tokens, requests)
             call = functools.partial(self.engine.generate, [r[0] for r in requests], params, **extra)
             self.inflight = loop.run_in_executor(self.thread, call)
             try:
                 gens = await asyncio.shield(self.inflight)  # a cancelled conversation does not cancel the call
             except Exception as e:  # every waiting conversation sees the engine's error
-                for *_, future in requests:
+                for *_, future, _ in requests:
                     if not future.done():
                         future.set_exception(e)
                 continue
-            for (_, limit, _, _, future), gen in zip(requests, gens):
+            for (_, limit, _, _, future, _), gen in zip(requests, gens):
                 if future.done():  # its conversation was cancelled
                     continue
                 if len(gen.token_ids) > limit:
@@ -435,6 +441,13 @@ class GenerationBatcher:
                                   versions=None if gen.versions is None else gen.versions[:limit],
                                   finish_reason="length")
                 future.set_result(gen)
+
+
+def _hand_tokens(requests: list[tuple], row: int, offset: int, token_ids: list[int]) -> None:
+    """An engine call's streamed tokens of `row` to its turn's on_tokens, up to the turn's own limit."""
+    _, limit, _, _, _, on_tokens = requests[row]
+    if on_tokens is not None and offset < limit:
+        on_tokens(offset, token_ids[:limit - offset])
 
 
 def trajectories_to_batch(prompts: list[dict], trajectories: list[Trajectory], pad_id: int, tokenizer) -> Batch:

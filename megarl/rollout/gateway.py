@@ -16,7 +16,8 @@ is complete, as OpenAI's does: the text stops before it, finish_reason "stop", a
 up to the one that completed it (what the model produced, which the next turn's context extends): the engine
 generates on to its own stop or limit and the rest is dropped.
 Tool calls are parsed from the model's text by agent.parser (by default the format the chat template writes:
-tools/parsers.py) and cut out of the answer's content. A streamed answer is generated whole, then sent in pieces.
+tools/parsers.py) and cut out of the answer's content. A streamed answer's text goes out as the engine produces its
+tokens, never past what the recorded answer holds (gateway_stream.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from megarl.config import AgentConfig
 from megarl.rollout.agent import GenerationBatcher
 from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.gateway_record import ChatLayout, Record, Segment, normalize
+from megarl.rollout.gateway_stream import TurnStream
 from megarl.rollout.tools.parsers import content_without_calls, resolve_parser
 
 MAX_BODY_BYTES = 64 << 20  # a long agent history in one request
@@ -139,6 +141,7 @@ class Gateway:
         return await self._answer(request, chat=False)
 
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        stream = None
         try:
             record = self._record(request)
             try:
@@ -150,14 +153,22 @@ class Gateway:
             if body.get("n", 1) != 1:
                 raise RequestError("n must be 1: each choice would be a trajectory of its own")
             body["stop"] = _stop_strings(body.get("stop"))  # refused before anything is recorded
+            if body.get("stream"):
+                stream = TurnStream(request, self.tokenizer, chat, body.get("model") or self.model_name, body["stop"],
+                                    bool((body.get("stream_options") or {}).get("include_usage")))
             async with record.lock:
-                answer = await (self._chat_turn(record, body) if chat else self._completion_turn(record, body))
+                answer = await (self._chat_turn(record, body, stream) if chat else
+                                self._completion_turn(record, body, stream))
         except RequestError as e:
-            return _error(str(e), e.status, e.kind)
+            return await _refuse(stream, str(e), e.status, e.kind)
         except (ValueError, KeyError, TypeError) as e:  # a malformed message or prompt
-            return _error(f"{type(e).__name__}: {e}", 400, "invalid_request_error")
-        if body.get("stream"):
-            return await self._stream(request, answer, chat, body)
+            return await _refuse(stream, f"{type(e).__name__}: {e}", 400, "invalid_request_error")
+        except Exception as e:  # the engine's error, after part of a stream went out: the stream says so
+            if stream is None or not stream.started:
+                raise
+            return await stream.fail(f"{type(e).__name__}: {e}", "server_error")
+        if stream is not None:
+            return await stream.finish(answer)
         return web.json_response(answer["response"])
 
     def _record(self, request: web.Request) -> Record:
@@ -171,26 +182,39 @@ class Gateway:
             raise RequestError("no rollout is running", 503, "server_error")
         return record
 
-    async def _generate(self, record: Record, seg: Segment, body: dict):
+    async def _generate(self, record: Record, seg: Segment, body: dict, stream: TurnStream | None):
         """The model's turn after the segment's context: its Generation, text (special tokens kept, the stop token
-        left out) and tool calls, recorded."""
+        left out), tool calls, and whether its last token is the model's stop token (None: nothing was generated);
+        not recorded yet (_keep). `stream`: hears the tokens as they come."""
         a, t = self.config, seg.trajectory
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or a.max_new_tokens_per_turn
         limit = min(int(asked), a.max_new_tokens_per_turn, record.room(), a.max_response_tokens - len(t.response_ids))
         record.requests += 1
         if limit <= 0:  # the budget is spent: an empty answer cut by length, as a turn that hit it would end
-            return Generation(0, [], [], "length"), "", []
+            return Generation(0, [], [], "length"), "", [], None
         stops = body.get("stop")
-        gen = await self.batcher.generate(seg.context(), limit, record.key)
+        gen = await self.batcher.generate(seg.context(), limit, record.key,
+                                          on_tokens=None if stream is None else stream.on_tokens)
         stopped = gen.finish_reason == "stop"
         text = self.tokenizer.decode(gen.token_ids[:-1] if stopped else gen.token_ids, skip_special_tokens=False)
         if stops:
             whole = len(gen.token_ids)
             gen, text = self._cut_at_stop(gen, text, stops, len(seg.context()))
             stopped = stopped and len(gen.token_ids) == whole
-        calls = self.parser(text)[:a.max_tool_calls_per_turn]
-        record.record_turn(seg, gen, text, calls, stop_token=stopped)
-        return gen, text, calls
+        return gen, text, self.parser(text)[:a.max_tool_calls_per_turn], stopped
+
+    @staticmethod
+    async def _keep(record: Record, seg: Segment, turn: tuple, content: str, stream: TurnStream | None) -> None:
+        """Record a turn (_generate's), whose answer's text is `content`, unless a stream already sent text that is
+        not how `content` begins (gateway_stream.py): then the turn is dropped and the request fails."""
+        if stream is not None:
+            await stream.halt()
+            if not content.startswith(stream.sent):
+                raise RequestError("the answer was generated again (its row restarted under new weights) after part "
+                                   "of it was streamed: ask again", 500, "server_error")
+        gen, text, calls, stopped = turn
+        if stopped is not None:
+            record.record_turn(seg, gen, text, calls, stop_token=stopped)
 
     def _cut_at_stop(self, gen: Generation, text: str, stops: list[str], context_len: int) -> tuple[Generation, str]:
         """The answer up to the stop string whose end comes first: its text before that string, its tokens through
@@ -213,16 +237,19 @@ class Gateway:
             routed_experts=routed[:context_len + lo - 1] if routed is not None else None)
         return cut, text[:start]
 
-    async def _chat_turn(self, record: Record, body: dict) -> dict:
+    async def _chat_turn(self, record: Record, body: dict, stream: TurnStream | None) -> dict:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list")
         messages, tools = [normalize(m) for m in messages], body.get("tools") or None
         seg = record.chat_context(self.layout, messages, tools)
         prompt_tokens = len(seg.context())
-        gen, text, calls = await self._generate(record, seg, body)
+        # with tools, the text a call takes is not content, which is known when the turn has ended
+        turn = await self._generate(record, seg, body, None if tools else stream)
+        gen, text, calls, _ = turn
         valid = [c for c in calls if not c.error]
         content = text if len(valid) < len(calls) or not calls else content_without_calls(text, calls)
+        await self._keep(record, seg, turn, content, stream)
         tool_calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in valid]
         message = {"role": "assistant", "content": content or (None if tool_calls else "")} | (
@@ -234,7 +261,7 @@ class Gateway:
         return {"response": self._envelope("chat.completion", body, choice, prompt_tokens, gen),
                 "gen": gen, "content": content, "tool_calls": tool_calls, "finish": finish}
 
-    async def _completion_turn(self, record: Record, body: dict) -> dict:
+    async def _completion_turn(self, record: Record, body: dict, stream: TurnStream | None) -> dict:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one prompt
@@ -242,7 +269,9 @@ class Gateway:
             raise RequestError("prompt must be a string or a list of token ids (one prompt)")
         seg = record.completion_context(self.tokenizer, prompt)
         prompt_tokens = len(seg.context())
-        gen, text, _ = await self._generate(record, seg, body)
+        turn = await self._generate(record, seg, body, stream)
+        gen, text, _, _ = turn
+        await self._keep(record, seg, turn, text, stream)
         finish = "stop" if gen.finish_reason == "stop" else "length"
         logprobs = None
         if body.get("logprobs") is not None and body.get("logprobs") is not False:
@@ -267,45 +296,11 @@ class Gateway:
             out.append({"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []})
         return out
 
-    async def _stream(self, request: web.Request, answer: dict, chat: bool, body: dict) -> web.StreamResponse:
-        """The answer as server-sent events: the text in pieces (a token's text each where no tool call is cut out of
-        it), the tool calls, the finish reason; usage last with stream_options.include_usage; then [DONE]."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        whole = answer["response"]
-        head = {k: whole[k] for k in ("id", "created", "model")} | {
-            "object": "chat.completion.chunk" if chat else "text_completion"}
 
-        async def send(choice: dict | None, **extra) -> None:
-            event = head | {"choices": [] if choice is None else [choice]} | extra
-            await response.write(f"data: {json.dumps(event)}\n\n".encode())
-
-        gen, content = answer["gen"], answer["content"] or ""
-        pieces = _pieces(self.tokenizer, gen.token_ids, content)
-        if chat:
-            await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        for piece in pieces:
-            await send({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else
-                       {"index": 0, "text": piece, "finish_reason": None, "logprobs": None})
-        if answer["tool_calls"]:
-            calls = [dict(c, index=k) for k, c in enumerate(answer["tool_calls"])]
-            await send({"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None})
-        await send({"index": 0, "delta": {}, "finish_reason": answer["finish"]} if chat else
-                   {"index": 0, "text": "", "finish_reason": answer["finish"], "logprobs": None})
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await send(None, usage=whole["usage"])
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-
-def _pieces(tokenizer, token_ids: list[int], content: str) -> list[str]:
-    """`content` cut where its tokens' texts end, when it is the tokens' text; else whole (tool calls cut out)."""
-    pieces, text = [], ""
-    for k in range(len(token_ids)):
-        now = tokenizer.decode(token_ids[:k + 1], skip_special_tokens=False)
-        if now.startswith(text) and content.startswith(now) and len(now) > len(text):
-            pieces.append(now[len(text):])
-            text = now
-    return pieces if text == content else [content] if content else []
-
+async def _refuse(stream: TurnStream | None, message: str, status: int, kind: str) -> web.StreamResponse:
+    """A refused request: an error answer, or, once its stream began, an error event ending the stream."""
+    if stream is not None and stream.started:
+        return await stream.fail(message, kind)
+    if stream is not None:
+        await stream.halt()
+    return _error(message, status, kind)

@@ -64,10 +64,12 @@ class HFRolloutEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  images: list[ImageInputs | None] | None = None,
-                 on_group: Callable[[int, list[Generation]], None] | None = None) -> list[Generation]:
+                 on_group: Callable[[int, list[Generation]], None] | None = None,
+                 on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Generation]:
         """Rows in segments between weight updates (megarl.rollout.partial): pause_generation from another thread
         stops a running segment between two decode steps. on_group: a prompt's group at the decode step its last
-        row ends (a stop token or its budget), while the other rows go on."""
+        row ends (a stop token or its budget), while the other rows go on. on_tokens(row, offset, token_ids): each
+        decode step's token of every row still going (row: prompt * n + sample), as it is sampled (generate_rows)."""
         images = check_images(prompts, images, f"{type(self).__name__} ({self.model_path})", supported=self.vision)
         if self.released:
             raise RuntimeError("the rollout engine's weights were released and not pushed again; sync before generating")
@@ -83,7 +85,8 @@ class HFRolloutEngine(RolloutEngine):
             (p for p in prompts for _ in range(params.n)), (i for i in images for _ in range(params.n)), seeds)]
         groups = GroupCollector(params.n, on_group) if on_group is not None else None
         generate_rows(rows, self.gate, functools.partial(self._segment, params=params), params.max_interruptions,
-                      None if groups is None else lambda k, row: groups.add(k, row.generation(k // params.n)))
+                      None if groups is None else lambda k, row: groups.add(k, row.generation(k // params.n)),
+                      on_tokens)
         return [row.generation(k // params.n) for k, row in enumerate(rows)]
 
     def pause_generation(self, partial: str = "resume") -> dict:
@@ -103,9 +106,11 @@ class HFRolloutEngine(RolloutEngine):
     @torch.inference_mode()
     def _run_segment(self, rows: list[list[int]], limits: list[int], seeds: list[int], segment: Segment,
                      params: SamplingParams, images: list[ImageInputs | None] | None = None,
-                     ended: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+                     ended: Callable[[int, Generation], None] | None = None,
+                     produced: Callable[[int, int, list[int]], None] | None = None) -> list[Generation]:
         """One segment: every row up to its limit or stop token, all in one left-padded batch; rows still going when
-        the gate says stop end with finish_reason "abort". `ended(k, generation)`: row k has just ended."""
+        the gate says stop end with finish_reason "abort". `ended(k, generation)`: row k has just ended.
+        `produced(k, position, [token])`: row k has just sampled `token`, its `position`-th of the segment."""
         eos = set() if params.ignore_eos else set(self.eos_ids)
         stop_ids = set(params.stop_token_ids) | eos
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device)
@@ -150,6 +155,9 @@ class HFRolloutEngine(RolloutEngine):
             logprobs.append(torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0])
             was_finished = finished
             finished = finished | torch.isin(token, stop) | (len(sampled) >= limit)
+            if produced is not None:
+                for k, t in zip((~was_finished).nonzero().flatten().tolist(), token[~was_finished].tolist()):
+                    produced(k, len(sampled) - 1, [t])
             if ended is not None:
                 for k in (finished & ~was_finished).nonzero().flatten().tolist():
                     ended(k, self._routed(k, rows, self._cut([t[k].item() for t in sampled],

@@ -149,15 +149,21 @@ class Row:
 # run(prompts, max_new_tokens per row, seeds per row, segment) -> one Generation per row; "abort" where stopped.
 # Where any row has images, run also gets images= (one ImageInputs or None per row); where the caller listens for
 # rows' ends (generate_rows' on_finished), ended= (a function of a row's index in the segment and its Generation), which
-# a runner that sees a row end before the segment returns (a stop token, its budget) may call then.
+# a runner that sees a row end before the segment returns (a stop token, its budget) may call then. Where the caller
+# listens for tokens (generate_rows' on_tokens), produced= (a function of a row's index in the segment, the position in
+# the segment's output where the tokens begin, and the token ids it has just produced), which the runner calls as it
+# produces them (a request retried on another server reports its tokens again from position 0).
 SegmentRunner = Callable[..., list[Generation]]
 
 
 def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max_interruptions: int,
-                  on_finished: Callable[[int, Row], None] | None = None) -> list[Row]:
+                  on_finished: Callable[[int, Row], None] | None = None,
+                  on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Row]:
     """Generate every row to its end through segments (module docstring); returns `rows`, finished.
     `on_finished(i, rows[i])`, once per row, as soon as the row has ended for good (from this thread, maybe while its
-    segment still runs: a group of rows can be scored while the others generate)."""
+    segment still runs: a group of rows can be scored while the others generate).
+    `on_tokens(i, offset, token_ids)`: row i has just produced `token_ids`, at `offset` in its response, from the
+    runner's thread; an offset below what row i reported before means its later tokens were dropped (a restart)."""
     pending = [i for i, r in enumerate(rows) if not r.finish_reason]
     while pending:
         segment = gate.enter(len(pending))
@@ -171,6 +177,11 @@ def generate_rows(rows: list[Row], gate: GenerationGate, run: SegmentRunner, max
                 reported.add(k)
                 on_finished(pending[k], row)
             extra["ended"] = ended
+        if on_tokens is not None:
+            def produced(k: int, start: int, token_ids: list[int], pending=pending,
+                         offsets=[len(rows[i].token_ids) for i in pending]) -> None:
+                on_tokens(pending[k], offsets[k] + start, token_ids)
+            extra["produced"] = produced
         try:
             outputs = run([rows[i].prompt + rows[i].token_ids for i in pending],
                           [rows[i].budget - len(rows[i].token_ids) for i in pending],

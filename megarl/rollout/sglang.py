@@ -49,8 +49,8 @@ from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, Rollou
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.rollout.server_host import remote_servers
 from megarl.rollout.sglang_images import image_item, placeholder_ban, request_image_data, vision_fields
-from megarl.rollout.sglang_server import (Endpoint, SGLangError, SGLangServer, sglang_server, verify_inside_sglang,
-                                          vision_language)
+from megarl.rollout.sglang_server import (Endpoint, SGLangError, SGLangServer, gc_paused, sglang_server,
+                                          verify_inside_sglang, vision_language)
 from megarl.rollout.transports import cuda_ipc
 from megarl.utils.hf_config import language_fields
 
@@ -191,13 +191,16 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, images: list[ImageInputs | None] | None = None,
                  conversations: list[str] | None = None, max_new_tokens: list[int] | None = None,
-                 on_group: Callable[[int, list[Generation]], None] | None = None) -> list[Generation]:
+                 on_group: Callable[[int, list[Generation]], None] | None = None,
+                 on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Generation]:
         """`images`: one entry per prompt (megarl.rollout.base.ImageInputs), None for text only.
         `on_group`: a prompt's group as its request returns; each prompt gets a request of its own then (SGLang
         batches concurrent requests as it batches one request's rows), so a group ends as soon as its rows do.
         `conversations`: an id per prompt, whose turns stay on one server (its prefix cache).
         `max_new_tokens`: a limit per prompt in place of params.max_new_tokens (multi-turn rollouts batch
-        turns with different budgets; SGLang refuses a row whose prompt plus limit passes the context)."""
+        turns with different budgets; SGLang refuses a row whose prompt plus limit passes the context).
+        `on_tokens(row, offset, token_ids)`: each row's tokens as the server streams them (row: prompt * n + sample;
+        SGLang's `"stream": true` on /generate, StreamedRows), from a thread of the call's."""
         images = check_images(prompts, images, type(self).__name__, supported=True)
         if any(i is not None for i in images) and self.vision is None:
             self.vision = vision_fields(self.model_path)  # (image token id, spatial merge): raises for a text model
@@ -227,11 +230,11 @@ class SGLangRolloutEngine(RolloutEngine):
                     for i in prompt_ids for j in range(params.n)]
 
             def segment(inputs: list[list[int]], budgets: list[int], seeds: list, _: Segment,
-                        images: list | None = None, ended=None) -> list[Generation]:
+                        images: list | None = None, ended=None, produced=None) -> list[Generation]:
                 """One request: the rows as they stand (prompt + tokens so far), with what is left of each budget
                 and each row's own seed (SGLang's seeded draws follow from the seed and the position), and each row's
                 images (megarl's processed inputs: sglang_images.py). Its rows all
-                end as it returns (`ended` is not called)."""
+                end as it returns (`ended` is not called); `produced`: a streamed request's tokens as they come."""
                 per_row = [sampling | {"max_new_tokens": b} | ({} if s is None else {"sampling_seed": s})
                            for b, s in zip(budgets, seeds)]
                 image_data = request_image_data([None if im is None else image_item(ids, im, *self.vision)
@@ -239,16 +242,19 @@ class SGLangRolloutEngine(RolloutEngine):
                 return self._generate_on(index, inputs, per_row[0] if all(r == per_row[0] for r in per_row)
                                          else per_row, functools.partial(_to_generations, inputs, self.servers[index],
                                                            self.routing),
-                                         image_data)
+                                         image_data, produced)
+
+            def call_row(k: int) -> int:  # row k of this request -> its row of the call
+                return prompt_ids[k // params.n] * params.n + k % params.n
 
             try:
                 generate_rows(rows, self.gate, segment, params.max_interruptions, None if collector is None else
-                              lambda k, row: collector.add(prompt_ids[k // params.n] * params.n + k % params.n,
-                                                           row.generation(prompt_ids[k // params.n])))
+                              lambda k, row: collector.add(call_row(k), row.generation(prompt_ids[k // params.n])),
+                              None if on_tokens is None else lambda k, offset, ids: on_tokens(call_row(k), offset, ids))
             finally:
                 self._done(index, len(rows))
             for k, row in enumerate(rows):
-                results[prompt_ids[k // params.n] * params.n + k % params.n] = row.generation(prompt_ids[k // params.n])
+                results[call_row(k)] = row.generation(prompt_ids[k // params.n])
 
         collector = GroupCollector(params.n, on_group) if on_group is not None else None
         per = (1 if on_group is not None else max(1, self.rows_per_request // params.n) if self.rows_per_request
@@ -260,8 +266,8 @@ class SGLangRolloutEngine(RolloutEngine):
         return results
 
     def _generate_on(self, index: int, input_ids: list[list[int]], sampling: dict | list[dict],
-                     convert: Callable[[list[dict]], list[Generation]], image_data: list | None = None
-                     ) -> list[Generation]:
+                     convert: Callable[[list[dict]], list[Generation]], image_data: list | None = None,
+                     produced: Callable[[int, int, list[int]], None] | None = None) -> list[Generation]:
         request = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True}
         if self.adapter is not None:
             request["lora_path"] = self.adapter  # the current policy's adapter, by the name it was loaded under
@@ -271,13 +277,25 @@ class SGLangRolloutEngine(RolloutEngine):
             request["image_data"] = image_data
         try:  # preparing (a prefix-cache flush, the KV cache back) is the first request to find a server dead
             self._prepare(index)
-            return self.servers[index].post("/generate", request, convert=convert)
+            return self._post_generate(self.servers[index], request, convert, produced)
         except SGLangError:
             if not self.servers[index].died():
                 raise
         target = self._recover(index)
         self._prepare(target)
-        return self.servers[target].post("/generate", request, convert=convert)
+        return self._post_generate(self.servers[target], request, convert, produced)
+
+    @staticmethod
+    def _post_generate(server: SGLangServer, request: dict, convert: Callable[[list[dict]], list[Generation]],
+                       produced: Callable[[int, int, list[int]], None] | None) -> list[Generation]:
+        """/generate, answered whole; with `produced`, streamed (its rows' tokens to `produced` as they come), the
+        answer then assembled from the stream as the whole one reads."""
+        if produced is None:
+            return server.post("/generate", request, convert=convert)
+        streamed = StreamedRows(len(request["input_ids"]), produced)
+        server.post_stream("/generate", request | {"stream": True}, streamed.add)
+        with gc_paused():
+            return convert(streamed.outputs())
 
     def _recover(self, index: int) -> int:
         """Restart a dead server; return where to retry its request."""
@@ -430,6 +448,35 @@ class SGLangRolloutEngine(RolloutEngine):
 
 
 _LOGPROB, _TOKEN_ID = itemgetter(0), itemgetter(1)
+
+
+class StreamedRows:
+    """A streamed /generate's rows, put together from its events: each event is one row's progress (its `index` in
+    the request; a single row's has none), with meta_info's `output_token_logprobs` ([log-prob, id, text] per token)
+    either every token so far (SGLang's default) or only the new ones (--incremental-streaming-output): the
+    `completion_tokens` count, always the row's total, tells which. `produced(row, start, token_ids)` gets each row's
+    new tokens; `outputs()` is the answer as a whole /generate gives it (the last meta_info, every token's pair)."""
+
+    def __init__(self, rows: int, produced: Callable[[int, int, list[int]], None]):
+        self.pairs: list[list] = [[] for _ in range(rows)]
+        self.meta: list[dict | None] = [None] * rows
+        self.produced = produced
+
+    def add(self, event: dict) -> None:
+        row, meta = event.get("index", 0), event["meta_info"]
+        pairs, known = meta.get("output_token_logprobs") or [], self.pairs[row]
+        total = meta.get("completion_tokens", len(pairs))
+        new = pairs[len(known):] if len(pairs) == total else pairs
+        known += new
+        self.meta[row] = meta
+        if new:
+            self.produced(row, len(known) - len(new), list(map(_TOKEN_ID, new)))
+
+    def outputs(self) -> list[dict]:
+        missing = [row for row, meta in enumerate(self.meta) if meta is None or meta.get("finish_reason") is None]
+        if missing:
+            raise SGLangError(f"a streamed /generate ended before rows {missing} finished")
+        return [{"meta_info": meta | {"output_token_logprobs": pairs}} for meta, pairs in zip(self.meta, self.pairs)]
 
 
 def _to_generations(rows: list[list[int]], server: SGLangServer, routing: tuple[int, int] | None,

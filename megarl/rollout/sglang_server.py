@@ -112,17 +112,7 @@ class Endpoint:
     def post(self, path: str, payload: dict | None = None, timeout: float | None = None,
              convert: Callable | None = None):
         """The parsed answer, or what `convert` makes of it while the garbage collector is paused."""
-        timeout = timeout or self.request_timeout
-        try:
-            response = requests.post(self.url + path, data=json_dumps(payload or {}), timeout=timeout,
-                                     headers={"Content-Type": "application/json"})
-        except requests.Timeout as error:
-            raise SGLangError(f"{path} on {self.url}: no answer within {timeout:.0f} s (server hung?)"
-                              f"{self.diagnose()}") from error
-        except requests.RequestException as error:  # a dropped connection: the process may be dying (out of memory)
-            raise SGLangError(f"{path} on {self.url} failed: {error}{self.diagnose(grace=5.0)}") from error
-        if response.status_code != 200:
-            raise SGLangError(f"{path} on {self.url}: HTTP {response.status_code}: {response.text[:2000]}")
+        response = self._request(path, payload, timeout)
         if not response.content:  # /abort_request answers with an empty 200
             return None
         with gc_paused():
@@ -133,6 +123,43 @@ class Endpoint:
             if isinstance(body, dict) and body.get("success") is False:
                 raise SGLangError(f"{path} on {self.url}: {body.get('message')}")
             return convert(body) if convert else body
+
+    def post_stream(self, path: str, payload: dict, on_event: Callable[[dict], None],
+                    timeout: float | None = None) -> None:
+        """A streaming request (`"stream": true`): `on_event` gets each server-sent event's JSON as it arrives, until
+        `data: [DONE]`; an error event raises. `timeout` bounds each wait for the next bytes, not the whole answer."""
+        response = self._request(path, payload, timeout, stream=True)
+        with response:
+            try:
+                for line in response.iter_lines():
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[len(b"data:"):].strip()
+                    if data == b"[DONE]":
+                        return
+                    event = json_loads(data)
+                    if isinstance(event, dict) and "error" in event:
+                        raise SGLangError(f"{path} on {self.url}: {event['error']}")
+                    on_event(event)
+            except requests.RequestException as error:
+                raise SGLangError(f"{path} on {self.url}: the stream broke off: {error}"
+                                  f"{self.diagnose(grace=5.0)}") from error
+        raise SGLangError(f"{path} on {self.url}: the stream ended without data: [DONE]")
+
+    def _request(self, path: str, payload: dict | None, timeout: float | None,
+                 stream: bool = False) -> requests.Response:
+        timeout = timeout or self.request_timeout
+        try:
+            response = requests.post(self.url + path, data=json_dumps(payload or {}), timeout=timeout,
+                                     headers={"Content-Type": "application/json"}, stream=stream)
+        except requests.Timeout as error:
+            raise SGLangError(f"{path} on {self.url}: no answer within {timeout:.0f} s (server hung?)"
+                              f"{self.diagnose()}") from error
+        except requests.RequestException as error:  # a dropped connection: the process may be dying (out of memory)
+            raise SGLangError(f"{path} on {self.url} failed: {error}{self.diagnose(grace=5.0)}") from error
+        if response.status_code != 200:
+            raise SGLangError(f"{path} on {self.url}: HTTP {response.status_code}: {response.text[:2000]}")
+        return response
 
 
 class SGLangServer(Endpoint):
