@@ -38,18 +38,30 @@ from megarl.config import Config
 from megarl.engine.checkpoint_dir import CHECKPOINT_FILE
 from megarl.resume import Start, plan_resume
 from megarl.utils.progress import phases
+from megarl.workers.placement import PlacementError
 from megarl.workers.group import WorkerError, WorkerTimeout, start_rollout
 
 DEATH_NOTICE_S = 5.0  # how long Ray may take to mark a killed process dead after a peer's call failed on it
 
 
 class RestartLimit(WorkerError):
-    """A lost process the run does not replace: past trainer.max_restarts, or with nothing to restore."""
+    """A lost process the run does not replace: past trainer.max_restarts, with nothing to restore, or with no room
+    left in the Ray cluster for its replacement."""
 
 
 def dead(handle) -> bool:
     """Whether Ray's actor table has the actor dead (asked of the GCS: a dead or hung actor cannot be asked)."""
     return ray._private.state.actors(handle._actor_id.hex()).get("State") == "DEAD"
+
+
+def actor_node(handle) -> str | None:
+    """The Ray node id of an actor's process, from Ray's actor table (kept after its death)."""
+    return ray._private.state.actors(handle._actor_id.hex()).get("Address", {}).get("NodeID")
+
+
+def dead_nodes() -> dict[str, str]:
+    """Ray's dead nodes: node id -> IP address."""
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if not n["Alive"]}
 
 
 def the_call(error: WorkerError) -> str:
@@ -98,16 +110,19 @@ class Recovery:
             self.resumed = self.restart(error, step, lost)
 
     def lost(self) -> dict[str, list[str]] | None:
-        """The run's lost processes by kind ("training" ranks, "rollout" actor): dead, or killed for a hang; None
-        when all live (the error came from a live rank)."""
+        """The run's lost processes by kind ("training" ranks, "rollout" actor): dead, or killed for a hang, and the
+        lost Ray nodes they were on ("nodes"); None when all live (the error came from a live rank)."""
         t, deadline = self.trainer, time.monotonic() + DEATH_NOTICE_S
         while True:
-            ranks = [f"{g.role} rank {i} (pid {g.info[i]['pid'] if i < len(g.info) else '?'})"
-                     for g in training_groups(t)
-                     for i, w in enumerate(g.workers) if g.killed or dead(w)]
-            rollout = ["the rollout actor"] if dead(t.rollout) else []
+            ranks = [(f"{g.role} rank {i} (pid {g.info[i]['pid'] if i < len(g.info) else '?'})",
+                      g.info[i].get("node_id") if i < len(g.info) else None)
+                     for g in training_groups(t) for i, w in enumerate(g.workers) if g.killed or dead(w)]
+            rollout = [("the rollout actor", actor_node(t.rollout))] if dead(t.rollout) else []
             if ranks or rollout:
-                return {"training": ranks, "rollout": rollout}
+                gone = dead_nodes()
+                nodes = dict.fromkeys(node for _, node in ranks + rollout if node in gone)
+                return {"training": [what for what, _ in ranks], "rollout": [what for what, _ in rollout],
+                        "nodes": [f"{gone[node]} (node {node})" for node in nodes]}
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.2)
@@ -117,7 +132,8 @@ class Recovery:
         t, detected, began = self.trainer, time.time(), time.perf_counter()
         hang = isinstance(error, WorkerTimeout)
         what = ", ".join(lost["training"] + lost["rollout"])
-        cause = (f"{what} {'missed its deadline' if hang else 'died'} in {the_call(error)} during step {step}")
+        with_nodes = f" with the lost Ray node(s) {', '.join(lost['nodes'])}" if lost.get("nodes") else ""
+        cause = f"{what} {'missed its deadline' if hang else 'died'}{with_nodes} in {the_call(error)} during step {step}"
         if len(self.restarts) >= self.limit:
             earlier = "; ".join(f"restart {r['restart']}: {r['cause']}" for r in self.restarts)
             raise RestartLimit(f"{cause}, after {len(self.restarts)} restart(s) (trainer.max_restarts={self.limit}): "
@@ -125,8 +141,11 @@ class Recovery:
         restore = self.restore_point(cause)
         print(f"megarl: {cause}; restarting from {restore.checkpoint} "
               f"(restart {len(self.restarts) + 1} of at most {self.limit})", flush=True)
-        with phases(f"replacing the lost processes ({what})"):
-            self.replace(bool(lost["rollout"]))
+        try:
+            with phases(f"replacing the lost processes ({what})"):
+                self.replace(bool(lost["rollout"]))
+        except PlacementError as placement:  # Ray has no room left for them (their node lost): waiting would not help
+            raise RestartLimit(f"{cause}; cannot replace them: {placement}; stopping") from placement
         t.start, t.syncs, t.unchecked = restore, 0, None  # the resume's sync is verified, as a run's first
         done = t.resume()
         t.forget_reward_failures_after(done)  # the replayed steps' calls are counted again

@@ -16,13 +16,13 @@ from typing import Callable, Iterator
 
 import psutil
 import ray
-from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from megarl.config import Config
 from megarl.config.validation import env_strings
 from megarl.protocol import Batch
 from megarl.utils import quiet
+from megarl.workers.placement import place
 from megarl.workers.rollout_worker import RolloutWorker
 from megarl.engine.packing import balanced_partition, sequence_lengths
 from megarl.workers.train_worker import ROLES, TrainWorker
@@ -160,8 +160,7 @@ class TrainGroup:
         roles = 1 if role == "reward_model_training" else (
             1 + (cfg.algorithm.advantage == "gae") + bool(cfg.reward_model.path))
         bundle = {"CPU": cfg.trainer.cpus_per_rank} | ({"GPU": 0.9 / roles} if device == "cuda" else {})
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.trainer.placement.upper())
-        ray.get(self.pg.ready(), timeout=300)
+        self.pg = place(bundle, n, cfg.trainer.placement, f"the {role} ranks")
         actor = ray.remote(TrainWorker)
         env = env_strings(cfg.trainer.worker_env) | quiet.env()  # quiet's: a joined cluster's workers do not inherit
         options = {"runtime_env": {"env_vars": env}} if env else {}
