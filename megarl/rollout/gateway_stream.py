@@ -91,12 +91,11 @@ class TurnStream:
 
     async def finish(self, answer: dict) -> web.StreamResponse:
         """The rest of `answer` (gateway._chat_turn's or _completion_turn's), after halt()."""
-        content = answer["content"] or ""
-        if self.sent:
-            await self._text(content[len(self.sent):])
-        else:
-            for piece in _pieces(self.tokenizer, answer["gen"].token_ids, content):
-                await self._text(piece)
+        content, start, sent = answer["content"] or "", 0, len(self.sent)
+        for piece in _pieces(self.tokenizer, answer["gen"].token_ids, content):  # what is left, token by token
+            if start + len(piece) > sent:
+                await self._text(piece[max(0, sent - start):])
+            start += len(piece)
         await self._start()
         if answer["tool_calls"]:
             calls = [dict(c, index=k) for k, c in enumerate(answer["tool_calls"])]
