@@ -119,7 +119,7 @@ class Sampler:
         """Held-out `prompts`, rollout.eval_n_samples each, scored (their reward failures counted apart); gateway
         agents' runs by their final segments, over the prompts none of whose runs was dropped."""
         batch = self.generate(prompts, evaluation=True)
-        return self.score(final_segments(batch) if self.cfg.agent.gateway.function else batch, evaluation=True)
+        return self.score(final_segments(batch) if self.cfg.agent.gateway.in_use else batch, evaluation=True)
 
     def sampling_params(self, evaluation: bool = False, greedy: bool = False, first_group: int = 0) -> SamplingParams:
         r = self.cfg.rollout
@@ -168,9 +168,9 @@ class Sampler:
         return batch
 
     def agent_counts(self, rows: int) -> dict:
-        """For gateway agents (agent.gateway.function), the rollout's counts (runs, runs dropped, segments:
+        """For gateway agents (agent.gateway.function or command), the rollout's counts (runs, runs dropped, segments:
         GatewayAgents.take_counts), which agent_metrics reports; an error where every run was dropped (`rows` 0)."""
-        if not self.cfg.agent.gateway.function:
+        if not self.cfg.agent.gateway.in_use:
             return {}
         counts = self.rollout_call("agent_counts")
         if not rows:

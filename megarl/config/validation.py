@@ -10,6 +10,7 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING
 
+from megarl.config.agent_command import check_command
 from megarl.config.sglang_args import (DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args,
                                       sglang_ep_size)
 
@@ -197,15 +198,22 @@ class ConfigChecks:
             raise ConfigError(f"agent.oversample_groups={g.oversample_groups}: needs agent.enabled=true")
         if g.oversample_groups and self.algorithm.advantage == "remax":
             raise ConfigError("agent.oversample_groups does not combine with algorithm.advantage=remax")
-        if g.gateway.function:
+        if g.gateway.command != "":  # "" (the default): no command
+            if (why := check_command(g.gateway.command)) is not None:
+                raise ConfigError(why)
+            if g.gateway.function:
+                raise ConfigError("agent.gateway.function and agent.gateway.command are both set: the agent is one "
+                                  "or the other")
+        if g.gateway.in_use:
+            key = "agent.gateway.function" if g.gateway.function else "agent.gateway.command"
             if not g.enabled:
-                raise ConfigError("agent.gateway.function is set: needs agent.enabled=true")
+                raise ConfigError(f"{key} is set: needs agent.enabled=true")
             if g.tools:
-                raise ConfigError("agent.gateway.function and agent.tools: a gateway agent runs its tools itself; "
-                                  "leave agent.tools empty")
+                raise ConfigError(f"{key} and agent.tools: a gateway agent runs its tools itself; leave agent.tools "
+                                  "empty")
             if g.oversample_groups:
-                raise ConfigError("agent.gateway.function does not combine with agent.oversample_groups (an agent "
-                                  "cannot be aborted midway)")
+                raise ConfigError(f"{key} does not combine with agent.oversample_groups (an agent cannot be aborted "
+                                  "midway)")
         if self.rollout.dump_dir and self.rollout.replay_dir:
             raise ConfigError("rollout.dump_dir and rollout.replay_dir are exclusive: a replay writes no dump")
 

@@ -3,13 +3,15 @@
 An agent is a plain function `agent(base_url, api_key, row) -> float | None` (agent.gateway.function,
 `package.module:function` or `file.py:function`): it talks to the policy through any OpenAI client at `base_url` with
 `api_key`, which names this one run, and returns its reward, or None for megarl's reward (reward.name) to score the
-run's last answer. `row` is the prompt row (prompt, answer, data_source, extra_info ...; no token ids).
+run's last answer. `row` is the prompt row (prompt, answer, data_source, extra_info ...; no token ids). Or it is a
+command (agent.gateway.command), run per sample with the same three things (gateway_command.py).
 
 Each sample of a prompt is one run, in a thread of its own, at most agent.gateway.max_concurrent at once. A run that
-raises, returns something other than a finite number or None, or is still running agent.gateway.timeout_s after it
-began is dropped: its key is revoked (its later requests get HTTP 401), its record discarded, and it is counted. A
-hanging run's thread cannot be stopped from outside; it is left to end by itself, as a hanging tool's is. A run that
-never had the model generate is dropped too (nothing to train on).
+raises (a command: exits non-zero), returns something other than a finite number or None, or is still running
+agent.gateway.timeout_s after it began is dropped: its key is revoked (its later requests get HTTP 401), its record
+discarded, and it is counted. A hanging function's thread cannot be stopped from outside; it is left to end by itself,
+as a hanging tool's is (a hanging command is killed with its process group). A run that never had the model generate is
+dropped too (nothing to train on).
 
 What a run recorded becomes rows of its prompt's group: one per segment that holds model tokens (gateway_record.py),
 each with the run's reward. `run_groups` has the agent loop's interface (megarl/rollout/agent.py), so the rollout
@@ -31,6 +33,7 @@ from megarl.protocol import Batch
 from megarl.rollout.agent import Trajectory
 from megarl.rollout.base import RolloutEngine, SamplingParams
 from megarl.rollout.gateway import Gateway
+from megarl.rollout.gateway_command import CommandAgent
 from megarl.rollout.gateway_record import Record
 from megarl.utils.registry import Registry
 
@@ -44,7 +47,8 @@ COUNTS = ("agents", "agents_crashed", "agents_timed_out", "agents_empty", "reque
 class GatewayAgents:
     def __init__(self, engine: RolloutEngine, tokenizer, config: AgentConfig, model_name: str = "megarl"):
         self.config = config
-        self.fn = AGENTS.get(config.gateway.function)
+        self.fn = AGENTS.get(config.gateway.function) if config.gateway.function else \
+            CommandAgent(config.gateway.command, config.gateway.timeout_s)
         self.gateway = Gateway(engine, tokenizer, config, model_name)
         self.tokenizer = tokenizer
         self.counts: Counter = Counter()
@@ -144,6 +148,8 @@ class GatewayAgents:
         return {k: counts[k] for k in COUNTS}
 
     def close(self) -> None:
+        if isinstance(self.fn, CommandAgent):
+            self.fn.close()
         self.gateway.close()
 
 

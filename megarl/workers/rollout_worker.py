@@ -115,7 +115,7 @@ class RolloutWorker:
 
     def run_agents(self, prompts: list[dict], groups: list[list[Trajectory]], params: SamplingParams,
                    needed: int | None, accept: Callable | None, on_group: Callable | None = None):
-        """The agent loop's run_groups; gateway agents (agent.gateway.function) get the prompt rows too."""
+        """The agent loop's run_groups; gateway agents (agent.gateway.function or command) get the prompt rows too."""
         runner = self.agent_loop()
         rows = {"rows": prompts} if isinstance(runner, GatewayAgents) else {}
         return runner.run_groups(groups, params, needed, accept, on_group, images=prompt_images(prompts), **rows)
@@ -141,14 +141,14 @@ class RolloutWorker:
 
     def agent_loop(self) -> AgentLoop | GatewayAgents:
         """The agent loop and its tools, built on first use; a vision-language policy's with its image processor
-        (its tools may answer with images). With agent.gateway.function: the user's agents and the OpenAI-compatible
-        gateway they call (megarl/rollout/gateway_agents.py)."""
+        (its tools may answer with images). With agent.gateway.function or command: the user's agents and the
+        OpenAI-compatible gateway they call (megarl/rollout/gateway_agents.py)."""
         if self.agent is None:
             from megarl.data.images import ImagePrompts
             from megarl.data.inputs import load_tokenizer  # its padding, the driver's (EOS where the model has none)
 
             tokenizer, d = load_tokenizer(self.model_path), self.cfg.data
-            if self.cfg.agent.gateway.function:
+            if self.cfg.agent.gateway.in_use:
                 self.agent = GatewayAgents(self.engine, tokenizer, self.cfg.agent, Path(self.model_path).name)
                 return self.agent
             images = ImagePrompts(self.model_path, tokenizer, d.min_pixels, d.max_pixels) \
