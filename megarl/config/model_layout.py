@@ -56,20 +56,44 @@ def check_model_layout(section, role: str, hf: dict, where: str) -> tuple[int, .
     return stages
 
 
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_adapts_experts(section, hf: dict) -> bool:
+    """Whether actor.lora (in `section`) puts adapters on the routed experts of the model (config.json `hf`)."""
+    lora = getattr(section, "lora", None)
+    return bool(lora is not None and lora.rank and routed_experts(language_fields(hf))
+                and lora_targets(lora) & set(MLP_TARGETS))
+
+
 def _check_lora_targets(section, role: str, hf: dict, experts: int, where: str) -> None:
-    """actor.lora's MLP projections on a mixture-of-experts model: its MoE layers' experts (split over EP), router
-    and shared experts are no megatron linear that megarl/engine/lora.py adapts, so the targets are refused by key
-    here rather than in a training rank (and all-linear does not quietly mean fewer projections than peft's)."""
+    """actor.lora's MLP projections on a mixture-of-experts model name its routed experts (each one's fused gate
+    and up rows, and down: megarl/engine/lora.py), shared experts and dense MLP layers. What cannot be adapted as
+    peft adapts transformers' fused experts is refused by key here rather than in a training rank."""
     lora = getattr(section, "lora", None)
     if lora is None or not lora.rank or not experts:
         return
-    mlp = sorted(lora_targets(lora) & {"gate_proj", "up_proj", "down_proj"})
-    if mlp:
-        raise ConfigError(
-            f"{role}.lora.target_modules={','.join(lora.target_modules)}: {where} is a mixture-of-experts model "
-            f"({experts} routed experts per MoE layer, here over {role}.parallel.ep={section.parallel.ep}); LoRA does "
-            f"not adapt experts, their router or shared experts, which {', '.join(mlp)} name there: target the "
-            f"attention projections alone ({role}.lora.target_modules=q_proj,k_proj,v_proj,o_proj)")
+    key = f"{role}.lora.target_modules={','.join(lora.target_modules)}"
+    mlp = sorted(lora_targets(lora) & set(MLP_TARGETS))
+    if not mlp:
+        return
+    attention_only = f"target the attention projections alone ({role}.lora.target_modules=q_proj,k_proj,v_proj,o_proj)"
+    from megarl.reshard.inventory import STACKED_EXPERTS
+
+    if hf.get("model_type") in STACKED_EXPERTS:
+        raise ConfigError(f"{key}: {where} (model_type={hf.get('model_type')!r}) stacks its experts with biases in "
+                          f"megarl's own expert module; LoRA adapts megatron's SequentialMLP experts only, and "
+                          f"{', '.join(mlp)} name them there: {attention_only}")
+    if len({"gate_proj", "up_proj"} & set(mlp)) == 1:
+        raise ConfigError(f"{key}: {where} is a mixture-of-experts model ({experts} routed experts per MoE layer, "
+                          f"here over {role}.parallel.ep={section.parallel.ep}), whose experts' gate and up "
+                          "projections are one fused parameter (gate_up_proj) in transformers and peft, adapted "
+                          "whole: target gate_proj and up_proj together, or neither")
+    if lora.dropout:
+        raise ConfigError(f"{role}.lora.dropout={lora.dropout} with {key} on {where}, a mixture-of-experts model: "
+                          f"{', '.join(mlp)} adapt its routed experts, and peft's LoRA on transformers' fused "
+                          "experts has no dropout (no PEFT directory could hold the run): set "
+                          f"{role}.lora.dropout=0, or {attention_only}")
 
 
 def check_rollout_model(cfg, hf: dict, where: str) -> None:
@@ -82,6 +106,11 @@ def check_rollout_model(cfg, hf: dict, where: str) -> None:
     from megarl.reshard.inventory import STACKED_EXPERTS
 
     r, t = cfg.rollout, cfg.trainer
+    if r.lora_sync == "adapter" and lora_adapts_experts(cfg.actor, hf):
+        raise ConfigError(f"rollout.lora_sync=adapter with actor.lora.target_modules="
+                          f"{','.join(cfg.actor.lora.target_modules)} on {where}: the adapters of its routed experts "
+                          "(peft's target_parameters) are loaded by neither rollout engine's adapter path; use "
+                          "rollout.lora_sync=merged")
     if language_fields(hf).get("model_type") in STACKED_EXPERTS:
         stacks = f"{where}: model_type={hf.get('model_type')!r} stacks each layer's experts in a few tensors"
         if r.weight_delivery != "full":

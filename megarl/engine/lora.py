@@ -15,6 +15,16 @@ Tensor parallelism as the base layer's:
   (reduce_from_tensor_model_parallel_region) before B, so B's output and gradient are whole on every rank; under
   sequence parallelism each rank keeps its own tokens of it, as the base's reduce-scatter does.
 
+Mixture-of-experts layers: each routed expert of megatron's SequentialMLP (the experts megarl's MoE families build)
+has its own adapters, held by the EP rank that holds the expert: one on the fused gate and up rows (A [rank, hidden],
+B [2 x width, rank]: peft's LoRA on transformers' fused gate_up_proj parameter, target_parameters) and one on down.
+The expert's layers run megatron's explicit expert communication (EP > 1 or expert-TP > 1): the dispatcher gathers
+the tokens over the expert-TP group and its combine sums the ranks' partial outputs, so an adapter neither gathers
+nor reduces activations; the matrix whole on every expert-TP rank (A of gate_up, B of down) has its gradient summed
+over that group instead, from the rank's partial one. Shared experts and the dense MLP layers of a MoE model are
+plain MLPs (the per-projection adapters above). Expert adapters are in DDP's expert buffers (allreduce False), as
+their base weights are.
+
 Only the adapters have requires_grad: megatron's DDP and optimizer hold no gradient buffer, main copy or Adam state
 of the base. The KL reference policy is the same model with the adapters off (disabled()). The rollout engine gets
 the merged weights W + scale B A, in W's layout and dtype (merged_weight, through the engine's export). Checkpoints
@@ -35,6 +45,8 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            get_cuda_rng_tracker,
                                            reduce_from_tensor_model_parallel_region,
                                            scatter_to_sequence_parallel_region, set_tensor_model_parallel_attributes)
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
@@ -43,6 +55,7 @@ from megarl.config.validation import lora_targets
 KEY = "actor.lora.target_modules"
 ATTENTION_QKV, ATTENTION_OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
 MLP_IN, MLP_OUT = ("gate_proj", "up_proj"), ("down_proj",)
+GATE_UP = "gate_up_proj"  # a routed expert's one adapter on its fused gate and up rows ([gate; up], as transformers')
 
 
 class Adapter(nn.Module):
@@ -56,27 +69,35 @@ class Adapter(nn.Module):
 
 class AdaptedLinear(nn.Module):
     """The adapters of one megatron linear layer (its child `lora`). Column-parallel: the layer's local output rows
-    are `groups` repeats of `blocks` ((projection, rows) each, in order); row-parallel: one block, its input split."""
+    are `groups` repeats of `blocks` ((projection, rows) each, in order); row-parallel: one block, its input split.
+    The layer's own TP group (the expert-TP group for an expert) and its communication settings are followed."""
 
-    def __init__(self, owner: "Lora", column: bool, groups: int, blocks: list[tuple[str, int]],
+    def __init__(self, owner: "Lora", linear, column: bool, groups: int, blocks: list[tuple[str, int]],
                  adapters: dict[str, Adapter]):
         super().__init__()
         self.owner, self.column, self.groups, self.blocks = owner, column, groups, blocks
         self.adapters = nn.ModuleDict(adapters)
+        self.group = linear.tp_group
+        # an expert's layer: the MoE dispatcher gathers its tokens and its combine sums the partial outputs
+        self.explicit = bool(getattr(linear, "explicit_expert_comm", False))
+        self.sequence_parallel = bool(linear.sequence_parallel) and not self.explicit
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """scale * B A dropout(x) in the layer's local output layout (x: the layer's input, [s, b, in])."""
-        sp = self.owner.sequence_parallel
+        """scale * B A dropout(x) in the layer's local output layout (x: the layer's input, [s, b, in] or, an
+        expert's, [tokens, in])."""
+        if self.explicit:
+            return self._expert_delta(x) * self.owner.scale
+        group, sp = self.group, self.sequence_parallel
         if self.column:
             if sp:  # the base gathers the tokens of the TP group; the gradient of the gathered copy is whole per rank
-                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+                x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
             parts = []
             for name, rows in self.blocks:
                 if name in self.adapters:
                     a = self.adapters[name]
                     # A is whole on every TP rank: the same mask on each, from the default RNG, which megatron keeps
                     # in step across TP ranks (its dropout on replicated activations relies on it too)
-                    h = copy_to_tensor_model_parallel_region(a.dropout(x) @ a.A.t())
+                    h = copy_to_tensor_model_parallel_region(a.dropout(x) @ a.A.t(), group=group)
                     parts.append((h @ a.B.t()).unflatten(-1, (self.groups, rows)))
                 else:
                     parts.append(x.new_zeros(*x.shape[:-1], self.groups, rows))
@@ -87,11 +108,21 @@ class AdaptedLinear(nn.Module):
             # dropout on split heads)
             with get_cuda_rng_tracker().fork() if a.dropout.p else contextlib.nullcontext():
                 x = a.dropout(x)
-            h = reduce_from_tensor_model_parallel_region(x @ a.A.t())
+            h = reduce_from_tensor_model_parallel_region(x @ a.A.t(), group=group)
             out = h @ a.B.t()
             if sp:  # the base's output holds this rank's tokens (reduce-scatter); the gradient is all-gathered
-                out = scatter_to_sequence_parallel_region(out)
+                out = scatter_to_sequence_parallel_region(out, group=group)
         return out * self.owner.scale
+
+    def _expert_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """An expert's B A x (no dropout: refused for experts). Column: x is the same on every expert-TP rank and its
+        gradient a partial sum (the dispatcher sums it), so A x is computed locally and A's gradient, partial per
+        rank, is summed over the group (copy_to: identity forward). Row: the output is a partial sum (the combine
+        sums it), so B (A_rank x_rank) needs no reduction: B A x = sum over ranks; B's gradient is summed likewise."""
+        a = self.adapters[self.blocks[0][0]]
+        if self.column:
+            return (x @ copy_to_tensor_model_parallel_region(a.A, group=self.group).t()) @ a.B.t()
+        return (x @ a.A.t()) @ copy_to_tensor_model_parallel_region(a.B, group=self.group).t()
 
     @torch.no_grad()
     def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -114,8 +145,8 @@ class AdaptedLinear(nn.Module):
 class Lora:
     """The adapters installed on a model's chunks (install)."""
 
-    def __init__(self, section, sequence_parallel: bool):
-        self.section, self.scale, self.sequence_parallel = section, section.alpha / section.rank, sequence_parallel
+    def __init__(self, section):
+        self.section, self.scale = section, section.alpha / section.rank
         self.enabled = True
         self.layers: dict[int, AdaptedLinear] = {}  # by id() of the base layer's weight
 
@@ -146,27 +177,59 @@ class Lora:
 
 
 def install(gpts, section, seed: int) -> Lora:
-    """Adapters on every decoder layer's targeted projections of the chunks `gpts`; every other parameter frozen.
-    Before megatron's DDP and optimizer are built (they take the parameters that need gradients)."""
+    """Adapters on every decoder layer's targeted projections of the chunks `gpts` (attention, dense MLP, shared
+    experts, this rank's routed experts); every other parameter frozen. Before megatron's DDP and optimizer are built
+    (they take the parameters that need gradients)."""
     config = gpts[0].config
-    lora = Lora(section, bool(config.sequence_parallel))
+    lora = Lora(section)
     targets = lora.targets
+    qkv, mlp_in = [n for n in ATTENTION_QKV if n in targets], [n for n in MLP_IN if n in targets]
     for gpt in gpts:
         gpt.requires_grad_(False)
         for layer in getattr(getattr(gpt, "decoder", None), "layers", []):
             index = layer.layer_number - 1
-            attention, mlp = layer.self_attention, layer.mlp
-            for names, linear, blocks in (
-                    (ATTENTION_QKV, getattr(attention, "linear_qkv", None), _qkv_blocks(config)),
-                    (ATTENTION_OUT, getattr(attention, "linear_proj", None), None),
-                    (MLP_IN, getattr(mlp, "linear_fc1", None), _gate_up_blocks(config)),
-                    (MLP_OUT, getattr(mlp, "linear_fc2", None), None)):
-                wanted = [n for n in names if n in targets]
-                if wanted:
-                    _adapt(lora, linear, index, wanted, blocks, seed, names)
+            attention, where = layer.self_attention, f"decoder layer {index}"
+            if qkv:
+                _adapt(lora, getattr(attention, "linear_qkv", None), True, qkv, lambda w: _qkv_blocks(config),
+                       str(index), where, seed)
+            if "o_proj" in targets:
+                _adapt(lora, getattr(attention, "linear_proj", None), False, ["o_proj"], _one("o_proj"), str(index),
+                       where, seed)
+            for key, where, mlp, expert in _mlps(layer.mlp, index):
+                if expert and mlp_in:
+                    _adapt(lora, getattr(mlp, "linear_fc1", None), True, [GATE_UP], partial(_gate_up, config), key,
+                           where, seed)
+                elif mlp_in:
+                    _adapt(lora, getattr(mlp, "linear_fc1", None), True, mlp_in, partial(_gate_up_blocks, config),
+                           key, where, seed)
+                if "down_proj" in targets:
+                    _adapt(lora, getattr(mlp, "linear_fc2", None), False, ["down_proj"], _one("down_proj"), key,
+                           where, seed)
     if not lora.layers:
         raise ValueError(f"{KEY}={section.target_modules}: no layer of this model has those projections")
     return lora
+
+
+def _mlps(mlp, index: int):
+    """(seed key, description, module, routed expert?) of each MLP a decoder layer's `mlp` holds on this rank: the
+    layer's dense MLP, or a MoE layer's shared experts and this EP rank's routed experts (by global index)."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        yield str(index), f"decoder layer {index}", mlp, False
+        return
+    if type(experts) is not SequentialMLP:  # grouped-GEMM experts, gpt-oss's: no linear layer per expert
+        raise ValueError(f"{KEY}: gate_proj, up_proj and down_proj name the routed experts of decoder layer {index}, "
+                         f"which are {type(experts).__name__} here; LoRA adapts megatron's SequentialMLP experts only: "
+                         "target the attention projections alone (q_proj,k_proj,v_proj,o_proj)")
+    if getattr(mlp, "shared_experts", None) is not None:
+        yield f"{index}.shared_experts", f"the shared experts of decoder layer {index}", mlp.shared_experts, False
+    for local, expert in enumerate(experts.local_experts):
+        e = mlp.local_expert_indices[local]
+        yield f"{index}.experts.{e}", f"expert {e} of decoder layer {index}", expert, True
+
+
+def _one(name: str):
+    return lambda weight: (1, [(name, weight.shape[0])])
 
 
 def _qkv_blocks(config) -> tuple[int, list[tuple[str, int]]]:
@@ -176,33 +239,43 @@ def _qkv_blocks(config) -> tuple[int, list[tuple[str, int]]]:
     return groups // tp, [("q_proj", per_group * head_dim), ("k_proj", head_dim), ("v_proj", head_dim)]
 
 
-def _gate_up_blocks(config) -> tuple[int, list[tuple[str, int]]] | None:
+def _gate_up_blocks(config, weight) -> tuple[int, list[tuple[str, int]]] | None:
+    """A gated MLP's linear_fc1: [this rank's gate rows; its up rows]."""
     if not config.gated_linear_unit:
         return None
-    rows = config.ffn_hidden_size // parallel_state.get_tensor_model_parallel_world_size()
+    rows = weight.shape[0] // 2
     return 1, [("gate_proj", rows), ("up_proj", rows)]
 
 
-def _adapt(lora: Lora, linear, index: int, wanted: list[str], blocks, seed: int, names: tuple[str, ...]) -> None:
-    """Adapters for the projections `wanted` of one megatron layer `linear` (decoder layer `index`)."""
-    where = f"{KEY}: {', '.join(wanted)} in decoder layer {index}"
-    column = names in (ATTENTION_QKV, MLP_IN)
+def _gate_up(config, weight) -> tuple[int, list[tuple[str, int]]] | None:
+    """A routed expert's linear_fc1: one adapter on the fused gate and up rows."""
+    return (1, [(GATE_UP, weight.shape[0])]) if config.gated_linear_unit else None
+
+
+def _adapt(lora: Lora, linear, column: bool, wanted: list[str], layout, key: str, where: str, seed: int) -> None:
+    """Adapters for the projections `wanted` of one megatron layer `linear` (in `where`); `layout(weight)`: its local
+    (groups, blocks), None where the layer is not a fused layout LoRA adapts; `key` names the layer in the seeds."""
+    where = f"{KEY}: {', '.join(wanted)} in {where}"
     expected = ColumnParallelLinear if column else RowParallelLinear
     if not isinstance(linear, expected):
         raise ValueError(f"{where}: this model's layer has no megatron {expected.__name__} there "
-                         f"({type(linear).__name__}; mixture-of-experts MLPs and MLA attention take no adapters yet)")
+                         f"({type(linear).__name__}; MLA attention and gated-delta-net layers take no adapters yet)")
     weight = linear.weight
+    expert = not getattr(weight, "allreduce", True)  # an expert's weight, in DDP's expert buffers
+    if expert and lora.section.dropout:
+        raise ValueError(f"{where}: actor.lora.dropout={lora.section.dropout} on an expert: peft's LoRA on transformers' "
+                         "fused experts has no dropout (no PEFT directory could hold the run); set actor.lora.dropout=0")
+    groups_blocks = layout(weight)
     if column:
-        if blocks is None or linear.gather_output:
+        if groups_blocks is None or linear.gather_output:
             raise ValueError(f"{where}: the layer is not the fused layout LoRA adapts (a gated MLP's gate and up rows)")
-        groups, blocks = blocks
+        groups, blocks = groups_blocks
         if groups * sum(rows for _, rows in blocks) != weight.shape[0]:
             raise ValueError(f"{where}: the layer's {weight.shape[0]} local rows are not the fused q/k/v or gate/up "
                              f"layout ({groups} x {blocks}); this family's fused rows take no adapters yet")
     else:
-        groups, blocks = 1, [(names[0], weight.shape[0])]
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+        groups, blocks = groups_blocks
+    tp, rank = linear.tp_group.size(), linear.tp_group.rank()
     in_full = weight.shape[1] * (1 if column else tp)
     adapters = {}
     for name, rows in blocks:
@@ -210,7 +283,7 @@ def _adapt(lora: Lora, linear, index: int, wanted: list[str], blocks, seed: int,
             continue
         # A as peft initializes it (kaiming-uniform, a=sqrt(5)), the same on every rank from the layer's own seed;
         # B zero: the adapted policy starts as the base
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{index}.{name}".encode()))
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{key}.{name}".encode()))
         A = torch.empty(lora.section.rank, in_full)
         bound = 1 / math.sqrt(in_full)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)
         A.uniform_(-bound, bound, generator=generator)
@@ -221,8 +294,11 @@ def _adapt(lora: Lora, linear, index: int, wanted: list[str], blocks, seed: int,
         adapter = Adapter(A.contiguous(), B, lora.section.dropout)
         split = adapter.B if column else adapter.A
         set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
+        if expert:
+            for param in adapter.parameters():
+                param.allreduce = False
         adapters[name] = adapter
-    layer = AdaptedLinear(lora, column, groups, blocks, adapters)
+    layer = AdaptedLinear(lora, linear, column, groups, blocks, adapters)
     linear.lora = layer
     linear.register_forward_hook(partial(_forward_hook, lora), with_kwargs=True)
     axis = {f"lora.adapters.{n}.{'B' if column else 'A'}": 0 if column else 1 for n in adapters}
@@ -243,5 +319,10 @@ def _sharded_state_dict(linear, axis: dict[str, int], prefix: str = "", sharded_
     """megatron's sharded state of the layer, its adapters' split matrices sharded along their split axis too (the
     layer's own method would write them as replicated: rank 0's shard alone)."""
     state = linear.state_dict(prefix="", keep_vars=True)
-    return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=linear.tp_group,
-                                               dp_cp_group=metadata["dp_cp_group"])
+    sharded = make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=linear.tp_group,
+                                                  dp_cp_group=metadata["dp_cp_group"])
+    fused = f"{prefix}lora.adapters.{GATE_UP}.B"
+    if fused in sharded:  # [this rank's gate rows; its up rows], as the expert's fc1 weight (megatron's MLP wraps that)
+        sharded[fused] = apply_swiglu_sharded_factory(sharded[fused], sharded_offsets,
+                                                      (metadata or {}).get("singleton_local_shards", False))
+    return sharded

@@ -6,11 +6,22 @@ pipeline stages' layers gathered), under peft's key for the projection's HF modu
 base_model.model.<module>.lora_A.weight and .lora_B.weight (the module named by the family's weight map, e.g.
 model.layers.0.self_attn.q_proj). adapter_config.json records the rank, alpha, dropout, the projections adapted and
 the base model's path (base_model_name_or_path). peft's forward is W x + (alpha / r) B A x, the policy's.
+
+A mixture-of-experts layer's routed experts are one module in transformers 5 (<layer>.mlp.experts, whatever the
+checkpoint calls them), their weights fused 3-D parameters: gate_up_proj [experts, 2 x width, hidden] ([gate; up]
+rows) and down_proj [experts, hidden, width]. peft adapts them through target_parameters (its ParamWrapper): one
+A [rank x experts, in] and one B [out, rank x experts] per parameter, expert e's A the rows e x rank + j and its B
+the columns j x experts + e (j < rank), each expert computing W_e x + (alpha / r) B_e A_e x. Every expert's adapters
+are gathered from the EP rank holding it and written so. Where both parameters are adapted peft nests its wrappers,
+gate_up_proj's inside down_proj's: its keys are <layer>.mlp.experts.base_layer.lora_A.weight, down_proj's
+<layer>.mlp.experts.lora_A.weight (one alone: the latter). adapter_config.json lists them in target_parameters
+(mlp.experts.gate_up_proj, mlp.experts.down_proj); target_modules names the projections adapted as linear modules.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,51 +32,94 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
-def adapter_tensors(engine) -> dict[str, torch.Tensor]:
-    """Every adapter matrix whole, on the CPU, by its PEFT key; the same on every rank. Collective over the TP and
-    pipeline groups: every rank calls it."""
+EXPERTS = "mlp.experts"  # where transformers 5 holds a layer's routed experts, fused
+_EXPERT_HF = re.compile(r"^(.*)\.[^.]+\.experts\.\d+\.[^.]+\.weight$")  # one expert's tensor in the checkpoint
+
+
+def adapter_tensors(engine) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Every adapter matrix whole, on the CPU, by its PEFT key; the same on every rank; with the projections adapted
+    as linear modules (target_modules) and the fused expert parameters adapted (target_parameters). Collective over
+    the TP, EP and pipeline groups: every rank calls it."""
     from megatron.core import parallel_state  # here: the rollout engines read and merge adapters without megatron
 
     from megarl.engine import weights
+    from megarl.engine.lora import GATE_UP
 
     lora = engine.lora
     by_megatron = {wm.megatron: wm for wm in engine.weight_maps}
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    out = {}
+    out, modules, experts = {}, set(), {}  # experts: (layer's experts module, parameter) -> {expert: (A, B)}
     for name, param in sorted(weights.global_parameters(engine.gpts).items()):
         layer = lora.layers.get(id(param))
         if layer is None:
             continue
-        hf = by_megatron[name].hf
+        hf, expert = by_megatron[name].hf, weights.expert_index(name)
         for proj, adapter in layer.adapters.items():
+            A, B = _whole(adapter.A, layer.group), _whole(adapter.B, layer.group, halves=proj == GATE_UP)
+            if expert is not None:
+                match = _EXPERT_HF.match(hf[0])
+                if match is None:
+                    raise ValueError(f"{name}: the family's weight map names its expert {hf[0]}, not as "
+                                     "<layer>.<block>.experts.<e>.<projection>.weight; its adapters have no PEFT name")
+                parameter = GATE_UP if proj == GATE_UP else "down_proj"
+                experts.setdefault((f"{match.group(1)}.{EXPERTS}", parameter), {})[expert] = (A, B)
+                continue
             module = next((n.removesuffix(".weight") for n in hf if n.endswith(f".{proj}.weight")), None)
             if module is None:
                 raise ValueError(f"{name}: the family's weight map names no {proj} among {list(hf)}; its adapters have "
                                  "no PEFT name")
-            for which, matrix in (("A", adapter.A), ("B", adapter.B)):
-                out[f"{PREFIX}{module}.lora_{which}.weight"] = _whole(matrix, tp_group).cpu()
+            modules.add(proj)
+            out[f"{PREFIX}{module}.lora_A.weight"], out[f"{PREFIX}{module}.lora_B.weight"] = A, B
+    if experts and parallel_state.get_expert_model_parallel_world_size() > 1:
+        ranks = [None] * parallel_state.get_expert_model_parallel_world_size()
+        dist.all_gather_object(ranks, experts, group=parallel_state.get_expert_model_parallel_group())
+        experts = {}
+        for held in ranks:
+            for key, by_expert in held.items():
+                experts.setdefault(key, {}).update(by_expert)
+    parameters = sorted({parameter for _, parameter in experts})
+    for (module, parameter), by_expert in experts.items():
+        count = engine.gpt.config.num_moe_experts
+        if sorted(by_expert) != list(range(count)):
+            raise ValueError(f"{module}: adapters of experts {sorted(by_expert)} gathered, not all {count}")
+        As, Bs = zip(*(by_expert[e] for e in range(count)))
+        B = torch.stack(Bs, 2)  # [out, rank, experts]: expert e's column j at j x experts + e
+        # peft wraps gate_up_proj inside down_proj where both are adapted
+        nested = f"{module}.base_layer" if parameter == GATE_UP and len(parameters) == 2 else module
+        out[f"{PREFIX}{nested}.lora_A.weight"] = torch.cat(As, 0)
+        out[f"{PREFIX}{nested}.lora_B.weight"] = B.reshape(B.shape[0], -1)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, out, group=parallel_state.get_pipeline_model_parallel_group())
-        out = {k: v for stage in stages for k, v in stage.items()}
-    return out
+        dist.all_gather_object(stages, (out, modules, parameters),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+        out = {k: v for stage, _, _ in stages for k, v in stage.items()}
+        modules = {m for _, held, _ in stages for m in held}
+        parameters = sorted({p for _, _, held in stages for p in held})
+    return out, sorted(modules), [f"{EXPERTS}.{p}" for p in parameters]
 
 
-def _whole(matrix: torch.Tensor, group) -> torch.Tensor:
+def _whole(matrix: torch.Tensor, group, halves: bool = False) -> torch.Tensor:
+    """A TP-split matrix gathered along its split axis; `halves`: each rank's rows are [its gate rows; its up rows]
+    (an expert's fused gate_up B), gathered as [gate; up]."""
     if not getattr(matrix, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
-        return matrix.detach().clone()
+        return matrix.detach().clone().cpu()
     parts = [torch.empty_like(matrix) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, matrix.detach().contiguous(), group=group)
-    return torch.cat(parts, matrix.partition_dim)
+    if halves:
+        from megarl.models.sharding import fused_gate_up
+
+        return torch.cat(fused_gate_up()["from_shards"](parts)).cpu()
+    return torch.cat(parts, matrix.partition_dim).cpu()
 
 
-def adapter_config(section, targets: set[str], base_model: str) -> dict:
-    """peft's LoraConfig as adapter_config.json holds it (`section`: actor.lora)."""
+def adapter_config(section, modules: list[str], parameters: list[str], base_model: str) -> dict:
+    """peft's LoraConfig as adapter_config.json holds it (`section`: actor.lora; `modules`: the projections adapted
+    as linear modules, `parameters`: the fused expert parameters)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": section.rank, "lora_alpha": section.alpha, "lora_dropout": section.dropout,
-            "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-            "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+            "target_modules": modules, "target_parameters": parameters or None, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "inference_mode": True, "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
+            "alpha_pattern": {}}
 
 
 def write_peft(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> int:
@@ -87,9 +141,9 @@ def write_peft(directory: str | Path, tensors: dict[str, torch.Tensor], config: 
 def save_peft(engine, directory: str | Path, base_model: str) -> int:
     """The engine's adapters as a PEFT directory, written by global rank 0 (collective: every rank calls it).
     Returns the adapter weights' bytes on every rank."""
-    tensors = adapter_tensors(engine)
+    tensors, modules, parameters = adapter_tensors(engine)
     if dist.get_rank() == 0:
-        write_peft(directory, tensors, adapter_config(engine.lora.section, engine.lora.targets, base_model))
+        write_peft(directory, tensors, adapter_config(engine.lora.section, modules, parameters, base_model))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

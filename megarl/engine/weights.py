@@ -56,12 +56,18 @@ def _global_expert(layer, local_match: re.Match) -> int:
     return layer.mlp.local_expert_indices[int(local_match.group(1))]
 
 
+def expert_index(megatron_name: str) -> int | None:
+    """The global index of the routed expert a parameter (named by global_parameters) belongs to; None for others."""
+    match = _EXPERT.search(megatron_name)
+    return None if match is None else int(match.group(1))
+
+
 def _expert_owner(megatron_name: str, num_experts: int | None) -> int | None:
     """The EP rank holding an expert parameter (named by global expert index); None for the others."""
-    match = _EXPERT.search(megatron_name)
-    if match is None:
+    expert = expert_index(megatron_name)
+    if expert is None:
         return None
-    return int(match.group(1)) // (num_experts // parallel_state.get_expert_model_parallel_world_size())
+    return expert // (num_experts // parallel_state.get_expert_model_parallel_world_size())
 
 
 def tp_group_of(megatron_name: str):
