@@ -10,6 +10,9 @@ so dying and restarting are real). It speaks sglang 0.5.17's JSON for the endpoi
   sampling_seed, of the seed and the token's position alone (as SGLang's seeded sampler: a request continued
   from prompt + its tokens so far draws what it would have drawn uninterrupted). An aborted request answers with
   half of its max_new_tokens.
+  With "stream": true, the same outputs as server-sent events, one per row per token (its "index" in a batch),
+  each with the row's tokens so far (with the fake config incremental_streaming_output, only the new one: SGLang's
+  --incremental-streaming-output), finish_reason null until the row's last; then `data: [DONE]`.
 - POST /abort_request {abort_all}: empty 200; requests waiting in a slow /generate finish as aborted.
 - /release_memory_occupation, /resume_memory_occupation {tags}: null; /flush_cache: plain text.
 - POST /update_weights_from_tensor {serialized_named_tensors, load_format, flush_cache}: each payload
@@ -327,6 +330,31 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def stream(self, outputs: list[dict] | dict):
+        """A streamed /generate's events (the module's docstring), rows interleaved token by token."""
+        rows = outputs if isinstance(outputs, list) else [outputs]
+        incremental = STATE.config.get("incremental_streaming_output")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for j in range(max(max(len(out["output_ids"]) for out in rows), 1)):
+            for i, out in enumerate(rows):
+                tokens, meta = out["output_ids"], out["meta_info"]
+                if j >= max(len(tokens), 1):
+                    continue
+                last = j >= len(tokens) - 1
+                pairs = meta["output_token_logprobs"]
+                event = {"output_ids": tokens[j:j + 1] if incremental else tokens[:j + 1],
+                         "meta_info": meta | {"finish_reason": meta["finish_reason"] if last else None,
+                                              "completion_tokens": min(j + 1, len(tokens)),
+                                              "output_token_logprobs": pairs[j:j + 1] if incremental else
+                                              pairs[:j + 1]}}
+                if isinstance(outputs, list):
+                    event["index"] = i
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
     def do_GET(self):
         if self.path == "/health":
             return self.reply(503 if self.never_healthy else 200, ...)
@@ -353,6 +381,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/generate":
             STATE.aborted.clear()
             try:
+                if body.get("stream"):
+                    return self.stream(generate(body))
                 return self.reply(200, generate(body))
             except ContextTooLong as e:
                 return self.reply(400, {"error": {"message": str(e)}})
