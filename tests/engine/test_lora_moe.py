@@ -3,7 +3,7 @@ equal peft's LoRA on the same tiny HF model at EP=2 and at TP=2 (the experts spl
 and the adapters' gradients. transformers 5 holds a layer's experts as two fused 3-D parameters
 (mlp.experts.gate_up_proj, mlp.experts.down_proj), which peft adapts through target_parameters: one adapter per
 expert on the fused gate and up rows, one on down, the reference here. B = 0 gives the base exactly; the base stays
-frozen; the PEFT directory written at either layout holds peft's own keys and tensors and peft's model from it gives
+frozen; a checkpoint of the adapters written at EP=2 loads at TP=2; the PEFT directory written at either layout holds peft's own keys and tensors and peft's model from it gives
 the trainer's log-probs; the merged export is the base plus scale x B A per expert. What cannot be adapted so is
 refused by key before any worker starts."""
 
@@ -90,8 +90,9 @@ def _expert_shard(full: torch.Tensor, parameter: str, which: str) -> torch.Tenso
     return full
 
 
-def _check_layout(model_dir, batch, coefficients, reference, peft_dir, sequence_parallel: bool):
-    """The engine of this layout against peft; its PEFT directory written to `peft_dir`; its merged export."""
+def _check_layout(model_dir, batch, coefficients, reference, out, layout, sequence_parallel: bool, resume: bool):
+    """The engine of this layout against peft, its adapters set to the reference's (or, `resume`, loaded from the
+    checkpoint another layout wrote); its PEFT directory written to out/layout; its merged export."""
     from megarl.engine import MegatronEngine
     from megarl.engine.lora_peft import save_peft
 
@@ -111,10 +112,16 @@ def _check_layout(model_dir, batch, coefficients, reference, peft_dir, sequence_
         elif (adapter := _expert_adapter(engine, *key)) is not None:
             pairs[key] = adapter, lambda full, which, parameter=key[1]: _expert_shard(full, parameter, which)
     assert len(pairs) == 2 * 4 + 2 * 2 * EXPERTS // engine.gpt.decoder.layers[0].mlp.ep_group.size()
+    if resume:
+        engine.load_checkpoint(f"{out}/checkpoint", optimizer=False)  # no update yet: no Adam state
     with torch.no_grad():
         for key, (adapter, shard) in pairs.items():
-            adapter.A.copy_(shard(adapters[key][0], "A"))
-            adapter.B.copy_(shard(adapters[key][1], "B"))
+            for which, param, full in zip("AB", (adapter.A, adapter.B), adapters[key]):
+                if resume:  # resharded from EP=2 to expert-TP 2 (the fused gate_up B by gate and up rows)
+                    assert torch.equal(param, shard(full, which)), (key, which)
+                param.copy_(shard(full, which))
+    if not resume:
+        engine.save_checkpoint(f"{out}/checkpoint")
     torch.testing.assert_close(_grads_and_logprobs(engine, batch, coefficients), logprobs, rtol=0, atol=2e-5)
     for key, (adapter, shard) in pairs.items():
         for which, got, want in zip("AB", (adapter.A.main_grad, adapter.B.main_grad), grads[key]):
@@ -122,7 +129,7 @@ def _check_layout(model_dir, batch, coefficients, reference, peft_dir, sequence_
             # fp32 sums in another order: within 1e-3 of the gradient's scale
             torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item(), msg=str(key))
     assert torch.equal(engine.compute_logprobs(batch, reference=True)["ref_logprobs"], base)  # adapters off
-    assert save_peft(engine, peft_dir, model_dir) > 0
+    assert save_peft(engine, f"{out}/{layout}", model_dir) > 0
     return {n: t.clone() for bucket in engine.export_hf_weights(1 << 30) for n, t in bucket}
 
 
@@ -133,11 +140,11 @@ def _check_rank(rank, model_dir, batch, coefficients, reference, out):
 
     merged = {}
     # EP=2: 2 of the 4 experts a rank; TP=2: expert-TP 2, with sequence parallelism (megatron's MoE layer refuses
-    # to train under TP without it)
+    # to train under TP without it), the adapters from EP=2's checkpoint
     for layout, tp, ep in (("ep2", 1, 2), ("tp2", 2, 1)):
         parallel_state.destroy_model_parallel()
         build_model_parallel(tp, 1, 1, ep=ep)
-        merged[layout] = _check_layout(model_dir, batch, coefficients, reference, f"{out}/{layout}", tp > 1)
+        merged[layout] = _check_layout(model_dir, batch, coefficients, reference, out, layout, tp > 1, tp > 1)
     return merged
 
 
