@@ -171,7 +171,7 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
     import torch
 
     from megarl.engine.checkpoint_dir import publish_directory, read_engine_file
-    from megarl.models.hf_checkpoint import MTP_FILE, export_config, iter_mtp_copy, value_model_config
+    from megarl.models.hf_checkpoint import UNTRAINED_FILES, export_config, iter_untrained_copies, value_model_config
 
     role_dir = _resolve_checkpoint(Path(checkpoint), role)
     meta = read_engine_file(role_dir)
@@ -188,14 +188,14 @@ def megatron_to_hf(checkpoint: str | Path, out: str | Path, role: str = "actor",
         with phases(f"writing {out} as safetensors shards of up to {max_shard_gb:g} GB"):
             shards = [_save_shard(staging, i, bucket, target)
                       for i, bucket in enumerate(engine.export_hf_weights(max_shard_bytes))]
-    # The multi-token-prediction layers megarl does not train: the source's own copy, after the trained weights,
-    # each sized as written (in `target`).
-    mtp = (((name, t), t.numel() * target.itemsize) for name, t in iter_mtp_copy(role_dir / "hf"))
+    # What megarl does not train (multi-token-prediction layers, a text-only policy's vision tower): the source's own
+    # copy, after the trained weights, each sized as written (in `target`).
+    untrained = (((name, t), t.numel() * target.itemsize) for name, t in iter_untrained_copies(role_dir / "hf"))
     shards += [_save_shard(staging, len(shards) + i, bucket, target)
-               for i, bucket in enumerate(buckets_by_size(mtp, max_shard_bytes))]
+               for i, bucket in enumerate(buckets_by_size(untrained, max_shard_bytes))]
     _name_shards(staging, shards)
     for path in sorted((role_dir / "hf").iterdir()):
-        if path.name != MTP_FILE:
+        if path.name not in {file for file, _ in UNTRAINED_FILES}:
             shutil.copy2(path, staging / path.name)
     config = export_config(json.loads((staging / "config.json").read_text()), target)
     if meta.get("head") == "value":  # a critic or reward model: transformers loads it as a sequence classifier

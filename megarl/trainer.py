@@ -35,6 +35,7 @@ from megarl.rewards.mixing import ScoreMixer, ends_with
 from megarl.rollout.agent import agent_metrics, observation_renderer
 from megarl.rollout.weight_layout import merge as merge_checksums
 from megarl.sampler import Sampler
+from megarl.utils.hf_config import TEXT_ONLY_TOWERS
 from megarl.utils.progress import phases
 from megarl.utils.timers import Timers
 from megarl.utils.tracking import Tracker, run_dir
@@ -117,6 +118,8 @@ class RLTrainer:
         self.version = 0  # policy version = optimizer steps of RL taken so far
         self.syncs = 0  # weight syncs done (trainer.verify_weight_sync_every counts them)
         self.rollout_buffers = None  # the rollout engine's non-weight buffers' checksums at the first verification
+        # the parameters no sync sends (a text-only policy's vision tower): verified unchanged, as buffers are
+        self.kept_weights = TEXT_ONLY_TOWERS.get(model_config.get("model_type"), ())
         self.unchecked = None  # the last verified sync's expected checksums, until check_rollout_weights compares
         self.history = {"val/reward": {}}  # held-out reward by step
         self.checkpoints = Checkpoints(cfg.trainer.checkpoint_dir or Path(cfg.trainer.output_dir) / "checkpoints",
@@ -463,7 +466,7 @@ class RLTrainer:
             return {}
         start, expected, self.unchecked = time.perf_counter(), self.unchecked, None
         self.rollout_buffers = weight_sync.verify_checksums(expected, self.rollout_call("weight_checksums"),
-                                                            self.rollout_buffers)
+                                                            self.rollout_buffers, self.kept_weights)
         return {"sync/verify_deferred_s": time.perf_counter() - start}
 
     def verify_rollout_weights(self, reports: list[weight_sync.SyncReport]) -> None:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megarl.convert import main
-from megarl.models.hf_checkpoint import MTP_FILE, SafetensorsCheckpoint, export_config, iter_mtp_copy, save_mtp_copy
+from megarl.models.hf_checkpoint import MTP_FILE, SafetensorsCheckpoint, export_config, iter_untrained_copies, save_untrained_copies
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import hf_logprobs_entropy, make_qwen2_dir, padded_batch
 from tests.test_convert import convert
@@ -134,7 +134,7 @@ def test_other_quantization_configs_are_refused_by_key_and_file(tmp_path, capsys
 
 def test_mtp_layers_are_left_out_and_copied_as_stored(tmp_path, caplog):
     """Layers num_hidden_layers .. + num_nextn_predict_layers - 1 are not the model's: not listed, logged once;
-    save_mtp_copy keeps their bytes (FP8 scales included)."""
+    save_untrained_copies keeps their bytes (FP8 scales included)."""
     block = (16, 24)
     q, scale_inv = quantize(torch.randn(32, 64), block)
     tensors = {"model.layers.0.mlp.down_proj.weight": torch.randn(32, 48), "model.norm.weight": torch.ones(32),
@@ -151,7 +151,7 @@ def test_mtp_layers_are_left_out_and_copied_as_stored(tmp_path, caplog):
     assert "the 3 tensors of the 1 multi-token-prediction layer(s) model.layers.1.*" in caplog.records[0].getMessage()
 
     (tmp_path / "kept").mkdir()
-    assert save_mtp_copy(tmp_path / "hf", tmp_path / "kept") == 4
+    assert save_untrained_copies(tmp_path / "hf", tmp_path / "kept") == 4
     kept = load_file(str(tmp_path / "kept" / MTP_FILE))
     mtp = {n: t for n, t in tensors.items() if n.startswith("model.layers.1.")}
     assert kept.keys() == mtp.keys()
@@ -159,7 +159,7 @@ def test_mtp_layers_are_left_out_and_copied_as_stored(tmp_path, caplog):
                for n, t in mtp.items())
     # Export reads the kept copy dequantized, as the checkpoint's config.json says; its config has no quantization.
     shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "kept")
-    written = dict(iter_mtp_copy(tmp_path / "kept"))
+    written = dict(iter_untrained_copies(tmp_path / "kept"))
     assert written.keys() == {n for n in mtp if not n.endswith("_scale_inv")}
     assert torch.equal(written["model.layers.1.eh_proj.weight"], dequantize_reference(q, scale_inv, block))
     assert torch.equal(written["model.layers.1.enorm.weight"], tensors["model.layers.1.enorm.weight"])
@@ -170,7 +170,7 @@ def test_mtp_layers_are_left_out_and_copied_as_stored(tmp_path, caplog):
     # Without num_nextn_predict_layers the layer after the last is nothing special: nothing copied.
     write_tensors(tmp_path / "plain", tensors, {**config, "num_nextn_predict_layers": 0})
     (tmp_path / "none").mkdir()
-    assert save_mtp_copy(tmp_path / "plain", tmp_path / "none") == 0 and not any((tmp_path / "none").iterdir())
+    assert save_untrained_copies(tmp_path / "plain", tmp_path / "none") == 0 and not any((tmp_path / "none").iterdir())
 
 
 # -------------------------------------------------------------------------------------------------

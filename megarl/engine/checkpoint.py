@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megarl.engine.checkpoint_dir import ENGINE_FILE, FORMAT, CheckpointError, atomic_write, read_engine_file
-from megarl.models.hf_checkpoint import save_mtp_copy
+from megarl.models.hf_checkpoint import save_untrained_copies
 
 # Files of a HF model directory that are weights (everything else, e.g. tokenizer files, is copied).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -201,7 +201,8 @@ def save_engine(engine, directory: str | Path, weights_only: bool = False) -> No
     if dist.get_rank() == 0:
         for path in _hf_files(Path(engine.model_path)):
             shutil.copy2(path, directory / "hf" / path.name)
-        save_mtp_copy(engine.model_path, directory / "hf")  # untrained MTP layers, for export (hf_checkpoint.py)
+        # untrained MTP layers and a text-only policy's vision tower, for export (hf_checkpoint.py)
+        save_untrained_copies(engine.model_path, directory / "hf")
         contents = list(state) + (["reference"] if has_reference else [])
         meta = {"format": FORMAT, "layout": _layout(), "contents": contents,
                 "step_count": 0 if weights_only else engine.step_count, "head": getattr(engine, "head", "lm"),

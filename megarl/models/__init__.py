@@ -15,7 +15,8 @@ from megarl.models.decoder import DecoderFamily
 _MODULES = ("megarl.models.qwen2", "megarl.models.llama", "megarl.models.qwen3", "megarl.models.qwen3_moe",
             "megarl.models.mistral", "megarl.models.mixtral", "megarl.models.deepseek", "megarl.models.qwen2_vl",
             "megarl.models.qwen3_vl", "megarl.models.qwen3_vl_moe", "megarl.models.qwen3_5", "megarl.models.qwen3_next",
-            "megarl.models.glm4_moe", "megarl.models.gemma3", "megarl.models.gpt_oss")
+            "megarl.models.glm4_moe", "megarl.models.gemma3", "megarl.models.gemma3_mm",
+            "megarl.models.gpt_oss")
 
 
 def _get(hf_config, key: str):

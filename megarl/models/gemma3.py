@@ -35,8 +35,8 @@ activation recompute or smaller micro-batches.
 
 Refused by key: attn_logit_softcapping and final_logit_softcapping other than null (Gemma 2's soft-capping; every
 Gemma 3 sets null), use_bidirectional_attention (EmbeddingGemma), attention_bias, any other activation, and RoPE
-scaling other than linear. Not served: the multimodal checkpoints (Gemma3ForConditionalGeneration, model_type gemma3,
-tensors under language_model.), whose text model is this one.
+scaling other than linear. The multimodal checkpoints (Gemma3ForConditionalGeneration, model_type gemma3: 4B to 27B)
+train this language model as a text-only policy: gemma3_mm.py.
 """
 
 from __future__ import annotations

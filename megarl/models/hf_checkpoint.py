@@ -12,6 +12,9 @@
 - Multi-token-prediction layers (`num_nextn_predict_layers`, tensors `model.layers.{num_hidden_layers + i}.*`):
   megarl does not train them. Import leaves them out (one logged line); every megarl checkpoint keeps the
   source's own copy of them (MTP_FILE in its hf/ directory, bytes as read) and export writes it back.
+- A multimodal checkpoint trained as a text-only policy (Gemma 3's: megarl.utils.hf_config.TEXT_ONLY_TOWERS): its
+  vision tower and projector are left out on import (one logged line, which says images are not used in training),
+  kept in every megarl checkpoint (TOWER_FILE, bytes as read) and written back by export, as the MTP layers are.
 - config.json fields that SGLang's DeepSeek model reads and transformers' DeepseekV3Config / DeepseekV2Config do
   not write (SGLang 0.5.17 fails to start without moe_layer_freq): added to every config.json megarl writes.
 - DeepSeek-V3's routing bias (e_score_correction_bias), which transformers and SGLang keep in float32 whatever
@@ -32,11 +35,14 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megarl.utils.hf_config import TEXT_ONLY_TOWERS
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_KEY = "quantization_config"
 SCALE_SUFFIX = "_scale_inv"
 MTP_FILE = "mtp.safetensors"  # in a megarl checkpoint's <role>/hf/: the source's multi-token-prediction tensors
+TOWER_FILE = "vision.safetensors"  # beside it: the source's vision tower of a text-only policy
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _FLOAT32_TENSORS = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")  # MTP layers' too
 _SUPPORTED_FP8 = "block-wise FP8 (quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, cols], " \
@@ -74,8 +80,11 @@ class SafetensorsCheckpoint:
         packed = {n + suffix for n in self.mxfp4 for suffix in (MXFP4_BLOCKS, MXFP4_SCALES)}
         mtp = [n for n in shapes if not is_scale(n) and is_mtp(n, config)]
         log_dropped_mtp(mtp, config, model_dir)
+        tower = [n for n in shapes if is_kept_tower(n, config)]
+        log_kept_tower(tower, config, model_dir)
+        left_out = set(mtp) | set(tower) | packed
         self.shapes: dict[str, tuple[int, ...]] = {n: s for n, s in shapes.items()
-                                                   if not is_scale(n) and n not in mtp and n not in packed}
+                                                   if not is_scale(n) and n not in left_out}
         self.shapes |= self.mxfp4
         self.files: dict[str, Path] = {n: self._all_files[n + MXFP4_BLOCKS if n in self.mxfp4 else n]
                                        for n in self.shapes}
@@ -219,33 +228,64 @@ def log_dropped_mtp(names: list[str], config: dict, model_dir: str | Path) -> No
                    "and export writes it back", model_dir, len(names), len(layers), prefixes, len(layers))
 
 
-def save_mtp_copy(model_dir: str | Path, out_dir: str | Path) -> int:
-    """Copy the MTP tensors of a HF model directory (with their FP8 scales, bytes as stored) into
-    out_dir/MTP_FILE; returns how many tensors (0: none, nothing written). model_dir may be a megarl
-    checkpoint's hf/ directory, whose MTP_FILE is copied on."""
+# -------------------------------------------------------------------------------------------------
+# A multimodal checkpoint's vision tower, kept untrained (text-only RL: megarl.utils.hf_config.TEXT_ONLY_TOWERS)
+
+
+def is_kept_tower(name: str, config: dict) -> bool:
+    return name.startswith(TEXT_ONLY_TOWERS.get(config.get("model_type"), ()))
+
+
+def log_kept_tower(names: list[str], config: dict, model_dir: str | Path) -> None:
+    """The one line import logs for the vision tower it leaves out (on rank 0 of a job)."""
+    if not names or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    prefixes = sorted({p for p in TEXT_ONLY_TOWERS[config["model_type"]] if any(n.startswith(p) for n in names)})
+    logger.warning("%s: %s trained as a text-only policy: images are not used in training; not loading the %d tensors "
+                   "of its vision tower and projector (%s), which megarl's checkpoints keep as they are and export "
+                   "writes back", model_dir, (config.get("architectures") or [config["model_type"]])[0], len(names),
+                   ", ".join(p + "*" for p in prefixes))
+
+
+# -------------------------------------------------------------------------------------------------
+# What megarl keeps untrained: copied into every checkpoint, written back by export
+
+
+UNTRAINED_FILES = ((MTP_FILE, is_mtp), (TOWER_FILE, is_kept_tower))
+
+
+def save_untrained_copies(model_dir: str | Path, out_dir: str | Path) -> int:
+    """Copy the tensors of a HF model directory that megarl does not train (MTP layers with their FP8 scales, a
+    text-only policy's vision tower; bytes as stored) into out_dir, each kind into its UNTRAINED_FILES file; returns
+    how many tensors (0: none, nothing written). model_dir may be a megarl checkpoint's hf/ directory, whose copies
+    are copied on."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     paths = sorted(Path(model_dir).glob("*.safetensors"))
-    if not mtp_layers(config) or not paths:
+    if not paths or not (mtp_layers(config) or config.get("model_type") in TEXT_ONLY_TOWERS):
         return 0
     files, _ = _index(paths, str(model_dir))
-    names = [n for n in files if is_mtp(n, config)]
-    if names:
-        save_file({n: read_tensor(files, n) for n in names}, str(Path(out_dir) / MTP_FILE), metadata={"format": "pt"})
-    return len(names)
+    count = 0
+    for file, kept in UNTRAINED_FILES:
+        names = [n for n in files if kept(n, config)]
+        if names:
+            save_file({n: read_tensor(files, n) for n in names}, str(Path(out_dir) / file), metadata={"format": "pt"})
+        count += len(names)
+    return count
 
 
-def iter_mtp_copy(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The MTP tensors a megarl checkpoint's hf/ directory keeps, one at a time, dequantized as its
+def iter_untrained_copies(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The untrained tensors a megarl checkpoint's hf/ directory keeps, one at a time, dequantized as its
     config.json says (float32 where they are FP8); none when it keeps none."""
-    path = Path(hf_dir) / MTP_FILE
-    if not path.exists():
-        return
     config_path = Path(hf_dir) / "config.json"
-    fp8 = BlockFP8.from_config(json.loads(config_path.read_text()), str(config_path))
-    files, _ = _index([path], str(hf_dir))
-    for name in files:
-        if not is_scale(name):
-            yield name, read_dequantized(files, name, fp8)
+    for file, _ in UNTRAINED_FILES:
+        path = Path(hf_dir) / file
+        if not path.exists():
+            continue
+        fp8 = BlockFP8.from_config(json.loads(config_path.read_text()), str(config_path))
+        files, _ = _index([path], str(hf_dir))
+        for name in files:
+            if not is_scale(name):
+                yield name, read_dequantized(files, name, fp8)
 
 
 def written_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

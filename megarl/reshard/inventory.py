@@ -33,7 +33,9 @@ rank (SGLang's Gemma 3 embeds with a plain nn.Embedding, not a vocabulary-parall
 Vision-language models (Qwen2.5-VL, Qwen3-VL): the language model's tensors as a Qwen2's / Qwen3's (its fields at the
 top of config.json, or under transformers 5's text_config: `language_fields`; Qwen3-VL's named model.language_model.*),
 and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
-every TP rank of the first pipeline stage: models/qwen2_vl_vision.py). Qwen3-VL-MoE (qwen3_vl_moe): Qwen3-VL's tower
+every TP rank of the first pipeline stage: models/qwen2_vl_vision.py). Gemma 3's multimodal checkpoints (gemma3),
+trained as text-only policies: the language model's tensors as gemma3_text's under language_model.model.*, no tower
+(neither trained nor synced: models/gemma3_mm.py). Qwen3-VL-MoE (qwen3_vl_moe): Qwen3-VL's tower
 and a Qwen3-MoE whose experts are stacked as gpt-oss's (without biases, gate and up as halves of gate_up_proj's
 columns): listed by row, synced stacked alike.
 """
@@ -315,10 +317,12 @@ def stacked_whole(specs: list[TensorSpec]) -> list[TensorSpec]:
             out.append(TensorSpec(name, (spec.experts, *spec.shape), None, spec.layer))
     return out
 # vision-language model types: their language model's family in SUPPORTED, their tower's tensors, and what their
-# checkpoint names the language model's `model.*` tensors under
+# checkpoint names the language model's `model.*` tensors under. A text-only policy's tower (Gemma 3's) is neither
+# trained nor synced (the engine keeps the one it loaded): none listed.
 VISION_LANGUAGE = {"qwen2_5_vl": ("qwen2", vision_tower, "model."),
                    "qwen3_vl": ("qwen3", qwen3_vision_tower, "model.language_model."),
-                   "qwen3_vl_moe": ("qwen3_vl_moe_text", qwen3_vision_tower, "model.language_model.")}
+                   "qwen3_vl_moe": ("qwen3_vl_moe_text", qwen3_vision_tower, "model.language_model."),
+                   "gemma3": ("gemma3_text", lambda vision: [], "language_model.model.")}
 
 
 def hf_inventory(hf: dict) -> list[TensorSpec]:

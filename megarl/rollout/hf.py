@@ -316,7 +316,7 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     views = {}
     for name, t in model.state_dict().items():
-        name = _checkpoint_name(name) if model.config.model_type == "qwen2_5_vl" else name
+        name = _checkpoint_name(name, model.config.model_type)
         if mixtral:
             name = name.replace(".mlp.", ".block_sparse_moe.")
         prefix, _, fused = name.rpartition(".experts.")
@@ -339,12 +339,17 @@ def checkpoint_views(model) -> dict[str, torch.Tensor]:
 
 VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # their rows may carry images; M-RoPE positions (VisionInputs)
 # transformers >= 5 nests Qwen2.5-VL's modules (model.language_model, model.visual) where its checkpoints, and
-# megarl's exported names, have them at the top (model.layers..., visual...); Qwen3-VL's checkpoints nest them too
-_VL_MODULE_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+# megarl's exported names, have them at the top (model.layers..., visual...); Qwen3-VL's checkpoints nest them too.
+# Gemma 3's multimodal model holds model.language_model.*, model.vision_tower.* and model.multi_modal_projector.*
+# where its checkpoints say language_model.model.*, vision_tower.* and multi_modal_projector.*
+_CHECKPOINT_PREFIXES = {"qwen2_5_vl": (("model.language_model.", "model."), ("model.visual.", "visual.")),
+                        "gemma3": (("model.language_model.", "language_model.model."),
+                                   ("model.vision_tower.", "vision_tower."),
+                                   ("model.multi_modal_projector.", "multi_modal_projector."))}
 
 
-def _checkpoint_name(name: str) -> str:
-    for module, checkpoint in _VL_MODULE_PREFIXES:
+def _checkpoint_name(name: str, model_type: str) -> str:
+    for module, checkpoint in _CHECKPOINT_PREFIXES.get(model_type, ()):
         if name.startswith(module):
             return checkpoint + name[len(module):]
     return name

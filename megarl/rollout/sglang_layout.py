@@ -36,7 +36,9 @@ gate.e_score_correction_bias as they are; its one shared expert becomes routed e
 SGLang fuses it (`sglang_fuses_shared_experts`).
 Gemma 3 (models/gemma3_causal.py): q/k/v in qkv_proj, gate/up in gate_up_proj, its four norms per layer and
 q_norm/k_norm as named; the embedding a plain nn.Embedding, whole on every rank (inventory's whole_for_generation),
-which the head is tied to (lm_head.weight skipped).
+which the head is tied to (lm_head.weight skipped). Its multimodal checkpoints, trained as text-only policies
+(models/gemma3_mm.py there): the same under language_model.model.*, its Gemma3ForConditionalGeneration's own parameter
+names (its load_weights hands those to Gemma3ForCausalLM's loader); the vision tower is never sent.
 Qwen2.5-VL (models/qwen2_5_vl.py): the language model as qwen2's; the vision tower whole on every rank (megarl's
 servers for a vision-language model run it data-parallel over TP, --mm-enable-dp-encoder: sglang_server.py), each
 block's attn.qkv held as attn.qkv_proj, its mlp's gate/up (weights and biases) fused into gate_up_proj, the MLP's

@@ -36,6 +36,7 @@ except ImportError:  # a CPU install without SGLang
 from megarl.config.sglang_args import DETERMINISTIC_ATTENTION_BACKENDS, attention_backend, managed_args
 from megarl.rollout.sglang_images import PROCESSOR_PACKAGE
 from megarl.rollout.transports import cuda_ipc, sglang_loader
+from megarl.utils.hf_config import TEXT_ONLY_TOWERS
 
 SERVER_GUARD = str(Path(__file__).with_name("server_guard.py"))
 
@@ -326,11 +327,13 @@ def decode_graph_rows(rows: int) -> int | None:
 
 
 def vision_language(model_path: str) -> bool:
-    """Whether the model directory holds a vision-language model (a config.json with a vision_config)."""
+    """Whether the model directory holds a vision-language model megarl sends images to (a config.json with a
+    vision_config, other than a text-only policy's: TEXT_ONLY_TOWERS)."""
     try:
-        return "vision_config" in json.loads((Path(model_path) / "config.json").read_text())
+        config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    return "vision_config" in config and config.get("model_type") not in TEXT_ONLY_TOWERS
 
 
 def vision_args(model_path: str, tp: int) -> tuple[list[str], dict[str, str]]:

@@ -11,14 +11,33 @@ HYBRID_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 GATED_SHARED_EXPERT = ("qwen3_5_moe_text", "qwen3_next")
 
 
+# Gemma3TextConfig's defaults (transformers 4.50 to 5.12): the published multimodal Gemma 3 config.json files
+# (google/gemma-3-4b-it ...) leave most of their text_config to them (the 4B's names neither its heads nor its
+# vocabulary)
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
+    "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None}
+# multimodal model types whose vision tower megarl keeps untrained and unused (text-only RL on the language model):
+# model type -> the checkpoint's tensor prefixes of the tower and its projector (transformers' on-disk names, and
+# transformers >= 4.52's in-memory ones that some re-saved checkpoints carry)
+TEXT_ONLY_TOWERS = {"gemma3": ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                               "model.multi_modal_projector.")}
+
+
 def language_fields(hf: dict) -> dict:
     """The language model's fields of a config.json: the top level, with a multimodal model's text_config over it
     (transformers >= 5 writes Qwen2.5-VL's that way; the published checkpoints keep them at the top level), except
     tie_word_embeddings: transformers ties a multimodal model's output layer by the top level's (a Qwen3-VL-MoE
-    config.json written by transformers 5 says false there and true, its text config's default, in text_config)."""
+    config.json written by transformers 5 says false there and true, its text config's default, in text_config).
+    A multimodal Gemma 3's (model_type gemma3) over Gemma3TextConfig's defaults, as model_type gemma3_text."""
     fields = {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **hf.get("text_config", {})}
     if "text_config" in hf and "tie_word_embeddings" in hf:
         fields["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    if hf.get("model_type") == "gemma3":
+        fields = {**GEMMA3_TEXT_DEFAULTS, **fields, "model_type": "gemma3_text"}
     return fields
 
 

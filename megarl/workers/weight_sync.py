@@ -301,14 +301,15 @@ def verify(sent: dict[Key, tuple[torch.dtype, tuple]], received: dict[Key, tuple
 
 
 def verify_checksums(expected: dict[tuple[int, str], tuple], held: dict[int, dict[int, dict[str, list]]],
-                     buffers: dict | None = None) -> dict:
+                     buffers: dict | None = None, kept: tuple[str, ...] = ()) -> dict:
     """Raise WeightSyncError unless every server's every rank holds exactly the expected parameters.
 
     `expected`: (engine rank, parameter) -> (dtype, sum 0, sum 1), from the senders (weight_layout.merge);
     `held`: server -> rank -> parameter -> [dtype, shape, sum 0, sum 1, is_buffer], from the engine. A parameter
-    the sync did not cover is an error (the layout missed it: its values are not the policy's); a buffer it did
-    not cover (a persistent buffer that is no weight) must keep the checksum it had at the first verification,
-    `buffers` (returned, filled on the first call)."""
+    the sync did not cover is an error (the layout missed it: its values are not the policy's), except under the
+    `kept` name prefixes (a text-only policy's vision tower, which no sync sends: hf_config.TEXT_ONLY_TOWERS); those
+    and a buffer it did not cover (a persistent buffer that is no weight) must keep the checksum they had at the
+    first verification, `buffers` (returned, filled on the first call)."""
     buffers = {} if buffers is None else buffers
     wrong, missing, unsent = [], [], []
     for server, ranks in sorted(held.items()):
@@ -325,10 +326,11 @@ def verify_checksums(expected: dict[tuple[int, str], tuple], held: dict[int, dic
             for name, (dtype, shape, s0, s1, buffer) in params.items():
                 if (rank, name) in expected:
                     continue
-                if not buffer:
+                if not buffer and not name.startswith(kept):
                     unsent.append(f"{where}: {name}")
                 elif buffers.setdefault((server, rank, name), (dtype, shape, s0, s1)) != (dtype, shape, s0, s1):
-                    wrong.append(f"{where}: buffer {name} (changed since the first verification)")
+                    kind = "buffer" if buffer else "unsynced parameter"
+                    wrong.append(f"{where}: {kind} {name} (changed since the first verification)")
     if wrong or missing or unsent:
         raise WeightSyncError(
             f"rollout weights differ from the trained policy after sync (checksums computed where the engine holds "

@@ -15,7 +15,8 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
                           Qwen3NextForCausalLM)
 
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GptOssForCausalLM
+from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+                          GptOssForCausalLM)
 
 from tests.engine.hf_models import VOCAB
 
@@ -120,6 +121,22 @@ def gemma3_config(**overrides) -> Gemma3TextConfig:
     return Gemma3TextConfig(**(params | overrides))
 
 
+def gemma3_mm_config(**text_overrides) -> Gemma3Config:
+    """A multimodal Gemma 3 (Gemma3ForConditionalGeneration) at a tiny size of its own: a language model of 3 layers
+    (two local, one global: sliding_window_pattern 3) with a 3-token window, hidden 24, head_dim 8, FFN 40,
+    query_pre_attn_scalar 20, global RoPE linearly scaled by 4, vocabulary 131 (the image tokens at its end); a
+    one-layer SigLIP tower of 16 over 16 x 16 images in patches of 4 without its head (as published), 4 tokens an
+    image."""
+    text = dict(COMMON, vocab_size=131, hidden_size=24, intermediate_size=40, num_hidden_layers=3, head_dim=8,
+                sliding_window=3, query_pre_attn_scalar=20, sliding_window_pattern=3, rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}) | text_overrides
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=4, vision_use_head=False)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=128,
+                        eoi_token_index=129, image_token_index=130, architectures=["Gemma3ForConditionalGeneration"])
+
+
 # DeepSeek (multi-latent attention): qk_nope (12) != v_head_dim (10), rope dims 8 (4 frequencies). YaRN with
 # original_max_position_embeddings 128 and rope_theta 1e4 puts the 4 frequencies in all three YaRN regimes (kept,
 # blended half-way, divided by the factor). The MoE settings (A2's router) have topk (3) != 2 x topk_group (4).
@@ -166,6 +183,7 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3
 
 
 MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+MODEL_CLASSES["Gemma3ForConditionalGeneration"] = Gemma3ForConditionalGeneration
 MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
 
 
