@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import socket
 import time
 
 import ray
@@ -42,6 +43,8 @@ from megarl.workers.placement import PlacementError
 from megarl.workers.group import WorkerError, WorkerTimeout, start_rollout
 
 DEATH_NOTICE_S = 5.0  # how long Ray may take to mark a killed process dead after a peer's call failed on it
+# how long Ray may take to find a node dead whose raylet no longer answers (its health checks: about 15 s by default)
+NODE_NOTICE_S = 120.0
 
 
 class RestartLimit(WorkerError):
@@ -62,6 +65,19 @@ def actor_node(handle) -> str | None:
 def dead_nodes() -> dict[str, str]:
     """Ray's dead nodes: node id -> IP address."""
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if not n["Alive"]}
+
+
+def silent_nodes(node_ids: set[str]) -> set[str]:
+    """The nodes among `node_ids` that Ray still counts alive but whose raylet refuses a connection (or does not
+    accept one within 5 s): lost, before Ray's health checks find it."""
+    alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] in node_ids}
+    silent = set()
+    for node, info in alive.items():
+        try:
+            socket.create_connection((info["NodeManagerAddress"], info["NodeManagerPort"]), timeout=5).close()
+        except OSError:
+            silent.add(node)
+    return silent
 
 
 def the_call(error: WorkerError) -> str:
@@ -112,7 +128,7 @@ class Recovery:
     def lost(self) -> dict[str, list[str]] | None:
         """The run's lost processes by kind ("training" ranks, "rollout" actor): dead, or killed for a hang, and the
         lost Ray nodes they were on ("nodes"); None when all live (the error came from a live rank)."""
-        t, deadline = self.trainer, time.monotonic() + DEATH_NOTICE_S
+        t, deadline, waited_for_nodes = self.trainer, time.monotonic() + DEATH_NOTICE_S, False
         while True:
             ranks = [(f"{g.role} rank {i} (pid {g.info[i]['pid'] if i < len(g.info) else '?'})",
                       g.info[i].get("node_id") if i < len(g.info) else None)
@@ -124,8 +140,16 @@ class Recovery:
                 return {"training": [what for what, _ in ranks], "rollout": [what for what, _ in rollout],
                         "nodes": [f"{gone[node]} (node {node})" for node in nodes]}
             if time.monotonic() > deadline:
-                return None
+                # a node whose raylet is gone is found dead by Ray's health checks only, after its peers' calls failed
+                if waited_for_nodes or not silent_nodes(self.nodes()):
+                    return None
+                deadline, waited_for_nodes = time.monotonic() + NODE_NOTICE_S, True
             time.sleep(0.2)
+
+    def nodes(self) -> set[str]:
+        """The Ray nodes of the run's training ranks and rollout actor."""
+        t = self.trainer
+        return {i["node_id"] for g in training_groups(t) for i in g.info if "node_id" in i} | {actor_node(t.rollout)}
 
     def restart(self, error: WorkerError, step: int, lost: dict[str, list[str]]) -> int:
         """Replace what was lost and restore the newest checkpoint; returns its step."""
