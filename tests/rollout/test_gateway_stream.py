@@ -162,3 +162,35 @@ def test_a_streamed_answer_never_passes_a_stop_string(tok):
 ])
 def test_what_of_a_partial_answer_may_be_sent(text, stops, expected):
     assert sendable(text, stops) == expected
+
+
+class Restarting(ScriptedStream):
+    """Hands over "abcd", waits until the client has a chunk of it, then starts the row again (a weight update under
+    async.partial=restart) and answers "xyz"."""
+
+    def __init__(self, tok):
+        self.tok, self.client_has_text = tok, threading.Event()
+
+    def generate(self, prompts, params, on_tokens=None):
+        on_tokens(0, 0, self.tok("abcd", add_special_tokens=False)["input_ids"])
+        self.client_has_text.wait(WAIT_S)
+        ids = self.tok("xyz", add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        on_tokens(0, 0, ids)
+        return [Generation(0, ids, [-0.5] * len(ids), "stop")]
+
+
+def test_a_stream_whose_answer_was_generated_again_ends_with_an_error_and_records_nothing(tok):
+    engine, seen = Restarting(tok), {"text": ""}
+
+    def agent(base_url, api_key, row):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        with pytest.raises(openai.APIError, match="generated again") as error:
+            for chunk in client.completions.create(model="m", prompt="q", max_tokens=10, stream=True):
+                seen["text"] += chunk.choices[0].text
+                engine.client_has_text.set()
+        seen["error"] = error.value
+        return 1.0
+
+    finished, counts = rollout(make(engine, tok, agent), [{"prompt": "q", "answer": ""}], SamplingParams(seed=1))
+    assert seen["text"] == "abc" and "error" in seen  # "d" waited for the next token, which never came
+    assert finished == [] and counts["agents_empty"] == 1 and counts["requests"] == 1
