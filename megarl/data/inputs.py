@@ -13,6 +13,7 @@ from megarl.config.model_layout import check_model_layout, check_rollout_model
 from megarl.data.dataset import PromptDataset, PromptLimit, load_prompt_file
 from megarl.data.files import InputError
 from megarl.data.tasks import load_examples
+from megarl.utils.hf_config import TEXT_ONLY_TOWERS
 
 
 def read_model_config(path: str | Path, key: str = "model.path") -> dict:
@@ -111,6 +112,11 @@ def image_prompts(cfg, tokenizer, examples: list[dict]):
     """The model's image processor where a prompt row has images (megarl.data.images.ImagePrompts), else None."""
     if not any(ex.get("images") for ex in examples):
         return None
+    model_type = (read_model_config(cfg.model.path) if Path(cfg.model.path).is_dir() else {}).get("model_type")
+    if model_type in TEXT_ONLY_TOWERS:
+        raise InputError(f"data.task={cfg.data.task} has prompt rows with images, but model.path={cfg.model.path} "
+                         f"(model_type {model_type}) trains as a text-only policy: images are not used in training "
+                         "(megarl/models/gemma3_mm.py says why); give it prompts without images")
     from megarl.data.images import ImagePrompts
 
     try:

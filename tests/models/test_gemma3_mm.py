@@ -157,6 +157,17 @@ def test_sync_into_the_transformers_engine_is_verified_with_the_tower_kept(tmp_p
         verify_checksums(expected.result(), engine.weight_checksums(), buffers, kept)
 
 
+def test_prompts_with_images_are_refused_naming_text_only_training(tmp_path):
+    from megarl.config.tiny import tiny_config
+    from megarl.data.files import InputError
+    from megarl.data.inputs import image_prompts
+
+    model_dir = save_random(gemma3_mm_config(), tmp_path / "gemma3_mm", seed=12)
+    rows = [{"prompt": "<image>how many?", "images": ["a.png"], "answer": "1"}]
+    with pytest.raises(InputError, match=r"model_type gemma3\) trains as a text-only policy: images are not used"):
+        image_prompts(tiny_config([f"model.path={model_dir}"]), None, rows)
+
+
 def test_untied_head_is_refused_by_key():
     hf = gemma3_mm_config().to_dict() | {"tie_word_embeddings": False}
     with pytest.raises(ValueError, match="tie_word_embeddings=false is not supported"):
