@@ -15,6 +15,7 @@ from megarl.rollout.base import Generation, RolloutEngine, SamplingParams
 from megarl.rollout.gateway_agents import GatewayAgents
 from megarl.rollout.gateway_stream import sendable
 from megarl.rollout.hf import HFRolloutEngine
+from tests.rollout.test_partial_rollout import PARAMS, PROMPTS, interrupted
 
 TEMPLATE = "{% for m in messages %}{{ m.role[0] | upper + ':' + m.content + '<eos>' }}{% endfor %}" \
            "{% if add_generation_prompt %}{{ 'A:' }}{% endif %}"
@@ -194,3 +195,19 @@ def test_a_stream_whose_answer_was_generated_again_ends_with_an_error_and_record
     finished, counts = rollout(make(engine, tok, agent), [{"prompt": "q", "answer": ""}], SamplingParams(seed=1))
     assert seen["text"] == "abc" and "error" in seen  # "d" waited for the next token, which never came
     assert finished == [] and counts["agents_empty"] == 1 and counts["requests"] == 1
+
+
+@pytest.mark.parametrize("partial", ["resume", "restart"])
+def test_the_hf_engine_hands_over_each_token_at_its_place_across_a_weight_update(tok, partial):
+    """on_tokens across an interruption (megarl.rollout.partial): resumed rows go on at their offsets; restarted rows
+    begin again at offset 0, so a listener knows the tokens it heard last are dropped."""
+    engine, heard = HFRolloutEngine(tok.name_or_path, seed=0), {}
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    gens, _ = interrupted(engine, prompts, PARAMS, 3, partial, engine.named_weights(), call=lambda: engine.generate(
+        prompts, PARAMS, on_tokens=lambda row, offset, ids: heard.setdefault(row, []).append((offset, ids))))
+    assert sorted(heard) == list(range(len(gens)))
+    for row, g in enumerate(gens):
+        offsets = [offset for offset, _ in heard[row]]
+        again = 3 if partial == "restart" else 0  # the first segment's 3 tokens, then all 10 from offset 0
+        assert offsets == list(range(again)) + list(range(10)) and g.interruptions == 1
+        assert [t for _, ids in heard[row][again:] for t in ids] == g.token_ids
