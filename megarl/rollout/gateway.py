@@ -15,8 +15,8 @@ agent.max_response_tokens and of the run's agent.gateway.max_tokens (none left: 
 is complete, as OpenAI's does: the text stops before it, finish_reason "stop", and the turn's record keeps the tokens
 up to the one that completed it (what the model produced, which the next turn's context extends): the engine
 generates on to its own stop or limit and the rest is dropped.
-Tool calls are parsed from the model's text by agent.parser (by default the format the chat template writes:
-tools/parsers.py) and cut out of the answer's content. A streamed answer's text goes out as the engine produces its
+Tool calls of a chat request that offers `tools` are parsed from the model's text by agent.parser (by default the
+format the chat template writes: tools/parsers.py) and cut out of the answer's content. A streamed answer's text goes out as the engine produces its
 tokens, never past what the recorded answer holds (gateway_stream.py).
 """
 
@@ -163,8 +163,10 @@ class Gateway:
             return await _refuse(stream, str(e), e.status, e.kind)
         except (ValueError, KeyError, TypeError) as e:  # a malformed message or prompt
             return await _refuse(stream, f"{type(e).__name__}: {e}", 400, "invalid_request_error")
-        except Exception as e:  # the engine's error, after part of a stream went out: the stream says so
+        except Exception as e:  # the engine's error; after part of a stream went out, the stream says so
             if stream is None or not stream.started:
+                if stream is not None:
+                    await stream.halt()
                 raise
             return await stream.fail(f"{type(e).__name__}: {e}", "server_error")
         if stream is not None:
@@ -182,10 +184,11 @@ class Gateway:
             raise RequestError("no rollout is running", 503, "server_error")
         return record
 
-    async def _generate(self, record: Record, seg: Segment, body: dict, stream: TurnStream | None):
+    async def _generate(self, record: Record, seg: Segment, body: dict, stream: TurnStream | None,
+                        parse: bool = True):
         """The model's turn after the segment's context: its Generation, text (special tokens kept, the stop token
-        left out), tool calls, and whether its last token is the model's stop token (None: nothing was generated);
-        not recorded yet (_keep). `stream`: hears the tokens as they come."""
+        left out), tool calls (with `parse`), and whether its last token is the model's stop token (None: nothing was
+        generated); not recorded yet (_keep). `stream`: hears the tokens as they come."""
         a, t = self.config, seg.trajectory
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or a.max_new_tokens_per_turn
         limit = min(int(asked), a.max_new_tokens_per_turn, record.room(), a.max_response_tokens - len(t.response_ids))
@@ -201,7 +204,7 @@ class Gateway:
             whole = len(gen.token_ids)
             gen, text = self._cut_at_stop(gen, text, stops, len(seg.context()))
             stopped = stopped and len(gen.token_ids) == whole
-        return gen, text, self.parser(text)[:a.max_tool_calls_per_turn], stopped
+        return gen, text, self.parser(text)[:a.max_tool_calls_per_turn] if parse else [], stopped
 
     @staticmethod
     async def _keep(record: Record, seg: Segment, turn: tuple, content: str, stream: TurnStream | None) -> None:
@@ -244,8 +247,9 @@ class Gateway:
         messages, tools = [normalize(m) for m in messages], body.get("tools") or None
         seg = record.chat_context(self.layout, messages, tools)
         prompt_tokens = len(seg.context())
-        # with tools, the text a call takes is not content, which is known when the turn has ended
-        turn = await self._generate(record, seg, body, None if tools else stream)
+        # tool calls only where the request offers tools (as OpenAI's API): the text a call takes is not content,
+        # which is known when the turn has ended, so such a turn is streamed then
+        turn = await self._generate(record, seg, body, None if tools else stream, parse=bool(tools))
         gen, text, calls, _ = turn
         valid = [c for c in calls if not c.error]
         content = text if len(valid) < len(calls) or not calls else content_without_calls(text, calls)

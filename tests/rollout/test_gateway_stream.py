@@ -211,3 +211,29 @@ def test_the_hf_engine_hands_over_each_token_at_its_place_across_a_weight_update
         again = 3 if partial == "restart" else 0  # the first segment's 3 tokens, then all 10 from offset 0
         assert offsets == list(range(again)) + list(range(10)) and g.interruptions == 1
         assert [t for _, ids in heard[row][again:] for t in ids] == g.token_ids
+
+
+def test_without_tools_a_calls_text_is_content_streamed_or_not(tok):
+    """As OpenAI's API: a request that offers no tools gets no tool_calls, the model's whole text as content, streamed
+    as it comes; with tools, the same turn comes back as a call, its content sent when the turn has ended."""
+    call = '<tool_call>{"name":"calculator","arguments":{"expression":"6*7"}}</tool_call>'
+    engine, seen = ScriptedStream(tok, "so" + call), {}
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+
+    def agent(base_url, api_key, row):
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": "q"}]
+        seen["whole"] = client.chat.completions.create(model="m", messages=messages, max_tokens=90).choices[0]
+        chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=90, stream=True))
+        seen["streamed"] = "".join(c.choices[0].delta.content or "" for c in chunks)
+        chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=90, stream=True,
+                                                     tools=[tool]))
+        seen["with_tools"] = ("".join(c.choices[0].delta.content or "" for c in chunks),
+                              [c.choices[0].delta.tool_calls[0].function.name for c in chunks
+                               if c.choices[0].delta.tool_calls], chunks[-1].choices[0].finish_reason)
+        return 1.0
+
+    rollout(make(engine, tok, agent, turn_tokens=90), [{"prompt": "q", "answer": ""}], SamplingParams(seed=1))
+    assert seen["whole"].message.content == "so" + call and not seen["whole"].message.tool_calls
+    assert seen["whole"].finish_reason == "stop" and seen["streamed"] == "so" + call
+    assert seen["with_tools"] == ("so", ["calculator"], "tool_calls")
