@@ -3,7 +3,8 @@ harnesses that are not a Python function of megarl's process (a CLI, another lan
 
 The command (an argv list, or a string run by /bin/sh -c) starts in a process group of its own, with the environment
 of the rollout worker plus
-- OPENAI_BASE_URL: the gateway's endpoint (http://host:port/v1), which OpenAI's clients read by themselves;
+- OPENAI_BASE_URL: the gateway's endpoint (http://host:port/v1), which OpenAI's clients read by themselves (and
+  OPENAI_API_BASE, the same, the name older clients and harnesses read);
 - OPENAI_API_KEY: the run's key, scoped to this one trajectory;
 - MEGARL_ROW_FILE: a JSON file holding the prompt row (prompt, answer, data_source, extra_info ...);
 and the same JSON on its standard input, which is then closed. Its reward, if it gives one, is on the last line of its
@@ -60,7 +61,7 @@ class CommandAgent:
         with tempfile.TemporaryDirectory(prefix="megarl-agent-") as folder:
             row_file = Path(folder) / "row.json"
             row_file.write_text(payload)
-            env = os.environ | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+            env = os.environ | {"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url, "OPENAI_API_KEY": api_key,
                                 "MEGARL_ROW_FILE": str(row_file)}
             process = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, env=env, start_new_session=True, text=True)

@@ -22,6 +22,7 @@ from openai import OpenAI
 
 row = json.load(sys.stdin)
 assert row == json.loads(open(os.environ["MEGARL_ROW_FILE"]).read()), "stdin and MEGARL_ROW_FILE differ"
+assert os.environ["OPENAI_API_BASE"] == os.environ["OPENAI_BASE_URL"]
 client = OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
 messages = [{"role": "user", "content": row["prompt"]}]
 for follow_up in ("and then?", None):
