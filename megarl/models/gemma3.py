@@ -167,13 +167,16 @@ class Gemma3MLP(MLP):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """MLP's asks each child for its sharded_state_dict, which the post norm (a torch module) lacks: the norm goes
-        through megatron's default for other modules (replicated), as the layer's own norms do."""
+        through megatron's default for other modules (replicated), as the layer's own norms do, given the TP group:
+        without it megatron's default marks every TP rank's copy as the main replica, and a checkpoint at TP > 1
+        fails to save (invalid access pattern)."""
         norm = self._modules.pop("post_layernorm")
         try:
             state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         finally:
             self._modules["post_layernorm"] = norm
-        return state | sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets, metadata)
+        return state | sharded_state_dict_default(norm, f"{prefix}post_layernorm.", sharded_offsets, metadata,
+                                                  tp_group=self.tp_group)
 
 
 def window_mask(attention_mask: torch.Tensor | None, length: int, window: int, device) -> torch.Tensor:

@@ -28,7 +28,7 @@ def language_tensors(model_dir) -> dict[str, torch.Tensor]:
             if not n.startswith(TOWER)}
 
 
-def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
+def _check_rank(rank, model_dir, saved, ref_logprobs, ref_entropy):
     import torch.distributed as dist
 
     from megarl.engine import MegatronEngine
@@ -38,8 +38,11 @@ def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
         _relayout(tp, pp, 1)
         uneven = dict(pp_first_stage_layers=2, pp_last_stage_layers=1) if pp > 1 else {}
         parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, **uneven)
+        # PP=2 starts from random weights and loads the checkpoint TP=2 saved
         engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
-                                "cpu", 1, 10)
+                                "cpu", 1, 10, load_hf_weights=pp == 1)
+        if pp > 1:
+            engine.load_checkpoint(saved, optimizer=False)
         out = engine.compute_logprobs(padded_batch(), with_entropy=True)
         # fp32 sums in another order (TP's partial sums): a few ulps; a wrong mapping is off by 1e-3 or more
         for key, ref in (("logprobs", ref_logprobs), ("entropy", ref_entropy)):
@@ -47,16 +50,22 @@ def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
         exported = _exported(engine)
         assert sorted(exported) == sorted(checkpoint), (tp, pp)
         assert all(torch.equal(exported[n], t) for n, t in checkpoint.items()), (tp, pp)
+        if tp > 1:
+            engine.save_checkpoint(saved)
 
 
 def test_logprobs_match_transformers_multimodal_class_at_tp1_tp2_pp2(tmp_path):
     """transformers' Gemma3ForConditionalGeneration on text (fp32) and megarl's Megatron model of its language model
     at TP=1 (two data-parallel ranks), TP=2 (a vocabulary of 131 padded) and PP=2 (uneven stages of 2 and 1 layers, the
-    tied embedding on both): log-probs and entropy alike, and the export is the checkpoint's language_model.model.* tensors bitwise
-    (no head: tied)."""
+    tied embedding on both), the last from random weights and the checkpoint TP=2 saved (the tower's copy in it):
+    log-probs and entropy alike, and the export is the checkpoint's language_model.model.* tensors bitwise (no head:
+    tied)."""
     model_dir = save_random(gemma3_mm_config(), tmp_path / "gemma3_mm", seed=7)
     assert get_family(json.loads((tmp_path / "gemma3_mm" / "config.json").read_text())) is gemma3_mm
-    run_distributed(_check_rank, 2, model_dir, *hf_logprobs_entropy(model_dir, padded_batch()), timeout=240)
+    saved = tmp_path / "checkpoint"
+    run_distributed(_check_rank, 2, model_dir, str(saved), *hf_logprobs_entropy(model_dir, padded_batch()), timeout=240)
+    assert load_file(saved / "hf" / "vision.safetensors").keys() == {
+        n for n in load_file(f"{model_dir}/model.safetensors") if n.startswith(TOWER)}
 
 
 def test_convert_round_trip_carries_the_tower_bitwise(tmp_path):
@@ -166,6 +175,37 @@ def test_prompts_with_images_are_refused_naming_text_only_training(tmp_path):
     rows = [{"prompt": "<image>how many?", "images": ["a.png"], "answer": "1"}]
     with pytest.raises(InputError, match=r"model_type gemma3\) trains as a text-only policy: images are not used"):
         image_prompts(tiny_config([f"model.path={model_dir}"]), None, rows)
+
+
+def test_grpo_steps_at_tp2_keep_the_tower(tmp_path, ray_local):
+    """GRPO end to end on the CPU at TP=2: the transformers rollout engine generates with the multimodal class on text,
+    every sync into it is verified (the tower's parameters, never sent, checked unchanged), the engine ends up holding
+    the trained language model, and the step's checkpoint keeps the tower's copy for export."""
+    from transformers import GenerationConfig
+
+    from megarl.models.tiny import build_char_tokenizer
+    from megarl.workers import sync_checks
+    from tests.models.family_grpo import grpo_then_weights
+
+    tokenizer = build_char_tokenizer()
+    config = gemma3_mm_config(vocab_size=128, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = save_random(config, tmp_path / "gemma3_mm", seed=5)
+    tokenizer.save_pretrained(model)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     do_sample=True).save_pretrained(model)
+    state, held, steps = grpo_then_weights(model, tmp_path / "run", [
+        "actor.parallel.tp=2", "actor.micro_batch_size=4", "trainer.save_every=2",
+        # a random policy earns no reward, so no advantage: the entropy bonus still moves every weight
+        "algorithm.entropy_coef=0.01"])
+
+    assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
+    initial = load_file(f"{model}/model.safetensors")
+    assert sorted(state) == sorted(n for n in initial if not n.startswith(TOWER))
+    assert all(not torch.equal(state[n], initial[n]) for n in state)
+    assert len(steps) == 2 and all(r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0 for r in steps)
+    kept = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "actor" / "hf" / "vision.safetensors")
+    assert kept.keys() == {n for n in initial if n.startswith(TOWER)}
+    assert all(torch.equal(kept[n], initial[n]) for n in kept)
 
 
 def test_untied_head_is_refused_by_key():
