@@ -36,8 +36,8 @@ from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_genera
                                    resharded_layout)
 from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
 from megarl.reshard.transfers import transfer_bytes
-from megarl.utils.hf_config import (HYBRID_ATTENTION, UNFUSED_ATTENTION, language_fields, layer_types, parallel_limit,
-                                    routed_experts)
+from megarl.utils.hf_config import (HYBRID_ATTENTION, TEXT_ONLY_TOWERS, UNFUSED_ATTENTION, language_fields,
+                                    layer_types, parallel_limit, routed_experts)
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 TRAIN_KEYS, GEN_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp"), ("tp", "ep")
@@ -265,6 +265,9 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
     _print_assumptions(settings, train.tp, t["cp"], kv_tokens)
     if language_fields(hf).get("model_type") in UNFUSED_ATTENTION:
         print("  - but this model's attention is megatron's unfused one (sliding windows, sinks): its scores are stored")
+    if hf.get("model_type") in TEXT_ONLY_TOWERS:
+        print("  - the language model alone: the checkpoint's vision tower is neither trained nor synced (text-only RL), "
+              "and SGLang's copy of it is not counted")
     print("per-GPU training memory in GiB, the most loaded rank of each pipeline stage:")
     print("stage layers  params(B) |  weights    grads optimizer reference activations   logits  working |"
           "     peak | host (offload)")
