@@ -67,9 +67,9 @@ def lora_adapts_experts(section, hf: dict) -> bool:
 
 
 def _check_lora_targets(section, role: str, hf: dict, experts: int, where: str) -> None:
-    """actor.lora's MLP projections on a mixture-of-experts model name its routed experts (each one's fused gate
-    and up rows, and down: megarl/engine/lora.py), shared experts and dense MLP layers. What cannot be adapted as
-    peft adapts transformers' fused experts is refused by key here rather than in a training rank."""
+    """actor.lora's MLP projections on a mixture-of-experts model name its routed experts (megarl/engine/lora.py),
+    shared experts and dense MLP layers. What cannot be adapted as peft adapts transformers' fused experts (or what
+    megarl keeps in an expert module of its own) is refused by key here rather than in a training rank."""
     lora = getattr(section, "lora", None)
     if lora is None or not lora.rank or not experts:
         return
@@ -87,8 +87,8 @@ def _check_lora_targets(section, role: str, hf: dict, experts: int, where: str) 
     if len({"gate_proj", "up_proj"} & set(mlp)) == 1:
         raise ConfigError(f"{key}: {where} is a mixture-of-experts model ({experts} routed experts per MoE layer, "
                           f"here over {role}.parallel.ep={section.parallel.ep}), whose experts' gate and up "
-                          "projections are one fused parameter (gate_up_proj) in transformers and peft, adapted "
-                          "whole: target gate_proj and up_proj together, or neither")
+                          "projections are one fused parameter (gate_up_proj) in transformers, which peft adapts for "
+                          "both or neither: target gate_proj and up_proj together, or neither")
     if lora.dropout:
         raise ConfigError(f"{role}.lora.dropout={lora.dropout} with {key} on {where}, a mixture-of-experts model: "
                           f"{', '.join(mlp)} adapt its routed experts, and peft's LoRA on transformers' fused "

@@ -16,14 +16,13 @@ Tensor parallelism as the base layer's:
   sequence parallelism each rank keeps its own tokens of it, as the base's reduce-scatter does.
 
 Mixture-of-experts layers: each routed expert of megatron's SequentialMLP (the experts megarl's MoE families build)
-has its own adapters, held by the EP rank that holds the expert: one on the fused gate and up rows (A [rank, hidden],
-B [2 x width, rank]: peft's LoRA on transformers' fused gate_up_proj parameter, target_parameters) and one on down.
+has its own gate, up and down adapters, as a dense MLP's, held by the EP rank that holds the expert (peft's LoRA on
+transformers 5's fused experts, where gate and up become one block-diagonal adapter of rank 2 x rank: lora_peft.py).
 The expert's layers run megatron's explicit expert communication (EP > 1 or expert-TP > 1): the dispatcher gathers
 the tokens over the expert-TP group and its combine sums the ranks' partial outputs, so an adapter neither gathers
-nor reduces activations; the matrix whole on every expert-TP rank (A of gate_up, B of down) has its gradient summed
-over that group instead, from the rank's partial one. Shared experts and the dense MLP layers of a MoE model are
-plain MLPs (the per-projection adapters above). Expert adapters are in DDP's expert buffers (allreduce False), as
-their base weights are.
+nor reduces activations; the matrix whole on every expert-TP rank (A of gate and up, B of down) has its gradient
+summed over that group instead, from the rank's partial one. Shared experts and the dense MLP layers of a MoE model
+are plain MLPs. Expert adapters are in DDP's expert buffers (allreduce False), as their base weights are.
 
 Only the adapters have requires_grad: megatron's DDP and optimizer hold no gradient buffer, main copy or Adam state
 of the base. The KL reference policy is the same model with the adapters off (disabled()). The rollout engine gets
@@ -45,7 +44,6 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            get_cuda_rng_tracker,
                                            reduce_from_tensor_model_parallel_region,
                                            scatter_to_sequence_parallel_region, set_tensor_model_parallel_attributes)
-from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
@@ -55,7 +53,6 @@ from megarl.config.validation import lora_targets
 KEY = "actor.lora.target_modules"
 ATTENTION_QKV, ATTENTION_OUT = ("q_proj", "k_proj", "v_proj"), ("o_proj",)
 MLP_IN, MLP_OUT = ("gate_proj", "up_proj"), ("down_proj",)
-GATE_UP = "gate_up_proj"  # a routed expert's one adapter on its fused gate and up rows ([gate; up], as transformers')
 
 
 class Adapter(nn.Module):
@@ -85,9 +82,7 @@ class AdaptedLinear(nn.Module):
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """scale * B A dropout(x) in the layer's local output layout (x: the layer's input, [s, b, in] or, an
         expert's, [tokens, in])."""
-        if self.explicit:
-            return self._expert_delta(x) * self.owner.scale
-        group, sp = self.group, self.sequence_parallel
+        group, sp, explicit = self.group, self.sequence_parallel, self.explicit
         if self.column:
             if sp:  # the base gathers the tokens of the TP group; the gradient of the gathered copy is whole per rank
                 x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
@@ -96,8 +91,10 @@ class AdaptedLinear(nn.Module):
                 if name in self.adapters:
                     a = self.adapters[name]
                     # A is whole on every TP rank: the same mask on each, from the default RNG, which megatron keeps
-                    # in step across TP ranks (its dropout on replicated activations relies on it too)
-                    h = copy_to_tensor_model_parallel_region(a.dropout(x) @ a.A.t(), group=group)
+                    # in step across TP ranks (its dropout on replicated activations relies on it too). An expert's
+                    # input gradient is a partial sum (its dispatcher sums it): A's gradient is summed instead
+                    h = (x @ copy_to_tensor_model_parallel_region(a.A, group=group).t() if explicit else
+                         copy_to_tensor_model_parallel_region(a.dropout(x) @ a.A.t(), group=group))
                     parts.append((h @ a.B.t()).unflatten(-1, (self.groups, rows)))
                 else:
                     parts.append(x.new_zeros(*x.shape[:-1], self.groups, rows))
@@ -108,21 +105,13 @@ class AdaptedLinear(nn.Module):
             # dropout on split heads)
             with get_cuda_rng_tracker().fork() if a.dropout.p else contextlib.nullcontext():
                 x = a.dropout(x)
+            if explicit:  # the output is a partial sum (the combine sums it): B A x = the sum of B (A_rank x_rank)
+                return (x @ a.A.t()) @ copy_to_tensor_model_parallel_region(a.B, group=group).t() * self.owner.scale
             h = reduce_from_tensor_model_parallel_region(x @ a.A.t(), group=group)
             out = h @ a.B.t()
             if sp:  # the base's output holds this rank's tokens (reduce-scatter); the gradient is all-gathered
                 out = scatter_to_sequence_parallel_region(out, group=group)
         return out * self.owner.scale
-
-    def _expert_delta(self, x: torch.Tensor) -> torch.Tensor:
-        """An expert's B A x (no dropout: refused for experts). Column: x is the same on every expert-TP rank and its
-        gradient a partial sum (the dispatcher sums it), so A x is computed locally and A's gradient, partial per
-        rank, is summed over the group (copy_to: identity forward). Row: the output is a partial sum (the combine
-        sums it), so B (A_rank x_rank) needs no reduction: B A x = sum over ranks; B's gradient is summed likewise."""
-        a = self.adapters[self.blocks[0][0]]
-        if self.column:
-            return (x @ copy_to_tensor_model_parallel_region(a.A, group=self.group).t()) @ a.B.t()
-        return (x @ a.A.t()) @ copy_to_tensor_model_parallel_region(a.B, group=self.group).t()
 
     @torch.no_grad()
     def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -184,6 +173,7 @@ def install(gpts, section, seed: int) -> Lora:
     lora = Lora(section)
     targets = lora.targets
     qkv, mlp_in = [n for n in ATTENTION_QKV if n in targets], [n for n in MLP_IN if n in targets]
+    mlp_targets = bool(mlp_in) or "down_proj" in targets
     for gpt in gpts:
         gpt.requires_grad_(False)
         for layer in getattr(getattr(gpt, "decoder", None), "layers", []):
@@ -195,11 +185,8 @@ def install(gpts, section, seed: int) -> Lora:
             if "o_proj" in targets:
                 _adapt(lora, getattr(attention, "linear_proj", None), False, ["o_proj"], _one("o_proj"), str(index),
                        where, seed)
-            for key, where, mlp, expert in _mlps(layer.mlp, index):
-                if expert and mlp_in:
-                    _adapt(lora, getattr(mlp, "linear_fc1", None), True, [GATE_UP], partial(_gate_up, config), key,
-                           where, seed)
-                elif mlp_in:
+            for key, where, mlp in _mlps(layer.mlp, index) if mlp_targets else ():
+                if mlp_in:
                     _adapt(lora, getattr(mlp, "linear_fc1", None), True, mlp_in, partial(_gate_up_blocks, config),
                            key, where, seed)
                 if "down_proj" in targets:
@@ -211,21 +198,21 @@ def install(gpts, section, seed: int) -> Lora:
 
 
 def _mlps(mlp, index: int):
-    """(seed key, description, module, routed expert?) of each MLP a decoder layer's `mlp` holds on this rank: the
-    layer's dense MLP, or a MoE layer's shared experts and this EP rank's routed experts (by global index)."""
+    """(seed key, description, module) of each MLP a decoder layer's `mlp` holds on this rank: the layer's dense MLP,
+    or a MoE layer's shared experts and this EP rank's routed experts (by global index)."""
     experts = getattr(mlp, "experts", None)
     if experts is None:
-        yield str(index), f"decoder layer {index}", mlp, False
+        yield str(index), f"decoder layer {index}", mlp
         return
-    if type(experts) is not SequentialMLP:  # grouped-GEMM experts, gpt-oss's: no linear layer per expert
+    if type(experts) is not SequentialMLP:  # grouped-GEMM experts (no linear per expert), gpt-oss's (biases, clamps)
         raise ValueError(f"{KEY}: gate_proj, up_proj and down_proj name the routed experts of decoder layer {index}, "
                          f"which are {type(experts).__name__} here; LoRA adapts megatron's SequentialMLP experts only: "
                          "target the attention projections alone (q_proj,k_proj,v_proj,o_proj)")
     if getattr(mlp, "shared_experts", None) is not None:
-        yield f"{index}.shared_experts", f"the shared experts of decoder layer {index}", mlp.shared_experts, False
+        yield f"{index}.shared_experts", f"the shared experts of decoder layer {index}", mlp.shared_experts
     for local, expert in enumerate(experts.local_experts):
         e = mlp.local_expert_indices[local]
-        yield f"{index}.experts.{e}", f"expert {e} of decoder layer {index}", expert, True
+        yield f"{index}.experts.{e}", f"expert {e} of decoder layer {index}", expert
 
 
 def _one(name: str):
@@ -245,11 +232,6 @@ def _gate_up_blocks(config, weight) -> tuple[int, list[tuple[str, int]]] | None:
         return None
     rows = weight.shape[0] // 2
     return 1, [("gate_proj", rows), ("up_proj", rows)]
-
-
-def _gate_up(config, weight) -> tuple[int, list[tuple[str, int]]] | None:
-    """A routed expert's linear_fc1: one adapter on the fused gate and up rows."""
-    return (1, [(GATE_UP, weight.shape[0])]) if config.gated_linear_unit else None
 
 
 def _adapt(lora: Lora, linear, column: bool, wanted: list[str], layout, key: str, where: str, seed: int) -> None:
@@ -319,10 +301,5 @@ def _sharded_state_dict(linear, axis: dict[str, int], prefix: str = "", sharded_
     """megatron's sharded state of the layer, its adapters' split matrices sharded along their split axis too (the
     layer's own method would write them as replicated: rank 0's shard alone)."""
     state = linear.state_dict(prefix="", keep_vars=True)
-    sharded = make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=linear.tp_group,
-                                                  dp_cp_group=metadata["dp_cp_group"])
-    fused = f"{prefix}lora.adapters.{GATE_UP}.B"
-    if fused in sharded:  # [this rank's gate rows; its up rows], as the expert's fc1 weight (megatron's MLP wraps that)
-        sharded[fused] = apply_swiglu_sharded_factory(sharded[fused], sharded_offsets,
-                                                      (metadata or {}).get("singleton_local_shards", False))
-    return sharded
+    return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=linear.tp_group,
+                                               dp_cp_group=metadata["dp_cp_group"])
