@@ -31,29 +31,31 @@ from megarl.config.tiny import tiny_config
 from tests.dist_utils import run_distributed
 from tests.engine.hf_models import padded_batch
 from tests.engine.test_lora import ALPHA, RANK, _aligned_logprobs, _grads_and_logprobs, _shard
-from tests.models.hf_families import glm4_moe_config, qwen3_moe_config, save_random
+from tests.models.hf_families import glm4_moe_config, mixtral_config, qwen3_moe_config, save_random
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ("gate_proj", "up_proj", "down_proj")
 SCALE = ALPHA / RANK
 
 
-def _peft_model(model_dir: str, dense_mlp: tuple[str, ...] = ()):
+def _peft_model(model_dir: str, dense_mlp: tuple[str, ...] = (), names: tuple[str, ...] = MLP):
     """peft's LoRA as a user asks for it: the attention and MLP projections by name, which on transformers 5's MoE
     models peft turns into the experts' fused parameters (gate and up: one block-diagonal adapter of rank 2r and
     alpha 2 alpha); `dense_mlp`: the linear MLP modules of dense layers and shared experts (model.layers.0.mlp), which
-    it then reaches by their weights alone."""
+    it then reaches by their weights alone; `names`: the checkpoint's names of an expert's gate, up and down (Mixtral's
+    w1, w3, w2), which peft rewrites so."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights = [f"{m}.{proj}.weight" for m in dense_mlp for proj in MLP]
     return get_peft_model(model, PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                                target_modules=ATTENTION + list(MLP), target_parameters=weights))
+                                                target_modules=ATTENTION + list(names), target_parameters=weights))
 
 
-def _peft_reference(model_dir: str, batch, coefficients, peft_dir: str, dense_mlp: tuple[str, ...] = ()):
+def _peft_reference(model_dir: str, batch, coefficients, peft_dir: str, dense_mlp: tuple[str, ...] = (),
+                    names: tuple[str, ...] = MLP):
     """peft's log-probs and, by module (model.layers.0.self_attn.q_proj) for the linear ones and (layer, projection,
     expert) for the experts, the adapters (A, B) and their gradients of sum(coefficients * log-probs), A and B random
     (an expert's gate_up B block-diagonal: gate's rows on gate's rank, up's on up's); peft's own directory."""
-    model = _peft_model(model_dir, dense_mlp)
+    model = _peft_model(model_dir, dense_mlp, names)
     g = torch.Generator().manual_seed(3)
     wrappers = {}
     for name, module in model.named_modules():
@@ -239,7 +241,7 @@ def test_lora_on_the_experts_and_attention_of_a_moe_matches_peft_at_ep2_and_tp2_
     torch.testing.assert_close(got, reference[0], rtol=0, atol=5e-5)  # (W + s B A) x against W x + s B (A x)
 
 
-def _check_glm_rank(rank, model_dir, batch, coefficients, reference, out):
+def _check_ep2_rank(rank, model_dir, batch, coefficients, reference, out):
     from megatron.core import parallel_state
 
     from megarl.parallel.state import build_model_parallel
@@ -250,20 +252,27 @@ def _check_glm_rank(rank, model_dir, batch, coefficients, reference, out):
     return True
 
 
-def test_lora_on_the_dense_layer_shared_expert_and_experts_of_glm45_matches_peft_at_ep2(tmp_path):
+@pytest.mark.parametrize("family", ["glm4_moe", "mixtral"])
+def test_lora_on_glm45s_dense_layer_and_shared_expert_and_on_mixtrals_experts_matches_peft_at_ep2(tmp_path, family):
     """GLM-4.5: layer 0 a dense MLP, layer 1 a MoE with a shared expert (linear gate, up and down projections in
     transformers) beside 8 routed experts (4 an EP rank), all adapted at once; peft reaches the dense and shared
-    projections by their weights (target_parameters), since it reads their names as the experts'. Its PEFT directory
-    is peft's and gives the trainer's log-probs."""
-    model_dir = save_random(glm4_moe_config(), tmp_path / "glm", seed=7)
+    projections by their weights (target_parameters), since it reads their names as the experts'. Mixtral: its
+    checkpoint's block_sparse_moe.experts.{e}.w1/w3/w2, the names a peft user gives. Each PEFT directory is peft's and
+    gives the trainer's log-probs."""
     batch = padded_batch()
     coefficients = torch.randn(batch["tokens"].shape, generator=torch.Generator().manual_seed(5))
-    reference = _peft_reference(model_dir, batch, coefficients, str(tmp_path / "peft"),
-                                dense_mlp=("mlp", "mlp.shared_experts"))
-    modules = [key for key in reference[1] if isinstance(key, str)]
-    assert "model.layers.0.mlp.gate_proj" in modules and "model.layers.1.mlp.shared_experts.down_proj" in modules
-    assert len(reference[1]) == 2 * 4 + 3 + 3 + 3 * 8
-    assert run_distributed(_check_glm_rank, 2, model_dir, batch, coefficients, reference, str(tmp_path))
+    if family == "glm4_moe":
+        model_dir = save_random(glm4_moe_config(), tmp_path / family, seed=7)
+        reference = _peft_reference(model_dir, batch, coefficients, str(tmp_path / "peft"),
+                                    dense_mlp=("mlp", "mlp.shared_experts"))
+        modules = [key for key in reference[1] if isinstance(key, str)]
+        assert "model.layers.0.mlp.gate_proj" in modules and "model.layers.1.mlp.shared_experts.down_proj" in modules
+        assert len(reference[1]) == 2 * 4 + 3 + 3 + 3 * 8
+    else:
+        model_dir = save_random(mixtral_config(), tmp_path / family, seed=7)
+        reference = _peft_reference(model_dir, batch, coefficients, str(tmp_path / "peft"), names=("w1", "w3", "w2"))
+        assert len(reference[1]) == 2 * 4 + 2 * 3 * 4
+    assert run_distributed(_check_ep2_rank, 2, model_dir, batch, coefficients, reference, str(tmp_path))
     _check_peft_directory(model_dir, tmp_path / "ep2", tmp_path / "peft", batch, reference[0])
 
 
