@@ -7,7 +7,8 @@ used in training (the rollouts are text; the vision tower and its projector take
   head, true unless it says otherwise (untied is refused by key: transformers would name that head
   language_model.lm_head, which no published checkpoint has).
 - tensors: the language model's are the text family's `model.*` under `language_model.model.*` (transformers' names
-  on disk, 4.50 to 5.12; it saves them so, and the published checkpoints have them); the SigLIP tower's
+  on disk, 4.50 to 5.12; it saves them so, and the published checkpoints have them; a checkpoint stored under its
+  in-memory names, model.language_model.*, is read under these: hf_checkpoint.IN_MEMORY_PREFIXES); the SigLIP tower's
   `vision_tower.*` and the projector's `multi_modal_projector.*` are not loaded: megarl.models.hf_checkpoint leaves
   them out with one logged line, every megarl checkpoint keeps the source's copy of them (bytes as read), and the
   export writes them back beside the trained language model, so the exported directory is a Gemma3ForConditional

@@ -15,6 +15,8 @@
 - A multimodal checkpoint trained as a text-only policy (Gemma 3's: megarl.utils.hf_config.TEXT_ONLY_TOWERS): its
   vision tower and projector are left out on import (one logged line, which says images are not used in training),
   kept in every megarl checkpoint (TOWER_FILE, bytes as read) and written back by export, as the MTP layers are.
+  Tensors stored under transformers' in-memory names (model.language_model.* ...) are read, kept and written back
+  under its on-disk ones (IN_MEMORY_PREFIXES).
 - config.json fields that SGLang's DeepSeek model reads and transformers' DeepseekV3Config / DeepseekV2Config do
   not write (SGLang 0.5.17 fails to start without moe_layer_freq): added to every config.json megarl writes.
 - DeepSeek-V3's routing bias (e_score_correction_bias), which transformers and SGLang keep in float32 whatever
@@ -80,24 +82,26 @@ class SafetensorsCheckpoint:
         packed = {n + suffix for n in self.mxfp4 for suffix in (MXFP4_BLOCKS, MXFP4_SCALES)}
         mtp = [n for n in shapes if not is_scale(n) and is_mtp(n, config)]
         log_dropped_mtp(mtp, config, model_dir)
-        tower = [n for n in shapes if is_kept_tower(n, config)]
-        log_kept_tower(tower, config, model_dir)
+        tower = [n for n in shapes if is_kept_tower(on_disk_name(n, config), config)]
+        log_kept_tower([on_disk_name(n, config) for n in tower], config, model_dir)
         left_out = set(mtp) | set(tower) | packed
-        self.shapes: dict[str, tuple[int, ...]] = {n: s for n, s in shapes.items()
-                                                   if not is_scale(n) and n not in left_out}
-        self.shapes |= self.mxfp4
-        self.files: dict[str, Path] = {n: self._all_files[n + MXFP4_BLOCKS if n in self.mxfp4 else n]
-                                       for n in self.shapes}
+        shapes = {n: s for n, s in shapes.items() if not is_scale(n) and n not in left_out} | self.mxfp4
+        # listed by transformers' on-disk names (IN_MEMORY_PREFIXES), read by the names the files store
+        self._stored = {on_disk_name(n, config): n for n in shapes}
+        self.shapes: dict[str, tuple[int, ...]] = {on_disk_name(n, config): s for n, s in shapes.items()}
+        self.files: dict[str, Path] = {name: self._all_files[n + MXFP4_BLOCKS if n in self.mxfp4 else n]
+                                       for name, n in self._stored.items()}
 
     def read(self, name: str, row: int | None = None) -> torch.Tensor:
         """The tensor (or its row `row` along dim 0) in its stored dtype, or float32 for an FP8 or MXFP4 weight (its
         dequantized values)."""
         if name not in self.files:
             raise KeyError(f"tensor '{name}' is not in the checkpoint ({len(self.files)} tensors)")
-        if name in self.mxfp4:
-            return MXFP4.dequantize(read_tensor(self._all_files, name + MXFP4_BLOCKS, row),
-                                    read_tensor(self._all_files, name + MXFP4_SCALES, row), name)
-        return read_dequantized(self._all_files, name, self.fp8, row)
+        stored = self._stored[name]
+        if stored in self.mxfp4:
+            return MXFP4.dequantize(read_tensor(self._all_files, stored + MXFP4_BLOCKS, row),
+                                    read_tensor(self._all_files, stored + MXFP4_SCALES, row), stored)
+        return read_dequantized(self._all_files, stored, self.fp8, row)
 
 
 def _index(paths: list[Path], where: str) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
@@ -233,7 +237,23 @@ def log_dropped_mtp(names: list[str], config: dict, model_dir: str | Path) -> No
 
 
 def is_kept_tower(name: str, config: dict) -> bool:
+    """Whether `name` (transformers' on-disk spelling: on_disk_name) is a text-only policy's vision tower's."""
     return name.startswith(TEXT_ONLY_TOWERS.get(config.get("model_type"), ()))
+
+
+# transformers' in-memory module names, which some re-saved checkpoints carry (saved from a state dict, not by
+# save_pretrained), by model type: (that prefix, transformers' on-disk prefix, which megarl reads and writes them
+# under: the published checkpoints', save_pretrained's and SGLang's loader's)
+IN_MEMORY_PREFIXES = {"gemma3": (("model.language_model.", "language_model.model."),
+                                 ("model.vision_tower.", "vision_tower."),
+                                 ("model.multi_modal_projector.", "multi_modal_projector."))}
+
+
+def on_disk_name(name: str, config: dict) -> str:
+    for stored, on_disk in IN_MEMORY_PREFIXES.get(config.get("model_type"), ()):
+        if name.startswith(stored):
+            return on_disk + name[len(stored):]
+    return name
 
 
 def log_kept_tower(names: list[str], config: dict, model_dir: str | Path) -> None:
@@ -256,7 +276,8 @@ UNTRAINED_FILES = ((MTP_FILE, is_mtp), (TOWER_FILE, is_kept_tower))
 
 def save_untrained_copies(model_dir: str | Path, out_dir: str | Path) -> int:
     """Copy the tensors of a HF model directory that megarl does not train (MTP layers with their FP8 scales, a
-    text-only policy's vision tower; bytes as stored) into out_dir, each kind into its UNTRAINED_FILES file; returns
+    text-only policy's vision tower, under transformers' on-disk names; bytes as stored) into out_dir, each kind into
+    its UNTRAINED_FILES file; returns
     how many tensors (0: none, nothing written). model_dir may be a megarl checkpoint's hf/ directory, whose copies
     are copied on."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -266,9 +287,10 @@ def save_untrained_copies(model_dir: str | Path, out_dir: str | Path) -> int:
     files, _ = _index(paths, str(model_dir))
     count = 0
     for file, kept in UNTRAINED_FILES:
-        names = [n for n in files if kept(n, config)]
+        names = [n for n in files if kept(on_disk_name(n, config), config)]
         if names:
-            save_file({n: read_tensor(files, n) for n in names}, str(Path(out_dir) / file), metadata={"format": "pt"})
+            save_file({on_disk_name(n, config): read_tensor(files, n) for n in names}, str(Path(out_dir) / file),
+                      metadata={"format": "pt"})
         count += len(names)
     return count
 

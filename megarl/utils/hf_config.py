@@ -21,10 +21,8 @@ GEMMA3_TEXT_DEFAULTS = {
     "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
     "attn_logit_softcapping": None, "final_logit_softcapping": None}
 # multimodal model types whose vision tower megarl keeps untrained and unused (text-only RL on the language model):
-# model type -> the checkpoint's tensor prefixes of the tower and its projector (transformers' on-disk names, and
-# transformers >= 4.52's in-memory ones that some re-saved checkpoints carry)
-TEXT_ONLY_TOWERS = {"gemma3": ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                               "model.multi_modal_projector.")}
+# model type -> the tensor prefixes of the tower and its projector (transformers' on-disk names, SGLang's too)
+TEXT_ONLY_TOWERS = {"gemma3": ("vision_tower.", "multi_modal_projector.")}
 
 
 def language_fields(hf: dict) -> dict:

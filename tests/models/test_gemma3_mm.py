@@ -71,13 +71,21 @@ def test_logprobs_match_transformers_multimodal_class_at_tp1_tp2_pp2(tmp_path):
 def test_convert_round_trip_carries_the_tower_bitwise(tmp_path):
     """A bf16 Gemma3ForConditionalGeneration through `python -m megarl.convert` hf-to-megatron and megatron-to-hf:
     the language model and the untouched vision tower and projector bit for bit, config.json as it was (transformers
-    loads a Gemma3ForConditionalGeneration from it), and import says that images are not used in training."""
+    loads a Gemma3ForConditionalGeneration from it), and import says that images are not used in training. The same
+    checkpoint stored under transformers' in-memory names (model.language_model.* ...) comes back under the on-disk
+    ones, every tensor bit for bit."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForImageTextToText
 
     fp32 = save_random(gemma3_mm_config(), tmp_path / "fp32", seed=8)
     hf = tmp_path / "hf"
     AutoModelForImageTextToText.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(hf)
-    log = convert(*round_trip(hf, tmp_path), log=tmp_path / "convert.log")
+    in_memory = tmp_path / "in_memory" / "hf"
+    in_memory.mkdir(parents=True)
+    (in_memory / "config.json").write_text((hf / "config.json").read_text())
+    save_file({("model." + n.replace("language_model.model.", "language_model.", 1)): t
+               for n, t in load_file(hf / "model.safetensors").items()}, str(in_memory / "model.safetensors"))
+    log = convert(*round_trip(hf, tmp_path), *round_trip(in_memory, in_memory.parent), log=tmp_path / "convert.log")
     assert "Gemma3ForConditionalGeneration trained as a text-only policy: images are not used in training" in log
     assert "vision.safetensors" in {p.name for p in (tmp_path / "imported" / "actor" / "hf").iterdir()}
 
@@ -90,6 +98,8 @@ def test_convert_round_trip_carries_the_tower_bitwise(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "back")
     assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    renamed = {n: t for path in (in_memory.parent / "back").glob("*.safetensors") for n, t in load_file(path).items()}
+    assert renamed.keys() == original.keys() and all(torch.equal(original[n], renamed[n]) for n in original)
 
 
 def test_sglang_names_and_the_synced_tensors(tmp_path, caplog):
