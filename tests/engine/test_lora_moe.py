@@ -1,7 +1,7 @@
 """LoRA on mixture-of-experts policies against peft's LoRA on the same tiny HF models (fp32 log-probs and every
 adapter's gradient): Qwen3-MoE with its attention and routed experts adapted, at EP=2 and at TP=2 with sequence
 parallelism (the experts split over expert-TP 2, the adapters loaded from the EP=2 checkpoint); GLM-4.5 with a dense
-first layer and a shared expert beside its experts, at EP=2.
+first layer and a shared expert beside its experts, and Mixtral, at EP=2.
 
 The reference is peft 0.21 as a user calls it, target_modules naming the attention and MLP projections. On
 transformers 5 a layer's experts are two fused 3-D parameters (mlp.experts.gate_up_proj, mlp.experts.down_proj); peft
@@ -9,9 +9,10 @@ rewrites the MLP names into target_parameters on them (its ParamWrapper), readin
 block-diagonal adapter of rank 2r on gate_up_proj (transformers 4's per-expert gate and up adapters), which is
 megarl's per-expert gate and up adapters exactly. It then reaches nothing else by those names, so the dense layer's
 and the shared expert's linear projections are given to peft by their weights. B = 0 gives the base exactly; the base
-stays frozen; the PEFT directory written at each layout is the one peft saves and peft's model from it gives the
-trainer's log-probs; the merged export is the base plus scale x B A per expert. What cannot be adapted so is refused
-by key before any worker starts."""
+stays frozen (one optimizer update at EP=2 moves the adapters, the experts' included, and nothing else); the PEFT
+directory written at each layout is the one peft saves and peft's model from it gives the trainer's log-probs; the
+merged export is the base plus scale x B A per expert. What cannot be adapted so is refused by key before any worker
+starts."""
 
 import json
 import shutil
@@ -248,7 +249,13 @@ def _check_ep2_rank(rank, model_dir, batch, coefficients, reference, out):
 
     parallel_state.destroy_model_parallel()
     build_model_parallel(1, 1, 1, ep=2)
-    _check_layout(model_dir, batch, coefficients, reference, out, "ep2", False)
+    engine = _check_layout(model_dir, batch, coefficients, reference, out, "ep2", False)
+    # one update from the gradients above: megatron's optimizer takes the expert adapters (its expert-parallel part)
+    before = {n: p.detach().clone() for n, p in engine.gpt.named_parameters()}
+    assert engine.optimizer.step()[0]
+    after = dict(engine.gpt.named_parameters())
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved == {n for n, p in after.items() if p.requires_grad}, sorted(set(before) - moved)[:5]
     return True
 
 
