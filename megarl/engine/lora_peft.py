@@ -34,8 +34,6 @@ import torch.distributed as dist
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
-
-
 EXPERTS = "mlp.experts"  # where transformers 5 holds a layer's routed experts, fused
 _EXPERT_HF = re.compile(r"^(.*)\.[^.]+\.experts\.\d+\.[^.]+\.weight$")  # one expert's tensor in the checkpoint
 _IN_LAYER = re.compile(r"^.*\.layers\.\d+\.")  # a layer's prefix in an HF name
