@@ -41,6 +41,7 @@ from megarl.models import checked_family, routing_replay
 from megarl.models.decoder import decoder_block_spec, text_config
 from megarl.models.router import expert_load_metrics, reset_expert_load, restore_expert_biases, snapshot_expert_biases
 from megarl.protocol import Batch
+from megarl.utils.hf_config import TEXT_ONLY_TOWERS
 
 
 # actor.packing=one_row without pipeline stages: each micro-batch's row is cut to its used length rounded up to
@@ -113,7 +114,7 @@ class MegatronEngine:
         # that of its gradient are two more passes over the largest tensors of a step; the log-prob kernel and the
         # value readers compute in float32 from the bf16 values themselves, to the same numbers.
         self._forward_kwargs = {"fp32_output": False} if self.params_dtype == torch.bfloat16 else {}
-        if section.freeze_vision_tower:
+        if section.freeze_vision_tower and self.hf_config.get("model_type") not in TEXT_ONLY_TOWERS:
             self._freeze_vision_tower()
         # after the cast: each HF tensor's dtype is its parameter's (DeepSeek-V3's routing bias stays fp32)
         self.hf_tensors = checkpoint.hf_tensors_from_model(self.gpts, self.weight_maps, self.layout)
@@ -182,7 +183,7 @@ class MegatronEngine:
 
     def _freeze_vision_tower(self) -> None:
         """No gradients for the vision tower (on the first pipeline stage); megatron's DDP and optimizer then
-        leave it out."""
+        leave it out. A text-only policy's tower (TEXT_ONLY_TOWERS) is never built: the caller skips it."""
         if getattr(self.family.model_class, "has_vision_tower", False) is not True:
             raise ValueError(f"freeze_vision_tower=true but {self.model_path} is a {self.family.name} model, "
                              "which has no vision tower")

@@ -39,8 +39,9 @@ def _check_rank(rank, model_dir, saved, ref_logprobs, ref_entropy):
         uneven = dict(pp_first_stage_layers=2, pp_last_stage_layers=1) if pp > 1 else {}
         parallel = ParallelConfig(world_size=dist.get_world_size(), tp=tp, pp=pp, **uneven)
         # PP=2 starts from random weights and loads the checkpoint TP=2 saved
-        engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
-                                "cpu", 1, 10, load_hf_weights=pp == 1)
+        # freeze_vision_tower (verl's key) holds by construction: the tower is never built
+        actor = ActorConfig(parallel=parallel, micro_batch_size=2, freeze_vision_tower=tp == 1 and pp == 1)
+        engine = MegatronEngine(model_dir, actor, AlgorithmConfig(), "cpu", 1, 10, load_hf_weights=pp == 1)
         if pp > 1:
             engine.load_checkpoint(saved, optimizer=False)
         out = engine.compute_logprobs(padded_batch(), with_entropy=True)
