@@ -29,7 +29,7 @@ from megarl.data.inputs import read_model_config
 from megarl.protocol import Batch
 from megarl.recovery import Recovery
 from megarl.resume import Start, plan_resume
-from megarl.reshard.memory import GiB, MemorySettings, predict_peak
+from megarl.reshard.memory import GiB, MemorySettings, lora_fields, predict_peak
 from megarl.reshard.plan import train_layout
 from megarl.rewards import build_reward
 from megarl.rollout_buffer import RolloutBuffer, Taken, staleness_metrics
@@ -73,7 +73,7 @@ def check_resident_memory(cfg: Config, model_config: dict, gpu_bytes: float) -> 
     responses = cfg.agent.max_response_tokens if cfg.agent.enabled else r.max_new_tokens
     settings = MemorySettings(seq_len=responses, micro_batch=cfg.actor.micro_batch_size, recompute=cfg.actor.recompute,
                               distributed_optimizer=cfg.actor.use_distributed_optimizer,
-                              reference=cfg.algorithm.kl_coef > 0)
+                              reference=cfg.algorithm.kl_coef > 0, **lora_fields(cfg.actor.lora))
     training, rollout = predict_peak(model_config, train, settings, p.cp), r.sglang_mem_fraction * gpu_bytes
     if training + rollout > gpu_bytes:
         raise ConfigError(f"trainer.mode={cfg.trainer.mode} keeps the training engines and colocated SGLang resident "

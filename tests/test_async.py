@@ -201,6 +201,10 @@ def test_colocated_engines_resident_together_must_fit_the_gpu():
     with pytest.raises(ConfigError, match=r"training needs at least \d+\.\d GiB per GPU .* beside "
                                           r"rollout.sglang_mem_fraction=0.5 of 80 GiB \(40.0 GiB\)"):
         check_resident_memory(cfg, load_model_config("qwen2.5-7b"), 80 * GiB)
+    # LoRA: the frozen base holds its bf16 weights alone (no gradients, optimizer state or reference copy)
+    lora = tiny_config(["trainer.mode=async", "rollout.engine=sglang", "rollout.sglang_mem_fraction=0.5",
+                        "actor.lora.rank=16", "sft.steps=0", "algorithm.kl_coef=0.01"])
+    check_resident_memory(lora, load_model_config("qwen2.5-7b"), 80 * GiB)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -32,7 +32,7 @@ def cli_output(*argv: str) -> str:
 
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-1.5b", 1.544), ("qwen2.5-3b", 3.086),
-                                           ("qwen2.5-7b", 7.616), ("qwen3-30b-a3b", 30.53),
+                                           ("qwen2.5-7b", 7.616), ("qwen2.5-72b", 72.71), ("qwen3-30b-a3b", 30.53),
                                            ("qwen3-235b-a22b", 235.09), ("deepseek-v3", 671.03),
                                            ("mistral-7b-v0.3", 7.248), ("mistral-nemo-12b", 12.248),
                                            ("mixtral-8x7b", 46.70), ("glm-4.5", 352.80), ("glm-4.5-air", 106.85),
@@ -302,7 +302,7 @@ def test_when_nothing_fits_the_nearest_layouts_and_what_would_fit_are_named(caps
     assert "  - more GPUs: --gpus 8: 1 layout(s) fit, the best --train tp=4,pp=2" in out
     assert "  - --optimizer-offload (actor.use_distributed_optimizer=true actor.optimizer_cpu_offload=true" in out
     assert "  - --recompute full (actor.recompute=full): still none" in out
-    assert "  - LoRA (actor.lora.rank > 0, docs/lora.md): the base frozen sheds" in out
+    assert "  - LoRA, e.g. --lora-rank 16 --lora-targets all-linear (actor.lora.rank=16 " in out
     # a plan of one layout that misses --gpu-mem exits 1 too; inside the margin is said apart from over the memory
     assert main(["--model", "qwen2.5-7b", "--train", "tp=2", "--gen", "tp=1", "--seq-len", "4096",
                  "--gpu-mem", "80"]) == 1

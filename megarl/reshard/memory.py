@@ -17,6 +17,13 @@ on a rank (its TP shard of dense tensors, its EP block of routed experts cut ove
 - the optimizer step's transient: torch's foreach Adam makes one fp32 temporary per parameter it updates
   on the GPU (4; none for the offloaded fraction, which the CPU updates);
 - a reference snapshot (KL to the initial policy): another bf16 copy, 2.
+LoRA (actor.lora, megarl/engine/lora.py): the base is frozen, its parameters bf16 (2) with no gradient buffer, fp32
+master copy or Adam state (megatron's DDP and optimizer take only what requires a gradient); the adapters (A [r, in]
+and B [out, r] per adapted projection, per expert for the routed experts, sharded as lora.py shards them: a
+column-parallel layer's B by rows and A whole, a row-parallel layer's A by columns and B whole, an expert's over
+expert-TP on the EP rank holding it) cost what a trained parameter costs above; the KL reference is the base with the
+adapters off, no copy. Activations are full fine-tuning's (the adapters' r numbers per token and projection are not
+counted).
 Activations (bf16 unless said) are counted tensor by tensor from what the local spec saves for backward,
 per token of one micro-batch (T = seq_len x micro_batch / CP tokens; tensors outside TP regions divide by TP
 only under sequence parallelism), with flash-style attention (no score matrix stored) and balanced routing:
@@ -45,10 +52,12 @@ import functools
 import json
 from dataclasses import dataclass
 
-from megarl.reshard.inventory import TensorSpec, hf_inventory, is_moe_layer, on_first_stage
+from megarl.config.validation import LORA_TARGETS, lora_targets
+from megarl.reshard.inventory import (MIXTRAL_EXPERT_PARTS, STACKED_EXPERTS, VISION_LANGUAGE, TensorSpec, hf_inventory,
+                                      is_moe_layer, on_first_stage)
 from megarl.reshard.layout import TrainLayout
-from megarl.utils.hf_config import (UNFUSED_ATTENTION, expert_width, language_fields, routed_experts,
-                                    shared_expert_width, tied_embeddings)
+from megarl.utils.hf_config import (HYBRID_ATTENTION, UNFUSED_ATTENTION, expert_width, language_fields,
+                                    routed_experts, shared_expert_width, tied_embeddings)
 
 BF16, FP32 = 2, 4
 RECOMPUTE = ("none", "selective", "full")
@@ -71,7 +80,9 @@ class MemorySettings:
     # Offload as megatron does it with TransformerEngine's precision-aware optimizer (fp32 master weights on the
     # host too), as verl and slime run it; False: megarl's engine (no TE), whose master weights stay on the GPU.
     te_precision_aware_optimizer: bool = False
-    reference: bool = False  # a bf16 snapshot of the weights (KL to the reference policy)
+    reference: bool = False  # a bf16 snapshot of the weights (KL to the reference policy); none under LoRA
+    lora_rank: int = 0  # actor.lora.rank: > 0 trains adapters of this rank, the base frozen (0: full fine-tuning)
+    lora_targets: tuple[str, ...] = LORA_TARGETS  # the projections adapted (actor.lora.target_modules spelled out)
 
     def __post_init__(self):
         for name in ("seq_len", "micro_batch"):
@@ -92,6 +103,11 @@ class MemorySettings:
         if self.te_precision_aware_optimizer and not self.optimizer_offload:
             raise ValueError("te_precision_aware_optimizer: changes only what optimizer_offload moves to the host "
                              "(the fp32 master weights too); set optimizer_offload")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank}: must be >= 0 (0 = full fine-tuning)")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or (self.lora_rank and not self.lora_targets):
+            raise ValueError(f"lora_targets={list(self.lora_targets)}: LoRA adapts some of {', '.join(LORA_TARGETS)}")
 
     def sp(self, tp: int) -> bool:
         return tp > 1 if self.sequence_parallel is None else self.sequence_parallel and tp > 1
@@ -124,7 +140,16 @@ class MemorySettings:
                 f"rank); micro-batches per step: {self.micro_batches or 'PP (pipeline full)'}",
                 f"recompute: {self.recompute}{modules}; sequence parallel: {sp}",
                 "attention: flash-style (no score matrix); MoE routing balanced; 1F1B without virtual stages",
-                f"reference snapshot: {'yes (+2 B/param)' if self.reference else 'no'}"]
+                self._lora_line(),
+                "reference snapshot: " + ("none: LoRA's reference is the base with the adapters off" if self.lora_rank
+                                          else "yes (+2 B/param)" if self.reference else "no")]
+
+    def _lora_line(self) -> str:
+        if not self.lora_rank:
+            return "LoRA: off (full fine-tuning: every parameter trained)"
+        return (f"LoRA: rank {self.lora_rank} on {','.join(self.lora_targets)}: the base frozen, bf16 weights alone "
+                "(2 B/param: no gradient, master copy or Adam state); the adapters (A r x in, B out x r, per expert "
+                "for the experts) trained at the costs above; activations as full fine-tuning's")
 
 
 def _activations(hf: dict, layer: int, train: TrainLayout, s: MemorySettings, cp: int) -> tuple[float, float, float]:
@@ -211,8 +236,90 @@ def _held(spec: TensorSpec, tp: int, rank: int) -> int:
     return (hi - lo) * spec.row_numel
 
 
+# what a Mixtral expert's projections are called in actor.lora.target_modules
+_TARGET_NAMES = dict(zip(MIXTRAL_EXPERT_PARTS, ("gate_proj", "up_proj", "down_proj")))
+ATTENTION_TARGETS, MLP_TARGETS = LORA_TARGETS[:4], LORA_TARGETS[4:]
+
+
+def lora_target(spec: TensorSpec) -> str | None:
+    """The actor.lora.target_modules name of the projection a decoder layer's weight `spec` is, or None."""
+    if spec.layer is None or not spec.name.endswith(".weight"):
+        return None
+    module = spec.name.split(".")[-2]
+    module = _TARGET_NAMES.get(module, module)
+    return module if module in LORA_TARGETS else None
+
+
+def adaptable_targets(hf: dict) -> tuple[str, ...]:
+    """The projections megarl's engine can put adapters on in this model (megarl/engine/lora.py refuses the others
+    when it builds): no q/k/v of multi-latent attention, no attention projection of the hybrid (gated delta net and
+    gated attention) families, no MLP projection where the experts are stacked in megarl's own module."""
+    fields = language_fields(hf)
+    model_type = fields.get("model_type")
+    model_type = VISION_LANGUAGE[model_type][0] if model_type in VISION_LANGUAGE else model_type  # its language model
+    refused = set()
+    if "kv_lora_rank" in fields:
+        refused |= {"q_proj", "k_proj", "v_proj"}
+    if model_type in HYBRID_ATTENTION:
+        refused |= set(ATTENTION_TARGETS)
+    if model_type in STACKED_EXPERTS:
+        refused |= set(MLP_TARGETS)
+    return tuple(t for t in LORA_TARGETS if t not in refused)
+
+
+def lora_fields(section) -> dict:
+    """MemorySettings' LoRA fields for a run's actor.lora section."""
+    return dict(lora_rank=section.rank, lora_targets=tuple(t for t in LORA_TARGETS if t in lora_targets(section)))
+
+
+def _adapter_held(rank: int, targets: tuple[str, ...], spec: TensorSpec, tp: int, tp_rank: int) -> int:
+    """Adapter parameters TP rank `tp_rank` of `tp` holds for `spec` (0 unless it is a targeted projection):
+    column-parallel, A [rank, in] whole and B [its rows, rank]; row-parallel, A [rank, its columns] and B [out, rank]
+    whole."""
+    if lora_target(spec) not in targets:
+        return 0
+    lo, hi = spec.rows(tp, tp_rank)
+    out, inp = spec.shape
+    return rank * (inp + hi - lo) if spec.dim == 0 else rank * (hi - lo + out)
+
+
 def stage_params(hf: dict, train: TrainLayout, stage: int, tp_rank: int = 0, etp_rank: int = 0) -> tuple[int, int]:
     """(dense, routed-expert) parameters held by a rank of `stage` with these TP and ETP ranks."""
+    return _stage_count(hf, train, stage, tp_rank, etp_rank, _held)
+
+
+def check_lora_targets(hf: dict, s: MemorySettings) -> None:
+    """A ValueError naming actor.lora.target_modules when s adapts a projection the engine cannot adapt in `hf`."""
+    refused = [t for t in s.lora_targets if t not in adaptable_targets(hf)] if s.lora_rank else []
+    if refused:
+        raise ValueError(f"actor.lora.target_modules (the planner's --lora-targets): {','.join(refused)} take no adapters in model_type="
+                         f"{language_fields(hf).get('model_type')!r} (megarl/engine/lora.py: multi-latent and gated "
+                         f"attention, gated delta nets, stacked experts); its adaptable projections: "
+                         f"{','.join(adaptable_targets(hf))}")
+
+
+def model_adapters(hf: dict, s: MemorySettings) -> int:
+    """The LoRA adapter parameters of the whole model (every projection's A and B whole, every expert's)."""
+    check_lora_targets(hf, s)
+    return sum(_adapter_held(s.lora_rank, s.lora_targets, spec, 1, 0) for spec in hf_inventory(hf)) if s.lora_rank \
+        else 0
+
+
+def adapter_params(hf: dict, train: TrainLayout, stage: int, s: MemorySettings, tp_rank: int = 0,
+                   etp_rank: int = 0) -> tuple[int, int]:
+    """(dense, routed-expert) LoRA adapter parameters held by a rank of `stage` with these TP and ETP ranks: what
+    megarl/engine/lora.py builds there (0, 0 without LoRA). A projection the engine cannot adapt in this model is a
+    ValueError naming actor.lora.target_modules."""
+    if not s.lora_rank:
+        return 0, 0
+    check_lora_targets(hf, s)
+    return _stage_count(hf, train, stage, tp_rank, etp_rank,
+                        functools.partial(_adapter_held, s.lora_rank, s.lora_targets))
+
+
+def _stage_count(hf: dict, train: TrainLayout, stage: int, tp_rank: int, etp_rank: int, count) -> tuple[int, int]:
+    """(dense, routed-expert) sums of count(spec, tp, rank) over the tensors of `stage`, for these TP and ETP ranks
+    (each of the rank's num_experts / EP routed experts of a layer counted alike)."""
     index = _index(json.dumps(hf, sort_keys=True))
     dense_specs = [s for i in _stage_layers(train, stage) for s in index.dense[i]]
     if stage == 0:
@@ -221,11 +328,11 @@ def stage_params(hf: dict, train: TrainLayout, stage: int, tp_rank: int = 0, etp
         dense_specs += index.last + (index.tied if train.pp > 1 else ())
     expert = 0
     for i in _stage_layers(train, stage):
-        specs, count = index.experts[i]
-        if count % train.ep:
-            raise ValueError(f"ep={train.ep} does not divide the {count} routed experts of layer {i}")
-        expert += count // train.ep * sum(_held(s, train.etp, etp_rank) for s in specs)
-    return sum(_held(s, train.tp, tp_rank) for s in dense_specs), expert
+        specs, experts = index.experts[i]
+        if experts % train.ep:
+            raise ValueError(f"ep={train.ep} does not divide the {experts} routed experts of layer {i}")
+        expert += experts // train.ep * sum(count(s, train.etp, etp_rank) for s in specs)
+    return sum(count(s, train.tp, tp_rank) for s in dense_specs), expert
 
 
 def _stage_layers(train: TrainLayout, stage: int) -> range:
@@ -236,19 +343,24 @@ def _stage_layers(train: TrainLayout, stage: int) -> range:
 def rank_memory(hf: dict, train: TrainLayout, stage: int, s: MemorySettings, cp: int = 1, tp_rank: int = 0,
                 etp_rank: int = 0) -> dict[str, float]:
     """Bytes on one GPU of `stage` (TP rank tp_rank, ETP rank etp_rank): static state, activations, the peak;
-    and the host memory its optimizer offload takes. `train.dp` counts the CP x DP replicas."""
+    and the host memory its optimizer offload takes. `train.dp` counts the CP x DP replicas. `params` counts the
+    model's parameters the rank holds, `adapters` its LoRA adapters' (0 without LoRA)."""
     if train.dp % cp:
         raise ValueError(f"cp={cp} must divide the {train.dp} data-parallel replicas (CP x DP)")
     dense, expert = stage_params(hf, train, stage, tp_rank, etp_rank)
     params = dense + expert
-    shards = dense / train.dp + expert / train.expert_dp if s.distributed_optimizer else params
+    if s.lora_rank:  # the adapters train, the base (params) is frozen
+        dense, expert = adapter_params(hf, train, stage, s, tp_rank, etp_rank)
+    trained = dense + expert
+    shards = dense / train.dp + expert / train.expert_dp if s.distributed_optimizer else trained
     on_cpu = s.offload_fraction * shards if s.optimizer_offload else 0.0
     # what leaves the GPU per offloaded parameter: Adam's two moments; the fp32 master copy too only with TE's
     # precision-aware optimizer (megarl's engine keeps it on the GPU)
     left_gpu = 3 * FP32 if s.te_precision_aware_optimizer else 2 * FP32
-    out = dict(params=params, weights=BF16 * params, grads=FP32 * params,
-               optimizer=3 * FP32 * shards - left_gpu * on_cpu, reference=BF16 * params if s.reference else 0.0,
-               host=4 * FP32 * on_cpu)
+    adapters = trained if s.lora_rank else 0
+    out = dict(params=params, adapters=adapters, weights=BF16 * (params + adapters), grads=FP32 * trained,
+               optimizer=3 * FP32 * shards - left_gpu * on_cpu,
+               reference=BF16 * params if s.reference and not s.lora_rank else 0.0, host=4 * FP32 * on_cpu)
     out["static"] = out["weights"] + out["grads"] + out["optimizer"] + out["reference"]
     layers = [_activations(hf, i, train, s, cp) for i in _stage_layers(train, stage)]
     in_flight = train.pp - stage if not s.micro_batches else min(train.pp - stage, s.micro_batches)

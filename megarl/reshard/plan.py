@@ -16,6 +16,7 @@ each node's host memory) with a margin left free (--margin, 5% by default), best
 fit, and exit status 1 (so too for --train with a --gpu-mem it does not fit). --optimizer-offload is megarl's
 engine's (actor.optimizer_cpu_offload: Adam's moments leave the GPU, the fp32 master weights stay);
 --te-precision-aware-optimizer plans megatron's TransformerEngine offload instead (the master weights leave too).
+--lora-rank R [--lora-targets q_proj,v_proj] plans LoRA (actor.lora): the base frozen in bf16, the adapters trained.
 --model takes a HF config.json path or a name in configs/models/. The memory model and its assumptions are
 megarl/reshard/memory.py's (docs/planner.md); sync traffic comes from megarl.reshard's own transfer plan, for both
 deliveries ("full": whole HF tensors to every rank; "sharded": only the rank's generation shard, minus what it
@@ -34,13 +35,15 @@ from megarl.parallel.stages import default_first_last, stage_layers
 from megarl.reshard.inventory import TensorSpec, hf_inventory
 from megarl.reshard.layout import (DELIVERIES, GenLayout, TrainLayout, as_generation, generation_ranks,
                                    resharded_layout)
-from megarl.reshard.memory import GiB, MemorySettings, host_per_node, predict_peak, stage_memory
+from megarl.reshard.memory import (LORA_TARGETS, GiB, MemorySettings, adaptable_targets, check_lora_targets,
+                                   host_per_node, lora_fields, model_adapters, predict_peak, stage_memory)
 from megarl.reshard.transfers import transfer_bytes
 from megarl.utils.hf_config import (HYBRID_ATTENTION, TEXT_ONLY_TOWERS, UNFUSED_ATTENTION, language_fields,
                                     layer_types, parallel_limit, routed_experts)
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 TRAIN_KEYS, GEN_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp"), ("tp", "ep")
+LORA_RANK = 16  # the rank the planner tries when nothing fits with full fine-tuning
 
 
 def load_model_config(model: str) -> dict:
@@ -229,10 +232,18 @@ def run_memory(hf: dict, actor, rollout, reference: bool, longest_prompt: int,
         seq_len=seq_len, micro_batch=rows, sequence_parallel=p.sequence_parallel, recompute=actor.recompute,
         recompute_modules=tuple(actor.recompute_modules) or ("core_attn",),
         distributed_optimizer=actor.use_distributed_optimizer, optimizer_offload=actor.optimizer_cpu_offload,
-        offload_fraction=actor.optimizer_offload_fraction, reference=reference)
-    peak = predict_peak(hf, train, settings, p.cp)
+        offload_fraction=actor.optimizer_offload_fraction, reference=reference, **lora_fields(actor.lora))
+    ranks = stage_memory(hf, train, settings, p.cp)
+    peak = max(r["peak"] for r in ranks)
     line = (f"predicted GPU memory (python -m megarl.plan, bf16): training peak {peak / GiB:.2f} GiB per GPU at "
             f"micro-batches of {rows} x {seq_len} tokens")
+    if settings.lora_rank:
+        most = max(ranks, key=lambda r: r["peak"])
+        trained = most["adapters"] * 2 + most["grads"] + most["optimizer"]
+        line += (f" (LoRA rank {settings.lora_rank} on {','.join(settings.lora_targets)}, on that GPU: the frozen "
+                 f"bf16 base {most['params'] * 2 / GiB:.2f} GiB, {most['adapters'] / 1e6:.2f}M adapter parameters "
+                 f"{trained / GiB:.2f} GiB with their gradients and optimizer state"
+                 + ("; the KL reference is the base, no copy)" if reference else ")"))
     weights = 0
     if rollout.engine == "sglang":
         gen = GenLayout(rollout.sglang_tp, sglang_ep_size(rollout.sglang_args))
@@ -258,6 +269,9 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
     print(f"{name}: {result['total_params'] / 1e9:.2f}B parameters; train TP={train.tp} PP={train.pp} CP={t['cp']} "
           f"DP={t['dp']} EP={train.ep} ETP={train.etp} ({train.world} GPUs), generation TP={gen.tp} EP={gen.ep} "
           f"DP={train.world // gen.tp}")
+    if settings.lora_rank:
+        print(f"LoRA: {model_adapters(hf, settings) / 1e6:.2f}M adapter parameters in all (rank {settings.lora_rank} "
+              f"on {','.join(settings.lora_targets)}); the rest frozen")
     first, last = train.stage_layers[0], train.stage_layers[-1]
     print(f"pipeline stages (decoder layers): {','.join(map(str, train.stage_layers))}"
           + (f" (actor.parallel.pp_first_stage_layers={first} actor.parallel.pp_last_stage_layers={last})"
@@ -269,10 +283,13 @@ def _print_plan(name: str, hf: dict, train: TrainLayout, t: dict, gen: GenLayout
         print("  - the language model alone: the checkpoint's vision tower is neither trained nor synced (text-only RL), "
               "and SGLang's copy of it is not counted")
     print("per-GPU training memory in GiB, the most loaded rank of each pipeline stage:")
-    print("stage layers  params(B) |  weights    grads optimizer reference activations   logits  working |"
-          "     peak | host (offload)")
+    lora = settings.lora_rank > 0
+    print("stage layers  params(B)" + (" adapters(M)" if lora else "") + " |  weights    grads optimizer reference "
+          "activations   logits  working |     peak | host (offload)")
     for p, m in enumerate(result["stages"]):
-        print(f"{p:5d} {train.stage_layers[p]:6d} {m['params'] / 1e9:10.3f} |{_gib(m['weights'])} {_gib(m['grads'])} "
+        adapters = f" {m['adapters'] / 1e6:11.3f}" if lora else ""
+        print(f"{p:5d} {train.stage_layers[p]:6d} {m['params'] / 1e9:10.3f}{adapters} |{_gib(m['weights'])} "
+              f"{_gib(m['grads'])} "
               f"{_gib(m['optimizer'])}  {_gib(m['reference'])}    {_gib(m['activations'])} {_gib(m['logits'])} "
               f"{_gib(m['backward_working'])} | {_gib(m['peak'])} | {_gib(m['host'])}")
     print(f"per-GPU peak: {result['peak'] / GiB:.2f} GiB", end="")
@@ -298,13 +315,22 @@ def _span(values: list[int]) -> str:
 
 
 def _settings(args) -> MemorySettings:
+    targets = [t for t in args.lora_targets.split(",") if t]
+    unknown = [t for t in targets if t not in LORA_TARGETS + ("all-linear",)]
+    if unknown or not targets:
+        raise ValueError(f"--lora-targets {args.lora_targets}: {', '.join(unknown) or 'none'} is not among "
+                         f"{', '.join(LORA_TARGETS)} or all-linear (actor.lora.target_modules' names)")
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank {args.lora_rank}: must be >= 0 (actor.lora.rank; 0 = full fine-tuning)")
     return MemorySettings(
         seq_len=args.seq_len, micro_batch=args.micro_batch, micro_batches=args.micro_batches,
         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
         recompute_modules=tuple(filter(None, args.recompute_modules.split(","))),
         distributed_optimizer=args.distributed_optimizer or args.optimizer_offload,
         optimizer_offload=args.optimizer_offload, offload_fraction=args.offload_fraction,
-        te_precision_aware_optimizer=args.te_precision_aware_optimizer, reference=args.reference)
+        te_precision_aware_optimizer=args.te_precision_aware_optimizer, reference=args.reference,
+        lora_rank=args.lora_rank,
+        lora_targets=tuple(t for t in LORA_TARGETS if "all-linear" in targets or t in targets))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +361,12 @@ def main(argv: list[str] | None = None) -> int:
                              "shared_experts")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="default: on when TP > 1")
-    parser.add_argument("--reference", action="store_true", help="a bf16 reference snapshot on each GPU (KL)")
+    parser.add_argument("--reference", action="store_true", help="a bf16 reference snapshot on each GPU (KL; none "
+                        "with LoRA, whose reference is the base with the adapters off)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="actor.lora.rank: LoRA adapters of this rank, the "
+                        "base frozen (bf16 weights alone); 0 = full fine-tuning")
+    parser.add_argument("--lora-targets", default="all-linear", help="actor.lora.target_modules: q_proj,k_proj,"
+                        "v_proj,o_proj,gate_proj,up_proj,down_proj or all-linear")
     parser.add_argument("--gpus", type=int, default=0, help="list the layouts of this many GPUs that fit")
     parser.add_argument("--gpu-mem", type=float, default=0.0, help="GiB per GPU: with --gpus the layouts must fit "
                         "it; with --train the plan says whether training and generation each do")
@@ -351,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         hf = load_model_config(args.model)
         settings = _settings(args)
+        check_lora_targets(hf, settings)
         if not 0 <= args.margin < 1:
             raise ValueError(f"--margin {args.margin:g}: a share of --gpu-mem in [0, 1)")
         if args.gpus:
@@ -416,11 +448,18 @@ def run_overrides(t: dict, stage_layers: tuple[int, ...], settings: MemorySettin
         keys["actor.optimizer_cpu_offload"] = "true"
         if settings.offload_fraction != 1.0:
             keys["actor.optimizer_offload_fraction"] = f"{settings.offload_fraction:g}"
+    if settings.lora_rank:
+        keys["actor.lora.rank"] = settings.lora_rank
+        keys["actor.lora.target_modules"] = _lora_targets_text(settings.lora_targets)
     if gen is not None:
         keys |= {"rollout.engine": "sglang", "rollout.sglang_tp": gen["tp"]}
         if gen["ep"] > 1:
             keys["rollout.sglang_args"] = f"[--ep-size,{gen['ep']}]"
     return " ".join(f"{k}={v}" for k, v in keys.items())
+
+
+def _lora_targets_text(targets: tuple[str, ...]) -> str:
+    return "all-linear" if set(targets) == set(LORA_TARGETS) else f"[{','.join(targets)}]"
 
 
 def _layout_text(r: dict) -> str:
@@ -513,8 +552,12 @@ def _print_nearest(args, hf: dict, settings: MemorySettings, every: list[dict], 
     if experts:
         print(f"  - expert parallelism: every EP dividing the {experts} experts and the GPUs of a stage was tried "
               "above; more GPUs allow more")
-    print("  - LoRA (actor.lora.rank > 0, docs/lora.md): the base frozen sheds its gradients and optimizer state; "
-          "not modelled here, these estimates are full fine-tuning's")
+    if not settings.lora_rank:  # LoRA: the frozen base sheds its gradients and optimizer state
+        lora = dataclasses.replace(settings, lora_rank=LORA_RANK, lora_targets=adaptable_targets(hf))
+        targets = _lora_targets_text(lora.lora_targets)
+        print(f"  - LoRA, e.g. --lora-rank {LORA_RANK} --lora-targets {targets.strip('[]')} (actor.lora.rank="
+              f"{LORA_RANK} actor.lora.target_modules={targets}, docs/lora.md: the base frozen, no gradients or "
+              f"optimizer state for it): {best(args.gpus, lora)}")
 
 
 if __name__ == "__main__":
