@@ -272,15 +272,15 @@ def lora_fields(section) -> dict:
     return dict(lora_rank=section.rank, lora_targets=tuple(t for t in LORA_TARGETS if t in lora_targets(section)))
 
 
-def _adapter_held(rank: int, targets: tuple[str, ...], spec: TensorSpec, tp: int, tp_rank: int) -> int:
-    """Adapter parameters TP rank `tp_rank` of `tp` holds for `spec` (0 unless it is a targeted projection):
-    column-parallel, A [rank, in] whole and B [its rows, rank]; row-parallel, A [rank, its columns] and B [out, rank]
+def _adapter_held(r: int, targets: tuple[str, ...], spec: TensorSpec, tp: int, tp_rank: int) -> int:
+    """Adapter parameters of LoRA rank r that TP rank `tp_rank` of `tp` holds for `spec` (0 unless it is a targeted
+    projection): column-parallel, A [r, in] whole and B [its rows, r]; row-parallel, A [r, its columns] and B [out, r]
     whole."""
     if lora_target(spec) not in targets:
         return 0
     lo, hi = spec.rows(tp, tp_rank)
     out, inp = spec.shape
-    return rank * (inp + hi - lo) if spec.dim == 0 else rank * (hi - lo + out)
+    return r * (inp + hi - lo) if spec.dim == 0 else r * (hi - lo + out)
 
 
 def stage_params(hf: dict, train: TrainLayout, stage: int, tp_rank: int = 0, etp_rank: int = 0) -> tuple[int, int]:

@@ -552,7 +552,7 @@ def _print_nearest(args, hf: dict, settings: MemorySettings, every: list[dict], 
     if experts:
         print(f"  - expert parallelism: every EP dividing the {experts} experts and the GPUs of a stage was tried "
               "above; more GPUs allow more")
-    if not settings.lora_rank:  # LoRA: the frozen base sheds its gradients and optimizer state
+    if not settings.lora_rank and adaptable_targets(hf):  # LoRA: the frozen base sheds its grads and optimizer state
         lora = dataclasses.replace(settings, lora_rank=LORA_RANK, lora_targets=adaptable_targets(hf))
         targets = _lora_targets_text(lora.lora_targets)
         print(f"  - LoRA, e.g. --lora-rank {LORA_RANK} --lora-targets {targets.strip('[]')} (actor.lora.rank="
