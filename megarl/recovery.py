@@ -98,7 +98,7 @@ class Recovery:
         self.trainer, self.settings = trainer, settings or trainer.cfg
         self.limit = trainer.cfg.trainer.max_restarts
         self.first_start = trainer.start  # restored when the run has written no checkpoint of its own yet
-        self.began = time.time()
+        self.work_began = time.time()  # then each restart's end: a later fault throws away only the work after it
         self.restarts: list[dict] = []
         self.resumed: int | None = None  # set by a restart: the step its checkpoint completed
 
@@ -174,7 +174,8 @@ class Recovery:
         done = t.resume()
         t.forget_reward_failures_after(done)  # the replayed steps' calls are counted again
         recovery_s = time.perf_counter() - began
-        lost_s = detected - max(self.began, (restore.checkpoint / CHECKPOINT_FILE).stat().st_mtime)
+        lost_s = detected - max(self.work_began, (restore.checkpoint / CHECKPOINT_FILE).stat().st_mtime)
+        self.work_began = time.time()
         record = {"restart": len(self.restarts) + 1, "cause": cause, "call": the_call(error), "lost": what,
                   "failed_step": step, "resumed_from": done, "replayed_steps": step - 1 - done,
                   "lost_s": lost_s, "recovery_s": recovery_s, "seconds_lost": lost_s + recovery_s}
