@@ -116,7 +116,7 @@ def image_prompts(cfg, tokenizer, examples: list[dict]):
     if model_type in TEXT_ONLY_TOWERS:
         raise InputError(f"data.task={cfg.data.task} has prompt rows with images, but model.path={cfg.model.path} "
                          f"(model_type {model_type}) trains as a text-only policy: images are not used in training "
-                         "(megarl/models/gemma3_mm.py says why); give it prompts without images")
+                         "(megarl/models/text_only.py lists the families, each of which says why); give it prompts without images")
     from megarl.data.images import ImagePrompts
 
     try:

@@ -1,7 +1,7 @@
 """Model families, looked up from a HF config (megarl/models/decoder.py describes their interface).
 
 Each family module defines FAMILY, a DecoderFamily whose `architectures` lists the HF `architectures`
-entries and `model_type` values it serves.
+entries and `model_type` values it serves (a module serving several defines FAMILIES, a tuple of them).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from megarl.models.decoder import DecoderFamily
 _MODULES = ("megarl.models.qwen2", "megarl.models.llama", "megarl.models.qwen3", "megarl.models.qwen3_moe",
             "megarl.models.mistral", "megarl.models.mixtral", "megarl.models.deepseek", "megarl.models.qwen2_vl",
             "megarl.models.qwen3_vl", "megarl.models.qwen3_vl_moe", "megarl.models.qwen3_5", "megarl.models.qwen3_next",
-            "megarl.models.glm4_moe", "megarl.models.gemma3", "megarl.models.gemma3_mm",
+            "megarl.models.glm4_moe", "megarl.models.gemma3", "megarl.models.gemma3_mm", "megarl.models.qwen3_5_mm",
             "megarl.models.gpt_oss")
 
 
@@ -27,8 +27,9 @@ def families() -> dict[str, DecoderFamily]:
     """Every supported HF architecture / model_type name -> its family."""
     table = {}
     for module in _MODULES:
-        family = importlib.import_module(module).FAMILY
-        table.update({name: family for name in family.architectures})
+        module = importlib.import_module(module)
+        for family in getattr(module, "FAMILIES", (module.FAMILY,)):
+            table.update({name: family for name in family.architectures})
     return table
 
 

@@ -1,6 +1,6 @@
 """Gemma 3's multimodal checkpoints (transformers' Gemma3ForConditionalGeneration, model_type gemma3: google/gemma-3-4b,
--12b, -27b, pretrained and -it) trained as text-only policies: the language model is gemma3.py's, and images are not
-used in training (the rollouts are text; the vision tower and its projector take no part in any forward).
+-12b, -27b, pretrained and -it) trained as text-only policies (text_only.py): the language model is gemma3.py's, and
+images are not used in training (the rollouts are text; the vision tower and its projector take no part in any forward).
 
 - config.json: the language model's fields are its text_config over Gemma3TextConfig's defaults (the published
   files leave most of them out: megarl.utils.hf_config.language_fields); the top level's tie_word_embeddings ties the
@@ -26,49 +26,21 @@ check against transformers. Text-only RL is what the checkpoint's language model
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-
 from megarl.models.gemma3 import Gemma3
-from megarl.models.sharding import WeightMap
+from megarl.models.text_only import TextOnlyPolicy
 from megarl.utils.hf_config import language_fields
 
-LANGUAGE_PREFIX = "language_model.model."
 
-
-def language_name(name: str) -> str:
-    """The checkpoint's name of a language-model tensor the text family names `model.*`."""
-    if not name.startswith("model."):
-        raise ValueError(f"{name}: a Gemma 3 multimodal checkpoint holds its language model under {LANGUAGE_PREFIX}")
-    return LANGUAGE_PREFIX + name[len("model."):]
-
-
-class Gemma3Multimodal(Gemma3):
+class Gemma3Multimodal(TextOnlyPolicy, Gemma3):
     name = "Gemma 3 (multimodal checkpoint, text-only)"
     architectures = ("Gemma3ForConditionalGeneration", "gemma3")
+    language_prefix = "language_model.model."
 
     def check_supported(self, hf: dict) -> None:
-        text = language_fields(hf)
-        if not text.get("tie_word_embeddings", True):
+        if not language_fields(hf).get("tie_word_embeddings", True):
             raise ValueError("Gemma3ForConditionalGeneration with tie_word_embeddings=false is not supported (every "
                              "published one ties its head to the embedding)")
-        super().check_supported(text)
-
-    def transformer_config(self, hf: dict, tp: int, pp: int, params_dtype: torch.dtype,
-                           use_cpu_initialization: bool, **layout):
-        self.check_supported(hf)
-        return super().transformer_config(language_fields(hf), tp, pp, params_dtype, use_cpu_initialization, **layout)
-
-    def gpt_model_kwargs(self, hf: dict, tp: int) -> dict:
-        return super().gpt_model_kwargs(language_fields(hf), tp)
-
-    def layer_spec(self, hf: dict, layer: int):
-        return super().layer_spec(language_fields(hf), layer)
-
-    def weight_maps(self, hf: dict, tp: int) -> list[WeightMap]:
-        return [dataclasses.replace(m, hf=tuple(language_name(n) for n in m.hf))
-                for m in super().weight_maps(language_fields(hf), tp)]
+        super().check_supported(hf)
 
 
 FAMILY = Gemma3Multimodal()

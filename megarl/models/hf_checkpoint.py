@@ -12,7 +12,7 @@
 - Multi-token-prediction layers (`num_nextn_predict_layers`, tensors `model.layers.{num_hidden_layers + i}.*`):
   megarl does not train them. Import leaves them out (one logged line); every megarl checkpoint keeps the
   source's own copy of them (MTP_FILE in its hf/ directory, bytes as read) and export writes it back.
-- A multimodal checkpoint trained as a text-only policy (Gemma 3's: megarl.utils.hf_config.TEXT_ONLY_TOWERS): its
+- A multimodal checkpoint trained as a text-only policy (Gemma 3's, Qwen3.5's: hf_config.TEXT_ONLY_TOWERS): its
   vision tower and projector are left out on import (one logged line, which says images are not used in training),
   kept in every megarl checkpoint (TOWER_FILE, bytes as read) and written back by export, as the MTP layers are.
   Tensors stored under transformers' in-memory names (model.language_model.* ...) are read, kept and written back

@@ -15,17 +15,17 @@ the MLP is SwiGLU.
 
 Tensor parallelism is refused: the linear-attention norm's weight gets a partial gradient on each TP rank (each sees
 its own heads) that megatron 0.16 sums over TP only under sequence parallelism, and TP > 1 of these layers has not
-been checked against transformers. Pipeline parallelism works (tests/models/test_qwen3_5.py). The vision-language
-checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5, tensors under model.language_model.) are not
-served; the mixture-of-experts variant is qwen3_next.py's.
+been checked against transformers. Pipeline parallelism works (tests/models/test_qwen3_5.py). The published
+(vision-language) checkpoints, Qwen3_5ForConditionalGeneration, train this language model as a text-only policy:
+qwen3_5_mm.py. The mixture-of-experts variant is qwen3_next.py's.
 rollout.engine=sglang: megarl/rollout/sglang_layout.py holds SGLang's names and TP cuts (in_proj_qkvz / in_proj_ba
 fused part by part, conv1d cut per part, the attention without self_attn.) for full delivery at any rollout.sglang_tp
 and sharded delivery at rollout.sglang_tp=1; sharded delivery at sglang_tp > 1 is refused (sglang_layout.
 check_hybrid_rollout says why). Tested against SGLang's loading rules written out in tests/rollout/
 test_weight_layout_qwen3_5.py, not against an SGLang server. SGLang's models/qwen3_5.py registers only the
-vision-language Qwen3_5(Moe)ForConditionalGeneration as entry classes (its text model is their language part):
-whether an SGLang server starts from a text-only Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint is
-unchecked (Qwen3NextForCausalLM is an entry class).
+vision-language Qwen3_5(Moe)ForConditionalGeneration as entry classes (its text model is their language part): a
+text-only Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint may not start there; the published checkpoints
+(qwen3_5_mm.py) do.
 """
 
 from __future__ import annotations

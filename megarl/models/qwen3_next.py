@@ -21,8 +21,8 @@ Limits: tensor parallelism is refused as for Qwen3.5 (qwen3_5.py says why); EP a
 test_qwen3_next.py), and routing replay (tests/models/test_router_replay.py). Qwen3-Next with dense layers
 (decoder_sparse_step != 1, mlp_only_layers) is refused. The published checkpoints' multi-token-prediction tensors
 (mtp.*) are neither built nor written back by export (unlike DeepSeek-V3's MTP layer, hf_checkpoint.py), and the
-vision-language Qwen3.5-MoE checkpoints (Qwen3_5MoeForConditionalGeneration, tensors under model.language_model.) are
-not served. rollout.engine=sglang: megarl/rollout/sglang_layout.py holds both models' SGLang names and TP cuts (the
+published (vision-language) Qwen3.5-MoE checkpoints, Qwen3_5MoeForConditionalGeneration, train this language model as
+a text-only policy: qwen3_5_mm.py. rollout.engine=sglang: megarl/rollout/sglang_layout.py holds both models' SGLang names and TP cuts (the
 attention without self_attn., Qwen3.5-MoE's in_proj_qkvz / in_proj_ba fused part by part, Qwen3-Next's cut in
 contiguous blocks, conv1d per part, the shared expert in shared_expert.gate_up_proj, routed experts in w13/w2 placed
 by --ep-size as Qwen3-MoE's) for full delivery at any rollout.sglang_tp and sharded delivery at sglang_tp=1; refused
@@ -30,9 +30,9 @@ by --ep-size as Qwen3-MoE's) for full delivery at any rollout.sglang_tp and shar
 --disable-shared-experts-fusion in rollout.sglang_args (SGLang may fold the gated shared expert into the routed
 experts, which the layout does not model). Tested against SGLang's loading rules written out in tests/rollout/
 test_weight_layout_qwen3_5.py, not against an SGLang server. SGLang's models/qwen3_5.py registers only the
-vision-language Qwen3_5(Moe)ForConditionalGeneration as entry classes (its text model is their language part):
-whether an SGLang server starts from a text-only Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM checkpoint is
-unchecked (Qwen3NextForCausalLM is an entry class).
+vision-language Qwen3_5(Moe)ForConditionalGeneration as entry classes (its text model is their language part): a
+text-only Qwen3_5MoeForCausalLM checkpoint may not start there; the published checkpoints (qwen3_5_mm.py) do, and
+Qwen3NextForCausalLM is an entry class.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ top of config.json, or under transformers 5's text_config: `language_fields`; Qw
 and the vision tower's `visual.*` (Qwen3-VL: `model.visual.*`) tensors, replicated (megatron keeps the tower whole on
 every TP rank of the first pipeline stage: models/qwen2_vl_vision.py). Gemma 3's multimodal checkpoints (gemma3),
 trained as text-only policies: the language model's tensors as gemma3_text's under language_model.model.*, no tower
-(neither trained nor synced: models/gemma3_mm.py). Qwen3-VL-MoE (qwen3_vl_moe): Qwen3-VL's tower
+(neither trained nor synced: models/gemma3_mm.py); Qwen3.5's and Qwen3.5-MoE's (qwen3_5, qwen3_5_moe) likewise, as
+qwen3_5_text's / qwen3_5_moe_text's under model.language_model.* (models/qwen3_5_mm.py). Qwen3-VL-MoE (qwen3_vl_moe): Qwen3-VL's tower
 and a Qwen3-MoE whose experts are stacked as gpt-oss's (without biases, gate and up as halves of gate_up_proj's
 columns): listed by row, synced stacked alike.
 """
@@ -322,7 +323,9 @@ def stacked_whole(specs: list[TensorSpec]) -> list[TensorSpec]:
 VISION_LANGUAGE = {"qwen2_5_vl": ("qwen2", vision_tower, "model."),
                    "qwen3_vl": ("qwen3", qwen3_vision_tower, "model.language_model."),
                    "qwen3_vl_moe": ("qwen3_vl_moe_text", qwen3_vision_tower, "model.language_model."),
-                   "gemma3": ("gemma3_text", lambda vision: [], "language_model.model.")}
+                   "gemma3": ("gemma3_text", lambda vision: [], "language_model.model."),
+                   "qwen3_5": ("qwen3_5_text", lambda vision: [], "model.language_model."),
+                   "qwen3_5_moe": ("qwen3_5_moe_text", lambda vision: [], "model.language_model.")}
 
 
 def hf_inventory(hf: dict) -> list[TensorSpec]:

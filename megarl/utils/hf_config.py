@@ -22,7 +22,8 @@ GEMMA3_TEXT_DEFAULTS = {
     "attn_logit_softcapping": None, "final_logit_softcapping": None}
 # multimodal model types whose vision tower megarl keeps untrained and unused (text-only RL on the language model):
 # model type -> the tensor prefixes of the tower and its projector (transformers' on-disk names, SGLang's too)
-TEXT_ONLY_TOWERS = {"gemma3": ("vision_tower.", "multi_modal_projector.")}
+TEXT_ONLY_TOWERS = {"gemma3": ("vision_tower.", "multi_modal_projector."), "qwen3_5": ("model.visual.",),
+                    "qwen3_5_moe": ("model.visual.",)}
 
 
 def language_fields(hf: dict) -> dict:

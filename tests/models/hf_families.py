@@ -16,7 +16,8 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           Qwen3NextForCausalLM)
 
 from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig,
-                          GptOssForCausalLM)
+                          GptOssForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForConditionalGeneration)
 
 from tests.engine.hf_models import VOCAB
 
@@ -137,6 +138,28 @@ def gemma3_mm_config(**text_overrides) -> Gemma3Config:
                         eoi_token_index=129, image_token_index=130, architectures=["Gemma3ForConditionalGeneration"])
 
 
+def qwen3_5_mm_config(moe: bool = False, **text_overrides) -> Qwen3_5Config | Qwen3_5MoeConfig:
+    """A published-style Qwen3.5 (Qwen3_5ForConditionalGeneration; moe: Qwen3_5MoeForConditionalGeneration) at a tiny
+    size of its own: a language model of hidden 24, vocabulary 113, a linear-attention layer (2 key heads of 8, 2 value
+    heads of 16) then a gated full-attention layer (4 query heads, 2 KV heads, head_dim 8, RoPE on 2 channels of each),
+    FFN 36 (MoE: 3 experts of 12, top 2, a shared expert of 20), the head tied to the embedding (dense) or not (MoE);
+    a one-block vision tower of 16 over patches of 4."""
+    text = dict(vocab_size=113, hidden_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, max_position_embeddings=64, layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
+                linear_conv_kernel_dim=3, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                           "partial_rotary_factor": 0.25})
+    text |= (dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20)
+             if moe else dict(intermediate_size=36))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, out_hidden_size=24, num_position_embeddings=16)
+    if moe:
+        return Qwen3_5MoeConfig(text_config=text | text_overrides, vision_config=vision, tie_word_embeddings=False,
+                                architectures=["Qwen3_5MoeForConditionalGeneration"])
+    return Qwen3_5Config(text_config=text | text_overrides, vision_config=vision, tie_word_embeddings=True,
+                         architectures=["Qwen3_5ForConditionalGeneration"])
+
+
 # DeepSeek (multi-latent attention): qk_nope (12) != v_head_dim (10), rope dims 8 (4 frequencies). YaRN with
 # original_max_position_embeddings 128 and rope_theta 1e4 puts the 4 frequencies in all three YaRN regimes (kept,
 # blended half-way, divided by the factor). The MoE settings (A2's router) have topk (3) != 2 x topk_group (4).
@@ -185,6 +208,8 @@ MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": Qwen3
 MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 MODEL_CLASSES["Gemma3ForConditionalGeneration"] = Gemma3ForConditionalGeneration
 MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
+MODEL_CLASSES["Qwen3_5ForConditionalGeneration"] = Qwen3_5ForConditionalGeneration
+MODEL_CLASSES["Qwen3_5MoeForConditionalGeneration"] = Qwen3_5MoeForConditionalGeneration
 
 
 def save_random(config, path, seed: int = 0) -> str:
