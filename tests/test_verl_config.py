@@ -282,3 +282,19 @@ def test_a_broken_verl_reward_is_named_before_anything_starts(tmp_path, capsys):
     assert code == 2 and "not_a_module_anywhere" in err and "line 3" in err, err
     code, out, _ = check("works.py", signature + "    return float(solution_str == ground_truth)\n")
     assert code == 0 and "reward: compute_score from" in out and "(verl signature)" in out
+
+
+def test_a_verl_value_of_the_wrong_type_is_named_by_its_key_not_read_as_truthy():
+    with pytest.raises(ConfigError) as e:
+        read(SEED_PPO, "actor_rollout_ref.actor.optim.lr=fast", "trainer.save_freq=abc",
+             "actor_rollout_ref.actor.use_kl_loss=yes_please", "data.train_batch_size=2.5")
+    text = str(e.value)
+    assert text.startswith("4 problems in the command:")  # no second error from the keys that read the batch size
+    for line in ("actor_rollout_ref.actor.optim.lr='fast': expected a number",
+                 "trainer.save_freq='abc': expected an integer",
+                 "actor_rollout_ref.actor.use_kl_loss='yes_please': expected true or false",
+                 "data.train_batch_size=2.5: expected an integer"):
+        assert line in text, line
+    # what YAML leaves a string (1e-6) and verl's truthiness (0/1 for a switch) still read as verl reads them
+    cfg = read(SEED_PPO, "actor_rollout_ref.actor.optim.lr=3e-6", "actor_rollout_ref.actor.use_kl_loss=0")
+    assert cfg.actor.optim.lr == 3e-6 and cfg.algorithm.kl_coef == 0

@@ -104,6 +104,28 @@ class VerlValues:
         return value[0] if isinstance(value, list) and len(value) == 1 else str(value)
 
 
+def type_problem(default, value) -> str | None:
+    """What is wrong with a verl key's value of another type than verl's default (a switch given `yes_please`, a
+    count given 2.5, a rate given `fast`), or None. Python's bool() and truthiness would read any string as on, so a
+    switch takes only true/false (or 0/1, as verl's truthiness reads them). A rate may come as the string YAML
+    leaves `1e-6`; null is left to the key's conversion."""
+    if value is None or default is None or default is MISSING:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) or value in (0, 1) else "expected true or false"
+    if isinstance(default, int):
+        return None if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
+    if isinstance(default, float) and isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return "expected a number"
+        return None
+    if isinstance(default, float):
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "expected a number"
+    return None
+
+
 def with_origins(message: str, origins: dict[str, str]) -> str:
     """A config error about options that a verl key or a former megarl key set, with the key that set each (the
     user typed that one)."""
@@ -199,6 +221,10 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
             megarl_given.append((tier, key, value))
         else:
             errors.append(unknown_key(key, megarl_keys))
+    for key, value in list(verl_given.items()):
+        if problem := type_problem(BY_KEY[key].default, value):
+            errors.append(f"{key}={value!r}: {problem}")
+            del verl_given[key]  # the conversions that read it see verl's default: one error, not one per reader
     # verl's defaults apply to a command in verl's vocabulary; beside a recipe of megarl's keys, verl's keys are
     # read as the megarl options they name and the recipe keeps the rest
     recipe_is_megarl = any(tier < len(sources) - 1 for tier, _, _ in megarl_given)
@@ -224,7 +250,7 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
             value = values.get(row.key)
             try:
                 out = row.convert(value, values)
-            except Refusal as e:
+            except (Refusal, ValueError, TypeError) as e:  # a value of a type the conversion cannot read
                 refusals.append(f"{row.key}={value!r}: {e}")
                 continue
             tier = verl_tier.get(row.key, -1)
