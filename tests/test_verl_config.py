@@ -249,6 +249,8 @@ def test_hydra_spellings_and_lists():
     assert cfg.trainer.loggers == ["console", "jsonl"] and cfg.rollout.n_samples == 2
     with pytest.raises(ConfigError, match="~trainer.logger: megarl has no key deletion"):
         read(SEED_PPO, "~trainer.logger=console")
+    with pytest.raises(ConfigError, match="~critic.model.path: megarl has no key deletion"):  # Hydra's bare form
+        read(SEED_PPO, "~critic.model.path")
 
 
 def test_cpu_runs_take_the_transformers_engine():

@@ -127,6 +127,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         sources.append((str(path), _flatten(data, set(keys))))
     command = {}
     for item in overrides:
+        if item.startswith("~") and "=" not in item:  # Hydra's deletion, `~key`: plan() names it
+            command[item.strip()] = None
+            continue
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value")
         key, raw = item.split("=", 1)
