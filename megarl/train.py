@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import describe, profile_line, required_problem
+from megarl.config.verl import with_origins
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
 from megarl.data.run_paths import path_problems
 from megarl.utils import quiet
@@ -303,7 +304,7 @@ def main(argv=None) -> int:
                 print(f"warning: {eos}")
         return 0
     if problems := path_problems(cfg):  # every one named at once, before anything loads and before Ray starts
-        return stopped_by(InputError("; ".join(problems)))
+        return stopped_by(InputError("; ".join(with_origins(problem, cfg.origins) for problem in problems)))
     if args.dry_run:
         from megarl.data.inputs import check_inputs
 

@@ -149,7 +149,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else
                           f"{len(errors)} problems in the command:\n" + "\n".join(f"  - {e}" for e in errors))
-    cfg.profile, cfg.given, cfg.notes = read.profile, read.given, read.notes
+    cfg.profile, cfg.given, cfg.notes, cfg.origins = read.profile, read.given, read.notes, read.origins
     try:
         return cfg.validate()
     except ConfigError as e:

@@ -528,10 +528,11 @@ class Config(ConfigChecks):
     async_: AsyncConfig = section(AsyncConfig, "asynchronous training (trainer.mode one_step_off or async)")
     # how load_config read the command (class attributes, not options): the vocabulary ("megarl" or "verl"), the
     # megarl keys the command set (itself or through verl's keys; None for a Config built in code), and notes said
-    # at start-up
+    # at start-up, and {megarl key: the verl or former key and value the user typed for it} for error messages
     profile = "megarl"
     given = None
     notes = ()
+    origins = {}
 
     def old_policy_is_the_trained_one(self) -> bool:
         """One optimizer update per step and nothing reading the old log-probs before it: the policy the

@@ -7,6 +7,7 @@ the reward model's (python -m megarl.train_rm)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from megarl.data.files import SUFFIXES
@@ -67,11 +68,24 @@ def model_problems(keyed: list[tuple[str, str]]) -> list[str]:
     problems = []
     for key, path in keyed:
         if path and not Path(path).is_dir():
-            problems.append(f"{key}={path}: no such model directory")
+            problems.append(f"{key}={path}: {missing_model(path)}")
         elif path and (problem := unreadable_file(str(Path(path) / "config.json"))):
             problems.append(f"{key}={path}: " + ("no config.json there (a HF model directory has one)"
                                                  if problem == NO_FILE else f"its config.json is {problem}"))
     return problems
+
+
+# owner/name, as the Hugging Face hub names a model; a path that starts with . / or ~ never reads as one
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def missing_model(path: str) -> str:
+    """Why a model directory that is not there cannot be used: one named like a hub id says how to fetch it (a run
+    reads local directories only, and GPU nodes are often offline)."""
+    if HUB_ID.fullmatch(path):
+        return (f"no such local directory ('{path}' reads as a Hugging Face hub id, and megarl does not download "
+                f"models: fetch it first with huggingface-cli download {path} --local-dir <dir>, then name <dir>)")
+    return "no such model directory"
 
 
 def output_problems(keyed: list[tuple[str, str]]) -> list[str]:

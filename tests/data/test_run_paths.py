@@ -114,3 +114,23 @@ def test_train_rm_names_them_before_ray(tmp_path, capsys, monkeypatch):
         assert train_rm_main(dry_run + args) == 2
         assert capsys.readouterr().err.strip() == (f"input error: preference.train={tmp_path / 'pairs.jsonl'}: no "
                                                    "such file")
+
+
+def test_a_verl_command_hears_of_a_hub_id_and_of_the_verl_key_it_typed(tmp_path, capsys, monkeypatch):
+    """A model named as verl users name them (a hub id) is not downloaded: the run says so and how to fetch it,
+    and each problem names the verl key the user typed, not only the megarl key it became."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(megarl.train, "start_ray", lambda *a, **k: pytest.fail("reached past the path check"))
+    code = main(["--dry-run", "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "trainer.device=cpu",
+                 "data.train_files=data/train.parquet", "data.val_files=data/test.parquet"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert ("model.path=Qwen/Qwen2-7B-Instruct: no such local directory ('Qwen/Qwen2-7B-Instruct' reads as a Hugging "
+            "Face hub id, and megarl does not download models: fetch it first with huggingface-cli download "
+            "Qwen/Qwen2-7B-Instruct --local-dir <dir>, then name <dir>) (set by verl's "
+            "actor_rollout_ref.model.path='Qwen/Qwen2-7B-Instruct')") in err
+    assert ("data.task=data/train.parquet: no such prompt file (set by verl's data.train_files='data/train.parquet')"
+            in err)
+    # a local path that is not there is not taken for a hub id
+    assert path_problems(tiny_config(["model.path=./models/qwen"])) == ["model.path=./models/qwen: no such model "
+                                                                        "directory"]
