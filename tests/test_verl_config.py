@@ -300,3 +300,13 @@ def test_a_verl_value_of_the_wrong_type_is_named_by_its_key_not_read_as_truthy()
     # what YAML leaves a string (1e-6) and verl's truthiness (0/1 for a switch) still read as verl reads them
     cfg = read(SEED_PPO, "actor_rollout_ref.actor.optim.lr=3e-6", "actor_rollout_ref.actor.use_kl_loss=0")
     assert cfg.actor.optim.lr == 3e-6 and cfg.algorithm.kl_coef == 0
+
+
+def test_verls_lora_rank_is_said_in_the_start_up_lines():
+    from megarl.config.summary import describe
+
+    cfg = read(SEED_PPO, "actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]")
+    assert (cfg.actor.lora.rank, cfg.actor.lora.target_modules) == (32, ["q_proj", "v_proj"])
+    assert describe(cfg)[0] == ("model: Qwen/Qwen2-7B-Instruct; LoRA rank 32 (alpha 16) on q_proj, v_proj: the base "
+                                "is frozen, the adapters train")
+    assert describe(read(SEED_PPO))[0] == "model: Qwen/Qwen2-7B-Instruct"

@@ -48,6 +48,13 @@ def _algorithm(cfg) -> str:
             f"{_kl(a)}; entropy bonus {a.entropy_coef:g}")
 
 
+def _lora(lora) -> str:
+    if not lora.rank:
+        return ""
+    return (f"; LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {', '.join(lora.target_modules)}: the base is frozen, "
+            "the adapters train")
+
+
 def _file(path: str) -> str:
     rows = count_rows(path)
     return f"{path} ({'not found' if rows is None else f'{rows} rows'})"
@@ -82,7 +89,7 @@ def describe(cfg) -> list[str]:
     elif not cfg.trainer.steps:
         steps = "one pass over data.task's prompts (trainer.steps=0; counted once the file is there)"
     return [
-        f"model: {cfg.model.path}",
+        f"model: {cfg.model.path}{_lora(actor.lora)}",
         _algorithm(cfg),
         f"samples: {r.n_samples} per prompt at temperature {r.temperature:g} (top_p {r.top_p:g}, top_k {r.top_k}); "
         f"prompts up to {prompt_len}, responses up to {response} tokens; held-out: {r.eval_n_samples} per prompt at "
