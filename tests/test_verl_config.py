@@ -310,3 +310,13 @@ def test_verls_lora_rank_is_said_in_the_start_up_lines():
     assert describe(cfg)[0] == ("model: Qwen/Qwen2-7B-Instruct; LoRA rank 32 (alpha 16) on q_proj, v_proj: the base "
                                 "is frozen, the adapters train")
     assert describe(read(SEED_PPO))[0] == "model: Qwen/Qwen2-7B-Instruct"
+
+
+def test_a_verl_data_file_megarl_cannot_read_is_refused_by_its_key_not_taken_for_a_task():
+    with pytest.raises(ConfigError) as e:
+        read(SEED_PPO, "data.train_files=train.csv", "data.val_files=../data/gsm8k")
+    text = str(e.value)
+    assert ("data.train_files='train.csv': megarl reads prompt files named *.jsonl, *.parquet, *.json (verl's parquet "
+            "layout, as scripts/preprocess/*.py write it); name one of those") in text
+    assert "data.val_files='../data/gsm8k': megarl reads prompt files" in text
+    assert "built-in task" not in text

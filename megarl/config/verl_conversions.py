@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from megarl.data.files import SUFFIXES as PROMPT_FILES
+
 MISSING = object()  # no verl default: the row applies only when the key is given
 
 
@@ -257,6 +259,9 @@ def files(target: str) -> Callable:
         if len(paths) != 1:
             raise Refusal(f"{len(paths)} files: megarl reads one prompt file per split; concatenate them "
                           "(e.g. with pyarrow) or pass one")
+        if not str(paths[0]).endswith(PROMPT_FILES):  # megarl's data.task would read another name as a built-in task
+            raise Refusal(f"megarl reads prompt files named *{', *'.join(PROMPT_FILES)} (verl's parquet layout, as "
+                          "scripts/preprocess/*.py write it); name one of those")
         return {target: verl.path(paths[0])}
     return convert
 
