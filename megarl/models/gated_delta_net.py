@@ -8,6 +8,13 @@ not even build without fla). megarl packs sequences back to back into rows (engi
 restarts the convolution and the recurrence at every sequence start, which it reads from what the attention layers
 get: the block-causal mask (token t starts a sequence where it may not see t - 1), or cu_seqlens over the rows
 flattened (attention=varlen); without either, each row is one sequence.
+Tensor parallelism: each TP rank holds a share of the heads (in_proj's and conv1d's rows, dt_bias, A_log, out_proj's
+columns) and the whole `out_norm` weight, which every value head uses; each rank's loss therefore gives that weight
+the gradient of its own heads only. megatron's finalize_model_grads sums a replicated weight's gradient over TP only
+where it is marked sequence_parallel (under SP) or named q_layernorm / k_layernorm, neither of which holds here, so
+the forward sums it itself: the weight passes through megatron's copy_to_tensor_model_parallel_region (identity, its
+gradient all-reduced over TP), with or without sequence parallelism (under which in_proj gathers the whole sequence
+and out_proj scatters it again, so the layer sees every token of its heads either way).
 The delta rule runs fla's chunk_gated_delta_rule over the flattened rows where fla imports (a GPU), and otherwise
 `recurrent_gated_delta_rule`, a token-by-token torch loop: exact, but slow on long rows and it keeps every step's
 state for the backward pass (fine for the CPU's tiny models; install fla for real ones).
@@ -20,6 +27,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm import gated_delta_net as megatron_gdn
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from torch import Tensor
 
 L2NORM_EPS = 1e-6  # fla's l2norm and transformers' Qwen3.5 (which copies it)
@@ -84,6 +92,11 @@ def sequence_starts(attention_mask: Tensor | None, packed_seq_params, rows: int,
     return starts
 
 
+def tensor_parallel_sum_in_backward(weight: Tensor, tp_group) -> Tensor:
+    """`weight` as it is, its gradient summed over the TP ranks (module docstring: the norm's weight)."""
+    return weight if tp_group.size() == 1 else copy_to_tensor_model_parallel_region(weight, group=tp_group)
+
+
 @contextlib.contextmanager
 def _building_without_fla():
     """megatron's GatedDeltaNet.__init__ raises ImportError without fla, whose kernels only its forward (replaced
@@ -132,7 +145,8 @@ class GatedDeltaNet(megatron_gdn.GatedDeltaNet):
         else:
             out = recurrent_gated_delta_rule(l2norm(q), l2norm(k), v, g, beta, starts)
         # the gated norm: each value head normalised, then gated by silu(z) in float32 (transformers' and fla's order)
-        head = self.value_head_dim
-        out = self.out_norm(out.reshape(-1, head)) * self.act_fn(z.reshape(-1, head).float())
+        head, norm = self.value_head_dim, self.out_norm
+        weight = tensor_parallel_sum_in_backward(norm.weight, self.pg_collection.tp)
+        out = F.rms_norm(out.reshape(-1, head), (head,), weight, norm.eps) * self.act_fn(z.reshape(-1, head).float())
         out = out.to(z.dtype).reshape(rows, length, -1).transpose(0, 1).contiguous()
         return self.out_proj(out)

@@ -13,9 +13,10 @@
 Every other RMSNorm (input, post-attention, final, q/k) scales by (1 + weight) (norm.py's zero-centred RMSNorm);
 the MLP is SwiGLU.
 
-Tensor parallelism is refused: the linear-attention norm's weight gets a partial gradient on each TP rank (each sees
-its own heads) that megatron 0.16 sums over TP only under sequence parallelism, and TP > 1 of these layers has not
-been checked against transformers. Pipeline parallelism works (tests/models/test_qwen3_5.py). The published
+Tensor parallelism (with or without sequence parallelism) cuts the linear-attention layers by heads, TP dividing
+linear_num_key_heads; their norm's weight, used by every head, gets its gradient summed over TP in the layer itself
+(gated_delta_net.py says why). Pipeline parallelism works too (tests/models/test_qwen3_5.py checks TP=2, TP=2 with
+SP and PP=2 against transformers). The published
 (vision-language) checkpoints, Qwen3_5ForConditionalGeneration, train this language model as a text-only policy:
 qwen3_5_mm.py. The mixture-of-experts variant is qwen3_next.py's.
 rollout.engine=sglang: megarl/rollout/sglang_layout.py holds SGLang's names and TP cuts (in_proj_qkvz / in_proj_ba
@@ -104,13 +105,6 @@ class Qwen3_5(DecoderFamily):
         if not kinds <= {LINEAR, FULL} or len(layer_types(hf)) != hf["num_hidden_layers"]:
             raise ValueError(f"Qwen3.5 layer_types {layer_types(hf)}: expected {hf['num_hidden_layers']} of "
                              f"{LINEAR!r} / {FULL!r}")
-
-    def transformer_config(self, hf: dict, tp: int, pp: int, *args, **kwargs):
-        if tp > 1:
-            raise ValueError(f"{self.name} at tensor parallelism {tp}: megarl trains its linear-attention layers at "
-                             "actor.parallel.tp=1 only (actor.parallel.pp splits the layers; models/qwen3_5.py "
-                             "says why)")
-        return super().transformer_config(hf, tp, pp, *args, **kwargs)
 
     def attention_config(self, hf: dict) -> dict:
         return dict(attention_output_gate=True, layernorm_zero_centered_gamma=True,

@@ -67,18 +67,18 @@ _TIED_BY_DEFAULT = ("gemma3_text",)
 # model types whose attention runs megatron's unfused DotProductAttention, scores stored (Gemma 3's windows,
 # gpt-oss's windows and sinks)
 UNFUSED_ATTENTION = ("gemma3_text", "gpt_oss")
-# model types the engine trains at tensor-parallel size 1 only (Qwen3.5's linear-attention layers) and at
-# expert-tensor-parallel size 1 only (gpt-oss's expert biases): the families' modules say why
-TENSOR_PARALLEL_ONE = HYBRID_ATTENTION
+# model types the engine trains at expert-tensor-parallel size 1 only (gpt-oss's expert biases): its module says why
 EXPERT_TENSOR_PARALLEL_ONE = ("gpt_oss",)
 
 
 def parallel_limit(hf: dict, tp: int, etp: int, cp: int = 1) -> str | None:
     """Why the engine cannot train this model at tensor-parallel size `tp`, expert-TP size `etp` and context-parallel
     size `cp`, naming the size it takes ("tp=1", "etp=1", "cp=1"), or None where it can."""
-    model_type = language_fields(hf).get("model_type")
-    if tp > 1 and model_type in TENSOR_PARALLEL_ONE:
-        return f"{model_type} trains at tp=1 only (its linear-attention layers are not split; PP splits its layers)"
+    fields = language_fields(hf)
+    model_type = fields.get("model_type")
+    if tp > 1 and model_type in HYBRID_ATTENTION and fields["linear_num_key_heads"] % tp:
+        return (f"{model_type} at tp={tp}: TP must divide linear_num_key_heads={fields['linear_num_key_heads']} (each "
+                "rank holds whole key heads of its linear-attention layers)")
     if etp > 1 and model_type in EXPERT_TENSOR_PARALLEL_ONE:
         return f"{model_type} trains its experts at etp=1 only (megatron-core adds expert biases only there)"
     if cp > 1 and model_type in HYBRID_ATTENTION:

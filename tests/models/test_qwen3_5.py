@@ -8,7 +8,8 @@
 - The weight maps and the resharder's inventory name every checkpoint tensor once, with its shape; TP=2 shards put
   back together bitwise; the planner sizes the model from the inventory and its KV cache from the full-attention
   layers only.
-- TP > 1 is refused by name.
+- TP=2, with and without sequence parallelism (and Qwen3-Next's at TP=2 with SP): log-probs and one SFT step as
+  transformers'; a TP that does not divide the linear-attention key heads is refused by name.
 """
 
 import pytest
@@ -107,10 +108,65 @@ def test_planner_counts_the_checkpoint_and_caches_keys_in_full_attention_layers_
     assert "pipeline stages (decoder layers): 2,2" in out and "actor.parallel.pp=2" in out
 
 
-def test_tensor_parallelism_is_refused_by_its_key(tmp_path):
-    hf = qwen3_5_config().to_dict()
-    with pytest.raises(ValueError, match=r"actor\.parallel\.tp=1"):
-        get_family(hf).transformer_config(hf, 2, 1, torch.float32, True)
+def test_tensor_parallelism_must_divide_the_linear_key_heads():
+    from megarl.utils.hf_config import parallel_limit
+
+    hf = qwen3_5_config(linear_num_key_heads=1, linear_num_value_heads=2).to_dict()
+    assert "TP must divide linear_num_key_heads=1" in parallel_limit(hf, 2, 1)
+    assert parallel_limit(qwen3_5_config().to_dict(), 2, 1) is None
+
+
+def _check_tp_rank(rank, cases, saved):
+    import torch.distributed as dist
+
+    from megarl.engine import MegatronEngine
+    from tests.models.test_families_vs_hf import _relayout
+
+    trained = {}
+    for name, model_dir, ref_logprobs, ref_entropy, layouts in cases:
+        for sp in layouts:
+            _relayout(2, 1, 1)
+            parallel = ParallelConfig(world_size=dist.get_world_size(), tp=2, sequence_parallel=sp)
+            where = f"{name} tp=2 sp={sp}"
+            # Qwen3.5 under SP starts from random weights and loads the checkpoint the engine without SP saved
+            loads = name == "qwen3_5" and sp
+            engine = MegatronEngine(model_dir, ActorConfig(parallel=parallel, micro_batch_size=2), AlgorithmConfig(),
+                                    "cpu", 1, 10, load_hf_weights=not loads)
+            if loads:
+                engine.load_checkpoint(saved, optimizer=False)
+            elif name == "qwen3_5":
+                engine.save_checkpoint(saved)
+            assert engine.gpt.config.sequence_parallel == sp
+            if name == "qwen3_5":
+                assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, where)
+            else:  # fp32 MoE sums in TP's order: up to ~2e-5 from transformers (its own float64 is ~3e-5 away)
+                out = engine.compute_logprobs(padded_batch(), with_entropy=True)
+                for key, ref in (("logprobs", ref_logprobs), ("entropy", ref_entropy)):
+                    torch.testing.assert_close(out[key], ref, rtol=0, atol=6e-5, msg=lambda m: f"{where}: {key}: {m}")
+            trained[where] = sft_step(model_dir, parallel)
+    return trained
+
+
+def test_tp2_with_and_without_sp_matches_transformers(tmp_path):
+    """TP=2 cuts the gated delta nets by heads (Qwen3.5 dense with and without sequence parallelism; Qwen3-Next, whose
+    in_proj is grouped per key head, with its experts at expert-TP 2, under SP): log-probs and entropy as transformers'
+    in float32, the export bitwise, and one SFT Adam step's loss, gradient norm and weights as transformers +
+    torch.optim.Adam's; the TP=2 checkpoint saved without SP loads under SP. The linear-attention norm's weight, which every head uses, gets its gradient summed over TP
+    (models/gated_delta_net.py); each rank's own share alone moves the gradient norm."""
+    from tests.models.hf_families import qwen3_next_config
+
+    cases, refs = [], {}
+    for name, config, layouts in (("qwen3_5", qwen3_5_config(), (False, True)),
+                                  ("qwen3_next", qwen3_next_config(), (True,))):
+        model_dir = save_random(config, tmp_path / name, seed=13)
+        cases.append((name, model_dir, *hf_logprobs_entropy(model_dir, padded_batch()), layouts))
+        refs[name] = _hf_sft_step(model_dir, tmp_path / f"{name}-step")
+
+    trained = run_distributed(_check_tp_rank, 2, cases, str(tmp_path / "checkpoint"), timeout=240)
+
+    assert sorted(trained) == ["qwen3_5 tp=2 sp=False", "qwen3_5 tp=2 sp=True", "qwen3_next tp=2 sp=True"]
+    for name, ref in refs.items():
+        _assert_like_hf_step({k: v for k, v in trained.items() if k.startswith(name + " ")}, *ref)
 
 
 def _check_rank(rank, model_dir, ref_logprobs, ref_entropy):
