@@ -256,6 +256,8 @@ def test_hydra_spellings_and_lists():
 def test_cpu_runs_take_the_transformers_engine():
     cfg = read(SEED_PPO, "trainer.device=cpu", "trainer.n_gpus_per_node=1")
     assert (cfg.rollout.engine, cfg.actor.parallel.world_size, cfg.trainer.device) == ("hf", 1, "cpu")
+    assert ("actor_rollout_ref.rollout.name='vllm': megarl generates with transformers, with the same sampling "
+            "settings (rollout.engine=hf)") in cfg.notes
 
 
 def test_the_migration_doc_shows_the_table_the_code_reads():

@@ -262,8 +262,10 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
     for key, value in VERL_FIXED.items() if verl_defaults else ():
         converted.setdefault(key, (value, -1, "verl's vocabulary"))
     if verl_given.get("actor_rollout_ref.rollout.name") == "vllm" and "rollout.engine" in converted:
-        notes.append("actor_rollout_ref.rollout.name='vllm': megarl serves rollouts with SGLang, with the same "
-                     f"sampling settings (rollout.engine={converted['rollout.engine'][0]})")
+        engine = converted["rollout.engine"][0]
+        served = "megarl serves rollouts with SGLang" if engine == "sglang" else "megarl generates with transformers"
+        notes.append(f"actor_rollout_ref.rollout.name='vllm': {served}, with the same sampling settings "
+                     f"(rollout.engine={engine})")
     if verl_defaults and "trainer.steps" not in converted and "trainer.steps" not in explicit:
         notes.append(f"trainer.total_epochs: data.train_files={values.get('data.train_files')!r} is not there to "
                      "count its prompts; trainer.steps is counted once it exists")
