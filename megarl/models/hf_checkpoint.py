@@ -17,6 +17,8 @@
   kept in every megarl checkpoint (TOWER_FILE, bytes as read) and written back by export, as the MTP layers are.
   Tensors stored under transformers' in-memory names (model.language_model.* ...) are read, kept and written back
   under its on-disk ones (IN_MEMORY_PREFIXES).
+- Qwen3.5-MoE's routed experts stacked per layer (its releases' format), listed and read as one tensor per expert and
+  projection, the names megarl's weight maps use and its exports write (PER_EXPERT_READ).
 - config.json fields that SGLang's DeepSeek model reads and transformers' DeepseekV3Config / DeepseekV2Config do
   not write (SGLang 0.5.17 fails to start without moe_layer_freq): added to every config.json megarl writes.
 - DeepSeek-V3's routing bias (e_score_correction_bias), which transformers and SGLang keep in float32 whatever
@@ -68,7 +70,8 @@ SGLANG_FIELDS = {
 
 class SafetensorsCheckpoint:
     """Lazy, by-name access to the tensors of a HF model directory (one or several .safetensors) as the model
-    uses them: FP8 weights dequantized (their scales are not listed), multi-token-prediction layers left out."""
+    uses them: FP8 weights dequantized (their scales are not listed), multi-token-prediction layers left out,
+    Qwen3.5-MoE's stacked experts listed per expert (PER_EXPERT_READ)."""
 
     def __init__(self, model_dir: str | Path):
         config_path = Path(model_dir) / "config.json"
@@ -85,12 +88,21 @@ class SafetensorsCheckpoint:
         tower = [n for n in shapes if is_kept_tower(on_disk_name(n, config), config)]
         log_kept_tower([on_disk_name(n, config) for n in tower], config, model_dir)
         left_out = set(mtp) | set(tower) | packed
-        shapes = {n: s for n, s in shapes.items() if not is_scale(n) and n not in left_out} | self.mxfp4
+        # stacked experts, listed as one tensor per expert and projection: name -> (stored name, expert, half)
+        self.expert_rows, expert_shapes = per_expert_views({n: s for n, s in shapes.items() if n not in left_out},
+                                                           config)
+        left_out |= {stored for stored, _, _ in self.expert_rows.values()}
+        shapes = {n: s for n, s in shapes.items() if not is_scale(n) and n not in left_out} | self.mxfp4 | expert_shapes
         # listed by transformers' on-disk names (IN_MEMORY_PREFIXES), read by the names the files store
         self._stored = {on_disk_name(n, config): n for n in shapes}
         self.shapes: dict[str, tuple[int, ...]] = {on_disk_name(n, config): s for n, s in shapes.items()}
-        self.files: dict[str, Path] = {name: self._all_files[n + MXFP4_BLOCKS if n in self.mxfp4 else n]
-                                       for name, n in self._stored.items()}
+        self.files: dict[str, Path] = {name: self._all_files[self._file_key(n)] for name, n in self._stored.items()}
+
+    def _file_key(self, stored: str) -> str:
+        """The name, in the files, of the tensor that holds `stored`."""
+        if stored in self.expert_rows:
+            return self.expert_rows[stored][0]
+        return stored + MXFP4_BLOCKS if stored in self.mxfp4 else stored
 
     def read(self, name: str, row: int | None = None) -> torch.Tensor:
         """The tensor (or its row `row` along dim 0) in its stored dtype, or float32 for an FP8 or MXFP4 weight (its
@@ -98,10 +110,45 @@ class SafetensorsCheckpoint:
         if name not in self.files:
             raise KeyError(f"tensor '{name}' is not in the checkpoint ({len(self.files)} tensors)")
         stored = self._stored[name]
+        if stored in self.expert_rows:
+            if row is not None:
+                raise ValueError(f"{name} is one expert's row of {self.expert_rows[stored][0]}: read it whole")
+            stacked, expert, half = self.expert_rows[stored]
+            tensor = read_dequantized(self._all_files, stacked, self.fp8, expert)
+            return tensor if half is None else tensor.chunk(2, 0)[half]
         if stored in self.mxfp4:
             return MXFP4.dequantize(read_tensor(self._all_files, stored + MXFP4_BLOCKS, row),
                                     read_tensor(self._all_files, stored + MXFP4_SCALES, row), stored)
         return read_dequantized(self._all_files, stored, self.fp8, row)
+
+
+# Qwen3.5-MoE's published checkpoints stack each layer's routed experts output-major, as transformers holds them in
+# memory: experts.gate_up_proj [E, 2 x width, hidden] (an expert's gate rows, then its up rows) and experts.down_proj
+# [E, hidden, width]; transformers' save_pretrained writes one tensor per expert and projection, which megarl's
+# weight maps name and export writes (SGLang and transformers load either)
+PER_EXPERT_READ = ("qwen3_5_moe", "qwen3_5_moe_text")
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+
+
+def per_expert_views(shapes: dict[str, tuple[int, ...]], config: dict) -> tuple[dict, dict]:
+    """For a PER_EXPERT_READ model type, each stacked experts tensor among `shapes` (stored names) as the
+    per-expert tensors it holds: ({per-expert name: (stored name, expert, half: 0 gate, 1 up, None down)},
+    {per-expert name: shape}); none for another model type."""
+    if config.get("model_type") not in PER_EXPERT_READ:
+        return {}, {}
+    rows, row_shapes = {}, {}
+    for name, shape in shapes.items():
+        match = _STACKED_EXPERTS.match(name)
+        if not match:
+            continue
+        prefix, kind = match.groups()
+        parts = ((0, "gate_proj", (shape[1] // 2, shape[2])), (1, "up_proj", (shape[1] // 2, shape[2]))) \
+            if kind == "gate_up_proj" else ((None, "down_proj", tuple(shape[1:])),)
+        for expert in range(shape[0]):
+            for half, projection, row_shape in parts:
+                rows[f"{prefix}{expert}.{projection}.weight"] = (name, expert, half)
+                row_shapes[f"{prefix}{expert}.{projection}.weight"] = row_shape
+    return rows, row_shapes
 
 
 def _index(paths: list[Path], where: str) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:

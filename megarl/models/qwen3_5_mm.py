@@ -11,11 +11,11 @@ training (the rollouts are text; the vision tower takes no part in any forward).
   checkpoints have them); the tower's `model.visual.*` is not loaded: megarl.models.hf_checkpoint leaves it out with
   one logged line, every megarl checkpoint keeps the source's copy (bytes as read), and the export writes it back
   beside the trained language model, so the exported directory is the same ConditionalGeneration model again.
-  The MoE's routed experts are read as transformers 5.12 saves them, one tensor per expert and projection
-  (`mlp.experts.{e}.gate_proj.weight` ...); a checkpoint that stores each layer's experts stacked
-  (`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`) is refused on import, naming the tensor (transformers
-  reads both, and re-saving it with save_pretrained writes the per-expert names). The multi-token-prediction
-  tensors (`mtp.*`) are neither loaded nor written back, as for the text models.
+  The MoE's routed experts: the releases stack each layer's (`mlp.experts.gate_up_proj` [E, 2 x width, hidden],
+  `mlp.experts.down_proj` [E, hidden, width]), transformers 5.12's save_pretrained writes one tensor per expert and
+  projection (`mlp.experts.{e}.gate_proj.weight` ...); both are read (hf_checkpoint.PER_EXPERT_READ lists the
+  stacked ones per expert), and megarl writes the per-expert names, which transformers and SGLang load as well. The
+  multi-token-prediction tensors (`mtp.*`) are neither loaded nor written back, as for the text models.
 - generation: SGLang serves the checkpoint as its own Qwen3_5(Moe)ForConditionalGeneration (models/qwen3_5.py
   there: the only entry classes it registers for Qwen3.5), whose loader takes `model.language_model.*` as its
   language model's `model.*`: the weight sync sends the language model under the checkpoint's names (the layout

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megarl.config import ActorConfig, AlgorithmConfig, ParallelConfig
 from megarl.models import get_family
@@ -76,14 +76,21 @@ def test_logprobs_match_transformers_multimodal_classes(tmp_path):
 def test_convert_round_trip_carries_the_tower_bitwise(moe, tmp_path):
     """A bf16 checkpoint through `python -m megarl.convert` hf-to-megatron and megatron-to-hf: the language model and
     the untouched tower bit for bit, config.json as it was (transformers loads the ConditionalGeneration class from
-    it), and import says that images are not used in training."""
+    it), and import says that images are not used in training. The MoE's experts stacked as its releases store them
+    are read too, and come back as one tensor per expert (transformers' save_pretrained names), bit for bit."""
     from transformers import AutoModelForImageTextToText
 
     config = qwen3_5_mm_config(moe)
     hf = tmp_path / "hf"
     MODEL_CLASSES[config.architectures[0]].from_pretrained(save_random(config, tmp_path / "fp32", seed=22),
                                                            dtype=torch.bfloat16).save_pretrained(hf)
-    log = convert(*round_trip(hf, tmp_path), log=tmp_path / "convert.log")
+    stacked = tmp_path / "stacked" / "hf"
+    if moe:  # the published spelling: each layer's experts stacked, output-major
+        stacked.mkdir(parents=True)
+        (stacked / "config.json").write_text((hf / "config.json").read_text())
+        save_file(stack_experts(load_file(hf / "model.safetensors"), experts=3), str(stacked / "model.safetensors"))
+    log = convert(*round_trip(hf, tmp_path), *(round_trip(stacked, stacked.parent) if moe else ()),
+                  log=tmp_path / "convert.log")
     assert f"{config.architectures[0]} trained as a text-only policy: images are not used in training" in log
     kept = load_file(tmp_path / "imported" / "actor" / "hf" / "vision.safetensors")
     original = load_file(hf / "model.safetensors")
@@ -94,6 +101,21 @@ def test_convert_round_trip_carries_the_tower_bitwise(moe, tmp_path):
                for n in original)
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
     assert type(AutoModelForImageTextToText.from_pretrained(tmp_path / "back")).__name__ == config.architectures[0]
+    if moe:  # read per expert; written back as save_pretrained writes it, every value bitwise
+        unstacked = {n: t for path in (stacked.parent / "back").glob("*.safetensors") for n, t in load_file(path).items()}
+        assert unstacked.keys() == original.keys() and all(torch.equal(original[n], unstacked[n]) for n in original)
+
+
+def stack_experts(tensors: dict, experts: int) -> dict:
+    """A checkpoint's per-expert tensors stacked as Qwen3.5-MoE's releases store them: experts.gate_up_proj
+    [E, 2 x width, hidden] (gate rows, then up rows) and experts.down_proj [E, hidden, width]."""
+    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    for prefix in {n.split("experts.")[0] + "experts." for n in tensors if ".mlp.experts." in n}:
+        def proj(e, p):
+            return tensors[f"{prefix}{e}.{p}_proj.weight"]
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([proj(e, "gate"), proj(e, "up")]) for e in range(experts)])
+        out[prefix + "down_proj"] = torch.stack([proj(e, "down") for e in range(experts)])
+    return out
 
 
 def test_sglang_names_of_the_conditional_generation_class(tmp_path):
