@@ -251,6 +251,14 @@ def test_hydra_spellings_and_lists():
         read(SEED_PPO, "~trainer.logger=console")
     with pytest.raises(ConfigError, match="~critic.model.path: megarl has no key deletion"):  # Hydra's bare form
         read(SEED_PPO, "~critic.model.path")
+    with pytest.raises(ConfigError, match=r"trainer.logger='console,wandb': a list of loggers is written in brackets: "
+                                          r"trainer.logger=\[console,wandb\]"):
+        read(SEED_PPO, "trainer.logger=console,wandb")
+    # trainer.logger=['console', 'wandb'] unquoted: the shell hands over two words
+    with pytest.raises(ConfigError, match=r"did the shell split a list at a space\? Quote the whole override or write "
+                                          r"it without spaces, trainer.logger=\[a,b\]"):
+        load_config(None, shlex.split(SEED_PPO) + ["trainer.logger=['console',", "'wandb']"])
+    assert read(SEED_PPO, "trainer.logger=[console, wandb]").trainer.loggers == ["console", "wandb"]  # quoted whole
 
 
 def test_cpu_runs_take_the_transformers_engine():

@@ -136,7 +136,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         try:
             command[key.strip()] = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)})") from None
+            split = raw.startswith(("[", "{")) and not raw.endswith(("]", "}"))
+            hint = ("; did the shell split a list at a space? Quote the whole override or write it without spaces, "
+                    f"{key}=[a,b]") if split else ""
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({_yaml_problem(e)}){hint}") from None
     sources.append(("command line", command))
     defaults = {key: _get(cfg, key) for key in keys}
     read = plan(sources, keys, defaults)

@@ -233,6 +233,8 @@ def logger(value, verl) -> dict:
     known = {"console": "console", "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
              "swanlab": "swanlab", "file": "jsonl"}
     unknown = [n for n in names if n not in known]
+    if isinstance(value, str) and "," in value and not value.startswith("["):  # Hydra refuses it too
+        raise Refusal(f"a list of loggers is written in brackets: trainer.logger=[{value}]")
     if unknown:
         raise Refusal(f"logger {', '.join(map(repr, unknown))}: megarl writes {', '.join(known)} (verl's 'file' is "
                       "megarl's metrics.jsonl)")
