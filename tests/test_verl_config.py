@@ -330,3 +330,10 @@ def test_a_verl_data_file_megarl_cannot_read_is_refused_by_its_key_not_taken_for
             "layout, as scripts/preprocess/*.py write it); name one of those") in text
     assert "data.val_files='../data/gsm8k': megarl reads prompt files" in text
     assert "built-in task" not in text
+
+
+def test_a_verl_value_megarl_honours_differently_is_said_at_start_up():
+    notes = read(SEED_PPO, "trainer.test_freq=-1").notes
+    assert ("trainer.test_freq=-1: megarl evaluates before RL and after the last step all the same (verl: at most "
+            "once, before training)") in notes
+    assert not any(note.startswith("trainer.test_freq") for note in read(SEED_PPO, "trainer.test_freq=5").notes)

@@ -259,6 +259,8 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
                     converted[key] = (v, tier, row.key)
             if given and has_no_effect(row):
                 notes.append(f"{row.key}={value!r}: no effect ({row.note})")
+            elif given and (differs := getattr(row.convert, "differs", None)) and (note := differs(value)):
+                notes.append(f"{row.key}={value!r}: {note}")
     for key, value in VERL_FIXED.items() if verl_defaults else ():
         converted.setdefault(key, (value, -1, "verl's vocabulary"))
     if verl_given.get("actor_rollout_ref.rollout.name") == "vllm" and "rollout.engine" in converted:

@@ -64,6 +64,13 @@ def read_with(owner: str) -> Callable:
     return lambda value, verl: {}
 
 
+def said_when(convert: Callable, applies: Callable, note: str) -> Callable:
+    """A conversion that does, for the values `applies` accepts, something other than verl does with them: the
+    note says what, at start-up."""
+    convert.differs = lambda value: note if applies(value) else None
+    return convert
+
+
 def has_no_effect(row) -> bool:
     """A row whose key, when given, is accepted and changes nothing in megarl (said at start-up)."""
     return row.convert is no_effect or getattr(row.convert, "accepts_as_is", False)

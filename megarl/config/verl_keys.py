@@ -13,7 +13,8 @@ from megarl.config.verl_conversions import (MISSING, Refusal, VerlKey, _rows, ad
                                             greedy_unless_sampling, has_no_effect, kl, logger, loss_mode, multi_turn,
                                             no_effect, only, optim, pf_ppo, prompts_to_sequences, read_with, recompute,
                                             resume, reward_function, reward_manager, reward_model, rollout_engine,
-                                            run_dirs, same, token_budget, total_steps, val_size, world_size)
+                                            run_dirs, said_when, same, token_budget, total_steps, val_size,
+                                            world_size)
 
 FSDP = ("megarl trains with Megatron: set the layout with actor.parallel.* (tp, pp, cp, ep) and shard the optimizer "
         "with actor.use_distributed_optimizer")
@@ -314,7 +315,9 @@ VERL_KEYS: list[VerlKey] = [
       "console, tensorboard, wandb, mlflow, swanlab, file (jsonl); unset: console, tensorboard, jsonl"),
     K("trainer.save_freq", -1, "trainer.save_every", lambda v, verl: {"trainer.save_every": max(0, int(v))},
       "-1: never"),
-    K("trainer.test_freq", -1, "trainer.eval_every", lambda v, verl: {"trainer.eval_every": max(0, int(v))},
+    K("trainer.test_freq", -1, "trainer.eval_every",
+      said_when(lambda v, verl: {"trainer.eval_every": max(0, int(v))}, lambda v: int(v) <= 0,
+                "megarl evaluates before RL and after the last step all the same (verl: at most once, before training)"),
       "-1: megarl still evaluates before RL and after the last step"),
     K("trainer.val_before_train", True, "", no_effect, "megarl always evaluates before RL (the run's baseline)"),
     K("trainer.val_only", False, "", only((False,), "megarl has no evaluation-only run"), "refused when on"),
