@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import describe, profile_line, required_problem
-from megarl.config.verl import with_origins
+from megarl.config.verl import hydra_config_flags, with_origins
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
 from megarl.data.run_paths import path_problems
 from megarl.utils import quiet
@@ -36,6 +36,10 @@ def parse_args(argv):
     parser.add_argument("--check-config", action="store_true",
                         help="validate the config and layout only, then exit: no model directory or prompt file "
                              "needed (a recipe checked on a machine without them)")
+    parser.add_argument("--config-name", help="verl's Hydra flag: its own ppo_trainer / ppo_megatron_trainer are the "
+                                              "verl defaults a command of verl's keys gets anyway; another config "
+                                              "file is refused (give its keys as key=value)")
+    parser.add_argument("--config-path", help="verl's Hydra flag, read with --config-name")
     parser.add_argument("--verbose", action="store_true", help=quiet.VERBOSE_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value")
     return parser.parse_args(argv)
@@ -273,6 +277,8 @@ def main(argv=None) -> int:
     quiet.install(args.verbose)  # before megatron and transformers are imported, here and in every worker
     try:
         cfg = load_config(args.config, args.overrides)
+        if hydra_note := hydra_config_flags(args.config_name, args.config_path, cfg.profile):
+            cfg.notes = [hydra_note, *cfg.notes]
         from megarl.algorithms import check_registry_names  # the registries live above the config layer
         from megarl.rewards.loading import check_reward
         from megarl.utils.tracking import check_loggers

@@ -337,3 +337,18 @@ def test_a_verl_value_megarl_honours_differently_is_said_at_start_up():
     assert ("trainer.test_freq=-1: megarl evaluates before RL and after the last step all the same (verl: at most "
             "once, before training)") in notes
     assert not any(note.startswith("trainer.test_freq") for note in read(SEED_PPO, "trainer.test_freq=5").notes)
+
+
+def test_verls_hydra_config_flags_take_its_own_configs_and_refuse_others(capsys):
+    from megarl.train import main
+
+    assert main([*shlex.split(SEED_PPO), "--config-path=config", "--config-name=ppo_megatron_trainer.yaml",
+                 "--check-config"]) == 0
+    assert ("note: --config-name=ppo_megatron_trainer.yaml: verl's own defaults, which megarl applies to every verl "
+            "key the command does not set") in capsys.readouterr().out
+    assert main([*shlex.split(SEED_PPO), "--config-path=recipe/dapo/config", "--config-name=dapo_trainer",
+                 "--check-config"]) == 2
+    assert ("config error: --config-name=dapo_trainer: megarl does not read Hydra config files; give their keys on "
+            "the command line as key=value") in capsys.readouterr().err
+    assert main(["--config", str(QUICKSTART), "--config-name=ppo_trainer", "--check-config"]) == 2
+    assert "this command's keys are megarl's: leave the flag out" in capsys.readouterr().err

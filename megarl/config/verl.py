@@ -23,6 +23,7 @@ from typing import Any
 
 from megarl.config.moved_keys import MOVED_KEYS, moved_note, moved_to
 from megarl.config.sections import TRAINING_ROLES
+from megarl.config.validation import ConfigError
 from megarl.config.verl_keys import (BY_KEY, MISSING, REFUSED_SECTIONS, VERL_KEYS, VERL_SECTIONS, Refusal,
                                      has_no_effect)
 
@@ -102,6 +103,27 @@ class VerlValues:
     def _one(self, key: str) -> str:
         value = self.get(key)
         return value[0] if isinstance(value, list) and len(value) == 1 else str(value)
+
+
+# verl's own trainer configs (verl/trainer/config/*.yaml): the defaults a command of verl's keys gets here
+VERL_CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
+
+
+def hydra_config_flags(name: str | None, path: str | None, profile: str) -> str | None:
+    """verl's Hydra flags `--config-name` / `--config-path`: verl's own trainer configs are the defaults megarl
+    applies to a command of verl's keys (`profile` "verl") anyway: a note says so (None when neither flag is given).
+    A config file of the user's or a recipe's is not read here, and is refused with what to do instead."""
+    if name is None and path is None:
+        return None
+    if name is not None and name.removesuffix(".yaml") in VERL_CONFIG_NAMES:
+        if profile != "verl":
+            raise ConfigError(f"--config-name={name}: verl's defaults apply to a command of verl's keys, and this "
+                              "command's keys are megarl's: leave the flag out")
+        return (f"--config-name={name}: verl's own defaults, which megarl applies to every verl key the command does "
+                "not set (it trains with Megatron either way)")
+    flag = f"--config-name={name}" if name is not None else f"--config-path={path}"
+    raise ConfigError(f"{flag}: megarl does not read Hydra config files; give their keys on the command line as "
+                      f"key=value (verl's keys, over verl's defaults), or a megarl recipe with --config <file.yaml>")
 
 
 def type_problem(default, value) -> str | None:
