@@ -352,3 +352,13 @@ def test_verls_hydra_config_flags_take_its_own_configs_and_refuse_others(capsys)
             "the command line as key=value") in capsys.readouterr().err
     assert main(["--config", str(QUICKSTART), "--config-name=ppo_trainer", "--check-config"]) == 2
     assert "this command's keys are megarl's: leave the flag out" in capsys.readouterr().err
+
+
+def test_verls_dynamic_batch_size_is_said_as_the_token_budget_it_sets():
+    from megarl.config.summary import describe
+
+    cfg = read(SEED_PPO, "actor_rollout_ref.actor.use_dynamic_bsz=True",
+               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8000")
+    assert cfg.actor.max_tokens_per_micro_batch == 8000
+    assert describe(cfg)[3].endswith("micro-batches of whole sequences up to 8000 tokens")
+    assert describe(read(SEED_PPO))[3].endswith("micro-batch 8 sequences")

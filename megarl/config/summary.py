@@ -55,6 +55,12 @@ def _lora(lora) -> str:
             "the adapters train")
 
 
+def _micro_batch(actor) -> str:
+    if actor.max_tokens_per_micro_batch:  # the token budget, not micro_batch_size, sets how many sequences go in one
+        return f"micro-batches of whole sequences up to {actor.max_tokens_per_micro_batch} tokens"
+    return f"micro-batch {actor.micro_batch_size} sequences"
+
+
 def _file(path: str) -> str:
     rows = count_rows(path)
     return f"{path} ({'not found' if rows is None else f'{rows} rows'})"
@@ -95,8 +101,7 @@ def describe(cfg) -> list[str]:
         f"prompts up to {prompt_len}, responses up to {response} tokens; held-out: {r.eval_n_samples} per prompt at "
         f"temperature {r.eval_temperature:g}",
         f"batch: {d.prompts_per_step} prompts = {batch} sequences per RL step; mini-batch {mini} sequences "
-        f"({mini / r.n_samples:g} prompts); {updates} optimizer step(s) per RL step; micro-batch {actor.micro_batch_size} "
-        "sequences",
+        f"({mini / r.n_samples:g} prompts); {updates} optimizer step(s) per RL step; {_micro_batch(actor)}",
         f"steps: {steps}; learning rate {actor.optim.lr:g} ({actor.optim.decay_style}, warmup "
         f"{actor.optim.warmup_steps})",
         _data(cfg),
