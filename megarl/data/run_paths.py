@@ -13,6 +13,9 @@ from pathlib import Path
 from megarl.data.files import SUFFIXES
 
 
+RESUME_MODES = ("auto", "force", "none")  # trainer.resume's values that name no path
+
+
 def path_problems(cfg) -> list[str]:
     """'key=value: what is wrong' for each input that is not there and each output directory that cannot be made."""
     problems = []
@@ -26,6 +29,8 @@ def path_problems(cfg) -> list[str]:
                                 ("reward_model.path", cfg.reward_model.path)])
     if cfg.rollout.replay_dir and not Path(cfg.rollout.replay_dir).is_dir():
         problems.append(f"rollout.replay_dir={cfg.rollout.replay_dir}: no such directory")
+    if cfg.trainer.resume not in RESUME_MODES and not os.path.exists(cfg.trainer.resume):
+        problems.append(f"trainer.resume={cfg.trainer.resume}: no such checkpoint (or directory of checkpoints)")
     return problems + output_problems([("trainer.output_dir", cfg.trainer.output_dir),
                                        ("trainer.checkpoint_dir", cfg.trainer.checkpoint_dir),
                                        ("rollout.dump_dir", cfg.rollout.dump_dir)])

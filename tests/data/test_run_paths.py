@@ -134,3 +134,12 @@ def test_a_verl_command_hears_of_a_hub_id_and_of_the_verl_key_it_typed(tmp_path,
     # a local path that is not there is not taken for a hub id
     assert path_problems(tiny_config(["model.path=./models/qwen"])) == ["model.path=./models/qwen: no such model "
                                                                         "directory"]
+
+
+def test_a_checkpoint_to_resume_that_is_not_there_is_named_with_the_dry_runs_problems(tmp_path):
+    missing = tmp_path / "checkpoints" / "step_00000010"
+    assert path_problems(tiny_config([f"trainer.resume={missing}"])) == [
+        f"trainer.resume={missing}: no such checkpoint (or directory of checkpoints)"]
+    missing.mkdir(parents=True)  # what it holds is resume.py's to check, when the run starts
+    assert path_problems(tiny_config([f"trainer.resume={missing}"])) == []
+    assert path_problems(tiny_config(["trainer.resume=force"])) == []
