@@ -362,3 +362,13 @@ def test_verls_dynamic_batch_size_is_said_as_the_token_budget_it_sets():
     assert cfg.actor.max_tokens_per_micro_batch == 8000
     assert describe(cfg)[3].endswith("micro-batches of whole sequences up to 8000 tokens")
     assert describe(read(SEED_PPO))[3].endswith("micro-batch 8 sequences")
+
+
+def test_a_bad_count_is_named_by_the_verl_key_that_holds_it_once():
+    with pytest.raises(ConfigError) as e:
+        read(SEED_PPO, "trainer.total_training_steps=0", "actor_rollout_ref.rollout.n=0")
+    text = str(e.value)
+    assert text.startswith("2 problems in the command:")  # rollout.n's readers (the mini-batch) add no line
+    assert "trainer.total_training_steps=0: expected a positive integer, got 0" in text
+    assert "actor_rollout_ref.rollout.n=0: expected a positive integer, got 0" in text
+    assert "total_epochs" not in text and "ppo_mini_batch_size" not in text

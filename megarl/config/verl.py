@@ -24,6 +24,7 @@ from typing import Any
 from megarl.config.moved_keys import MOVED_KEYS, moved_note, moved_to
 from megarl.config.sections import TRAINING_ROLES
 from megarl.config.validation import ConfigError
+from megarl.config.verl_conversions import _rows
 from megarl.config.verl_keys import (BY_KEY, MISSING, REFUSED_SECTIONS, VERL_KEYS, VERL_SECTIONS, Refusal,
                                      has_no_effect)
 
@@ -86,6 +87,13 @@ class VerlValues:
             return self.megarl[target]
         default = BY_KEY[key].default
         return None if default is MISSING else default
+
+    def rows(self, key: str) -> int:
+        """The positive count the verl key `key` holds; a Refusal naming that key otherwise."""
+        try:
+            return _rows(self.get(key))
+        except Refusal as e:
+            raise Refusal(str(e), key) from None
 
     def get_megarl(self, key: str):
         return self.megarl[key]
@@ -273,7 +281,8 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
             try:
                 out = row.convert(value, values)
             except (Refusal, ValueError, TypeError) as e:  # a value of a type the conversion cannot read
-                refusals.append(f"{row.key}={value!r}: {e}")
+                key = getattr(e, "key", None) or row.key
+                refusals.append(f"{key}={values.get(key)!r}: {e}")
                 continue
             tier = verl_tier.get(row.key, -1)
             for key, v in out.items():
@@ -299,7 +308,7 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
             if t == tier and v != value:
                 errors.append(f"{key}={value!r} and {verl_key}={verl_given[verl_key]!r} set the same option "
                               f"({key}={v!r}); keep one")
-    result.notes, result.errors = moved_notes + notes, errors + refusals
+    result.notes, result.errors = moved_notes + notes, errors + list(dict.fromkeys(refusals))  # one per key at fault
     # in order of precedence: verl's defaults, then each source's verl keys and then its megarl keys
     ordered = sorted([(t, 0, key, v) for key, (v, t, _) in converted.items()]
                      + [(t, 1, key, v) for t, key, v in megarl_given], key=lambda a: (a[0], a[1]))

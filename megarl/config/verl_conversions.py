@@ -17,7 +17,12 @@ MISSING = object()  # no verl default: the row applies only when the key is give
 
 
 class Refusal(ValueError):
-    """A verl key or value megarl cannot honour; the message says why and what to use."""
+    """A verl key or value megarl cannot honour; the message says why and what to use. `key`: the verl key at fault
+    where it is another than the one whose conversion raised it (a conversion that reads several)."""
+
+    def __init__(self, why: str, key: str | None = None):
+        super().__init__(why)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ def has_no_effect(row) -> bool:
 
 def _rows(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise Refusal(f"expected a positive number of rows, got {value!r}")
+        raise Refusal(f"expected a positive integer, got {value!r}")
     return value
 
 
@@ -87,7 +92,7 @@ def prompts_to_sequences(target: str) -> Callable:
     def convert(value, verl):
         if value is None:  # verl: the critic's mini-batch is the actor's
             return {}
-        return {target: _rows(value) * _rows(verl.get("actor_rollout_ref.rollout.n"))}
+        return {target: _rows(value) * verl.rows("actor_rollout_ref.rollout.n")}
     return convert
 
 
@@ -100,7 +105,7 @@ def token_budget(target: str, switch: str) -> Callable:
 
 def world_size(value, verl) -> dict:
     """trainer.nnodes x n_gpus_per_node: the GPUs every role shares in verl (colocated), each role's ranks here."""
-    ranks = _rows(verl.get("trainer.nnodes")) * _rows(verl.get("trainer.n_gpus_per_node"))
+    ranks = verl.rows("trainer.nnodes") * verl.rows("trainer.n_gpus_per_node")
     out = {"actor.parallel.world_size": ranks}
     if verl.get("algorithm.adv_estimator") == "gae":
         out["critic.parallel.world_size"] = ranks
@@ -113,8 +118,8 @@ def total_steps(value, verl) -> dict:
     """trainer.total_training_steps, or total_epochs x (training prompts // data.train_batch_size), as verl's
     dataloader (drop_last) counts them."""
     if verl.get("trainer.total_training_steps") is not None:
-        return {"trainer.steps": _rows(verl.get("trainer.total_training_steps"))}
-    epochs, batch = _rows(value), _rows(verl.get("data.train_batch_size"))
+        return {"trainer.steps": verl.rows("trainer.total_training_steps")}
+    epochs, batch = _rows(value), verl.rows("data.train_batch_size")
     rows = verl.train_rows()
     if rows is None:  # the file is not there (yet): the run names it before anything starts
         return {}
@@ -153,7 +158,7 @@ def kl(value, verl) -> dict:
         control = verl.get("algorithm.kl_ctrl.type")
         if control == "adaptive":
             out |= {"algorithm.kl_target": float(verl.get("algorithm.kl_ctrl.target_kl")),
-                    "algorithm.kl_horizon": _rows(verl.get("algorithm.kl_ctrl.horizon"))}
+                    "algorithm.kl_horizon": verl.rows("algorithm.kl_ctrl.horizon")}
         elif control != "fixed":
             raise Refusal(f"algorithm.kl_ctrl.type={control!r}: fixed or adaptive")
         return out
@@ -192,7 +197,7 @@ def rollout_engine(value, verl) -> dict:
     engine = "hf" if value == "hf" or cpu else "sglang"
     out = {"rollout.engine": engine}
     if engine == "sglang":
-        out["rollout.sglang_tp"] = _rows(verl.get("actor_rollout_ref.rollout.tensor_model_parallel_size"))
+        out["rollout.sglang_tp"] = verl.rows("actor_rollout_ref.rollout.tensor_model_parallel_size")
         out["rollout.sglang_mem_fraction"] = float(verl.get("actor_rollout_ref.rollout.gpu_memory_utilization"))
     return out
 
@@ -316,7 +321,7 @@ def reward_manager(value, verl) -> dict:
     if value == "dapo":  # verl's DAPO manager adds the overlong penalty when its buffer is on
         if not verl.get("reward_model.overlong_buffer.enable"):
             return {}
-        return {"algorithm.overlong_buffer.len": _rows(verl.get("reward_model.overlong_buffer.len")),
+        return {"algorithm.overlong_buffer.len": verl.rows("reward_model.overlong_buffer.len"),
                 "algorithm.overlong_buffer.penalty_factor":
                     float(verl.get("reward_model.overlong_buffer.penalty_factor"))}
     raise Refusal("megarl scores each sample as verl's naive manager does (and dapo's "
