@@ -19,7 +19,7 @@ from megarl.config import ConfigError, help_text, load_config
 from megarl.config.summary import describe, profile_line, required_problem
 from megarl.config.verl import hydra_config_flags, with_origins
 from megarl.data.files import SUFFIXES, InputError, MalformedRow, iter_records
-from megarl.data.run_paths import path_problems
+from megarl.data.run_paths import HUB_ID, missing_model, path_problems
 from megarl.utils import quiet
 from megarl.utils.progress import phases
 
@@ -308,6 +308,8 @@ def main(argv=None) -> int:
                 eos = None
             if eos:
                 print(f"warning: {eos}")
+        elif HUB_ID.fullmatch(cfg.model.path):  # not needed here, but a run anywhere needs a local copy
+            print(f"warning: model.path={cfg.model.path}: {missing_model(cfg.model.path)}")
         return 0
     if problems := path_problems(cfg):  # every one named at once, before anything loads and before Ray starts
         return stopped_by(InputError("; ".join(with_origins(problem, cfg.origins) for problem in problems)))

@@ -131,6 +131,10 @@ def test_a_verl_command_hears_of_a_hub_id_and_of_the_verl_key_it_typed(tmp_path,
             "actor_rollout_ref.model.path='Qwen/Qwen2-7B-Instruct')") in err
     assert ("data.task=data/train.parquet: no such prompt file (set by verl's data.train_files='data/train.parquet')"
             in err)
+    # --check-config needs no model: a warning, the same words
+    assert main(["--check-config", "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "trainer.device=cpu"]) == 0
+    assert ("warning: model.path=Qwen/Qwen2-7B-Instruct: no such local directory ('Qwen/Qwen2-7B-Instruct' reads as a "
+            "Hugging Face hub id") in capsys.readouterr().out
     # a local path that is not there is not taken for a hub id
     assert path_problems(tiny_config(["model.path=./models/qwen"])) == ["model.path=./models/qwen: no such model "
                                                                         "directory"]
