@@ -27,6 +27,7 @@ from megarl.rollout.base import (Generation, GroupCollector, ImageInputs, Rollou
 from megarl.rollout.hf_routing import RoutingRecorder
 from megarl.rollout.partial import GenerationGate, Row, Segment, generate_rows
 from megarl.utils.checksum import module_checksums
+from megarl.utils.hf_config import TEXT_ONLY_TOWERS
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -42,7 +43,10 @@ class HFRolloutEngine(RolloutEngine):
         self.model_path = model_path
         config = AutoConfig.from_pretrained(model_path)
         self.vision = config.model_type in VISION_MODEL_TYPES  # prompts may have images (VisionInputs)
-        model_class = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        # a text-only policy's checkpoint as its own multimodal class: AutoModelForCausalLM builds Qwen3.5's text class
+        # from it, whose head is the text config's (untied, left random where the checkpoint ties it)
+        multimodal = self.vision or config.model_type in TEXT_ONLY_TOWERS
+        model_class = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
         self.model = model_class.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         with torch.no_grad():  # storages of our own: the loader's may map the file, which release_memory cannot free
             for p in self.model.parameters():  # (a tied lm_head is the same Parameter: it stays tied)

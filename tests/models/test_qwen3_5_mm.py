@@ -146,6 +146,71 @@ def test_sglang_names_of_the_conditional_generation_class(tmp_path):
         assert check_hybrid_rollout(language_fields(hf), 2, "sharded") is not None  # as for the text models
 
 
+def test_sync_into_the_transformers_engine_is_verified_with_the_tower_kept(tmp_path):
+    """The transformers rollout engine (the ConditionalGeneration class) holds the checkpoint's tensors under their
+    names (the MoE's experts, fused in memory, as the checkpoint's per-expert ones); a sync of the language model is
+    verified by checksums, and the tower's parameters, never sent, must be as they were."""
+    from transformers import GenerationConfig
+
+    from megarl.rollout.hf import HFRolloutEngine
+    from megarl.rollout.weight_layout import ExpectedChecksums, layout_for
+    from megarl.utils.hf_config import TEXT_ONLY_TOWERS
+    from megarl.workers.weight_sync import WeightSyncError, verify_checksums
+
+    for moe in (False, True):
+        model_dir = save_random(qwen3_5_mm_config(moe), tmp_path / f"moe_{moe}", seed=26)
+        GenerationConfig(eos_token_id=1, pad_token_id=0).save_pretrained(model_dir)
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+        engine = HFRolloutEngine(model_dir, seed=0)
+        language = language_tensors(model_dir)
+        held = engine.named_weights()
+        assert all(torch.equal(held[n], t) for n, t in language.items())
+        expected = ExpectedChecksums(layout_for(hf_inventory(hf), "hf"), [0])
+        policy = {n: t + 0.25 for n, t in language.items()}
+        for name, tensor in policy.items():
+            expected.add(name, tensor)
+        engine.update_weights(policy.items())
+        kept = TEXT_ONLY_TOWERS[hf["model_type"]]
+        buffers = verify_checksums(expected.result(), engine.weight_checksums(), kept=kept)
+        assert any(name.startswith(TOWER) for _, _, name in buffers)
+        with torch.no_grad():
+            next(p for n, p in engine.model.named_parameters() if n.startswith(TOWER)).add_(1.0)
+        with pytest.raises(WeightSyncError, match=r"unsynced parameter model\.visual\."):
+            verify_checksums(expected.result(), engine.weight_checksums(), buffers, kept)
+
+
+def test_grpo_steps_keep_the_tower(tmp_path, ray_local):
+    """GRPO end to end on the CPU with the dense checkpoint (tied head) at PP=2: the transformers rollout engine
+    generates with Qwen3_5ForConditionalGeneration on text, every sync into it is verified (the tower's parameters,
+    never sent, checked unchanged), the engine ends up holding the trained language model, and the step's checkpoint
+    keeps the tower's copy."""
+    from transformers import GenerationConfig
+
+    from megarl.models.tiny import build_char_tokenizer
+    from megarl.workers import sync_checks
+    from tests.models.family_grpo import grpo_then_weights
+
+    tokenizer = build_char_tokenizer()
+    config = qwen3_5_mm_config(vocab_size=128, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = save_random(config, tmp_path / "qwen3_5", seed=27)
+    tokenizer.save_pretrained(model)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                     do_sample=True).save_pretrained(model)
+    state, held, steps = grpo_then_weights(model, tmp_path / "run", [
+        "actor.parallel.pp=2", "actor.micro_batch_size=4", "trainer.save_every=2",
+        # a random policy earns no reward, so no advantage: the entropy bonus still moves every weight
+        "algorithm.entropy_coef=0.01"])
+
+    assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
+    initial = load_file(f"{model}/model.safetensors")
+    assert sorted(state) == sorted(n for n in initial if not n.startswith(TOWER))
+    assert all(not torch.equal(state[n], initial[n]) for n in state)
+    assert len(steps) == 2 and all(r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0 for r in steps)
+    kept = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "actor" / "hf" / "vision.safetensors")
+    assert kept.keys() == {n for n in initial if n.startswith(TOWER)}
+    assert all(torch.equal(kept[n], initial[n]) for n in kept)
+
+
 def test_published_config_plans_and_dry_runs(tmp_path, capsys):
     """A config.json as the releases write it (text_config with interleaved M-RoPE sections) builds, plans as its
     language model and passes the dry run."""
