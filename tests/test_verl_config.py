@@ -307,6 +307,10 @@ def test_a_verl_value_of_the_wrong_type_is_named_by_its_key_not_read_as_truthy()
                  "actor_rollout_ref.actor.use_kl_loss='yes_please': expected true or false",
                  "data.train_batch_size=2.5: expected an integer"):
         assert line in text, line
+    # a Hydra interpolation is not taken as it is written (a run directory named '${trainer.project_name}_x')
+    with pytest.raises(ConfigError, match=r"trainer.experiment_name='\$\{trainer.project_name\}_x': megarl does not "
+                                          r"resolve Hydra's \$\{...\} interpolations; write the value itself"):
+        read(SEED_PPO, "trainer.experiment_name=${trainer.project_name}_x")
     # what YAML leaves a string (1e-6) and verl's truthiness (0/1 for a switch) still read as verl reads them
     cfg = read(SEED_PPO, "actor_rollout_ref.actor.optim.lr=3e-6", "actor_rollout_ref.actor.use_kl_loss=0")
     assert cfg.actor.optim.lr == 3e-6 and cfg.algorithm.kl_coef == 0

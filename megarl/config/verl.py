@@ -134,6 +134,13 @@ def hydra_config_flags(name: str | None, path: str | None, profile: str) -> str 
                       f"key=value (verl's keys, over verl's defaults), or a megarl recipe with --config <file.yaml>")
 
 
+def interpolation_problem(value) -> str | None:
+    """A Hydra interpolation (`${trainer.project_name}_x`) would be taken as it is written: a directory named so."""
+    if isinstance(value, str) and "${" in value:
+        return "megarl does not resolve Hydra's ${...} interpolations; write the value itself"
+    return None
+
+
 def type_problem(default, value) -> str | None:
     """What is wrong with a verl key's value of another type than verl's default (a switch given `yes_please`, a
     count given 2.5, a rate given `fast`), or None. Python's bool() and truthiness would read any string as on, so a
@@ -252,7 +259,7 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
         else:
             errors.append(unknown_key(key, megarl_keys))
     for key, value in list(verl_given.items()):
-        if problem := type_problem(BY_KEY[key].default, value):
+        if problem := interpolation_problem(value) or type_problem(BY_KEY[key].default, value):
             errors.append(f"{key}={value!r}: {problem}")
             del verl_given[key]  # the conversions that read it see verl's default: one error, not one per reader
     # verl's defaults apply to a command in verl's vocabulary; beside a recipe of megarl's keys, verl's keys are
