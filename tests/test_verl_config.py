@@ -376,3 +376,12 @@ def test_a_bad_count_is_named_by_the_verl_key_that_holds_it_once():
     assert "trainer.total_training_steps=0: expected a positive integer, got 0" in text
     assert "actor_rollout_ref.rollout.n=0: expected a positive integer, got 0" in text
     assert "total_epochs" not in text and "ppo_mini_batch_size" not in text
+
+
+def test_an_error_names_the_verl_key_that_is_the_megarl_option_not_the_one_whose_conversion_set_it():
+    # rollout.name's conversion sets rollout.sglang_tp, from verl's rollout.tensor_model_parallel_size
+    with pytest.raises(ConfigError) as e:
+        read(SEED_PPO, "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+             "rollout.weight_delivery=sharded")
+    assert "verl's actor_rollout_ref.rollout.tensor_model_parallel_size=3" in str(e.value)
+    assert "rollout.name" not in str(e.value)

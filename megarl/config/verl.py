@@ -320,10 +320,26 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
     ordered = sorted([(t, 0, key, v) for key, (v, t, _) in converted.items()]
                      + [(t, 1, key, v) for t, key, v in megarl_given], key=lambda a: (a[0], a[1]))
     result.assignments = [(key, v) for _, _, key, v in ordered]
-    result.origins |= {key: f"verl's {row}={values.get(row)!r}" + (", verl's default" if t < 0 else "")
-                       for key, (_, t, row) in converted.items() if key not in explicit and row in BY_KEY}
+    for key, (_, _, row) in converted.items():
+        if key not in explicit and row in BY_KEY:
+            row = _setter(key, row)
+            default = ", verl's default" if row not in verl_given else ""
+            result.origins[key] = f"verl's {row}={values.get(row)!r}{default}"
     result.given |= {key for key, (_, t, _) in converted.items() if t >= 0}
     return result
+
+
+# megarl key -> the verl keys whose table row names it alone ("rollout.sglang_tp": the rollout's TP)
+SETTERS: dict[str, list[str]] = {}
+for _row in VERL_KEYS:
+    SETTERS.setdefault(_row.sets, []).append(_row.key)
+
+
+def _setter(key: str, row: str) -> str:
+    """The verl key an error about megarl's `key` names, which the conversion of `row` set: the one verl key that is
+    `key` in megarl where `row` sets it beside others (rollout.name sets sglang_tp from tensor_model_parallel_size)."""
+    owners = SETTERS.get(key, [])
+    return owners[0] if BY_KEY[row].sets != key and len(owners) == 1 else row
 
 
 def _read_moved(keys: list[tuple[int, str, str, Any]]) -> tuple[list, list[str], list[str], dict[str, str]]:
