@@ -220,6 +220,8 @@ def prompt_problem(record: dict, key: str = "prompt") -> str | None:
     'reward_model': {'ground_truth': ...}, is read too, where it may also be a list or dict: a search task's
     {'target': [...]}, a code task's tests)."""
     prompt = record.get(key)
+    if key not in record:  # data.prompt_key names a field the file does not have
+        return f"no field {key!r} (data.prompt_key); the row's fields: {', '.join(map(str, record))}"
     if isinstance(prompt, list):
         if not prompt:
             return f"field {key!r} is an empty list of chat messages"

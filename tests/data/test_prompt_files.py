@@ -70,3 +70,13 @@ def test_missing_chat_template_is_named(tokenizer):
     plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     with pytest.raises(ValueError, match="has none"):
         render_prompt(plain, [{"role": "user", "content": "x"}], chat_template=False)
+
+
+def test_a_prompt_key_the_file_does_not_have_is_named_with_the_fields_it_has():
+    from megarl.data.dataset import prompt_problem
+
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1="}],
+           "reward_model": {"ground_truth": "2"}}
+    assert prompt_problem(row, "question") == ("no field 'question' (data.prompt_key); the row's fields: data_source, "
+                                               "prompt, reward_model")
+    assert prompt_problem(row, "prompt") is None
