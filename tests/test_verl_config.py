@@ -385,3 +385,10 @@ def test_an_error_names_the_verl_key_that_is_the_megarl_option_not_the_one_whose
              "rollout.weight_delivery=sharded")
     assert "verl's actor_rollout_ref.rollout.tensor_model_parallel_size=3" in str(e.value)
     assert "rollout.name" not in str(e.value)
+
+
+def test_an_empty_run_name_is_refused_by_its_key():
+    with pytest.raises(ConfigError, match=r"trainer.project_name='': the run's directories are "
+                                          r"runs/<project_name>/<experiment_name>: give it a name"):
+        read(SEED_PPO, "trainer.project_name=")
+    assert read(SEED_PPO, "trainer.experiment_name=a/b").trainer.output_dir == "runs/verl_example/a/b"  # as verl nests

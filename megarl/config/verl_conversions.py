@@ -289,6 +289,9 @@ def val_size(value, verl) -> dict:
 def run_dirs(value, verl) -> dict:
     """verl's naming: checkpoints/<project>/<experiment>; megarl's events beside, runs/<project>/<experiment>."""
     project, experiment = verl.get("trainer.project_name"), verl.get("trainer.experiment_name")
+    for key, name in (("trainer.project_name", project), ("trainer.experiment_name", experiment)):
+        if name is None or not str(name).strip():  # the run would write to runs//<experiment>
+            raise Refusal("the run's directories are runs/<project_name>/<experiment_name>: give it a name", key)
     out = {"trainer.project_name": str(project), "trainer.experiment_name": str(experiment),
            "trainer.output_dir": f"runs/{project}/{experiment}"}
     local = verl.get("trainer.default_local_dir")
