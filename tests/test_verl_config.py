@@ -392,3 +392,9 @@ def test_an_empty_run_name_is_refused_by_its_key():
                                           r"runs/<project_name>/<experiment_name>: give it a name"):
         read(SEED_PPO, "trainer.project_name=")
     assert read(SEED_PPO, "trainer.experiment_name=a/b").trainer.output_dir == "runs/verl_example/a/b"  # as verl nests
+
+
+def test_no_loggers_is_said_as_none():
+    from megarl.config.summary import describe
+
+    assert describe(read(SEED_PPO, "trainer.logger=[]"))[-1].endswith("loggers: none")

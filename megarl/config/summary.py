@@ -105,5 +105,5 @@ def describe(cfg) -> list[str]:
         f"steps: {steps}; learning rate {actor.optim.lr:g} ({actor.optim.decay_style}, warmup "
         f"{actor.optim.warmup_steps})",
         _data(cfg),
-        f"output: {cfg.trainer.output_dir}; {_checkpoints(cfg.trainer)}; loggers: {', '.join(cfg.trainer.loggers)}",
+        f"output: {cfg.trainer.output_dir}; {_checkpoints(cfg.trainer)}; loggers: {', '.join(cfg.trainer.loggers) or 'none'}",
     ]
