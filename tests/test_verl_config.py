@@ -398,3 +398,16 @@ def test_no_loggers_is_said_as_none():
     from megarl.config.summary import describe
 
     assert describe(read(SEED_PPO, "trainer.logger=[]"))[-1].endswith("loggers: none")
+
+
+def test_a_hydra_config_file_given_to_config_names_hydras_own_sections(tmp_path):
+    recipe = tmp_path / "verl_style.yaml"
+    recipe.write_text("defaults:\n  - _self_\nhydra:\n  run:\n    dir: outputs\n"
+                      "actor_rollout_ref:\n  rollout:\n    prompt_length: ${data.max_prompt_length}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe)
+    text = str(e.value)
+    assert text.startswith("3 problems in the command:")
+    assert "- defaults: Hydra's own (the defaults list that composes config files, hydra.* settings)" in text
+    assert "- hydra.run.dir: Hydra's own" in text
+    assert "prompt_length='${data.max_prompt_length}': megarl does not resolve Hydra's ${...} interpolations" in text

@@ -345,10 +345,15 @@ VERL_KEYS: list[VerlKey] = [
 BY_KEY = {row.key: row for row in VERL_KEYS}
 # top-level sections only verl has: a key under one is read in verl's vocabulary
 VERL_SECTIONS = ("actor_rollout_ref", "custom_reward_function", "ray_init", "ray_kwargs", "global_profiler")
+HYDRA_FILE = ("Hydra's own (the defaults list that composes config files, hydra.* settings), which megarl does not "
+              "read: give the keys the config sets, verl's or megarl's, in one flat recipe or as key=value")
 REFUSED_SECTIONS = {
     "ray_init": "megarl's Ray is joined or started by trainer.ray_address / RAY_ADDRESS (docs/launching.md)",
     "ray_kwargs": "megarl's Ray is joined or started by trainer.ray_address / RAY_ADDRESS (docs/launching.md)",
     "global_profiler": "megarl profiles an update with trainer.profile_update=N (torch.profiler)",
+    # Hydra's own, in a verl config file given to --config
+    "defaults": HYDRA_FILE,
+    "hydra": HYDRA_FILE,
 }
 
 
