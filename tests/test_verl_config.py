@@ -411,3 +411,11 @@ def test_a_hydra_config_file_given_to_config_names_hydras_own_sections(tmp_path)
     assert "- defaults: Hydra's own (the defaults list that composes config files, hydra.* settings)" in text
     assert "- hydra.run.dir: Hydra's own" in text
     assert "prompt_length='${data.max_prompt_length}': megarl does not resolve Hydra's ${...} interpolations" in text
+
+
+def test_a_typo_in_a_verl_command_is_offered_verls_key_first():
+    with pytest.raises(ConfigError, match=r"unknown config key 'critic.ppo_mini_batch_sise'; did you mean "
+                                          r"'critic.ppo_mini_batch_size'\?"):
+        read(SEED_PPO, "critic.ppo_mini_batch_sise=64")  # not megarl's critic.mini_batch_size, counted in sequences
+    with pytest.raises(ConfigError, match=r"did you mean 'critic.optim.lr'\?"):  # the same key in both
+        read(SEED_PPO, "critic.optim.lrr=1e-5")

@@ -190,8 +190,10 @@ def near_miss(key: str, candidates) -> str | None:
     return best
 
 
-def unknown_key(key: str, megarl_keys: list[str]) -> str:
-    """The error line of an unknown key: the verl key it may stand for (and what that becomes), or a near miss."""
+def unknown_key(key: str, megarl_keys: list[str], verl_command: bool = False) -> str:
+    """The error line of an unknown key: the verl key it may stand for (and what that becomes), or a near miss; in a
+    command in verl's vocabulary (`verl_command`) a near miss among verl's keys first (critic.ppo_mini_batch_sise is
+    verl's critic.ppo_mini_batch_size, in prompts, before megarl's critic.mini_batch_size, in sequences)."""
     if key.split(".", 1)[0] in REFUSED_SECTIONS:
         return f"{key}: {REFUSED_SECTIONS[key.split('.', 1)[0]]}"
     misplaced = _other_roles_key(key, megarl_keys)
@@ -203,7 +205,9 @@ def unknown_key(key: str, megarl_keys: list[str]) -> str:
         return f"verl key '{key}' is not one megarl reads (docs/migrating-from-verl.md lists those it does){hint}"
     leaf = key.rpartition(".")[2]
     verl_rows = [row for row in VERL_KEYS if row.key.rpartition(".")[2] == leaf and row.sets]
-    close = near_miss(key, megarl_keys) or MOVED_KEYS.get(near_miss(key, MOVED_KEYS)) or near_miss(key, BY_KEY)
+    verl_close = near_miss(key, BY_KEY)
+    close = ((verl_command and verl_close) or near_miss(key, megarl_keys) or MOVED_KEYS.get(near_miss(key, MOVED_KEYS))
+             or verl_close)
     if close:
         return f"unknown config key '{key}'; did you mean '{close}'?"
     if verl_rows:
@@ -257,7 +261,7 @@ def plan(sources: list[tuple[str, dict[str, Any]]], megarl_keys: list[str], mega
         elif key in megarl_names:
             megarl_given.append((tier, key, value))
         else:
-            errors.append(unknown_key(key, megarl_keys))
+            errors.append(unknown_key(key, megarl_keys, verl_on))
     for key, value in list(verl_given.items()):
         if problem := interpolation_problem(value) or type_problem(BY_KEY[key].default, value):
             errors.append(f"{key}={value!r}: {problem}")
