@@ -262,7 +262,7 @@ def test_gpus_and_memory_list_only_layouts_that_fit(capsys):
      "--recompute-modules", "moe,core_attn", "--seq-len", "8192", "--top", "30"],
     ["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "40", "--seq-len", "2048", "--distributed-optimizer"],
     list(DEEPSEEK_128_GPUS),
-    # families the engine trains at TP 1 (Qwen3-Next's linear attention) or expert-TP 1 (gpt-oss's expert biases)
+    # Qwen3-Next (linear attention at a TP dividing its key heads) and gpt-oss (experts at expert-TP 1)
     ["--model", "qwen3-next-80b-a3b", "--gpus", "32", "--gpu-mem", "80", "--optimizer-offload", "--recompute", "full",
      "--top", "6"],
     ["--model", "gpt-oss-120b", "--gpus", "32", "--gpu-mem", "80", "--host-mem", "1500", "--optimizer-offload",
@@ -425,8 +425,24 @@ def test_errors_name_the_problem():
         main(["--model", "deepseek-v3", "--train", "tp=1,pp=1,dp=3,ep=3"])
 
 
+def test_hybrid_attention_models_train_and_plan_at_tp2():
+    """Qwen3.5-MoE and Qwen3-Next at TP=2 (sequence parallel, as MoE at TP > 1 needs): the dry run's layout check and
+    the planner accept it (their gated delta nets split by heads: models/gated_delta_net.py; the weight sync gathers
+    them: tests/models/test_qwen3_5.py's GRPO run)."""
+    import shlex
+
+    from megarl.config import load_config
+    from megarl.config.model_layout import check_model_layout
+
+    for model in ("qwen3.5-397b-a17b", "qwen3-next-80b-a3b"):
+        hf = load_model_config(model)
+        cfg = load_config(None, shlex.split("actor.parallel.world_size=2 actor.parallel.tp=2 "
+                                            "actor.parallel.sequence_parallel=true"))
+        check_model_layout(cfg.actor, "actor", hf, "config.json")
+        assert train_layout(hf, dict(tp=2, pp=1, cp=1, dp=1, ep=1, etp=2)).tp == 2
+
+
 @pytest.mark.parametrize("model, keys, named", [
-    ("qwen3-next-80b-a3b", "actor.parallel.world_size=2 actor.parallel.tp=2", "actor.parallel.tp=2 with"),
     ("gpt-oss-20b", "actor.parallel.world_size=2 actor.parallel.tp=2", "actor.parallel.etp=0 (0 = tp, here 2)"),
     ("gpt-oss-20b", "actor.parallel.world_size=4 actor.parallel.tp=2 actor.parallel.ep=2 actor.parallel.etp=2",
      "actor.parallel.etp=2"),

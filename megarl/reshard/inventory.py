@@ -46,6 +46,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+import torch
+
 from megarl.utils.hf_config import (GATED_SHARED_EXPERT, HYBRID_ATTENTION, expert_width, language_fields,
                                     layer_types, routed_experts, shared_expert_width, tied_embeddings)
 
@@ -63,6 +65,9 @@ class TensorSpec:
     experts: int = 0  # routed experts of that layer
     fp32: bool = False  # kept in float32 whatever the model's dtype (DeepSeek-V3's routing bias)
     whole_for_generation: bool = False  # every generation rank holds all of it (Gemma 3's embedding in SGLang)
+    # rows of the parts stacked along dim 0, each of which TP cuts by heads (a gated delta net's in_proj_qkv and conv1d:
+    # [q; k; v]); () = none. Its rows are counted in TP order (`tp_order`), where each TP rank's rows are one block
+    parts: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -84,8 +89,16 @@ class TensorSpec:
         """Bytes per element of this tensor in a model whose weights take `model_itemsize`."""
         return 4 if self.fp32 else model_itemsize
 
+    def tp_order(self, tp: int) -> torch.Tensor:
+        """The HF row at each row of a `parts` tensor cut by `tp`: TP rank 0's block of every part, then rank 1's...
+        (megatron's layout of the gated delta net's in_proj and conv1d); the identity at TP 1."""
+        starts = [sum(self.parts[:i]) for i in range(len(self.parts))]
+        return torch.cat([torch.arange(start + r * (n // tp), start + (r + 1) * (n // tp))
+                          for r in range(tp) for start, n in zip(starts, self.parts)])
+
     def rows(self, tp: int, rank: int) -> tuple[int, int]:
-        """[lo, hi) rows of this tensor that TP rank `rank` of `tp` holds (may be empty: lo == hi)."""
+        """[lo, hi) rows of this tensor that TP rank `rank` of `tp` holds (may be empty: lo == hi), of a `parts`
+        tensor in its TP order."""
         if self.dim is None:
             return 0, 1
         length = self.length
@@ -141,20 +154,22 @@ def _attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
 
 def _linear_attention(hf: dict, p: str, layer: int) -> list[TensorSpec]:
     """Qwen3.5's gated delta net. in_proj_qkv and conv1d stack q, k and v, each of which TP cuts by heads: no
-    contiguous row block of the stacked tensor is one rank's, so those two move whole. Qwen3-Next's in_proj_qkvz and
-    in_proj_ba hold each key head's rows together (models/qwen3_next.py): cut by key heads."""
+    contiguous row block of the stacked tensor is one rank's, so their rows are counted in TP order
+    (TensorSpec.parts), where each rank's rows are one block. Qwen3-Next's in_proj_qkvz and in_proj_ba hold each key
+    head's rows together (models/qwen3_next.py): cut by key heads."""
     h, key_heads, value_heads = hf["hidden_size"], hf["linear_num_key_heads"], hf["linear_num_value_heads"]
     qk, v = key_heads * hf["linear_key_head_dim"], value_heads * hf["linear_value_head_dim"]
     by_head = dict(units=value_heads)
+    qkv = dict(units=key_heads, parts=(qk, qk, v))
     if hf.get("model_type") == "qwen3_next":
         specs = [TensorSpec(p + "in_proj_qkvz.weight", (2 * qk + 2 * v, h), 0, layer, units=key_heads),
                  TensorSpec(p + "in_proj_ba.weight", (2 * value_heads, h), 0, layer, units=key_heads)]
     else:
-        specs = [TensorSpec(p + "in_proj_qkv.weight", (2 * qk + v, h), None, layer),
+        specs = [TensorSpec(p + "in_proj_qkv.weight", (2 * qk + v, h), 0, layer, **qkv),
                  TensorSpec(p + "in_proj_z.weight", (v, h), 0, layer, **by_head),
                  TensorSpec(p + "in_proj_b.weight", (value_heads, h), 0, layer, **by_head),
                  TensorSpec(p + "in_proj_a.weight", (value_heads, h), 0, layer, **by_head)]
-    return specs + [TensorSpec(p + "conv1d.weight", (2 * qk + v, 1, hf["linear_conv_kernel_dim"]), None, layer),
+    return specs + [TensorSpec(p + "conv1d.weight", (2 * qk + v, 1, hf["linear_conv_kernel_dim"]), 0, layer, **qkv),
                     TensorSpec(p + "dt_bias", (value_heads,), 0, layer, **by_head),
                     TensorSpec(p + "A_log", (value_heads,), 0, layer, **by_head),
                     TensorSpec(p + "norm.weight", (hf["linear_value_head_dim"],), None, layer),

@@ -63,6 +63,7 @@ class Resharder:
 
     def __init__(self, specs: list[TensorSpec], train: TrainLayout, local: dict[str, HeldRows], rank: int):
         self.specs, self.train, self.local, self.rank = specs, train, local, rank
+        self._by_name = {s.name: s for s in specs}
         # bytes this rank received from and sent to other ranks in the last `buckets` run, counted from the tensors
         # that went on the wire (the planner's transfer_bytes must predict them)
         self.received_bytes = self.sent_bytes = 0
@@ -120,6 +121,9 @@ class Resharder:
             if need is None:  # a routed expert of another generation EP rank
                 continue
             lo, hi = need
+            if spec.parts and self.train.tp > 1 and (lo, hi) != (0, spec.length):
+                raise ValueError(f"{spec.name}: its rows at training TP={self.train.tp} are in TP order (q, k and v "
+                                 "each cut by heads); only a full delivery of it is put back in the HF order")
             if held is not None and held.lo <= lo and hi <= held.hi:
                 rows = held.take(lo, hi)
                 out.append((spec.name, rows if rows.is_contiguous() else rows.contiguous()))
@@ -150,7 +154,16 @@ class Resharder:
                 request.wait()
         for target, buffer in staged:
             target.copy_(buffer)
-        return out
+        return [(name, self._hf_order(name, tensor)) for name, tensor in out]
+
+    def _hf_order(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole `parts` tensor (inventory.TensorSpec.parts) gathered in TP order, put in the HF order."""
+        spec = self._by_name[name]
+        if not spec.parts or self.train.tp == 1:
+            return tensor
+        hf = torch.empty_like(tensor)
+        hf[spec.tp_order(self.train.tp).to(tensor.device)] = tensor
+        return hf
 
 
 def _stacked(buckets: Iterator[list], rows: dict[str, tuple[str, int, int]]) -> Iterator[list]:
@@ -231,8 +244,8 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
             continue
         tp, tp_rank = (train.etp, train.expert_coords(rank)[0]) if hf_specs[0].expert is not None else \
             (train.tp, train.coords(rank)[0])
-        # a whole tensor fused with split ones (Qwen3.5's in_proj_qkv beside in_proj_z/b/a) is probed by its rows:
-        # this rank must hold all of them, in order, and passes them on as that block of its shard
+        # a whole tensor fused with split ones is probed by its rows: this rank must hold all of them, in order, and
+        # passes them on as that block of its shard
         lengths = [s.length if s.dim is not None else s.shape[0] for s in hf_specs]
         probes, offset = [], 0
         for s, length in zip(hf_specs, lengths):
@@ -248,9 +261,12 @@ def held_rows(gpt, weight_maps, specs: list[TensorSpec], train: TrainLayout, ran
         offset = 0
         for s, length in zip(hf_specs, lengths):
             positions = ((ids > offset) & (ids <= offset + length)).nonzero().reshape(-1)
-            positions = positions[ids[positions].argsort()]  # by row: a fused shard may reorder them (gated q_proj)
+            rows = ids[positions] - offset - 1
+            if s.parts:  # HF rows -> the TP order the inventory counts them in
+                rows = s.tp_order(tp).argsort()[rows]
+            positions = positions[rows.argsort()]  # by row: a fused shard may reorder them (gated q_proj)
             lo, hi = s.rows(tp, tp_rank) if s.dim is not None else (0, length)
-            if not torch.equal(ids[positions] - offset - 1, torch.arange(lo, hi)):
+            if not torch.equal(rows.sort().values, torch.arange(lo, hi)):
                 raise ValueError(f"{s.name}: TP rank {tp_rank} of {tp} does not hold the rows [{lo}, {hi}) "
                                  f"the inventory expects")
             if s.dim is None:

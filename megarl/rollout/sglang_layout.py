@@ -167,10 +167,10 @@ class SGLangLayout:
         if rows is None:
             return None
         piece = tensor
-        if spec.dim is not None and not presharded:
-            piece = tensor.narrow(spec.dim, rows[0], rows[1] - rows[0])
         linear = _LINEAR_PARTS.match(name)
-        if linear and spec.dim is None:  # sent whole; SGLang cuts each of its parts by TP: the rank's part of each
+        if spec.dim is not None and not presharded and not spec.parts:
+            piece = tensor.narrow(spec.dim, rows[0], rows[1] - rows[0])
+        if linear and spec.parts:  # sent whole; SGLang cuts each of its parts by TP: the rank's part of each
             parts = tensor.split(self._linear_part_sizes(linear.group(1)), 0)
             piece = torch.cat([_tp_block(name, part, self.tp, rank % self.tp) for part in parts])
         param, offset = self.place(name, rank)

@@ -76,10 +76,9 @@ def parallel_limit(hf: dict, tp: int, etp: int, cp: int = 1) -> str | None:
     size `cp`, naming the size it takes ("tp=1", "etp=1", "cp=1"), or None where it can."""
     fields = language_fields(hf)
     model_type = fields.get("model_type")
-    if tp > 1 and model_type in HYBRID_ATTENTION:
-        return (f"{model_type} trains RL at tp=1 only: the weight sync (megarl/reshard) moves its linear-attention "
-                "conv1d (and Qwen3.5's in_proj_qkv) whole, and at tp > 1 no rank holds them whole (each holds its "
-                "heads' rows of q, k and v); PP splits its layers")
+    if tp > 1 and model_type in HYBRID_ATTENTION and fields["linear_num_key_heads"] % tp:
+        return (f"{model_type} at tp={tp}: TP must divide linear_num_key_heads={fields['linear_num_key_heads']} (each "
+                "rank holds whole key heads of its linear-attention layers)")
     if etp > 1 and model_type in EXPERT_TENSOR_PARALLEL_ONE:
         return f"{model_type} trains its experts at etp=1 only (megatron-core adds expert biases only there)"
     if cp > 1 and model_type in HYBRID_ATTENTION:

@@ -8,8 +8,9 @@
 - The weight maps and the resharder's inventory name every checkpoint tensor once, with its shape; TP=2 shards put
   back together bitwise; the planner sizes the model from the inventory and its KV cache from the full-attention
   layers only.
-- The engine at TP=2, with and without sequence parallelism (and Qwen3-Next's at TP=2 with SP): log-probs and one SFT
-  step as transformers'; RL at TP > 1 refused by key, naming the weight sync.
+- TP=2, with and without sequence parallelism (and Qwen3-Next's at TP=2 with SP): log-probs and one SFT step as
+  transformers'; a TP that does not divide the linear-attention key heads is refused by name. GRPO at TP=2: the sync
+  gathers in_proj_qkv and conv1d (q, k and v each cut by heads) into the HF order.
 """
 
 import pytest
@@ -108,12 +109,12 @@ def test_planner_counts_the_checkpoint_and_caches_keys_in_full_attention_layers_
     assert "pipeline stages (decoder layers): 2,2" in out and "actor.parallel.pp=2" in out
 
 
-def test_rl_at_tensor_parallelism_is_refused_naming_the_weight_sync():
-    """The engine trains at TP=2 (below); the weight sync's resharder cannot take it: refused by key (the dry run and
-    the planner read parallel_limit)."""
+def test_tensor_parallelism_must_divide_the_linear_key_heads():
     from megarl.utils.hf_config import parallel_limit
 
-    assert "tp=1 only: the weight sync" in parallel_limit(qwen3_5_config().to_dict(), 2, 1)
+    hf = qwen3_5_config(linear_num_key_heads=1, linear_num_value_heads=2).to_dict()
+    assert "TP must divide linear_num_key_heads=1" in parallel_limit(hf, 2, 1)
+    assert parallel_limit(qwen3_5_config().to_dict(), 2, 1) is None
 
 
 def _check_tp_rank(rank, cases, saved):
@@ -202,22 +203,25 @@ def test_qwen3_5_matches_transformers_at_dp2_and_pp2(tmp_path):
     _assert_like_hf_step(trained, ref_loss, ref_grad_norm, ref_weights)
 
 
-def test_grpo_steps_with_a_qwen3_5_policy_at_pp2(tmp_path, ray_local):
+def test_grpo_steps_with_a_qwen3_5_policy_at_tp2(tmp_path, ray_local):
     """GRPO end to end on the CPU: the transformers rollout engine generates with the tiny Qwen3.5 (its own torch
-    gated delta rule, cache and all), megatron trains it over two pipeline stages, and the weights synced into the
-    rollout engine after every step are verified by checksums; the engine ends up holding the trained policy."""
+    gated delta rule, cache and all), megatron trains it at TP=2, and the weights synced into the rollout engine after
+    every step are verified by checksums; the engine ends up holding the trained policy bitwise as the export gives it
+    (TP=2's export is TP=1's: test_tp2_with_and_without_sp_matches_transformers). in_proj_qkv and conv1d reach it
+    gathered from each rank's heads of q, k and v. GRPO at PP=2: test_qwen3_5_mm.py."""
     from megarl.workers import sync_checks
     from tests.models.family_grpo import grpo_then_weights
     from tests.models.hf_families import save_random_for_recipe
 
     model = save_random_for_recipe(qwen3_5_config(), tmp_path / "qwen3_5", seed=5)
     state, held, steps = grpo_then_weights(model, tmp_path / "run", [
-        "actor.parallel.pp=2", "actor.micro_batch_size=4",
+        "actor.parallel.tp=2", "actor.micro_batch_size=4",
         # a random policy earns no reward, so no advantage: the entropy bonus still moves every weight
         "algorithm.entropy_coef=0.01"])
 
     assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
     initial = load_file(f"{model}/model.safetensors")
     assert sorted(state) == sorted(initial)
-    assert not torch.equal(state["model.layers.0.linear_attn.A_log"], initial["model.layers.0.linear_attn.A_log"])
+    for name in ("A_log", "in_proj_qkv.weight", "conv1d.weight"):
+        assert not torch.equal(state[f"model.layers.0.linear_attn.{name}"], initial[f"model.layers.0.linear_attn.{name}"])
     assert len(steps) == 2 and all(r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0 for r in steps)
