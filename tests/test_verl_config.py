@@ -341,6 +341,10 @@ def test_a_verl_value_megarl_honours_differently_is_said_at_start_up():
     assert ("trainer.test_freq=-1: megarl evaluates before RL and after the last step all the same (verl: at most "
             "once, before training)") in notes
     assert not any(note.startswith("trainer.test_freq") for note in read(SEED_PPO, "trainer.test_freq=5").notes)
+    notes = read(SEED_PPO, "actor_rollout_ref.rollout.temperature=0.7").notes
+    assert any(n.startswith("actor_rollout_ref.rollout.temperature=") and "log-probs at temperature 1" in n
+               for n in notes), notes
+    assert not any("rollout.temperature=" in note for note in read(SEED_PPO, "actor_rollout_ref.rollout.temperature=1.0").notes)
 
 
 def test_verls_hydra_config_flags_take_its_own_configs_and_refuse_others(capsys):

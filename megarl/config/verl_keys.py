@@ -173,8 +173,11 @@ VERL_KEYS: list[VerlKey] = [
     K(f"{R}.mode", "async", "", only(("sync", "async"), "sync or async"),
       "megarl's rollouts are always served; trainer.mode sets (a)synchronous training"),
     K(f"{R}.n", 1, "rollout.n_samples", same("rollout.n_samples", _rows), "responses per prompt"),
-    K(f"{R}.temperature", 1.0, "rollout.temperature", greedy_unless_sampling("rollout.temperature", f"{R}.do_sample"),
-      ""),
+    K(f"{R}.temperature", 1.0, "rollout.temperature",
+      said_when(greedy_unless_sampling("rollout.temperature", f"{R}.do_sample"), lambda v: float(v) not in (0.0, 1.0),
+                "megarl samples at this temperature and trains on the policy's log-probs at temperature 1 (verl "
+                "divides the training logits by the rollout temperature)"),
+      "training log-probs at temperature 1"),
     K(f"{R}.do_sample", True, "rollout.temperature", read_with(f"{R}.temperature"), "false: greedy"),
     K(f"{R}.top_p", 1.0, "rollout.top_p", same("rollout.top_p", float), ""),
     K(f"{R}.top_k", -1, "rollout.top_k", lambda v, verl: {"rollout.top_k": int(v) if int(v) > 0 else -1},
