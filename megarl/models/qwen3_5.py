@@ -15,9 +15,11 @@ the MLP is SwiGLU.
 
 The engine runs tensor parallelism (with or without sequence parallelism) by heads: the linear-attention norm's
 weight, used by every head, gets its gradient summed over TP in the layer itself (gated_delta_net.py says why), and
-tests/models/test_qwen3_5.py checks TP=2, TP=2 with SP and PP=2 against transformers. RL runs train at TP 1
-(megarl.utils.hf_config.parallel_limit refuses more by key): the weight sync's resharder moves conv1d and in_proj_qkv
-whole, and at TP > 1 no rank holds them whole (each holds its heads' rows of q, k and v, not one block of rows). The published
+tests/models/test_qwen3_5.py checks TP=2, TP=2 with SP and PP=2 against transformers, and GRPO at TP=2. TP must
+divide linear_num_key_heads (megarl.utils.hf_config.parallel_limit refuses others by key). The weight sync gathers
+in_proj_qkv and conv1d, of which each rank holds its heads' rows of q, k and v, in the resharder's TP order and puts
+them back in the HF order (megarl.reshard.inventory.TensorSpec.parts); a sharded delivery of them at TP > 1 other
+than whole tensors is refused there. The published
 (vision-language) checkpoints, Qwen3_5ForConditionalGeneration, train this language model as a text-only policy:
 qwen3_5_mm.py. The mixture-of-experts variant is qwen3_next.py's.
 rollout.engine=sglang: megarl/rollout/sglang_layout.py holds SGLang's names and TP cuts (in_proj_qkvz / in_proj_ba

@@ -18,7 +18,7 @@ sigmoid(mlp.shared_expert_gate(x)) before it joins the routed output: megatron's
 moe_shared_expert_gate (its gate_weight [1, H]).
 
 Parallelism: TP as Qwen3.5's (qwen3_5.py: the engine's, checked for Qwen3-Next at TP=2 with SP in tests/models/
-test_qwen3_5.py; RL at TP 1, its conv1d moving whole in the sync), EP and PP (tests/models/test_qwen3_next.py), and
+test_qwen3_5.py; the sync gathers its conv1d as Qwen3.5's), EP and PP (tests/models/test_qwen3_next.py), and
 routing replay (tests/models/test_router_replay.py). Qwen3-Next with dense layers
 (decoder_sparse_step != 1, mlp_only_layers) is refused. The published checkpoints' multi-token-prediction tensors
 (mtp.*) are neither built nor written back by export (unlike DeepSeek-V3's MTP layer, hf_checkpoint.py), and the

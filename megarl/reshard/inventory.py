@@ -13,7 +13,9 @@ Routed experts carry their index (Mixtral's: block_sparse_moe.experts.{e}.w1/w3/
 mlp.experts.{e}.gate_proj/up_proj/down_proj): expert parallelism places whole experts (megarl.reshard.layout), and
 expert-TP (training) or SGLang's MoE TP (generation) cuts each as TP cuts a dense MLP. Shared experts are
 dense MLPs.
-Head-structured tensors are cut between heads. K/V projections with TP above their head count (and a
+Head-structured tensors are cut between heads. A gated delta net's in_proj_qkv and conv1d stack q, k and v, each cut
+by heads: their rows are counted in TP order, each rank's heads of every part one block (`TensorSpec.parts`), and the
+resharder puts a whole one back in the HF order. K/V projections with TP above their head count (and a
 multiple of it) give each rank the one head its query heads use, as SGLang does; megatron cannot
 train that way.
 Every tensor is in the model's dtype except DeepSeek-V3's and GLM-4.5's routing bias (gate.e_score_correction_bias),
