@@ -121,6 +121,7 @@ def _check_tp_rank(rank, cases, saved):
     import torch.distributed as dist
 
     from megarl.engine import MegatronEngine
+    from megarl.reshard.resharder import engine_resharder
     from tests.models.test_families_vs_hf import _relayout
 
     trained = {}
@@ -138,6 +139,14 @@ def _check_tp_rank(rank, cases, saved):
             elif name == "qwen3_5":
                 engine.save_checkpoint(saved)
             assert engine.gpt.config.sequence_parallel == sp
+            # the weight sync's full delivery gathers every tensor into the HF order, bitwise the checkpoint's
+            resharder = engine_resharder(engine, dist.get_rank())
+            synced = {n: t.clone() for bucket in resharder.buckets(1, "full", 1 << 20, torch.float32)
+                      for n, t in bucket}
+            checkpoint = load_file(f"{model_dir}/model.safetensors")
+            assert sorted(synced) == sorted(checkpoint), where
+            for key, tensor in checkpoint.items():
+                assert torch.equal(synced[key], tensor), (where, key)
             if name == "qwen3_5":
                 assert_like_hf(engine, ref_logprobs, ref_entropy, model_dir, where)
             else:  # fp32 MoE sums in TP's order: up to ~2e-5 from transformers (its own float64 is ~3e-5 away)
@@ -152,7 +161,8 @@ def test_tp2_with_and_without_sp_matches_transformers(tmp_path):
     """TP=2 cuts the gated delta nets by heads (Qwen3.5 dense with and without sequence parallelism; Qwen3-Next, whose
     in_proj is grouped per key head, with its experts at expert-TP 2, under SP): log-probs and entropy as transformers'
     in float32, the export bitwise, and one SFT Adam step's loss, gradient norm and weights as transformers +
-    torch.optim.Adam's; the TP=2 checkpoint saved without SP loads under SP. The linear-attention norm's weight, which every head uses, gets its gradient summed over TP
+    torch.optim.Adam's; the TP=2 checkpoint saved without SP loads under SP; the weight sync's full delivery is the
+    checkpoint bitwise (in_proj_qkv / in_proj_qkvz and conv1d gathered from each rank's heads). The linear-attention norm's weight, which every head uses, gets its gradient summed over TP
     (models/gated_delta_net.py); each rank's own share alone moves the gradient norm."""
     from tests.models.hf_families import qwen3_next_config
 
@@ -222,6 +232,6 @@ def test_grpo_steps_with_a_qwen3_5_policy_at_tp2(tmp_path, ray_local):
     assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
     initial = load_file(f"{model}/model.safetensors")
     assert sorted(state) == sorted(initial)
-    for name in ("A_log", "in_proj_qkv.weight", "conv1d.weight"):
-        assert not torch.equal(state[f"model.layers.0.linear_attn.{name}"], initial[f"model.layers.0.linear_attn.{name}"])
+    for name in (f"model.layers.0.linear_attn.{n}" for n in ("A_log", "in_proj_qkv.weight", "conv1d.weight")):
+        assert not torch.equal(state[name], initial[name])
     assert len(steps) == 2 and all(r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0 for r in steps)
