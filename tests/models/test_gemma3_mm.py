@@ -15,6 +15,7 @@ from megarl.models import get_family
 from megarl.models.gemma3_mm import FAMILY as gemma3_mm
 from megarl.reshard.inventory import hf_inventory
 from tests.dist_utils import run_distributed
+from tests.models.family_grpo import assert_text_only_grpo_keeps_the_tower
 from tests.engine.hf_models import hf_logprobs_entropy, padded_batch
 from tests.models.hf_families import gemma3_mm_config, save_random
 from tests.models.test_families_vs_hf import _exported, _relayout
@@ -192,31 +193,8 @@ def test_grpo_steps_at_tp2_keep_the_tower(tmp_path, ray_local):
     """GRPO end to end on the CPU at TP=2: the transformers rollout engine generates with the multimodal class on text,
     every sync into it is verified (the tower's parameters, never sent, checked unchanged), the engine ends up holding
     the trained language model, and the step's checkpoint keeps the tower's copy for export."""
-    from transformers import GenerationConfig
-
-    from megarl.models.tiny import build_char_tokenizer
-    from megarl.workers import sync_checks
-    from tests.models.family_grpo import grpo_then_weights
-
-    tokenizer = build_char_tokenizer()
-    config = gemma3_mm_config(vocab_size=128, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = save_random(config, tmp_path / "gemma3_mm", seed=5)
-    tokenizer.save_pretrained(model)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     do_sample=True).save_pretrained(model)
-    state, held, steps = grpo_then_weights(model, tmp_path / "run", [
-        "actor.parallel.tp=2", "actor.micro_batch_size=4", "trainer.save_every=2",
-        # a random policy earns no reward, so no advantage: the entropy bonus still moves every weight
-        "algorithm.entropy_coef=0.01"])
-
-    assert held == {n: sync_checks.tensor_digest(t) for n, t in state.items()}
-    initial = load_file(f"{model}/model.safetensors")
-    assert sorted(state) == sorted(n for n in initial if not n.startswith(TOWER))
-    assert all(not torch.equal(state[n], initial[n]) for n in state)
-    assert len(steps) == 2 and all(r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0 for r in steps)
-    kept = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "actor" / "hf" / "vision.safetensors")
-    assert kept.keys() == {n for n in initial if n.startswith(TOWER)}
-    assert all(torch.equal(kept[n], initial[n]) for n in kept)
+    assert_text_only_grpo_keeps_the_tower(gemma3_mm_config, tmp_path / "gemma3_mm", tmp_path / "run", TOWER,
+                                          ["actor.parallel.tp=2"], seed=5)
 
 
 def test_untied_head_is_refused_by_key():
